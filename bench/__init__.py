@@ -1,0 +1,1 @@
+"""optserve benchmarks: each module times ours against a baseline in one run and prints medians and ratios."""
