@@ -11,9 +11,10 @@ clipping, ScaledAdam's clipping to a multiple of the median gradient norm). When
 split across shards, each shard computes a *partial* statistic over its own tensors, the
 shards sum the partials, and each passes the sum to its update as the extra argument
 ``global_grad_sq_norm``. An entry that needs this names a factory in its module:
-``factory(**args) -> partial(grads, state, params) -> scalar``. Summing ``partial`` over a
-partition of the tensors must give exactly the value the kernel computes in process, and an
-update called without ``global_grad_sq_norm`` computes it over its own tree.
+``factory(**args) -> partial(grads, state, params) -> scalar``, or ``None`` when these
+arguments need no such quantity (e.g. clipping is off). Summing ``partial`` over a partition
+of the tensors must give exactly the value the kernel computes in process, and an update
+called without ``global_grad_sq_norm`` computes it over its own tree.
 """
 
 from __future__ import annotations
