@@ -1,1 +1,57 @@
-"""Shared pytest configuration. Server and Ray fixtures are session-scoped: one of each per run."""
+"""Shared pytest configuration. Server and Ray fixtures are session-scoped: one of each per run.
+
+Fixtures other test files rely on (names are stable):
+  ray_local: one local Ray instance for the whole run (``ray.init`` on loopback, no dashboard).
+  server:    one embedded optserve server (coordinator + 2 shard actors) on a free 127.0.0.1 port,
+             started in this process by :func:`optserve.server.app.start_server`; exposes
+             ``.address`` ("127.0.0.1:PORT") and ``.config``.
+  unique_name: a fresh session name per test (``"<test name>-<8 hex>"``).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray for the whole pytest run (started lazily, shut down at the end)."""
+    import ray
+
+    started_here = False
+    if not ray.is_initialized():
+        ray.init(
+            include_dashboard=False,
+            num_cpus=4,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+        started_here = True
+    yield ray
+    if started_here:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(ray_local):
+    """One embedded server with 2 shards on a free loopback port, shared by every test."""
+    from optserve.server.app import start_server
+    from optserve.server.config import ServerConfig
+
+    config = ServerConfig(host="127.0.0.1", port=0, shards=2, ray_address="local", vote_timeout_s=8.0)
+    running = start_server(config)
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def unique_name(request) -> str:
+    """A session name no other test uses."""
+    return f"{request.node.name[:40]}-{uuid.uuid4().hex[:8]}"

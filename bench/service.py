@@ -1,0 +1,174 @@
+"""Service benchmark: one client, sync mode, Adafactor, a model of a few 4096 x 4096 matrices.
+
+    .venv/bin/python -m bench.service            # ~100M float32 params (6 x 4096 x 4096), 2 shards
+    .venv/bin/python -m bench.service --small    # 4 x 512 x 512, a quick smoke run
+
+Rows: the service step (push_pull), the same kernel's jitted step in process, raw TCP loopback
+for the same bytes (plain sockets in another process: push bytes one way, pull bytes back,
+reused buffers), a bare pull, the derived bytes per second, and the latency of push_pull on a
+tiny model (p50 / p99) with its tensors on one shard and on two shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import socket
+import time
+
+import numpy as np
+
+from bench._timing import median_seconds, print_table
+
+OPTIMIZER = {"name": "adafactor", "args": {"learning_rate": 1e-2}}
+
+
+def _model(matrices: int, dim: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {f"layer{i}/w": rng.standard_normal((dim, dim), dtype=np.float32) * 0.02 for i in range(matrices)}
+
+
+# ----------------------------------------------------------------------------- raw TCP
+def _echo_server(port_queue, push_bytes: int, pull_bytes: int, rounds: int) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port_queue.put(listener.getsockname()[1])
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    inbox = bytearray(push_bytes)
+    outbox = bytes(pull_bytes)
+    view = memoryview(inbox)
+    for _ in range(rounds):
+        received = 0
+        while received < push_bytes:
+            received += conn.recv_into(view[received:], min(push_bytes - received, 4 << 20))
+        conn.sendall(outbox)
+    conn.close()
+
+
+def raw_tcp_seconds(push_bytes: int, pull_bytes: int, repeats: int) -> float:
+    """Median time to send ``push_bytes`` to another process and receive ``pull_bytes`` back."""
+    context = multiprocessing.get_context("spawn")
+    ports = context.Queue()
+    rounds = repeats + 1
+    process = context.Process(target=_echo_server, args=(ports, push_bytes, pull_bytes, rounds), daemon=True)
+    process.start()
+    sock = socket.create_connection(("127.0.0.1", ports.get(timeout=60)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    outbox = np.ones(push_bytes, np.uint8)
+    inbox = bytearray(pull_bytes)
+    view = memoryview(inbox)
+
+    def round_trip():
+        sock.sendall(outbox)
+        received = 0
+        while received < pull_bytes:
+            received += sock.recv_into(view[received:], min(pull_bytes - received, 4 << 20))
+
+    seconds = median_seconds(round_trip, repeats=repeats, warmup=1)
+    sock.close()
+    process.join(30)
+    return seconds
+
+
+# ----------------------------------------------------------------------------- in process
+def in_process_step_seconds(params: dict[str, np.ndarray], grads: dict[str, np.ndarray], repeats: int) -> float:
+    import jax
+    import optax
+
+    from optserve.optim_kernels import build_optimizer
+
+    tx = build_optimizer(OPTIMIZER["name"], OPTIMIZER["args"]).transformation
+    device_params = {k: jax.device_put(v) for k, v in params.items()}
+    device_grads = {k: jax.device_put(v) for k, v in grads.items()}
+    state = tx.init(device_params)
+
+    @jax.jit
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    holder = [device_params, state]
+
+    def run():
+        holder[0], holder[1] = step(holder[0], holder[1], device_grads)
+        jax.block_until_ready(holder[0])
+
+    return median_seconds(run, repeats=repeats, warmup=1)
+
+
+# ----------------------------------------------------------------------------- service
+def latency_ms(session, grads, count: int) -> tuple[float, float]:
+    for _ in range(10):
+        session.push_pull(grads)
+    samples = []
+    for _ in range(count):
+        start = time.perf_counter()
+        session.push_pull(grads)
+        samples.append(time.perf_counter() - start)
+    samples.sort()
+    return samples[len(samples) // 2] * 1e3, samples[min(len(samples) - 1, int(len(samples) * 0.99))] * 1e3
+
+
+def main(argv=None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="4 x 512 x 512 instead of 6 x 4096 x 4096")
+    parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=None)
+    args = parser.parse_args(argv)
+    matrices, dim = (4, 512) if args.small else (6, 4096)
+    repeats = args.repeats or (5 if args.small else 3)
+    params = _model(matrices, dim)
+    grads = {k: np.random.default_rng(1).standard_normal(v.shape, dtype=np.float32) * 1e-3 for k, v in params.items()}
+    nbytes = sum(v.nbytes for v in params.values())
+    n_params = sum(v.size for v in params.values())
+
+    tcp = raw_tcp_seconds(nbytes, nbytes, repeats)
+    kernel = in_process_step_seconds(params, grads, repeats)
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    from optserve.client import Client
+    from optserve.server.app import start_server
+    from optserve.server.config import ServerConfig
+
+    server = start_server(ServerConfig(host="127.0.0.1", port=0, shards=args.shards))
+    try:
+        client = Client(server.address, timeout=600)
+        session = client.create_session("bench", params, optimizer=OPTIMIZER)
+        out = session.pull()  # reused result buffers (fresh ones page-fault on every call)
+        step = median_seconds(lambda: session.push_pull(grads, out=out), repeats=repeats, warmup=1)
+        pull = median_seconds(lambda: session.pull(out=out), repeats=repeats, warmup=1)
+        push = median_seconds(lambda: session.push(grads), repeats=repeats, warmup=1)
+        session.close()
+        tiny_params = {"w": np.ones((8, 8), np.float32), "b": np.zeros((8,), np.float32)}
+        tiny_grads = {k: np.full_like(v, 1e-3) for k, v in tiny_params.items()}
+        tiny2 = client.create_session("bench-tiny-2", tiny_params, optimizer=OPTIMIZER)
+        p50_2, p99_2 = latency_ms(tiny2, tiny_grads, 300)
+        tiny2.close()
+        tiny1 = client.create_session("bench-tiny-1", {"w": tiny_params["w"]}, optimizer=OPTIMIZER)
+        p50_1, p99_1 = latency_ms(tiny1, {"w": tiny_grads["w"]}, 300)
+        tiny1.close()
+        client.close()
+    finally:
+        server.stop()
+
+    gb = 1e9
+    rows = [
+        ["service step (push_pull)", step * 1e3, 2 * nbytes / step / gb, f"{step / (tcp + kernel):.2f} x (raw TCP + kernel)"],
+        ["  push (stage+vote+update)", push * 1e3, nbytes / push / gb, ""],
+        ["  pull", pull * 1e3, nbytes / pull / gb, f"{(nbytes / pull) / (2 * nbytes / tcp):.0%} of raw TCP bytes/s"],
+        ["in-process kernel step", kernel * 1e3, "", "adafactor, jitted, one device"],
+        ["raw TCP loopback push+pull", tcp * 1e3, 2 * nbytes / tcp / gb, "plain sockets, other process"],
+        ["tiny push_pull, 2 shards", f"p50 {p50_2:.2f} / p99 {p99_2:.2f}", "", "2 tensors, 8x8 + 8"],
+        ["tiny push_pull, 1 shard", f"p50 {p50_1:.2f} / p99 {p99_1:.2f}", "", "1 tensor, 8x8"],
+    ]
+    load = os.getloadavg()
+    title = (f"bench.service: {n_params / 1e6:.1f}M f32 params ({nbytes / 1e6:.0f} MB), {len(params)} tensors, "
+             f"{args.shards} shards, adafactor, sync, 1 client; median of {repeats}; "
+             f"load avg {load[0]:.1f} on {os.cpu_count()} cores")
+    return print_table(title, ["what", "ms", "GB/s (push+pull)", "note"], rows)
+
+
+if __name__ == "__main__":
+    main()

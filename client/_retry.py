@@ -1,0 +1,47 @@
+"""Retries with exponential backoff on UNAVAILABLE (the one retry policy of the client).
+
+Only UNAVAILABLE is retried: the server did not get (or could not answer) the call. Pushes are
+retried with the same (client_id, sequence), which the server applies at most once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from typing import Callable, TypeVar
+
+import grpc
+
+from optserve.client.errors import OptservError, UnavailableError, from_rpc_error
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """``attempts`` tries in all; sleeps ``initial_backoff_s * 2**i`` (capped, +-20% jitter)."""
+
+    attempts: int = 5
+    initial_backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+
+    def __post_init__(self):
+        if self.attempts < 1:
+            raise ValueError(f"attempts must be >= 1, got {self.attempts}")
+
+
+def call(fn: Callable[[], T], policy: RetryPolicy) -> T:
+    """Calls ``fn``; converts gRPC errors to client errors; retries UNAVAILABLE per ``policy``."""
+    for attempt in range(policy.attempts):
+        try:
+            return fn()
+        except grpc.RpcError as rpc_error:
+            error: OptservError = from_rpc_error(rpc_error)
+        except UnavailableError as unavailable:
+            error = unavailable
+        if not isinstance(error, UnavailableError) or attempt + 1 == policy.attempts:
+            raise error
+        backoff = min(policy.max_backoff_s, policy.initial_backoff_s * 2**attempt)
+        time.sleep(backoff * random.uniform(0.8, 1.2))
+    raise AssertionError("unreachable")

@@ -1,0 +1,294 @@
+"""A session as the client sees it: fan-out of pushes and pulls to the shards, in parallel.
+
+Push protocol (see protos/optserve/v1/data.proto): every push is sent with ``auto_commit``: each
+shard stages its part and votes at the session clock, which commits the push only if every
+shard staged it; so a push applies on all shards or on none, in one round trip per shard.
+Each push has a fresh sequence number; retries (UNAVAILABLE) reuse it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import json
+import threading
+import uuid
+from typing import Any, Callable, Mapping, Optional
+
+import grpc
+import numpy as np
+
+from optserve.client import _retry, _wire
+from optserve.client.errors import InvalidArgumentError, PeerRefusedError, from_rpc_error
+from optserve.protos.optserve.v1 import control_pb2, data_pb2, data_pb2_grpc, tensor_pb2
+
+_REASON_NAMES = {
+    control_pb2.REJECT_REASON_INVALID: "invalid",
+    control_pb2.REJECT_REASON_NONFINITE: "nonfinite",
+    control_pb2.REJECT_REASON_STALE: "stale",
+    control_pb2.REJECT_REASON_ABORTED: "aborted",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionStatus:
+    """``version``: steps decided; ``steps_applied``: applied on every shard; ``rejected``:
+    refused pushes by reason ("invalid", "nonfinite", "stale", "aborted"); ``shards``: one dict
+    per shard (index, address, tensors, param_bytes, version, node_id, device)."""
+
+    name: str
+    version: int
+    steps_applied: int
+    pushes_accepted: int
+    rejected: dict[str, int]
+    shards: list[dict[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shard:
+    index: int
+    address: str
+    names: tuple[str, ...]
+    stub: data_pb2_grpc.ShardDataStub
+
+
+class Session:
+    """A session of an optserve server. Create with ``Client.create_session`` or ``Client.session``.
+
+    Arrays are NumPy, keyed by tensor name; gradients must have every tensor, in its shape.
+    ``wire_dtype`` (None, "float32", "bfloat16", "float16") compresses gradients and pulled
+    parameters on the wire; the server keeps the math in float32.
+    """
+
+    def __init__(self, client, info: control_pb2.SessionInfo, version: int = 0):
+        self._client = client
+        self.name = info.config.name
+        self.info = info
+        self.mode = "sync" if info.config.mode == control_pb2.MODE_SYNC else "async"
+        self.specs: dict[str, tuple[int, tuple[int, ...]]] = {
+            t.name: (t.dtype, tuple(t.shape)) for t in info.config.tensors
+        }
+        self.optimizer = {"name": info.config.optimizer.name, "args": json.loads(info.config.optimizer.args_json or "{}")}
+        self.wire_dtype: Optional[int] = info.config.wire_dtype or None
+        self._shards = [
+            _Shard(s.shard_index, s.address, tuple(s.tensor_names), data_pb2_grpc.ShardDataStub(client._channel(s.address)))
+            for s in info.shards
+        ]
+        self.client_id = uuid.uuid4().hex
+        self._sequence = itertools.count(1)
+        self._version = version
+        self.last_staleness = 0  # staleness the server assigned to this object's latest push (async)
+        self._version_lock = threading.Lock()
+        self._fanout = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, len(self._shards)), thread_name_prefix="optserve-shard")
+        self._background = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="optserve-async")
+
+    # ----------------------------------------------------------------- public API
+    @property
+    def version(self) -> int:
+        """The latest parameter version this session object has seen (pull / push results)."""
+        return self._version
+
+    def pull(self, wire_dtype: _wire.DTypeLike = "default", out: Optional[Mapping[str, np.ndarray]] = None
+             ) -> dict[str, np.ndarray]:
+        """Current parameters from every shard (float16 tensors as float16, others float32).
+
+        ``out``: arrays to write into (e.g. the previous result), avoiding fresh allocations.
+        """
+        wire = self._wire(wire_dtype)
+        results = self._each_shard(
+            lambda shard: _retry.call(lambda: self._pull_shard(shard, wire, out), self._client.retry))
+        self._see_version(min(version for version, _ in results))
+        return {name: value for _, arrays in results for name, value in arrays.items()}
+
+    def push(self, grads: Mapping[str, np.ndarray], wire_dtype: _wire.DTypeLike = "default") -> int:
+        """Applies ``grads`` (sync: joins the current step and waits for it); returns the new version.
+
+        Raises:
+          InvalidArgumentError, StaleError, ...: the server's refusal; nothing was applied.
+        """
+        grads = self._check_grads(grads)
+        wire = self._wire(wire_dtype)
+        header = self._header()
+        return _retry.call(lambda: self._push_once(header, grads, wire), self._client.retry)
+
+    def push_pull(self, grads: Mapping[str, np.ndarray], wire_dtype: _wire.DTypeLike = "default",
+                  out: Optional[Mapping[str, np.ndarray]] = None) -> dict[str, np.ndarray]:
+        """Pushes ``grads`` and returns the parameters of the step they joined (into ``out`` if given)."""
+        grads = self._check_grads(grads)
+        wire = self._wire(wire_dtype)
+        header = self._header()
+        return _retry.call(lambda: self._push_pull_once(header, grads, wire, out), self._client.retry)
+
+    def push_pull_async(self, grads: Mapping[str, np.ndarray], **kwargs) -> concurrent.futures.Future:
+        """``push_pull`` in a background thread (one at a time per session, in call order)."""
+        return self._background.submit(self.push_pull, grads, **kwargs)
+
+    def status(self) -> SessionStatus:
+        response = _retry.call(
+            lambda: self._client._control.GetStatus(control_pb2.GetStatusRequest(name=self.name), timeout=self._client.timeout),
+            self._client.retry,
+        )
+        return SessionStatus(
+            name=response.name,
+            version=response.version,
+            steps_applied=response.steps_applied,
+            pushes_accepted=response.pushes_accepted,
+            rejected={_REASON_NAMES[r.reason]: r.count for r in response.rejected if r.reason in _REASON_NAMES},
+            shards=[
+                {"index": s.assignment.shard_index, "address": s.assignment.address,
+                 "tensors": list(s.assignment.tensor_names), "param_bytes": s.assignment.param_bytes,
+                 "version": s.version, "initialized": s.initialized, "node_id": s.node_id, "device": s.device}
+                for s in response.shards
+            ],
+        )
+
+    def close(self) -> None:
+        """Closes the session on the server (for every client) and releases local threads."""
+        try:
+            self._client.close_session(self.name)
+        finally:
+            self.detach()
+
+    def detach(self) -> None:
+        """Releases this object's threads without closing the server-side session."""
+        self._fanout.shutdown(wait=False)
+        self._background.shutdown(wait=False)
+
+    # ----------------------------------------------------------------- helpers
+    def _wire(self, requested) -> Optional[int]:
+        if isinstance(requested, str) and requested == "default":
+            return self.wire_dtype
+        return _wire.dtype_enum(requested, what="wire_dtype")
+
+    def _header(self) -> data_pb2.PushHeader:
+        return data_pb2.PushHeader(session=self.name, client_id=self.client_id, sequence=next(self._sequence),
+                                   base_version=self._version, auto_commit=True)
+
+    def _see_version(self, version: int) -> None:
+        with self._version_lock:
+            self._version = max(self._version, version)
+
+    def _set_version(self, version: int) -> None:
+        with self._version_lock:
+            self._version = version
+
+    def _check_grads(self, grads: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Validates names, shapes and dtypes against the session's specs, before sending."""
+        unknown = sorted(set(grads) - set(self.specs))
+        if unknown:
+            raise InvalidArgumentError(f"unknown tensor {unknown[0]!r}: session {self.name!r} has {sorted(self.specs)}")
+        missing = sorted(set(self.specs) - set(grads))
+        if missing:
+            raise InvalidArgumentError(f"missing tensor {missing[0]!r}: a push must include every tensor")
+        checked = {}
+        for name, value in grads.items():
+            array = np.asarray(value)
+            if tuple(array.shape) != self.specs[name][1]:
+                raise InvalidArgumentError(
+                    f"tensor {name!r}: shape {list(array.shape)} does not match the session's {list(self.specs[name][1])}")
+            _wire.array_dtype_enum(array, name=name)
+            checked[name] = array
+        return checked
+
+    def _each_shard(self, fn: Callable[[_Shard], Any]) -> list:
+        """Runs ``fn`` on every shard concurrently; raises the first failure (after all finish)."""
+        if len(self._shards) == 1:
+            return [fn(self._shards[0])]
+        futures = [self._fanout.submit(fn, shard) for shard in self._shards[1:]]
+        results, errors = [], []
+        try:  # the first shard in the calling thread: one thread hand-off less per call
+            results.append(fn(self._shards[0]))
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+        for future in futures:
+            try:
+                results.append(future.result())
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                errors.append(exc)
+        if errors:  # the refusing shard's own error explains more than its peers' PeerRefused
+            raise next((e for e in errors if not isinstance(e, PeerRefusedError)), errors[0])
+        return results
+
+    def _chunks(self, shard: _Shard, arrays: Mapping[str, np.ndarray], wire: Optional[int]):
+        size = self._client.chunk_bytes
+        for name in shard.names:
+            array = arrays[name]
+            yield from _wire.iter_chunks(name, array, wire or _wire.array_dtype_enum(array, name=name), size)
+
+    def _pull_shard(self, shard: _Shard, wire: Optional[int], out=None):
+        request = data_pb2.PullRequest(session=self.name, wire_dtype=wire or tensor_pb2.DTYPE_UNSPECIFIED,
+                                       max_chunk_bytes=self._client.chunk_bytes)
+        responses = shard.stub.Pull(request, timeout=self._client.timeout)
+        assembler = _wire.Reassembler({n: self.specs[n] for n in shard.names}, out)
+        version = None
+        for response in responses:
+            if response.WhichOneof("item") == "version":
+                version = response.version
+            else:
+                assembler.add(response.chunk)
+        return version, assembler.finish()
+
+    def _initialize(self, params: Mapping[str, np.ndarray]) -> None:
+        def send(shard: _Shard):
+            def requests():
+                yield data_pb2.InitTensorsRequest(session=self.name)
+                for chunk in self._chunks(shard, params, None):
+                    yield data_pb2.InitTensorsRequest(chunk=chunk)
+
+            return _retry.call(lambda: shard.stub.InitTensors(requests(), timeout=self._client.timeout), self._client.retry)
+
+        self._each_shard(send)
+
+    # ----------------------------------------------------------------- push
+    def _push_once(self, header, grads, wire) -> int:
+        """One attempt: every shard stages its part and commits with its peers (auto_commit)."""
+
+        def push_shard(shard: _Shard):
+            def requests():
+                yield data_pb2.PushRequest(header=header)
+                for chunk in self._chunks(shard, grads, wire):
+                    yield data_pb2.PushRequest(chunk=chunk)
+
+            return shard.stub.Push(requests(), timeout=self._client.timeout)
+
+        responses = self._each_shard(lambda shard: _rpc(push_shard, shard))
+        version = max(r.version for r in responses)
+        self.last_staleness = responses[0].staleness
+        self._see_version(version)
+        return version
+
+    def _push_pull_once(self, header, grads, wire, out=None) -> dict[str, np.ndarray]:
+        """One attempt: push (auto_commit) and receive the step's parameters, per shard."""
+        pull = data_pb2.PullRequest(session=self.name, wire_dtype=wire or tensor_pb2.DTYPE_UNSPECIFIED,
+                                    max_chunk_bytes=self._client.chunk_bytes)
+
+        def push_pull_shard(shard: _Shard):
+            def requests():
+                yield data_pb2.PushPullRequest(header=header)
+                yield data_pb2.PushPullRequest(pull=pull)
+                for chunk in self._chunks(shard, grads, wire):
+                    yield data_pb2.PushPullRequest(chunk=chunk)
+                yield data_pb2.PushPullRequest(seal=True)
+
+            assembler = _wire.Reassembler({n: self.specs[n] for n in shard.names}, out)
+            for response in shard.stub.PushPull(requests(), timeout=self._client.timeout):
+                kind = response.WhichOneof("item")
+                if kind == "chunk":
+                    assembler.add(response.chunk)
+                elif kind == "done":
+                    return response.done, assembler.finish()
+            raise InvalidArgumentError(f"shard {shard.address} ended the stream without `done`")
+
+        results = self._each_shard(lambda shard: _rpc(push_pull_shard, shard))
+        self.last_staleness = results[0][0].staleness
+        self._see_version(min(done.version for done, _ in results))
+        return {name: value for _, arrays in results for name, value in arrays.items()}
+
+
+def _rpc(fn, shard):
+    """Runs one shard's RPC, converting gRPC errors to client errors (retries happen above)."""
+    try:
+        return fn(shard)
+    except grpc.RpcError as exc:
+        raise from_rpc_error(exc) from None

@@ -1,0 +1,99 @@
+"""Errors the client raises: one class per gRPC status the service uses.
+
+Every error carries the server's message (``str(err)``) and its status code name (``err.code``,
+e.g. ``"INVALID_ARGUMENT"``). Errors found by the SDK before sending (a wrong tensor name or
+shape) are raised as the same classes, with the same kind of message.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import grpc
+
+CURRENT_VERSION_KEY = "optserve-current-version"
+PEER_REFUSED_KEY = "optserve-peer-refused"
+
+
+class OptservError(Exception):
+    """Base class. ``code``: gRPC status name; ``details``: the server's message."""
+
+    code = "UNKNOWN"
+
+    def __init__(self, details: str, code: Optional[str] = None):
+        super().__init__(details)
+        self.details = details
+        if code is not None:
+            self.code = code
+
+
+class NotFoundError(OptservError):
+    code = "NOT_FOUND"
+
+
+class AlreadyExistsError(OptservError):
+    code = "ALREADY_EXISTS"
+
+
+class InvalidArgumentError(OptservError, ValueError):
+    code = "INVALID_ARGUMENT"
+
+
+class StaleError(OptservError):
+    """A push refused as stale (ABORTED); ``current_version`` is the session's version then."""
+
+    code = "ABORTED"
+
+    def __init__(self, details: str, code: Optional[str] = None, current_version: Optional[int] = None):
+        super().__init__(details, code)
+        self.current_version = current_version
+
+
+class PeerRefusedError(OptservError):
+    """ABORTED on a shard because ANOTHER shard refused its part of the push: applied nowhere.
+
+    The SDK raises the refusing shard's own error instead whenever it has it.
+    """
+
+    code = "ABORTED"
+
+
+class FailedPreconditionError(OptservError):
+    code = "FAILED_PRECONDITION"
+
+
+class UnavailableError(OptservError):
+    code = "UNAVAILABLE"
+
+
+class DeadlineExceededError(OptservError, TimeoutError):
+    code = "DEADLINE_EXCEEDED"
+
+
+class InternalError(OptservError):
+    code = "INTERNAL"
+
+
+_BY_CODE = {
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExistsError,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.ABORTED: StaleError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+}
+
+
+def from_rpc_error(error: grpc.RpcError) -> OptservError:
+    """The client exception for a failed RPC."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    details = (error.details() if hasattr(error, "details") else None) or str(error)
+    cls = _BY_CODE.get(code, InternalError)
+    metadata = dict((error.trailing_metadata() or ()) if hasattr(error, "trailing_metadata") else ())
+    if cls is StaleError and PEER_REFUSED_KEY in metadata:
+        return PeerRefusedError(details, code.name)
+    if cls is StaleError:
+        version = metadata.get(CURRENT_VERSION_KEY)
+        return StaleError(details, code.name, current_version=None if version is None else int(version))
+    return cls(details, code.name)

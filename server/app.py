@@ -1,0 +1,85 @@
+"""Server startup as a function: Ray, the clock and shard actors, and the Control gRPC server.
+
+``start_server(config)`` works in-thread (tests, benchmarks) and under the CLI alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from concurrent import futures
+from typing import Callable
+
+from optserve.server.config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RunningServer:
+    """A started server: ``address`` is the coordinator's "host:port"; ``stop()`` tears it down."""
+
+    address: str
+    config: ServerConfig
+    shard_addresses: list[str]
+    _stop: Callable[[], None]
+
+    def stop(self) -> None:
+        self._stop()
+
+
+def _init_ray(address: str) -> bool:
+    """Connects to (or starts) Ray; returns True if this call started a local instance."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if address == "local":
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        return True
+    ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    return False
+
+
+def start_server(config: ServerConfig) -> RunningServer:
+    """Starts the coordinator and ``config.shards`` shard actors; returns once all serve."""
+    import grpc
+    import ray
+
+    from optserve.protos.optserve.v1 import control_pb2_grpc
+    from optserve.server.clock import StepClock
+    from optserve.server.control_servicer import ControlServicer
+    from optserve.server.coordinator import Coordinator
+    from optserve.server.shard import GRPC_OPTIONS, ShardActor
+
+    started_ray = _init_ray(config.ray_address)
+    clock = ray.remote(num_cpus=0)(StepClock).options(max_concurrency=1000).remote()
+    shard_cls = ray.remote(ShardActor)
+    resources = {"num_cpus": 0, "max_concurrency": 16}
+    if config.gpus_per_shard > 0:  # the actor's JAX then sees (only) the GPUs Ray assigned it
+        resources["num_gpus"] = config.gpus_per_shard
+    shards = [shard_cls.options(**resources).remote(i, config, clock) for i in range(config.shards)]
+    addresses = ray.get([s.address.remote() for s in shards])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads), options=GRPC_OPTIONS)
+    control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(Coordinator(shards, addresses, clock)), server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    server.start()
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "", "::", "[::]") else config.host
+    address = f"{host}:{port}"
+    log.info("optserve listening on %s with shards %s", address, addresses)
+
+    def stop():
+        server.stop(grace=0.5).wait()
+        for actor in shards:
+            try:
+                ray.get(actor.stop.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - best effort, the actor is killed next
+                pass
+            ray.kill(actor)
+        ray.kill(clock)
+        if started_ray:
+            ray.shutdown()
+
+    return RunningServer(address, config, addresses, stop)

@@ -1,0 +1,114 @@
+"""Domain layer of the coordinator: sessions, placement, and the shard actors behind them.
+
+The coordinator never sees tensor values: it validates a session's configuration, places its
+tensors (:func:`~optserve.server.placement.place_tensors`), creates the per-shard state over Ray
+and answers with the shard map; clients then talk to the shards directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+from optserve.server.config import SessionConfig
+from optserve.server.errors import AlreadyExists, NotFound, unwrap
+from optserve.server.placement import place_tensors
+
+
+@dataclasses.dataclass(frozen=True)
+class Assignment:
+    """Tensors of one session on one shard."""
+
+    shard_index: int
+    address: str
+    tensor_names: tuple[str, ...]
+    param_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionRecord:
+    config: SessionConfig
+    assignments: tuple[Assignment, ...]
+
+
+class Coordinator:
+    """Sessions on one server.
+
+    Args:
+      shards: shard actor handles, index = position.
+      addresses: their data-plane addresses ("host:port").
+      clock: the :class:`~optserve.server.clock.StepClock` actor.
+    """
+
+    def __init__(self, shards: list, addresses: list[str], clock):
+        self._shards = shards
+        self._addresses = addresses
+        self._clock = clock
+        self._sessions: dict[str, SessionRecord] = {}
+        self._lock = threading.Lock()
+
+    def create_session(self, config: SessionConfig) -> SessionRecord:
+        import ray
+
+        config.validate_optimizer()
+        with self._lock:
+            if config.name in self._sessions:
+                raise AlreadyExists(f"session {config.name!r} already exists")
+            placement = place_tensors(config.tensors, len(self._shards))
+            by_name = config.spec_by_name
+            assignments = tuple(
+                Assignment(i, self._addresses[i], tuple(names), sum(by_name[n].nbytes for n in names))
+                for i, names in enumerate(placement)
+                if names
+            )
+            if len(assignments) > 1:  # single-shard sessions keep their clock in the shard
+                ray.get(self._clock.open.remote(config.name, config))
+            try:
+                _ray_get([
+                    self._shards[a.shard_index].create_session.remote(config, list(a.tensor_names), len(assignments))
+                    for a in assignments
+                ])
+            except BaseException:
+                self._close_everywhere(config.name)
+                raise
+            record = SessionRecord(config, assignments)
+            self._sessions[config.name] = record
+            return record
+
+    def get_session(self, name: str) -> SessionRecord:
+        with self._lock:
+            record = self._sessions.get(name)
+        if record is None:
+            raise NotFound(f"session {name!r} not found")
+        return record
+
+    def list_sessions(self) -> list[str]:
+        with self._lock:
+            return sorted(self._sessions)
+
+    def close_session(self, name: str) -> None:
+        with self._lock:
+            if self._sessions.pop(name, None) is None:
+                raise NotFound(f"session {name!r} not found")
+        self._close_everywhere(name)
+
+    def _close_everywhere(self, name: str) -> None:
+        import ray
+
+        ray.get([s.close_session.remote(name) for s in self._shards] + [self._clock.close.remote(name)])
+
+    def status(self, name: str) -> tuple[SessionRecord, dict, list[dict]]:
+        """(record, clock status {version, accepted, stale}, per-assignment shard status)."""
+        record = self.get_session(name)
+        shards = _ray_get([self._shards[a.shard_index].session_status.remote(name) for a in record.assignments])
+        clock = shards[0]["clock"] if len(shards) == 1 else _ray_get(self._clock.status.remote(name))
+        return record, clock, shards
+
+
+def _ray_get(refs):
+    import ray
+
+    try:
+        return ray.get(refs)
+    except Exception as exc:  # re-raise the domain error inside a RayTaskError
+        raise unwrap(exc) from None

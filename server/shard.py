@@ -1,0 +1,72 @@
+"""Compute layer: the shard actor. A Ray actor that serves ShardData on its own gRPC port.
+
+The coordinator reaches it over Ray (create / close sessions, status); clients reach it over
+gRPC. Its sessions live in a :class:`~optserve.server.shard_servicer.ShardRegistry`.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+
+from optserve.server.config import ServerConfig, SessionConfig
+
+log = logging.getLogger(__name__)
+
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.so_reuseport", 0),
+]
+
+
+class ShardActor:
+    """One shard: holds per-session :class:`ShardSession` state and serves its data plane.
+
+    Args:
+      index: shard index (0-based).
+      config: the server's configuration (bind host, threads, timeouts).
+      clock: handle of the server's :class:`~optserve.server.clock.StepClock` actor.
+    """
+
+    def __init__(self, index: int, config: ServerConfig, clock):
+        import grpc
+        import ray
+
+        from optserve.protos.optserve.v1 import data_pb2_grpc
+        from optserve.server.shard_servicer import ShardDataServicer, ShardRegistry
+
+        self._index = index
+        self._config = config
+        self._clock = clock
+        self._registry = ShardRegistry()
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads), options=GRPC_OPTIONS)
+        data_pb2_grpc.add_ShardDataServicer_to_server(ShardDataServicer(self._registry), self._server)
+        host = config.data_host
+        port = self._server.add_insecure_port(f"{host}:0")
+        self._server.start()
+        advertised = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::", "[::]", "") else host
+        self._address = f"{advertised}:{port}"
+        self._node_id = ray.get_runtime_context().get_node_id()
+
+    def address(self) -> str:
+        return self._address
+
+    def create_session(self, config: SessionConfig, tensor_names: list[str], participants: int) -> None:
+        from optserve.server.clock import LocalClock, RemoteClock
+        from optserve.server.shard_state import ShardSession
+
+        clock = LocalClock(config) if participants == 1 else RemoteClock(self._clock, config.name, participants)
+        self._registry.add(ShardSession(config, tensor_names, self._index, participants, clock,
+                                        self._config.step_timeout_s, self._config.vote_timeout_s))
+
+    def close_session(self, name: str) -> bool:
+        return self._registry.remove(name)
+
+    def session_status(self, name: str) -> dict:
+        status = self._registry.get(name).status()
+        status["node_id"] = self._node_id
+        return status
+
+    def stop(self) -> None:
+        self._server.stop(grace=0.5).wait()

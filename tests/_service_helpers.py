@@ -1,0 +1,46 @@
+"""Helpers shared by the service tests: deterministic models and an in-process reference."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def make_params(seed: int = 0, shapes=None) -> dict[str, np.ndarray]:
+    """A small model: a few float32 matrices and vectors (names sorted for determinism)."""
+    shapes = shapes or {"dense/w": (8, 6), "dense/b": (6,), "out/w": (6, 4), "out/b": (4,)}
+    rng = np.random.default_rng(seed)
+    return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+
+
+def make_grads(params: dict[str, np.ndarray], step: int, seed: int = 1) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed * 10_000 + step)
+    return {name: rng.standard_normal(p.shape).astype(np.float32) for name, p in params.items()}
+
+
+class InProcess:
+    """The same kernel run in this process over the whole pytree (the reference)."""
+
+    def __init__(self, name: str, args: dict, params: dict[str, np.ndarray]):
+        import jax
+        import optax
+
+        from optserve.optim_kernels import build_optimizer
+
+        tx = build_optimizer(name, args).transformation
+        self.params = {k: jax.numpy.asarray(v) for k, v in params.items()}
+        self.state = tx.init(self.params)
+
+        def step(params, state, grads):
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        self._step = jax.jit(step)
+
+    def step(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.params, self.state = self._step(self.params, self.state, grads)
+        return {k: np.asarray(v) for k, v in self.params.items()}
+
+
+def max_abs_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    assert set(a) == set(b)
+    return max(float(np.max(np.abs(a[k].astype(np.float64) - b[k].astype(np.float64)), initial=0.0)) for k in a)

@@ -1,0 +1,284 @@
+"""Bad input: a clear status naming the culprit, and the session's state intact.
+
+Each state-touching case drives two sessions created identically: ``victim`` receives the bad
+request, ``twin`` does not; afterwards both get the same good push and must return the same
+parameters at the same version ("the next result equals the result without the bad request").
+Tensor-level cases speak raw gRPC to a shard, bypassing the SDK's own checks.
+"""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from _service_helpers import make_grads, make_params, max_abs_diff
+from optserve.client import (
+    AlreadyExistsError,
+    Client,
+    InvalidArgumentError,
+    NotFoundError,
+    StaleError,
+)
+from optserve.protos.optserve.v1 import data_pb2, data_pb2_grpc, tensor_pb2
+
+ADAM = {"name": "adam", "args": {"learning_rate": 0.01}}
+F32 = tensor_pb2.DTYPE_FLOAT32
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with Client(server.address, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+def twins(client, unique_name):
+    """(victim, twin): two sessions with the same params and optimizer, one good step applied."""
+    params = make_params()
+    victim = client.create_session(unique_name + "-v", params, optimizer=ADAM)
+    twin = client.create_session(unique_name + "-t", params, optimizer=ADAM)
+    grads = make_grads(params, 0)
+    victim.push(grads)
+    twin.push(grads)
+    yield victim, twin, params
+    victim.close()
+    twin.close()
+
+
+def assert_state_intact(victim, twin, params, step=1):
+    """The next good push gives bit-identical parameters and versions on both sessions."""
+    grads = make_grads(params, step)
+    got, expected = victim.push_pull(grads), twin.push_pull(grads)
+    assert max_abs_diff(got, expected) == 0.0
+    assert victim.version == twin.version
+    status = victim.status()
+    assert [s["version"] for s in status.shards] == [twin.version] * len(status.shards)
+
+
+def _raw_shard(session, tensor_name):
+    """(stub, shard names) of the shard holding ``tensor_name``."""
+    for shard in session.info.shards:
+        if tensor_name in shard.tensor_names:
+            return data_pb2_grpc.ShardDataStub(grpc.insecure_channel(shard.address)), list(shard.tensor_names)
+    raise AssertionError(tensor_name)
+
+
+def _chunk(name, array, offset=0, dtype=F32, shape=None):
+    return tensor_pb2.TensorChunk(name=name, dtype=dtype, shape=list(array.shape if shape is None else shape),
+                                  offset=offset, data=np.ascontiguousarray(array, np.float32).tobytes())
+
+
+def _header(session, sequence=1, auto_commit=False):
+    return data_pb2.PushHeader(session=session.name, client_id="raw-client", sequence=sequence,
+                               base_version=session.version, auto_commit=auto_commit)
+
+
+# Each case: (description, function(session, names, grads) -> chunks, expected fragment of the message).
+def _unknown_tensor(names, grads):
+    return [_chunk(n, grads[n]) for n in names] + [_chunk("ghost", np.zeros(3))]
+
+
+def _wrong_shape(names, grads):
+    return [_chunk(n, grads[n], shape=(99,) if i == 0 else None) for i, n in enumerate(names)]
+
+
+def _wrong_dtype(names, grads):
+    return [_chunk(n, grads[n], dtype=7 if i == 0 else F32) for i, n in enumerate(names)]
+
+
+def _missing_tensor(names, grads):
+    return [_chunk(n, grads[n]) for n in names[1:]] + ([] if len(names) > 1 else [])
+
+
+def _overlapping_chunks(names, grads):
+    flat = grads[names[0]].reshape(-1)
+    first = _chunk(names[0], flat[:4], shape=grads[names[0]].shape)
+    second = _chunk(names[0], flat[2:], offset=8, shape=grads[names[0]].shape)
+    return [first, second] + [_chunk(n, grads[n]) for n in names[1:]]
+
+
+def _out_of_range_chunk(names, grads):
+    g = grads[names[0]]
+    return [_chunk(names[0], g), _chunk(names[0], g.reshape(-1)[:2], offset=g.nbytes, shape=g.shape)] + [
+        _chunk(n, grads[n]) for n in names[1:]]
+
+
+BAD_CHUNKS = [
+    ("unknown tensor", _unknown_tensor, "'ghost'"),
+    ("wrong shape", _wrong_shape, "shape [99]"),
+    ("wrong dtype", _wrong_dtype, "unsupported dtype 7"),
+    ("missing tensor", _missing_tensor, "missing tensor"),
+    ("overlapping chunks", _overlapping_chunks, "overlap"),
+    ("out-of-range chunk", _out_of_range_chunk, "out of range"),
+]
+
+
+@pytest.mark.parametrize("case,make_chunks,fragment", BAD_CHUNKS, ids=[c[0] for c in BAD_CHUNKS])
+def test_raw_push_with_bad_tensor_chunks_is_rejected_naming_the_tensor_and_state_kept(twins, case, make_chunks, fragment):
+    victim, twin, params = twins
+    stub, names = _raw_shard(victim, "dense/w")
+    grads = make_grads(params, 5)
+    requests = [data_pb2.PushRequest(header=_header(victim))] + [
+        data_pb2.PushRequest(chunk=c) for c in make_chunks(names, grads)]
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Push(iter(requests), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in info.value.details()
+    if case != "unknown tensor":
+        assert repr(names[0]) in info.value.details() or case == "missing tensor"
+    with pytest.raises(grpc.RpcError) as commit:  # nothing was staged
+        stub.Commit(data_pb2.CommitRequest(session=victim.name, client_id="raw-client", sequence=1), timeout=30)
+    assert commit.value.code() == grpc.StatusCode.NOT_FOUND
+    assert victim.status().rejected["invalid"] >= 1
+    assert_state_intact(victim, twin, params)
+
+
+def test_sdk_checks_names_and_shapes_before_sending(twins):
+    victim, twin, params = twins
+    grads = make_grads(params, 5)
+    with pytest.raises(InvalidArgumentError, match="'nope'"):
+        victim.push({**grads, "nope": np.zeros(2, np.float32)})
+    with pytest.raises(InvalidArgumentError, match="missing tensor 'dense/b'"):
+        victim.push({k: v for k, v in grads.items() if k != "dense/b"})
+    with pytest.raises(InvalidArgumentError, match="'out/w': shape \\[4, 6\\]"):
+        victim.push({**grads, "out/w": grads["out/w"].T})
+    assert_state_intact(victim, twin, params)
+
+
+def test_nan_gradient_on_one_shard_applies_on_no_shard(twins):
+    victim, twin, params = twins
+    grads = make_grads(params, 5)
+    grads["out/b"][1] = np.nan
+    with pytest.raises(InvalidArgumentError, match="tensor 'out/b': NaN or Inf") as info:
+        victim.push_pull(grads)
+    assert info.value.code == "INVALID_ARGUMENT"
+    grads["out/b"][1] = np.inf
+    with pytest.raises(InvalidArgumentError, match="'out/b'"):
+        victim.push(grads)
+    status = victim.status()
+    assert status.rejected["nonfinite"] == 2
+    assert status.rejected["aborted"] >= 1  # the other shard's staged half was dropped
+    assert_state_intact(victim, twin, params)
+
+
+def test_nan_gradient_reaches_the_optimizer_when_the_session_allows_it(client, unique_name):
+    params = make_params()
+    session = client.create_session(unique_name, params, optimizer={"name": "sgd", "args": {"learning_rate": 0.1}},
+                                    allow_nonfinite=True)
+    try:
+        grads = make_grads(params, 0)
+        grads["dense/b"][0] = np.nan
+        out = session.push_pull(grads)
+        assert np.isnan(out["dense/b"][0]) and np.isfinite(out["dense/b"][1:]).all()
+    finally:
+        session.close()
+
+
+def test_unknown_session_is_not_found(client, twins):
+    victim, twin, params = twins
+    with pytest.raises(NotFoundError, match="'no-such-session'"):
+        client.session("no-such-session")
+    stub, names = _raw_shard(victim, "dense/w")
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Pull(data_pb2.PullRequest(session="no-such-session"), timeout=30))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND and "'no-such-session'" in info.value.details()
+    assert_state_intact(victim, twin, params)
+
+
+def test_duplicate_session_name_is_already_exists_and_keeps_the_first(client, twins):
+    victim, twin, params = twins
+    with pytest.raises(AlreadyExistsError, match=repr(victim.name)):
+        client.create_session(victim.name, {"other": np.zeros(3, np.float32)}, optimizer=ADAM)
+    assert_state_intact(victim, twin, params)
+
+
+@pytest.mark.parametrize(
+    "optimizer,fragment",
+    [
+        ({"name": "no_such_optimizer", "args": {}}, "'no_such_optimizer'"),
+        ({"name": "adam", "args": {"learning_rate": 0.1, "bogus_option": 1}}, "'bogus_option'"),
+        ({"name": "adafactor_hf", "args": {"lr": 0.01, "relative_step": False, "eps": "bad"}}, "eps"),
+    ],
+    ids=["unknown optimizer", "unknown argument", "bad value"],
+)
+def test_bad_optimizer_spec_is_invalid_argument_naming_it(client, unique_name, optimizer, fragment):
+    with pytest.raises(InvalidArgumentError, match=fragment):
+        client.create_session(unique_name, make_params(), optimizer=optimizer)
+    assert unique_name not in client.list_sessions()
+
+
+def test_stale_async_push_is_aborted_with_the_current_version_and_not_applied(client, server, unique_name):
+    params = make_params()
+    options = dict(optimizer=ADAM, mode="async", max_staleness=0)
+    victim = client.create_session(unique_name + "-v", params, **options)
+    twin = client.create_session(unique_name + "-t", params, **options)
+    late = Client(server.address, timeout=60).session(victim.name)  # base version 0
+    try:
+        for session in (victim, twin):
+            session.push(make_grads(params, 0))
+        with pytest.raises(StaleError, match="staleness 1 > max_staleness 0") as info:
+            late.push(make_grads(params, 9))
+        assert info.value.current_version == 1 and info.value.code == "ABORTED"
+        assert victim.status().rejected["stale"] == 1
+        assert_state_intact(victim, twin, params)
+    finally:
+        victim.close()
+        twin.close()
+
+
+def test_sync_push_against_an_old_version_is_aborted(twins, client):
+    victim, twin, params = twins
+    old = client.session(victim.name)
+    old._set_version(0)
+    with pytest.raises(StaleError, match="computed from version 0; current version is 1"):
+        old.push(make_grads(params, 9))
+    assert_state_intact(victim, twin, params)
+
+
+def test_client_disconnecting_mid_push_applies_nothing(twins):
+    victim, twin, params = twins
+    stub, names = _raw_shard(victim, "dense/w")
+    grads = make_grads(params, 5)
+    import threading
+
+    sent_half = threading.Event()
+
+    def half_then_hang():
+        yield data_pb2.PushRequest(header=_header(victim, sequence=7))
+        yield data_pb2.PushRequest(chunk=_chunk(names[0], grads[names[0]]))
+        sent_half.set()
+        threading.Event().wait(30)  # never finishes: the call is cancelled meanwhile
+
+    call = stub.Push.future(half_then_hang(), timeout=30)
+    assert sent_half.wait(10)
+    call.cancel()
+    # The same via PushPull: header, all chunks, seal, then the client vanishes before deciding.
+    pp_requests = [data_pb2.PushPullRequest(header=_header(victim, sequence=8))]
+    pp_requests += [data_pb2.PushPullRequest(chunk=_chunk(n, grads[n])) for n in names]
+    pp_requests += [data_pb2.PushPullRequest(seal=True)]
+    responses = stub.PushPull(iter(pp_requests), timeout=30)
+    assert next(responses).WhichOneof("item") == "staged"
+    for item in responses:  # the request stream ended without a decision: the shard aborts
+        pass
+    for sequence in (7, 8):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Commit(data_pb2.CommitRequest(session=victim.name, client_id="raw-client", sequence=sequence), timeout=30)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert_state_intact(victim, twin, params)
+
+
+def test_auto_commit_push_that_reaches_only_one_shard_applies_on_none(twins, server):
+    """A client that vanishes after pushing to one shard: the peer never stages, nothing applies."""
+    victim, twin, params = twins
+    stub, names = _raw_shard(victim, "dense/w")
+    grads = make_grads(params, 5)
+    requests = [data_pb2.PushRequest(header=_header(victim, sequence=3, auto_commit=True))]
+    requests += [data_pb2.PushRequest(chunk=_chunk(n, grads[n])) for n in names]
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Push(iter(requests), timeout=60)
+    assert info.value.code() == grpc.StatusCode.ABORTED
+    assert "not staged on every shard" in info.value.details()
+    assert server.config.vote_timeout_s <= 10
+    assert victim.status().rejected["aborted"] >= 1
+    assert_state_intact(victim, twin, params)

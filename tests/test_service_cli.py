@@ -1,0 +1,46 @@
+"""`optserve serve` as a user runs it: a subprocess that prints its address and stops on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from optserve.client import Client
+
+
+@pytest.mark.slow
+def test_serve_prints_its_address_serves_and_shuts_down_on_sigterm():
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "optserve.server.cli", "serve", "--port", "0", "--shards", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        address = None
+        lines = []
+        while address is None and time.monotonic() < deadline:
+            line = process.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("optserve listening on "):
+                address = line.split()[-1]
+        assert address, "".join(lines[-20:])
+        with Client(address, timeout=60) as client:
+            session = client.create_session("cli", {"w": np.ones(3, np.float32)},
+                                            optimizer={"name": "sgd", "args": {"learning_rate": 0.5}})
+            np.testing.assert_allclose(session.push_pull({"w": np.ones(3, np.float32)})["w"], 0.5)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        assert "optserve shutting down" in process.stdout.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
