@@ -17,7 +17,7 @@ $(PY):
 
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --quiet $(TORCH)
-	$(PIP) install --quiet -e '.[dev]'
+	$(PIP) install --quiet -c constraints.txt -e '.[dev]'
 	touch $@
 
 demo: $(STAMP)
