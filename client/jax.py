@@ -1,0 +1,194 @@
+"""JAX adapter: pytrees in, pytrees of jax arrays out.
+
+A session's tensors are named after the key paths of the parameter pytree, joined by ``/``:
+``{"dense": {"w": ..., "b": ...}, "layers": [{"w": ...}]}`` gives ``dense/b``, ``dense/w`` and
+``layers/0/w`` (dict keys, sequence indices and attribute names, in ``jax.tree_util`` order).
+The names depend only on the tree's structure, so every worker holding the same structure
+agrees on them.
+
+    import optserve.client.jax as ojax
+    session = ojax.create_session(client, "run", params, optimizer={"name": "adam", "args": {...}})
+    for batch in data:
+        params = session.push_pull(jax.grad(loss)(params, batch))
+
+This module imports jax (only JAX users import it); the NumPy client core does not.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optserve.client import Client
+from optserve.client.overlap import DelayedStepper
+
+PyTree = Any
+
+
+def _key_name(key: Any) -> str:
+    if isinstance(key, jax.tree_util.DictKey):
+        return str(key.key)
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return key.name
+    if isinstance(key, jax.tree_util.FlattenedIndexKey):
+        return str(key.key)
+    return str(key)
+
+
+def tensor_names(tree: PyTree) -> list[str]:
+    """The session tensor name of each leaf of ``tree``, in ``jax.tree_util`` leaf order.
+
+    Raises:
+      ValueError: ``tree`` has no leaves, or two leaves get the same name (e.g. a dict key
+        containing ``/`` that collides with a nested path).
+    """
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    if not paths:
+        raise ValueError("the parameter pytree has no leaves")
+    names = ["/".join(_key_name(k) for k in path) or "value" for path in paths]
+    if len(set(names)) != len(names):
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"pytree key paths give duplicate tensor names {duplicates}")
+    return names
+
+
+class TreeCodec:
+    """Converts between one pytree structure and the named NumPy arrays a session speaks.
+
+    Args:
+      like: a pytree with the structure (and leaf dtypes) of the parameters.
+
+    Leaves go to the wire as float32 (the server's optimizer math is float32; the session's
+    ``wire_dtype`` compresses the transfer) and come back as jax arrays of each leaf's
+    original dtype.
+    """
+
+    def __init__(self, like: PyTree):
+        leaves, self.treedef = jax.tree_util.tree_flatten(like)
+        self.names = tensor_names(like)
+        self.dtypes = [jnp.result_type(leaf) for leaf in leaves]
+        self.shapes = [tuple(np.shape(leaf)) for leaf in leaves]
+        for name, dtype in zip(self.names, self.dtypes):
+            if not jnp.issubdtype(dtype, jnp.floating):
+                raise TypeError(f"leaf {name!r} has dtype {dtype}; only floating-point leaves train")
+
+    def to_named(self, tree: PyTree) -> dict[str, np.ndarray]:
+        """``tree``'s leaves as ``{name: float32 ndarray}`` (no copy for float32 CPU arrays)."""
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        if treedef != self.treedef:
+            raise ValueError(f"pytree structure {treedef} differs from the session's {self.treedef}")
+        named = {}
+        for name, shape, leaf in zip(self.names, self.shapes, leaves):
+            array = np.asarray(leaf)
+            if array.shape != shape:
+                raise ValueError(f"tensor {name!r}: shape {array.shape}, expected {shape}")
+            named[name] = array if array.dtype == np.float32 else array.astype(np.float32)
+        return named
+
+    def from_named(self, named: Mapping[str, np.ndarray]) -> PyTree:
+        """The pytree of jax arrays (original leaf dtypes) holding ``named``'s values."""
+        missing = [n for n in self.names if n not in named]
+        if missing:
+            raise ValueError(f"tensors {missing} missing from the server's answer")
+        leaves = [jnp.asarray(named[n], dtype=dtype) for n, dtype in zip(self.names, self.dtypes)]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+class PytreeSession:
+    """An ``optserve.client.Session`` that speaks pytrees.
+
+    Args:
+      session: the NumPy-level session.
+      codec: the tree structure the session's tensors come from.
+    """
+
+    def __init__(self, session, codec: TreeCodec):
+        self.raw = session
+        self.codec = codec
+
+    @property
+    def version(self) -> int:
+        return self.raw.version
+
+    def pull(self, **kwargs: Any) -> PyTree:
+        return self.codec.from_named(self.raw.pull(**kwargs))
+
+    def push(self, grads: PyTree, **kwargs: Any) -> None:
+        self.raw.push(self.codec.to_named(grads), **kwargs)
+
+    def push_pull(self, grads: PyTree, **kwargs: Any) -> PyTree:
+        return self.codec.from_named(self.raw.push_pull(self.codec.to_named(grads), **kwargs))
+
+    def push_pull_async(self, grads: PyTree, **kwargs: Any) -> concurrent.futures.Future:
+        """Starts a push_pull; the future resolves to the updated parameter pytree."""
+        inner = self.raw.push_pull_async(self.codec.to_named(grads), **kwargs)
+        outer: concurrent.futures.Future = concurrent.futures.Future()
+
+        def _done(f: concurrent.futures.Future) -> None:
+            try:
+                outer.set_result(self.codec.from_named(f.result()))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+                outer.set_exception(exc)
+
+        inner.add_done_callback(_done)
+        return outer
+
+    def status(self):
+        return self.raw.status()
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+class DelayedPytreeStepper:
+    """Overlap for JAX loops: one-step-delayed updates (see ``optserve.client.overlap``).
+
+    ``step(grads)`` starts pushing ``grads`` and returns the parameters of the previous step,
+    or ``None`` on the first step (keep the initial parameters)::
+
+        stepper = DelayedPytreeStepper(session)
+        for batch in data:
+            grads = jax.grad(loss)(params, batch)   # runs while the previous push is in flight
+            previous = stepper.step(grads)
+            params = params if previous is None else previous
+        params = stepper.wait()
+    """
+
+    def __init__(self, session: PytreeSession):
+        self._codec = session.codec
+        self._stepper = DelayedStepper(session.raw)
+
+    def step(self, grads: PyTree, **kwargs: Any) -> Optional[PyTree]:
+        # jax arrays are immutable, so the views in to_named stay valid while the push reads them.
+        previous = self._stepper.step(self._codec.to_named(grads), **kwargs)
+        return None if previous is None else self._codec.from_named(previous)
+
+    def wait(self) -> Optional[PyTree]:
+        previous = self._stepper.wait()
+        return None if previous is None else self._codec.from_named(previous)
+
+
+def _client(client_or_address: Any) -> Any:
+    return Client(client_or_address) if isinstance(client_or_address, str) else client_or_address
+
+
+def create_session(client: Any, name: str, params: PyTree, optimizer: Mapping[str, Any], **kwargs: Any) -> PytreeSession:
+    """Creates session ``name`` holding ``params``; ``kwargs`` as ``Client.create_session``.
+
+    Args:
+      client: an ``optserve.client.Client`` or a ``host:port`` address.
+    """
+    codec = TreeCodec(params)
+    session = _client(client).create_session(name, codec.to_named(params), optimizer=optimizer, **kwargs)
+    return PytreeSession(session, codec)
+
+
+def attach_session(client: Any, name: str, like: PyTree) -> PytreeSession:
+    """Attaches to an existing session whose tensors come from a pytree structured like ``like``."""
+    return PytreeSession(_client(client).session(name), TreeCodec(like))

@@ -1,0 +1,433 @@
+"""PyTorch adapter: :class:`RemoteOptimizer`, a ``torch.optim.Optimizer`` whose state lives on a server.
+
+Swap ``torch.optim.AdamW(model.parameters(), ...)`` for::
+
+    opt = RemoteOptimizer(model.named_parameters(), "127.0.0.1:50051",
+                          optimizer={"name": "adamw", "args": {"learning_rate": 1e-3}},
+                          session="my-run")
+
+and keep the loop (``loss.backward(); opt.step(); opt.zero_grad()``). ``step()`` pushes the
+``.grad`` of every named parameter and writes the parameters the server returns into the
+model in place, so their dtype, device, storage and ``requires_grad`` never change.
+
+Precision: the server holds a float32 master copy of every parameter and runs float32
+optimizer math; bfloat16 / float16 parameters receive the rounded float32 values. The wire
+format (``wire_dtype``) is independent of both: ``"bfloat16"`` halves the bytes on the wire.
+
+Sharing: several processes (or optimizers) naming the same ``session`` train one model: the
+first creates the session from its parameters, the others attach and start from the
+session's current parameters.
+
+Imports torch and the NumPy client only (never jax or ray).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+import warnings
+from typing import Any, Iterable, Mapping, Optional, Union
+
+import numpy as np
+import torch
+
+from optserve.client import Client
+from optserve.client.errors import AlreadyExistsError, StaleError
+from optserve.client.overlap import DelayedStepper
+
+_MODES = ("sync", "async")
+_STALENESS_POLICIES = ("reject", "scale")
+_WIRE_DTYPES = (None, "float32", "bfloat16", "float16")
+_STATE_FORMAT = "optserve.RemoteOptimizer/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteOptimizerConfig:
+    """What a :class:`RemoteOptimizer` asks the server for; validated on construction.
+
+    Attributes:
+      optimizer: ``{"name": registry name, "args": {constructor keyword: value}}``; the server
+        checks the name and arguments against the kernel constructor.
+      session: the session's name; optimizers naming the same session share one model.
+      mode: ``"sync"`` (a step averages ``num_workers`` pushes made against one version) or
+        ``"async"`` (each push applies on arrival).
+      num_workers: pushes per step in sync mode.
+      max_staleness: async only: the most versions a gradient may lag (``None``: server default).
+      staleness_policy: async only: ``"reject"`` stale pushes or ``"scale"`` them by 1/(1+s).
+      wire_dtype: dtype of gradients and parameters on the wire (``None``: float32).
+      allow_nonfinite: pass NaN / Inf gradients to the optimizer instead of rejecting them.
+      overlap: one-step-delayed updates (see ``optserve.client.overlap``): ``step()`` returns
+        while its push is in flight and writes the previous step's parameters.
+    """
+
+    optimizer: Mapping[str, Any]
+    session: str
+    mode: str = "sync"
+    num_workers: int = 1
+    max_staleness: Optional[int] = None
+    staleness_policy: str = "reject"
+    wire_dtype: Optional[str] = None
+    allow_nonfinite: bool = False
+    overlap: bool = False
+
+    def __post_init__(self) -> None:
+        spec = self.optimizer
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
+            raise ValueError(f'optimizer must be {{"name": str, "args": dict}}, got {spec!r}')
+        if not isinstance(spec.get("args", {}), Mapping):
+            raise ValueError(f"optimizer {spec['name']!r}: args must be a dict, got {spec['args']!r}")
+        if set(spec) - {"name", "args"}:
+            raise ValueError(f"optimizer spec has unknown keys {sorted(set(spec) - {'name', 'args'})}")
+        if not self.session or not isinstance(self.session, str):
+            raise ValueError(f"session must be a non-empty string, got {self.session!r}")
+        if self.mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}")
+        if not isinstance(self.num_workers, int) or self.num_workers < 1:
+            raise ValueError(f"num_workers must be an int >= 1, got {self.num_workers!r}")
+        if self.max_staleness is not None and (not isinstance(self.max_staleness, int) or self.max_staleness < 0):
+            raise ValueError(f"max_staleness must be an int >= 0 or None, got {self.max_staleness!r}")
+        if self.staleness_policy not in _STALENESS_POLICIES:
+            raise ValueError(f"staleness_policy must be one of {_STALENESS_POLICIES}, got {self.staleness_policy!r}")
+        if self.wire_dtype not in _WIRE_DTYPES:
+            raise ValueError(f"wire_dtype must be one of {_WIRE_DTYPES}, got {self.wire_dtype!r}")
+
+    def session_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``Client.create_session`` (unset options left to the server)."""
+        kwargs: dict[str, Any] = {
+            "optimizer": {"name": self.optimizer["name"], "args": dict(self.optimizer.get("args", {}))},
+            "mode": self.mode,
+            "num_workers": self.num_workers,
+            "staleness_policy": self.staleness_policy,
+            "allow_nonfinite": self.allow_nonfinite,
+        }
+        if self.max_staleness is not None:
+            kwargs["max_staleness"] = self.max_staleness
+        if self.wire_dtype not in (None, "float32"):
+            kwargs["wire_dtype"] = self.wire_dtype
+        return kwargs
+
+
+# --- torch <-> numpy -------------------------------------------------------------------------
+
+
+def tensor_to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """The float32 NumPy values of ``tensor`` (same shape), without a copy where possible.
+
+    A float32 CPU tensor is returned as a view of its storage (modify neither while the other
+    is in use). bfloat16 goes through its raw 16 bits (an int16 view widened by a shift,
+    exact); float16 / float64 are converted; CUDA tensors are copied to the host first.
+    """
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu", non_blocking=False)
+    if tensor.dtype == torch.float32:
+        return tensor.numpy()
+    if tensor.dtype == torch.bfloat16:
+        bits = tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+    if tensor.dtype in (torch.float16, torch.float64):
+        return tensor.numpy().astype(np.float32)
+    raise TypeError(f"optserve trains floating-point parameters only, got dtype {tensor.dtype}")
+
+
+def gradient_to_numpy(grad: torch.Tensor) -> np.ndarray:
+    """A gradient's NumPy values for a push: like :func:`tensor_to_numpy`, except bfloat16.
+
+    A bfloat16 CPU gradient is sent as its own 16 bits when ``ml_dtypes`` is importable (a
+    zero-copy view; the server widens it exactly to float32, so the values are identical)
+    and widened to float32 here otherwise.
+    """
+    if grad.dtype == torch.bfloat16 and grad.device.type == "cpu" and _ML_BFLOAT16 is not None:
+        return grad.detach().contiguous().view(torch.int16).numpy().view(_ML_BFLOAT16)
+    return tensor_to_numpy(grad)
+
+
+def _ml_bfloat16():
+    try:  # optional: present wherever jax is, never required by the client
+        import ml_dtypes
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+_ML_BFLOAT16 = _ml_bfloat16()
+
+
+def _viewed_without_copy(grad: torch.Tensor) -> bool:
+    """Whether :func:`gradient_to_numpy` returns a view of ``grad``'s storage."""
+    if grad.device.type != "cpu":
+        return False
+    return grad.dtype == torch.float32 or (grad.dtype == torch.bfloat16 and _ML_BFLOAT16 is not None)
+
+
+def write_numpy_(target: torch.Tensor, values: np.ndarray) -> None:
+    """Copies ``values`` into ``target`` in place, converting dtype (rounding) and device.
+
+    ``values`` may be read-only (a view of received bytes); it is only read.
+    """
+    if tuple(values.shape) != tuple(target.shape):
+        raise ValueError(f"shape {tuple(values.shape)} from the server does not match the parameter's {tuple(target.shape)}")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        source = torch.from_numpy(np.asarray(values))
+    with torch.no_grad():
+        target.copy_(source)
+
+
+# --- the optimizer -----------------------------------------------------------------------------
+
+
+class RemoteOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` whose parameters and state live in an optserve session.
+
+    Args:
+      named_parameters: ``(name, parameter)`` pairs, e.g. ``model.named_parameters()``;
+        parameters with ``requires_grad=False`` are left out. Names must be unique; they are
+        the session's tensor names.
+      address: the server's ``host:port``, or an ``optserve.client.Client`` to reuse.
+      optimizer: ``{"name": ..., "args": {...}}`` (see ``optserve.optim_kernels.OPTIMIZERS``).
+      session: the session's name (default: a fresh unique name). Naming an existing session
+        attaches to it (its tensor names must match; its own optimizer and mode apply) and
+        loads its current parameters into the model.
+      mode, num_workers, max_staleness, staleness_policy, wire_dtype, allow_nonfinite, overlap:
+        see :class:`RemoteOptimizerConfig`.
+
+    Attributes:
+      created: whether this optimizer created the session (``False``: it attached).
+      version: the session version of the parameters now in the model.
+      stale_pushes: pushes the server refused as stale (async, ``staleness_policy="reject"``);
+        such a step is dropped and the model refreshed to the session's current parameters.
+    """
+
+    def __init__(
+        self,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+        address: Union[str, Client],
+        optimizer: Mapping[str, Any],
+        *,
+        session: Optional[str] = None,
+        mode: str = "sync",
+        num_workers: int = 1,
+        max_staleness: Optional[int] = None,
+        staleness_policy: str = "reject",
+        wire_dtype: Optional[str] = None,
+        allow_nonfinite: bool = False,
+        overlap: bool = False,
+    ):
+        self.config = RemoteOptimizerConfig(
+            optimizer=optimizer,
+            session=session or f"torch-{uuid.uuid4().hex[:12]}",
+            mode=mode,
+            num_workers=num_workers,
+            max_staleness=max_staleness,
+            staleness_policy=staleness_policy,
+            wire_dtype=wire_dtype,
+            allow_nonfinite=allow_nonfinite,
+            overlap=overlap,
+        )
+        self._named = _checked_named_parameters(named_parameters)
+        self._tensors_fixed = False
+        super().__init__([p for _, p in self._named], defaults={})
+        self._tensors_fixed = True
+        self._client = address if isinstance(address, Client) else Client(address)
+        self._owns_client = not isinstance(address, Client)
+        self._session, self.created = self._create_or_attach()
+        self._stepper = DelayedStepper(self._session) if overlap else None
+        # Per call, so that a worker attaching to an existing session still gets its own choice.
+        self._wire = {"wire_dtype": wire_dtype} if wire_dtype is not None else {}
+        self.stale_pushes = 0
+        if self.created:
+            self.version = self._session.version
+        else:
+            self._pull_into_model()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Only during construction: a session's tensors are fixed when it is created."""
+        if self._tensors_fixed:
+            raise NotImplementedError("RemoteOptimizer cannot add parameters: the session's tensors are fixed")
+        super().add_param_group(param_group)
+
+    # -- what the session is -------------------------------------------------------------------
+
+    @property
+    def session(self):
+        """The underlying ``optserve.client.Session`` (push / pull / status)."""
+        return self._session
+
+    @property
+    def session_name(self) -> str:
+        return self.config.session
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return [name for name, _ in self._named]
+
+    # -- the training loop ---------------------------------------------------------------------
+
+    def step(self, closure=None):
+        """Pushes every parameter's ``.grad`` and writes the returned parameters in place.
+
+        A parameter whose ``.grad`` is ``None`` is pushed as zeros (as after
+        ``zero_grad(set_to_none=False)``); if every ``.grad`` is ``None`` nothing is pushed.
+        With ``overlap=True`` the parameters written are those of the previous step (none on
+        the first step) and this step's push is still in flight when ``step()`` returns.
+
+        Returns:
+          ``closure()``'s loss if a closure is given, else ``None``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = self._gradients(copy=self.config.overlap)
+        if grads is None:
+            return loss
+        if self._stepper is not None:
+            self._write_in_flight()
+            self._stepper.step(grads, **self._wire)  # nothing in flight now: starts the push and returns
+        else:
+            try:
+                self._write(self._session.push_pull(grads, **self._wire))
+            except StaleError:
+                self._skip_stale()
+        return loss
+
+    def synchronize(self) -> None:
+        """With ``overlap=True``: waits for the push in flight and writes its parameters."""
+        if self._stepper is not None:
+            self._write_in_flight()
+
+    def pull(self) -> None:
+        """Overwrites the model's parameters with the session's current ones."""
+        self.synchronize()
+        self._pull_into_model()
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Which session (and which version of it) the model's parameters belong to.
+
+        The optimizer's moments live on the server, so the dictionary is small; save it next
+        to ``model.state_dict()``. With ``overlap=True`` a push may still be in flight; call
+        :meth:`synchronize` first to checkpoint after it.
+        """
+        return {
+            "format": _STATE_FORMAT,
+            "session": self.config.session,
+            "version": int(self.version),
+            "tensor_names": self.tensor_names,
+            "optimizer": {"name": self.config.optimizer["name"], "args": dict(self.config.optimizer.get("args", {}))},
+            "mode": self.config.mode,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Reattaches to ``state_dict``'s session and loads its current parameters into the model.
+
+        Raises:
+          ValueError: not a :meth:`state_dict` of this class, its tensor names differ from this
+            optimizer's, or the session is behind the checkpoint's version (it is not the
+            session the checkpoint came from).
+        """
+        if state_dict.get("format") != _STATE_FORMAT:
+            raise ValueError(f"not a RemoteOptimizer state_dict (format {state_dict.get('format')!r})")
+        if list(state_dict["tensor_names"]) != self.tensor_names:
+            raise ValueError(
+                f"state_dict's tensors {list(state_dict['tensor_names'])} differ from this optimizer's {self.tensor_names}"
+            )
+        if self._stepper is not None:
+            self._stepper.wait()
+        if state_dict["session"] != self.config.session:
+            self._session.detach()
+            self._session = self._client.session(state_dict["session"])
+            self.config = dataclasses.replace(self.config, session=state_dict["session"])
+            if self._stepper is not None:
+                self._stepper = DelayedStepper(self._session)
+        self._pull_into_model()
+        if self.version < int(state_dict["version"]):
+            raise ValueError(
+                f"session {state_dict['session']!r} is at version {self.version}, behind the checkpoint's "
+                f"version {state_dict['version']}: it is not the session the checkpoint was taken from"
+            )
+
+    def close(self) -> None:
+        """Waits for a push in flight and closes the connection; the session stays on the server.
+
+        End the session itself (for every worker) with ``optimizer.session.close()``.
+        """
+        if self._stepper is not None:
+            self._stepper.wait()
+        self._session.detach()
+        if self._owns_client:
+            self._client.close()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _create_or_attach(self):
+        initial = {name: tensor_to_numpy(p) for name, p in self._named}
+        try:
+            session = self._client.create_session(self.config.session, initial, **self.config.session_kwargs())
+            return session, True
+        except AlreadyExistsError:  # another worker created it first: attach
+            return self._client.session(self.config.session), False
+
+    def _write_in_flight(self) -> None:
+        try:
+            params = self._stepper.wait()
+        except StaleError:
+            self._skip_stale()
+            return
+        if params is not None:
+            self._write(params)
+
+    def _skip_stale(self) -> None:
+        self.stale_pushes += 1
+        self._pull_into_model()
+
+    def _pull_into_model(self) -> None:
+        params = self._session.pull(**self._wire)
+        missing = sorted(set(self.tensor_names) - set(params))
+        extra = sorted(set(params) - set(self.tensor_names))
+        if missing or extra:
+            raise ValueError(
+                f"session {self.config.session!r} holds different tensors: missing {missing}, unexpected {extra}"
+            )
+        self._write(params)
+
+    def _write(self, params: Mapping[str, np.ndarray]) -> None:
+        for name, parameter in self._named:
+            try:
+                write_numpy_(parameter, params[name])
+            except ValueError as exc:
+                raise ValueError(f"tensor {name!r}: {exc}") from None
+        self.version = self._session.version
+
+    def _gradients(self, *, copy: bool) -> Optional[dict[str, np.ndarray]]:
+        if all(p.grad is None for _, p in self._named):
+            return None
+        grads = {}
+        for name, p in self._named:
+            if p.grad is None:
+                grads[name] = np.zeros(tuple(p.shape), np.float32)
+            elif p.grad.is_sparse:
+                raise TypeError(f"tensor {name!r}: sparse gradients are not supported")
+            else:
+                g = gradient_to_numpy(p.grad)
+                if copy and _viewed_without_copy(p.grad):
+                    g = g.copy()  # a view of .grad, which the next backward may overwrite in place
+                grads[name] = g
+        return grads
+
+
+def _checked_named_parameters(named_parameters) -> list[tuple[str, torch.nn.Parameter]]:
+    named = [(str(n), p) for n, p in named_parameters if p.requires_grad]
+    if not named:
+        raise ValueError("RemoteOptimizer got no parameters that require grad")
+    seen: set[str] = set()
+    for name, p in named:
+        if name in seen:
+            raise ValueError(f"parameter name {name!r} appears twice; names must be unique")
+        seen.add(name)
+        if not p.is_floating_point():
+            raise TypeError(f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters train")
+    return named
+

@@ -1,0 +1,118 @@
+"""The JAX adapter: pytrees in and out of a real server, named after their key paths."""
+
+from __future__ import annotations
+
+import typing
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optserve.client.jax as ojax
+
+STEPS = 20
+
+
+def _init_mlp(seed: int = 0) -> dict:
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
+    return {
+        "dense": {"w": jax.random.normal(k1, (5, 8)) * 0.5, "b": jnp.zeros((8,))},
+        "layers": [{"w": jax.random.normal(k2, (8, 8)) * 0.3}, {"w": jax.random.normal(k3, (8, 2)) * 0.3}],
+    }
+
+
+def _loss(params, x, y):
+    h = jnp.tanh(x @ params["dense"]["w"] + params["dense"]["b"])
+    h = jnp.tanh(h @ params["layers"][0]["w"])
+    return jnp.mean((h @ params["layers"][1]["w"] - y) ** 2)
+
+
+def _data():
+    kx, ky = jax.random.split(jax.random.PRNGKey(42))
+    return jax.random.normal(kx, (32, 5)), jax.random.normal(ky, (32, 2))
+
+
+class _Pair(typing.NamedTuple):
+    left: jnp.ndarray
+    right: jnp.ndarray
+
+
+def test_tensor_names_come_from_key_paths_in_leaf_order():
+    tree = {"dense": {"w": 1.0, "b": 2.0}, "layers": [{"w": 0.0}, {"w": 0.0}], "pair": _Pair(3.0, 4.0)}
+    assert ojax.tensor_names(tree) == ["dense/b", "dense/w", "layers/0/w", "layers/1/w", "pair/left", "pair/right"]
+    assert ojax.tensor_names(jnp.zeros(3)) == ["value"]
+
+
+def test_colliding_key_paths_are_refused():
+    with pytest.raises(ValueError, match="a/b"):
+        ojax.tensor_names({"a/b": 1.0, "a": {"b": 2.0}})
+
+
+@pytest.mark.parametrize(
+    "spec, reference",
+    [
+        ({"name": "adam", "args": {"learning_rate": 1e-2}}, optax.adam(1e-2)),
+        ({"name": "sgd", "args": {"learning_rate": 0.05, "momentum": 0.9}}, optax.sgd(0.05, momentum=0.9)),
+    ],
+    ids=["adam", "sgd-momentum"],
+)
+def test_pure_jax_mlp_through_server_matches_in_process_optax(server, unique_name, spec, reference):
+    x, y = _data()
+    grad_fn = jax.jit(jax.value_and_grad(_loss))
+    params = _init_mlp()
+    session = ojax.create_session(server.address, unique_name, params, optimizer=spec)
+    remote_losses = []
+    for _ in range(STEPS):
+        loss, grads = grad_fn(params, x, y)
+        params = session.push_pull(grads)
+        remote_losses.append(float(loss))
+
+    local = _init_mlp()
+    state = reference.init(local)
+    local_losses = []
+    for _ in range(STEPS):
+        loss, grads = grad_fn(local, x, y)
+        updates, state = reference.update(grads, state, local)
+        local = optax.apply_updates(local, updates)
+        local_losses.append(float(loss))
+
+    assert local_losses[-1] < 0.8 * local_losses[0]
+    np.testing.assert_allclose(remote_losses, local_losses, rtol=1e-6)
+    assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(local)
+    for remote_leaf, local_leaf in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(local)):
+        assert isinstance(remote_leaf, jax.Array) and remote_leaf.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(remote_leaf), np.asarray(local_leaf), rtol=1e-5, atol=1e-6)
+    assert session.version == STEPS
+    session.close()
+
+
+def test_attached_session_pulls_the_same_pytree_and_async_push_returns_a_future(server, unique_name):
+    params = _init_mlp()
+    session = ojax.create_session(server.address, unique_name, params, optimizer={"name": "sgd", "args": {"learning_rate": 0.1}})
+    grads = jax.tree_util.tree_map(jnp.ones_like, params)
+    future = session.push_pull_async(grads)
+    updated = future.result(timeout=60)
+    expected = jax.tree_util.tree_map(lambda p: p - 0.1, params)
+    for a, b in zip(jax.tree_util.tree_leaves(updated), jax.tree_util.tree_leaves(expected)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+    attached = ojax.attach_session(server.address, unique_name, like=params)
+    pulled = attached.pull()
+    assert jax.tree_util.tree_structure(pulled) == jax.tree_util.tree_structure(params)
+    for a, b in zip(jax.tree_util.tree_leaves(pulled), jax.tree_util.tree_leaves(updated)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    session.close()
+
+
+def test_low_precision_leaves_return_in_their_own_dtype(server, unique_name):
+    params = {"w16": jnp.full((4, 4), 1.0, jnp.bfloat16), "w32": jnp.full((3,), 2.0, jnp.float32)}
+    session = ojax.create_session(server.address, unique_name, params, optimizer={"name": "sgd", "args": {"learning_rate": 0.5}})
+    updated = session.push_pull({"w16": jnp.ones((4, 4), jnp.bfloat16), "w32": jnp.ones((3,), jnp.float32)})
+    assert updated["w16"].dtype == jnp.bfloat16 and updated["w32"].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(updated["w16"], np.float32), np.full((4, 4), 0.5, np.float32))
+    np.testing.assert_array_equal(np.asarray(updated["w32"]), np.full((3,), 1.5, np.float32))
+    with pytest.raises(ValueError, match="structure"):
+        session.push_pull({"w16": jnp.ones((4, 4))})
+    session.close()

@@ -1,0 +1,341 @@
+"""RemoteOptimizer: a torch.optim.Optimizer backed by a real server (loopback gRPC, local Ray)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from optserve.client import Client
+from optserve.client.torch import RemoteOptimizer, RemoteOptimizerConfig, gradient_to_numpy, tensor_to_numpy
+
+STEPS = 20
+
+
+def _model(seed: int = 0, dtype=torch.float32) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).to(dtype)
+
+
+def _data(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)
+
+
+def _loss(model, x, y) -> torch.Tensor:
+    return ((model(x) - y) ** 2).mean()
+
+
+def _train(model, optimizer, steps: int = STEPS) -> list[float]:
+    """``steps`` full-batch steps; the loss before each update."""
+    x, y = _data()
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = _loss(model, x, y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _in_process_kernel_losses(model, spec, steps: int = STEPS) -> list[float]:
+    """The same loop with the optserve kernel applied in this process (JAX, jitted)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from optserve.optim_kernels import build_optimizer
+
+    tx = build_optimizer(spec["name"], spec["args"]).transformation
+    named = dict(model.named_parameters())
+    params = {n: jnp.asarray(p.detach().numpy()) for n, p in named.items()}
+    state = tx.init(params)
+
+    @jax.jit
+    def update(grads, state, params):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    x, y = _data()
+    losses = []
+    for _ in range(steps):
+        with torch.no_grad():
+            for n, p in named.items():
+                p.copy_(torch.from_numpy(np.array(params[n])))
+        model.zero_grad()
+        loss = _loss(model, x, y)
+        loss.backward()
+        losses.append(loss.item())
+        params, state = update({n: jnp.asarray(p.grad.numpy()) for n, p in named.items()}, state, params)
+    return losses
+
+
+ADAFACTOR_HF_SETTINGS = [
+    {"lr": 1e-2, "relative_step": False, "scale_parameter": True, "warmup_init": False},
+    {"lr": None, "relative_step": True, "scale_parameter": False, "warmup_init": False, "beta1": 0.9, "weight_decay": 0.01},
+]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"name": "adam", "args": {"learning_rate": 1e-2}},
+        {"name": "adafactor_hf", "args": ADAFACTOR_HF_SETTINGS[0]},
+        {"name": "adafactor_hf", "args": ADAFACTOR_HF_SETTINGS[1]},
+    ],
+    ids=["adam", "adafactor_hf", "adafactor_hf-relative_step-beta1-wd"],
+)
+def test_sync_single_worker_follows_in_process_kernel_trajectory(server, unique_name, spec):
+    remote_model = _model()
+    optimizer = RemoteOptimizer(remote_model.named_parameters(), server.address, spec, session=unique_name)
+    remote = _train(remote_model, optimizer)
+    reference = _in_process_kernel_losses(_model(), spec)
+    assert reference[-1] < 0.9 * reference[0], "the reference must actually train for the comparison to mean anything"
+    np.testing.assert_allclose(remote, reference, rtol=1e-5, atol=0)
+    assert optimizer.version == STEPS
+    optimizer.session.close()
+    optimizer.close()
+
+
+@pytest.mark.parametrize("settings", ADAFACTOR_HF_SETTINGS, ids=["lr1e-2", "relative_step-beta1-wd"])
+def test_remote_adafactor_hf_tracks_transformers_adafactor(server, unique_name, settings):
+    from transformers.optimization import Adafactor
+
+    remote_model = _model()
+    optimizer = RemoteOptimizer(
+        remote_model.named_parameters(), server.address, {"name": "adafactor_hf", "args": settings}, session=unique_name
+    )
+    remote = _train(remote_model, optimizer)
+    reference_model = _model()
+    reference = _train(reference_model, Adafactor(reference_model.parameters(), **settings))
+    assert reference[-1] < 0.9 * reference[0]
+    np.testing.assert_allclose(remote, reference, rtol=1e-4, atol=0)
+    optimizer.session.close()
+    optimizer.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_step_writes_server_values_in_place_keeping_dtype_and_storage(server, unique_name, dtype):
+    model = _model(dtype=dtype)
+    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
+    optimizer = RemoteOptimizer(
+        model.named_parameters(), server.address, {"name": "sgd", "args": {"learning_rate": 0.1}}, session=unique_name
+    )
+    x, y = _data()
+    _loss(model, x.to(dtype), y.to(dtype)).backward()
+    grads = {n: p.grad.float().numpy().copy() for n, p in model.named_parameters()}
+    optimizer.step()
+    server_values = optimizer.session.pull()
+    for name, p in model.named_parameters():
+        ptr, old = before[name]
+        assert p.dtype == dtype and p.data_ptr() == ptr and p.requires_grad
+        # The server keeps a float32 master copy and applies float32 SGD to the widened values.
+        expected = old.float().numpy() - np.float32(0.1) * grads[name]
+        np.testing.assert_allclose(server_values[name], expected, rtol=1e-6, atol=1e-7)
+        # The model holds those values rounded to its own dtype.
+        assert torch.equal(p.detach(), torch.from_numpy(np.array(server_values[name])).to(dtype))
+        assert not torch.equal(p.detach(), old)
+    optimizer.session.close()
+    optimizer.close()
+
+
+def test_frozen_parameters_stay_out_of_the_session_and_step_returns_the_closure_loss(server, unique_name):
+    model = _model()
+    model[0].requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    optimizer = RemoteOptimizer(model.named_parameters(), server.address, {"name": "sgd", "args": {"learning_rate": 0.1}},
+                                session=unique_name)
+    assert optimizer.tensor_names == ["2.weight", "2.bias"]
+    assert sorted(optimizer.session.pull()) == ["2.bias", "2.weight"]
+    x, y = _data()
+    before = model[2].weight.detach().clone()
+
+    def closure():
+        optimizer.zero_grad()
+        loss = _loss(model, x, y)
+        loss.backward()
+        return loss
+
+    loss = optimizer.step(closure)
+    assert loss.item() == pytest.approx(_loss(_model(), x, y).item())
+    assert torch.equal(model[0].weight, frozen) and not torch.equal(model[2].weight, before)
+    optimizer.session.close()
+    optimizer.close()
+
+
+def test_tensor_to_numpy_views_float32_and_widens_bfloat16_exactly():
+    t = torch.randn(5, 7)
+    assert np.shares_memory(tensor_to_numpy(t), t.numpy())
+    b = torch.randn(3, 4, 5).to(torch.bfloat16)
+    widened = tensor_to_numpy(b)
+    assert widened.dtype == np.float32 and widened.shape == (3, 4, 5)
+    np.testing.assert_array_equal(widened, b.float().numpy())
+    np.testing.assert_array_equal(tensor_to_numpy(b[:, 1]), b[:, 1].float().numpy())
+    # Gradients keep their 16 bits (a view) where ml_dtypes exists; the values are the same.
+    g = gradient_to_numpy(b)
+    np.testing.assert_array_equal(g.astype(np.float32), b.float().numpy())
+    assert np.shares_memory(g, b.view(torch.int16).numpy()) == (g.dtype.name == "bfloat16")
+
+
+def test_state_dict_names_session_and_version_and_load_resumes_it(server, unique_name):
+    model = _model()
+    optimizer = RemoteOptimizer(
+        model.named_parameters(), server.address, {"name": "adam", "args": {"learning_rate": 1e-2}}, session=unique_name
+    )
+    _train(model, optimizer, steps=3)
+    state = optimizer.state_dict()
+    assert state["session"] == unique_name and state["version"] == 3
+    assert state["tensor_names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+    # A fresh process (here: a fresh model and optimizer on another session) resumes from it.
+    other = _model(seed=7)
+    resumed = RemoteOptimizer(
+        other.named_parameters(), server.address, {"name": "adam", "args": {"learning_rate": 1e-2}}, session=unique_name + "-b"
+    )
+    resumed.load_state_dict(state)
+    assert resumed.session_name == unique_name and resumed.version == 3
+    for (n, p), (_, q) in zip(model.named_parameters(), other.named_parameters()):
+        assert torch.equal(p, q), n
+    # Both optimizers now drive the same session: the next step continues its trajectory.
+    _train(other, resumed, steps=1)
+    assert resumed.version == 4
+    unrelated = RemoteOptimizer(torch.nn.Linear(2, 2).named_parameters(), server.address,
+                                {"name": "sgd", "args": {"learning_rate": 0.1}}, session=unique_name + "-c")
+    with pytest.raises(ValueError, match="differ"):
+        unrelated.load_state_dict(state)
+    unrelated.session.close()
+    for opt in (optimizer, resumed):
+        opt.close()
+    Client(server.address).session(unique_name).close()
+    Client(server.address).session(unique_name + "-b").close()
+
+
+def test_second_optimizer_naming_a_session_attaches_and_starts_from_its_parameters(server, unique_name):
+    spec = {"name": "sgd", "args": {"learning_rate": 0.1}}
+    first_model = _model(seed=0)
+    first = RemoteOptimizer(first_model.named_parameters(), server.address, spec, session=unique_name, mode="async", max_staleness=4)
+    _train(first_model, first, steps=2)
+    second_model = _model(seed=5)
+    second = RemoteOptimizer(second_model.named_parameters(), server.address, spec, session=unique_name, mode="async", max_staleness=4)
+    assert first.created and not second.created
+    for (n, p), (_, q) in zip(first_model.named_parameters(), second_model.named_parameters()):
+        assert torch.equal(p, q), n
+    first.session.close()
+
+
+def test_bad_configuration_is_refused_before_contacting_a_server():
+    with pytest.raises(ValueError, match="mode"):
+        RemoteOptimizerConfig(optimizer={"name": "adam", "args": {}}, session="s", mode="bulk")
+    with pytest.raises(ValueError, match="wire_dtype"):
+        RemoteOptimizerConfig(optimizer={"name": "adam", "args": {}}, session="s", wire_dtype="int8")
+    with pytest.raises(ValueError, match="optimizer"):
+        RemoteOptimizerConfig(optimizer="adam", session="s")
+    p = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match="twice"):
+        RemoteOptimizer([("w", p), ("w", p)], "127.0.0.1:1", {"name": "adam", "args": {}})
+
+
+def test_server_error_surfaces_with_its_message(server, unique_name):
+    with pytest.raises(Exception, match="no_such_optimizer"):
+        RemoteOptimizer(_model().named_parameters(), server.address, {"name": "no_such_optimizer", "args": {}}, session=unique_name)
+
+
+def test_stale_push_is_dropped_and_the_model_refreshed_to_the_session(server, unique_name):
+    spec = {"name": "sgd", "args": {"learning_rate": 0.1}}
+    model_a, model_b = _model(), _model()
+    a = RemoteOptimizer(model_a.named_parameters(), server.address, spec, session=unique_name,
+                        mode="async", max_staleness=0, staleness_policy="reject")
+    b = RemoteOptimizer(model_b.named_parameters(), server.address, spec, session=unique_name)
+    x, y = _data()
+    _loss(model_a, x, y).backward()
+    a.step()  # version 1
+    _loss(model_b, x, y).backward()
+    b.step()  # computed on version 0: one version stale, refused
+    assert b.stale_pushes == 1 and b.version == 1 and a.stale_pushes == 0
+    for (n, p), (_, q) in zip(model_a.named_parameters(), model_b.named_parameters()):
+        assert torch.equal(p, q), n
+    b.zero_grad()
+    _loss(model_b, x, y).backward()
+    b.step()  # fresh again: applies
+    assert b.version == 2 and b.stale_pushes == 1
+    assert a.session.status().rejected.get("stale") == 1
+    a.session.close()
+
+
+def test_importing_the_torch_adapter_imports_neither_jax_nor_ray():
+    code = "import sys, optserve.client.torch; print(sorted(m for m in ('jax', 'ray') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+_WORKER = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from optserve.client.torch import RemoteOptimizer
+
+    address, session, steps, rank = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)  # different initial weights: the attaching worker must adopt the session's
+    model = torch.nn.Linear(8, 1)
+    g = torch.Generator().manual_seed(123)
+    x = torch.randn(256, 8, generator=g)
+    y = x @ torch.randn(8, 1, generator=g)
+    opt = RemoteOptimizer(model.named_parameters(), address, {"name": "sgd", "args": {"learning_rate": 0.05}},
+                          session=session, mode="async", max_staleness=16, staleness_policy="scale")
+    rng = torch.Generator().manual_seed(1000 + rank)
+    for step in range(steps):
+        idx = torch.randint(0, 256, (32,), generator=rng)
+        loss = ((model(x[idx]) - y[idx]) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        print(json.dumps({"rank": rank, "step": step, "loss": loss.item(), "version": opt.version,
+                          "created": opt.created}), flush=True)
+    opt.close()
+    """
+)
+
+
+def test_two_worker_processes_share_an_async_session_and_the_loss_falls(server, unique_name):
+    steps = 40
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WORKER, server.address, unique_name, str(steps), str(rank)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    records = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err[-3000:]
+        records.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+    assert [len(r) for r in records] == [steps, steps]
+    assert sorted(r[0]["created"] for r in records) == [False, True], "one worker creates, the other attaches"
+    # Each worker saw the other's updates: its final version exceeds its own step count.
+    assert all(r[-1]["version"] > steps for r in records)
+
+    session = Client(server.address).session(unique_name)
+    params = session.pull()
+    assert session.version == 2 * steps
+    g = torch.Generator().manual_seed(123)
+    x = torch.randn(256, 8, generator=g)
+    y = x @ torch.randn(8, 1, generator=g)
+    creator = [r[0]["rank"] for r in records if r[0]["created"]][0]
+    torch.manual_seed(creator)
+    initial = torch.nn.Linear(8, 1)
+    initial_loss = ((initial(x) - y) ** 2).mean().item()
+    w, b = torch.from_numpy(np.array(params["weight"])), torch.from_numpy(np.array(params["bias"]))
+    final_loss = ((x @ w.T + b - y) ** 2).mean().item()
+    assert final_loss < 0.1 * initial_loss, (initial_loss, final_loss)
+    session.close()
