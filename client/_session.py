@@ -101,23 +101,31 @@ class Session:
         self._see_version(min(version for version, _ in results))
         return {name: value for _, arrays in results for name, value in arrays.items()}
 
-    def push(self, grads: Mapping[str, np.ndarray], wire_dtype: _wire.DTypeLike = "default") -> int:
+    def push(self, grads: Mapping[str, np.ndarray], wire_dtype: _wire.DTypeLike = "default",
+             base_version: Optional[int] = None) -> int:
         """Applies ``grads`` (sync: joins the current step and waits for it); returns the new version.
+
+        ``base_version``: the version of the parameters the gradient was computed from (async
+        staleness is measured against it); default: the latest version this object has seen.
 
         Raises:
           InvalidArgumentError, StaleError, ...: the server's refusal; nothing was applied.
         """
         grads = self._check_grads(grads)
         wire = self._wire(wire_dtype)
-        header = self._header()
+        header = self._header(base_version)
         return _retry.call(lambda: self._push_once(header, grads, wire), self._client.retry)
 
     def push_pull(self, grads: Mapping[str, np.ndarray], wire_dtype: _wire.DTypeLike = "default",
-                  out: Optional[Mapping[str, np.ndarray]] = None) -> dict[str, np.ndarray]:
-        """Pushes ``grads`` and returns the parameters of the step they joined (into ``out`` if given)."""
+                  out: Optional[Mapping[str, np.ndarray]] = None,
+                  base_version: Optional[int] = None) -> dict[str, np.ndarray]:
+        """Pushes ``grads`` and returns the parameters of the step they joined (into ``out`` if given).
+
+        ``base_version``: as for :meth:`push`.
+        """
         grads = self._check_grads(grads)
         wire = self._wire(wire_dtype)
-        header = self._header()
+        header = self._header(base_version)
         return _retry.call(lambda: self._push_pull_once(header, grads, wire, out), self._client.retry)
 
     def push_pull_async(self, grads: Mapping[str, np.ndarray], **kwargs) -> concurrent.futures.Future:
@@ -161,9 +169,10 @@ class Session:
             return self.wire_dtype
         return _wire.dtype_enum(requested, what="wire_dtype")
 
-    def _header(self) -> data_pb2.PushHeader:
+    def _header(self, base_version: Optional[int] = None) -> data_pb2.PushHeader:
+        base = self._version if base_version is None else int(base_version)
         return data_pb2.PushHeader(session=self.name, client_id=self.client_id, sequence=next(self._sequence),
-                                   base_version=self._version, auto_commit=True)
+                                   base_version=base, auto_commit=True)
 
     def _see_version(self, version: int) -> None:
         with self._version_lock:

@@ -23,6 +23,9 @@ import numpy as np
 
 
 class _AsyncSession(Protocol):
+    mode: str
+    version: int
+
     def push_pull_async(self, grads: Mapping[str, np.ndarray], **kwargs: Any) -> concurrent.futures.Future: ...
 
 
@@ -36,11 +39,19 @@ class DelayedStepper:
     The gradients given to :meth:`step` must not be modified until the next :meth:`step` or
     :meth:`wait` returns (the push reads them while the caller computes); pass copies if the
     caller reuses its gradient buffers.
+
+    In async mode each push is stamped with the version of the parameters its gradient was
+    computed from (one behind while a push is in flight), so the server measures its true
+    staleness and ``max_staleness`` protects overlapping workers too. In sync mode the stamp is
+    the step the push joins, which the session tracks itself.
     """
 
     def __init__(self, session: _AsyncSession):
         self._session = session
         self._in_flight: Optional[concurrent.futures.Future] = None
+        # Version of the parameters the caller holds (and computes its next gradient on).
+        self._held_version: Optional[int] = getattr(session, "version", None)
+        self._stamps_base_version = getattr(session, "mode", "sync") == "async"
 
     @property
     def in_flight(self) -> bool:
@@ -57,7 +68,10 @@ class DelayedStepper:
         Raises:
           Whatever the previous push raised (its error surfaces one step late).
         """
+        base_version = self._held_version
         previous = self.wait()
+        if self._stamps_base_version and base_version is not None:
+            push_kwargs.setdefault("base_version", base_version)
         self._in_flight = self._session.push_pull_async(grads, **push_kwargs)
         return previous
 
@@ -66,4 +80,6 @@ class DelayedStepper:
         future, self._in_flight = self._in_flight, None
         if future is None:
             return None
-        return future.result()
+        params = future.result()
+        self._held_version = getattr(self._session, "version", None)
+        return params

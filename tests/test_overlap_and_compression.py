@@ -219,3 +219,28 @@ def test_bfloat16_transport_trains_the_demo_model_within_two_percent(server, uni
     compressed = _train_digits(server.address, unique_name + "-bf16", "bfloat16")
     assert full < 0.25 * initial, (initial, full)
     assert abs(compressed - full) <= 0.02 * full, (compressed, full)
+
+
+def test_async_overlap_stamps_pushes_with_the_version_their_gradient_saw(server, unique_name):
+    """With one push in flight, each gradient was computed one version behind: staleness 1."""
+    from optserve.client.overlap import DelayedStepper
+
+    params = {"w": np.ones((4, 3), np.float32)}
+    session = Client(server.address).create_session(
+        unique_name, params, optimizer={"name": "sgd", "args": {"learning_rate": 0.1}}, mode="async")
+    stepper = DelayedStepper(session)
+    held = params
+    stalenesses = []
+    for _ in range(5):
+        grads = {"w": held["w"] * 0.5}  # any gradient computed on the parameters held now
+        returned = stepper.step(grads)
+        stalenesses.append(session.last_staleness)
+        if returned is not None:
+            held = returned
+    stepper.wait()
+    stalenesses.append(session.last_staleness)
+    session.close()
+    # stalenesses[i] is that of push i-1 (step i waits for it). The first push was computed on
+    # the current version; every later one on the version before the push then in flight.
+    assert stalenesses[1] == 0, stalenesses
+    assert stalenesses[2:] == [1] * 4, stalenesses
