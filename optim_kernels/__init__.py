@@ -1,7 +1,8 @@
 """Pure JAX optimizer math for optserve: each optimizer is an ``optax.GradientTransformation``.
 
 No I/O, no Ray, no gRPC: the server imports this package, never the other way round.
-Constructors are imported lazily so that importing the registry stays cheap.
+The constructors are bound here after their modules load, so ``optim_kernels.adafactor`` is
+the function even though a module of the same name defines it.
 """
 
 from optserve.optim_kernels.registry import (
@@ -12,25 +13,10 @@ from optserve.optim_kernels.registry import (
     optimizer_names,
     optimizer_parameters,
 )
-
-_LAZY = {
-    "adafactor": "optserve.optim_kernels.adafactor",
-    "adafactor_hf": "optserve.optim_kernels.adafactor",
-    "adafactor_t2t": "optserve.optim_kernels.adafactor",
-    "shampoo": "optserve.optim_kernels.shampoo",
-    "compute_preconditioners": "optserve.optim_kernels.shampoo",
-    "matrix_inverse_pth_root": "optserve.optim_kernels.matrix_roots",
-    "scaled_adam": "optserve.optim_kernels.scaled_adam",
-}
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'optserve.optim_kernels' has no attribute {name!r}")
-
+from optserve.optim_kernels.adafactor import adafactor, adafactor_hf, adafactor_t2t
+from optserve.optim_kernels.matrix_roots import matrix_inverse_pth_root
+from optserve.optim_kernels.scaled_adam import scaled_adam
+from optserve.optim_kernels.shampoo import compute_preconditioners, shampoo
 
 __all__ = [
     "GLOBAL_STATISTIC_ARG",
@@ -39,5 +25,11 @@ __all__ = [
     "build_optimizer",
     "optimizer_names",
     "optimizer_parameters",
-    *_LAZY,
+    "adafactor",
+    "adafactor_hf",
+    "adafactor_t2t",
+    "compute_preconditioners",
+    "matrix_inverse_pth_root",
+    "scaled_adam",
+    "shampoo",
 ]
