@@ -19,9 +19,9 @@ from typing import Any, Callable, Mapping, Optional
 import grpc
 import numpy as np
 
-from optserve.client import _retry, _wire
+from optserve.client import _protowire, _retry, _wire
 from optserve.client.errors import InvalidArgumentError, PeerRefusedError, from_rpc_error
-from optserve.protos.optserve.v1 import control_pb2, data_pb2, data_pb2_grpc, tensor_pb2
+from optserve.protos.optserve.v1 import control_pb2, data_pb2, tensor_pb2
 
 _REASON_NAMES = {
     control_pb2.REJECT_REASON_INVALID: "invalid",
@@ -31,11 +31,23 @@ _REASON_NAMES = {
 }
 
 
+def _precond_block(b) -> dict[str, Any]:
+    return {"tensor": b.tensor, "block": b.block, "dim": b.dim, "size": b.size, "age": b.age, "error": b.error,
+            "failures": b.failures, "fallback_steps": b.fallback_steps}
+
+
+def _root_offload(r) -> dict[str, Any]:
+    return {"offloaded": r.offloaded, "max_age": None if r.max_age < 0 else r.max_age,
+            "roots_installed": r.roots_installed, "waits": r.waits, "resubmits": r.resubmits}
+
+
 @dataclasses.dataclass(frozen=True)
 class SessionStatus:
     """``version``: steps decided; ``steps_applied``: applied on every shard; ``rejected``:
     refused pushes by reason ("invalid", "nonfinite", "stale", "aborted"); ``shards``: one dict
-    per shard (index, address, tensors, param_bytes, version, node_id, device)."""
+    per shard (index, address, tensors, param_bytes, version, node_id, device; Shampoo sessions also
+    ``preconditioners``: one dict per statistic with tensor, block, dim, size, age, error, failures,
+    fallback_steps, and ``root_offload``: offloaded, max_age, roots_installed, waits, resubmits)."""
 
     name: str
     version: int
@@ -45,12 +57,33 @@ class SessionStatus:
     shards: list[dict[str, Any]]
 
 
+_SERVICE = "/optserve.v1.ShardData/"
+
+
+class _ShardCalls:
+    """The chunk-carrying ShardData methods on one channel, with the copy-saving codecs of
+    :mod:`optserve.client._protowire`: requests may be pre-encoded chunk messages (bytes) and
+    responses arrive as ``(kind, value)`` pairs whose chunks are views, not copies."""
+
+    def __init__(self, channel: grpc.Channel):
+        send = _protowire.serialize
+        self.init_tensors = channel.stream_unary(_SERVICE + "InitTensors", request_serializer=send,
+                                                 response_deserializer=data_pb2.InitTensorsResponse.FromString)
+        self.push = channel.stream_unary(_SERVICE + "Push", request_serializer=send,
+                                         response_deserializer=data_pb2.PushResponse.FromString)
+        self.pull = channel.unary_stream(_SERVICE + "Pull", request_serializer=send,
+                                         response_deserializer=_protowire.chunk_or_message(data_pb2.PullResponse))
+        self.push_pull = channel.stream_stream(
+            _SERVICE + "PushPull", request_serializer=send,
+            response_deserializer=_protowire.chunk_or_message(data_pb2.PushPullResponse))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Shard:
     index: int
     address: str
     names: tuple[str, ...]
-    stub: data_pb2_grpc.ShardDataStub
+    calls: _ShardCalls
 
 
 class Session:
@@ -72,7 +105,7 @@ class Session:
         self.optimizer = {"name": info.config.optimizer.name, "args": json.loads(info.config.optimizer.args_json or "{}")}
         self.wire_dtype: Optional[int] = info.config.wire_dtype or None
         self._shards = [
-            _Shard(s.shard_index, s.address, tuple(s.tensor_names), data_pb2_grpc.ShardDataStub(client._channel(s.address)))
+            _Shard(s.shard_index, s.address, tuple(s.tensor_names), _ShardCalls(client._channel(s.address)))
             for s in info.shards
         ]
         self.client_id = uuid.uuid4().hex
@@ -146,7 +179,9 @@ class Session:
             shards=[
                 {"index": s.assignment.shard_index, "address": s.assignment.address,
                  "tensors": list(s.assignment.tensor_names), "param_bytes": s.assignment.param_bytes,
-                 "version": s.version, "initialized": s.initialized, "node_id": s.node_id, "device": s.device}
+                 "version": s.version, "initialized": s.initialized, "node_id": s.node_id, "device": s.device,
+                 "preconditioners": [_precond_block(b) for b in s.preconditioners],
+                 "root_offload": _root_offload(s.root_offload) if s.HasField("root_offload") else None}
                 for s in response.shards
             ],
         )
@@ -220,32 +255,32 @@ class Session:
         return results
 
     def _chunks(self, shard: _Shard, arrays: Mapping[str, np.ndarray], wire: Optional[int]):
+        """The shard's tensors as serialized ``{chunk: ...}`` messages (valid in every request type)."""
         size = self._client.chunk_bytes
         for name in shard.names:
             array = arrays[name]
-            yield from _wire.iter_chunks(name, array, wire or _wire.array_dtype_enum(array, name=name), size)
+            yield from _wire.iter_chunk_messages(name, array, wire or _wire.array_dtype_enum(array, name=name), size)
 
     def _pull_shard(self, shard: _Shard, wire: Optional[int], out=None):
         request = data_pb2.PullRequest(session=self.name, wire_dtype=wire or tensor_pb2.DTYPE_UNSPECIFIED,
                                        max_chunk_bytes=self._client.chunk_bytes)
-        responses = shard.stub.Pull(request, timeout=self._client.timeout)
         assembler = _wire.Reassembler({n: self.specs[n] for n in shard.names}, out)
         version = None
-        for response in responses:
-            if response.WhichOneof("item") == "version":
-                version = response.version
-            else:
-                assembler.add(response.chunk)
+        for kind, value in shard.calls.pull(request, timeout=self._client.timeout):
+            if kind == "version":
+                version = value
+            elif kind == "chunk":
+                assembler.add(value)
         return version, assembler.finish()
 
     def _initialize(self, params: Mapping[str, np.ndarray]) -> None:
         def send(shard: _Shard):
             def requests():
                 yield data_pb2.InitTensorsRequest(session=self.name)
-                for chunk in self._chunks(shard, params, None):
-                    yield data_pb2.InitTensorsRequest(chunk=chunk)
+                yield from self._chunks(shard, params, None)
 
-            return _retry.call(lambda: shard.stub.InitTensors(requests(), timeout=self._client.timeout), self._client.retry)
+            return _retry.call(lambda: shard.calls.init_tensors(requests(), timeout=self._client.timeout),
+                               self._client.retry)
 
         self._each_shard(send)
 
@@ -256,10 +291,9 @@ class Session:
         def push_shard(shard: _Shard):
             def requests():
                 yield data_pb2.PushRequest(header=header)
-                for chunk in self._chunks(shard, grads, wire):
-                    yield data_pb2.PushRequest(chunk=chunk)
+                yield from self._chunks(shard, grads, wire)
 
-            return shard.stub.Push(requests(), timeout=self._client.timeout)
+            return shard.calls.push(requests(), timeout=self._client.timeout)
 
         responses = self._each_shard(lambda shard: _rpc(push_shard, shard))
         version = max(r.version for r in responses)
@@ -276,17 +310,15 @@ class Session:
             def requests():
                 yield data_pb2.PushPullRequest(header=header)
                 yield data_pb2.PushPullRequest(pull=pull)
-                for chunk in self._chunks(shard, grads, wire):
-                    yield data_pb2.PushPullRequest(chunk=chunk)
+                yield from self._chunks(shard, grads, wire)
                 yield data_pb2.PushPullRequest(seal=True)
 
             assembler = _wire.Reassembler({n: self.specs[n] for n in shard.names}, out)
-            for response in shard.stub.PushPull(requests(), timeout=self._client.timeout):
-                kind = response.WhichOneof("item")
+            for kind, value in shard.calls.push_pull(requests(), timeout=self._client.timeout):
                 if kind == "chunk":
-                    assembler.add(response.chunk)
+                    assembler.add(value)
                 elif kind == "done":
-                    return response.done, assembler.finish()
+                    return value, assembler.finish()
             raise InvalidArgumentError(f"shard {shard.address} ended the stream without `done`")
 
         results = self._each_shard(lambda shard: _rpc(push_pull_shard, shard))

@@ -10,6 +10,7 @@ from typing import Iterator, Mapping, Optional, Union
 
 import numpy as np
 
+from optserve.client import _protowire
 from optserve.client.errors import InvalidArgumentError
 from optserve.protos.optserve.v1 import tensor_pb2
 
@@ -77,17 +78,30 @@ def chunk_size(requested: Optional[int]) -> int:
     return min(max(requested or DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
 
 
-def iter_chunks(name: str, array: np.ndarray, wire: int, chunk_bytes: int) -> Iterator[tensor_pb2.TensorChunk]:
-    """``TensorChunk`` messages covering ``array`` (converted to ``wire``) in order."""
+def _slices(array: np.ndarray, wire: int, chunk_bytes: int) -> Iterator[tuple[int, memoryview]]:
+    """(byte offset, bytes view) pieces of ``array`` converted to ``wire``, in order (one if empty)."""
     raw = encode(array, wire)
-    shape = list(array.shape)
     step = chunk_bytes - chunk_bytes % ITEMSIZE[wire]
     if len(raw) == 0:
-        yield tensor_pb2.TensorChunk(name=name, dtype=wire, shape=shape, offset=0, data=b"")
+        yield 0, raw
         return
     for offset in range(0, len(raw), step):
-        yield tensor_pb2.TensorChunk(name=name, dtype=wire, shape=shape, offset=offset,
-                                     data=raw[offset : offset + step].tobytes())
+        yield offset, raw[offset : offset + step]
+
+
+def iter_chunks(name: str, array: np.ndarray, wire: int, chunk_bytes: int) -> Iterator[tensor_pb2.TensorChunk]:
+    """``TensorChunk`` messages covering ``array`` (converted to ``wire``) in order."""
+    shape = list(array.shape)
+    for offset, data in _slices(array, wire, chunk_bytes):
+        yield tensor_pb2.TensorChunk(name=name, dtype=wire, shape=shape, offset=offset, data=data.tobytes())
+
+
+def iter_chunk_messages(name: str, array: np.ndarray, wire: int, chunk_bytes: int) -> Iterator[bytes]:
+    """As :func:`iter_chunks`, but each chunk already serialized as a data-plane message
+    ``{chunk: ...}`` (see :mod:`optserve.client._protowire`): the tensor bytes are copied once."""
+    shape = array.shape
+    for offset, data in _slices(array, wire, chunk_bytes):
+        yield _protowire.encode_chunk_message(name, wire, shape, offset, data)
 
 
 def output_dtype(spec_dtype: int) -> np.dtype:
@@ -114,22 +128,24 @@ class Reassembler:
             self.arrays[name] = given if usable else np.empty(shape, output_dtype(dtype))
         self._filled = {name: 0 for name in specs}
 
-    def add(self, chunk: tensor_pb2.TensorChunk) -> None:
+    def add(self, chunk) -> None:
+        """Writes one chunk (a ``TensorChunk`` or a :class:`~optserve.client._protowire.ChunkView`)."""
         out = self.arrays.get(chunk.name)
         if out is None:
             raise InvalidArgumentError(f"server sent unknown tensor {chunk.name!r}")
+        data = chunk.data  # read once: on a protobuf message every read is a fresh copy
         item = ITEMSIZE[chunk.dtype]
-        start, count = chunk.offset // item, len(chunk.data) // item
+        start, count = chunk.offset // item, len(data) // item
         flat = out.reshape(-1)
         if start + count > flat.size:
             raise InvalidArgumentError(f"server sent tensor {chunk.name!r} elements beyond its size")
         target = flat[start : start + count]
         if chunk.dtype == BFLOAT16:
-            target[:] = bf16_bits_to_f32(np.frombuffer(chunk.data, dtype=np.uint16))
+            target[:] = bf16_bits_to_f32(np.frombuffer(data, dtype=np.uint16))
         elif (chunk.dtype == FLOAT32 and out.dtype == np.float32) or (chunk.dtype == FLOAT16 and out.dtype == np.float16):
-            target.view(np.uint8)[:] = np.frombuffer(chunk.data, dtype=np.uint8)
+            target.view(np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
         else:
-            target[:] = np.frombuffer(chunk.data, dtype=np.float32 if chunk.dtype == FLOAT32 else np.float16)
+            target[:] = np.frombuffer(data, dtype=np.float32 if chunk.dtype == FLOAT32 else np.float16)
         self._filled[chunk.name] += count
 
     def finish(self) -> dict[str, np.ndarray]:

@@ -28,6 +28,18 @@ _MODES = {"sync": control_pb2.MODE_SYNC, "async": control_pb2.MODE_ASYNC}
 _POLICIES = {"reject": control_pb2.STALENESS_POLICY_REJECT, "scale": control_pb2.STALENESS_POLICY_SCALE}
 
 
+def _preconditioner_options(spec: Optional[Mapping]) -> control_pb2.PreconditionerOptions:
+    """``{"in_process": bool, "max_age": int}`` (both optional) -> the wire message."""
+    spec = dict(spec or {})
+    unknown = sorted(set(spec) - {"in_process", "max_age"})
+    if unknown:
+        raise InvalidArgumentError(f"optimizer preconditioners: unknown option {unknown[0]!r} (in_process, max_age)")
+    options = control_pb2.PreconditionerOptions(in_process=bool(spec.get("in_process", False)))
+    if spec.get("max_age") is not None:
+        options.max_age = int(spec["max_age"])
+    return options
+
+
 class Client:
     """A connection to an optserve server.
 
@@ -73,7 +85,9 @@ class Client:
         """Creates a session holding ``params`` (name -> array; float32/bfloat16/float16).
 
         Args:
-          optimizer: ``{"name": registry name, "args": {keyword arguments}}``.
+          optimizer: ``{"name": registry name, "args": {keyword arguments}}``; Shampoo also takes
+            ``"preconditioners": {"in_process": bool, "max_age": int}`` (where its inverse roots are
+            computed and their age bound in steps; see ``PreconditionerOptions`` in control.proto).
           mode: "sync" (a step = mean of ``num_workers`` pushes on one version) or "async".
           max_staleness: async: the largest accepted staleness (None: unlimited).
           staleness_policy: async: "reject" (ABORTED) or "scale" (step * 1 / (1 + staleness)).
@@ -94,7 +108,8 @@ class Client:
             name=name,
             tensors=[tensor_pb2.TensorSpec(name=n, dtype=_wire.array_dtype_enum(a, name=n), shape=list(a.shape))
                      for n, a in arrays.items()],
-            optimizer=control_pb2.OptimizerSpec(name=optimizer["name"], args_json=json.dumps(dict(optimizer.get("args") or {}))),
+            optimizer=control_pb2.OptimizerSpec(name=optimizer["name"], args_json=json.dumps(dict(optimizer.get("args") or {})),
+                                                preconditioners=_preconditioner_options(optimizer.get("preconditioners"))),
             mode=_MODES[mode],
             num_workers=num_workers,
             max_staleness=-1 if max_staleness is None else max_staleness,

@@ -24,6 +24,7 @@ class RunningServer:
     config: ServerConfig
     shard_addresses: list[str]
     _stop: Callable[[], None]
+    precond_workers: list = dataclasses.field(default_factory=list)  # Ray actor handles
 
     def stop(self) -> None:
         self._stop()
@@ -55,12 +56,18 @@ def start_server(config: ServerConfig) -> RunningServer:
     from optserve.server.shard import GRPC_OPTIONS, ShardActor
 
     started_ray = _init_ray(config.ray_address)
-    clock = ray.remote(num_cpus=0)(StepClock).options(max_concurrency=1000).remote()
+    clock = ray.remote(num_cpus=0)(StepClock).options(max_concurrency=1000).remote(config.data_host)
     shard_cls = ray.remote(ShardActor)
     resources = {"num_cpus": 0, "max_concurrency": 16}
     if config.gpus_per_shard > 0:  # the actor's JAX then sees (only) the GPUs Ray assigned it
         resources["num_gpus"] = config.gpus_per_shard
-    shards = [shard_cls.options(**resources).remote(i, config, clock) for i in range(config.shards)]
+    pool = None
+    if config.precond_workers > 0:
+        from optserve.server.preconditioner_pool import PoolConfig, PreconditionerPool, start_workers
+
+        pool_config = PoolConfig(config.precond_workers, config.gpus_per_precond_worker, config.precond_f64)
+        pool = PreconditionerPool(start_workers(pool_config), pool_config)
+    shards = [shard_cls.options(**resources).remote(i, config, clock, pool) for i in range(config.shards)]
     addresses = ray.get([s.address.remote() for s in shards])
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads), options=GRPC_OPTIONS)
     control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(Coordinator(shards, addresses, clock)), server)
@@ -79,7 +86,9 @@ def start_server(config: ServerConfig) -> RunningServer:
                 pass
             ray.kill(actor)
         ray.kill(clock)
+        for worker in pool.workers if pool is not None else []:
+            ray.kill(worker)
         if started_ray:
             ray.shutdown()
 
-    return RunningServer(address, config, addresses, stop)
+    return RunningServer(address, config, addresses, stop, pool.workers if pool is not None else [])

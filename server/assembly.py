@@ -98,18 +98,26 @@ class TensorAssembler:
         return dict(self._buffers)
 
 
-def iter_chunks(name: str, array: np.ndarray, dtype: DType, max_chunk_bytes: int, chunk_type):
-    """Yields ``chunk_type`` messages (``TensorChunk``) for ``array`` cast to ``dtype``.
+def iter_slices(array: np.ndarray, dtype: DType, max_chunk_bytes: int):
+    """Yields (byte offset, memoryview) pieces of ``array`` cast to ``dtype``, in order.
 
-    ``array`` is C-contiguous; chunks are at most ``max_chunk_bytes`` (rounded down to whole
-    elements) and cover the tensor in order.
+    ``array`` is C-contiguous; pieces are at most ``max_chunk_bytes`` (rounded down to whole
+    elements); an empty tensor yields one empty piece. The views share ``array``'s memory when
+    no cast is needed.
     """
     data = array if array.dtype == dtype.numpy else array.astype(dtype.numpy)
     raw = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
     step = max(dtype.itemsize, max_chunk_bytes - max_chunk_bytes % dtype.itemsize)
-    shape = list(array.shape)
     if len(raw) == 0:
-        yield chunk_type(name=name, dtype=dtype.value, shape=shape, offset=0, data=b"")
+        yield 0, raw
         return
     for offset in range(0, len(raw), step):
-        yield chunk_type(name=name, dtype=dtype.value, shape=shape, offset=offset, data=bytes(raw[offset : offset + step]))
+        yield offset, raw[offset : offset + step]
+
+
+def iter_chunks(name: str, array: np.ndarray, dtype: DType, max_chunk_bytes: int, chunk_type):
+    """Yields ``chunk_type`` messages (``TensorChunk``) for ``array`` cast to ``dtype`` (see
+    :func:`iter_slices`)."""
+    shape = list(array.shape)
+    for offset, data in iter_slices(array, dtype, max_chunk_bytes):
+        yield chunk_type(name=name, dtype=dtype.value, shape=shape, offset=offset, data=bytes(data))

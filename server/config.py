@@ -71,6 +71,23 @@ class TensorSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class PreconditionerOptions:
+    """Shampoo sessions: where inverse roots are computed (see :mod:`optserve.server.root_offload`).
+
+    Attributes:
+      in_process: compute roots inside the shards' update even when the server has workers.
+      max_age: the age bound in steps (>= 0); ``None``: 2 x preconditioning_compute_steps.
+    """
+
+    in_process: bool = False
+    max_age: Optional[int] = None
+
+    def __post_init__(self):
+        if self.max_age is not None and self.max_age < 0:
+            raise InvalidArgument(f"optimizer preconditioners: max_age must be >= 0, got {self.max_age}")
+
+
+@dataclasses.dataclass(frozen=True)
 class SessionConfig:
     """A session: its tensors, optimizer and step semantics.
 
@@ -85,6 +102,7 @@ class SessionConfig:
       staleness_policy: async: REJECT stale pushes, or SCALE steps by 1 / (1 + staleness).
       allow_nonfinite: pass NaN/Inf gradients to the optimizer instead of rejecting them.
       wire_dtype: default wire dtype advertised to clients (None: each tensor's own).
+      preconditioners: Shampoo only: where its inverse roots are computed, and their age bound.
     """
 
     name: str
@@ -97,6 +115,7 @@ class SessionConfig:
     staleness_policy: StalenessPolicy = StalenessPolicy.REJECT
     allow_nonfinite: bool = False
     wire_dtype: Optional[DType] = None
+    preconditioners: PreconditionerOptions = dataclasses.field(default_factory=PreconditionerOptions)
 
     def __post_init__(self):
         if not 1 <= len(self.name) <= 200:
@@ -138,8 +157,8 @@ class ServerConfig:
       ray_address: "local" (start an embedded Ray), "auto" (join a running cluster) or an address.
       gpus_per_shard: GPUs each shard actor requests from Ray (0: CPU).
       shard_host: interface the shards' data services bind to (defaults to ``host``).
-      precond_workers / gpus_per_precond_worker / precond_f64: reserved for Shampoo's
-        preconditioner workers (stored, not used by the core service).
+      precond_workers / gpus_per_precond_worker / precond_f64: Shampoo's preconditioner workers
+        (:mod:`optserve.server.preconditioner_pool`): how many, GPUs each, float64 roots.
       grpc_threads: thread pool size of each gRPC server.
       step_timeout_s: longest wait for a sync barrier or a cross-shard reduction.
       vote_timeout_s: how long shards that staged a push wait for their peers to stage theirs

@@ -27,21 +27,23 @@ class ShardActor:
       index: shard index (0-based).
       config: the server's configuration (bind host, threads, timeouts).
       clock: handle of the server's :class:`~optserve.server.clock.StepClock` actor.
+      precond_pool: the server's :class:`~optserve.server.preconditioner_pool.PreconditionerPool`
+        (``None``: no preconditioner workers).
     """
 
-    def __init__(self, index: int, config: ServerConfig, clock):
+    def __init__(self, index: int, config: ServerConfig, clock, precond_pool=None):
         import grpc
         import ray
 
-        from optserve.protos.optserve.v1 import data_pb2_grpc
-        from optserve.server.shard_servicer import ShardDataServicer, ShardRegistry
+        from optserve.server.shard_servicer import ShardRegistry, add_to_server
 
         self._index = index
         self._config = config
         self._clock = clock
+        self._precond_pool = precond_pool.for_shard(index) if precond_pool is not None else None
         self._registry = ShardRegistry()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads), options=GRPC_OPTIONS)
-        data_pb2_grpc.add_ShardDataServicer_to_server(ShardDataServicer(self._registry), self._server)
+        add_to_server(self._registry, self._server)  # ShardData with the copy-saving chunk codecs
         host = config.data_host
         port = self._server.add_insecure_port(f"{host}:0")
         self._server.start()
@@ -58,7 +60,8 @@ class ShardActor:
 
         clock = LocalClock(config) if participants == 1 else RemoteClock(self._clock, config.name, participants)
         self._registry.add(ShardSession(config, tensor_names, self._index, participants, clock,
-                                        self._config.step_timeout_s, self._config.vote_timeout_s))
+                                        self._config.step_timeout_s, self._config.vote_timeout_s,
+                                        precond_pool=self._precond_pool))
 
     def close_session(self, name: str) -> bool:
         return self._registry.remove(name)

@@ -1,6 +1,9 @@
 """Wire layer of a shard: the ShardData gRPC service (decode, validate, map errors).
 
 Every method is a short paragraph over :class:`~optserve.server.shard_state.ShardSession`.
+:func:`add_to_server` serves it with the chunk codecs of :mod:`optserve.client._protowire`
+(same wire format, tensor bytes not copied by protobuf); the generated
+``add_ShardDataServicer_to_server`` works too, with the generated classes' copies.
 """
 
 from __future__ import annotations
@@ -10,8 +13,9 @@ import threading
 import grpc
 from typing import Iterator
 
+from optserve.client import _protowire
 from optserve.protos.optserve.v1 import data_pb2, data_pb2_grpc, tensor_pb2
-from optserve.server.assembly import iter_chunks, wire_dtype
+from optserve.server.assembly import iter_slices, wire_dtype
 from optserve.server.errors import FailedPrecondition, InvalidArgument, NonFinite, NotFound, grpc_errors
 from optserve.server.shard_state import ShardSession
 
@@ -59,26 +63,40 @@ def _pull_options(request: data_pb2.PullRequest):
     return dtype, min(max(size, _MIN_CHUNK), _MAX_CHUNK)
 
 
-def _param_chunks(session: ShardSession, params, dtype, chunk_bytes):
+def _param_chunks(session: ShardSession, params, dtype, chunk_bytes, encode):
+    """The shard's parameters as chunk responses, each made by ``encode(name, dtype, shape, offset, data)``."""
     for name, spec in session.specs.items():
-        yield from iter_chunks(name, params[name], dtype or spec.dtype, chunk_bytes, tensor_pb2.TensorChunk)
+        wire = dtype or spec.dtype
+        array = params[name]
+        for offset, data in iter_slices(array, wire, chunk_bytes):
+            yield encode(name, wire.value, array.shape, offset, data)
 
 
-def _receive_push(session: ShardSession, header, chunks: Iterator) -> bool:
+def _message_encoder(response_type):
+    """Chunk -> ``response_type(chunk=TensorChunk(...))``, for the generated serializers."""
+
+    def encode(name, dtype, shape, offset, data):
+        chunk = tensor_pb2.TensorChunk(name=name, dtype=dtype, shape=list(shape), offset=offset, data=bytes(data))
+        return response_type(chunk=chunk)
+
+    return encode
+
+
+def _receive_push(session: ShardSession, header, chunks: Iterator, context) -> bool:
     """Assembles and stages one push from ``chunks``; returns True if it was already applied.
 
     A stream that breaks or a chunk that fails validation stages nothing (and, with
     ``header.auto_commit``, tells the peer shards to drop their parts).
     """
     try:
-        return _stage(session, header, chunks)
+        return _stage(session, header, chunks, context)
     except BaseException:
         if header.auto_commit:
             session.commit_with_peers(header.client_id, header.sequence, staged=False)
         raise
 
 
-def _stage(session: ShardSession, header, chunks: Iterator) -> bool:
+def _stage(session: ShardSession, header, chunks: Iterator, context) -> bool:
     if not header.client_id:
         raise InvalidArgument("push header: client_id must be non-empty")
     assembler, buffers = session.assembler_for_push()
@@ -86,6 +104,10 @@ def _stage(session: ShardSession, header, chunks: Iterator) -> bool:
         for chunk in chunks:
             assembler.add(chunk)
         grads = assembler.finish()
+        # gRPC can report a cancelled client stream as a clean end of stream; a call that is
+        # no longer active was broken, even if its chunks happened to be complete.
+        if not context.is_active():
+            raise FailedPrecondition(f"push {header.sequence} from client {header.client_id!r}: the call was cancelled")
     except NonFinite:
         session.release_buffers(buffers)
         session.count_rejection("nonfinite")
@@ -106,10 +128,17 @@ def _stage(session: ShardSession, header, chunks: Iterator) -> bool:
 
 
 class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
-    """ShardData on one shard actor."""
+    """ShardData on one shard actor.
 
-    def __init__(self, registry: ShardRegistry):
+    ``raw_chunks``: yield chunk responses as pre-serialized messages (bytes); only for the
+    serializers of :func:`add_to_server`.
+    """
+
+    def __init__(self, registry: ShardRegistry, raw_chunks: bool = False):
         self._registry = registry
+        raw = _protowire.encode_chunk_message
+        self._pull_chunk = raw if raw_chunks else _message_encoder(data_pb2.PullResponse)
+        self._push_pull_chunk = raw if raw_chunks else _message_encoder(data_pb2.PushPullResponse)
 
     @grpc_errors
     def InitTensors(self, request_iterator, context):
@@ -125,7 +154,7 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
     def Push(self, request_iterator, context):
         header = _first(request_iterator, "header", "Push")
         session = self._registry.get(header.session)
-        done = _receive_push(session, header, (r.chunk for r in request_iterator))
+        done = _receive_push(session, header, (r.chunk for r in request_iterator), context)
         if not header.auto_commit:
             return data_pb2.PushResponse(already_applied=done, version=session.version)
         ticket = session.commit_with_peers(header.client_id, header.sequence, staged=True)
@@ -147,8 +176,7 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
         dtype, chunk_bytes = _pull_options(request)
         version, params = session.snapshot()
         yield data_pb2.PullResponse(version=version)
-        for chunk in _param_chunks(session, params, dtype, chunk_bytes):
-            yield data_pb2.PullResponse(chunk=chunk)
+        yield from _param_chunks(session, params, dtype, chunk_bytes, self._pull_chunk)
 
     @grpc_errors
     def PushPull(self, request_iterator, context):
@@ -181,7 +209,7 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
                     else:
                         raise InvalidArgument(f"PushPull: unexpected `{kind}` before `seal`")
 
-            done = _receive_push(session, header, chunks())
+            done = _receive_push(session, header, chunks(), context)
             if not sealed.is_set():  # the stream ended before `seal`: a broken push
                 if header.auto_commit:
                     session.commit_with_peers(header.client_id, header.sequence, staged=False)
@@ -202,7 +230,62 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
                 ticket = session.commit(header.client_id, header.sequence)
             dtype, chunk_bytes = _pull_options(pull)
             version, params = session.snapshot()
-            for chunk in _param_chunks(session, params, dtype, chunk_bytes):
-                yield data_pb2.PushPullResponse(chunk=chunk)
+            yield from _param_chunks(session, params, dtype, chunk_bytes, self._push_pull_chunk)
             yield data_pb2.PushPullResponse(
                 done=data_pb2.StepDone(version=version, staleness=ticket.staleness, committed=True))
+
+
+class _ChunkRequest:
+    """A request that holds one chunk, decoded without copying its bytes (:func:`add_to_server`).
+
+    It answers what the servicer asks of a request: ``WhichOneof("item")`` and ``chunk``.
+    """
+
+    __slots__ = ("chunk",)
+
+    def __init__(self, chunk: _protowire.ChunkView):
+        self.chunk = chunk
+
+    def WhichOneof(self, group: str) -> str:  # noqa: N802 - the protobuf method's name
+        return "chunk"
+
+
+def _request_decoder(message_type):
+    """Deserializer: chunk requests as :class:`_ChunkRequest`, others as ``message_type``."""
+
+    def decode(serialized: bytes):
+        chunk = _protowire.split_chunk(serialized)
+        return message_type.FromString(serialized) if chunk is None else _ChunkRequest(chunk)
+
+    return decode
+
+
+def add_to_server(registry: ShardRegistry, server: grpc.Server) -> None:
+    """Serves ShardData for ``registry`` on ``server`` with the copy-saving chunk codecs.
+
+    Same service name, methods and wire format as ``data_pb2_grpc.add_ShardDataServicer_to_server``;
+    chunk requests are read in place and chunk responses serialized by hand
+    (:mod:`optserve.client._protowire`), sparing protobuf's copies of every tensor byte.
+    """
+    servicer = ShardDataServicer(registry, raw_chunks=True)
+    handlers = {
+        "InitTensors": grpc.stream_unary_rpc_method_handler(
+            servicer.InitTensors, request_deserializer=_request_decoder(data_pb2.InitTensorsRequest),
+            response_serializer=data_pb2.InitTensorsResponse.SerializeToString),
+        "Push": grpc.stream_unary_rpc_method_handler(
+            servicer.Push, request_deserializer=_request_decoder(data_pb2.PushRequest),
+            response_serializer=data_pb2.PushResponse.SerializeToString),
+        "Commit": grpc.unary_unary_rpc_method_handler(
+            servicer.Commit, request_deserializer=data_pb2.CommitRequest.FromString,
+            response_serializer=data_pb2.CommitResponse.SerializeToString),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            servicer.Abort, request_deserializer=data_pb2.AbortRequest.FromString,
+            response_serializer=data_pb2.AbortResponse.SerializeToString),
+        "Pull": grpc.unary_stream_rpc_method_handler(
+            servicer.Pull, request_deserializer=data_pb2.PullRequest.FromString,
+            response_serializer=_protowire.serialize),
+        "PushPull": grpc.stream_stream_rpc_method_handler(
+            servicer.PushPull, request_deserializer=_request_decoder(data_pb2.PushPullRequest),
+            response_serializer=_protowire.serialize),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("optserve.v1.ShardData", handlers),))

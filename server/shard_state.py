@@ -5,9 +5,13 @@ is one jitted, donated call over the whole pytree, plus one jitted partial-stati
 the optimizer needs a cross-shard sum (summed by the clock actor). Tickets from the clock are
 applied strictly in ordinal order (see :mod:`optserve.server.clock`).
 
-Extension seam (Shampoo's preconditioner offload): subclass or register callables in
-``ShardSession.after_step_hooks``; each is called as ``hook(session)`` under the session's
-lock after every applied step, with ``session.params`` / ``session.opt_state`` current.
+Shampoo sessions: ``ShardSession.preconditioners`` (:mod:`optserve.server.root_offload`) is
+called right before and right after each update; it installs inverse roots computed by the
+preconditioner workers and sends them new statistics (or only keeps status, in process).
+
+Extension seam: register callables in ``ShardSession.after_step_hooks``; each is called as
+``hook(session)`` under the session's lock after every applied step, with ``session.params`` /
+``session.opt_state`` current.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import numpy as np
 from optserve.server.assembly import TensorAssembler
 from optserve.server.clock import Ticket
 from optserve.server.config import Mode, SessionConfig, TensorSpec
+from optserve.server.root_offload import shard_preconditioners
 from optserve.server.errors import FailedPrecondition, NotFound, PeerRefused, Stale, Timeout
 
 _GAP_POLL_S = 0.25
@@ -64,10 +69,12 @@ class ShardSession:
       clock: the session's clock (:class:`~optserve.server.clock.LocalClock` or ``RemoteClock``).
       step_timeout_s: longest wait for a sync barrier, a missing ticket or a reduction.
       vote_timeout_s: auto-commit: longest wait for the peer shards to stage a push.
+      precond_pool: the server's Shampoo preconditioner workers (``None``: none); whether this
+        session uses them is decided by :func:`~optserve.server.root_offload.shard_preconditioners`.
     """
 
     def __init__(self, config: SessionConfig, tensor_names: list[str], shard_index: int, participants: int,
-                 clock, step_timeout_s: float = 300.0, vote_timeout_s: float = 30.0):
+                 clock, step_timeout_s: float = 300.0, vote_timeout_s: float = 30.0, precond_pool=None):
         import jax
 
         by_name = config.spec_by_name
@@ -79,6 +86,11 @@ class ShardSession:
         self._timeout = step_timeout_s
         self._vote_timeout = vote_timeout_s
         self.optimizer = config.validate_optimizer()
+        self.preconditioners = shard_preconditioners(
+            config.optimizer_name, self.optimizer, {n: s.shape for n, s in self.specs.items()}, precond_pool,
+            config.preconditioners.in_process, config.preconditioners.max_age)
+        if self.preconditioners is not None:  # offloaded Shampoo runs without in-line roots
+            self.optimizer = self.preconditioners.optimizer
         self.device = jax.devices()[0]
         self.params: Optional[dict[str, Any]] = None
         self.opt_state: Any = None
@@ -294,8 +306,12 @@ class ShardSession:
             partial = float(self._partial_fn(grads, self.opt_state, self.params))
             total = self._clock.reduce_sum(ticket.target_version, self.shard_index, partial)
             global_stat = np.float32(total)
+        if self.preconditioners is not None:  # installs roots that arrived; waits past the age bound
+            self.opt_state = self.preconditioners.before_update(self.opt_state, grads, self.params)
         self.params, self.opt_state = self._step_fn(self.params, self.opt_state, grads, np.float32(ticket.scale), global_stat)
         jax.block_until_ready(self.params)
+        if self.preconditioners is not None:  # sends the statistics for new roots, without waiting
+            self.opt_state = self.preconditioners.after_update(self.opt_state)
         self.version = ticket.target_version
         for hook in self.after_step_hooks:
             hook(self)
@@ -314,4 +330,5 @@ class ShardSession:
             "rejected": dict(self.rejected),
             "device": str(self.device),
             "clock": self._clock.status(),
+            "preconditioners": self.preconditioners.status() if self.preconditioners is not None else None,
         }

@@ -6,7 +6,7 @@ import json
 
 from optserve.protos.optserve.v1 import control_pb2, tensor_pb2
 from optserve.server.assembly import wire_dtype
-from optserve.server.config import Mode, SessionConfig, StalenessPolicy, TensorSpec
+from optserve.server.config import Mode, PreconditionerOptions, SessionConfig, StalenessPolicy, TensorSpec
 from optserve.server.coordinator import SessionRecord
 from optserve.server.errors import InvalidArgument
 
@@ -39,6 +39,7 @@ def session_config_from_proto(message: control_pb2.SessionConfig) -> SessionConf
         tensors=tensors,
         optimizer_name=message.optimizer.name,
         optimizer_args=args,
+        preconditioners=preconditioner_options_from_proto(message.optimizer.preconditioners),
         mode=mode,
         num_workers=message.num_workers or 1,
         max_staleness=None if message.max_staleness < 0 else message.max_staleness,
@@ -52,7 +53,8 @@ def session_config_to_proto(config: SessionConfig) -> control_pb2.SessionConfig:
     return control_pb2.SessionConfig(
         name=config.name,
         tensors=[tensor_pb2.TensorSpec(name=t.name, dtype=t.dtype.value, shape=list(t.shape)) for t in config.tensors],
-        optimizer=control_pb2.OptimizerSpec(name=config.optimizer_name, args_json=json.dumps(config.optimizer_args)),
+        optimizer=control_pb2.OptimizerSpec(name=config.optimizer_name, args_json=json.dumps(config.optimizer_args),
+                                            preconditioners=preconditioner_options_to_proto(config.preconditioners)),
         mode=config.mode.value,
         num_workers=config.num_workers,
         max_staleness=-1 if config.max_staleness is None else config.max_staleness,
@@ -60,6 +62,28 @@ def session_config_to_proto(config: SessionConfig) -> control_pb2.SessionConfig:
         allow_nonfinite=config.allow_nonfinite,
         wire_dtype=config.wire_dtype.value if config.wire_dtype else tensor_pb2.DTYPE_UNSPECIFIED,
     )
+
+
+def preconditioner_options_from_proto(message: control_pb2.PreconditionerOptions) -> PreconditionerOptions:
+    return PreconditionerOptions(in_process=message.in_process,
+                                 max_age=message.max_age if message.HasField("max_age") else None)
+
+
+def preconditioner_options_to_proto(options: PreconditionerOptions) -> control_pb2.PreconditionerOptions:
+    message = control_pb2.PreconditionerOptions(in_process=options.in_process)
+    if options.max_age is not None:
+        message.max_age = options.max_age
+    return message
+
+
+def preconditioner_status_to_proto(status) -> dict:
+    """The ShardStatus fields for a shard's Shampoo status dict (``{}`` for other optimizers)."""
+    if not status:
+        return {}
+    offload = control_pb2.RootOffloadStatus(
+        offloaded=status["offloaded"], max_age=-1 if status["max_age"] is None else status["max_age"],
+        roots_installed=status["roots_installed"], waits=status["waits"], resubmits=status["resubmits"])
+    return {"preconditioners": [control_pb2.PreconditionerStatus(**b) for b in status["blocks"]], "root_offload": offload}
 
 
 def assignment_to_proto(a) -> control_pb2.ShardAssignment:
@@ -95,7 +119,8 @@ def status_to_proto(record: SessionRecord, clock: dict, shards: list[dict]) -> c
         rejected=[control_pb2.RejectCount(reason=r, count=c) for r, c in sorted(rejected.items())],
         shards=[
             control_pb2.ShardStatus(assignment=assignment_to_proto(a), version=s["version"],
-                                    initialized=s["initialized"], node_id=s["node_id"], device=s["device"])
+                                    initialized=s["initialized"], node_id=s["node_id"], device=s["device"],
+                                    **preconditioner_status_to_proto(s.get("preconditioners")))
             for a, s in zip(record.assignments, shards)
         ],
     )

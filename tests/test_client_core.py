@@ -87,3 +87,22 @@ def test_reassembler_writes_into_given_arrays_when_they_fit():
     out = assembler.finish()
     assert out["w"] is reuse and (reuse == 1).all()
     assert out["b"] is not wrong and out["b"].shape == (3,)
+
+
+def test_hand_encoded_chunk_messages_match_the_generated_classes():
+    from optserve.client import _protowire
+    from optserve.protos.optserve.v1 import data_pb2, tensor_pb2
+
+    array = np.arange(12, dtype=np.float32).reshape(3, 4)
+    for message in _wire.iter_chunk_messages("layer/w", array, _wire.FLOAT32, 1 << 20):
+        for request_type in (data_pb2.PushRequest, data_pb2.PushPullRequest, data_pb2.InitTensorsRequest):
+            parsed = request_type.FromString(message).chunk
+            assert (parsed.name, parsed.dtype, list(parsed.shape), parsed.offset) == ("layer/w", _wire.FLOAT32, [3, 4], 0)
+            assert parsed.data == array.tobytes()
+    decode = _protowire.chunk_or_message(data_pb2.PushPullResponse)
+    chunk = tensor_pb2.TensorChunk(name="b", dtype=_wire.FLOAT16, shape=[5, 1], offset=-3, data=b"\x01\x02")
+    kind, view = decode(data_pb2.PushPullResponse(chunk=chunk).SerializeToString())
+    assert kind == "chunk" and (view.name, view.dtype, view.shape, view.offset, bytes(view.data)) == (
+        "b", _wire.FLOAT16, (5, 1), -3, b"\x01\x02")
+    assert decode(data_pb2.PushPullResponse(done=data_pb2.StepDone(version=7)).SerializeToString())[1].version == 7
+    assert decode(data_pb2.PushPullResponse(chunk=tensor_pb2.TensorChunk(name="e")).SerializeToString())[1].data.nbytes == 0

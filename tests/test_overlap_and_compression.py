@@ -106,6 +106,19 @@ def test_jax_delayed_stepper_gives_exactly_the_one_step_delayed_trajectory(serve
 # --- compression ------------------------------------------------------------------------------
 
 
+def _wire_size(message) -> int:
+    """Bytes of a message as the client hands it to gRPC or gets it back: a generated message,
+    a pre-encoded chunk message (bytes), or a decoded ``(kind, value)`` pair (chunks: their data)."""
+    if isinstance(message, (bytes, bytearray, memoryview)):
+        return len(message)
+    if isinstance(message, tuple):
+        kind, value = message
+        if kind == "chunk":
+            return len(value.data)
+        return value.ByteSize() if hasattr(value, "ByteSize") else 0
+    return message.ByteSize()
+
+
 class _ByteCounter(
     grpc.UnaryUnaryClientInterceptor,
     grpc.UnaryStreamClientInterceptor,
@@ -120,7 +133,7 @@ class _ByteCounter(
 
     def _count_requests(self, requests):
         for request in requests:
-            self.sent += request.ByteSize()
+            self.sent += _wire_size(request)
             yield request
 
     def _counted_responses(self, call):
@@ -132,7 +145,7 @@ class _ByteCounter(
 
             def __next__(self):
                 response = next(call)
-                counter.received += response.ByteSize()
+                counter.received += _wire_size(response)
                 return response
 
             def __getattr__(self, name):
@@ -141,18 +154,18 @@ class _ByteCounter(
         return _Call()
 
     def intercept_unary_unary(self, continuation, details, request):
-        self.sent += request.ByteSize()
+        self.sent += _wire_size(request)
         outcome = continuation(details, request)
-        self.received += outcome.result().ByteSize() if outcome.exception() is None else 0
+        self.received += _wire_size(outcome.result()) if outcome.exception() is None else 0
         return outcome
 
     def intercept_unary_stream(self, continuation, details, request):
-        self.sent += request.ByteSize()
+        self.sent += _wire_size(request)
         return self._counted_responses(continuation(details, request))
 
     def intercept_stream_unary(self, continuation, details, request_iterator):
         outcome = continuation(details, self._count_requests(request_iterator))
-        self.received += outcome.result().ByteSize() if outcome.exception() is None else 0
+        self.received += _wire_size(outcome.result()) if outcome.exception() is None else 0
         return outcome
 
     def intercept_stream_stream(self, continuation, details, request_iterator):

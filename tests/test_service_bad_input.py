@@ -244,9 +244,12 @@ def test_client_disconnecting_mid_push_applies_nothing(twins):
 
     sent_half = threading.Event()
 
+    first = grads[names[0]]
+    first_half = first.reshape(-1)[: first.size // 2]
+
     def half_then_hang():
         yield data_pb2.PushRequest(header=_header(victim, sequence=7))
-        yield data_pb2.PushRequest(chunk=_chunk(names[0], grads[names[0]]))
+        yield data_pb2.PushRequest(chunk=_chunk(names[0], first_half, shape=first.shape))
         sent_half.set()
         threading.Event().wait(30)  # never finishes: the call is cancelled meanwhile
 
