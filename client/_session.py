@@ -19,7 +19,8 @@ from typing import Any, Callable, Mapping, Optional
 import grpc
 import numpy as np
 
-from optserve.client import _protowire, _retry, _wire
+from optserve.client import _retry, _wire
+from optserve.protos import chunk_codec
 from optserve.client.errors import InvalidArgumentError, PeerRefusedError, from_rpc_error
 from optserve.protos.optserve.v1 import control_pb2, data_pb2, tensor_pb2
 
@@ -62,20 +63,20 @@ _SERVICE = "/optserve.v1.ShardData/"
 
 class _ShardCalls:
     """The chunk-carrying ShardData methods on one channel, with the copy-saving codecs of
-    :mod:`optserve.client._protowire`: requests may be pre-encoded chunk messages (bytes) and
+    :mod:`optserve.protos.chunk_codec`: requests may be pre-encoded chunk messages (bytes) and
     responses arrive as ``(kind, value)`` pairs whose chunks are views, not copies."""
 
     def __init__(self, channel: grpc.Channel):
-        send = _protowire.serialize
+        send = chunk_codec.serialize
         self.init_tensors = channel.stream_unary(_SERVICE + "InitTensors", request_serializer=send,
                                                  response_deserializer=data_pb2.InitTensorsResponse.FromString)
         self.push = channel.stream_unary(_SERVICE + "Push", request_serializer=send,
                                          response_deserializer=data_pb2.PushResponse.FromString)
         self.pull = channel.unary_stream(_SERVICE + "Pull", request_serializer=send,
-                                         response_deserializer=_protowire.chunk_or_message(data_pb2.PullResponse))
+                                         response_deserializer=chunk_codec.chunk_or_message(data_pb2.PullResponse))
         self.push_pull = channel.stream_stream(
             _SERVICE + "PushPull", request_serializer=send,
-            response_deserializer=_protowire.chunk_or_message(data_pb2.PushPullResponse))
+            response_deserializer=chunk_codec.chunk_or_message(data_pb2.PushPullResponse))
 
 
 @dataclasses.dataclass(frozen=True)

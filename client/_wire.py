@@ -10,7 +10,7 @@ from typing import Iterator, Mapping, Optional, Union
 
 import numpy as np
 
-from optserve.client import _protowire
+from optserve.protos import chunk_codec
 from optserve.client.errors import InvalidArgumentError
 from optserve.protos.optserve.v1 import tensor_pb2
 
@@ -98,10 +98,10 @@ def iter_chunks(name: str, array: np.ndarray, wire: int, chunk_bytes: int) -> It
 
 def iter_chunk_messages(name: str, array: np.ndarray, wire: int, chunk_bytes: int) -> Iterator[bytes]:
     """As :func:`iter_chunks`, but each chunk already serialized as a data-plane message
-    ``{chunk: ...}`` (see :mod:`optserve.client._protowire`): the tensor bytes are copied once."""
+    ``{chunk: ...}`` (see :mod:`optserve.protos.chunk_codec`): the tensor bytes are copied once."""
     shape = array.shape
     for offset, data in _slices(array, wire, chunk_bytes):
-        yield _protowire.encode_chunk_message(name, wire, shape, offset, data)
+        yield chunk_codec.encode_chunk_message(name, wire, shape, offset, data)
 
 
 def output_dtype(spec_dtype: int) -> np.dtype:
@@ -129,7 +129,7 @@ class Reassembler:
         self._filled = {name: 0 for name in specs}
 
     def add(self, chunk) -> None:
-        """Writes one chunk (a ``TensorChunk`` or a :class:`~optserve.client._protowire.ChunkView`)."""
+        """Writes one chunk (a ``TensorChunk`` or a :class:`~optserve.client.chunk_codec.ChunkView`)."""
         out = self.arrays.get(chunk.name)
         if out is None:
             raise InvalidArgumentError(f"server sent unknown tensor {chunk.name!r}")

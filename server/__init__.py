@@ -9,7 +9,8 @@ domain   config.py (typed, validated configuration), coordinator.py (sessions, s
          step), clock.py (where a session's version lives; ticket order; cross-shard sums),
          assembly.py (chunks -> validated buffers)
 compute  shard.py (the Ray actor serving ShardData), shard_state.py (a session's pytree on one
-         shard: one jitted, donated update per step; ``after_step_hooks`` seam)
+         shard: one jitted, donated update per step, Shampoo root offload
+         around it), root_offload.py + preconditioner_pool.py + preconditioner_worker.py
 startup  app.py (``start_server(config) -> RunningServer``), cli.py (``optserve serve``)
 
 Staleness is decided by the session clock, where the version lives: the first shard to ask

@@ -1,7 +1,7 @@
 """Wire layer of a shard: the ShardData gRPC service (decode, validate, map errors).
 
 Every method is a short paragraph over :class:`~optserve.server.shard_state.ShardSession`.
-:func:`add_to_server` serves it with the chunk codecs of :mod:`optserve.client._protowire`
+:func:`add_to_server` serves it with the chunk codecs of :mod:`optserve.protos.chunk_codec`
 (same wire format, tensor bytes not copied by protobuf); the generated
 ``add_ShardDataServicer_to_server`` works too, with the generated classes' copies.
 """
@@ -13,7 +13,7 @@ import threading
 import grpc
 from typing import Iterator
 
-from optserve.client import _protowire
+from optserve.protos import chunk_codec
 from optserve.protos.optserve.v1 import data_pb2, data_pb2_grpc, tensor_pb2
 from optserve.server.assembly import iter_slices, wire_dtype
 from optserve.server.errors import FailedPrecondition, InvalidArgument, NonFinite, NotFound, grpc_errors
@@ -136,7 +136,7 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
 
     def __init__(self, registry: ShardRegistry, raw_chunks: bool = False):
         self._registry = registry
-        raw = _protowire.encode_chunk_message
+        raw = chunk_codec.encode_chunk_message
         self._pull_chunk = raw if raw_chunks else _message_encoder(data_pb2.PullResponse)
         self._push_pull_chunk = raw if raw_chunks else _message_encoder(data_pb2.PushPullResponse)
 
@@ -243,7 +243,7 @@ class _ChunkRequest:
 
     __slots__ = ("chunk",)
 
-    def __init__(self, chunk: _protowire.ChunkView):
+    def __init__(self, chunk: chunk_codec.ChunkView):
         self.chunk = chunk
 
     def WhichOneof(self, group: str) -> str:  # noqa: N802 - the protobuf method's name
@@ -254,7 +254,7 @@ def _request_decoder(message_type):
     """Deserializer: chunk requests as :class:`_ChunkRequest`, others as ``message_type``."""
 
     def decode(serialized: bytes):
-        chunk = _protowire.split_chunk(serialized)
+        chunk = chunk_codec.split_chunk(serialized)
         return message_type.FromString(serialized) if chunk is None else _ChunkRequest(chunk)
 
     return decode
@@ -265,7 +265,7 @@ def add_to_server(registry: ShardRegistry, server: grpc.Server) -> None:
 
     Same service name, methods and wire format as ``data_pb2_grpc.add_ShardDataServicer_to_server``;
     chunk requests are read in place and chunk responses serialized by hand
-    (:mod:`optserve.client._protowire`), sparing protobuf's copies of every tensor byte.
+    (:mod:`optserve.protos.chunk_codec`), sparing protobuf's copies of every tensor byte.
     """
     servicer = ShardDataServicer(registry, raw_chunks=True)
     handlers = {
@@ -283,9 +283,9 @@ def add_to_server(registry: ShardRegistry, server: grpc.Server) -> None:
             response_serializer=data_pb2.AbortResponse.SerializeToString),
         "Pull": grpc.unary_stream_rpc_method_handler(
             servicer.Pull, request_deserializer=data_pb2.PullRequest.FromString,
-            response_serializer=_protowire.serialize),
+            response_serializer=chunk_codec.serialize),
         "PushPull": grpc.stream_stream_rpc_method_handler(
             servicer.PushPull, request_deserializer=_request_decoder(data_pb2.PushPullRequest),
-            response_serializer=_protowire.serialize),
+            response_serializer=chunk_codec.serialize),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("optserve.v1.ShardData", handlers),))

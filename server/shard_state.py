@@ -8,17 +8,13 @@ applied strictly in ordinal order (see :mod:`optserve.server.clock`).
 Shampoo sessions: ``ShardSession.preconditioners`` (:mod:`optserve.server.root_offload`) is
 called right before and right after each update; it installs inverse roots computed by the
 preconditioner workers and sends them new statistics (or only keeps status, in process).
-
-Extension seam: register callables in ``ShardSession.after_step_hooks``; each is called as
-``hook(session)`` under the session's lock after every applied step, with ``session.params`` /
-``session.opt_state`` current.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -95,7 +91,6 @@ class ShardSession:
         self.params: Optional[dict[str, Any]] = None
         self.opt_state: Any = None
         self.version = 0
-        self.after_step_hooks: list[Callable[["ShardSession"], None]] = []
         self.rejected = {"invalid": 0, "nonfinite": 0, "stale": 0, "aborted": 0}
         self._pool = _BufferPool(list(self.specs.values()))
         self._staged: dict[tuple[str, int], _Staged] = {}
@@ -313,8 +308,6 @@ class ShardSession:
         if self.preconditioners is not None:  # sends the statistics for new roots, without waiting
             self.opt_state = self.preconditioners.after_update(self.opt_state)
         self.version = ticket.target_version
-        for hook in self.after_step_hooks:
-            hook(self)
 
     # ----------------------------------------------------------------- reading
     def snapshot(self) -> tuple[int, dict[str, np.ndarray]]:

@@ -90,7 +90,7 @@ def test_reassembler_writes_into_given_arrays_when_they_fit():
 
 
 def test_hand_encoded_chunk_messages_match_the_generated_classes():
-    from optserve.client import _protowire
+    from optserve.protos import chunk_codec
     from optserve.protos.optserve.v1 import data_pb2, tensor_pb2
 
     array = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -99,7 +99,7 @@ def test_hand_encoded_chunk_messages_match_the_generated_classes():
             parsed = request_type.FromString(message).chunk
             assert (parsed.name, parsed.dtype, list(parsed.shape), parsed.offset) == ("layer/w", _wire.FLOAT32, [3, 4], 0)
             assert parsed.data == array.tobytes()
-    decode = _protowire.chunk_or_message(data_pb2.PushPullResponse)
+    decode = chunk_codec.chunk_or_message(data_pb2.PushPullResponse)
     chunk = tensor_pb2.TensorChunk(name="b", dtype=_wire.FLOAT16, shape=[5, 1], offset=-3, data=b"\x01\x02")
     kind, view = decode(data_pb2.PushPullResponse(chunk=chunk).SerializeToString())
     assert kind == "chunk" and (view.name, view.dtype, view.shape, view.offset, bytes(view.data)) == (
