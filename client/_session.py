@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import json
 import threading
@@ -20,8 +21,9 @@ import grpc
 import numpy as np
 
 from optserve.client import _retry, _wire
+from optserve.client._step_stream import StepStream, StreamBroken
 from optserve.protos import chunk_codec
-from optserve.client.errors import InvalidArgumentError, PeerRefusedError, from_rpc_error
+from optserve.client.errors import InvalidArgumentError, PeerRefusedError, UnavailableError, from_rpc_error
 from optserve.protos.optserve.v1 import control_pb2, data_pb2, tensor_pb2
 
 _REASON_NAMES = {
@@ -59,6 +61,9 @@ class SessionStatus:
 
 
 _SERVICE = "/optserve.v1.ShardData/"
+# Sessions of up to this many parameter elements (256 KB in float32: below any chunk size) read
+# their shards' replies in one thread, and send no `pull` options unless they ask for a wire dtype.
+_SMALL_SESSION_ELEMENTS = 64 << 10
 
 
 class _ShardCalls:
@@ -85,6 +90,7 @@ class _Shard:
     address: str
     names: tuple[str, ...]
     calls: _ShardCalls
+    steps: StepStream  # the shard's open PushPull call, reused by consecutive push_pull steps
 
 
 class Session:
@@ -105,10 +111,12 @@ class Session:
         }
         self.optimizer = {"name": info.config.optimizer.name, "args": json.loads(info.config.optimizer.args_json or "{}")}
         self.wire_dtype: Optional[int] = info.config.wire_dtype or None
-        self._shards = [
-            _Shard(s.shard_index, s.address, tuple(s.tensor_names), _ShardCalls(client._channel(s.address)))
-            for s in info.shards
-        ]
+        self._shards = []
+        for s in info.shards:
+            calls = _ShardCalls(client._channel(s.address))
+            self._shards.append(_Shard(s.shard_index, s.address, tuple(s.tensor_names), calls,
+                                       StepStream(calls.push_pull, client.timeout, idle_s=client.stream_idle_s)))
+        self._small = sum(int(np.prod(shape)) for _, shape in self.specs.values()) <= _SMALL_SESSION_ELEMENTS
         self.client_id = uuid.uuid4().hex
         self._sequence = itertools.count(1)
         self._version = version
@@ -195,7 +203,9 @@ class Session:
             self.detach()
 
     def detach(self) -> None:
-        """Releases this object's threads without closing the server-side session."""
+        """Releases this object's threads and open calls without closing the server-side session."""
+        for shard in self._shards:
+            shard.steps.close()
         self._fanout.shutdown(wait=False)
         self._background.shutdown(wait=False)
 
@@ -307,25 +317,68 @@ class Session:
         pull = data_pb2.PullRequest(session=self.name, wire_dtype=wire or tensor_pb2.DTYPE_UNSPECIFIED,
                                     max_chunk_bytes=self._client.chunk_bytes)
 
-        def push_pull_shard(shard: _Shard):
-            def requests():
-                yield data_pb2.PushPullRequest(header=header)
+        def requests(shard: _Shard):
+            yield data_pb2.PushPullRequest(header=header)
+            if pull_options_needed:
                 yield data_pb2.PushPullRequest(pull=pull)
-                yield from self._chunks(shard, grads, wire)
-                yield data_pb2.PushPullRequest(seal=True)
+            yield from self._chunks(shard, grads, wire)
+            yield data_pb2.PushPullRequest(seal=True)
 
+        def receive(shard: _Shard, handle):
             assembler = _wire.Reassembler({n: self.specs[n] for n in shard.names}, out)
-            for kind, value in shard.calls.push_pull(requests(), timeout=self._client.timeout):
+            done = []
+
+            def on_response(kind, value) -> bool:
                 if kind == "chunk":
                     assembler.add(value)
                 elif kind == "done":
-                    return value, assembler.finish()
-            raise InvalidArgumentError(f"shard {shard.address} ended the stream without `done`")
+                    done.append(value)
+                    return True
+                return False
 
-        results = self._each_shard(lambda shard: _rpc(push_pull_shard, shard))
+            try:
+                finished = handle.finish(on_response)
+            except StreamBroken as exc:  # the reused call had ended: the step never started; retried
+                raise UnavailableError(f"shard {shard.address}: {exc}", "UNAVAILABLE") from None
+            if not finished:
+                raise InvalidArgumentError(f"shard {shard.address} ended the stream without `done`")
+            if done[0].stream_closing:
+                shard.steps.end_after_step()
+            return done[0], assembler.finish()
+
+        pull_options_needed = bool(wire) or not self._small  # else the shard's defaults give the same
+        def start(shard: _Shard) -> Callable[[], Any]:
+            """Sends the shard's step; returns what receives its reply (or raises the failure)."""
+            try:
+                handle = _rpc(lambda s: s.steps.start(requests(s)), shard)
+            except BaseException as exc:  # noqa: BLE001 - raised when its reply is asked for
+                return functools.partial(_raise, exc)
+            return lambda: _rpc(lambda s: receive(s, handle), shard)
+
+        if self._small:  # every shard's step is sent at once; their small replies read in turn
+            results = _all_or_first_error([start(shard) for shard in self._shards])
+        else:  # large replies: read concurrently, so no shard's stream waits on flow control
+            results = self._each_shard(lambda shard: start(shard)())
         self.last_staleness = results[0][0].staleness
         self._see_version(min(done.version for done, _ in results))
         return {name: value for _, arrays in results for name, value in arrays.items()}
+
+
+def _raise(exc: BaseException):
+    raise exc
+
+
+def _all_or_first_error(calls: list[Callable[[], Any]]) -> list:
+    """Runs every call in turn; raises the most telling failure after all ran (see ``_each_shard``)."""
+    results, errors = [], []
+    for call in calls:
+        try:
+            results.append(call())
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+    if errors:
+        raise next((e for e in errors if not isinstance(e, PeerRefusedError)), errors[0])
+    return results
 
 
 def _rpc(fn, shard):

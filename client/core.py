@@ -48,12 +48,18 @@ class Client:
       timeout: per-RPC deadline in seconds (a sync push waits for its step within it).
       chunk_bytes: tensor chunk size on the wire (clamped to 1-4 MB).
       retry: retry policy for UNAVAILABLE.
+      stream_idle_s: each session keeps one PushPull call open per shard for consecutive
+        ``push_pull`` steps (a few times cheaper than a call per step); a call unused this long is
+        ended, freeing the shard's thread, and the next step opens a new one.
     """
 
     def __init__(self, address: str, *, timeout: float = 120.0, chunk_bytes: Optional[int] = None,
-                 retry: _retry.RetryPolicy = _retry.RetryPolicy()):
+                 retry: _retry.RetryPolicy = _retry.RetryPolicy(), stream_idle_s: float = 10.0):
+        if not stream_idle_s > 0:
+            raise ValueError(f"stream_idle_s must be > 0, got {stream_idle_s}")
         self.address = address
         self.timeout = timeout
+        self.stream_idle_s = float(stream_idle_s)
         self.chunk_bytes = _wire.chunk_size(chunk_bytes)
         self.retry = retry
         self._channels: dict[str, grpc.Channel] = {}

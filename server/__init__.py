@@ -7,6 +7,7 @@ wire     control_servicer.py (Control), shard_servicer.py (ShardData), wire.py (
 domain   config.py (typed, validated configuration), coordinator.py (sessions, shard map),
          placement.py (which shard holds which tensor), staleness.py (whether/how a push joins a
          step), clock.py (where a session's version lives; ticket order; cross-shard sums),
+         clock_endpoint.py (how the other shards of a session reach its home shard's clock),
          assembly.py (chunks -> validated buffers)
 compute  shard.py (the Ray actor serving ShardData), shard_state.py (a session's pytree on one
          shard: one jitted, donated update per step, Shampoo root offload

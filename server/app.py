@@ -1,4 +1,4 @@
-"""Server startup as a function: Ray, the clock and shard actors, and the Control gRPC server.
+"""Server startup as a function: Ray, the shard actors, and the Control gRPC server.
 
 ``start_server(config)`` works in-thread (tests, benchmarks) and under the CLI alike.
 """
@@ -50,13 +50,11 @@ def start_server(config: ServerConfig) -> RunningServer:
     import ray
 
     from optserve.protos.optserve.v1 import control_pb2_grpc
-    from optserve.server.clock import StepClock
     from optserve.server.control_servicer import ControlServicer
     from optserve.server.coordinator import Coordinator
     from optserve.server.shard import GRPC_OPTIONS, ShardActor
 
     started_ray = _init_ray(config.ray_address)
-    clock = ray.remote(num_cpus=0)(StepClock).options(max_concurrency=1000).remote(config.data_host)
     shard_cls = ray.remote(ShardActor)
     resources = {"num_cpus": 0, "max_concurrency": 16}
     if config.gpus_per_shard > 0:  # the actor's JAX then sees (only) the GPUs Ray assigned it
@@ -67,10 +65,11 @@ def start_server(config: ServerConfig) -> RunningServer:
 
         pool_config = PoolConfig(config.precond_workers, config.gpus_per_precond_worker, config.precond_f64)
         pool = PreconditionerPool(start_workers(pool_config), pool_config)
-    shards = [shard_cls.options(**resources).remote(i, config, clock, pool) for i in range(config.shards)]
+    shards = [shard_cls.options(**resources).remote(i, config, pool) for i in range(config.shards)]
     addresses = ray.get([s.address.remote() for s in shards])
+    clock_addresses = ray.get([s.clock_address.remote() for s in shards])
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads), options=GRPC_OPTIONS)
-    control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(Coordinator(shards, addresses, clock)), server)
+    control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(Coordinator(shards, addresses, clock_addresses)), server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     server.start()
     host = "127.0.0.1" if config.host in ("0.0.0.0", "", "::", "[::]") else config.host
@@ -85,7 +84,6 @@ def start_server(config: ServerConfig) -> RunningServer:
             except Exception:  # noqa: BLE001 - best effort, the actor is killed next
                 pass
             ray.kill(actor)
-        ray.kill(clock)
         for worker in pool.workers if pool is not None else []:
             ray.kill(worker)
         if started_ray:

@@ -187,6 +187,8 @@ class ServerConfig:
             raise InvalidArgument("GPU counts must be >= 0")
         if self.precond_workers < 0:
             raise InvalidArgument(f"--precond-workers must be >= 0, got {self.precond_workers}")
+        if self.grpc_threads < 2:  # half of them at most serve open PushPull streams
+            raise InvalidArgument(f"grpc_threads must be >= 2, got {self.grpc_threads}")
 
     @property
     def data_host(self) -> str:

@@ -37,19 +37,18 @@ class Coordinator:
     Args:
       shards: shard actor handles, index = position.
       addresses: their data-plane addresses ("host:port").
-      clock: the :class:`~optserve.server.clock.StepClock` actor.
+      clock_addresses: their clock endpoints' addresses (a session's clock lives in its home
+        shard, the first of its shard map; :mod:`optserve.server.clock`).
     """
 
-    def __init__(self, shards: list, addresses: list[str], clock):
+    def __init__(self, shards: list, addresses: list[str], clock_addresses: list[str]):
         self._shards = shards
         self._addresses = addresses
-        self._clock = clock
+        self._clock_addresses = clock_addresses
         self._sessions: dict[str, SessionRecord] = {}
         self._lock = threading.Lock()
 
     def create_session(self, config: SessionConfig) -> SessionRecord:
-        import ray
-
         config.validate_optimizer()
         with self._lock:
             if config.name in self._sessions:
@@ -61,11 +60,12 @@ class Coordinator:
                 for i, names in enumerate(placement)
                 if names
             )
-            if len(assignments) > 1:  # single-shard sessions keep their clock in the shard
-                ray.get(self._clock.open.remote(config.name, config))
+            home = assignments[0].shard_index
             try:
                 _ray_get([
-                    self._shards[a.shard_index].create_session.remote(config, list(a.tensor_names), len(assignments))
+                    self._shards[a.shard_index].create_session.remote(
+                        config, list(a.tensor_names), len(assignments),
+                        None if a.shard_index == home else self._clock_addresses[home])
                     for a in assignments
                 ])
             except BaseException:
@@ -95,14 +95,13 @@ class Coordinator:
     def _close_everywhere(self, name: str) -> None:
         import ray
 
-        ray.get([s.close_session.remote(name) for s in self._shards] + [self._clock.close.remote(name)])
+        ray.get([s.close_session.remote(name) for s in self._shards])
 
     def status(self, name: str) -> tuple[SessionRecord, dict, list[dict]]:
         """(record, clock status {version, accepted, stale}, per-assignment shard status)."""
         record = self.get_session(name)
         shards = _ray_get([self._shards[a.shard_index].session_status.remote(name) for a in record.assignments])
-        clock = shards[0]["clock"] if len(shards) == 1 else _ray_get(self._clock.status.remote(name))
-        return record, clock, shards
+        return record, shards[0]["clock"], shards  # the home shard's clock
 
 
 def _ray_get(refs):

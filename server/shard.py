@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from concurrent import futures
+from typing import Optional
 
 from optserve.server.config import ServerConfig, SessionConfig
 
@@ -26,44 +27,63 @@ class ShardActor:
     Args:
       index: shard index (0-based).
       config: the server's configuration (bind host, threads, timeouts).
-      clock: handle of the server's :class:`~optserve.server.clock.StepClock` actor.
       precond_pool: the server's :class:`~optserve.server.preconditioner_pool.PreconditionerPool`
         (``None``: no preconditioner workers).
     """
 
-    def __init__(self, index: int, config: ServerConfig, clock, precond_pool=None):
+    def __init__(self, index: int, config: ServerConfig, precond_pool=None):
         import grpc
         import ray
 
+        from optserve.server.clock_endpoint import ClockEndpoint
         from optserve.server.shard_servicer import ShardRegistry, add_to_server
 
         self._index = index
         self._config = config
-        self._clock = clock
         self._precond_pool = precond_pool.for_shard(index) if precond_pool is not None else None
         self._registry = ShardRegistry()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads), options=GRPC_OPTIONS)
-        add_to_server(self._registry, self._server)  # ShardData with the copy-saving chunk codecs
+        # ShardData with the copy-saving chunk codecs; half the threads at most for open PushPull
+        # streams, the rest for everything else
+        add_to_server(self._registry, self._server, max_open_streams=max(1, config.grpc_threads // 2))
         host = config.data_host
         port = self._server.add_insecure_port(f"{host}:0")
         self._server.start()
         advertised = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::", "[::]", "") else host
         self._address = f"{advertised}:{port}"
+        self._clocks = ClockEndpoint(host, advertised)  # clocks of the sessions this shard is home to
         self._node_id = ray.get_runtime_context().get_node_id()
 
     def address(self) -> str:
         return self._address
 
-    def create_session(self, config: SessionConfig, tensor_names: list[str], participants: int) -> None:
-        from optserve.server.clock import LocalClock, RemoteClock
+    def clock_address(self) -> str:
+        """Where the other shards of the sessions this shard is home to reach their clocks."""
+        return self._clocks.address
+
+    def create_session(self, config: SessionConfig, tensor_names: list[str], participants: int,
+                       home_clock: Optional[str] = None) -> None:
+        """Holds ``tensor_names`` of a session spread over ``participants`` shards.
+
+        ``home_clock``: the home shard's clock address; None: this shard is the session's home
+        and keeps its clock.
+        """
+        from optserve.server.clock import LocalClock
+        from optserve.server.clock_endpoint import PeerClock
         from optserve.server.shard_state import ShardSession
 
-        clock = LocalClock(config) if participants == 1 else RemoteClock(self._clock, config.name, participants)
+        if home_clock is None:
+            clock = LocalClock(config, participants, reduce_timeout_s=self._config.step_timeout_s)
+            if participants > 1:
+                self._clocks.add(config.name, clock)
+        else:
+            clock = PeerClock(home_clock, config.name, reduce_timeout_s=self._config.step_timeout_s)
         self._registry.add(ShardSession(config, tensor_names, self._index, participants, clock,
                                         self._config.step_timeout_s, self._config.vote_timeout_s,
                                         precond_pool=self._precond_pool))
 
     def close_session(self, name: str) -> bool:
+        self._clocks.remove(name)
         return self._registry.remove(name)
 
     def session_status(self, name: str) -> dict:
@@ -73,3 +93,4 @@ class ShardActor:
 
     def stop(self) -> None:
         self._server.stop(grace=0.5).wait()
+        self._clocks.stop()

@@ -127,15 +127,39 @@ def _stage(session: ShardSession, header, chunks: Iterator, context) -> bool:
     return False
 
 
+class _StreamCount:
+    """Open PushPull calls; each holds a server thread for as long as it stays open."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._open = 0
+        self._lock = threading.Lock()
+
+    def __enter__(self):
+        with self._lock:
+            self._open += 1
+        return self
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._open -= 1
+
+    def crowded(self) -> bool:
+        return self._open > self.limit
+
+
 class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
     """ShardData on one shard actor.
 
     ``raw_chunks``: yield chunk responses as pre-serialized messages (bytes); only for the
     serializers of :func:`add_to_server`.
+    ``max_open_streams``: PushPull calls past this many end after their current step
+    (``StepDone.stream_closing``), so idle streams never take all the server's threads.
     """
 
-    def __init__(self, registry: ShardRegistry, raw_chunks: bool = False):
+    def __init__(self, registry: ShardRegistry, raw_chunks: bool = False, max_open_streams: int = 16):
         self._registry = registry
+        self._streams = _StreamCount(max_open_streams)
         raw = chunk_codec.encode_chunk_message
         self._pull_chunk = raw if raw_chunks else _message_encoder(data_pb2.PullResponse)
         self._push_pull_chunk = raw if raw_chunks else _message_encoder(data_pb2.PushPullResponse)
@@ -180,7 +204,12 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
 
     @grpc_errors
     def PushPull(self, request_iterator, context):
-        """Per step: header, [pull], chunks, seal -> staged; decision -> chunks, done."""
+        """Per step: header, [pull], chunks, seal -> staged; decision -> chunks, done. Steps repeat
+        until the client ends the stream (or the shard, when crowded, after a step's ``done``)."""
+        with self._streams:
+            yield from self._push_pull_steps(request_iterator, context)
+
+    def _push_pull_steps(self, request_iterator, context):
         while True:
             try:
                 first = next(request_iterator, None)
@@ -225,14 +254,22 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
                     session.abort(header.client_id, header.sequence)
                     if decision is None:
                         return
-                    yield data_pb2.PushPullResponse(done=data_pb2.StepDone(version=session.version, committed=False))
+                    closing = self._streams.crowded()
+                    yield data_pb2.PushPullResponse(
+                        done=data_pb2.StepDone(version=session.version, committed=False, stream_closing=closing))
+                    if closing:
+                        return
                     continue
                 ticket = session.commit(header.client_id, header.sequence)
             dtype, chunk_bytes = _pull_options(pull)
             version, params = session.snapshot()
             yield from _param_chunks(session, params, dtype, chunk_bytes, self._push_pull_chunk)
+            closing = self._streams.crowded()
             yield data_pb2.PushPullResponse(
-                done=data_pb2.StepDone(version=version, staleness=ticket.staleness, committed=True))
+                done=data_pb2.StepDone(version=version, staleness=ticket.staleness, committed=True,
+                                       stream_closing=closing))
+            if closing:
+                return
 
 
 class _ChunkRequest:
@@ -260,14 +297,15 @@ def _request_decoder(message_type):
     return decode
 
 
-def add_to_server(registry: ShardRegistry, server: grpc.Server) -> None:
+def add_to_server(registry: ShardRegistry, server: grpc.Server, max_open_streams: int = 16) -> None:
     """Serves ShardData for ``registry`` on ``server`` with the copy-saving chunk codecs.
 
     Same service name, methods and wire format as ``data_pb2_grpc.add_ShardDataServicer_to_server``;
     chunk requests are read in place and chunk responses serialized by hand
     (:mod:`optserve.protos.chunk_codec`), sparing protobuf's copies of every tensor byte.
+    ``max_open_streams``: see :class:`ShardDataServicer` (keep it below the server's threads).
     """
-    servicer = ShardDataServicer(registry, raw_chunks=True)
+    servicer = ShardDataServicer(registry, raw_chunks=True, max_open_streams=max_open_streams)
     handlers = {
         "InitTensors": grpc.stream_unary_rpc_method_handler(
             servicer.InitTensors, request_deserializer=_request_decoder(data_pb2.InitTensorsRequest),

@@ -62,7 +62,8 @@ class ShardSession:
       tensor_names: the tensors this shard holds (a subset of ``config.tensors``, in order).
       shard_index: this shard's index (for cross-shard sums).
       participants: number of shards holding tensors of this session.
-      clock: the session's clock (:class:`~optserve.server.clock.LocalClock` or ``RemoteClock``).
+      clock: the session's clock (:class:`~optserve.server.clock.LocalClock` in its home shard,
+        :class:`~optserve.server.clock_endpoint.PeerClock` elsewhere).
       step_timeout_s: longest wait for a sync barrier, a missing ticket or a reduction.
       vote_timeout_s: auto-commit: longest wait for the peer shards to stage a push.
       precond_pool: the server's Shampoo preconditioner workers (``None``: none); whether this

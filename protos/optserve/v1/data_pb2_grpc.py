@@ -112,6 +112,7 @@ class ShardDataServicer:
         shard answers `staged`; the client sends a decision; on commit the shard streams the
         updated parameters and `done`. With header.auto_commit the shard sends no `staged` and
         expects no decision: after `seal` it commits with its peers and streams the parameters.
+        One call may carry many steps, one after another (the SDK keeps one open per shard).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
