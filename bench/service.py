@@ -6,7 +6,8 @@
 Rows: the service step (push_pull), the same kernel's jitted step in process, raw TCP loopback
 for the same bytes (plain sockets in another process: push bytes one way, pull bytes back,
 reused buffers), a bare pull, the derived bytes per second, and the latency of push_pull on a
-tiny model (p50 / p99) with its tensors on one shard and on two shards.
+tiny model (p50 / p99): placed by default (one shard: it is far below ``min_shard_bytes``) and
+forced across every shard.
 """
 
 from __future__ import annotations
@@ -143,13 +144,23 @@ def main(argv=None) -> str:
         session.close()
         tiny_params = {"w": np.ones((8, 8), np.float32), "b": np.zeros((8,), np.float32)}
         tiny_grads = {k: np.full_like(v, 1e-3) for k, v in tiny_params.items()}
-        tiny2 = client.create_session("bench-tiny-2", tiny_params, optimizer=OPTIMIZER)
-        p50_2, p99_2 = latency_ms(tiny2, tiny_grads, 300)
-        tiny2.close()
-        tiny1 = client.create_session("bench-tiny-1", {"w": tiny_params["w"]}, optimizer=OPTIMIZER)
-        p50_1, p99_1 = latency_ms(tiny1, {"w": tiny_grads["w"]}, 300)
-        tiny1.close()
+        tiny = client.create_session("bench-tiny", tiny_params, optimizer=OPTIMIZER)
+        tiny_shards = len(tiny.status().shards)  # default placement: a model this small stays on one shard
+        p50_1, p99_1 = latency_ms(tiny, tiny_grads, 300)
+        tiny.close()
         client.close()
+        # The same tiny session forced across every shard (min_shard_bytes=0): a vote and a round
+        # trip per extra shard per step.
+        spread_server = start_server(ServerConfig(host="127.0.0.1", port=0, shards=args.shards, min_shard_bytes=0))
+        try:
+            spread_client = Client(spread_server.address, timeout=600)
+            spread = spread_client.create_session("bench-tiny-spread", tiny_params, optimizer=OPTIMIZER)
+            spread_shards = len(spread.status().shards)
+            p50_2, p99_2 = latency_ms(spread, tiny_grads, 300)
+            spread.close()
+            spread_client.close()
+        finally:
+            spread_server.stop()
     finally:
         server.stop()
 
@@ -160,8 +171,10 @@ def main(argv=None) -> str:
         ["  pull", pull * 1e3, nbytes / pull / gb, f"{(nbytes / pull) / (2 * nbytes / tcp):.0%} of raw TCP bytes/s"],
         ["in-process kernel step", kernel * 1e3, "", "adafactor, jitted, one device"],
         ["raw TCP loopback push+pull", tcp * 1e3, 2 * nbytes / tcp / gb, "plain sockets, other process"],
-        ["tiny push_pull, 2 shards", f"p50 {p50_2:.2f} / p99 {p99_2:.2f}", "", "2 tensors, 8x8 + 8"],
-        ["tiny push_pull, 1 shard", f"p50 {p50_1:.2f} / p99 {p99_1:.2f}", "", "1 tensor, 8x8"],
+        ["tiny push_pull, default placement", f"p50 {p50_1:.2f} / p99 {p99_1:.2f}", "",
+         f"8x8 + 8 on {tiny_shards} shard(s)"],
+        ["tiny push_pull, spread", f"p50 {p50_2:.2f} / p99 {p99_2:.2f}", "",
+         f"8x8 + 8 on {spread_shards} shards (min_shard_bytes=0)"],
     ]
     load = os.getloadavg()
     title = (f"bench.service: {n_params / 1e6:.1f}M f32 params ({nbytes / 1e6:.0f} MB), {len(params)} tensors, "

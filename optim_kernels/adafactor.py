@@ -137,11 +137,9 @@ def adafactor(
         chain.append(links.clip_by_global_norm(global_norm_clip_threshold))
     chain.append(
         links.scale_by_factored_rms(
-            factoring, schedules.decay_rate_pow(decay_rate, step_offset), epsilon1
+            factoring, schedules.decay_rate_pow(decay_rate, step_offset), epsilon1, clipping_threshold
         )
     )
-    if clipping_threshold is not None:
-        chain.append(links.clip_by_block_rms(clipping_threshold, factoring))
     chain.append(optax.scale_by_learning_rate(learning_rate, flip_sign=False))
     if param_scale_on is not False:
         chain.append(
@@ -264,10 +262,9 @@ def adafactor_hf(
             lambda path, shape: fct.last_two_axes(shape),
             schedules.decay_rate_pow(-decay_rate),
             eps1,
+            clip_threshold,
         ),
     ]
-    if clip_threshold is not None:
-        chain.append(links.clip_by_block_rms(clip_threshold))
     chain.append(optax.scale_by_learning_rate(step_size, flip_sign=False))
     if scale_parameter:
         chain.append(links.scale_by_param_block_rms(eps2))
@@ -327,10 +324,8 @@ def adafactor_t2t(
     factor_rule = (lambda path, shape: fct.matrices_only(shape)) if factored else None
     chain = [
         links.check_inputs(name),
-        links.scale_by_factored_rms(factor_rule, decay_rate, 1e-30),
+        links.scale_by_factored_rms(factor_rule, decay_rate, 1e-30, clipping_threshold),
     ]
-    if clipping_threshold is not None:
-        chain.append(links.clip_by_block_rms(clipping_threshold))
     chain.append(optax.scale_by_learning_rate(learning_rate, flip_sign=False))
     if multiply_by_parameter_scale:
         chain.append(links.scale_by_param_block_rms(1e-3))

@@ -10,8 +10,8 @@ Public links (names are stable; other kernels import them):
 
 * :func:`check_inputs` -- ValueError on trees/shapes that do not match the params.
 * :func:`clip_by_global_norm` -- T5X global-norm clip; accepts ``global_grad_sq_norm``.
-* :func:`scale_by_factored_rms` -- the factored (or full) second moment: g -> g / sqrt(v_hat).
-* :func:`clip_by_block_rms` -- update clipping: u / max(1, rms(u) / threshold) per block.
+* :func:`scale_by_factored_rms` -- the factored (or full) second moment: g -> g / sqrt(v_hat),
+  then (optionally) update clipping: u / max(1, rms(u) / threshold) per block.
 * :func:`scale_by_param_block_rms` -- multiply by clip(rms(param), epsilon2, max_scale).
 * :func:`momentum` -- m = beta1 m + (1 - beta1) u (undebiased EMA), stored in any dtype.
 * :func:`add_decayed_weights` -- u + rate(count) [* param scale] * param.
@@ -173,8 +173,9 @@ def scale_by_factored_rms(
     factoring: Optional[fct.Factoring] = None,
     decay_rate: schedules.ScalarOrSchedule = schedules.decay_rate_pow(0.8),
     epsilon1: float = 1e-30,
+    clipping_threshold: Optional[float] = None,
 ) -> optax.GradientTransformation:
-    """Divides the gradient by the root of Adafactor's second-moment estimate.
+    """Divides the gradient by the root of Adafactor's second-moment estimate, then clips it.
 
     With ``d = decay_rate(count)`` and ``g2 = g*g + epsilon1``:
     factored: ``v_row = d v_row + (1-d) mean(g2 over col axes)``, likewise ``v_col`` over the
@@ -182,10 +183,18 @@ def scale_by_factored_rms(
     (broadcast back over the removed axes; axes in neither set are handled slice by slice).
     Unfactored: ``v = d v + (1-d) g2``, ``u = g * rsqrt(v)``.
 
+    Update clipping (``clipping_threshold`` not None): ``u / max(1, rms(u) / threshold)``, the
+    RMS over each block's averaging axes (the whole tensor, or each BATCH slice). It lives in this
+    link because a factored block's ``rms(u)`` follows from ``g`` and the two factors
+    (:func:`_factored_update_mean_square`) without a full-size ``u``: XLA:CPU writes out ``u``
+    when a reduction and the final update both read it, a 4096 x 4096 matrix costing more than
+    the whole rest of the step.
+
     The row and column means are kept in separate passes (``lax.optimization_barrier``):
     XLA:CPU otherwise fuses both reductions into one slow loop.
     """
     decay_fn = schedules.as_schedule(decay_rate)
+    threshold = None if clipping_threshold is None else float(clipping_threshold)
 
     def init(params):
         paths, leaves, treedef = _flat(params)
@@ -238,6 +247,9 @@ def scale_by_factored_rms(
                     * jnp.expand_dims(row_factor, spec.col_axes)
                     * jnp.expand_dims(col_factor, spec.row_axes)
                 )
+                if threshold is not None:
+                    mean_square = _factored_update_mean_square(g, row_factor, col_factor, spec)
+                    u = u / jnp.maximum(1.0, jnp.sqrt(mean_square) / threshold)
                 new_rows.append(new_vr)
                 new_cols.append(new_vc)
                 new_fulls.append(None)
@@ -246,6 +258,8 @@ def scale_by_factored_rms(
                 g = _f32(g_in)
                 new_v = decay * v + mix * (g * g + epsilon1)
                 u = g * lax.rsqrt(new_v)
+                if threshold is not None:
+                    u = u / jnp.maximum(1.0, jnp.sqrt(_mean_square(u, spec.averaging_axes)) / threshold)
                 new_rows.append(None)
                 new_cols.append(None)
                 new_fulls.append(new_v)
@@ -261,6 +275,26 @@ def scale_by_factored_rms(
     return optax.GradientTransformation(init, update)
 
 
+def _factored_update_mean_square(g, row_factor, col_factor, spec: fct.FactorSpec):
+    """``mean(u * u)`` over ``spec.averaging_axes`` (keepdims) for the factored update
+    ``u = g * row_factor * col_factor`` (broadcast as in :func:`scale_by_factored_rms`), read
+    from ``g`` and the factors: per row, the sum over the column axes of ``(g col_factor)^2``,
+    then weighted by ``row_factor^2``. One read of ``g``; no full-size temporary. The inputs
+    pass an optimization barrier so that XLA shares no subexpression (``g * g``, the broadcast
+    column factor) between this reduction and the others: a full-size value read by two
+    consumers is written out.
+    """
+    g, row_factor, col_factor = lax.optimization_barrier((g, row_factor, col_factor))
+    per_row = jnp.sum(jnp.square(g * jnp.expand_dims(col_factor, spec.row_axes)), axis=spec.col_axes)
+    # per_row has v_row's axes (g's without the column axes); the rest of the averaging axes:
+    rest = tuple(a - sum(c < a for c in spec.col_axes) for a in spec.averaging_axes if a not in spec.col_axes)
+    total = jnp.sum(per_row * jnp.square(row_factor), axis=rest, keepdims=True)
+    count = 1
+    for a in spec.averaging_axes:
+        count *= jnp.shape(g)[a]
+    return jnp.expand_dims(total / count, spec.col_axes)
+
+
 def _check_state(path, shape, field, value, expected):
     if value is None or tuple(jnp.shape(value)) != tuple(expected):
         got = None if value is None else tuple(jnp.shape(value))
@@ -271,27 +305,6 @@ def _check_state(path, shape, field, value, expected):
 
 
 # --------------------------------------------------------------------------- clipping / scale
-
-
-def clip_by_block_rms(
-    threshold: float, factoring: Optional[fct.Factoring] = None
-) -> optax.GradientTransformation:
-    """Update clipping: ``u / max(1, rms(u) / threshold)``, rms over each block's averaging
-    axes (the whole tensor, or each BATCH slice)."""
-    threshold = float(threshold)
-
-    def update(updates, state, params=None):
-        del params
-        paths, leaves, treedef = _flat(updates)
-        out = []
-        for path, u in zip(paths, leaves):
-            u = _f32(u)
-            axes = _spec(factoring, path, jnp.shape(u)).averaging_axes
-            rms = jnp.sqrt(_mean_square(u, axes))
-            out.append(u / jnp.maximum(1.0, rms / threshold))
-        return treedef.unflatten(out), state
-
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def param_block_rms(

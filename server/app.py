@@ -69,7 +69,7 @@ def start_server(config: ServerConfig) -> RunningServer:
     addresses = ray.get([s.address.remote() for s in shards])
     clock_addresses = ray.get([s.clock_address.remote() for s in shards])
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads), options=GRPC_OPTIONS)
-    control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(Coordinator(shards, addresses, clock_addresses)), server)
+    control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(Coordinator(shards, addresses, clock_addresses, min_shard_bytes=config.min_shard_bytes)), server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     server.start()
     host = "127.0.0.1" if config.host in ("0.0.0.0", "", "::", "[::]") else config.host

@@ -22,6 +22,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--precond-workers", type=int, default=0, help="Shampoo preconditioner workers")
     serve.add_argument("--gpus-per-precond-worker", type=float, default=0.0, help="GPUs per preconditioner worker")
     serve.add_argument("--precond-f64", action="store_true", help="compute preconditioner roots in float64")
+    serve.add_argument("--min-shard-bytes", type=int, default=4 << 20,
+                       help="a session spreads over only as many shards as give each this many parameter "
+                            "bytes (default 4 MiB; 0: every session uses every shard)")
     sub.add_parser("demo", help="run the end-to-end demo", add_help=False)
     return parser
 
@@ -34,6 +37,7 @@ def serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, shards=args.shards, ray_address=args.ray_address,
         gpus_per_shard=args.gpus_per_shard, shard_host=args.shard_host, precond_workers=args.precond_workers,
         gpus_per_precond_worker=args.gpus_per_precond_worker, precond_f64=args.precond_f64,
+        min_shard_bytes=args.min_shard_bytes,
     )
     running = start_server(config)
     stop = threading.Event()

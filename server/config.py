@@ -160,6 +160,10 @@ class ServerConfig:
       precond_workers / gpus_per_precond_worker / precond_f64: Shampoo's preconditioner workers
         (:mod:`optserve.server.preconditioner_pool`): how many, GPUs each, float64 roots.
       grpc_threads: thread pool size of each gRPC server.
+      min_shard_bytes: a session spreads over only as many shards as give each at least this
+        many parameter bytes (:func:`~optserve.server.placement.place_tensors`); smaller models
+        stay on one shard, where a step needs no cross-shard round trips. 0: every session uses
+        every shard.
       step_timeout_s: longest wait for a sync barrier or a cross-shard reduction.
       vote_timeout_s: how long shards that staged a push wait for their peers to stage theirs
         before refusing it everywhere (a client that vanished between shards).
@@ -175,6 +179,7 @@ class ServerConfig:
     gpus_per_precond_worker: float = 0.0
     precond_f64: bool = False
     grpc_threads: int = 32
+    min_shard_bytes: int = 4 << 20
     step_timeout_s: float = 300.0
     vote_timeout_s: float = 30.0
 
@@ -187,6 +192,8 @@ class ServerConfig:
             raise InvalidArgument("GPU counts must be >= 0")
         if self.precond_workers < 0:
             raise InvalidArgument(f"--precond-workers must be >= 0, got {self.precond_workers}")
+        if self.min_shard_bytes < 0:
+            raise InvalidArgument(f"--min-shard-bytes must be >= 0, got {self.min_shard_bytes}")
         if self.grpc_threads < 2:  # half of them at most serve open PushPull streams
             raise InvalidArgument(f"grpc_threads must be >= 2, got {self.grpc_threads}")
 

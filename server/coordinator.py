@@ -39,10 +39,12 @@ class Coordinator:
       addresses: their data-plane addresses ("host:port").
       clock_addresses: their clock endpoints' addresses (a session's clock lives in its home
         shard, the first of its shard map; :mod:`optserve.server.clock`).
+      min_shard_bytes: see :func:`~optserve.server.placement.place_tensors`.
     """
 
-    def __init__(self, shards: list, addresses: list[str], clock_addresses: list[str]):
+    def __init__(self, shards: list, addresses: list[str], clock_addresses: list[str], *, min_shard_bytes: int = 0):
         self._shards = shards
+        self._min_shard_bytes = min_shard_bytes
         self._addresses = addresses
         self._clock_addresses = clock_addresses
         self._sessions: dict[str, SessionRecord] = {}
@@ -53,7 +55,8 @@ class Coordinator:
         with self._lock:
             if config.name in self._sessions:
                 raise AlreadyExists(f"session {config.name!r} already exists")
-            placement = place_tensors(config.tensors, len(self._shards))
+            placement = place_tensors(config.tensors, len(self._shards), min_shard_bytes=self._min_shard_bytes,
+                                      shard_loads=self._shard_loads_locked())
             by_name = config.spec_by_name
             assignments = tuple(
                 Assignment(i, self._addresses[i], tuple(names), sum(by_name[n].nbytes for n in names))
@@ -74,6 +77,14 @@ class Coordinator:
             record = SessionRecord(config, assignments)
             self._sessions[config.name] = record
             return record
+
+    def _shard_loads_locked(self) -> list[int]:
+        """Parameter bytes each shard holds for the open sessions."""
+        loads = [0] * len(self._shards)
+        for record in self._sessions.values():
+            for a in record.assignments:
+                loads[a.shard_index] += a.param_bytes
+        return loads
 
     def get_session(self, name: str) -> SessionRecord:
         with self._lock:

@@ -443,7 +443,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from optserve.server.config import ServerConfig
 
     ray_was_running = _ray_is_initialized()
-    server = start_server(ServerConfig(host="127.0.0.1", port=0, shards=cfg.shards, ray_address="local"))
+    # The demo's model is small (tens of KB): min_shard_bytes=0 spreads it over every shard anyway,
+    # so the demo runs the multi-shard path (fan-out, cross-shard votes) a large model takes.
+    server = start_server(ServerConfig(host="127.0.0.1", port=0, shards=cfg.shards, ray_address="local",
+                                       min_shard_bytes=0))
     try:
         print(f"server listening on {server.address}; {cfg.workers} workers x {cfg.steps} steps", flush=True)
         remote = run_remote(cfg, server.address, data)

@@ -127,7 +127,9 @@ class PreconditionerPool:
         self.workers = list(workers)
         self.config = config
         self._next = first % max(1, len(self.workers))
-        self._dead: set[int] = set()
+        # Workers whose process died: skipped until their probe call answers (Ray restarted
+        # them); a worker killed for good fails its probe and stays skipped.
+        self._suspects: dict[int, Any] = {}  # worker index -> probe ObjectRef
         self._local_fns: dict[RootOptions, Any] = {}
 
     def for_shard(self, index: int) -> "PreconditionerPool":
@@ -135,7 +137,8 @@ class PreconditionerPool:
         return PreconditionerPool(self.workers, self.config, first=index)
 
     def __getstate__(self):
-        return {"workers": self.workers, "config": self.config, "_next": self._next, "_dead": set(), "_local_fns": {}}
+        return {"workers": self.workers, "config": self.config, "_next": self._next, "_suspects": {},
+                "_local_fns": {}}
 
     # ---------------------------------------------------------------- submit
     def submit(self, statistics: np.ndarray, exponents: np.ndarray, sizes: np.ndarray, step: int,
@@ -161,12 +164,13 @@ class PreconditionerPool:
         return job
 
     def _send(self, job: RootJob, batch: _Batch, b: int) -> None:
-        """Sends a batch to the next live worker (computes it here when every worker is gone)."""
-        live = [i for i in range(len(self.workers)) if i not in self._dead]
+        """Sends a batch to the next live worker (computes it here when every worker is down)."""
+        self._check_suspects()
+        live = [i for i in range(len(self.workers)) if i not in self._suspects]
         if not live:
             batch.result = self._compute_locally(job, batch.start, b)
             return
-        while self._next in self._dead:
+        while self._next in self._suspects:
             self._next = (self._next + 1) % len(self.workers)
         batch.worker = self._next
         self._next = (self._next + 1) % len(self.workers)
@@ -232,8 +236,9 @@ class PreconditionerPool:
         try:
             batch.result = ray.get(batch.ref)
         except (rex.RayActorError, rex.WorkerCrashedError, rex.ObjectLostError) as exc:
-            if isinstance(exc, rex.ActorDiedError):
-                self._dead.add(batch.worker)  # Ray will not restart it (killed for good)
+            if isinstance(exc, rex.ActorDiedError) and batch.worker not in self._suspects:
+                # Its process died: Ray may be restarting it, or it is gone for good; a probe tells.
+                self._suspects[batch.worker] = self.workers[batch.worker].info.remote()
             if batch.attempts >= self.config.max_attempts:
                 log.warning("root batch [%d, %d) of step %d failed %d times (%s); computing it locally",
                             batch.start, batch.stop, job.step, batch.attempts, type(exc).__name__)
@@ -247,6 +252,22 @@ class PreconditionerPool:
                         batch.start, batch.stop, job.step, exc)
             n = job.statistics.shape[1]
             batch.result = (np.zeros((b, n, n), np.float32), np.full((b,), np.inf, np.float32))
+
+    def _check_suspects(self) -> None:
+        """Takes back the suspect workers whose probe answered (restarted); never blocks."""
+        import ray
+
+        if not self._suspects:
+            return
+        ready, _ = ray.wait(list(self._suspects.values()), num_returns=len(self._suspects), timeout=0)
+        for worker, probe in list(self._suspects.items()):
+            if probe not in ready:
+                continue
+            try:
+                ray.get(probe)
+            except Exception:  # noqa: BLE001 - dead for good: its probe keeps failing, it stays out
+                continue
+            del self._suspects[worker]
 
     def finish_locally(self, job: RootJob) -> None:
         """Computes the job's missing batches in this process (when the workers do not answer)."""

@@ -142,6 +142,7 @@ class ShardSession:
             params = {name: jax.device_put(values[name], self.device) for name in self.specs}
             self.opt_state = jax.jit(self.optimizer.transformation.init)(params)
             self.params = params
+            self._cond.notify_all()  # pulls and pushes that arrived first (see _require_initialized)
             return self.version
 
     @property
@@ -149,8 +150,13 @@ class ShardSession:
         return self.params is not None
 
     def _require_initialized(self):
-        if self.params is None:
-            raise FailedPrecondition(f"session {self.config.name!r}: initial values were not sent to shard {self.shard_index}")
+        """Waits up to ``vote_timeout_s`` for the initial values: a client that attaches right after
+        the session was created may pull before its creator has sent them."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.params is not None, timeout=self._vote_timeout):
+                raise FailedPrecondition(
+                    f"session {self.config.name!r}: initial values were not sent to shard {self.shard_index} "
+                    f"(waited {self._vote_timeout:g} s for the creating client)")
 
     # ----------------------------------------------------------------- staging
     def assembler_for_push(self) -> tuple[TensorAssembler, dict[str, np.ndarray]]:

@@ -45,7 +45,9 @@ def server(ray_local):
     from optserve.server.app import start_server
     from optserve.server.config import ServerConfig
 
-    config = ServerConfig(host="127.0.0.1", port=0, shards=2, ray_address="local", vote_timeout_s=8.0)
+    # min_shard_bytes=0: the tests' small models still spread over both shards (the multi-shard path).
+    config = ServerConfig(host="127.0.0.1", port=0, shards=2, ray_address="local", vote_timeout_s=8.0,
+                          min_shard_bytes=0)
     running = start_server(config)
     yield running
     running.stop()

@@ -8,7 +8,9 @@ import numpy as np
 import optax
 import pytest
 
+from optserve.optim_kernels import adafactor_links as links
 from optserve.optim_kernels.adafactor import adafactor, adafactor_hf, adafactor_t2t
+from optserve.optim_kernels.factoring import FactorSpec
 
 VARIANTS = {
     "t5x": lambda: adafactor(learning_rate=0.05, beta1=0.9, weight_decay_rate=1e-3, min_dim_size_to_factor=2),
@@ -101,3 +103,29 @@ def test_descends_on_a_quadratic(variant):
 
     start = _tree(jnp.float32, seed=4, scale=0.5)
     assert float(loss(run(start))) < 0.5 * float(loss(start))
+
+
+_CLIP_SPECS = {
+    "matrix": ((6, 9), FactorSpec((0,), (1,), (0, 1))),
+    "leading axis kept, rms over all (HF)": ((3, 5, 7), FactorSpec((1,), (2,), (0, 1, 2))),
+    "BATCH axis 0 and NONE axis 2 (T5X rules)": ((3, 5, 4, 6), FactorSpec((1,), (3,), (1, 2, 3))),
+    "two column axes": ((5, 2, 3), FactorSpec((0,), (1, 2), (0, 1, 2))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_CLIP_SPECS))
+def test_update_clipping_of_a_factored_block_equals_clipping_the_written_out_update(case):
+    # The link reads rms(u) off g and the factors; this computes u first and clips it directly.
+    shape, spec = _CLIP_SPECS[case]
+    rng = np.random.default_rng(3)
+    grads = {"w": jnp.asarray(rng.normal(size=shape) * rng.uniform(0.1, 10, size=shape), jnp.float32)}
+    factoring = lambda path, s: spec  # noqa: E731
+    clipped = links.scale_by_factored_rms(factoring, 0.5, 1e-30, clipping_threshold=0.3)
+    unclipped = links.scale_by_factored_rms(factoring, 0.5, 1e-30)
+    got, _ = jax.jit(clipped.update)(grads, clipped.init(grads))
+    u, _ = jax.jit(unclipped.update)(grads, unclipped.init(grads))
+    u = np.asarray(u["w"], np.float64)
+    rms = np.sqrt(np.mean(u * u, axis=spec.averaging_axes, keepdims=True))
+    expected = u / np.maximum(1.0, rms / 0.3)
+    assert np.all(rms / 0.3 > 1.0)  # clipping is active in every block
+    np.testing.assert_allclose(np.asarray(got["w"]), expected, rtol=2e-6, atol=0)

@@ -291,6 +291,8 @@ _WORKER = textwrap.dedent(
     opt = RemoteOptimizer(model.named_parameters(), address, {"name": "sgd", "args": {"learning_rate": 0.05}},
                           session=session, mode="async", max_staleness=16, staleness_policy="scale")
     rng = torch.Generator().manual_seed(1000 + rank)
+    print("ready", flush=True)
+    sys.stdin.readline()  # both workers start their loops together, so their steps interleave
     for step in range(steps):
         idx = torch.randint(0, 256, (32,), generator=rng)
         loss = ((model(x[idx]) - y[idx]) ** 2).mean()
@@ -309,12 +311,19 @@ def test_two_worker_processes_share_an_async_session_and_the_loss_falls(server, 
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _WORKER, server.address, unique_name, str(steps), str(rank)],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
         for rank in range(2)
     ]
+    for proc in procs:
+        line = proc.stdout.readline()
+        assert line.strip() == "ready", proc.stderr.read()[-3000:]
+    for proc in procs:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
     records = []
     for proc in procs:
         out, err = proc.communicate(timeout=240)

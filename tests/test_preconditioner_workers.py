@@ -184,7 +184,8 @@ def test_killed_workers_fail_no_step_and_roots_keep_arriving(ray_local):
             ray.kill(workers[0], no_restart=False)  # Ray restarts it
         if t == 4:
             installed["after_restart"] = po.roots_installed
-            ray.kill(workers[1])  # gone for good: its batches go to worker 0
+            ray.get(workers[0].info.remote())  # worker 0 is back (its restart done) ...
+            ray.kill(workers[1])  # ... and worker 1 gone for good: its batches go to worker 0
     try:
         po = _offloaded(pool, ARGS, params, max_age=0)
         got, _ = _drive(po, params, 8, on_step=chaos)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -223,3 +224,45 @@ def test_async_scale_policy_scales_a_stale_step_by_one_over_one_plus_staleness(c
         assert max_abs_diff(session.pull(), expected) <= 1e-6
     finally:
         session.close()
+
+
+def test_a_client_attaching_before_the_creator_sent_initial_values_waits_for_them(server, unique_name, monkeypatch):
+    # Another process may attach between CreateSession and the creator's InitTensors; its pull
+    # waits for the values instead of failing. Here the creator is held before sending them.
+    from optserve.client._session import Session
+
+    release = threading.Event()
+    send_initial_values = Session._initialize
+
+    def held_initialize(self, arrays):
+        assert release.wait(60)
+        send_initial_values(self, arrays)
+
+    monkeypatch.setattr(Session, "_initialize", held_initialize)
+    params = make_params()
+    creator, attacher = Client(server.address), Client(server.address)
+    created = []
+    creating = threading.Thread(target=lambda: created.append(
+        creator.create_session(unique_name, params, optimizer={"name": "sgd", "args": {"learning_rate": 0.1}})))
+    creating.start()
+    try:
+        while unique_name not in attacher.list_sessions():
+            time.sleep(0.01)
+        pulled = []
+        pulling = threading.Thread(target=lambda: pulled.append(attacher.session(unique_name).pull()))
+        pulling.start()
+        pulling.join(0.5)
+        assert pulling.is_alive() and not pulled  # waiting for the initial values
+        release.set()
+        pulling.join(30)
+        creating.join(30)
+        assert len(pulled) == 1 and len(created) == 1
+        for name, value in params.items():
+            np.testing.assert_array_equal(pulled[0][name], value, err_msg=name)
+    finally:
+        release.set()
+        creating.join(30)
+        if unique_name in attacher.list_sessions():
+            attacher.close_session(unique_name)
+        creator.close()
+        attacher.close()

@@ -27,7 +27,8 @@ def precond_server(ray_local):
     from optserve.server.app import start_server
     from optserve.server.config import ServerConfig
 
-    running = start_server(ServerConfig(host="127.0.0.1", port=0, shards=2, ray_address="local", precond_workers=2))
+    running = start_server(ServerConfig(host="127.0.0.1", port=0, shards=2, ray_address="local", precond_workers=2,
+                                         min_shard_bytes=0))
     yield running
     running.stop()
 
