@@ -32,13 +32,18 @@ def _parser() -> argparse.ArgumentParser:
 def serve(args: argparse.Namespace) -> int:
     from optserve.server.app import start_server
     from optserve.server.config import ServerConfig
+    from optserve.server.errors import InvalidArgument
 
-    config = ServerConfig(
-        host=args.host, port=args.port, shards=args.shards, ray_address=args.ray_address,
-        gpus_per_shard=args.gpus_per_shard, shard_host=args.shard_host, precond_workers=args.precond_workers,
-        gpus_per_precond_worker=args.gpus_per_precond_worker, precond_f64=args.precond_f64,
-        min_shard_bytes=args.min_shard_bytes,
-    )
+    try:
+        config = ServerConfig(
+            host=args.host, port=args.port, shards=args.shards, ray_address=args.ray_address,
+            gpus_per_shard=args.gpus_per_shard, shard_host=args.shard_host, precond_workers=args.precond_workers,
+            gpus_per_precond_worker=args.gpus_per_precond_worker, precond_f64=args.precond_f64,
+            min_shard_bytes=args.min_shard_bytes,
+        )
+    except InvalidArgument as exc:
+        print(f"optserve serve: {exc}", file=sys.stderr)
+        return 2
     running = start_server(config)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

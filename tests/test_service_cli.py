@@ -44,3 +44,12 @@ def test_serve_prints_its_address_serves_and_shuts_down_on_sigterm():
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.mark.parametrize("flags, named", [(["--shards", "0"], "--shards"), (["--min-shard-bytes", "-1"], "--min-shard-bytes")])
+def test_serve_refuses_a_bad_flag_value_in_one_line_naming_the_flag(flags, named):
+    result = subprocess.run([sys.executable, "-m", "optserve.server.cli", "serve", "--port", "0", *flags],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("optserve serve: ") and named in result.stderr
+    assert "Traceback" not in result.stderr
