@@ -120,7 +120,7 @@ def main(argv=None) -> str:
     parser.add_argument("--repeats", type=int, default=None)
     args = parser.parse_args(argv)
     matrices, dim = (4, 512) if args.small else (6, 4096)
-    repeats = args.repeats or (5 if args.small else 3)
+    repeats = args.repeats or (9 if args.small else 5)
     params = _model(matrices, dim)
     grads = {k: np.random.default_rng(1).standard_normal(v.shape, dtype=np.float32) * 1e-3 for k, v in params.items()}
     nbytes = sum(v.nbytes for v in params.values())
