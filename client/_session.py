@@ -316,6 +316,7 @@ class Session:
         """One attempt: push (auto_commit) and receive the step's parameters, per shard."""
         pull = data_pb2.PullRequest(session=self.name, wire_dtype=wire or tensor_pb2.DTYPE_UNSPECIFIED,
                                     max_chunk_bytes=self._client.chunk_bytes)
+        pull_options_needed = bool(wire) or not self._small  # else the shard's defaults give the same
 
         def requests(shard: _Shard):
             yield data_pb2.PushPullRequest(header=header)
@@ -346,7 +347,6 @@ class Session:
                 shard.steps.end_after_step()
             return done[0], assembler.finish()
 
-        pull_options_needed = bool(wire) or not self._small  # else the shard's defaults give the same
         def start(shard: _Shard) -> Callable[[], Any]:
             """Sends the shard's step; returns what receives its reply (or raises the failure)."""
             try:
