@@ -17,11 +17,14 @@ import numpy as np
 from optserve.client import _retry, _wire
 from optserve.client._session import Session
 from optserve.client.errors import InvalidArgumentError
+from optserve.protos import heap
 from optserve.protos.optserve.v1 import control_pb2, control_pb2_grpc, tensor_pb2
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
+    # A pulled stream may run this far ahead of the chunks already copied out (default 64 KiB).
+    ("grpc.http2.lookahead_bytes", 16 << 20),
 ]
 
 _MODES = {"sync": control_pb2.MODE_SYNC, "async": control_pb2.MODE_ASYNC}
@@ -51,12 +54,18 @@ class Client:
       stream_idle_s: each session keeps one PushPull call open per shard for consecutive
         ``push_pull`` steps (a few times cheaper than a call per step); a call unused this long is
         ended, freeing the shard's thread, and the next step opens a new one.
+      retain_freed_memory: keep freed message memory in this process (glibc malloc thresholds,
+        see :mod:`optserve.protos.heap`) instead of page-faulting fresh pages for every received
+        chunk; process-wide, costs up to 1 GiB of free heap kept resident. False: leave malloc as is.
     """
 
     def __init__(self, address: str, *, timeout: float = 120.0, chunk_bytes: Optional[int] = None,
-                 retry: _retry.RetryPolicy = _retry.RetryPolicy(), stream_idle_s: float = 10.0):
+                 retry: _retry.RetryPolicy = _retry.RetryPolicy(), stream_idle_s: float = 10.0,
+                 retain_freed_memory: bool = True):
         if not stream_idle_s > 0:
             raise ValueError(f"stream_idle_s must be > 0, got {stream_idle_s}")
+        if retain_freed_memory:
+            heap.retain_freed_memory()
         self.address = address
         self.timeout = timeout
         self.stream_idle_s = float(stream_idle_s)

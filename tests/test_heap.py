@@ -1,0 +1,58 @@
+"""optserve.protos.heap: freed message-sized allocations are reused instead of page-faulting anew.
+
+Each case runs in a fresh interpreter: malloc settings are process-wide and cannot be undone.
+"""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from optserve.protos import heap
+
+glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+
+# Rounds of 32 live 4 MiB messages (as gRPC holds a pushed model's chunks), then all freed.
+_ROUNDS = """
+import resource, sys
+from optserve.protos import heap
+if sys.argv[1] == "retain":
+    assert heap.retain_freed_memory()
+faults = []
+for _ in range(4):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    chunks = [b"x" * (4 << 20) for _ in range(32)]
+    del chunks
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(sum(faults[1:]))
+"""
+
+
+def _faults_after_first_round(mode: str) -> int:
+    done = subprocess.run([sys.executable, "-c", _ROUNDS, mode], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.strip())
+
+
+@glibc_only
+def test_retained_memory_serves_later_rounds_without_page_faults():
+    pages_per_round = 32 * (4 << 20) // 4096
+    default = _faults_after_first_round("default")
+    retained = _faults_after_first_round("retain")
+    assert retained < pages_per_round // 10, (retained, default)
+    assert retained * 10 < default, f"default malloc faulted {default} times, retained {retained}"
+
+
+@glibc_only
+def test_retain_freed_memory_is_idempotent():
+    assert heap.retain_freed_memory()
+    assert heap.retain_freed_memory()
+
+
+@pytest.mark.parametrize("keep_bytes", [1 << 20, 1 << 31])
+def test_retain_freed_memory_refuses_keep_bytes_outside_what_mallopt_takes(keep_bytes):
+    with pytest.raises(ValueError, match="keep_bytes"):
+        heap.retain_freed_memory(keep_bytes)
