@@ -61,7 +61,8 @@ class SessionStatus:
 
 
 _SERVICE = "/optserve.v1.ShardData/"
-# Sessions of up to this many parameter elements (256 KB in float32: below any chunk size) read
+# Sessions of up to this many parameter elements (256 KB in float32: below any chunk size) send
+# each push_pull step to a shard as one `step` message (answered by one `step_result`), read
 # their shards' replies in one thread, and send no `pull` options unless they ask for a wire dtype.
 _SMALL_SESSION_ELEMENTS = 64 << 10
 
@@ -272,6 +273,12 @@ class Session:
             array = arrays[name]
             yield from _wire.iter_chunk_messages(name, array, wire or _wire.array_dtype_enum(array, name=name), size)
 
+    def _tensor_chunks(self, shard: _Shard, arrays: Mapping[str, np.ndarray], wire: Optional[int]) -> list:
+        """The shard's tensors as ``TensorChunk`` messages (to go inside one message)."""
+        size = self._client.chunk_bytes
+        return [chunk for name in shard.names
+                for chunk in _wire.iter_chunks(name, arrays[name], wire or _wire.array_dtype_enum(arrays[name], name=name), size)]
+
     def _pull_shard(self, shard: _Shard, wire: Optional[int], out=None):
         request = data_pb2.PullRequest(session=self.name, wire_dtype=wire or tensor_pb2.DTYPE_UNSPECIFIED,
                                        max_chunk_bytes=self._client.chunk_bytes)
@@ -319,6 +326,12 @@ class Session:
         pull_options_needed = bool(wire) or not self._small  # else the shard's defaults give the same
 
         def requests(shard: _Shard):
+            if self._small:  # the whole step in one message, answered by one `step_result`
+                step = data_pb2.PushPullStep(header=header, chunks=self._tensor_chunks(shard, grads, wire))
+                if pull_options_needed:
+                    step.pull.CopyFrom(pull)
+                yield data_pb2.PushPullRequest(step=step)
+                return
             yield data_pb2.PushPullRequest(header=header)
             if pull_options_needed:
                 yield data_pb2.PushPullRequest(pull=pull)
@@ -334,6 +347,11 @@ class Session:
                     assembler.add(value)
                 elif kind == "done":
                     done.append(value)
+                    return True
+                elif kind == "step_result":
+                    for chunk in value.chunks:
+                        assembler.add(chunk)
+                    done.append(value.done)
                     return True
                 return False
 

@@ -72,12 +72,15 @@ def _param_chunks(session: ShardSession, params, dtype, chunk_bytes, encode):
             yield encode(name, wire.value, array.shape, offset, data)
 
 
+def _tensor_chunk(name, dtype, shape, offset, data) -> tensor_pb2.TensorChunk:
+    return tensor_pb2.TensorChunk(name=name, dtype=dtype, shape=list(shape), offset=offset, data=bytes(data))
+
+
 def _message_encoder(response_type):
     """Chunk -> ``response_type(chunk=TensorChunk(...))``, for the generated serializers."""
 
     def encode(name, dtype, shape, offset, data):
-        chunk = tensor_pb2.TensorChunk(name=name, dtype=dtype, shape=list(shape), offset=offset, data=bytes(data))
-        return response_type(chunk=chunk)
+        return response_type(chunk=_tensor_chunk(name, dtype, shape, offset, data))
 
     return encode
 
@@ -204,8 +207,9 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
 
     @grpc_errors
     def PushPull(self, request_iterator, context):
-        """Per step: header, [pull], chunks, seal -> staged; decision -> chunks, done. Steps repeat
-        until the client ends the stream (or the shard, when crowded, after a step's ``done``)."""
+        """Per step: header, [pull], chunks, seal -> staged; decision -> chunks, done (or one
+        ``step`` -> one ``step_result``). Steps repeat until the client ends the stream (or the
+        shard, when crowded, after a step's ``done``)."""
         with self._streams:
             yield from self._push_pull_steps(request_iterator, context)
 
@@ -217,63 +221,95 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
                 return
             if first is None:
                 return
-            if first.WhichOneof("item") != "header":
-                raise InvalidArgument("PushPull: each step must start with `header`")
-            header = first.header
-            session = self._registry.get(header.session)
-            pull = data_pb2.PullRequest()
-            sealed = threading.Event()
-
-            def chunks():
-                nonlocal pull
-                for request in request_iterator:
-                    kind = request.WhichOneof("item")
-                    if kind == "chunk":
-                        yield request.chunk
-                    elif kind == "pull":
-                        pull = request.pull
-                    elif kind == "seal":
-                        sealed.set()
-                        return
-                    else:
-                        raise InvalidArgument(f"PushPull: unexpected `{kind}` before `seal`")
-
-            done = _receive_push(session, header, chunks(), context)
-            if not sealed.is_set():  # the stream ended before `seal`: a broken push
-                if header.auto_commit:
-                    session.commit_with_peers(header.client_id, header.sequence, staged=False)
-                session.abort(header.client_id, header.sequence)
-                return
-            if header.auto_commit:
-                ticket = session.commit_with_peers(header.client_id, header.sequence, staged=True)
+            kind = first.WhichOneof("item")
+            if kind == "step":
+                closing = yield from self._one_message_step(first.step, context)
+            elif kind == "header":
+                closing = yield from self._streamed_step(first.header, request_iterator, context)
             else:
-                yield data_pb2.PushPullResponse(
-                    staged=data_pb2.PushResponse(already_applied=done, version=session.version))
-                decision = next(request_iterator, None)
-                if decision is None or decision.WhichOneof("item") != "decision" or not decision.decision.commit:
-                    session.abort(header.client_id, header.sequence)
-                    if decision is None:
-                        return
-                    closing = self._streams.crowded()
-                    yield data_pb2.PushPullResponse(
-                        done=data_pb2.StepDone(version=session.version, committed=False, stream_closing=closing))
-                    if closing:
-                        return
-                    continue
-                ticket = session.commit(header.client_id, header.sequence)
-            dtype, chunk_bytes = _pull_options(pull)
-            version, params = session.snapshot()
-            yield from _param_chunks(session, params, dtype, chunk_bytes, self._push_pull_chunk)
-            # The snapshot's arrays are views of the shard's device buffers: held while the stream
-            # waits for its next step, they would stop that step's update from donating (reusing)
-            # those buffers, and JAX would allocate fresh ones (page faults: ~35 ms per 64 MB).
-            del params
-            closing = self._streams.crowded()
-            yield data_pb2.PushPullResponse(
-                done=data_pb2.StepDone(version=version, staleness=ticket.staleness, committed=True,
-                                       stream_closing=closing))
-            if closing:
+                raise InvalidArgument("PushPull: each step must start with `header` or `step`")
+            if closing is not False:  # True: crowded, the client reopens; None: the call ended mid-step
                 return
+
+    def _streamed_step(self, header, request_iterator, context):
+        """header, [pull], chunks, seal -> [staged, decision] -> chunks, done. Returns whether the
+        shard ends the call after this step, or None if the call ended during it."""
+        session = self._registry.get(header.session)
+        pull = data_pb2.PullRequest()
+        sealed = threading.Event()
+
+        def chunks():
+            nonlocal pull
+            for request in request_iterator:
+                kind = request.WhichOneof("item")
+                if kind == "chunk":
+                    yield request.chunk
+                elif kind == "pull":
+                    pull = request.pull
+                elif kind == "seal":
+                    sealed.set()
+                    return
+                else:
+                    raise InvalidArgument(f"PushPull: unexpected `{kind}` before `seal`")
+
+        done = _receive_push(session, header, chunks(), context)
+        if not sealed.is_set():  # the stream ended before `seal`: a broken push
+            if header.auto_commit:
+                session.commit_with_peers(header.client_id, header.sequence, staged=False)
+            session.abort(header.client_id, header.sequence)
+            return None
+        if header.auto_commit:
+            ticket = session.commit_with_peers(header.client_id, header.sequence, staged=True)
+        else:
+            yield data_pb2.PushPullResponse(
+                staged=data_pb2.PushResponse(already_applied=done, version=session.version))
+            decision = next(request_iterator, None)
+            if decision is None or decision.WhichOneof("item") != "decision" or not decision.decision.commit:
+                session.abort(header.client_id, header.sequence)
+                if decision is None:
+                    return None
+                closing = self._streams.crowded()
+                yield data_pb2.PushPullResponse(
+                    done=data_pb2.StepDone(version=session.version, committed=False, stream_closing=closing))
+                return closing
+            ticket = session.commit(header.client_id, header.sequence)
+        dtype, chunk_bytes = _pull_options(pull)
+        version, params = session.snapshot()
+        yield from _param_chunks(session, params, dtype, chunk_bytes, self._push_pull_chunk)
+        # The snapshot's arrays are views of the shard's device buffers: held while the stream
+        # waits for its next step, they would stop that step's update from donating (reusing)
+        # those buffers, and JAX would allocate fresh ones (page faults: ~35 ms per 64 MB).
+        del params
+        closing = self._streams.crowded()
+        yield data_pb2.PushPullResponse(
+            done=data_pb2.StepDone(version=version, staleness=ticket.staleness, committed=True,
+                                   stream_closing=closing))
+        return closing
+
+    def _one_message_step(self, step: data_pb2.PushPullStep, context):
+        """A `step` message: stage, commit with the peers, answer with one `step_result` if the
+        parameters fit in one chunk (else chunks, done). Returns whether the call ends after it."""
+        header = step.header
+        if not header.auto_commit:
+            raise InvalidArgument("PushPull `step`: header.auto_commit must be true (a one-message step "
+                                  "commits with its peers; use header, chunks, seal for a decision)")
+        session = self._registry.get(header.session)
+        _receive_push(session, header, iter(step.chunks), context)
+        ticket = session.commit_with_peers(header.client_id, header.sequence, staged=True)
+        dtype, chunk_bytes = _pull_options(step.pull)
+        version, params = session.snapshot()
+        closing = self._streams.crowded()
+        done = data_pb2.StepDone(version=version, staleness=ticket.staleness, committed=True, stream_closing=closing)
+        reply_bytes = sum(params[name].size * (dtype or spec.dtype).itemsize for name, spec in session.specs.items())
+        if reply_bytes <= chunk_bytes:
+            chunks = list(_param_chunks(session, params, dtype, chunk_bytes, _tensor_chunk))
+            del params  # see _streamed_step: no views may outlive the step
+            yield data_pb2.PushPullResponse(step_result=data_pb2.PushPullStepResult(done=done, chunks=chunks))
+        else:
+            yield from _param_chunks(session, params, dtype, chunk_bytes, self._push_pull_chunk)
+            del params
+            yield data_pb2.PushPullResponse(done=done)
+        return closing
 
 
 class _ChunkRequest:

@@ -113,6 +113,8 @@ class ShardDataServicer:
         updated parameters and `done`. With header.auto_commit the shard sends no `staged` and
         expects no decision: after `seal` it commits with its peers and streams the parameters.
         One call may carry many steps, one after another (the SDK keeps one open per shard).
+        A small auto_commit step may instead be one `step` message; the shard then answers with
+        one `step_result` when the parameters fit in one chunk (else chunks and `done`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
