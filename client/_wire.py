@@ -14,7 +14,7 @@ from optserve.protos import chunk_codec
 from optserve.client.errors import InvalidArgumentError
 from optserve.protos.optserve.v1 import tensor_pb2
 
-DEFAULT_CHUNK_BYTES = 2 << 20
+DEFAULT_CHUNK_BYTES = 1 << 20  # cache-sized: each chunk is copied three times on its way out, best while it stays in L2
 MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 1 << 20, 4 << 20
 
 FLOAT32, BFLOAT16, FLOAT16 = tensor_pb2.DTYPE_FLOAT32, tensor_pb2.DTYPE_BFLOAT16, tensor_pb2.DTYPE_FLOAT16

@@ -49,7 +49,8 @@ class Client:
     Args:
       address: the coordinator's "host:port".
       timeout: per-RPC deadline in seconds (a sync push waits for its step within it).
-      chunk_bytes: tensor chunk size on the wire (clamped to 1-4 MB).
+      chunk_bytes: tensor chunk size on the wire (default 1 MB, clamped to 1-4 MB; 1 MB measured
+        fastest: each chunk is copied three times on its way out, best while it is in cache).
       retry: retry policy for UNAVAILABLE.
       stream_idle_s: each session keeps one PushPull call open per shard for consecutive
         ``push_pull`` steps (a few times cheaper than a call per step); a call unused this long is

@@ -19,7 +19,7 @@ from optserve.server.assembly import iter_slices, wire_dtype
 from optserve.server.errors import FailedPrecondition, InvalidArgument, NonFinite, NotFound, grpc_errors
 from optserve.server.shard_state import ShardSession
 
-DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = 1 << 20  # as the SDK: a chunk copied while it is still in cache
 _MIN_CHUNK, _MAX_CHUNK = 64 << 10, 64 << 20
 
 
