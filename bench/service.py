@@ -195,11 +195,15 @@ def main(argv=None) -> str:
 
     tcp, kernel, step, push, pull = (statistics.median(samples[k]) for k in ("tcp", "kernel", "step", "push", "pull"))
     ratios = [s / (t + k) for s, t, k in zip(samples["step"], samples["tcp"], samples["kernel"])]
+    # The data plane's rate with the update taken out, against raw TCP's for the same bytes.
+    wire_shares = [t / (s - k) for s, t, k in zip(samples["step"], samples["tcp"], samples["kernel"])]
     gb = 1e9
     rows = [
         ["service step (push_pull)", step * 1e3, 2 * nbytes / step / gb,
          f"{statistics.median(ratios):.2f} x (raw TCP + kernel), median of per-round ratios "
          f"[{min(ratios):.2f}, {max(ratios):.2f}]"],
+        ["  wire (step - kernel)", (step - kernel) * 1e3, 2 * nbytes / (step - kernel) / gb,
+         f"{statistics.median(wire_shares):.0%} of raw TCP bytes/s (median per round)"],
         ["  push (stage+vote+update)", push * 1e3, nbytes / push / gb, ""],
         ["  pull", pull * 1e3, nbytes / pull / gb, f"{(nbytes / pull) / (2 * nbytes / tcp):.0%} of raw TCP bytes/s"],
         ["in-process kernel step", kernel * 1e3, "", "adafactor, jitted, donated, one device"],
