@@ -9,6 +9,10 @@ reused buffers), a bare push and pull, the derived bytes per second, and the lat
 tiny model (p50 / p99): placed by default (one shard: it is far below ``min_shard_bytes``) and
 forced across every shard.
 
+The ``CPU:`` rows sum the CPU time each call used, machine-wide (``/proc/stat``) and in this
+process (the client), over the interleaved rounds: on a machine whose cores are all busy during
+a step, only less work per byte shortens it, not more overlap.
+
 The large-model rows are measured in interleaved rounds (raw TCP, kernel, step, push, pull, then
 again), and the step's ratio is the median of the per-round ratios: on a shared machine whose
 speed drifts by +-20% between minutes, separate medians taken a minute apart compare noise.
@@ -27,7 +31,7 @@ from typing import Callable
 
 import numpy as np
 
-from bench._timing import print_table
+from bench._timing import CpuSample, CpuUse, print_table
 
 OPTIMIZER = {"name": "adafactor", "args": {"learning_rate": 1e-2}}
 
@@ -110,19 +114,24 @@ def in_process_step(params: dict[str, np.ndarray], grads: dict[str, np.ndarray])
     return run
 
 
-def interleaved_seconds(fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+def interleaved_seconds(fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 1
+                        ) -> tuple[dict[str, list[float]], dict[str, CpuUse]]:
     """Wall seconds of each of ``fns`` per round, the functions taking turns within every round,
-    so that a slow spell of a shared machine falls on ours and the baselines alike."""
+    so that a slow spell of a shared machine falls on ours and the baselines alike; and the CPU
+    each used (this process vs the rest of the machine: here the shard actors, or the raw TCP peer)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
+    cpu = {name: CpuUse() for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
+            before = CpuSample.now()
             start = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - start)
-    return samples
+            cpu[name].add(before, CpuSample.now())
+    return samples, cpu
 
 
 # ----------------------------------------------------------------------------- service
@@ -165,7 +174,7 @@ def main(argv=None) -> str:
         out = session.pull()  # reused result buffers (fresh ones page-fault on every call)
         tcp_peer = RawTcpPeer(nbytes, nbytes)
         try:
-            samples = interleaved_seconds({
+            samples, cpu = interleaved_seconds({
                 "tcp": tcp_peer.round_trip, "kernel": kernel_step, "step": lambda: session.push_pull(grads, out=out),
                 "push": lambda: session.push(grads), "pull": lambda: session.pull(out=out)}, rounds=repeats)
         finally:
@@ -214,6 +223,14 @@ def main(argv=None) -> str:
          f"8x8 + 8 on {spread_shards} shards (min_shard_bytes=0)"],
     ]
     load = os.getloadavg()
+    # Whether the machine, not the data plane's design, bounds the step: with every core busy,
+    # overlapping work cannot shorten it, only doing less work can.
+    for name, label, others in (("step", "service step", "shards"), ("push", "push", "shards"),
+                                ("pull", "pull", "shards"), ("tcp", "raw TCP", "peer"),
+                                ("kernel", "in-process kernel", "others")):
+        summary = cpu[name].summary(own="client" if others != "others" else "this process", others=others)
+        if summary:
+            rows.append([f"CPU: {label}", "", "", summary])
     title = (f"bench.service: {n_params / 1e6:.1f}M f32 params ({nbytes / 1e6:.0f} MB), {len(params)} tensors, "
              f"{args.shards} shards, adafactor, sync, 1 client; median of {repeats} interleaved rounds; "
              f"load avg {load[0]:.1f} on {os.cpu_count()} cores")

@@ -99,9 +99,12 @@ def default_root_method(backend: Optional[str] = None) -> str:
 
     On CPU (bench/shampoo.py) a Shampoo step with roots for 52 blocks of 128 took 0.11 s with
     eigh and 0.28 s with coupled Newton, and eigh reaches ~1e-15 residuals in f64 for every ``p``
-    (the issue measured coupled Newton 2-13x slower than eigh on CPU). On accelerators batched
-    matmuls are what the hardware is fast at and eigh is not, so coupled Newton (the seed's
-    method) is the default there; that side was not measured in this session (no GPU).
+    (the issue measured coupled Newton 2-13x slower than eigh on CPU). On an H100 (jax 0.11.2,
+    bench/shampoo.py) coupled Newton is the one that holds up: per block of 512 / 1024 it took
+    2.5 / 10.6 ms in f32 against eigh's 7.5 / 71 ms, and f32 eigh there misses the f32 accuracy
+    tolerances of tests/test_matrix_roots.py at condition 1e6 (error 0.21 for p = 1), which
+    coupled Newton meets. eigh is faster on the GPU only for blocks up to 256 (0.12 against
+    0.65 ms at 128); pass ``root_method="eigh"`` with f64 roots there if that matters.
     """
     backend = backend or jax.default_backend()
     return "eigh" if backend == "cpu" else "coupled_newton"
