@@ -25,6 +25,7 @@ Helpers: :func:`grad_sq_norm`, :func:`param_block_rms`.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
@@ -476,7 +477,8 @@ def round_to_bfloat16_unbiased(seed: Optional[int] = None) -> optax.GradientTran
 
     ``seed=None`` uses tensor2tensor's per-step golden-ratio noise (one value per step for
     every element); an int seed draws independent noise per element from
-    ``fold_in(key(seed), count)``. bf16 updates are returned in bfloat16 (see
+    ``fold_in(fold_in(key(seed), count), crc32(path))``: a tensor's noise follows its path, so it
+    is the same whichever other tensors share the update (a shard holds a subset of them). bf16 updates are returned in bfloat16 (see
     :func:`cast_to_param_dtype` for why ``optax.apply_updates`` then lands on the rounded value).
     """
 
@@ -489,14 +491,15 @@ def round_to_bfloat16_unbiased(seed: Optional[int] = None) -> optax.GradientTran
         paths, leaves, treedef = _flat(updates)
         p_leaves = treedef.flatten_up_to(params)
         out = []
-        for index, (u, p) in enumerate(zip(leaves, p_leaves)):
+        for path, u, p in zip(paths, leaves, p_leaves):
             if jnp.asarray(p).dtype != jnp.bfloat16:
                 out.append(u)
                 continue
             if seed is None:
                 noise = sr.golden_ratio_noise(state.count)
             else:
-                key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), state.count), index)
+                step_key = jax.random.fold_in(jax.random.key(seed), state.count)
+                key = jax.random.fold_in(step_key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
                 noise = sr.random_noise(key, jnp.shape(p))
             rounded = sr.to_bfloat16_unbiased(_f32(p) + _f32(u), noise)
             out.append(_delta_in_dtype(rounded, p))

@@ -108,6 +108,24 @@ def test_bf16_params_drift_by_sub_ulp_updates_only_with_stochastic_rounding(seed
     assert abs(results[True].mean() - expected) < 0.1 * steps * lr
 
 
+def test_seeded_rounding_noise_of_a_tensor_does_not_depend_on_the_other_tensors():
+    # A sharded session updates each shard's subset of the tensors: the noise that rounds a
+    # tensor must follow its name, not its position among whichever tensors share its update.
+    lr, steps = 2.0**-10, 20
+    b = jnp.ones(256, jnp.bfloat16)
+    tx = adafactor_t2t(learning_rate=lr, multiply_by_parameter_scale=False, rounding_seed=0)
+    trees = {"alone": {"b": b}, "with_another": {"a": jnp.ones(64, jnp.bfloat16), "b": b}}
+    results = {}
+    for label, params in trees.items():
+        grads = jax.tree.map(jnp.ones_like, params)
+        p, state, step = params, tx.init(params), _step_fn(tx)
+        for _ in range(steps):
+            p, state = step(p, state, grads)
+        results[label] = np.asarray(p["b"].astype(jnp.float32))
+    assert not np.all(results["alone"] == 1.0)  # the rounding did move some entries
+    np.testing.assert_array_equal(results["alone"], results["with_another"])
+
+
 def test_unknown_decay_type_raises_naming_the_option():
     with pytest.raises(ValueError, match="decay_type"):
         adafactor_t2t(decay_type="linear")
