@@ -225,10 +225,10 @@ def main(argv=None) -> str:
     load = os.getloadavg()
     # Whether the machine, not the data plane's design, bounds the step: with every core busy,
     # overlapping work cannot shorten it, only doing less work can.
-    for name, label, others in (("step", "service step", "shards"), ("push", "push", "shards"),
-                                ("pull", "pull", "shards"), ("tcp", "raw TCP", "peer"),
-                                ("kernel", "in-process kernel", "others")):
-        summary = cpu[name].summary(own="client" if others != "others" else "this process", others=others)
+    for name, label, own, others in (("step", "service step", "client", "shards"), ("push", "push", "client", "shards"),
+                                     ("pull", "pull", "client", "shards"), ("tcp", "raw TCP", "client", "peer"),
+                                     ("kernel", "in-process kernel", "this process", "others")):
+        summary = cpu[name].summary(own=own, others=others)
         if summary:
             rows.append([f"CPU: {label}", "", "", summary])
     title = (f"bench.service: {n_params / 1e6:.1f}M f32 params ({nbytes / 1e6:.0f} MB), {len(params)} tensors, "

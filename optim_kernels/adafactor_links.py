@@ -478,8 +478,9 @@ def round_to_bfloat16_unbiased(seed: Optional[int] = None) -> optax.GradientTran
     ``seed=None`` uses tensor2tensor's per-step golden-ratio noise (one value per step for
     every element); an int seed draws independent noise per element from
     ``fold_in(fold_in(key(seed), count), crc32(path))``: a tensor's noise follows its path, so it
-    is the same whichever other tensors share the update (a shard holds a subset of them). bf16 updates are returned in bfloat16 (see
-    :func:`cast_to_param_dtype` for why ``optax.apply_updates`` then lands on the rounded value).
+    is the same whichever other tensors share the update (a shard holds a subset of them).
+    bf16 updates are returned in bfloat16 (see :func:`cast_to_param_dtype` for why
+    ``optax.apply_updates`` then lands on the rounded value).
     """
 
     def init(params):
@@ -491,6 +492,7 @@ def round_to_bfloat16_unbiased(seed: Optional[int] = None) -> optax.GradientTran
         paths, leaves, treedef = _flat(updates)
         p_leaves = treedef.flatten_up_to(params)
         out = []
+        step_key = None if seed is None else jax.random.fold_in(jax.random.key(seed), state.count)
         for path, u, p in zip(paths, leaves, p_leaves):
             if jnp.asarray(p).dtype != jnp.bfloat16:
                 out.append(u)
@@ -498,7 +500,6 @@ def round_to_bfloat16_unbiased(seed: Optional[int] = None) -> optax.GradientTran
             if seed is None:
                 noise = sr.golden_ratio_noise(state.count)
             else:
-                step_key = jax.random.fold_in(jax.random.key(seed), state.count)
                 key = jax.random.fold_in(step_key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
                 noise = sr.random_noise(key, jnp.shape(p))
             rounded = sr.to_bfloat16_unbiased(_f32(p) + _f32(u), noise)
