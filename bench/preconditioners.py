@@ -6,7 +6,7 @@
 Each variant runs the loop a shard runs for one session (``ShardSession``): ``before_update`` ->
 one jitted, donated update over the whole pytree -> ``after_update``, with the roots of the
 offloaded variant computed by real preconditioner workers (Ray actors on this machine, started by
-:func:`optserve.server.preconditioner_pool.start_workers`). gRPC is left out: it costs the same
+:func:`optserve.server.compute.preconditioner_pool.start_workers`). gRPC is left out: it costs the same
 for every optimizer. A step's time is the mean over ``steps`` timed steps after a warm-up that
 compiles everything (the mean, not the median, so steps that wait for roots count). The
 offloaded variant also reports the oldest root any update used (target: <= 2 x
@@ -71,13 +71,11 @@ def _run(name: str, args: dict, params_np, grads, steps: int, warmup: int, pool=
     import jax
     import optax
 
-    from optserve.optim_kernels import build_optimizer
-    from optserve.server.root_offload import shard_preconditioners
+    from optserve.server.compute.root_offload import build_shard_optimizer
 
-    built = build_optimizer(name, args)
     shapes = {k: v.shape for k, v in params_np.items()}
-    around = shard_preconditioners(name, built, shapes, pool, max_age=max_age)
-    tx = around.optimizer.transformation if around is not None else built.transformation
+    built, around = build_shard_optimizer(name, args, shapes, pool, max_age=max_age)
+    tx = built.transformation
 
     def step(params, state, grads):
         updates, state = tx.update(grads, state, params)
@@ -97,14 +95,14 @@ def _run(name: str, args: dict, params_np, grads, steps: int, warmup: int, pool=
         jax.block_until_ready(params)
         if around is not None:
             state = around.after_update(state)
-            oldest = max([oldest] + [b["age"] for b in around.status()["blocks"]])
+            oldest = max([oldest] + [b.age for b in around.status().blocks])
         if t >= warmup:
             times.append(time.perf_counter() - start)
-    status = around.status() if around is not None else {}
+    status = around.status() if around is not None else None
     if pool is not None:
         around.drain()
     return {"mean_s": sum(times) / len(times), "median_s": statistics.median(times), "max_s": max(times),
-            "oldest": oldest, "waits": status.get("waits", 0), "roots": status.get("roots_installed", 0)}
+            "oldest": oldest, "waits": status.waits if status else 0, "roots": status.roots_installed if status else 0}
 
 
 def main(argv=None) -> int:
@@ -115,7 +113,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
-    from optserve.server.preconditioner_pool import PoolConfig, PreconditionerPool, start_workers
+    from optserve.server.compute.preconditioner_pool import PoolConfig, PreconditionerPool, start_workers
 
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:

@@ -165,7 +165,7 @@ def main(argv=None) -> str:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     from optserve.client import Client
     from optserve.server.app import start_server
-    from optserve.server.config import ServerConfig
+    from optserve.server.domain.config import ServerConfig
 
     server = start_server(ServerConfig(host="127.0.0.1", port=0, shards=args.shards))
     try:

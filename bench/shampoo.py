@@ -79,7 +79,7 @@ def main(argv=None) -> None:
     else:
         bench_roots([128, 256, 512, 1024], [8, 8, 4, 2], repeats=3)
         bench_step(512, repeats=3)
-    print(f"default root method here (root_method='auto'): {default_root_method()}")
+    print(f"root_method='auto' (an opt-in; the default is coupled_newton) picks here: {default_root_method()}")
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def main(argv=None) -> str:
 
     from optserve.client.torch import RemoteOptimizer
     from optserve.server.app import start_server
-    from optserve.server.config import ServerConfig
+    from optserve.server.domain.config import ServerConfig
 
     torch.set_num_threads(args.threads)
     n_params = sum(p.numel() for p in make_model(cfg).parameters())

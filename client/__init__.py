@@ -2,11 +2,13 @@
 
 ``Client(address)`` -> ``client.create_session(...)`` / ``client.session(name)`` -> ``Session``
 with ``pull()``, ``push(grads)``, ``push_pull(grads)``, ``push_pull_async(grads)``, ``version``,
-``status()`` and ``close()``. Errors are :mod:`optserve.client.errors` classes.
+``status()`` (a :class:`SessionStatus`) and ``close()``. A session's options are one typed
+record, :class:`SessionOptions` (``client.create_session_with(name, params, options)``).
+Errors are :mod:`optserve.client.errors` classes.
 """
 
 from optserve.client._retry import RetryPolicy
-from optserve.client._session import Session, SessionStatus
+from optserve.client._session import Session
 from optserve.client.core import Client
 from optserve.client.errors import (
     AlreadyExistsError,
@@ -17,9 +19,13 @@ from optserve.client.errors import (
     NotFoundError,
     OptservError,
     PeerRefusedError,
+    PermissionDeniedError,
     StaleError,
+    UnauthenticatedError,
     UnavailableError,
 )
+from optserve.client.options import PreconditionerOptions, SessionOptions
+from optserve.client.status import PreconditionerBlockStatus, RootOffloadStatus, SessionStatus, ShardStatus
 
 __all__ = [
     "AlreadyExistsError",
@@ -31,9 +37,16 @@ __all__ = [
     "NotFoundError",
     "OptservError",
     "PeerRefusedError",
+    "PermissionDeniedError",
+    "PreconditionerBlockStatus",
+    "PreconditionerOptions",
     "RetryPolicy",
+    "RootOffloadStatus",
     "Session",
+    "SessionOptions",
     "SessionStatus",
+    "ShardStatus",
     "StaleError",
+    "UnauthenticatedError",
     "UnavailableError",
 ]

@@ -12,7 +12,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import itertools
-import json
 import threading
 import uuid
 from typing import Any, Callable, Mapping, Optional
@@ -22,48 +21,17 @@ import numpy as np
 
 from optserve.client import _retry, _wire
 from optserve.client._step_stream import StepStream, StreamBroken
-from optserve.protos import chunk_codec
 from optserve.client.errors import InvalidArgumentError, PeerRefusedError, UnavailableError, from_rpc_error
+from optserve.client.options import SessionOptions
+from optserve.client.status import SessionStatus
+from optserve.protos import chunk_codec, contract
 from optserve.protos.optserve.v1 import control_pb2, data_pb2, tensor_pb2
 
-_REASON_NAMES = {
-    control_pb2.REJECT_REASON_INVALID: "invalid",
-    control_pb2.REJECT_REASON_NONFINITE: "nonfinite",
-    control_pb2.REJECT_REASON_STALE: "stale",
-    control_pb2.REJECT_REASON_ABORTED: "aborted",
-}
-
-
-def _precond_block(b) -> dict[str, Any]:
-    return {"tensor": b.tensor, "block": b.block, "dim": b.dim, "size": b.size, "age": b.age, "error": b.error,
-            "failures": b.failures, "fallback_steps": b.fallback_steps}
-
-
-def _root_offload(r) -> dict[str, Any]:
-    return {"offloaded": r.offloaded, "max_age": None if r.max_age < 0 else r.max_age,
-            "roots_installed": r.roots_installed, "waits": r.waits, "resubmits": r.resubmits}
-
-
-@dataclasses.dataclass(frozen=True)
-class SessionStatus:
-    """``version``: steps decided; ``steps_applied``: applied on every shard; ``rejected``:
-    refused pushes by reason ("invalid", "nonfinite", "stale", "aborted"); ``shards``: one dict
-    per shard (index, address, tensors, param_bytes, version, node_id, device; Shampoo sessions also
-    ``preconditioners``: one dict per statistic with tensor, block, dim, size, age, error, failures,
-    fallback_steps, and ``root_offload``: offloaded, max_age, roots_installed, waits, resubmits)."""
-
-    name: str
-    version: int
-    steps_applied: int
-    pushes_accepted: int
-    rejected: dict[str, int]
-    shards: list[dict[str, Any]]
-
-
 _SERVICE = "/optserve.v1.ShardData/"
-# Sessions of up to this many parameter elements (256 KB in float32: below any chunk size) send
+# Sessions of up to this many parameter elements (256 KB in float32: below the default chunk size) send
 # each push_pull step to a shard as one `step` message (answered by one `step_result`), read
-# their shards' replies in one thread, and send no `pull` options unless they ask for a wire dtype.
+# their shards' replies in one thread, and send no `pull` options unless they ask for a wire dtype
+# or another chunk size.
 _SMALL_SESSION_ELEMENTS = 64 << 10
 
 
@@ -110,7 +78,8 @@ class Session:
         self.specs: dict[str, tuple[int, tuple[int, ...]]] = {
             t.name: (t.dtype, tuple(t.shape)) for t in info.config.tensors
         }
-        self.optimizer = {"name": info.config.optimizer.name, "args": json.loads(info.config.optimizer.args_json or "{}")}
+        self.options = SessionOptions.from_config(info.config)
+        self.optimizer = {"name": self.options.optimizer, "args": dict(self.options.optimizer_args)}
         self.wire_dtype: Optional[int] = info.config.wire_dtype or None
         self._shards = []
         for s in info.shards:
@@ -118,7 +87,7 @@ class Session:
             self._shards.append(_Shard(s.shard_index, s.address, tuple(s.tensor_names), calls,
                                        StepStream(calls.push_pull, client.timeout, idle_s=client.stream_idle_s)))
         self._small = sum(int(np.prod(shape)) for _, shape in self.specs.values()) <= _SMALL_SESSION_ELEMENTS
-        self.client_id = uuid.uuid4().hex
+        self.client_id = uuid.uuid4().hex  # this object's push identity (PushHeader); not Client.client_id
         self._sequence = itertools.count(1)
         self._version = version
         self.last_staleness = 0  # staleness the server assigned to this object's latest push (async)
@@ -180,21 +149,7 @@ class Session:
             lambda: self._client._control.GetStatus(control_pb2.GetStatusRequest(name=self.name), timeout=self._client.timeout),
             self._client.retry,
         )
-        return SessionStatus(
-            name=response.name,
-            version=response.version,
-            steps_applied=response.steps_applied,
-            pushes_accepted=response.pushes_accepted,
-            rejected={_REASON_NAMES[r.reason]: r.count for r in response.rejected if r.reason in _REASON_NAMES},
-            shards=[
-                {"index": s.assignment.shard_index, "address": s.assignment.address,
-                 "tensors": list(s.assignment.tensor_names), "param_bytes": s.assignment.param_bytes,
-                 "version": s.version, "initialized": s.initialized, "node_id": s.node_id, "device": s.device,
-                 "preconditioners": [_precond_block(b) for b in s.preconditioners],
-                 "root_offload": _root_offload(s.root_offload) if s.HasField("root_offload") else None}
-                for s in response.shards
-            ],
-        )
+        return SessionStatus.from_proto(response)
 
     def close(self) -> None:
         """Closes the session on the server (for every client) and releases local threads."""
@@ -294,7 +249,8 @@ class Session:
     def _initialize(self, params: Mapping[str, np.ndarray]) -> None:
         def send(shard: _Shard):
             def requests():
-                yield data_pb2.InitTensorsRequest(session=self.name)
+                # Only the creating client may send a session's initial values: the first message says who it is.
+                yield data_pb2.InitTensorsRequest(session=self.name, client_id=self._client.client_id)
                 yield from self._chunks(shard, params, None)
 
             return _retry.call(lambda: shard.calls.init_tensors(requests(), timeout=self._client.timeout),
@@ -323,7 +279,8 @@ class Session:
         """One attempt: push (auto_commit) and receive the step's parameters, per shard."""
         pull = data_pb2.PullRequest(session=self.name, wire_dtype=wire or tensor_pb2.DTYPE_UNSPECIFIED,
                                     max_chunk_bytes=self._client.chunk_bytes)
-        pull_options_needed = bool(wire) or not self._small  # else the shard's defaults give the same
+        # Small sessions leave out pull options that would only repeat the shard's defaults.
+        pull_options_needed = bool(wire) or not self._small or self._client.chunk_bytes != contract.DEFAULT_CHUNK_BYTES
 
         def requests(shard: _Shard):
             if self._small:  # the whole step in one message, answered by one `step_result`

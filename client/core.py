@@ -3,44 +3,29 @@
     client = Client("127.0.0.1:50051")
     session = client.create_session("run-1", params, optimizer={"name": "adafactor_hf", "args": {}})
     new_params = session.push_pull(grads)
+
+    # a server started with TLS and tenant tokens:
+    client = Client("optserve.example:50051", token=os.environ["OPTSERVE_TOKEN"], tls="ca.pem")
+
+Every channel (the coordinator's and each shard's) is opened by one
+:class:`~optserve.client._transport.Transport`: same credentials, same options, the token on every call.
 """
 
 from __future__ import annotations
 
-import json
+import secrets
 import threading
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import grpc
 import numpy as np
 
 from optserve.client import _retry, _wire
 from optserve.client._session import Session
-from optserve.client.errors import InvalidArgumentError
-from optserve.protos import heap
-from optserve.protos.optserve.v1 import control_pb2, control_pb2_grpc, tensor_pb2
-
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-    # A pulled stream may run this far ahead of the chunks already copied out (default 64 KiB).
-    ("grpc.http2.lookahead_bytes", 16 << 20),
-]
-
-_MODES = {"sync": control_pb2.MODE_SYNC, "async": control_pb2.MODE_ASYNC}
-_POLICIES = {"reject": control_pb2.STALENESS_POLICY_REJECT, "scale": control_pb2.STALENESS_POLICY_SCALE}
-
-
-def _preconditioner_options(spec: Optional[Mapping]) -> control_pb2.PreconditionerOptions:
-    """``{"in_process": bool, "max_age": int}`` (both optional) -> the wire message."""
-    spec = dict(spec or {})
-    unknown = sorted(set(spec) - {"in_process", "max_age"})
-    if unknown:
-        raise InvalidArgumentError(f"optimizer preconditioners: unknown option {unknown[0]!r} (in_process, max_age)")
-    options = control_pb2.PreconditionerOptions(in_process=bool(spec.get("in_process", False)))
-    if spec.get("max_age") is not None:
-        options.max_age = int(spec["max_age"])
-    return options
+from optserve.client._transport import ClientCert, TLSArg, Transport
+from optserve.client.options import SessionOptions
+from optserve.protos import contract, heap
+from optserve.protos.optserve.v1 import control_pb2, control_pb2_grpc
 
 
 class Client:
@@ -48,9 +33,18 @@ class Client:
 
     Args:
       address: the coordinator's "host:port".
+      token: the tenant token, sent with every call (control and data plane) as metadata
+        ``authorization: Bearer <token>``; never shown in ``repr`` or error messages. ``None``:
+        no token (servers started without ``--auth-tokens``).
+      tls: ``False``: plaintext; ``True``: TLS, verifying the server with gRPC's default root
+        certificates; a path (``str`` / ``os.PathLike``) of a PEM CA bundle to verify the server with.
+      client_cert: ``(cert_chain_path, private_key_path)`` (PEM) for mutual TLS; needs ``tls``.
+      tls_server_name: the name the server certificates are verified against instead of the
+        dialled host (gRPC's ``grpc.ssl_target_name_override``), e.g. when shards advertise IPs.
       timeout: per-RPC deadline in seconds (a sync push waits for its step within it).
-      chunk_bytes: tensor chunk size on the wire (default 1 MB, clamped to 1-4 MB; 1 MB measured
-        fastest: each chunk is copied three times on its way out, best while it is in cache).
+      chunk_bytes: tensor chunk size on the wire, for pushes and pulls (default 1 MiB, clamped to
+        64 KiB - 4 MiB: ``optserve.protos.contract.clamp_chunk_bytes``; 1 MiB measured fastest:
+        each chunk is copied three times on its way out, best while it is in cache).
       retry: retry policy for UNAVAILABLE.
       stream_idle_s: each session keeps one PushPull call open per shard for consecutive
         ``push_pull`` steps (a few times cheaper than a call per step); a call unused this long is
@@ -58,20 +52,32 @@ class Client:
       retain_freed_memory: keep freed message memory in this process (glibc malloc thresholds,
         see :mod:`optserve.protos.heap`) instead of page-faulting fresh pages for every received
         chunk; process-wide, costs up to 1 GiB of free heap kept resident. False: leave malloc as is.
+
+    Attributes:
+      client_id: this client's unguessable identity (``secrets.token_hex(16)``): a session it
+        creates takes its initial values from this client only.
+
+    Raises:
+      InvalidArgumentError: naming the security argument that is wrong (a missing file, a client
+        certificate without TLS, a malformed token), before anything is sent.
     """
 
-    def __init__(self, address: str, *, timeout: float = 120.0, chunk_bytes: Optional[int] = None,
+    def __init__(self, address: str, *, token: Optional[str] = None, tls: TLSArg = False,
+                 client_cert: Optional[ClientCert] = None, tls_server_name: Optional[str] = None,
+                 timeout: float = 120.0, chunk_bytes: Optional[int] = None,
                  retry: _retry.RetryPolicy = _retry.RetryPolicy(), stream_idle_s: float = 10.0,
                  retain_freed_memory: bool = True):
         if not stream_idle_s > 0:
             raise ValueError(f"stream_idle_s must be > 0, got {stream_idle_s}")
+        self._transport = Transport(token=token, tls=tls, client_cert=client_cert, tls_server_name=tls_server_name)
         if retain_freed_memory:
             heap.retain_freed_memory()
         self.address = address
         self.timeout = timeout
         self.stream_idle_s = float(stream_idle_s)
-        self.chunk_bytes = _wire.chunk_size(chunk_bytes)
+        self.chunk_bytes = contract.clamp_chunk_bytes(chunk_bytes)
         self.retry = retry
+        self.client_id = secrets.token_hex(16)
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self._control = control_pb2_grpc.ControlStub(self._channel(address))
@@ -80,8 +86,11 @@ class Client:
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                channel = self._channels[address] = self._transport.open(address)
             return channel
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.address!r}, {self._transport.describe()})"
 
     def _call(self, method, request):
         return _retry.call(lambda: method(request, timeout=self.timeout), self.retry)
@@ -90,7 +99,7 @@ class Client:
         self,
         name: str,
         params: Mapping[str, np.ndarray],
-        optimizer: Mapping,
+        optimizer: Mapping[str, Any],
         mode: str = "sync",
         num_workers: int = 1,
         max_staleness: Optional[int] = None,
@@ -99,6 +108,8 @@ class Client:
         allow_nonfinite: bool = False,
     ) -> Session:
         """Creates a session holding ``params`` (name -> array; float32/bfloat16/float16).
+
+        The keyword form of :meth:`create_session_with` (see :class:`~optserve.client.SessionOptions`).
 
         Args:
           optimizer: ``{"name": registry name, "args": {keyword arguments}}``; Shampoo also takes
@@ -113,27 +124,24 @@ class Client:
         Raises:
           AlreadyExistsError, InvalidArgumentError (naming the option or tensor).
         """
-        if mode not in _MODES:
-            raise InvalidArgumentError(f"mode must be 'sync' or 'async', got {mode!r}")
-        if staleness_policy not in _POLICIES:
-            raise InvalidArgumentError(f"staleness_policy must be 'reject' or 'scale', got {staleness_policy!r}")
-        if "name" not in optimizer:
-            raise InvalidArgumentError("optimizer must be {'name': ..., 'args': {...}}")
+        options = SessionOptions.from_spec(
+            optimizer, mode=mode, num_workers=num_workers, max_staleness=max_staleness,
+            staleness_policy=staleness_policy, wire_dtype=wire_dtype, allow_nonfinite=allow_nonfinite)
+        return self.create_session_with(name, params, options)
+
+    def create_session_with(self, name: str, params: Mapping[str, np.ndarray], options: SessionOptions) -> Session:
+        """Creates session ``name`` holding ``params`` (name -> array; float32/bfloat16/float16),
+        configured by ``options``, and sends the initial values to its shards.
+
+        Raises:
+          AlreadyExistsError, InvalidArgumentError (naming the option or tensor).
+        """
+        if not isinstance(options, SessionOptions):
+            raise TypeError(f"options must be a SessionOptions, got {type(options).__name__}")
         arrays = {n: np.asarray(v) for n, v in params.items()}
-        config = control_pb2.SessionConfig(
-            name=name,
-            tensors=[tensor_pb2.TensorSpec(name=n, dtype=_wire.array_dtype_enum(a, name=n), shape=list(a.shape))
-                     for n, a in arrays.items()],
-            optimizer=control_pb2.OptimizerSpec(name=optimizer["name"], args_json=json.dumps(dict(optimizer.get("args") or {})),
-                                                preconditioners=_preconditioner_options(optimizer.get("preconditioners"))),
-            mode=_MODES[mode],
-            num_workers=num_workers,
-            max_staleness=-1 if max_staleness is None else max_staleness,
-            staleness_policy=_POLICIES[staleness_policy],
-            allow_nonfinite=allow_nonfinite,
-            wire_dtype=_wire.dtype_enum(wire_dtype, what="wire_dtype") or tensor_pb2.DTYPE_UNSPECIFIED,
-        )
-        info = self._call(self._control.CreateSession, control_pb2.CreateSessionRequest(config=config)).session
+        config = options.to_config(name, arrays)
+        request = control_pb2.CreateSessionRequest(config=config, client_id=self.client_id)
+        info = self._call(self._control.CreateSession, request).session
         session = Session(self, info)
         try:
             session._initialize(arrays)
@@ -143,9 +151,24 @@ class Client:
             raise
         return session
 
-    def session(self, name: str) -> Session:
-        """Attaches to an existing session (e.g. after a client restart); version = the server's."""
-        info = self._call(self._control.GetSession, control_pb2.GetSessionRequest(name=name)).session
+    def session(self, name: str, expect: Optional[SessionOptions] = None) -> Session:
+        """Attaches to an existing session (e.g. after a client restart); version = the server's.
+
+        Args:
+          expect: the options this client means to train with; the server refuses the attach if
+            the session's optimizer (name, args, preconditioner options) or mode differs.
+            ``None``: attach to whatever the session is.
+
+        Raises:
+          NotFoundError; FailedPreconditionError (``expect`` given): the message names the difference.
+        """
+        request = control_pb2.GetSessionRequest(name=name)
+        if expect is not None:
+            if not isinstance(expect, SessionOptions):
+                raise TypeError(f"expect must be a SessionOptions or None, got {type(expect).__name__}")
+            request.expect_optimizer.CopyFrom(expect.to_optimizer_spec())
+            request.expect_mode = expect.to_mode()
+        info = self._call(self._control.GetSession, request).session
         status = self._call(self._control.GetStatus, control_pb2.GetStatusRequest(name=name))
         return Session(self, info, version=status.version)
 

@@ -11,8 +11,7 @@ from typing import Optional
 
 import grpc
 
-CURRENT_VERSION_KEY = "optserve-current-version"
-PEER_REFUSED_KEY = "optserve-peer-refused"
+from optserve.protos import contract
 
 
 class OptservError(Exception):
@@ -74,6 +73,19 @@ class InternalError(OptservError):
     code = "INTERNAL"
 
 
+class UnauthenticatedError(OptservError):
+    """The server runs with tenant tokens and the call carried none, or one it does not know."""
+
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(OptservError):
+    """The token is valid but the session belongs to another tenant (or, for a session's initial
+    values, to another client)."""
+
+    code = "PERMISSION_DENIED"
+
+
 _BY_CODE = {
     grpc.StatusCode.NOT_FOUND: NotFoundError,
     grpc.StatusCode.ALREADY_EXISTS: AlreadyExistsError,
@@ -82,6 +94,8 @@ _BY_CODE = {
     grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
 }
 
 
@@ -91,9 +105,9 @@ def from_rpc_error(error: grpc.RpcError) -> OptservError:
     details = (error.details() if hasattr(error, "details") else None) or str(error)
     cls = _BY_CODE.get(code, InternalError)
     metadata = dict((error.trailing_metadata() or ()) if hasattr(error, "trailing_metadata") else ())
-    if cls is StaleError and PEER_REFUSED_KEY in metadata:
+    if cls is StaleError and contract.PEER_REFUSED_KEY in metadata:
         return PeerRefusedError(details, code.name)
     if cls is StaleError:
-        version = metadata.get(CURRENT_VERSION_KEY)
+        version = metadata.get(contract.CURRENT_VERSION_KEY)
         return StaleError(details, code.name, current_version=None if version is None else int(version))
     return cls(details, code.name)

@@ -11,6 +11,13 @@ agrees on them.
     for batch in data:
         params = session.push_pull(jax.grad(loss)(params, batch))
 
+Given an address instead of a ``Client``, :func:`create_session` and :func:`attach_session` open
+one with the keyword arguments ``token``, ``tls``, ``client_cert`` and ``tls_server_name`` (see
+``optserve.client.Client``); with a ``Client`` those are ignored (its own settings apply)::
+
+    session = ojax.create_session("optserve.example:50051", "run", params, optimizer=spec,
+                                  token=os.environ["OPTSERVE_TOKEN"], tls="ca.pem")
+
 This module imports jax (only JAX users import it); the NumPy client core does not.
 """
 
@@ -24,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from optserve.client import Client
+from optserve.client._transport import ClientCert, TLSArg
+from optserve.client.options import SessionOptions
 from optserve.client.overlap import DelayedStepper
 
 PyTree = Any
@@ -116,6 +125,11 @@ class PytreeSession:
     def version(self) -> int:
         return self.raw.version
 
+    @property
+    def options(self) -> SessionOptions:
+        """The session's options, as the server reports its configuration."""
+        return self.raw.options
+
     def pull(self, **kwargs: Any) -> PyTree:
         return self.codec.from_named(self.raw.pull(**kwargs))
 
@@ -174,21 +188,47 @@ class DelayedPytreeStepper:
         return None if previous is None else self._codec.from_named(previous)
 
 
-def _client(client_or_address: Any) -> Any:
-    return Client(client_or_address) if isinstance(client_or_address, str) else client_or_address
+def _client(client_or_address: Any, **security: Any) -> Any:
+    """``client_or_address`` if it is a ``Client``; else a new ``Client`` with the security settings."""
+    return Client(client_or_address, **security) if isinstance(client_or_address, str) else client_or_address
 
 
-def create_session(client: Any, name: str, params: PyTree, optimizer: Mapping[str, Any], **kwargs: Any) -> PytreeSession:
-    """Creates session ``name`` holding ``params``; ``kwargs`` as ``Client.create_session``.
+def create_session(client: Any, name: str, params: PyTree, optimizer: Mapping[str, Any] | SessionOptions,
+                   *, token: Optional[str] = None, tls: TLSArg = False, client_cert: Optional[ClientCert] = None,
+                   tls_server_name: Optional[str] = None, **kwargs: Any) -> PytreeSession:
+    """Creates session ``name`` holding ``params``.
 
     Args:
       client: an ``optserve.client.Client`` or a ``host:port`` address.
+      optimizer: ``{"name": ..., "args": {...}, "preconditioners": {...}}`` as for
+        ``Client.create_session``, or a :class:`~optserve.client.SessionOptions`.
+      token, tls, client_cert, tls_server_name: with an address, the security settings of the
+        ``Client`` opened for it (see ``optserve.client.Client``); ignored with a ``Client``.
+      kwargs: the other options of ``Client.create_session`` (``mode``, ``num_workers``,
+        ``max_staleness``, ``staleness_policy``, ``wire_dtype``, ``allow_nonfinite``); with a
+        ``SessionOptions`` they replace its fields.
+
+    Raises:
+      InvalidArgumentError: naming the option, before the server is contacted.
     """
+    options = SessionOptions.from_spec(optimizer, **kwargs)
     codec = TreeCodec(params)
-    session = _client(client).create_session(name, codec.to_named(params), optimizer=optimizer, **kwargs)
+    connection = _client(client, token=token, tls=tls, client_cert=client_cert, tls_server_name=tls_server_name)
+    session = connection.create_session_with(name, codec.to_named(params), options)
     return PytreeSession(session, codec)
 
 
-def attach_session(client: Any, name: str, like: PyTree) -> PytreeSession:
-    """Attaches to an existing session whose tensors come from a pytree structured like ``like``."""
-    return PytreeSession(_client(client).session(name), TreeCodec(like))
+def attach_session(client: Any, name: str, like: PyTree, expect: Optional[SessionOptions] = None, *,
+                   token: Optional[str] = None, tls: TLSArg = False, client_cert: Optional[ClientCert] = None,
+                   tls_server_name: Optional[str] = None) -> PytreeSession:
+    """Attaches to an existing session whose tensors come from a pytree structured like ``like``.
+
+    Args:
+      client: an ``optserve.client.Client`` or a ``host:port`` address.
+      expect: the options this worker means to train with (as ``Client.session``): the attach is
+        refused with ``FailedPreconditionError`` naming the difference if the session's optimizer
+        or mode differs. ``None``: attach to whatever the session is.
+      token, tls, client_cert, tls_server_name: as for :func:`create_session`.
+    """
+    connection = _client(client, token=token, tls=tls, client_cert=client_cert, tls_server_name=tls_server_name)
+    return PytreeSession(connection.session(name, expect=expect), TreeCodec(like))

@@ -16,7 +16,15 @@ format (``wire_dtype``) is independent of both: ``"bfloat16"`` halves the bytes 
 
 Sharing: several processes (or optimizers) naming the same ``session`` train one model: the
 first creates the session from its parameters, the others attach and start from the
-session's current parameters.
+session's current parameters. An attach is refused (``FailedPreconditionError`` naming the
+difference) when the session's optimizer or mode differs from this optimizer's, so rerunning a
+script with another learning rate never silently trains with the old one.
+
+Security: with an address, ``token``, ``tls``, ``client_cert`` and ``tls_server_name`` are passed
+to the :class:`~optserve.client.Client` it opens (see there)::
+
+    RemoteOptimizer(model.named_parameters(), "optserve.example:50051", spec, session="run",
+                    token=os.environ["OPTSERVE_TOKEN"], tls="ca.pem")
 
 Imports torch and the NumPy client only (never jax or ray).
 """
@@ -24,6 +32,7 @@ Imports torch and the NumPy client only (never jax or ray).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import uuid
 import warnings
 from typing import Any, Iterable, Mapping, Optional, Union
@@ -32,12 +41,12 @@ import numpy as np
 import torch
 
 from optserve.client import Client
-from optserve.client.errors import AlreadyExistsError, StaleError
+from optserve.client._transport import ClientCert, TLSArg
+from optserve.client.errors import AlreadyExistsError, InvalidArgumentError, StaleError
+from optserve.client.options import SessionOptions
 from optserve.client.overlap import DelayedStepper
+from optserve.protos import contract
 
-_MODES = ("sync", "async")
-_STALENESS_POLICIES = ("reject", "scale")
-_WIRE_DTYPES = (None, "float32", "bfloat16", "float16")
 _STATE_FORMAT = "optserve.RemoteOptimizer/1"
 
 
@@ -46,18 +55,23 @@ class RemoteOptimizerConfig:
     """What a :class:`RemoteOptimizer` asks the server for; validated on construction.
 
     Attributes:
-      optimizer: ``{"name": registry name, "args": {constructor keyword: value}}``; the server
-        checks the name and arguments against the kernel constructor.
+      optimizer: ``{"name": registry name, "args": {constructor keyword: value}}``, and for
+        Shampoo optionally ``"preconditioners": {"in_process": bool, "max_age": int}``; the
+        server checks the name and arguments against the kernel constructor.
       session: the session's name; optimizers naming the same session share one model.
       mode: ``"sync"`` (a step averages ``num_workers`` pushes made against one version) or
         ``"async"`` (each push applies on arrival).
       num_workers: pushes per step in sync mode.
-      max_staleness: async only: the most versions a gradient may lag (``None``: server default).
+      max_staleness: async only: the most versions a gradient may lag (``None``: unlimited).
       staleness_policy: async only: ``"reject"`` stale pushes or ``"scale"`` them by 1/(1+s).
       wire_dtype: dtype of gradients and parameters on the wire (``None``: float32).
       allow_nonfinite: pass NaN / Inf gradients to the optimizer instead of rejecting them.
       overlap: one-step-delayed updates (see ``optserve.client.overlap``): ``step()`` returns
         while its push is in flight and writes the previous step's parameters.
+      options: (derived) the :class:`~optserve.client.SessionOptions` a created session gets.
+
+    Raises:
+      InvalidArgumentError (a ``ValueError``): naming the option that is wrong.
     """
 
     optimizer: Mapping[str, Any]
@@ -69,42 +83,20 @@ class RemoteOptimizerConfig:
     wire_dtype: Optional[str] = None
     allow_nonfinite: bool = False
     overlap: bool = False
+    options: SessionOptions = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        spec = self.optimizer
-        if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
-            raise ValueError(f'optimizer must be {{"name": str, "args": dict}}, got {spec!r}')
-        if not isinstance(spec.get("args", {}), Mapping):
-            raise ValueError(f"optimizer {spec['name']!r}: args must be a dict, got {spec['args']!r}")
-        if set(spec) - {"name", "args"}:
-            raise ValueError(f"optimizer spec has unknown keys {sorted(set(spec) - {'name', 'args'})}")
         if not self.session or not isinstance(self.session, str):
-            raise ValueError(f"session must be a non-empty string, got {self.session!r}")
-        if self.mode not in _MODES:
-            raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}")
-        if not isinstance(self.num_workers, int) or self.num_workers < 1:
-            raise ValueError(f"num_workers must be an int >= 1, got {self.num_workers!r}")
-        if self.max_staleness is not None and (not isinstance(self.max_staleness, int) or self.max_staleness < 0):
-            raise ValueError(f"max_staleness must be an int >= 0 or None, got {self.max_staleness!r}")
-        if self.staleness_policy not in _STALENESS_POLICIES:
-            raise ValueError(f"staleness_policy must be one of {_STALENESS_POLICIES}, got {self.staleness_policy!r}")
-        if self.wire_dtype not in _WIRE_DTYPES:
-            raise ValueError(f"wire_dtype must be one of {_WIRE_DTYPES}, got {self.wire_dtype!r}")
-
-    def session_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``Client.create_session`` (unset options left to the server)."""
-        kwargs: dict[str, Any] = {
-            "optimizer": {"name": self.optimizer["name"], "args": dict(self.optimizer.get("args", {}))},
-            "mode": self.mode,
-            "num_workers": self.num_workers,
-            "staleness_policy": self.staleness_policy,
-            "allow_nonfinite": self.allow_nonfinite,
-        }
-        if self.max_staleness is not None:
-            kwargs["max_staleness"] = self.max_staleness
-        if self.wire_dtype not in (None, "float32"):
-            kwargs["wire_dtype"] = self.wire_dtype
-        return kwargs
+            raise InvalidArgumentError(f"session must be a non-empty string, got {self.session!r}")
+        # float32 on the wire is what the session does by default for float32 parameters; it is
+        # also sent with every call (RemoteOptimizer), so only a narrower dtype becomes the
+        # session's default for other clients.
+        options = SessionOptions.from_spec(
+            self.optimizer, mode=self.mode, num_workers=self.num_workers, max_staleness=self.max_staleness,
+            staleness_policy=self.staleness_policy, wire_dtype=self.wire_dtype, allow_nonfinite=self.allow_nonfinite)
+        if options.wire_dtype == "float32":
+            options = dataclasses.replace(options, wire_dtype=None)
+        object.__setattr__(self, "options", options)
 
 
 # --- torch <-> numpy -------------------------------------------------------------------------
@@ -124,7 +116,7 @@ def tensor_to_numpy(tensor: torch.Tensor) -> np.ndarray:
         return tensor.numpy()
     if tensor.dtype == torch.bfloat16:
         bits = tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
-        return (bits.astype(np.uint32) << 16).view(np.float32)
+        return contract.bf16_bits_to_f32(bits)
     if tensor.dtype in (torch.float16, torch.float64):
         return tensor.numpy().astype(np.float32)
     raise TypeError(f"optserve trains floating-point parameters only, got dtype {tensor.dtype}")
@@ -137,12 +129,14 @@ def gradient_to_numpy(grad: torch.Tensor) -> np.ndarray:
     zero-copy view; the server widens it exactly to float32, so the values are identical)
     and widened to float32 here otherwise.
     """
-    if grad.dtype == torch.bfloat16 and grad.device.type == "cpu" and _ML_BFLOAT16 is not None:
-        return grad.detach().contiguous().view(torch.int16).numpy().view(_ML_BFLOAT16)
+    if grad.dtype == torch.bfloat16 and grad.device.type == "cpu" and _ml_bfloat16() is not None:
+        return grad.detach().contiguous().view(torch.int16).numpy().view(_ml_bfloat16())
     return tensor_to_numpy(grad)
 
 
-def _ml_bfloat16():
+@functools.cache
+def _ml_bfloat16() -> Optional[np.dtype]:
+    """ml_dtypes' bfloat16, imported on first use (the client never imports it at import time)."""
     try:  # optional: present wherever jax is, never required by the client
         import ml_dtypes
     except ImportError:
@@ -150,14 +144,11 @@ def _ml_bfloat16():
     return np.dtype(ml_dtypes.bfloat16)
 
 
-_ML_BFLOAT16 = _ml_bfloat16()
-
-
 def _viewed_without_copy(grad: torch.Tensor) -> bool:
     """Whether :func:`gradient_to_numpy` returns a view of ``grad``'s storage."""
     if grad.device.type != "cpu":
         return False
-    return grad.dtype == torch.float32 or (grad.dtype == torch.bfloat16 and _ML_BFLOAT16 is not None)
+    return grad.dtype == torch.float32 or (grad.dtype == torch.bfloat16 and _ml_bfloat16() is not None)
 
 
 def write_numpy_(target: torch.Tensor, values: np.ndarray) -> None:
@@ -185,12 +176,17 @@ class RemoteOptimizer(torch.optim.Optimizer):
         parameters with ``requires_grad=False`` are left out. Names must be unique; they are
         the session's tensor names.
       address: the server's ``host:port``, or an ``optserve.client.Client`` to reuse.
-      optimizer: ``{"name": ..., "args": {...}}`` (see ``optserve.optim_kernels.OPTIMIZERS``).
+      optimizer: ``{"name": ..., "args": {...}}`` (see ``optserve.optim_kernels.OPTIMIZERS``);
+        Shampoo also takes ``"preconditioners": {"in_process": bool, "max_age": int}``.
       session: the session's name (default: a fresh unique name). Naming an existing session
-        attaches to it (its tensor names must match; its own optimizer and mode apply) and
-        loads its current parameters into the model.
+        attaches to it (its tensor names must match) and loads its current parameters into the
+        model; the attach is refused with ``FailedPreconditionError`` (naming the difference) if
+        the session's optimizer (name, args, preconditioners) or mode differs from this one's.
       mode, num_workers, max_staleness, staleness_policy, wire_dtype, allow_nonfinite, overlap:
         see :class:`RemoteOptimizerConfig`.
+      token, tls, client_cert, tls_server_name: with an address, the security settings of the
+        ``Client`` this optimizer opens (see ``optserve.client.Client``); ignored when
+        ``address`` is a ``Client`` (its own settings apply).
 
     Attributes:
       created: whether this optimizer created the session (``False``: it attached).
@@ -213,6 +209,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
         wire_dtype: Optional[str] = None,
         allow_nonfinite: bool = False,
         overlap: bool = False,
+        token: Optional[str] = None,
+        tls: TLSArg = False,
+        client_cert: Optional[ClientCert] = None,
+        tls_server_name: Optional[str] = None,
     ):
         self.config = RemoteOptimizerConfig(
             optimizer=optimizer,
@@ -229,9 +229,15 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._tensors_fixed = False
         super().__init__([p for _, p in self._named], defaults={})
         self._tensors_fixed = True
-        self._client = address if isinstance(address, Client) else Client(address)
+        self._client = address if isinstance(address, Client) else Client(
+            address, token=token, tls=tls, client_cert=client_cert, tls_server_name=tls_server_name)
         self._owns_client = not isinstance(address, Client)
-        self._session, self.created = self._create_or_attach()
+        try:
+            self._session, self.created = self._create_or_attach()
+        except BaseException:
+            if self._owns_client:  # e.g. an attach refused for other options: no channels left open
+                self._client.close()
+            raise
         self._stepper = DelayedStepper(self._session) if overlap else None
         # Per call, so that a worker attaching to an existing session still gets its own choice.
         self._wire = {"wire_dtype": wire_dtype} if wire_dtype is not None else {}
@@ -316,7 +322,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             "session": self.config.session,
             "version": int(self.version),
             "tensor_names": self.tensor_names,
-            "optimizer": {"name": self.config.optimizer["name"], "args": dict(self.config.optimizer.get("args", {}))},
+            "optimizer": self.config.options.spec,
             "mode": self.config.mode,
         }
 
@@ -365,10 +371,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def _create_or_attach(self):
         initial = {name: tensor_to_numpy(p) for name, p in self._named}
         try:
-            session = self._client.create_session(self.config.session, initial, **self.config.session_kwargs())
+            session = self._client.create_session_with(self.config.session, initial, self.config.options)
             return session, True
-        except AlreadyExistsError:  # another worker created it first: attach
-            return self._client.session(self.config.session), False
+        except AlreadyExistsError:  # another worker created it first: attach, if it is what we asked for
+            return self._client.session(self.config.session, expect=self.config.options), False
 
     def _write_in_flight(self) -> None:
         try:

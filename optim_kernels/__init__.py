@@ -1,8 +1,12 @@
 """Pure JAX optimizer math for optserve: each optimizer is an ``optax.GradientTransformation``.
 
 No I/O, no Ray, no gRPC: the server imports this package, never the other way round.
-The constructors are bound here after their modules load, so ``optim_kernels.adafactor`` is
-the function even though a module of the same name defines it.
+
+Families live in subpackages (:mod:`.adafactor`, :mod:`.shampoo`, :mod:`.scaled_adam`), the
+dense linear algebra they share in :mod:`.linalg`, and :mod:`.registry` maps names to them. The
+constructors are bound here after the subpackages load, so ``optim_kernels.shampoo`` is the
+function even though a subpackage of the same name defines it (import the subpackage's other
+names with ``from optserve.optim_kernels.shampoo import ...``).
 """
 
 from optserve.optim_kernels.registry import (
@@ -13,10 +17,10 @@ from optserve.optim_kernels.registry import (
     optimizer_names,
     optimizer_parameters,
 )
-from optserve.optim_kernels.adafactor import adafactor, adafactor_hf, adafactor_t2t
-from optserve.optim_kernels.matrix_roots import matrix_inverse_pth_root
-from optserve.optim_kernels.scaled_adam import scaled_adam
-from optserve.optim_kernels.shampoo import compute_preconditioners, shampoo
+from optserve.optim_kernels.adafactor import adafactor, adafactor_hf, adafactor_t2t  # noqa: E402
+from optserve.optim_kernels.linalg import matrix_inverse_pth_root  # noqa: E402
+from optserve.optim_kernels.scaled_adam import scaled_adam  # noqa: E402
+from optserve.optim_kernels.shampoo import compute_preconditioners, shampoo  # noqa: E402
 
 __all__ = [
     "GLOBAL_STATISTIC_ARG",

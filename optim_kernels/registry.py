@@ -1,8 +1,12 @@
 """Optimizers by name: the one place that maps a wire-level optimizer spec to a kernel.
 
 A spec is ``{"name": "adafactor_hf", "args": {...}}``. :func:`build_optimizer` resolves the
-name, checks every argument against the constructor's signature and calls it, so a bad spec
-fails with a ``ValueError`` that names the optimizer and the option before any state exists.
+name, checks every argument against the constructor's signature (names, and the types its
+annotations admit) and calls it, so a bad spec fails with a ``ValueError`` that names the
+optimizer and the option before any state exists.
+
+An entry (:class:`KernelEntry`) holds the constructor itself and what a server needs beyond the
+transformation, each optional:
 
 Cross-shard statistics
 ----------------------
@@ -10,62 +14,131 @@ Some optimizers need one number computed over *all* tensors of a model (T5X's gl
 clipping, ScaledAdam's clipping to a multiple of the median gradient norm). When a model is
 split across shards, each shard computes a *partial* statistic over its own tensors, the
 shards sum the partials, and each passes the sum to its update as the extra argument
-``global_grad_sq_norm``. An entry that needs this names a factory in its module:
+``global_grad_sq_norm``. An entry that needs this has a factory
 ``factory(**args) -> partial(grads, state, params) -> scalar``, or ``None`` when these
 arguments need no such quantity (e.g. clipping is off). Summing ``partial`` over a partition
 of the tensors must give exactly the value the kernel computes in process, and an update
 called without ``global_grad_sq_norm`` computes it over its own tree.
+
+Root offload
+------------
+A kernel whose update computes matrix inverse roots that may instead be computed elsewhere
+(by preconditioner workers) declares a :class:`RootOffloadSeam`: everything a server needs to
+export its statistics, compute the roots in another process and install them, without knowing
+which optimizer it runs. Shampoo has one; no other kernel does.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
-import importlib
 import inspect
+import numbers
+import types
+import typing
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
+import jax
+import numpy as np
 import optax
+
+from optserve.optim_kernels.adafactor import adafactor, adafactor_hf, adafactor_partial_statistic, adafactor_t2t
+from optserve.optim_kernels.linalg import inverse_pth_roots
+from optserve.optim_kernels.scaled_adam import scaled_adam, scaled_adam_partial_statistic
+from optserve.optim_kernels.shampoo import seam as shampoo_seam
+from optserve.optim_kernels.shampoo import shampoo, shampoo_config
+
+__all__ = [
+    "GLOBAL_STATISTIC_ARG",
+    "OPTIMIZERS",
+    "BuiltOptimizer",
+    "KernelEntry",
+    "RootOffloadSeam",
+    "build_optimizer",
+    "optimizer_names",
+    "optimizer_parameters",
+]
 
 GLOBAL_STATISTIC_ARG = "global_grad_sq_norm"
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelEntry:
-    """Where a named optimizer lives.
+class RootOffloadSeam:
+    """How a kernel's matrix inverse roots are computed outside its update (preconditioner workers).
 
     Attributes:
-      module: import path of the module that defines the constructor.
-      constructor: name of the function returning an ``optax.GradientTransformation``.
-      partial_statistic: name of a factory in ``module`` (same keyword arguments as the
-        constructor) returning ``partial(grads, state, params) -> f32 scalar``, or ``None``
-        when the optimizer needs no cross-tensor quantity.
+      config: ``(**args) -> config``, the kernel's typed config for the same options as its
+        constructor (Shampoo: ``ShampooConfig``).
+      without_inline_roots: ``args -> args`` of the same kernel with the roots left out of its
+        update (they then come only from ``install``).
+      block_labels: ``(config, shapes) -> [BlockLabel]``: which statistic each position of an
+        export is (``BlockLabel(tensor, block, dim, size)``), for a shard holding ``shapes``
+        (name -> shape of a dict pytree, whose tensors flatten in sorted-name order).
+      export: ``(state, config, grads=None) -> StatisticsExport(statistics [B, n, n],
+        exponents [B], sizes [B], step)``; jit-able. With the pending ``grads`` of the next update
+        it exports the statistics that update will hold.
+      install: ``(state, config, roots, errors, step) -> state``; jit-able. Rejected roots (error
+        NaN or over the kernel's threshold) keep the previous ones and count a failure.
+      root_config: ``config -> RootConfig``, the typed, hashable, picklable description of the
+        root computation, sent unchanged to the workers.
+      compute_roots: ``(statistics, exponents, sizes, root_config) -> (roots [B, n, n],
+        errors [B])``, pure; ``root_config`` is static, so a closure or ``functools.partial`` over
+        it jits once per batch shape. A module-level function, so it pickles by reference.
+      compute_steps: ``config -> int``, updates between two root computations.
+      progress: ``state -> (count, source_step [B], failures [B], last_error [B])`` as arrays,
+        for status reports (``source_step`` -1: no root installed yet).
     """
 
-    module: str
-    constructor: str
-    partial_statistic: Optional[str] = None
-
-    def load(self) -> Callable[..., optax.GradientTransformation]:
-        return getattr(importlib.import_module(self.module), self.constructor)
-
-    def load_partial_statistic(self) -> Optional[Callable[..., Callable]]:
-        if self.partial_statistic is None:
-            return None
-        return getattr(importlib.import_module(self.module), self.partial_statistic)
+    config: Callable[..., Any]
+    without_inline_roots: Callable[[Mapping[str, Any]], dict]
+    block_labels: Callable[[Any, Mapping[str, tuple[int, ...]]], list]
+    export: Callable[..., Any]
+    install: Callable[..., Any]
+    root_config: Callable[[Any], Any]
+    compute_roots: Callable[..., tuple]
+    compute_steps: Callable[[Any], int]
+    progress: Callable[[Any], tuple]
 
 
-_K = "optserve.optim_kernels"
+@dataclasses.dataclass(frozen=True)
+class KernelEntry:
+    """A named optimizer.
+
+    Attributes:
+      constructor: keyword options -> ``optax.GradientTransformation``.
+      partial_statistic: a factory with the constructor's keyword options returning
+        ``partial(grads, state, params) -> f32 scalar`` or ``None`` (see the module docstring);
+        ``None`` when the optimizer never needs a cross-tensor quantity.
+      root_offload: the kernel's root offload seam, or ``None``.
+    """
+
+    constructor: Callable[..., optax.GradientTransformation]
+    partial_statistic: Optional[Callable[..., Optional[Callable]]] = None
+    root_offload: Optional[RootOffloadSeam] = None
+
+
+_SHAMPOO_ROOT_OFFLOAD = RootOffloadSeam(
+    config=shampoo_config,
+    without_inline_roots=shampoo_seam.without_inline_roots,
+    block_labels=shampoo_seam.block_labels,
+    export=shampoo_seam.export_statistics,
+    install=shampoo_seam.install_preconditioners,
+    root_config=shampoo_seam.root_config,
+    compute_roots=inverse_pth_roots,
+    compute_steps=shampoo_seam.compute_steps,
+    progress=shampoo_seam.progress,
+)
 
 OPTIMIZERS: dict[str, KernelEntry] = {
-    "adafactor": KernelEntry(f"{_K}.adafactor", "adafactor", "adafactor_partial_statistic"),
-    "adafactor_hf": KernelEntry(f"{_K}.adafactor", "adafactor_hf"),
-    "adafactor_t2t": KernelEntry(f"{_K}.adafactor", "adafactor_t2t"),
-    "shampoo": KernelEntry(f"{_K}.shampoo", "shampoo"),
-    "scaled_adam": KernelEntry(f"{_K}.scaled_adam", "scaled_adam", "scaled_adam_partial_statistic"),
+    "adafactor": KernelEntry(adafactor, adafactor_partial_statistic),
+    "adafactor_hf": KernelEntry(adafactor_hf),
+    "adafactor_t2t": KernelEntry(adafactor_t2t),
+    "shampoo": KernelEntry(shampoo, root_offload=_SHAMPOO_ROOT_OFFLOAD),
+    "scaled_adam": KernelEntry(scaled_adam, scaled_adam_partial_statistic),
     # Baselines, straight from optax.
-    "adam": KernelEntry("optax", "adam"),
-    "adamw": KernelEntry("optax", "adamw"),
-    "sgd": KernelEntry("optax", "sgd"),
+    "adam": KernelEntry(optax.adam),
+    "adamw": KernelEntry(optax.adamw),
+    "sgd": KernelEntry(optax.sgd),
 }
 
 
@@ -78,12 +151,14 @@ class BuiltOptimizer(NamedTuple):
       transformation: the optax transformation.
       partial_statistic: ``partial(grads, state, params) -> scalar`` whose sum over shards is
         passed to ``transformation.update`` as ``global_grad_sq_norm``; ``None`` if unused.
+      root_offload: the kernel's root offload seam, or ``None``.
     """
 
     name: str
     args: dict[str, Any]
     transformation: optax.GradientTransformation
     partial_statistic: Optional[Callable]
+    root_offload: Optional[RootOffloadSeam]
 
 
 def optimizer_names() -> list[str]:
@@ -92,19 +167,20 @@ def optimizer_names() -> list[str]:
 
 def optimizer_parameters(name: str) -> Mapping[str, inspect.Parameter]:
     """The constructor's parameters, for validation and documentation."""
-    return inspect.signature(_entry(name).load()).parameters
+    return inspect.signature(_entry(name).constructor).parameters
 
 
 def build_optimizer(name: str, args: Optional[Mapping[str, Any]] = None) -> BuiltOptimizer:
     """Validates ``args`` against the constructor of ``name`` and builds the optimizer.
 
     Raises:
-      ValueError: unknown optimizer, unknown or missing argument, or a value the constructor
-        rejects; the message names the optimizer and the option.
+      ValueError: unknown optimizer, unknown or missing argument, a value of a type the option
+        does not admit, or a value the constructor rejects; the message names the optimizer and
+        the option.
     """
     args = dict(args or {})
     entry = _entry(name)
-    constructor = entry.load()
+    constructor = entry.constructor
     signature = inspect.signature(constructor)
     accepts_kwargs = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
     if not accepts_kwargs:
@@ -118,15 +194,15 @@ def build_optimizer(name: str, args: Optional[Mapping[str, Any]] = None) -> Buil
         signature.bind(**args)
     except TypeError as exc:
         raise ValueError(f"optimizer {name!r}: {exc}") from exc
+    _check_value_types(name, constructor, args)
     try:
         transformation = constructor(**args)
+        partial = entry.partial_statistic(**args) if entry.partial_statistic is not None else None
     except ValueError as exc:
         raise ValueError(f"optimizer {name!r}: {exc}") from exc
     except TypeError as exc:
         raise ValueError(f"optimizer {name!r}: bad option value: {exc}") from exc
-    factory = entry.load_partial_statistic()
-    partial = factory(**args) if factory is not None else None
-    return BuiltOptimizer(name, args, transformation, partial)
+    return BuiltOptimizer(name, args, transformation, partial, entry.root_offload)
 
 
 def _entry(name: str) -> KernelEntry:
@@ -134,3 +210,104 @@ def _entry(name: str) -> KernelEntry:
         return OPTIMIZERS[name]
     except KeyError:
         raise ValueError(f"unknown optimizer {name!r}; known optimizers: {optimizer_names()}") from None
+
+
+# ------------------------------------------------------------------ value types from annotations
+#
+# Specs come from JSON, so the values to check are numbers, strings, bools, None, lists and
+# dicts. An option's annotation is reduced to the kinds of value it admits; anything the check
+# cannot interpret (a custom class, an array type, ``Any``) admits everything and is left to the
+# constructor.
+
+_ANY = frozenset({"any"})
+
+
+def _check_value_types(name: str, constructor: Callable, args: Mapping[str, Any]) -> None:
+    for option, value in args.items():
+        kinds = _admitted_kinds(_type_hint(constructor, option))
+        if not _admits(kinds, value):
+            raise ValueError(
+                f"optimizer {name!r}: option {option!r} must be {_describe(kinds)}, got {value!r}")
+
+
+def _type_hint(fn: Callable, option: str):
+    """The resolved annotation of one parameter (``Any`` when absent or unresolvable).
+
+    One at a time, so that an annotation that does not resolve (a name only imported for type
+    checkers) leaves the other options checked.
+    """
+    target = inspect.unwrap(fn)
+    annotation = getattr(target, "__annotations__", {}).get(option)
+    if annotation is None:
+        return Any
+    probe = types.FunctionType(_probe.__code__, getattr(target, "__globals__", {}))
+    probe.__annotations__ = {"x": annotation}
+    try:
+        return typing.get_type_hints(probe)["x"]
+    except Exception:  # noqa: BLE001 -- any failure to resolve means "not checked"
+        return Any
+
+
+def _probe(x):
+    del x
+
+
+def _admitted_kinds(hint) -> frozenset:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        kinds = frozenset()
+        for arg in typing.get_args(hint):
+            kinds |= _admitted_kinds(arg)
+        return kinds
+    if hint is type(None):
+        return frozenset({"none"})
+    if hint is bool:
+        return frozenset({"bool"})
+    if hint is int:
+        return frozenset({"int"})
+    if hint in (float, complex):
+        return frozenset({"number"})
+    if hint is str:
+        return frozenset({"str"})
+    if origin is typing.Literal:
+        return frozenset({"str"}) if all(isinstance(a, str) for a in typing.get_args(hint)) else _ANY
+    if hint is collections.abc.Callable or origin is collections.abc.Callable:
+        return frozenset({"callable"})
+    if origin in (tuple, list, collections.abc.Sequence) or hint in (tuple, list, collections.abc.Sequence):
+        return frozenset({"sequence"})
+    if origin in (dict, collections.abc.Mapping) or hint in (dict, collections.abc.Mapping):
+        return frozenset({"mapping"})
+    if hint is jax.Array or (isinstance(hint, type) and issubclass(hint, (np.ndarray, np.number, np.bool_))):
+        return frozenset({"number", "array"})
+    return _ANY
+
+
+def _admits(kinds: frozenset, value) -> bool:
+    if "any" in kinds:
+        return True
+    if value is None:
+        return "none" in kinds
+    if isinstance(value, bool):
+        return bool(kinds & {"bool", "int", "number"})
+    if isinstance(value, numbers.Integral):
+        return bool(kinds & {"int", "number", "bool"})
+    if isinstance(value, numbers.Real):
+        return "number" in kinds or ("int" in kinds and float(value).is_integer())
+    if isinstance(value, str):
+        return "str" in kinds
+    if isinstance(value, Mapping):
+        return "mapping" in kinds
+    if isinstance(value, (list, tuple)):
+        return bool(kinds & {"sequence", "array"})
+    if callable(value):
+        return "callable" in kinds
+    return True
+
+
+_KIND_WORDS = {"none": "None", "bool": "a bool", "int": "an integer", "number": "a number", "str": "a string",
+               "array": "an array", "callable": "a schedule (callable)", "sequence": "a list",
+               "mapping": "a mapping"}
+
+
+def _describe(kinds: frozenset) -> str:
+    return " or ".join(_KIND_WORDS[k] for k in sorted(kinds, key=list(_KIND_WORDS).index))

@@ -21,7 +21,7 @@ import threading
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's maximum on 64-bit; chunks are at most 4 MiB (64 MiB hard limit)
+MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's maximum on 64-bit; chunks are at most contract.MAX_CHUNK_BYTES (4 MiB)
 DEFAULT_KEEP_BYTES = 1 << 30
 
 _lock = threading.Lock()

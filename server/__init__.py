@@ -1,19 +1,19 @@
 """The optserve server: a coordinator (control plane) and shard actors (data plane) on Ray.
 
-Layers, one job per module:
+Three layers, imports pointing down only (``tests/test_layers.py`` enforces it):
 
-wire     control_servicer.py (Control), shard_servicer.py (ShardData), wire.py (proto <-> config),
-         errors.py (domain exceptions -> gRPC status codes: the one mapping)
-domain   config.py (typed, validated configuration), coordinator.py (sessions, shard map),
-         placement.py (which shard holds which tensor), staleness.py (whether/how a push joins a
-         step), clock.py (where a session's version lives; ticket order; cross-shard sums),
-         clock_endpoint.py (how the other shards of a session reach its home shard's clock),
-         assembly.py (chunks -> validated buffers)
-compute  shard.py (the Ray actor serving ShardData), shard_state.py (a session's pytree on one
-         shard: one jitted, donated update per step, Shampoo root offload
-         around it), root_offload.py + preconditioner_pool.py + preconditioner_worker.py
-startup  app.py (``start_server(config) -> RunningServer``), cli.py (``optserve serve``)
+wire/     control_servicer.py (Control), shard_servicer.py (ShardData), clock_service.py (the
+          session clock between shards), convert.py (proto <-> domain records), errors.py (the
+          one table of domain errors -> gRPC status codes)
+domain/   config.py (typed, validated configuration), coordinator.py (sessions, shard map),
+          placement.py, staleness.py, clock.py (versions, tickets, votes, cross-shard sums),
+          shard_session.py (one session on one shard: staging, idempotency, ticket order, sync
+          averaging, rejections), assembly.py (chunks -> validated buffers), errors.py
+compute/  updater.py (parameters, optimizer state, one jitted donated step), buffers.py,
+          root_offload.py (where matrix roots are computed), preconditioner_pool.py and
+          preconditioner_worker.py (the workers that compute them)
 
-Staleness is decided by the session clock, where the version lives: the first shard to ask
-for a push's ticket makes the decision, all shards then apply tickets in the same order.
+On top, the process hosts that wire the three together: app.py (``start_server(config)``),
+cli.py (``optserve serve``), shard_actor.py (the Ray actor and the coordinator's handle on it).
+docs/ARCHITECTURE.md walks one step through them.
 """

@@ -11,7 +11,7 @@ import os
 from concurrent import futures
 from typing import Callable
 
-from optserve.server.config import ServerConfig
+from optserve.server.domain.config import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +23,7 @@ class RunningServer:
     address: str
     config: ServerConfig
     shard_addresses: list[str]
+    clock_addresses: list[str]  # the shards' internal endpoints (only server processes may call them)
     _stop: Callable[[], None]
     precond_workers: list = dataclasses.field(default_factory=list)  # Ray actor handles
 
@@ -45,40 +46,43 @@ def _init_ray(address: str) -> bool:
 
 
 def start_server(config: ServerConfig) -> RunningServer:
-    """Starts the coordinator and ``config.shards`` shard actors; returns once all serve."""
+    """Starts the coordinator and ``config.shards`` shard actors; returns once all serve.
+
+    Raises:
+      InvalidArgument: a TLS or token file cannot be read (naming the flag), before anything starts.
+    """
     import grpc
     import ray
 
+    from optserve.protos import contract
     from optserve.protos.optserve.v1 import control_pb2_grpc
-    from optserve.server.control_servicer import ControlServicer
-    from optserve.server.coordinator import Coordinator
-    from optserve.server.shard import GRPC_OPTIONS, ShardActor
+    from optserve.server.domain.coordinator import Coordinator
+    from optserve.server.shard_actor import start_shards
+    from optserve.server.wire.control_servicer import ControlServicer
+    from optserve.server.wire.security import ServerSecurity
 
+    security = ServerSecurity.from_config(config)
     started_ray = _init_ray(config.ray_address)
-    shard_cls = ray.remote(ShardActor)
-    resources = {"num_cpus": 0, "max_concurrency": 16}
-    if config.gpus_per_shard > 0:  # the actor's JAX then sees (only) the GPUs Ray assigned it
-        resources["num_gpus"] = config.gpus_per_shard
     pool = None
     if config.precond_workers > 0:
-        from optserve.server.preconditioner_pool import PoolConfig, PreconditionerPool, start_workers
+        from optserve.server.compute.preconditioner_pool import PoolConfig, PreconditionerPool, start_workers
 
         pool_config = PoolConfig(config.precond_workers, config.gpus_per_precond_worker, config.precond_f64)
         pool = PreconditionerPool(start_workers(pool_config), pool_config)
-    shards = [shard_cls.options(**resources).remote(i, config, pool) for i in range(config.shards)]
-    addresses = ray.get([s.address.remote() for s in shards])
-    clock_addresses = ray.get([s.clock_address.remote() for s in shards])
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads), options=GRPC_OPTIONS)
-    control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(Coordinator(shards, addresses, clock_addresses, min_shard_bytes=config.min_shard_bytes)), server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    fleet = start_shards(config, security, pool)
+    coordinator = Coordinator(fleet, min_shard_bytes=config.min_shard_bytes)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads), options=contract.SERVER_OPTIONS,
+                         interceptors=security.interceptors())
+    control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(coordinator, security.tokens), server)
+    port = security.add_port(server, f"{config.host}:{config.port}")
     server.start()
     host = "127.0.0.1" if config.host in ("0.0.0.0", "", "::", "[::]") else config.host
     address = f"{host}:{port}"
-    log.info("optserve listening on %s with shards %s", address, addresses)
+    log.info("optserve listening on %s with shards %s", address, fleet.addresses)
 
     def stop():
         server.stop(grace=0.5).wait()
-        for actor in shards:
+        for actor in fleet.actors:
             try:
                 ray.get(actor.stop.remote(), timeout=10)
             except Exception:  # noqa: BLE001 - best effort, the actor is killed next
@@ -89,4 +93,5 @@ def start_server(config: ServerConfig) -> RunningServer:
         if started_ray:
             ray.shutdown()
 
-    return RunningServer(address, config, addresses, stop, pool.workers if pool is not None else [])
+    return RunningServer(address, config, list(fleet.addresses), list(fleet.clock_addresses), stop,
+                         pool.workers if pool is not None else [])

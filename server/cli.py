@@ -1,4 +1,8 @@
-"""The ``optserve`` command: ``optserve serve ...`` runs the coordinator; ``optserve demo`` runs the demo."""
+"""The ``optserve`` command: ``optserve serve ...`` runs the coordinator and its shards.
+
+Other subcommands (``optserve demo``) are applications on top of optserve, found through the
+``optserve.commands`` entry-point group; this module never imports them.
+"""
 
 from __future__ import annotations
 
@@ -25,26 +29,34 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--min-shard-bytes", type=int, default=4 << 20,
                        help="a session spreads over only as many shards as give each this many parameter "
                             "bytes (default 4 MiB; 0: every session uses every shard)")
+    serve.add_argument("--tls-cert", default=None, help="PEM certificate chain: TLS on every port")
+    serve.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    serve.add_argument("--tls-client-ca", default=None, help="PEM CA that client certificates must chain to (mTLS)")
+    serve.add_argument("--auth-tokens", default=None,
+                       help="file of tenant tokens, one per line ('token [name]'); every call must carry one")
+    serve.add_argument("--insecure", action="store_true",
+                       help="allow a non-loopback --host/--shard-host without TLS and tokens")
     sub.add_parser("demo", help="run the end-to-end demo", add_help=False)
     return parser
 
 
 def serve(args: argparse.Namespace) -> int:
     from optserve.server.app import start_server
-    from optserve.server.config import ServerConfig
-    from optserve.server.errors import InvalidArgument
+    from optserve.server.domain.config import ServerConfig
+    from optserve.server.domain.errors import InvalidArgument
 
     try:
         config = ServerConfig(
             host=args.host, port=args.port, shards=args.shards, ray_address=args.ray_address,
             gpus_per_shard=args.gpus_per_shard, shard_host=args.shard_host, precond_workers=args.precond_workers,
             gpus_per_precond_worker=args.gpus_per_precond_worker, precond_f64=args.precond_f64,
-            min_shard_bytes=args.min_shard_bytes,
+            min_shard_bytes=args.min_shard_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens, insecure=args.insecure,
         )
+        running = start_server(config)
     except InvalidArgument as exc:
         print(f"optserve serve: {exc}", file=sys.stderr)
         return 2
-    running = start_server(config)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -56,12 +68,22 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plugin_command(name: str):
+    """The ``main(argv) -> int`` registered as ``name`` in the ``optserve.commands`` entry points
+    (applications built on optserve, such as the demo), or None."""
+    from importlib.metadata import entry_points
+
+    for entry in entry_points(group="optserve.commands", name=name):
+        return entry.load()
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["demo"]:
-        from optserve.server import demo
-
-        return demo.main(argv[1:]) or 0
+    if argv[:1] and argv[0] != "serve" and not argv[0].startswith("-"):
+        command = _plugin_command(argv[0])
+        if command is not None:
+            return command(argv[1:]) or 0
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)

@@ -7,21 +7,32 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def make_params(seed: int = 0) -> dict:
-    """A matrix, a vector and a rank-3 tensor (f32)."""
+def make_params(seed: int = 0, *, rows: int = 8, cols: int = 6, tensor: tuple = (2, 3, 4)) -> dict:
+    """A ``[rows, cols]`` matrix ``w``, a ``[cols]`` vector ``b`` and a rank-3 tensor ``k`` (f32).
+
+    The defaults are the small problem most tests use; :data:`BLOCKED_PROBLEM` is one whose
+    dimensions span several blocks of 16 and 32 and whose rank-3 tensor merges differently
+    depending on ``merge_small_dims_block_size``.
+    """
     rng = np.random.default_rng(seed)
     return {
-        "w": jnp.asarray(rng.standard_normal((8, 6)), jnp.float32),
-        "b": jnp.asarray(rng.standard_normal((6,)), jnp.float32),
-        "k": jnp.asarray(rng.standard_normal((2, 3, 4)), jnp.float32),
+        "w": jnp.asarray(rng.standard_normal((rows, cols)), jnp.float32),
+        "b": jnp.asarray(rng.standard_normal((cols,)), jnp.float32),
+        "k": jnp.asarray(rng.standard_normal(tuple(tensor)), jnp.float32),
     }
 
 
-def _batch(step: int):
+# w [96, 40]: blocks of 16, 32 and 64 cut it, 128 does not. k [3, 8, 24]: merging small dims up
+# to 16 keeps (3, 8, 24), up to 32, 64 or 128 gives (24, 24), up to 4096 gives (576,).
+BLOCKED_PROBLEM = dict(rows=96, cols=40, tensor=(3, 8, 24))
+
+
+def _batch(step: int, params: dict):
     rng = np.random.default_rng(1000 + step)
-    x = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)
-    y = jnp.asarray(rng.standard_normal((16, 6)), jnp.float32)
-    z = jnp.asarray(rng.standard_normal((16, 2, 3, 4)), jnp.float32)
+    rows, cols = params["w"].shape
+    x = jnp.asarray(rng.standard_normal((16, rows)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((16, cols)), jnp.float32)
+    z = jnp.asarray(rng.standard_normal((16, *params["k"].shape)), jnp.float32)
     return x, y, z
 
 
@@ -34,7 +45,7 @@ def loss(params, batch):
 
 def gradient(params, step: int):
     """Gradient on the minibatch of ``step`` (fresh random data each step)."""
-    return jax.grad(loss)(params, _batch(step))
+    return jax.grad(loss)(params, _batch(step, params))
 
 
 def run(tx, params, steps: int, *, between=None):

@@ -43,7 +43,7 @@ def ray_local():
 def server(ray_local):
     """One embedded server with 2 shards on a free loopback port, shared by every test."""
     from optserve.server.app import start_server
-    from optserve.server.config import ServerConfig
+    from optserve.server.domain.config import ServerConfig
 
     # min_shard_bytes=0: the tests' small models still spread over both shards (the multi-shard path).
     config = ServerConfig(host="127.0.0.1", port=0, shards=2, ray_address="local", vote_timeout_s=8.0,

@@ -8,9 +8,9 @@ import numpy as np
 import optax
 import pytest
 
-from optserve.optim_kernels import adafactor_links as links
+from optserve.optim_kernels.adafactor import links
 from optserve.optim_kernels.adafactor import adafactor, adafactor_hf, adafactor_t2t
-from optserve.optim_kernels.factoring import FactorSpec
+from optserve.optim_kernels.adafactor.factoring import FactorSpec
 
 VARIANTS = {
     "t5x": lambda: adafactor(learning_rate=0.05, beta1=0.9, weight_decay_rate=1e-3, min_dim_size_to_factor=2),

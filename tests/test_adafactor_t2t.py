@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers.optimization import Adafactor as TorchAdafactor
 
-from optserve.optim_kernels import schedules
+from optserve.optim_kernels.adafactor import schedules
 from optserve.optim_kernels.adafactor import adafactor_t2t
-from optserve.optim_kernels.adafactor_links import FactoredRmsState
+from optserve.optim_kernels.adafactor.links import FactoredRmsState
 
 
 def _find(state, kind):

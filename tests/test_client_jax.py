@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import optserve.client.jax as ojax
+from optserve.client import InvalidArgumentError, PreconditionerOptions, SessionOptions
 
 STEPS = 20
 
@@ -116,3 +117,37 @@ def test_low_precision_leaves_return_in_their_own_dtype(server, unique_name):
     with pytest.raises(ValueError, match="structure"):
         session.push_pull({"w16": jnp.ones((4, 4))})
     session.close()
+
+
+SHAMPOO_ARGS = {"learning_rate": 0.01, "block_size": 8, "start_preconditioning_step": 2}
+
+
+@pytest.mark.parametrize("optimizer, kwargs", [
+    ({"name": "shampoo", "args": SHAMPOO_ARGS, "preconditioners": {"in_process": True}}, {}),
+    (SessionOptions("shampoo", SHAMPOO_ARGS, preconditioners={"max_age": 3}, mode="async"), {"max_staleness": 4}),
+], ids=["spec-in_process", "options-max_age"])
+def test_preconditioners_option_reaches_the_server_through_the_jax_adapter(server, unique_name, optimizer, kwargs):
+    expected = SessionOptions.from_spec(optimizer, **kwargs)
+    x, y = _data()
+    params = _init_mlp()
+    session = ojax.create_session(server.address, unique_name, params, optimizer=optimizer, **kwargs)
+    for _ in range(4):
+        params = session.push_pull(jax.grad(_loss)(params, x, y))
+    assert session.version == 4
+    assert session.options == expected  # as the server reported the configuration at creation
+    attached = ojax.attach_session(server.address, unique_name, like=params)
+    assert attached.options.preconditioners == expected.preconditioners
+    assert attached.options.max_staleness == kwargs.get("max_staleness")
+    status = session.status()
+    assert status.version == 4
+    # The test server has no preconditioner workers: roots are computed in the update, per block.
+    assert all(s.root_offload is not None and not s.root_offload.offloaded for s in status.shards)
+    assert [b for s in status.shards for b in s.preconditioners]
+    attached.raw.detach()
+    session.close()
+
+
+def test_jax_adapter_refuses_bad_preconditioners_naming_the_option():
+    with pytest.raises(InvalidArgumentError, match="max_age"):
+        ojax.create_session("127.0.0.1:1", "s", _init_mlp(),
+                            optimizer={"name": "shampoo", "preconditioners": {"max_age": -2}})

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from optserve.client import Client
+from optserve.client import Client, InvalidArgumentError, PreconditionerOptions
 from optserve.client.torch import RemoteOptimizer, RemoteOptimizerConfig, gradient_to_numpy, tensor_to_numpy
 
 STEPS = 20
@@ -241,6 +241,45 @@ def test_bad_configuration_is_refused_before_contacting_a_server():
         RemoteOptimizer([("w", p), ("w", p)], "127.0.0.1:1", {"name": "adam", "args": {}})
 
 
+def test_bad_preconditioners_are_refused_naming_the_option_before_contacting_a_server():
+    p = torch.nn.Parameter(torch.zeros(2))
+    spec = {"name": "shampoo", "args": {}, "preconditioners": {"max_age": -1}}
+    with pytest.raises(InvalidArgumentError, match="max_age"):
+        RemoteOptimizer([("w", p)], "127.0.0.1:1", spec)
+    with pytest.raises(InvalidArgumentError, match="unknown option 'inline'"):
+        RemoteOptimizerConfig(optimizer={"name": "shampoo", "preconditioners": {"inline": True}}, session="s")
+    with pytest.raises(InvalidArgumentError, match="unknown key 'precondtioners'"):
+        RemoteOptimizerConfig(optimizer={"name": "shampoo", "precondtioners": {}}, session="s")
+
+
+SHAMPOO_ARGS = {"learning_rate": 0.01, "block_size": 8, "start_preconditioning_step": 2}
+
+
+@pytest.mark.parametrize("preconditioners", [{"in_process": True}, {"max_age": 3}], ids=["in_process", "max_age"])
+def test_preconditioners_option_reaches_the_server_through_the_torch_adapter(server, unique_name, preconditioners):
+    spec = {"name": "shampoo", "args": SHAMPOO_ARGS, "preconditioners": preconditioners}
+    model = _model()
+    optimizer = RemoteOptimizer(model.named_parameters(), server.address, spec, session=unique_name)
+    losses = _train(model, optimizer, steps=4)
+    assert all(np.isfinite(losses)) and optimizer.version == 4
+    expected = PreconditionerOptions(**preconditioners)
+    assert optimizer.config.options.preconditioners == expected
+    # The server's record of the session (GetSession), read by a fresh client, carries the option.
+    with Client(server.address) as other:
+        attached = other.session(unique_name)
+        assert attached.options.preconditioners == expected
+        assert attached.options.optimizer == "shampoo" and attached.options.optimizer_args == SHAMPOO_ARGS
+        attached.detach()
+    assert optimizer.state_dict()["optimizer"]["preconditioners"] == {"in_process": False, "max_age": None,
+                                                                     **preconditioners}
+    status = optimizer.session.status()
+    # The test server has no preconditioner workers: roots are computed in the update, per block.
+    assert all(s.root_offload is not None and not s.root_offload.offloaded for s in status.shards)
+    assert [b for s in status.shards for b in s.preconditioners]
+    optimizer.session.close()
+    optimizer.close()
+
+
 def test_server_error_surfaces_with_its_message(server, unique_name):
     with pytest.raises(Exception, match="no_such_optimizer"):
         RemoteOptimizer(_model().named_parameters(), server.address, {"name": "no_such_optimizer", "args": {}}, session=unique_name)
@@ -251,7 +290,9 @@ def test_stale_push_is_dropped_and_the_model_refreshed_to_the_session(server, un
     model_a, model_b = _model(), _model()
     a = RemoteOptimizer(model_a.named_parameters(), server.address, spec, session=unique_name,
                         mode="async", max_staleness=0, staleness_policy="reject")
-    b = RemoteOptimizer(model_b.named_parameters(), server.address, spec, session=unique_name)
+    # b joins with the same configuration (an attach that names another mode is refused)
+    b = RemoteOptimizer(model_b.named_parameters(), server.address, spec, session=unique_name,
+                        mode="async", max_staleness=0, staleness_policy="reject")
     x, y = _data()
     _loss(model_a, x, y).backward()
     a.step()  # version 1

@@ -19,7 +19,7 @@ def _optserve_command() -> list[str]:
 
 
 def test_demo_argument_errors_name_the_flag():
-    from optserve.server.demo import parse_args
+    from optserve.demo import parse_args
 
     with pytest.raises(ValueError, match="--steps"):
         parse_args(["--steps", "0"])

@@ -3,8 +3,8 @@
 import jax.numpy as jnp
 import pytest
 
-from optserve.optim_kernels import factoring as fct
-from optserve.optim_kernels.factoring import FactorDim, FactorSpec
+from optserve.optim_kernels.adafactor import factoring as fct
+from optserve.optim_kernels.adafactor.factoring import FactorDim, FactorSpec
 
 B, R, C, N = FactorDim.BATCH, FactorDim.ROW, FactorDim.COLUMN, FactorDim.NONE
 

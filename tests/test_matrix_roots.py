@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from optserve.optim_kernels.matrix_roots import matrix_inverse_pth_root, matrix_power, power_iteration
+from optserve.optim_kernels.linalg.matrix_roots import matrix_inverse_pth_root, matrix_power, power_iteration
 
 EXPONENTS = (1, 2, 4, 6, 8)
 METHODS = ("coupled_newton", "eigh")

@@ -12,7 +12,7 @@ import torch
 import optserve.client.jax as ojax
 from optserve.client import Client
 from optserve.client.torch import RemoteOptimizer, tensor_to_numpy, write_numpy_
-from optserve.server import demo
+from optserve import demo
 
 ADAM = {"name": "adam", "args": {"learning_rate": 1e-2}}
 STEPS = 12

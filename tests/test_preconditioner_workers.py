@@ -14,12 +14,12 @@ import pytest
 
 from _shampoo_problems import gradient, make_params
 from optserve.optim_kernels import build_optimizer
-from optserve.server.preconditioner_pool import PoolConfig, PreconditionerPool, batch_size, start_workers
-from optserve.server.root_offload import (
+from optserve.server.compute.preconditioner_pool import PoolConfig, PreconditionerPool, batch_size, start_workers
+from optserve.server.compute.root_offload import (
     OffloadedPreconditioners,
     ShardPreconditioners,
+    build_shard_optimizer,
     required_source_step,
-    shard_preconditioners,
 )
 
 ARGS = {"learning_rate": 0.05, "block_size": 4, "start_preconditioning_step": 2}
@@ -38,15 +38,15 @@ def _shapes(params):
 
 
 def _offloaded(pool, args, params, max_age) -> OffloadedPreconditioners:
-    built = build_optimizer("shampoo", args)
-    po = shard_preconditioners("shampoo", built, _shapes(params), pool, max_age=max_age)
-    assert isinstance(po, OffloadedPreconditioners)
+    optimizer, po = build_shard_optimizer("shampoo", args, _shapes(params), pool, max_age=max_age)
+    assert isinstance(po, OffloadedPreconditioners) and optimizer.args["inline_preconditioners"] is False
+    po.transformation = optimizer.transformation  # what the updater would run with it
     return po
 
 
 def _drive(po, params, steps, grads_fn=gradient, on_step=None):
     """What a shard does per step; returns (params after each step, final state)."""
-    tx = po.optimizer.transformation
+    tx = po.transformation
 
     @jax.jit
     def step(params, state, grads):
@@ -103,7 +103,7 @@ def test_age_bound_zero_reproduces_in_process_shampoo(pool, every):
     expected = _in_process(args, params, 8)
     assert _max_diff(got, expected) <= 1e-5
     assert po.roots_installed == len(range(0, 8, every))
-    assert all(b["age"] == 7 % every and b["failures"] == 0 for b in po.status()["blocks"])
+    assert all(b.age == 7 % every and b.failures == 0 for b in po.status().blocks)
 
 
 def test_asynchronous_roots_arrive_and_their_ages_stay_within_the_bound(pool):
@@ -111,11 +111,11 @@ def test_asynchronous_roots_arrive_and_their_ages_stay_within_the_bound(pool):
     params = make_params(1)
     seen = []
     po = _offloaded(pool, args, params, max_age=4)
-    _drive(po, params, 12, on_step=lambda t, p, _: seen.append([b["age"] for b in p.status()["blocks"]]))
-    assert po.roots_installed >= 3 and po.status()["max_age"] == 4
+    _drive(po, params, 12, on_step=lambda t, p, _: seen.append([b.age for b in p.status().blocks]))
+    assert po.roots_installed >= 3 and po.status().max_age == 4
     assert all(age <= 4 for ages in seen for age in ages)
     assert all(age >= 1 for age in seen[-1])  # asynchronous: never the roots of the update's own step
-    assert all(b["failures"] == 0 for b in po.status()["blocks"])
+    assert all(b.failures == 0 for b in po.status().blocks)
 
 
 def test_nan_statistics_keep_the_previous_preconditioner_and_count_failures(pool):
@@ -133,12 +133,12 @@ def test_nan_statistics_keep_the_previous_preconditioner_and_count_failures(pool
             kept.extend(np.asarray(x) for x in jax.tree.leaves(state.params["k"].preconditioners))
 
     _, state = _drive(po, params, 6, grads_fn=grads, on_step=remember)
-    blocks = po.status()["blocks"]
-    k_blocks = [b for b in blocks if b["tensor"] == "k"]
-    others = [b for b in blocks if b["tensor"] != "k"]
-    assert k_blocks and all(b["failures"] == 3 and not np.isfinite(b["error"]) for b in k_blocks)
-    assert all(b["age"] == 3 for b in k_blocks)  # still the roots of step 2, used by update 5
-    assert all(b["failures"] == 0 and b["age"] == 0 for b in others)
+    blocks = po.status().blocks
+    k_blocks = [b for b in blocks if b.tensor == "k"]
+    others = [b for b in blocks if b.tensor != "k"]
+    assert k_blocks and all(b.failures == 3 and not np.isfinite(b.error) for b in k_blocks)
+    assert all(b.age == 3 for b in k_blocks)  # still the roots of step 2, used by update 5
+    assert all(b.failures == 0 and b.age == 0 for b in others)
     now = [np.asarray(x) for x in jax.tree.leaves(state.params["k"].preconditioners)]
     assert len(now) == len(kept) and all(np.array_equal(a, b) for a, b in zip(now, kept))
 
@@ -153,20 +153,20 @@ def test_singular_statistics_fail_and_the_block_keeps_the_grafted_fallback(pool)
 
     po = _offloaded(pool, args, params, max_age=0)
     _drive(po, params, 4, grads_fn=grads)
-    b_blocks = [b for b in po.status()["blocks"] if b["tensor"] == "b"]
-    assert b_blocks and all(b["failures"] == 4 and b["fallback_steps"] == 4 and b["age"] == -1 for b in b_blocks)
+    b_blocks = [b for b in po.status().blocks if b.tensor == "b"]
+    assert b_blocks and all(b.failures == 4 and b.fallback_steps == 4 and b.age == -1 for b in b_blocks)
     # the other statistics become full rank after a few gradients and then get roots
-    assert all(b["age"] == 0 and b["failures"] < 4 for b in po.status()["blocks"] if b["tensor"] != "b")
+    assert all(b.age == 0 and b.failures < 4 for b in po.status().blocks if b.tensor != "b")
 
 
 def test_in_process_sessions_keep_the_kernel_and_report_block_status():
     params = make_params(4)
-    built = build_optimizer("shampoo", ARGS)
-    po = shard_preconditioners("shampoo", built, _shapes(params), pool=None)
-    assert type(po) is ShardPreconditioners and po.optimizer is built
-    assert shard_preconditioners("adam", build_optimizer("adam", {"learning_rate": 0.1}), _shapes(params), None) is None
+    built, po = build_shard_optimizer("shampoo", ARGS, _shapes(params), pool=None)
+    assert type(po) is ShardPreconditioners and built.args == ARGS
+    po.transformation = built.transformation
+    assert build_shard_optimizer("adam", {"learning_rate": 0.1}, _shapes(params), None)[1] is None
     _drive(po, params, 3)
-    assert all(b["age"] == 0 and b["failures"] == 0 for b in po.status()["blocks"])
+    assert all(b.age == 0 and b.failures == 0 for b in po.status().blocks)
 
 
 def test_killed_workers_fail_no_step_and_roots_keep_arriving(ray_local):
@@ -192,7 +192,7 @@ def test_killed_workers_fail_no_step_and_roots_keep_arriving(ray_local):
         expected = _in_process(ARGS, params, 8)
         assert _max_diff(got, expected) <= 1e-5  # no update lost or changed
         assert po.roots_installed == 8 and installed["after_restart"] == 5
-        assert po.status()["resubmits"] >= 1
+        assert po.status().resubmits >= 1
         restarted = ray.get(workers[0].info.remote())
         assert restarted["pid"] != pids[0]["pid"] and restarted["batches"] > 0
     finally:
@@ -203,7 +203,8 @@ def test_killed_workers_fail_no_step_and_roots_keep_arriving(ray_local):
 def test_f64_workers_compute_in_float64_and_return_float32_roots(ray_local, pool):
     import ray
 
-    from optserve.server.preconditioner_worker import RootOptions
+    from optserve.optim_kernels import OPTIMIZERS
+    from optserve.server.compute.preconditioner_worker import RootComputation
 
     config = PoolConfig(workers=1, f64=True)
     (worker,) = start_workers(config)
@@ -211,7 +212,9 @@ def test_f64_workers_compute_in_float64_and_return_float32_roots(ray_local, pool
         rng = np.random.default_rng(0)
         a = rng.standard_normal((2, 12, 12))
         spd = a @ a.transpose(0, 2, 1) + 1e-3 * np.eye(12)
-        options = RootOptions(matrix_epsilon=0.0, relative_matrix_epsilon=False, root_method="eigh", num_iters=100)
+        seam = OPTIMIZERS["shampoo"].root_offload
+        kernel = seam.config(learning_rate=0.1, matrix_epsilon=0.0, relative_matrix_epsilon=False, root_method="eigh")
+        options = RootComputation(seam.compute_roots, seam.root_config(kernel))
         args = (spd.astype(np.float32), np.array([2, 4], np.int32), np.array([12, 12], np.int32), options)
         roots, errors = ray.get(worker.compute.remote(*args))
         assert ray.get(worker.info.remote())["x64"] and not ray.get(pool.workers[0].info.remote())["x64"]

@@ -22,9 +22,9 @@ import optax
 import pytest
 
 from optserve.optim_kernels import build_optimizer
-from optserve.optim_kernels import scaled_adam_batching as batching
+from optserve.optim_kernels.scaled_adam import batching
 from optserve.optim_kernels.scaled_adam import scaled_adam, scaled_adam_partial_statistic
-from optserve.optim_kernels.scaled_adam_clipping import clip_by_median_norm, median_index
+from optserve.optim_kernels.scaled_adam.clipping import clip_by_median_norm, median_index
 
 
 @dataclasses.dataclass
@@ -391,7 +391,7 @@ def test_heavy_clipping_logs_the_dominant_tensor_under_jit(caplog):
     params = {"w1": jnp.ones((3, 2)), "w2": jnp.ones((3, 2)), "s": jnp.asarray(1.0)}
     state = opt.init(params)
     update = jax.jit(opt.update)
-    with caplog.at_level(logging.INFO, logger="optserve.optim_kernels.scaled_adam_clipping"):
+    with caplog.at_level(logging.INFO, logger="optserve.optim_kernels.scaled_adam.clipping"):
         for step in range(6):
             grads = {k: jnp.full_like(v, 0.1) for k, v in params.items()}
             if step == 4:

@@ -53,7 +53,7 @@ def assert_state_intact(victim, twin, params, step=1):
     assert max_abs_diff(got, expected) == 0.0
     assert victim.version == twin.version
     status = victim.status()
-    assert [s["version"] for s in status.shards] == [twin.version] * len(status.shards)
+    assert [s.version for s in status.shards] == [twin.version] * len(status.shards)
 
 
 def _raw_shard(session, tensor_name):
@@ -284,4 +284,19 @@ def test_auto_commit_push_that_reaches_only_one_shard_applies_on_none(twins, ser
     assert "not staged on every shard" in info.value.details()
     assert server.config.vote_timeout_s <= 10
     assert victim.status().rejected["aborted"] >= 1
+    assert_state_intact(victim, twin, params)
+
+
+@pytest.mark.parametrize("sequence", [-1, 0, 7])
+def test_commit_of_a_push_never_staged_is_not_found_and_applies_nothing(twins, sequence):
+    # A Commit naming a push that was never staged (a never-seen client, any sequence) is refused
+    # before the clock hears of it: no ticket, so no push counted and no later step wedged.
+    victim, twin, params = twins
+    stub, _ = _raw_shard(victim, "dense/w")
+    accepted = victim.status().pushes_accepted
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Commit(data_pb2.CommitRequest(session=victim.name, client_id="never-pushed", sequence=sequence),
+                    timeout=30)
+    assert info.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
+    assert victim.status().pushes_accepted == accepted
     assert_state_intact(victim, twin, params)

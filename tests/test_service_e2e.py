@@ -25,7 +25,7 @@ def test_created_session_serves_its_initial_values_from_both_shards(client, uniq
     params = make_params()
     session = client.create_session(unique_name, params, optimizer=SGD)
     try:
-        assert {s["index"] for s in session.status().shards} == {0, 1}
+        assert {s.index for s in session.status().shards} == {0, 1}
         pulled = session.pull()
         assert session.version == 0
         for name in params:

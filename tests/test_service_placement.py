@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from optserve.client import Client
-from optserve.server.config import DType, TensorSpec
-from optserve.server.placement import place_tensors
+from optserve.server.domain.config import DType, TensorSpec
+from optserve.server.domain.placement import place_tensors
 
 
 def _spec(name, *shape):
@@ -50,7 +50,7 @@ def test_placement_rejects_bad_arguments_by_name():
 def thrifty_server(ray_local):
     """Two shards; sessions below 2 x 8 KB stay on one shard."""
     from optserve.server.app import start_server
-    from optserve.server.config import ServerConfig
+    from optserve.server.domain.config import ServerConfig
 
     running = start_server(ServerConfig(host="127.0.0.1", port=0, shards=2, min_shard_bytes=8 << 10))
     yield running
@@ -66,11 +66,11 @@ def test_server_keeps_small_sessions_on_one_shard_alternating_and_spreads_large_
     second = client.create_session(unique_name + "-b", small, optimizer=optimizer)
     spread = client.create_session(unique_name + "-c", large, optimizer=optimizer)
     try:
-        first_shards = [s["index"] for s in first.status().shards]
-        second_shards = [s["index"] for s in second.status().shards]
+        first_shards = [s.index for s in first.status().shards]
+        second_shards = [s.index for s in second.status().shards]
         assert len(first_shards) == 1 and len(second_shards) == 1
         assert first_shards != second_shards  # the second small session goes to the idle shard
-        assert sorted(s["index"] for s in spread.status().shards) == [0, 1]
+        assert sorted(s.index for s in spread.status().shards) == [0, 1]
         for session, params in ((first, small), (spread, large)):  # both kinds step correctly
             result = session.push_pull({k: np.ones_like(v) for k, v in params.items()})
             for name, value in params.items():

@@ -25,7 +25,7 @@ def precond_server(ray_local):
     """An embedded server with 2 shards and 2 preconditioner workers (module-scoped: only this
     file uses it, and its 5 actors are freed as soon as the file is done)."""
     from optserve.server.app import start_server
-    from optserve.server.config import ServerConfig
+    from optserve.server.domain.config import ServerConfig
 
     running = start_server(ServerConfig(host="127.0.0.1", port=0, shards=2, ray_address="local", precond_workers=2,
                                          min_shard_bytes=0))
@@ -39,8 +39,8 @@ def client(precond_server):
         yield c
 
 
-def _blocks(status) -> list[dict]:
-    return [b for shard in status.shards for b in shard["preconditioners"]]
+def _blocks(status) -> list:
+    return [b for shard in status.shards for b in shard.preconditioners]
 
 
 def test_age_bound_zero_reproduces_in_process_shampoo_on_two_shards(client, unique_name):
@@ -57,9 +57,9 @@ def test_age_bound_zero_reproduces_in_process_shampoo_on_two_shards(client, uniq
         assert worst <= 1e-5, f"max abs difference {worst:.3g}"
         status = session.status()
         for shard in status.shards:
-            assert shard["root_offload"]["offloaded"] and shard["root_offload"]["max_age"] == 0
-            assert shard["root_offload"]["roots_installed"] == 12
-        assert _blocks(status) and all(b["age"] == 0 and b["failures"] == 0 for b in _blocks(status))
+            assert shard.root_offload.offloaded and shard.root_offload.max_age == 0
+            assert shard.root_offload.roots_installed == 12
+        assert _blocks(status) and all(b.age == 0 and b.failures == 0 for b in _blocks(status))
     finally:
         session.close()
 
@@ -105,10 +105,10 @@ def test_asynchronous_roots_converge_like_in_process_shampoo_with_ages_within_th
         for step in range(CONVERGENCE_STEPS):
             got = session.push_pull({k: np.asarray(v) for k, v in grad(got).items()})
             if step % 5 == 4:
-                ages += [b["age"] for b in _blocks(session.status())]
+                ages += [b.age for b in _blocks(session.status())]
         status = session.status()
         bound = 2 * CONVERGENCE_ARGS["preconditioning_compute_steps"]  # the default max_age
-        assert all(s["root_offload"]["max_age"] == bound and s["root_offload"]["roots_installed"] > 0
+        assert all(s.root_offload.max_age == bound and s.root_offload.roots_installed > 0
                    for s in status.shards)
         assert ages and max(ages) <= bound and min(ages) >= 0
         final, reference_final, initial = float(loss(got)), float(loss(expected)), float(loss(params))
@@ -137,7 +137,7 @@ def test_killing_a_worker_mid_run_fails_no_push_and_new_roots_arrive(client, pre
         assert session.version == 10 and worst <= 1e-5  # no push failed, no update lost or changed
         status = session.status()
         assert status.rejected.get("aborted", 0) == 0
-        assert all(s["root_offload"]["roots_installed"] == 10 for s in status.shards)
+        assert all(s.root_offload.roots_installed == 10 for s in status.shards)
         after = ray.get(victim.info.remote())
         assert after["pid"] != before["pid"] and after["batches"] > 0  # restarted, and computing roots again
     finally:
@@ -156,12 +156,12 @@ def test_failing_statistics_keep_the_old_preconditioner_and_count_failures_in_st
                 grads["hidden/w"] = np.full_like(grads["hidden/w"], np.nan)
             session.push(grads)
         blocks = _blocks(session.status())
-        broken = [b for b in blocks if b["tensor"] == "hidden/w"]
-        healthy = [b for b in blocks if b["tensor"] != "hidden/w"]
+        broken = [b for b in blocks if b.tensor == "hidden/w"]
+        healthy = [b for b in blocks if b.tensor != "hidden/w"]
         assert broken and healthy
         # steps 3-5 offered NaN roots: refused, counted, and the roots of step 2 kept (age 3 at step 5)
-        assert all(b["failures"] == 3 and not np.isfinite(b["error"]) and b["age"] == 3 for b in broken)
-        assert all(b["failures"] == 0 and b["age"] == 0 and b["fallback_steps"] == 0 for b in healthy)
+        assert all(b.failures == 3 and not np.isfinite(b.error) and b.age == 3 for b in broken)
+        assert all(b.failures == 0 and b.age == 0 and b.fallback_steps == 0 for b in healthy)
     finally:
         session.close()
 
@@ -173,8 +173,8 @@ def test_in_process_option_keeps_roots_inside_the_update(client, unique_name):
     try:
         session.push(make_grads(params, 0))
         status = session.status()
-        assert not any(s["root_offload"]["offloaded"] for s in status.shards)
-        assert _blocks(status) and all(b["age"] == 0 for b in _blocks(status))
+        assert not any(s.root_offload.offloaded for s in status.shards)
+        assert _blocks(status) and all(b.age == 0 for b in _blocks(status))
     finally:
         session.close()
 

@@ -43,7 +43,7 @@ def test_stream_idle_time_must_be_positive(server):
 def few_thread_server(ray_local):
     """One shard whose data plane has 4 threads, so at most 2 PushPull calls stay open."""
     from optserve.server.app import start_server
-    from optserve.server.config import ServerConfig
+    from optserve.server.domain.config import ServerConfig
 
     running = start_server(ServerConfig(host="127.0.0.1", port=0, shards=1, grpc_threads=4))
     yield running

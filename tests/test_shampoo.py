@@ -19,7 +19,7 @@ from optserve.optim_kernels.shampoo import (
     shampoo,
     shampoo_config,
 )
-from optserve.optim_kernels.shampoo_quantization import QuantizedMatrix, QuantizedTensor
+from optserve.optim_kernels.shampoo.quantization import QuantizedMatrix, QuantizedTensor
 
 STEPS = 12
 

@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from optserve.optim_kernels.shampoo_blocking import BlockLayout, merge_small_dims
-from optserve.optim_kernels.shampoo_grafting import GraftingType, graft_direction, parse_graft_type
-from optserve.optim_kernels.shampoo_quantization import decode, encode_matrix, encode_momentum
-from optserve.optim_kernels.shampoo_statistics import gram, precondition_block, update_block_statistics
+from optserve.optim_kernels.shampoo.blocking import BlockLayout, merge_small_dims
+from optserve.optim_kernels.shampoo.grafting import GraftingType, graft_direction, parse_graft_type
+from optserve.optim_kernels.shampoo.quantization import decode, encode_matrix, encode_momentum
+from optserve.optim_kernels.shampoo.statistics import gram, precondition_block, update_block_statistics
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optserve.optim_kernels import stochastic_rounding as sr
+from optserve.optim_kernels.adafactor import stochastic_rounding as sr
 
 ONE_QUARTER_ULP_ABOVE_ONE = 1.0 + 2.0**-9  # bf16 neighbours: 1 and 1 + 2**-7
 

@@ -25,19 +25,19 @@ _sym_db = _symbol_database.Default()
 from optserve.protos.optserve.v1 import tensor_pb2 as optserve_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19optserve/v1/control.proto\x12\x0boptserve.v1\x1a\x18optserve/v1/tensor.proto\"m\n\rOptimizerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targs_json\x18\x02 \x01(\t\x12;\n\x0fpreconditioners\x18\x03 \x01(\x0b\x32\".optserve.v1.PreconditionerOptions\"M\n\x15PreconditionerOptions\x12\x12\n\nin_process\x18\x01 \x01(\x08\x12\x14\n\x07max_age\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\n\n\x08_max_age\"\xbc\x02\n\rSessionConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x07tensors\x18\x02 \x03(\x0b\x32\x17.optserve.v1.TensorSpec\x12-\n\toptimizer\x18\x03 \x01(\x0b\x32\x1a.optserve.v1.OptimizerSpec\x12\x1f\n\x04mode\x18\x04 \x01(\x0e\x32\x11.optserve.v1.Mode\x12\x13\n\x0bnum_workers\x18\x05 \x01(\x05\x12\x15\n\rmax_staleness\x18\x06 \x01(\x05\x12\x36\n\x10staleness_policy\x18\x07 \x01(\x0e\x32\x1c.optserve.v1.StalenessPolicy\x12\x17\n\x0f\x61llow_nonfinite\x18\x08 \x01(\x08\x12&\n\nwire_dtype\x18\t \x01(\x0e\x32\x12.optserve.v1.DType\"b\n\x0fShardAssignment\x12\x13\n\x0bshard_index\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0ctensor_names\x18\x03 \x03(\t\x12\x13\n\x0bparam_bytes\x18\x04 \x01(\x03\"g\n\x0bSessionInfo\x12*\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1a.optserve.v1.SessionConfig\x12,\n\x06shards\x18\x02 \x03(\x0b\x32\x1c.optserve.v1.ShardAssignment\"B\n\x14\x43reateSessionRequest\x12*\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1a.optserve.v1.SessionConfig\"B\n\x15\x43reateSessionResponse\x12)\n\x07session\x18\x01 \x01(\x0b\x32\x18.optserve.v1.SessionInfo\"!\n\x11GetSessionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"?\n\x12GetSessionResponse\x12)\n\x07session\x18\x01 \x01(\x0b\x32\x18.optserve.v1.SessionInfo\"\x15\n\x13ListSessionsRequest\"%\n\x14ListSessionsResponse\x12\r\n\x05names\x18\x01 \x03(\t\"#\n\x13\x43loseSessionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\" \n\x10GetStatusRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"G\n\x0bRejectCount\x12)\n\x06reason\x18\x01 \x01(\x0e\x32\x19.optserve.v1.RejectReason\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\"\xf8\x01\n\x0bShardStatus\x12\x30\n\nassignment\x18\x01 \x01(\x0b\x32\x1c.optserve.v1.ShardAssignment\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x13\n\x0binitialized\x18\x03 \x01(\x08\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12:\n\x0fpreconditioners\x18\x06 \x03(\x0b\x32!.optserve.v1.PreconditionerStatus\x12\x34\n\x0croot_offload\x18\x07 \x01(\x0b\x32\x1e.optserve.v1.RootOffloadStatus\"\x96\x01\n\x14PreconditionerStatus\x12\x0e\n\x06tensor\x18\x01 \x01(\t\x12\r\n\x05\x62lock\x18\x02 \x01(\x05\x12\x0b\n\x03\x64im\x18\x03 \x01(\x05\x12\x0c\n\x04size\x18\x04 \x01(\x05\x12\x0b\n\x03\x61ge\x18\x05 \x01(\x03\x12\r\n\x05\x65rror\x18\x06 \x01(\x02\x12\x10\n\x08\x66\x61ilures\x18\x07 \x01(\x03\x12\x16\n\x0e\x66\x61llback_steps\x18\x08 \x01(\x03\"r\n\x11RootOffloadStatus\x12\x11\n\toffloaded\x18\x01 \x01(\x08\x12\x0f\n\x07max_age\x18\x02 \x01(\x05\x12\x17\n\x0froots_installed\x18\x03 \x01(\x03\x12\r\n\x05waits\x18\x04 \x01(\x03\x12\x11\n\tresubmits\x18\x05 \x01(\x03\"\xb8\x01\n\x11GetStatusResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x15\n\rsteps_applied\x18\x03 \x01(\x03\x12\x17\n\x0fpushes_accepted\x18\x04 \x01(\x03\x12*\n\x08rejected\x18\x05 \x03(\x0b\x32\x18.optserve.v1.RejectCount\x12(\n\x06shards\x18\x06 \x03(\x0b\x32\x18.optserve.v1.ShardStatus*;\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_SYNC\x10\x01\x12\x0e\n\nMODE_ASYNC\x10\x02*l\n\x0fStalenessPolicy\x12 \n\x1cSTALENESS_POLICY_UNSPECIFIED\x10\x00\x12\x1b\n\x17STALENESS_POLICY_REJECT\x10\x01\x12\x1a\n\x16STALENESS_POLICY_SCALE\x10\x02*\x99\x01\n\x0cRejectReason\x12\x1d\n\x19REJECT_REASON_UNSPECIFIED\x10\x00\x12\x19\n\x15REJECT_REASON_INVALID\x10\x01\x12\x1b\n\x17REJECT_REASON_NONFINITE\x10\x02\x12\x17\n\x13REJECT_REASON_STALE\x10\x03\x12\x19\n\x15REJECT_REASON_ABORTED\x10\x04\x32\xa6\x03\n\x07\x43ontrol\x12V\n\rCreateSession\x12!.optserve.v1.CreateSessionRequest\x1a\".optserve.v1.CreateSessionResponse\x12M\n\nGetSession\x12\x1e.optserve.v1.GetSessionRequest\x1a\x1f.optserve.v1.GetSessionResponse\x12S\n\x0cListSessions\x12 .optserve.v1.ListSessionsRequest\x1a!.optserve.v1.ListSessionsResponse\x12S\n\x0c\x43loseSession\x12 .optserve.v1.CloseSessionRequest\x1a!.optserve.v1.CloseSessionResponse\x12J\n\tGetStatus\x12\x1d.optserve.v1.GetStatusRequest\x1a\x1e.optserve.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19optserve/v1/control.proto\x12\x0boptserve.v1\x1a\x18optserve/v1/tensor.proto\"m\n\rOptimizerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targs_json\x18\x02 \x01(\t\x12;\n\x0fpreconditioners\x18\x03 \x01(\x0b\x32\".optserve.v1.PreconditionerOptions\"M\n\x15PreconditionerOptions\x12\x12\n\nin_process\x18\x01 \x01(\x08\x12\x14\n\x07max_age\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\n\n\x08_max_age\"\xbc\x02\n\rSessionConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x07tensors\x18\x02 \x03(\x0b\x32\x17.optserve.v1.TensorSpec\x12-\n\toptimizer\x18\x03 \x01(\x0b\x32\x1a.optserve.v1.OptimizerSpec\x12\x1f\n\x04mode\x18\x04 \x01(\x0e\x32\x11.optserve.v1.Mode\x12\x13\n\x0bnum_workers\x18\x05 \x01(\x05\x12\x15\n\rmax_staleness\x18\x06 \x01(\x05\x12\x36\n\x10staleness_policy\x18\x07 \x01(\x0e\x32\x1c.optserve.v1.StalenessPolicy\x12\x17\n\x0f\x61llow_nonfinite\x18\x08 \x01(\x08\x12&\n\nwire_dtype\x18\t \x01(\x0e\x32\x12.optserve.v1.DType\"b\n\x0fShardAssignment\x12\x13\n\x0bshard_index\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0ctensor_names\x18\x03 \x03(\t\x12\x13\n\x0bparam_bytes\x18\x04 \x01(\x03\"g\n\x0bSessionInfo\x12*\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1a.optserve.v1.SessionConfig\x12,\n\x06shards\x18\x02 \x03(\x0b\x32\x1c.optserve.v1.ShardAssignment\"U\n\x14\x43reateSessionRequest\x12*\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1a.optserve.v1.SessionConfig\x12\x11\n\tclient_id\x18\x02 \x01(\t\"B\n\x15\x43reateSessionResponse\x12)\n\x07session\x18\x01 \x01(\x0b\x32\x18.optserve.v1.SessionInfo\"\x7f\n\x11GetSessionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x34\n\x10\x65xpect_optimizer\x18\x02 \x01(\x0b\x32\x1a.optserve.v1.OptimizerSpec\x12&\n\x0b\x65xpect_mode\x18\x03 \x01(\x0e\x32\x11.optserve.v1.Mode\"?\n\x12GetSessionResponse\x12)\n\x07session\x18\x01 \x01(\x0b\x32\x18.optserve.v1.SessionInfo\"\x15\n\x13ListSessionsRequest\"%\n\x14ListSessionsResponse\x12\r\n\x05names\x18\x01 \x03(\t\"#\n\x13\x43loseSessionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\" \n\x10GetStatusRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"G\n\x0bRejectCount\x12)\n\x06reason\x18\x01 \x01(\x0e\x32\x19.optserve.v1.RejectReason\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\"\xf8\x01\n\x0bShardStatus\x12\x30\n\nassignment\x18\x01 \x01(\x0b\x32\x1c.optserve.v1.ShardAssignment\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x13\n\x0binitialized\x18\x03 \x01(\x08\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12:\n\x0fpreconditioners\x18\x06 \x03(\x0b\x32!.optserve.v1.PreconditionerStatus\x12\x34\n\x0croot_offload\x18\x07 \x01(\x0b\x32\x1e.optserve.v1.RootOffloadStatus\"\x96\x01\n\x14PreconditionerStatus\x12\x0e\n\x06tensor\x18\x01 \x01(\t\x12\r\n\x05\x62lock\x18\x02 \x01(\x05\x12\x0b\n\x03\x64im\x18\x03 \x01(\x05\x12\x0c\n\x04size\x18\x04 \x01(\x05\x12\x0b\n\x03\x61ge\x18\x05 \x01(\x03\x12\r\n\x05\x65rror\x18\x06 \x01(\x02\x12\x10\n\x08\x66\x61ilures\x18\x07 \x01(\x03\x12\x16\n\x0e\x66\x61llback_steps\x18\x08 \x01(\x03\"r\n\x11RootOffloadStatus\x12\x11\n\toffloaded\x18\x01 \x01(\x08\x12\x0f\n\x07max_age\x18\x02 \x01(\x05\x12\x17\n\x0froots_installed\x18\x03 \x01(\x03\x12\r\n\x05waits\x18\x04 \x01(\x03\x12\x11\n\tresubmits\x18\x05 \x01(\x03\"\xb8\x01\n\x11GetStatusResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x15\n\rsteps_applied\x18\x03 \x01(\x03\x12\x17\n\x0fpushes_accepted\x18\x04 \x01(\x03\x12*\n\x08rejected\x18\x05 \x03(\x0b\x32\x18.optserve.v1.RejectCount\x12(\n\x06shards\x18\x06 \x03(\x0b\x32\x18.optserve.v1.ShardStatus*;\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_SYNC\x10\x01\x12\x0e\n\nMODE_ASYNC\x10\x02*l\n\x0fStalenessPolicy\x12 \n\x1cSTALENESS_POLICY_UNSPECIFIED\x10\x00\x12\x1b\n\x17STALENESS_POLICY_REJECT\x10\x01\x12\x1a\n\x16STALENESS_POLICY_SCALE\x10\x02*\x99\x01\n\x0cRejectReason\x12\x1d\n\x19REJECT_REASON_UNSPECIFIED\x10\x00\x12\x19\n\x15REJECT_REASON_INVALID\x10\x01\x12\x1b\n\x17REJECT_REASON_NONFINITE\x10\x02\x12\x17\n\x13REJECT_REASON_STALE\x10\x03\x12\x19\n\x15REJECT_REASON_ABORTED\x10\x04\x32\xa6\x03\n\x07\x43ontrol\x12V\n\rCreateSession\x12!.optserve.v1.CreateSessionRequest\x1a\".optserve.v1.CreateSessionResponse\x12M\n\nGetSession\x12\x1e.optserve.v1.GetSessionRequest\x1a\x1f.optserve.v1.GetSessionResponse\x12S\n\x0cListSessions\x12 .optserve.v1.ListSessionsRequest\x1a!.optserve.v1.ListSessionsResponse\x12S\n\x0c\x43loseSession\x12 .optserve.v1.CloseSessionRequest\x1a!.optserve.v1.CloseSessionResponse\x12J\n\tGetStatus\x12\x1d.optserve.v1.GetStatusRequest\x1a\x1e.optserve.v1.GetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'optserve.v1.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODE']._serialized_start=1955
-  _globals['_MODE']._serialized_end=2014
-  _globals['_STALENESSPOLICY']._serialized_start=2016
-  _globals['_STALENESSPOLICY']._serialized_end=2124
-  _globals['_REJECTREASON']._serialized_start=2127
-  _globals['_REJECTREASON']._serialized_end=2280
+  _globals['_MODE']._serialized_start=2068
+  _globals['_MODE']._serialized_end=2127
+  _globals['_STALENESSPOLICY']._serialized_start=2129
+  _globals['_STALENESSPOLICY']._serialized_end=2237
+  _globals['_REJECTREASON']._serialized_start=2240
+  _globals['_REJECTREASON']._serialized_end=2393
   _globals['_OPTIMIZERSPEC']._serialized_start=68
   _globals['_OPTIMIZERSPEC']._serialized_end=177
   _globals['_PRECONDITIONEROPTIONS']._serialized_start=179
@@ -49,33 +49,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSIONINFO']._serialized_start=677
   _globals['_SESSIONINFO']._serialized_end=780
   _globals['_CREATESESSIONREQUEST']._serialized_start=782
-  _globals['_CREATESESSIONREQUEST']._serialized_end=848
-  _globals['_CREATESESSIONRESPONSE']._serialized_start=850
-  _globals['_CREATESESSIONRESPONSE']._serialized_end=916
-  _globals['_GETSESSIONREQUEST']._serialized_start=918
-  _globals['_GETSESSIONREQUEST']._serialized_end=951
-  _globals['_GETSESSIONRESPONSE']._serialized_start=953
-  _globals['_GETSESSIONRESPONSE']._serialized_end=1016
-  _globals['_LISTSESSIONSREQUEST']._serialized_start=1018
-  _globals['_LISTSESSIONSREQUEST']._serialized_end=1039
-  _globals['_LISTSESSIONSRESPONSE']._serialized_start=1041
-  _globals['_LISTSESSIONSRESPONSE']._serialized_end=1078
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1080
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1115
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1117
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1139
-  _globals['_GETSTATUSREQUEST']._serialized_start=1141
-  _globals['_GETSTATUSREQUEST']._serialized_end=1173
-  _globals['_REJECTCOUNT']._serialized_start=1175
-  _globals['_REJECTCOUNT']._serialized_end=1246
-  _globals['_SHARDSTATUS']._serialized_start=1249
-  _globals['_SHARDSTATUS']._serialized_end=1497
-  _globals['_PRECONDITIONERSTATUS']._serialized_start=1500
-  _globals['_PRECONDITIONERSTATUS']._serialized_end=1650
-  _globals['_ROOTOFFLOADSTATUS']._serialized_start=1652
-  _globals['_ROOTOFFLOADSTATUS']._serialized_end=1766
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1769
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1953
-  _globals['_CONTROL']._serialized_start=2283
-  _globals['_CONTROL']._serialized_end=2705
+  _globals['_CREATESESSIONREQUEST']._serialized_end=867
+  _globals['_CREATESESSIONRESPONSE']._serialized_start=869
+  _globals['_CREATESESSIONRESPONSE']._serialized_end=935
+  _globals['_GETSESSIONREQUEST']._serialized_start=937
+  _globals['_GETSESSIONREQUEST']._serialized_end=1064
+  _globals['_GETSESSIONRESPONSE']._serialized_start=1066
+  _globals['_GETSESSIONRESPONSE']._serialized_end=1129
+  _globals['_LISTSESSIONSREQUEST']._serialized_start=1131
+  _globals['_LISTSESSIONSREQUEST']._serialized_end=1152
+  _globals['_LISTSESSIONSRESPONSE']._serialized_start=1154
+  _globals['_LISTSESSIONSRESPONSE']._serialized_end=1191
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1193
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1228
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1230
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1252
+  _globals['_GETSTATUSREQUEST']._serialized_start=1254
+  _globals['_GETSTATUSREQUEST']._serialized_end=1286
+  _globals['_REJECTCOUNT']._serialized_start=1288
+  _globals['_REJECTCOUNT']._serialized_end=1359
+  _globals['_SHARDSTATUS']._serialized_start=1362
+  _globals['_SHARDSTATUS']._serialized_end=1610
+  _globals['_PRECONDITIONERSTATUS']._serialized_start=1613
+  _globals['_PRECONDITIONERSTATUS']._serialized_end=1763
+  _globals['_ROOTOFFLOADSTATUS']._serialized_start=1765
+  _globals['_ROOTOFFLOADSTATUS']._serialized_end=1879
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1882
+  _globals['_GETSTATUSRESPONSE']._serialized_end=2066
+  _globals['_CONTROL']._serialized_start=2396
+  _globals['_CONTROL']._serialized_end=2818
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,216 @@
+"""What a session is created with, as one typed, validated record: :class:`SessionOptions`.
+
+``Client.create_session``, the torch adapter (``RemoteOptimizer``) and the JAX adapter
+(``optserve.client.jax.create_session``) all build a :class:`SessionOptions`, so every option is
+validated the same way (errors are ``InvalidArgumentError`` naming the option, raised before any
+server is contacted) and reaches the wire through one conversion, :meth:`SessionOptions.to_config`.
+:meth:`SessionOptions.from_config` reads a session's configuration back (``Session.options``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Mapping, Optional, Union
+
+import numpy as np
+
+from optserve.client import _wire
+from optserve.client.errors import InvalidArgumentError
+from optserve.protos import contract
+from optserve.protos.optserve.v1 import control_pb2, tensor_pb2
+
+_MODES = {"sync": control_pb2.MODE_SYNC, "async": control_pb2.MODE_ASYNC}
+_POLICIES = {"reject": control_pb2.STALENESS_POLICY_REJECT, "scale": control_pb2.STALENESS_POLICY_SCALE}
+_SPEC_KEYS = ("name", "args", "preconditioners")
+_INT32_MAX = (1 << 31) - 1
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+@dataclasses.dataclass(frozen=True)
+class PreconditionerOptions:
+    """Shampoo's inverse roots (other optimizers ignore these; see ``PreconditionerOptions`` in
+    control.proto).
+
+    Attributes:
+      in_process: compute the roots inside the shards' update even when the server has
+        preconditioner workers.
+      max_age: the largest preconditioner age in steps an update may use (>= 0; 0 reproduces
+        in-process Shampoo exactly); ``None``: the server's default (2 x preconditioning_compute_steps).
+    """
+
+    in_process: bool = False
+    max_age: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.in_process, (bool, np.bool_)):
+            raise InvalidArgumentError(f"preconditioners: in_process must be a bool, got {self.in_process!r}")
+        if self.max_age is not None and (not _is_int(self.max_age) or not 0 <= self.max_age <= _INT32_MAX):
+            raise InvalidArgumentError(f"preconditioners: max_age must be an int >= 0 or None, got {self.max_age!r}")
+        object.__setattr__(self, "in_process", bool(self.in_process))
+        object.__setattr__(self, "max_age", None if self.max_age is None else int(self.max_age))
+
+    @classmethod
+    def from_mapping(cls, spec: Mapping[str, Any]) -> "PreconditionerOptions":
+        """``{"in_process": bool, "max_age": int}`` (both optional)."""
+        if not isinstance(spec, Mapping):
+            raise InvalidArgumentError(f"preconditioners must be a dict {{'in_process', 'max_age'}}, got {spec!r}")
+        unknown = sorted(set(spec) - {"in_process", "max_age"}, key=str)
+        if unknown:
+            raise InvalidArgumentError(f"preconditioners: unknown option {unknown[0]!r} (in_process, max_age)")
+        return cls(**spec)
+
+    def to_proto(self) -> control_pb2.PreconditionerOptions:
+        message = control_pb2.PreconditionerOptions(in_process=self.in_process)
+        if self.max_age is not None:
+            message.max_age = self.max_age
+        return message
+
+    @classmethod
+    def from_proto(cls, message: control_pb2.PreconditionerOptions) -> "PreconditionerOptions":
+        return cls(in_process=message.in_process, max_age=message.max_age if message.HasField("max_age") else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionOptions:
+    """Everything a session is created with, besides its name and tensors.
+
+    Attributes:
+      optimizer: the registry name of the optimizer (e.g. ``"adam"``, ``"adafactor_hf"``, ``"shampoo"``).
+      optimizer_args: its keyword arguments (a JSON object: str keys, JSON values); the server
+        checks them against the kernel's constructor.
+      preconditioners: Shampoo's :class:`PreconditionerOptions` (a dict with the same keys is
+        accepted); ``None``: the server's defaults.
+      mode: ``"sync"`` (a step = mean of ``num_workers`` pushes on one version) or ``"async"``.
+      num_workers: sync: pushes per step (>= 1).
+      max_staleness: async: the largest accepted staleness in versions (>= 0); ``None``: unlimited.
+      staleness_policy: async: ``"reject"`` stale pushes (ABORTED) or ``"scale"`` them by 1/(1+s).
+      wire_dtype: default wire dtype of gradients and pulled parameters (``"float32"``,
+        ``"bfloat16"``/``"bf16"``, ``"float16"``/``"f16"``, a NumPy dtype or an enum value; stored
+        as its canonical name); ``None``: each tensor's own dtype.
+      allow_nonfinite: pass NaN / Inf gradients to the optimizer instead of refusing them.
+
+    Raises (on construction):
+      InvalidArgumentError: naming the option that is wrong.
+    """
+
+    optimizer: str
+    optimizer_args: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
+    preconditioners: Optional[PreconditionerOptions] = None
+    mode: str = "sync"
+    num_workers: int = 1
+    max_staleness: Optional[int] = None
+    staleness_policy: str = "reject"
+    wire_dtype: Optional[str] = None
+    allow_nonfinite: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.optimizer, str) or not self.optimizer:
+            raise InvalidArgumentError(f"optimizer: the name must be a non-empty string, got {self.optimizer!r}")
+        args = {} if self.optimizer_args is None else self.optimizer_args
+        if not isinstance(args, Mapping) or not all(isinstance(k, str) for k in args):
+            raise InvalidArgumentError(f"optimizer_args of {self.optimizer!r} must be a dict with str keys, got {args!r}")
+        try:
+            json.dumps(dict(args), allow_nan=True)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"optimizer_args of {self.optimizer!r} must be JSON values: {exc}") from None
+        object.__setattr__(self, "optimizer_args", dict(args))  # a copy: later edits of the caller's dict do not leak in
+        if isinstance(self.preconditioners, Mapping):
+            object.__setattr__(self, "preconditioners", PreconditionerOptions.from_mapping(self.preconditioners))
+        elif self.preconditioners is not None and not isinstance(self.preconditioners, PreconditionerOptions):
+            raise InvalidArgumentError(
+                f"preconditioners must be a PreconditionerOptions or a dict, got {self.preconditioners!r}")
+        if not isinstance(self.mode, str) or self.mode not in _MODES:
+            raise InvalidArgumentError(f"mode must be 'sync' or 'async', got {self.mode!r}")
+        if not _is_int(self.num_workers) or not 1 <= self.num_workers <= _INT32_MAX:
+            raise InvalidArgumentError(f"num_workers must be an int >= 1, got {self.num_workers!r}")
+        if self.max_staleness is not None and (not _is_int(self.max_staleness)
+                                               or not 0 <= self.max_staleness <= _INT32_MAX):
+            raise InvalidArgumentError(f"max_staleness must be an int >= 0 or None, got {self.max_staleness!r}")
+        if not isinstance(self.staleness_policy, str) or self.staleness_policy not in _POLICIES:
+            raise InvalidArgumentError(f"staleness_policy must be 'reject' or 'scale', got {self.staleness_policy!r}")
+        wire = _wire.dtype_enum(self.wire_dtype, what="wire_dtype")
+        object.__setattr__(self, "wire_dtype", None if wire is None else contract.DTYPE_NAMES[wire])
+        if not isinstance(self.allow_nonfinite, (bool, np.bool_)):
+            raise InvalidArgumentError(f"allow_nonfinite must be a bool, got {self.allow_nonfinite!r}")
+        object.__setattr__(self, "allow_nonfinite", bool(self.allow_nonfinite))
+        object.__setattr__(self, "num_workers", int(self.num_workers))
+        if self.max_staleness is not None:
+            object.__setattr__(self, "max_staleness", int(self.max_staleness))
+
+    @classmethod
+    def from_spec(cls, optimizer: Union[Mapping[str, Any], "SessionOptions"], **options: Any) -> "SessionOptions":
+        """From an optimizer spec ``{"name": str, "args": {...}, "preconditioners": {...}}``
+        ("args" and "preconditioners" optional) and the other options as keywords.
+
+        A :class:`SessionOptions` passes through (with ``options`` replacing its fields).
+        """
+        if isinstance(optimizer, SessionOptions):
+            return dataclasses.replace(optimizer, **options) if options else optimizer
+        if not isinstance(optimizer, Mapping) or not isinstance(optimizer.get("name"), str):
+            raise InvalidArgumentError(
+                f'optimizer must be {{"name": str, "args": dict, "preconditioners": dict}}, got {optimizer!r}')
+        unknown = sorted(set(optimizer) - set(_SPEC_KEYS), key=str)
+        if unknown:
+            raise InvalidArgumentError(f"optimizer spec: unknown key {unknown[0]!r} (name, args, preconditioners)")
+        return cls(optimizer=optimizer["name"], optimizer_args=optimizer.get("args") or {},
+                   preconditioners=optimizer.get("preconditioners"), **options)
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        """The optimizer spec dict (``name``, ``args``, and ``preconditioners`` when set)."""
+        spec: dict[str, Any] = {"name": self.optimizer, "args": dict(self.optimizer_args)}
+        if self.preconditioners is not None:
+            spec["preconditioners"] = dataclasses.asdict(self.preconditioners)
+        return spec
+
+    def to_config(self, name: str, tensors: Mapping[str, np.ndarray]) -> control_pb2.SessionConfig:
+        """The ``SessionConfig`` creating session ``name`` with ``tensors`` (name -> array, or
+        anything with ``dtype`` and ``shape``; float32, bfloat16 or float16)."""
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError(f"session name must be a non-empty string, got {name!r}")
+        return control_pb2.SessionConfig(
+            name=name,
+            tensors=[tensor_pb2.TensorSpec(name=n, dtype=_wire.array_dtype_enum(a, name=n), shape=list(a.shape))
+                     for n, a in tensors.items()],
+            optimizer=self.to_optimizer_spec(),
+            mode=self.to_mode(),
+            num_workers=self.num_workers,
+            max_staleness=-1 if self.max_staleness is None else self.max_staleness,
+            staleness_policy=_POLICIES[self.staleness_policy],
+            allow_nonfinite=self.allow_nonfinite,
+            wire_dtype=_wire.dtype_enum(self.wire_dtype, what="wire_dtype") or tensor_pb2.DTYPE_UNSPECIFIED,
+        )
+
+    def to_optimizer_spec(self) -> control_pb2.OptimizerSpec:
+        """The optimizer as the wire carries it: ``SessionConfig.optimizer`` when creating a
+        session, ``GetSessionRequest.expect_optimizer`` when attaching with expectations."""
+        optimizer = control_pb2.OptimizerSpec(name=self.optimizer, args_json=json.dumps(dict(self.optimizer_args)))
+        if self.preconditioners is not None:
+            optimizer.preconditioners.CopyFrom(self.preconditioners.to_proto())
+        return optimizer
+
+    def to_mode(self) -> int:
+        """The ``Mode`` enum value of :attr:`mode` (``SessionConfig.mode``, ``GetSessionRequest.expect_mode``)."""
+        return _MODES[self.mode]
+
+    @classmethod
+    def from_config(cls, config: control_pb2.SessionConfig) -> "SessionOptions":
+        """The options of an existing session, from its ``SessionConfig`` (as the server reports it)."""
+        modes = {v: k for k, v in _MODES.items()}
+        policies = {v: k for k, v in _POLICIES.items()}
+        preconditioners = config.optimizer.preconditioners if config.optimizer.HasField("preconditioners") else None
+        return cls(
+            optimizer=config.optimizer.name,
+            optimizer_args=json.loads(config.optimizer.args_json or "{}"),
+            preconditioners=None if preconditioners is None else PreconditionerOptions.from_proto(preconditioners),
+            mode=modes.get(config.mode, "sync"),
+            num_workers=config.num_workers or 1,
+            max_staleness=None if config.max_staleness < 0 else config.max_staleness,
+            staleness_policy=policies.get(config.staleness_policy, "reject"),
+            wire_dtype=config.wire_dtype or None,
+            allow_nonfinite=config.allow_nonfinite,
+        )

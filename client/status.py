@@ -1,0 +1,114 @@
+"""A session's live status as typed records, decoded from ``GetStatusResponse`` in one place.
+
+``Session.status()`` returns a :class:`SessionStatus`; its ``shards`` are :class:`ShardStatus`
+records, and Shampoo sessions add :class:`PreconditionerBlockStatus` and
+:class:`RootOffloadStatus` per shard (see ``GetStatusResponse`` in control.proto for what each
+count means).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from optserve.protos import contract
+from optserve.protos.optserve.v1 import control_pb2
+
+
+@dataclasses.dataclass(frozen=True)
+class PreconditionerBlockStatus:
+    """Shampoo: the preconditioner of one statistic (one dimension of one block of a tensor).
+
+    ``age``: steps between the statistics its root came from and the latest update (-1: no root
+    yet); ``error``: the latest root's residual (inf / NaN when it failed); ``failures``: roots
+    refused; ``fallback_steps``: updates that ran without a root (the grafted direction).
+    """
+
+    tensor: str
+    block: int
+    dim: int
+    size: int
+    age: int
+    error: float
+    failures: int
+    fallback_steps: int
+
+    @classmethod
+    def from_proto(cls, b: control_pb2.PreconditionerStatus) -> "PreconditionerBlockStatus":
+        return cls(tensor=b.tensor, block=b.block, dim=b.dim, size=b.size, age=b.age, error=b.error,
+                   failures=b.failures, fallback_steps=b.fallback_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class RootOffloadStatus:
+    """Shampoo: how one shard gets its inverse roots.
+
+    ``offloaded``: from preconditioner workers (else inside the update); ``max_age``: the
+    session's age bound in steps (``None`` unless offloaded); ``roots_installed``, ``waits``
+    (updates that waited for roots), ``resubmits`` (worker calls sent again): counts.
+    """
+
+    offloaded: bool
+    max_age: Optional[int]
+    roots_installed: int
+    waits: int
+    resubmits: int
+
+    @classmethod
+    def from_proto(cls, r: control_pb2.RootOffloadStatus) -> "RootOffloadStatus":
+        return cls(offloaded=r.offloaded, max_age=None if r.max_age < 0 else r.max_age,
+                   roots_installed=r.roots_installed, waits=r.waits, resubmits=r.resubmits)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardStatus:
+    """One shard's view of a session: where it is, what it holds, how far it got.
+
+    ``preconditioners`` is empty and ``root_offload`` ``None`` for optimizers other than Shampoo.
+    """
+
+    index: int
+    address: str
+    tensors: tuple[str, ...]
+    param_bytes: int
+    version: int
+    initialized: bool
+    node_id: str
+    device: str
+    preconditioners: tuple[PreconditionerBlockStatus, ...] = ()
+    root_offload: Optional[RootOffloadStatus] = None
+
+    @classmethod
+    def from_proto(cls, s: control_pb2.ShardStatus) -> "ShardStatus":
+        return cls(
+            index=s.assignment.shard_index, address=s.assignment.address, tensors=tuple(s.assignment.tensor_names),
+            param_bytes=s.assignment.param_bytes, version=s.version, initialized=s.initialized, node_id=s.node_id,
+            device=s.device, preconditioners=tuple(PreconditionerBlockStatus.from_proto(b) for b in s.preconditioners),
+            root_offload=RootOffloadStatus.from_proto(s.root_offload) if s.HasField("root_offload") else None,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionStatus:
+    """``version``: steps decided; ``steps_applied``: applied on every shard; ``pushes_accepted``;
+    ``rejected``: refused pushes by reason ("invalid", "nonfinite", "stale", "aborted"; reasons
+    never seen are absent); ``shards``: one :class:`ShardStatus` per shard."""
+
+    name: str
+    version: int
+    steps_applied: int
+    pushes_accepted: int
+    rejected: dict[str, int] = dataclasses.field(hash=False)
+    shards: tuple[ShardStatus, ...]
+
+    @classmethod
+    def from_proto(cls, response: control_pb2.GetStatusResponse) -> "SessionStatus":
+        names = contract.REJECT_REASON_NAMES
+        return cls(
+            name=response.name,
+            version=response.version,
+            steps_applied=response.steps_applied,
+            pushes_accepted=response.pushes_accepted,
+            rejected={names[r.reason]: r.count for r in response.rejected if r.reason in names},
+            shards=tuple(ShardStatus.from_proto(s) for s in response.shards),
+        )

@@ -1,0 +1,502 @@
+"""``optserve demo``: the whole product on one machine, in a few minutes on 2 cores.
+
+An application on top of optserve (its own package, ``optserve.demo``; it needs the ``demo``
+extra: torch, scikit-learn, matplotlib, transformers, tqdm, rich). ``optserve demo`` finds it
+through the ``optserve.commands`` entry point; the server never imports it.
+
+1. starts an embedded server (local Ray, 2 shard actors) on a free loopback port;
+2. creates an asynchronous session holding a small MLP's parameters (scikit-learn's bundled
+   8x8 digits: nothing is downloaded);
+3. launches 2 worker *processes*, each training that MLP with ``torch`` and
+   :class:`optserve.client.torch.RemoteOptimizer` on its own minibatches, with a progress bar;
+4. trains the same model (same initial weights, same number of updates, same batch size) in
+   process with the same optimizer (``torch.optim.Adam`` for ``adam``, ``transformers.Adafactor``
+   for ``adafactor_hf``);
+5. prints a table of final loss / accuracy for both, writes ``loss_curve.png`` and
+   ``summary.json`` under ``--out`` (default ``./demo_out``).
+
+The model and data helpers (:func:`load_digits_split`, :func:`make_model`, :func:`evaluate`)
+are also used by the compression test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import multiprocessing
+import os
+import queue as queue_module
+import sys
+import time
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+# --- model and data ---------------------------------------------------------------------------
+
+_NEEDS = ("torch", "sklearn", "matplotlib", "transformers", "tqdm", "rich")
+
+HIDDEN = 64
+NUM_CLASSES = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class DigitsSplit:
+    """scikit-learn's digits: ``x_*`` float32 (n, 64) in [0, 1], ``y_*`` int64 (n,) in [0, 10)."""
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+
+
+def load_digits_split(test_fraction: float = 0.2, seed: int = 0) -> DigitsSplit:
+    """The bundled 1797 digits, shuffled with ``seed`` and split into train / test."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = (digits.data / 16.0).astype(np.float32)
+    y = digits.target.astype(np.int64)
+    order = np.random.default_rng(seed).permutation(len(x))
+    n_test = int(round(len(x) * test_fraction))
+    test, train = order[:n_test], order[n_test:]
+    return DigitsSplit(x[train], y[train], x[test], y[test])
+
+
+def make_model(seed: int = 0):
+    """A 64 -> HIDDEN -> 10 ReLU MLP with deterministic initial weights (torch, float32)."""
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, NUM_CLASSES)
+    )
+
+
+def evaluate(model, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(mean cross-entropy, accuracy) of ``model`` on ``x``, ``y``."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.from_numpy(x))
+        loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(y)).item()
+        accuracy = (logits.argmax(dim=1).numpy() == y).mean().item()
+    return float(loss), float(accuracy)
+
+
+# --- optimizers: the server's spec and the in-process twin --------------------------------------
+
+
+def optimizer_spec(name: str, lr: float) -> dict[str, Any]:
+    """The server-side optimizer for ``name`` (see :func:`in_process_optimizer` for its twin)."""
+    if name == "adam":
+        return {"name": "adam", "args": {"learning_rate": lr}}
+    if name == "adafactor_hf":
+        return {"name": "adafactor_hf", "args": {"lr": lr, "relative_step": False, "scale_parameter": False}}
+    raise ValueError(f"demo optimizer must be 'adam' or 'adafactor_hf', got {name!r}")
+
+
+def in_process_optimizer(name: str, lr: float, params):
+    """The same optimizer as :func:`optimizer_spec`, as a torch optimizer in this process."""
+    import torch
+
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, betas=(0.9, 0.999), eps=1e-8)
+    if name == "adafactor_hf":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=lr, relative_step=False, scale_parameter=False)
+    raise ValueError(f"demo optimizer must be 'adam' or 'adafactor_hf', got {name!r}")
+
+
+# --- configuration ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    """``optserve demo`` flags (validated here).
+
+    Attributes:
+      steps: updates each worker pushes; the in-process run makes ``workers * steps``.
+      workers: worker processes sharing the asynchronous session.
+      shards: shard actors of the embedded server.
+      batch_size: examples per gradient.
+      optimizer / lr: see :func:`optimizer_spec`.
+      max_staleness / staleness_policy: async: pushes more than ``max_staleness`` versions old
+        are rejected (the worker drops that step and refreshes its parameters) or, with
+        ``"scale"``, applied with the step scaled by 1 / (1 + staleness).
+      wire_dtype: transport dtype of gradients and parameters (None: float32).
+      overlap: workers compute the next gradient while their push is in flight
+        (one-step-delayed parameters, see ``optserve.client.overlap``).
+      out: directory for ``loss_curve.png`` and ``summary.json``.
+      progress: draw a progress bar.
+      seed: model initialisation and data order.
+    """
+
+    steps: int = 150
+    workers: int = 2
+    shards: int = 2
+    batch_size: int = 32
+    optimizer: str = "adam"
+    lr: float = 1e-2
+    max_staleness: int = 4
+    staleness_policy: str = "reject"
+    wire_dtype: Optional[str] = None
+    overlap: bool = False
+    out: Path = Path("demo_out")
+    progress: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        for field in ("steps", "workers", "shards", "batch_size"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"--{field.replace('_', '-')} must be >= 1, got {getattr(self, field)}")
+        if self.max_staleness < 0:
+            raise ValueError(f"--max-staleness must be >= 0, got {self.max_staleness}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        optimizer_spec(self.optimizer, self.lr)  # validates the name
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> DemoConfig:
+    parser = argparse.ArgumentParser(
+        prog="optserve demo",
+        description="Embedded server + 2 worker processes training an MLP on the digits data asynchronously.",
+    )
+    parser.add_argument("--steps", type=int, default=None, help="updates per worker (default 150; 30 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="reduced size for tests: 30 steps per worker")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--optimizer", choices=("adam", "adafactor_hf"), default="adam")
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--max-staleness", type=int, default=4, help="async staleness bound (versions)")
+    parser.add_argument("--staleness-policy", choices=("reject", "scale"), default="reject")
+    parser.add_argument("--wire-dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    parser.add_argument("--overlap", action="store_true", help="workers overlap each push with the next gradient")
+    parser.add_argument("--out", type=Path, default=Path("demo_out"), help="output directory (default ./demo_out)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    steps = args.steps if args.steps is not None else (30 if args.quick else 150)
+    return DemoConfig(
+        steps=steps,
+        workers=args.workers,
+        shards=args.shards,
+        batch_size=args.batch_size,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        max_staleness=args.max_staleness,
+        staleness_policy=args.staleness_policy,
+        wire_dtype=None if args.wire_dtype in (None, "float32") else args.wire_dtype,
+        overlap=args.overlap,
+        out=args.out,
+        progress=not args.no_progress,
+        seed=args.seed,
+    )
+
+
+# --- the worker process -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerTask:
+    """What one worker process does: ``steps`` updates of ``session`` at ``address``."""
+
+    rank: int
+    address: str
+    session: str
+    config: DemoConfig
+
+
+def worker_main(task: WorkerTask, messages, go) -> None:
+    """Entry point of a worker process: attaches, reports ``("ready", rank)``, waits for ``go``
+    (a ``multiprocessing.Event``), trains and reports ``("step", rank, step, loss, version)``.
+
+    Ends with ``("done", rank, stale_pushes)`` or ``("error", rank, traceback text)``.
+    """
+    try:
+        import torch
+
+        from optserve.client.torch import RemoteOptimizer
+
+        torch.set_num_threads(1)
+        cfg = task.config
+        data = load_digits_split(seed=cfg.seed)
+        model = make_model(cfg.seed)
+        optimizer = RemoteOptimizer(
+            model.named_parameters(),
+            task.address,
+            optimizer_spec(cfg.optimizer, cfg.lr),
+            session=task.session,
+            mode="async",
+            max_staleness=cfg.max_staleness,
+            staleness_policy=cfg.staleness_policy,
+            wire_dtype=cfg.wire_dtype,
+            overlap=cfg.overlap,
+        )
+        messages.put(("ready", task.rank, None))
+        go.wait()
+        rng = np.random.default_rng(cfg.seed + 1000 * (task.rank + 1))
+        x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
+        for step in range(cfg.steps):
+            batch = torch.from_numpy(rng.integers(0, len(x), cfg.batch_size))
+            loss = torch.nn.functional.cross_entropy(model(x[batch]), y[batch])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            messages.put(("step", task.rank, step, float(loss.item()), int(optimizer.version)))
+        optimizer.synchronize()
+        optimizer.close()
+        messages.put(("done", task.rank, optimizer.stale_pushes))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the demo
+        messages.put(("error", task.rank, traceback.format_exc()))
+
+
+# --- the parts of a run -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RunResult:
+    """One training run: per-update minibatch losses and the final evaluation."""
+
+    label: str
+    updates: int  # updates applied to the model
+    dropped_stale: int  # pushes the server refused as too stale (async reject policy)
+    seconds: float
+    train_loss: float
+    test_loss: float
+    test_accuracy: float
+    curve: list[tuple[int, float]]  # (update index, minibatch loss)
+
+
+def run_remote(cfg: DemoConfig, address: str, data: DigitsSplit) -> RunResult:
+    """Creates the async session, runs the worker processes, evaluates the session's model."""
+    from optserve.client.torch import RemoteOptimizer
+
+    session_name = f"demo-{uuid.uuid4().hex[:8]}"
+    model = make_model(cfg.seed)
+    owner = RemoteOptimizer(  # creates the session from the seeded weights; workers attach
+        model.named_parameters(),
+        address,
+        optimizer_spec(cfg.optimizer, cfg.lr),
+        session=session_name,
+        mode="async",
+        max_staleness=cfg.max_staleness,
+        staleness_policy=cfg.staleness_policy,
+        wire_dtype=cfg.wire_dtype,
+    )
+    ctx = multiprocessing.get_context("spawn")
+    messages, go = ctx.Queue(), ctx.Event()
+    procs = [
+        ctx.Process(target=worker_main, args=(WorkerTask(r, address, session_name, cfg), messages, go), daemon=True)
+        for r in range(cfg.workers)
+    ]
+    for p in procs:
+        p.start()
+    curve: list[tuple[int, float]] = []
+    per_worker = [0] * cfg.workers
+    ready: set[int] = set()
+    done: set[int] = set()
+    dropped = 0
+    bar = _NoBar()
+    start = time.perf_counter()
+    try:
+        while len(done) < cfg.workers:
+            try:
+                kind, rank, *rest = messages.get(timeout=5.0)
+            except queue_module.Empty:
+                dead = [p for i, p in enumerate(procs) if i not in done and not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"demo worker(s) exited without finishing (exit codes {[p.exitcode for p in dead]})")
+                continue
+            if kind == "ready":
+                ready.add(rank)
+                if len(ready) == cfg.workers:  # every worker has imported torch and attached: start the clock
+                    bar = _progress_bar(cfg.workers * cfg.steps, cfg.progress, f"training ({cfg.workers} workers)")
+                    start = time.perf_counter()
+                    go.set()
+            elif kind == "step":
+                step, loss, version = rest
+                per_worker[rank] = step + 1
+                curve.append((len(curve), loss))
+                bar.update(1)
+                bar.set_postfix_str(f"version {version}, loss {loss:.3f}")
+            elif kind == "done":
+                done.add(rank)
+                dropped += rest[0]
+            else:
+                raise RuntimeError(f"demo worker {rank} failed:\n{rest[0]}")
+        seconds = time.perf_counter() - start
+    finally:
+        bar.close()
+        finished = len(done) == cfg.workers
+        for p in procs:
+            p.join(timeout=30 if finished else 0)
+            if p.is_alive():
+                p.terminate()
+    owner.pull()  # the session's final parameters into `model`
+    owner.session.close()
+    owner.close()
+    train_loss, _ = evaluate(model, data.x_train, data.y_train)
+    test_loss, test_accuracy = evaluate(model, data.x_test, data.y_test)
+    label = f"optserve async, {cfg.workers} worker process{'es' if cfg.workers > 1 else ''}"
+    return RunResult(label, sum(per_worker) - dropped, dropped, seconds, train_loss, test_loss, test_accuracy, curve)
+
+
+def run_in_process(cfg: DemoConfig, data: DigitsSplit) -> RunResult:
+    """The same model, initial weights, batch size and number of updates, trained in process."""
+    import torch
+
+    model = make_model(cfg.seed)
+    optimizer = in_process_optimizer(cfg.optimizer, cfg.lr, model.parameters())
+    rng = np.random.default_rng(cfg.seed + 999_999)
+    x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
+    curve = []
+    updates = cfg.workers * cfg.steps
+    start = time.perf_counter()
+    for step in range(updates):
+        batch = torch.from_numpy(rng.integers(0, len(x), cfg.batch_size))
+        loss = torch.nn.functional.cross_entropy(model(x[batch]), y[batch])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        curve.append((step, float(loss.item())))
+    seconds = time.perf_counter() - start
+    train_loss, _ = evaluate(model, data.x_train, data.y_train)
+    test_loss, test_accuracy = evaluate(model, data.x_test, data.y_test)
+    return RunResult(f"in process ({type(optimizer).__name__})", updates, 0, seconds, train_loss, test_loss, test_accuracy, curve)
+
+
+# --- reporting ----------------------------------------------------------------------------------
+
+
+class _NoBar:
+    def update(self, n: int) -> None: ...
+
+    def set_postfix_str(self, s: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _progress_bar(total: int, enabled: bool, description: str):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=description, unit="step", dynamic_ncols=True)
+
+
+def print_table(cfg: DemoConfig, initial: tuple[float, float], results: Sequence[RunResult]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"digits MLP, {cfg.optimizer} lr={cfg.lr}, batch {cfg.batch_size} (initial test loss {initial[0]:.3f})")
+    for column in ("run", "updates", "stale dropped", "wall s", "final train loss", "test loss", "test accuracy"):
+        table.add_column(column, justify="left" if column == "run" else "right")
+    for r in results:
+        table.add_row(r.label, str(r.updates), str(r.dropped_stale), f"{r.seconds:.1f}", f"{r.train_loss:.4f}",
+                      f"{r.test_loss:.4f}", f"{r.test_accuracy:.3f}")
+    Console(width=120).print(table)
+
+
+def write_plot(path: Path, results: Sequence[RunResult]) -> None:
+    """Minibatch loss (moving average over 10 updates) against the update index, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in results:
+        steps = np.array([s for s, _ in r.curve])
+        losses = np.array([l for _, l in r.curve])
+        window = min(10, len(losses))
+        smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
+        ax.plot(steps[window - 1 :], smooth, label=r.label)
+    ax.set_title("optserve demo: digits MLP, same optimizer, same number of updates")
+    ax.set_xlabel("update")
+    ax.set_ylabel("minibatch cross-entropy (moving average)")
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# --- entry point --------------------------------------------------------------------------------
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Runs the demo; returns the process exit status (0 on success)."""
+    missing = [name for name in _NEEDS if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"optserve demo: needs {', '.join(missing)}: pip install 'optserve[demo]'", file=sys.stderr)
+        return 2
+    cfg = parse_args(argv)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    torch.set_num_threads(1)
+    data = load_digits_split(seed=cfg.seed)
+    initial = evaluate(make_model(cfg.seed), data.x_test, data.y_test)
+
+    print(f"optserve demo: starting an embedded server (local Ray, {cfg.shards} shards) ...", flush=True)
+    from optserve.server.app import start_server
+    from optserve.server.domain.config import ServerConfig
+
+    ray_was_running = _ray_is_initialized()
+    # The demo's model is small (tens of KB): min_shard_bytes=0 spreads it over every shard anyway,
+    # so the demo runs the multi-shard path (fan-out, cross-shard votes) a large model takes.
+    server = start_server(ServerConfig(host="127.0.0.1", port=0, shards=cfg.shards, ray_address="local",
+                                       min_shard_bytes=0))
+    try:
+        print(f"server listening on {server.address}; {cfg.workers} workers x {cfg.steps} steps", flush=True)
+        remote = run_remote(cfg, server.address, data)
+    finally:
+        server.stop()
+        if not ray_was_running:
+            _shutdown_ray()
+    baseline = run_in_process(cfg, data)
+    results = [remote, baseline]
+    print_table(cfg, initial, results)
+    plot = cfg.out / "loss_curve.png"
+    write_plot(plot, results)
+    summary = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()},
+        "initial": {"test_loss": initial[0], "test_accuracy": initial[1]},
+        "runs": [{k: v for k, v in dataclasses.asdict(r).items() if k != "curve"} for r in results],
+    }
+    (cfg.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"wrote {plot} and {cfg.out / 'summary.json'}", flush=True)
+    return 0
+
+
+def _ray_is_initialized() -> bool:
+    try:
+        import ray
+    except ImportError:
+        return False
+    return ray.is_initialized()
+
+
+def _shutdown_ray() -> None:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""Adafactor in its three reference flavours, built from single-purpose optax links.
+
+* :mod:`.kernel`: the named constructors (T5X :func:`adafactor`, HuggingFace :func:`adafactor_hf`,
+  tensor2tensor :func:`adafactor_t2t`) and the cross-shard statistic of T5X's global-norm clip;
+* :mod:`.links`: the links they chain (factored second moment, clipping, parameter scale, ...);
+* :mod:`.factoring`: which axes of a parameter are factored (pure shape logic);
+* :mod:`.schedules`: learning-rate and decay-rate schedules of the references;
+* :mod:`.stochastic_rounding`: unbiased rounding of float32 results to bfloat16.
+"""
+
+from optserve.optim_kernels.adafactor.factoring import FactorDim, FactorSpec, standard_logical_factor_rules
+from optserve.optim_kernels.adafactor.kernel import (
+    adafactor,
+    adafactor_hf,
+    adafactor_partial_statistic,
+    adafactor_t2t,
+)
+from optserve.optim_kernels.adafactor.links import FactoredRmsState, MomentumState
+
+__all__ = [
+    "FactorDim",
+    "FactorSpec",
+    "FactoredRmsState",
+    "MomentumState",
+    "adafactor",
+    "adafactor_hf",
+    "adafactor_partial_statistic",
+    "adafactor_t2t",
+    "standard_logical_factor_rules",
+]

@@ -1,0 +1,228 @@
+"""The wire contract, defined once: what the client and the server must agree on beyond the .proto files.
+
+- chunk sizes: :data:`DEFAULT_CHUNK_BYTES` and the one range :func:`clamp_chunk_bytes` applies, to
+  what a client sends and asks for and to what a shard answers a pull with;
+- wire dtypes (:data:`FLOAT32`, :data:`BFLOAT16`, :data:`FLOAT16`, :data:`ITEMSIZE`,
+  :func:`dtype_enum`) and bfloat16 narrowing / widening on bit patterns (no ml_dtypes needed);
+- the encode direction: :func:`wire_bytes` (an array's flat bytes in a wire dtype) and
+  :func:`slices` (those bytes cut into chunks);
+- the decode direction: :func:`write_wire_values` (one chunk's bytes into a slice of a target array);
+- trailing metadata keys, reject reason names, and the gRPC channel / server options.
+
+The byte-level message codec (chunk messages written and read without copying tensor bytes twice)
+is :mod:`optserve.protos.chunk_codec`. NumPy and the generated protobuf modules only: bfloat16
+arrays (ml_dtypes) are recognised by their dtype name and handled as uint16 bit patterns. Bytes
+on the wire are little-endian; NumPy's native order on every supported host.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional, Union
+
+import numpy as np
+
+from optserve.protos.optserve.v1 import control_pb2, tensor_pb2
+
+# --- chunk sizes -----------------------------------------------------------------------------
+
+# 1 MiB measured fastest: each chunk is copied about three times on its way out, best while it
+# stays in L2.
+DEFAULT_CHUNK_BYTES = 1 << 20
+# The floor bounds the number of messages per tensor (a 1 GiB tensor is at most 16 Ki chunks),
+# so no request can make a shard answer with millions of tiny messages.
+MIN_CHUNK_BYTES = 64 << 10
+# The ceiling keeps a chunk message far below MAX_MESSAGE_BYTES, below glibc's mmap threshold that
+# optserve.protos.heap keeps freed chunks under (32 MiB), and a few chunks inside LOOKAHEAD_BYTES.
+MAX_CHUNK_BYTES = 4 << 20
+
+
+def clamp_chunk_bytes(requested: Optional[int]) -> int:
+    """The chunk size in bytes for a request: ``None`` or 0 -> :data:`DEFAULT_CHUNK_BYTES`, others
+    clamped to [:data:`MIN_CHUNK_BYTES`, :data:`MAX_CHUNK_BYTES`]."""
+    if not requested:
+        return DEFAULT_CHUNK_BYTES
+    return min(max(int(requested), MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
+
+
+# --- wire dtypes -----------------------------------------------------------------------------
+
+FLOAT32 = tensor_pb2.DTYPE_FLOAT32
+BFLOAT16 = tensor_pb2.DTYPE_BFLOAT16
+FLOAT16 = tensor_pb2.DTYPE_FLOAT16
+ITEMSIZE = {FLOAT32: 4, BFLOAT16: 2, FLOAT16: 2}
+DTYPE_NAMES = {FLOAT32: "float32", BFLOAT16: "bfloat16", FLOAT16: "float16"}  # NumPy / ml_dtypes names
+_BY_NAME = {"float32": FLOAT32, "f32": FLOAT32, "bfloat16": BFLOAT16, "bf16": BFLOAT16, "float16": FLOAT16,
+            "f16": FLOAT16}
+
+DTypeLike = Union[str, int, np.dtype, type, None]
+
+
+def dtype_enum(dtype: DTypeLike) -> Optional[int]:
+    """The wire enum of ``dtype``: a name (``"bf16"``, ``"float32"``, ...), a NumPy dtype or type
+    (``np.float16``, ml_dtypes' ``bfloat16``) or an enum value; ``None`` stays ``None``.
+
+    Raises:
+      ValueError: any other dtype (the message names it and the supported ones).
+    """
+    if dtype is None:
+        return None
+    if isinstance(dtype, (int, np.integer)) and not isinstance(dtype, bool):
+        if int(dtype) in ITEMSIZE:
+            return int(dtype)
+        raise ValueError(f"unsupported dtype enum value {int(dtype)} (float32, bfloat16, float16)")
+    try:
+        name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    except (TypeError, ValueError):
+        name = None
+    enum = _BY_NAME.get(name.lower()) if isinstance(name, str) else None
+    if enum is None:
+        raise ValueError(f"unsupported dtype {dtype!r} (float32, bfloat16, float16)")
+    return enum
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 values -> bfloat16 bit patterns (uint16, same shape), rounded to nearest even.
+
+    Overflow rounds to +-inf; NaN stays NaN (quiet, sign kept).
+    """
+    f32 = np.ascontiguousarray(x, dtype=np.float32)
+    bits = f32.view(np.uint32)
+    rounded = np.right_shift(bits, np.uint32(16))
+    np.bitwise_and(rounded, np.uint32(1), out=rounded)  # the kept part's lowest bit: ties go to even
+    np.add(rounded, np.uint32(0x7FFF), out=rounded)
+    np.add(rounded, bits, out=rounded)
+    np.right_shift(rounded, np.uint32(16), out=rounded)
+    out = rounded.astype(np.uint16)
+    nan = np.isnan(f32)
+    if nan.any():  # rounding could carry a NaN's payload into the exponent (or wrap): keep it NaN
+        out[nan] = (bits[nan] >> np.uint32(16)).astype(np.uint16) | np.uint16(0x0040)
+    return out
+
+
+def bf16_bits_to_f32(bits: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) -> float32 values (exact); into ``out`` (float32) if given."""
+    bits = np.asarray(bits, dtype=np.uint16)
+    if out is None:
+        out = np.empty(bits.shape, np.float32)
+    np.left_shift(bits, np.uint32(16), out=out.view(np.uint32), dtype=np.uint32)
+    return out
+
+
+# --- encode: arrays -> chunk bytes -------------------------------------------------------------
+
+
+def wire_bytes(array: np.ndarray, wire: int) -> memoryview:
+    """The flat little-endian bytes of ``array`` in wire dtype ``wire``, as a byte memoryview.
+
+    ``array``: float32, float16 or bfloat16 (ml_dtypes, recognised by name). No copy when the
+    array already is C-contiguous in the wire dtype. Values beyond float16's range become +-inf.
+
+    Raises:
+      ValueError: an unsupported array dtype or wire enum value.
+    """
+    wire = _checked_wire(wire)
+    array = np.asarray(array)
+    source = array.dtype.name
+    if source not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"unsupported array dtype {array.dtype} (float32, bfloat16, float16)")
+    if source == "bfloat16":
+        bits = np.ascontiguousarray(array).view(np.uint16)
+        if wire == BFLOAT16:
+            raw = bits
+        else:
+            widened = bf16_bits_to_f32(bits)
+            raw = widened if wire == FLOAT32 else _to_f16(widened)
+    elif wire == BFLOAT16:
+        raw = f32_to_bf16_bits(array)
+    elif wire == FLOAT16:
+        raw = _to_f16(array)
+    else:
+        raw = np.ascontiguousarray(array, dtype=np.float32)
+    return memoryview(raw.reshape(-1).view(np.uint8))
+
+
+def slices(raw: memoryview, itemsize: int, chunk_bytes: int) -> Iterator[tuple[int, memoryview]]:
+    """``(byte offset, bytes)`` pieces of ``raw`` in order, each at most ``chunk_bytes`` rounded
+    down to whole elements (at least one element); an empty ``raw`` gives one empty piece."""
+    if len(raw) == 0:
+        yield 0, raw
+        return
+    step = max(itemsize, chunk_bytes - chunk_bytes % itemsize)
+    for offset in range(0, len(raw), step):
+        yield offset, raw[offset : offset + step]
+
+
+# --- decode: chunk bytes -> arrays -------------------------------------------------------------
+
+
+def write_wire_values(target: np.ndarray, data: Any, wire: int) -> None:
+    """Writes one chunk's values (``data``: bytes-like, elements of wire dtype ``wire``) into
+    ``target``, a flat C-contiguous slice of dtype float32, float16 or bfloat16 (ml_dtypes) with
+    exactly as many elements; converts where the dtypes differ (a plain copy where they agree).
+
+    Raises:
+      ValueError: an unsupported dtype, or ``data`` does not hold ``target.size`` elements.
+    """
+    wire = _checked_wire(wire)
+    kind = target.dtype.name
+    if kind not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"unsupported target dtype {target.dtype} (float32, bfloat16, float16)")
+    if len(data) != target.size * ITEMSIZE[wire]:
+        raise ValueError(f"{len(data)} bytes of {DTYPE_NAMES[wire]} do not fill {target.size} elements")
+    if kind == DTYPE_NAMES[wire]:
+        target.view(np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
+    elif wire == BFLOAT16:
+        bits = np.frombuffer(data, dtype=np.uint16)
+        if kind == "float32":
+            bf16_bits_to_f32(bits, out=target)
+        else:
+            with np.errstate(over="ignore"):
+                target[:] = bf16_bits_to_f32(bits)
+    else:
+        values = np.frombuffer(data, dtype=np.float32 if wire == FLOAT32 else np.float16)
+        if kind == "bfloat16":
+            target.view(np.uint16)[:] = f32_to_bf16_bits(values)
+        else:
+            with np.errstate(over="ignore"):  # float32 beyond float16's range: +-inf
+                target[:] = values
+
+
+def _to_f16(values: np.ndarray) -> np.ndarray:
+    """float16, C-contiguous; beyond float16's range is +-inf (IEEE rounding), without a warning."""
+    with np.errstate(over="ignore"):
+        return np.ascontiguousarray(values, dtype=np.float16)
+
+
+def _checked_wire(wire: int) -> int:
+    if wire not in ITEMSIZE:
+        raise ValueError(f"unsupported wire dtype enum value {wire!r} (float32, bfloat16, float16)")
+    return wire
+
+
+# --- metadata, reject reasons, gRPC options ----------------------------------------------------
+
+# Trailing metadata of an ABORTED push: the session's version when it was refused as stale ...
+CURRENT_VERSION_KEY = "optserve-current-version"
+# ... or "1" when another shard refused its part of the push (applied nowhere).
+PEER_REFUSED_KEY = "optserve-peer-refused"
+
+# How status reports and clients name each RejectReason.
+REJECT_REASON_NAMES: dict[int, str] = {
+    control_pb2.REJECT_REASON_INVALID: "invalid",
+    control_pb2.REJECT_REASON_NONFINITE: "nonfinite",
+    control_pb2.REJECT_REASON_STALE: "stale",
+    control_pb2.REJECT_REASON_ABORTED: "aborted",
+}
+REJECT_REASONS_BY_NAME: dict[str, int] = {name: reason for reason, name in REJECT_REASON_NAMES.items()}
+
+MAX_MESSAGE_BYTES = 64 << 20
+# How far a stream may run ahead of what its reader has consumed (gRPC's default is 64 KiB): the
+# peer keeps sending chunks while this side copies the previous ones.
+LOOKAHEAD_BYTES = 16 << 20
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.http2.lookahead_bytes", LOOKAHEAD_BYTES),
+)
+# Servers also refuse to share their port with another process.
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = CHANNEL_OPTIONS + (("grpc.so_reuseport", 0),)

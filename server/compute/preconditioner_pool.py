@@ -1,0 +1,285 @@
+"""Compute layer: the pool of preconditioner workers and the root jobs shards send to it.
+
+A shard hands the pool one export (``[B, n, n]`` identity-padded statistics of its whole tree);
+the pool cuts it into batches of a fixed size ``b`` (``min(batch_blocks, next power of two >= B)``,
+the last one padded with identity matrices, so a worker compiles once per shape), deals the
+batches round-robin over the workers (each shard starts at its own offset, so shards sharing a
+pool spread evenly) and returns a :class:`RootJob` at once. The shard polls the job without
+blocking (:meth:`PreconditionerPool.poll`) or waits for it (:meth:`PreconditionerPool.wait`).
+
+Failure handling, one place:
+* a worker that dies is restarted by Ray (``max_restarts=-1``) and Ray retries the calls it was
+  running (``max_task_retries``); a batch whose call still fails with a worker error is
+  resubmitted to the next worker, up to ``max_attempts`` calls in all, then computed in the
+  calling process, so roots always arrive;
+* an error raised by the computation itself marks the batch's roots as failed (``errors = inf``):
+  the shard keeps the previous preconditioners and counts a failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+from optserve.server.compute.preconditioner_worker import PreconditionerWorker, RootComputation, compute_roots_fn
+
+log = logging.getLogger(__name__)
+
+# Calls that Ray itself retries on a restarted worker before the pool sees an error.
+_RAY_TASK_RETRIES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolConfig:
+    """Preconditioner workers of a server.
+
+    Attributes:
+      workers: number of worker actors (``--precond-workers``), >= 1.
+      gpus_per_worker: GPUs each worker requests from Ray (0: CPU).
+      f64: compute roots in float64 (``--precond-f64``).
+      batch_blocks: largest number of matrices in one worker call, >= 1.
+      max_attempts: worker calls per batch before computing it locally, >= 1.
+    """
+
+    workers: int
+    gpus_per_worker: float = 0.0
+    f64: bool = False
+    batch_blocks: int = 32
+    max_attempts: int = 3
+
+    def __post_init__(self):
+        if self.workers < 1:
+            raise ValueError(f"preconditioner pool: workers must be >= 1, got {self.workers}")
+        if self.batch_blocks < 1 or self.max_attempts < 1:
+            raise ValueError("preconditioner pool: batch_blocks and max_attempts must be >= 1")
+
+
+def start_workers(config: PoolConfig) -> list:
+    """Starts ``config.workers`` worker actors (Ray restarts each one when it dies)."""
+    import ray
+
+    resources = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": _RAY_TASK_RETRIES}
+    if config.gpus_per_worker > 0:  # the worker's JAX then sees (only) the GPUs Ray assigned it
+        resources["num_gpus"] = config.gpus_per_worker
+    cls = ray.remote(PreconditionerWorker).options(**resources)
+    workers = [cls.remote(i, config.f64) for i in range(config.workers)]
+    ray.get([w.info.remote() for w in workers])
+    return workers
+
+
+def batch_size(blocks: int, batch_blocks: int) -> int:
+    """The fixed batch size for an export of ``blocks`` matrices: a power of two, <= batch_blocks."""
+    size = 1
+    while size < blocks:
+        size *= 2
+    return max(1, min(size, batch_blocks))
+
+
+@dataclasses.dataclass
+class _Batch:
+    start: int
+    stop: int
+    worker: int
+    ref: Any
+    attempts: int = 1
+    result: Optional[tuple[np.ndarray, np.ndarray]] = None
+
+
+@dataclasses.dataclass
+class RootJob:
+    """One export in flight.
+
+    Attributes:
+      step: the export's step (the last update whose gradient its statistics contain).
+      blocks: ``B``, the number of real matrices.
+      batches: the worker calls, in block order.
+      resubmits: calls sent again after a worker error.
+    """
+
+    step: int
+    blocks: int
+    batches: list[_Batch]
+    statistics: np.ndarray = dataclasses.field(repr=False)
+    exponents: np.ndarray = dataclasses.field(repr=False)
+    sizes: np.ndarray = dataclasses.field(repr=False)
+    computation: RootComputation = dataclasses.field(repr=False)
+    resubmits: int = 0
+
+    @property
+    def done(self) -> bool:
+        return all(b.result is not None for b in self.batches)
+
+
+class PreconditionerPool:
+    """Submits root jobs to the workers (picklable: shard actors each hold a copy).
+
+    Args:
+      workers: worker actor handles (from :func:`start_workers`).
+      config: the pool's configuration.
+      first: the worker the first batch goes to (a shard passes its index).
+    """
+
+    def __init__(self, workers: list, config: PoolConfig, first: int = 0):
+        self.workers = list(workers)
+        self.config = config
+        self._next = first % max(1, len(self.workers))
+        # Workers whose process died: skipped until their probe call answers (Ray restarted
+        # them); a worker killed for good fails its probe and stays skipped.
+        self._suspects: dict[int, Any] = {}  # worker index -> probe ObjectRef
+        self._local_fns: dict[RootComputation, Any] = {}
+
+    def for_shard(self, index: int) -> "PreconditionerPool":
+        """This pool with round-robin starting at worker ``index`` (spreads shards evenly)."""
+        return PreconditionerPool(self.workers, self.config, first=index)
+
+    def __getstate__(self):
+        return {"workers": self.workers, "config": self.config, "_next": self._next, "_suspects": {},
+                "_local_fns": {}}
+
+    # ---------------------------------------------------------------- submit
+    def submit(self, statistics: np.ndarray, exponents: np.ndarray, sizes: np.ndarray, step: int,
+               computation: RootComputation) -> RootJob:
+        """Sends one export's batches to the workers; returns immediately.
+
+        Args:
+          statistics: f32 [B, n, n] identity-padded statistics.
+          exponents, sizes: int32 [B].
+          step: the export's step (kept on the job).
+          computation: the session's root computation.
+        """
+        statistics = np.ascontiguousarray(statistics, dtype=np.float32)
+        exponents = np.asarray(exponents, np.int32)
+        sizes = np.asarray(sizes, np.int32)
+        blocks = statistics.shape[0]
+        b = batch_size(blocks, self.config.batch_blocks)
+        job = RootJob(int(step), blocks, [], statistics, exponents, sizes, computation)
+        for start in range(0, blocks, b):
+            batch = _Batch(start, min(start + b, blocks), -1, None)
+            self._send(job, batch, b)
+            job.batches.append(batch)
+        return job
+
+    def _send(self, job: RootJob, batch: _Batch, b: int) -> None:
+        """Sends a batch to the next live worker (computes it here when every worker is down)."""
+        self._check_suspects()
+        live = [i for i in range(len(self.workers)) if i not in self._suspects]
+        if not live:
+            batch.result = self._compute_locally(job, batch.start, b)
+            return
+        while self._next in self._suspects:
+            self._next = (self._next + 1) % len(self.workers)
+        batch.worker = self._next
+        self._next = (self._next + 1) % len(self.workers)
+        batch.ref = self._call(job, batch.start, b, batch.worker)
+
+    def _batch_arrays(self, job: RootJob, start: int, b: int):
+        """The batch at ``start``, padded to ``b`` matrices with identities (size n, p = 2)."""
+        stop = min(start + b, job.blocks)
+        stats, exps, sizes = job.statistics[start:stop], job.exponents[start:stop], job.sizes[start:stop]
+        missing = b - (stop - start)
+        if missing:
+            n = job.statistics.shape[1]
+            stats = np.concatenate([stats, np.broadcast_to(np.eye(n, dtype=np.float32), (missing, n, n))])
+            exps = np.concatenate([exps, np.full((missing,), 2, np.int32)])
+            sizes = np.concatenate([sizes, np.full((missing,), n, np.int32)])
+        return stats, exps, sizes
+
+    def _call(self, job: RootJob, start: int, b: int, worker: int):
+        stats, exps, sizes = self._batch_arrays(job, start, b)
+        return self.workers[worker].compute.remote(stats, exps, sizes, job.computation)
+
+    # ---------------------------------------------------------------- collect
+    def poll(self, job: RootJob) -> bool:
+        """Collects finished batches without blocking; True when the whole job is done."""
+        self._collect(job, timeout_s=0.0)
+        return job.done
+
+    def wait(self, job: RootJob, timeout_s: Optional[float] = None) -> bool:
+        """Blocks until the job is done (resubmitting as needed) or ``timeout_s`` passes."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not job.done:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._collect(job, timeout_s=left)
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+        return job.done
+
+    def result(self, job: RootJob) -> tuple[np.ndarray, np.ndarray]:
+        """``(roots f32 [B, n, n], errors f32 [B])`` of a done job, in block order."""
+        if not job.done:
+            raise RuntimeError(f"root job of step {job.step} is not done")
+        roots = np.concatenate([b.result[0][: b.stop - b.start] for b in job.batches])
+        errors = np.concatenate([b.result[1][: b.stop - b.start] for b in job.batches])
+        return roots, errors
+
+    def _collect(self, job: RootJob, timeout_s: Optional[float]) -> None:
+        import ray
+
+        pending = [b for b in job.batches if b.result is None]
+        if not pending:
+            return
+        ready, _ = ray.wait([b.ref for b in pending], num_returns=len(pending), timeout=timeout_s)
+        ready_set = set(ready)
+        for batch in pending:
+            if batch.ref in ready_set:
+                self._take(job, batch)
+
+    def _take(self, job: RootJob, batch: _Batch) -> None:
+        import ray
+        from ray import exceptions as rex
+
+        b = batch_size(job.blocks, self.config.batch_blocks)
+        try:
+            batch.result = ray.get(batch.ref)
+        except (rex.RayActorError, rex.WorkerCrashedError, rex.ObjectLostError) as exc:
+            if isinstance(exc, rex.ActorDiedError) and batch.worker not in self._suspects:
+                # Its process died: Ray may be restarting it, or it is gone for good; a probe tells.
+                self._suspects[batch.worker] = self.workers[batch.worker].info.remote()
+            if batch.attempts >= self.config.max_attempts:
+                log.warning("root batch [%d, %d) of step %d failed %d times (%s); computing it locally",
+                            batch.start, batch.stop, job.step, batch.attempts, type(exc).__name__)
+                batch.result = self._compute_locally(job, batch.start, b)
+                return
+            batch.attempts += 1
+            job.resubmits += 1
+            self._send(job, batch, b)
+        except rex.RayTaskError as exc:
+            log.warning("root batch [%d, %d) of step %d raised %s; its roots count as failed",
+                        batch.start, batch.stop, job.step, exc)
+            n = job.statistics.shape[1]
+            batch.result = (np.zeros((b, n, n), np.float32), np.full((b,), np.inf, np.float32))
+
+    def _check_suspects(self) -> None:
+        """Takes back the suspect workers whose probe answered (restarted); never blocks."""
+        import ray
+
+        if not self._suspects:
+            return
+        ready, _ = ray.wait(list(self._suspects.values()), num_returns=len(self._suspects), timeout=0)
+        for worker, probe in list(self._suspects.items()):
+            if probe not in ready:
+                continue
+            try:
+                ray.get(probe)
+            except Exception:  # noqa: BLE001 - dead for good: its probe keeps failing, it stays out
+                continue
+            del self._suspects[worker]
+
+    def finish_locally(self, job: RootJob) -> None:
+        """Computes the job's missing batches in this process (when the workers do not answer)."""
+        b = batch_size(job.blocks, self.config.batch_blocks)
+        for batch in job.batches:
+            if batch.result is None:
+                batch.result = self._compute_locally(job, batch.start, b)
+
+    def _compute_locally(self, job: RootJob, start: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        fn = self._local_fns.get(job.computation)
+        if fn is None:
+            fn = self._local_fns[job.computation] = compute_roots_fn(job.computation)
+        stats, exps, sizes = self._batch_arrays(job, start, b)
+        roots, errors = fn(stats, exps, sizes)
+        return np.asarray(roots, np.float32), np.asarray(errors, np.float32)

@@ -1,0 +1,288 @@
+"""A session's matrix roots on one shard: in the kernel's update, or offloaded to the workers.
+
+This module is the one place that decides where a session's inverse roots are computed and when
+a shard waits for them (:func:`build_shard_optimizer`), for any kernel that declares a root
+offload seam in the registry (``RootOffloadSeam``; Shampoo does):
+
+* no seam: nothing to do (no preconditioner object);
+* a seam, on a server without preconditioner workers, or with ``in_process`` set: the kernel
+  computes roots inside its update (the reference); :class:`ShardPreconditioners` only keeps
+  per-block status;
+* otherwise :class:`OffloadedPreconditioners`: the kernel is built without in-update roots
+  (``seam.without_inline_roots``) and the roots come from the workers through the seam
+  (``export`` -> ``compute_roots`` on a worker -> ``install``).
+
+Schedule of an offloaded session (``P = preconditioning_compute_steps``, ``A = max_age``):
+
+* after update ``t`` with ``t % P == 0`` the shard exports the statistics (step ``t``), submits
+  them and goes on without waiting;
+* before every update it installs the newest finished export (older unfinished ones are
+  dropped) and then enforces the bound: update ``t`` must use roots of step
+  ``>= required_source_step(t, P, A) = min(t - t % P, t - A)``. If the installed ones are older, it
+  waits for the first export in flight that is recent enough or, when none is, exports with the
+  update's pending gradients (step ``t``, the statistics the update will hold) and waits for it.
+
+So ``A = 0`` reproduces in-process Shampoo (roots of step ``t - t % P``, as the kernel computes
+them); with ``A >= P`` an update uses roots at most ``max(A, P - 1)`` steps old and waits only
+when the workers fall behind; the default ``A = 2 P`` leaves the workers up to ``P`` steps to
+answer. A failed root (error NaN or ``>= inverse_failure_threshold``) keeps the block's previous
+preconditioner (identity until the first root, i.e. the grafted direction) and counts a failure;
+its age then grows past the bound, which only counts exports, not their outcome.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+from optserve.optim_kernels import OPTIMIZERS, BuiltOptimizer, build_optimizer
+from optserve.server.compute.preconditioner_pool import PreconditionerPool, RootJob
+from optserve.server.compute.preconditioner_worker import RootComputation
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockRootStatus:
+    """One statistic's root on a shard, as of the latest update.
+
+    Attributes:
+      tensor / block / dim / size: which statistic (the kernel's block label).
+      age: steps between the statistics of the root the latest update used and that update
+        (-1: no root yet).
+      error: error of the latest root offered.
+      failures: roots rejected (error NaN or over the kernel's threshold).
+      fallback_steps: updates that ran the block without a root (the grafted direction).
+    """
+
+    tensor: str
+    block: int
+    dim: int
+    size: int
+    age: int
+    error: float
+    failures: int
+    fallback_steps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RootStatus:
+    """Where a session's roots come from on one shard, and how they fare.
+
+    Attributes:
+      offloaded: computed by the preconditioner workers (else in the update).
+      max_age: the age bound in steps (None in process).
+      roots_installed: exports whose roots were installed.
+      waits: updates that waited for roots (the bound was reached).
+      resubmits: worker calls sent again after a worker error.
+      blocks: one entry per statistic, in export order.
+    """
+
+    offloaded: bool
+    max_age: Optional[int]
+    roots_installed: int
+    waits: int
+    resubmits: int
+    blocks: tuple[BlockRootStatus, ...]
+
+
+def required_source_step(step: int, every: int, max_age: int) -> int:
+    """The oldest statistics step update ``step`` may use: ``min(step - step % every, step - max_age)``."""
+    return min(step - step % every, step - max_age)
+
+
+def default_max_age(every: int) -> int:
+    """The bound when a session sets none: ``2 * preconditioning_compute_steps``."""
+    return 2 * every
+
+
+class ShardPreconditioners:
+    """In-process roots (the kernel computes them in its update): per-block status only.
+
+    Args:
+      seam: the kernel's ``RootOffloadSeam``.
+      config: the kernel's typed config (``seam.config(**args)``).
+      labels: the shard's statistics in export order (``seam.block_labels``).
+    """
+
+    offloaded = False
+
+    def __init__(self, seam, config, labels: Sequence):
+        self.seam = seam
+        self.config = config
+        self.labels = list(labels)
+        b = len(self.labels)
+        # (count, source_step, failures, last_error, fallback_steps) after the latest update, host side
+        self._snapshot = (0, np.full((b,), -1), np.zeros((b,), np.int64), np.zeros((b,), np.float32),
+                          np.zeros((b,), np.int64))
+        self.roots_installed = 0
+        self.waits = 0
+        self.resubmits = 0
+
+    def before_update(self, state, grads, params):
+        """Called with the pending gradients right before the update; returns the state to use."""
+        return state
+
+    def after_update(self, state):
+        """Called right after the update; returns the state to keep."""
+        self._record(state)
+        return state
+
+    def _record(self, state) -> None:
+        import jax
+
+        count, source, failures, last_error = jax.device_get(self.seam.progress(state))
+        source = np.asarray(source)
+        fallback = self._snapshot[4] + (source < 0)
+        self._snapshot = (int(count), source, np.asarray(failures), np.asarray(last_error), fallback)
+
+    def _resubmits(self) -> int:
+        return self.resubmits
+
+    def status(self) -> RootStatus:
+        """As of the latest update (a snapshot: safe to call from any thread)."""
+        count, source, failures, errors, fallback = self._snapshot
+        blocks = tuple(
+            BlockRootStatus(label.tensor, label.block, label.dim, label.size,
+                            (count - 1) - int(source[i]) if source[i] >= 0 and count > 0 else -1,
+                            float(errors[i]), int(failures[i]), int(fallback[i]))
+            for i, label in enumerate(self.labels))
+        return RootStatus(self.offloaded, getattr(self, "max_age", None), self.roots_installed, self.waits,
+                          self._resubmits(), blocks)
+
+
+class OffloadedPreconditioners(ShardPreconditioners):
+    """Roots from the preconditioner workers (see the module docstring for the schedule).
+
+    Args:
+      seam / config / labels: as :class:`ShardPreconditioners` (config built without in-update roots).
+      pool: the shard's :class:`PreconditionerPool`.
+      max_age: the bound ``A`` (>= 0).
+      wait_timeout_s: longest wait for a job before its missing batches are computed here.
+    """
+
+    offloaded = True
+
+    def __init__(self, seam, config, labels: Sequence, pool: PreconditionerPool, max_age: int,
+                 wait_timeout_s: float = 120.0):
+        import jax
+
+        if max_age < 0:
+            raise ValueError(f"max_age must be >= 0, got {max_age}")
+        super().__init__(seam, config, labels)
+        self.pool = pool
+        self.max_age = max_age
+        self._every = seam.compute_steps(config)
+        self._wait_timeout_s = wait_timeout_s
+        self._computation = RootComputation(seam.compute_roots, seam.root_config(config))
+        self._export_pending = jax.jit(lambda state, grads: seam.export(state, config, grads))
+        self._export_current = jax.jit(lambda state: seam.export(state, config))
+        self._install = jax.jit(lambda state, roots, errors, step: seam.install(
+            state, config, roots, errors, step))  # unchanged leaves are forwarded, not copied
+        self._jobs: collections.deque[RootJob] = collections.deque()
+        self._offered = -1  # step of the newest installed export (whatever its blocks' outcome)
+        self._exported = -1  # step of the newest export sent
+
+    def before_update(self, state, grads, params):
+        import jax
+
+        if not self.labels:
+            return state
+        step = int(self.seam.progress(state)[0])
+        state = self._install_newest_done(state)
+        need = required_source_step(step, self._every, self.max_age)
+        if self._offered >= need:
+            return state
+        self.waits += 1
+        for i, job in enumerate(self._jobs):
+            if job.step >= need:
+                self._finish(job)
+                return self._install_job(state, i)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        self._submit(self._export_pending(state, grads))
+        self._finish(self._jobs[-1])
+        return self._install_job(state, len(self._jobs) - 1)
+
+    def after_update(self, state):
+        if self.labels:
+            step = int(self.seam.progress(state)[0]) - 1
+            if step % self._every == 0 and step > self._exported:
+                self._submit(self._export_current(state))
+        self._record(state)
+        return state
+
+    def drain(self) -> None:
+        """Waits for the exports still in flight and drops them (before shutting Ray down)."""
+        while self._jobs:
+            self._finish(self._jobs.popleft())
+
+    # ---------------------------------------------------------------- jobs
+    def _submit(self, exported) -> None:
+        step = int(exported.step)
+        job = self.pool.submit(np.asarray(exported.statistics), np.asarray(exported.exponents),
+                               np.asarray(exported.sizes), step, self._computation)
+        self._jobs.append(job)
+        self._exported = step
+
+    def _finish(self, job: RootJob) -> None:
+        if not self.pool.wait(job, timeout_s=self._wait_timeout_s):
+            log.warning("roots of step %d did not arrive within %.0f s; computing the rest on the shard",
+                        job.step, self._wait_timeout_s)
+            self.pool.finish_locally(job)
+
+    def _install_newest_done(self, state):
+        newest = -1
+        for i, job in enumerate(self._jobs):
+            if self.pool.poll(job):
+                newest = i
+        return state if newest < 0 else self._install_job(state, newest)
+
+    def _install_job(self, state, index: int):
+        """Installs job ``index`` (done) and drops it and every older job."""
+        job = self._jobs[index]
+        for _ in range(index + 1):
+            self.resubmits += self._jobs.popleft().resubmits
+        roots, errors = self.pool.result(job)
+        state = self._install(state, roots, errors, np.int32(job.step))
+        self._offered = max(self._offered, job.step)
+        self.roots_installed += 1
+        return state
+
+    def _resubmits(self) -> int:
+        return self.resubmits + sum(job.resubmits for job in list(self._jobs))
+
+
+def build_shard_optimizer(name: str, args: Mapping[str, Any], shapes: Mapping[str, Sequence[int]],
+                          pool: Optional[PreconditionerPool], *, in_process: bool = False,
+                          max_age: Optional[int] = None) -> tuple[BuiltOptimizer, Optional[ShardPreconditioners]]:
+    """Builds a session's optimizer for one shard (once) and decides where its roots are computed.
+
+    Args:
+      name / args: the session's registry entry and options (already validated).
+      shapes: the shard's tensors, name -> shape.
+      pool: the server's preconditioner pool (None: no workers).
+      in_process: the session asks for roots inside the update even when workers exist.
+      max_age: the session's age bound in steps (None: :func:`default_max_age`).
+
+    Returns:
+      ``(optimizer to run, preconditioners)``; preconditioners is None for a kernel without a
+      root offload seam, else the object the updater calls around each step.
+    """
+    seam = OPTIMIZERS[name].root_offload
+    if seam is None:
+        return build_optimizer(name, args), None
+    offload = pool is not None and not in_process
+    if offload:
+        args = seam.without_inline_roots(args)
+    optimizer = build_optimizer(name, args)
+    config = seam.config(**args)
+    labels = seam.block_labels(config, shapes)
+    if not offload:
+        return optimizer, ShardPreconditioners(seam, config, labels)
+    every = seam.compute_steps(config)
+    bound = default_max_age(every) if max_age is None else max_age
+    return optimizer, OffloadedPreconditioners(seam, config, labels, pool, bound)

@@ -1,0 +1,97 @@
+"""A session's parameters and optimizer state on one shard, and the one jitted step over them.
+
+The shard's tensors form ONE pytree (a dict name -> array) on the shard's JAX device; each step
+is one jitted, donated call over the whole pytree, plus one jitted partial-statistic call when
+the optimizer needs a cross-shard sum. Shampoo sessions whose roots are offloaded call their
+:class:`~optserve.server.compute.root_offload.ShardPreconditioners` right before and after it.
+The updater knows nothing of versions, tickets or clients: the domain's shard session decides
+*what* to apply; this module applies it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+import numpy as np
+
+
+class Updater:
+    """Parameters + optimizer state of one session's tensors on one shard (not thread-safe:
+    the shard session serialises calls).
+
+    Args:
+      optimizer: the ``BuiltOptimizer`` to run (built once for this shard).
+      preconditioners: Shampoo's per-shard root handling, or None.
+    """
+
+    def __init__(self, optimizer, preconditioners=None):
+        import jax
+
+        self.optimizer = optimizer
+        self.preconditioners = preconditioners
+        self.device = jax.devices()[0]
+        self.params: Optional[dict[str, Any]] = None
+        self.opt_state: Any = None
+        self._step_fn, self._partial_fn = self._compile()
+
+    def _compile(self):
+        import jax
+        import optax
+
+        tx = self.optimizer.transformation
+        partial = self.optimizer.partial_statistic
+
+        def step(params, state, grads, scale, global_stat):
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+            if partial is None:
+                updates, state = tx.update(grads, state, params)
+            else:
+                updates, state = tx.update(grads, state, params, global_grad_sq_norm=global_stat)
+            updates = jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates)
+            return optax.apply_updates(params, updates), state
+
+        step_fn = jax.jit(step, donate_argnums=(0, 1))
+        partial_fn = None
+        if partial is not None:
+            partial_fn = jax.jit(lambda grads, state, params: partial(
+                jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), state, params))
+        return step_fn, partial_fn
+
+    @property
+    def initialized(self) -> bool:
+        return self.params is not None
+
+    def initialize(self, values: Mapping[str, np.ndarray]) -> None:
+        """Installs initial parameters (name -> array in the tensor's dtype) and the optimizer's state."""
+        import jax
+
+        params = {name: jax.device_put(value, self.device) for name, value in values.items()}
+        self.opt_state = jax.jit(self.optimizer.transformation.init)(params)
+        self.params = params
+
+    def apply(self, grads: Mapping[str, np.ndarray], scale: float, reduce: Callable[[float], float]) -> None:
+        """One update with float32 ``grads`` (name -> array, the shard's tensors), scaled by ``scale``.
+
+        ``reduce(partial) -> total``: sums this shard's partial statistic over the session's
+        shards (called only when the optimizer has one). Returns once the new parameters exist;
+        ``grads`` may be reused by the caller afterwards.
+        """
+        import jax
+
+        # may_alias: on CPU the jitted step reads the pooled host buffers directly (no copy); they
+        # return to the pool only after the step completed (block_until_ready below).
+        grads = {name: jax.device_put(g, self.device, may_alias=True) for name, g in grads.items()}
+        global_stat = np.float32(0.0)
+        if self._partial_fn is not None:
+            global_stat = np.float32(reduce(float(self._partial_fn(grads, self.opt_state, self.params))))
+        if self.preconditioners is not None:  # installs roots that arrived; waits past the age bound
+            self.opt_state = self.preconditioners.before_update(self.opt_state, grads, self.params)
+        self.params, self.opt_state = self._step_fn(self.params, self.opt_state, grads, np.float32(scale), global_stat)
+        jax.block_until_ready(self.params)
+        if self.preconditioners is not None:  # sends the statistics for new roots, without waiting
+            self.opt_state = self.preconditioners.after_update(self.opt_state)
+
+    def host_params(self) -> dict[str, np.ndarray]:
+        """Host views of the parameters (no copy on CPU). Drop them before the next :meth:`apply`:
+        a view that is still alive stops the update from donating (reusing) its buffer."""
+        return {name: np.asarray(p) for name, p in self.params.items()}

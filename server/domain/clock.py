@@ -1,0 +1,238 @@
+"""The session clock: where each session's version lives, and where pushes are ordered.
+
+A shard that receives a commit asks the session's clock for the push's *ticket*. The first
+ask decides (via :func:`optserve.server.domain.staleness.decide`); every later ask for the same
+(client_id, sequence) gets the same ticket, so all shards agree on acceptance, staleness and
+order. Accepted pushes get consecutive ordinals; shards apply tickets strictly in ordinal order,
+which keeps their states consistent under concurrent clients. The clock also sums
+cross-shard statistics.
+
+Where the clock lives: in the session's *home* shard, the first shard of its shard map, as a
+:class:`LocalClock`. The home shard calls it in process; the other shards of the session reach
+it through :class:`~optserve.server.wire.clock_service.PeerClock` (a small gRPC endpoint in the home
+shard's process). So a single-shard session never leaves its process, and a step of a
+multi-shard session costs each non-home shard one short round trip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Optional
+
+from optserve.server.domain.config import Mode, StalenessPolicy
+from optserve.server.domain.errors import OptservError, PeerRefused, Stale, Timeout
+from optserve.server.domain.staleness import decide
+
+_KEEP_TICKETS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Ticket:
+    """An accepted push, in the order every shard applies it.
+
+    Attributes:
+      ordinal: 0, 1, 2, ... per session.
+      client_id / sequence: the push.
+      staleness / scale / closes_step: see :class:`optserve.server.domain.staleness.Decision`.
+      target_version: the version of the step this push belongs to (after it is applied).
+    """
+
+    ordinal: int
+    client_id: str
+    sequence: int
+    staleness: int
+    scale: float
+    closes_step: bool
+    target_version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ClockStatus:
+    """A session clock's counters: ``version`` (steps decided), ``accepted`` pushes, ``stale`` refusals."""
+
+    version: int
+    accepted: int
+    stale: int
+
+
+@dataclasses.dataclass
+class SessionClock:
+    """One session's version and ticket book (not thread-safe; callers serialise)."""
+
+    mode: Mode
+    num_workers: int
+    max_staleness: Optional[int]
+    policy: StalenessPolicy
+    version: int = 0
+    next_ordinal: int = 0
+    step_clients: set = dataclasses.field(default_factory=set)
+    last: dict = dataclasses.field(default_factory=dict)  # client_id -> (sequence, Ticket | OptservError)
+    tickets: dict = dataclasses.field(default_factory=dict)  # ordinal -> Ticket
+    accepted: int = 0
+    stale: int = 0
+
+    def commit(self, client_id: str, sequence: int, base_version: int) -> Ticket:
+        """Returns the push's ticket, deciding it on the first call; raises the refusal otherwise."""
+        previous = self.last.get(client_id)
+        if previous is not None and previous[0] == sequence:
+            if isinstance(previous[1], OptservError):
+                raise previous[1]
+            return previous[1]
+        if previous is not None and previous[0] > sequence:
+            raise Stale(f"push {sequence} of client {client_id!r} is older than its push {previous[0]}; "
+                        f"current version is {self.version}", self.version)
+        try:
+            decision = decide(
+                mode=self.mode, version=self.version, base_version=base_version, num_workers=self.num_workers,
+                pushes_in_step=len(self.step_clients), client_in_step=client_id in self.step_clients,
+                max_staleness=self.max_staleness, policy=self.policy, client_id=client_id,
+            )
+        except OptservError as exc:
+            self.stale += isinstance(exc, Stale)
+            self.last[client_id] = (sequence, exc)
+            raise
+        ticket = Ticket(self.next_ordinal, client_id, sequence, decision.staleness, decision.scale,
+                        decision.closes_step, self.version + 1)
+        self.next_ordinal += 1
+        self.accepted += 1
+        if decision.closes_step:
+            self.version += 1
+            self.step_clients.clear()
+        else:
+            self.step_clients.add(client_id)
+        self.last[client_id] = (sequence, ticket)
+        self.tickets[ticket.ordinal] = ticket
+        self.tickets.pop(ticket.ordinal - _KEEP_TICKETS, None)
+        return ticket
+
+    def status(self) -> ClockStatus:
+        return ClockStatus(self.version, self.accepted, self.stale)
+
+
+def new_session_clock(config) -> SessionClock:
+    return SessionClock(config.mode, config.num_workers, config.max_staleness, config.staleness_policy)
+
+
+class _VoteRound:
+    """The votes on one push: shard index -> staged?, and the outcome once decided."""
+
+    __slots__ = ("votes", "outcome", "taken")
+
+    def __init__(self):
+        self.votes: dict[int, bool] = {}
+        self.outcome = None  # Ticket | OptservError
+        self.taken = 0
+
+
+class LocalClock:
+    """A session's clock, in the home shard's process: thread-safe, for ``participants`` shards.
+
+    Args:
+      config: the session (mode, num_workers, staleness options).
+      participants: shards holding tensors of the session; votes and sums wait for all of them.
+      reduce_timeout_s: longest wait for the other shards' parts of a cross-shard sum.
+    """
+
+    def __init__(self, config, participants: int = 1, reduce_timeout_s: float = 300.0):
+        self._clock = new_session_clock(config)
+        self._participants = participants
+        self._reduce_timeout = reduce_timeout_s
+        self._cond = threading.Condition()
+        self._votes: dict[tuple[str, int], _VoteRound] = {}
+        self._sums: dict[int, dict] = {}
+
+    @property
+    def participants(self) -> int:
+        return self._participants
+
+    def commit(self, client_id: str, sequence: int, base_version: int) -> Ticket:
+        with self._cond:
+            return self._clock.commit(client_id, sequence, base_version)
+
+    def ticket(self, ordinal: int) -> Optional[Ticket]:
+        with self._cond:
+            return self._clock.tickets.get(ordinal)
+
+    def vote(self, client_id: str, sequence: int, base_version: int, shard_index: int, staged: bool,
+             timeout_s: float) -> Optional[Ticket]:
+        """Auto-commit: one shard's stage outcome; returns the ticket once every shard staged.
+
+        The push is decided (:meth:`SessionClock.commit`) only when all participants voted
+        ``staged=True``; one refusal, or a shard that does not vote within ``timeout_s``, refuses
+        it everywhere (:class:`PeerRefused`). Every voter gets the same outcome; a refusing voter
+        gets None at once (it reports its own error). A refused round is forgotten, so a retry of
+        the same push starts afresh.
+        """
+        if self._participants == 1:  # the only shard decides alone
+            return self.commit(client_id, sequence, base_version) if staged else None
+        key = (client_id, sequence)
+        with self._cond:
+            round_ = self._votes.setdefault(key, _VoteRound())
+            round_.votes[shard_index] = staged
+            if round_.outcome is None:
+                if not staged:
+                    round_.outcome = PeerRefused(
+                        f"push {sequence} of client {client_id!r} was refused by shard {shard_index}; applied on no shard")
+                elif len(round_.votes) >= self._participants:
+                    try:
+                        round_.outcome = self._clock.commit(client_id, sequence, base_version)
+                    except OptservError as exc:
+                        round_.outcome = exc
+                if round_.outcome is not None:
+                    self._cond.notify_all()
+            deadline = time.monotonic() + timeout_s
+            while round_.outcome is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = sorted(set(range(self._participants)) - set(round_.votes))
+                    round_.outcome = PeerRefused(
+                        f"push {sequence} of client {client_id!r} was not staged on every shard within "
+                        f"{timeout_s:.0f} s (shards {missing} did not vote); applied on no shard")
+                    self._cond.notify_all()
+                    break
+                self._cond.wait(remaining)
+            round_.taken += 1
+            if round_.taken >= len(round_.votes) and self._votes.get(key) is round_:
+                del self._votes[key]
+            outcome = round_.outcome
+        if not staged:
+            return None
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def reduce_sum(self, key: int, shard_index: int, value: float) -> float:
+        """Sums ``value`` over the participants for step ``key``; returns once all arrived.
+
+        The sum is taken in shard-index order, so every shard gets the same float.
+
+        Raises:
+          Timeout: a shard's part did not arrive within ``reduce_timeout_s``.
+        """
+        if self._participants == 1:
+            return value
+        with self._cond:
+            entry = self._sums.setdefault(key, {"values": {}, "taken": 0})
+            entry["values"][shard_index] = value
+            self._cond.notify_all()
+            deadline = time.monotonic() + self._reduce_timeout
+            while len(entry["values"]) < self._participants:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._sums.pop(key, None)
+                    raise Timeout(f"cross-shard sum for step {key}: {len(entry['values'])} of "
+                                  f"{self._participants} shards sent their part within {self._reduce_timeout:.0f} s")
+                self._cond.wait(remaining)
+            total = 0.0
+            for index in sorted(entry["values"]):
+                total += entry["values"][index]
+            entry["taken"] += 1
+            if entry["taken"] >= self._participants:
+                self._sums.pop(key, None)
+            return total
+
+    def status(self) -> ClockStatus:
+        with self._cond:
+            return self._clock.status()

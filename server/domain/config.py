@@ -1,0 +1,236 @@
+"""Typed configuration, validated at the edge: the server's flags and a session's definition.
+
+Constructing these dataclasses validates them; an invalid value raises
+:class:`~optserve.server.domain.errors.InvalidArgument` naming the option.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import ipaddress
+import math
+from typing import Any, Optional
+
+from optserve.server.domain.errors import InvalidArgument
+
+
+class DType(enum.Enum):
+    """Supported tensor dtypes (values are the wire enum numbers of ``optserve.v1.DType``)."""
+
+    FLOAT32 = 1
+    BFLOAT16 = 2
+    FLOAT16 = 3
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self is DType.FLOAT32 else 2
+
+    @property
+    def numpy(self):
+        """The NumPy dtype (bfloat16 via ml_dtypes; server side only)."""
+        import numpy as np
+
+        if self is DType.BFLOAT16:
+            import ml_dtypes
+
+            return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(np.float32 if self is DType.FLOAT32 else np.float16)
+
+
+class Mode(enum.Enum):
+    SYNC = 1
+    ASYNC = 2
+
+
+class StalenessPolicy(enum.Enum):
+    REJECT = 1
+    SCALE = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One named tensor: ``shape`` outermost first, ``dtype`` as stored on the server."""
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+
+    def __post_init__(self):
+        if not self.name:
+            raise InvalidArgument("tensor name must be non-empty")
+        if any(d < 0 for d in self.shape):
+            raise InvalidArgument(f"tensor {self.name!r}: negative dimension in shape {list(self.shape)}")
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class PreconditionerOptions:
+    """Shampoo sessions: where inverse roots are computed (see :mod:`optserve.server.compute.root_offload`).
+
+    Attributes:
+      in_process: compute roots inside the shards' update even when the server has workers.
+      max_age: the age bound in steps (>= 0); ``None``: 2 x preconditioning_compute_steps.
+    """
+
+    in_process: bool = False
+    max_age: Optional[int] = None
+
+    def __post_init__(self):
+        if self.max_age is not None and self.max_age < 0:
+            raise InvalidArgument(f"optimizer preconditioners: max_age must be >= 0, got {self.max_age}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionConfig:
+    """A session: its tensors, optimizer and step semantics.
+
+    Attributes:
+      name: unique session name (1-200 characters).
+      tensors: the model's tensors, names unique.
+      optimizer_name / optimizer_args: a registry entry of ``optserve.optim_kernels`` and its
+        keyword arguments (validated by :meth:`validate_optimizer`).
+      mode: SYNC (a step = mean of ``num_workers`` pushes against one version) or ASYNC.
+      num_workers: pushes per sync step, >= 1.
+      max_staleness: async: the largest accepted staleness, >= 0; None means unlimited.
+      staleness_policy: async: REJECT stale pushes, or SCALE steps by 1 / (1 + staleness).
+      allow_nonfinite: pass NaN/Inf gradients to the optimizer instead of rejecting them.
+      wire_dtype: default wire dtype advertised to clients (None: each tensor's own).
+      preconditioners: Shampoo only: where its inverse roots are computed, and their age bound.
+    """
+
+    name: str
+    tensors: tuple[TensorSpec, ...]
+    optimizer_name: str
+    optimizer_args: dict[str, Any]
+    mode: Mode = Mode.SYNC
+    num_workers: int = 1
+    max_staleness: Optional[int] = None
+    staleness_policy: StalenessPolicy = StalenessPolicy.REJECT
+    allow_nonfinite: bool = False
+    wire_dtype: Optional[DType] = None
+    preconditioners: PreconditionerOptions = dataclasses.field(default_factory=PreconditionerOptions)
+
+    def __post_init__(self):
+        if not 1 <= len(self.name) <= 200:
+            raise InvalidArgument(f"session name must have 1-200 characters, got {len(self.name)}")
+        if not self.tensors:
+            raise InvalidArgument(f"session {self.name!r} has no tensors")
+        names = [t.name for t in self.tensors]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise InvalidArgument(f"session {self.name!r}: duplicate tensor name {duplicates[0]!r}")
+        if self.num_workers < 1:
+            raise InvalidArgument(f"num_workers must be >= 1, got {self.num_workers}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise InvalidArgument(f"max_staleness must be >= 0, got {self.max_staleness}")
+
+    def validate_optimizer(self):
+        """Builds the optimizer once to check the spec; returns the ``BuiltOptimizer``."""
+        from optserve.optim_kernels import build_optimizer
+
+        try:
+            return build_optimizer(self.optimizer_name, self.optimizer_args)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        except ImportError as exc:
+            raise InvalidArgument(f"optimizer {self.optimizer_name!r} is not available: {exc}") from None
+
+    @property
+    def spec_by_name(self) -> dict[str, TensorSpec]:
+        return {t.name: t for t in self.tensors}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """``optserve serve`` flags.
+
+    Attributes:
+      host / port: where the coordinator's Control service listens (port 0: pick a free one).
+      shards: number of shard actors (>= 1).
+      ray_address: "local" (start an embedded Ray), "auto" (join a running cluster) or an address.
+      gpus_per_shard: GPUs each shard actor requests from Ray (0: CPU).
+      shard_host: interface the shards' data services bind to (defaults to ``host``).
+      precond_workers / gpus_per_precond_worker / precond_f64: Shampoo's preconditioner workers
+        (:mod:`optserve.server.compute.preconditioner_pool`): how many, GPUs each, float64 roots.
+      grpc_threads: thread pool size of each gRPC server.
+      min_shard_bytes: a session spreads over only as many shards as give each at least this
+        many parameter bytes (:func:`~optserve.server.domain.placement.place_tensors`); smaller models
+        stay on one shard, where a step needs no cross-shard round trips. 0: every session uses
+        every shard.
+      step_timeout_s: longest wait for a sync barrier or a cross-shard reduction.
+      vote_timeout_s: how long shards that staged a push wait for their peers to stage theirs
+        before refusing it everywhere (a client that vanished between shards).
+      tls_cert / tls_key: PEM files of the server's certificate chain and key: TLS on every port.
+      tls_client_ca: PEM file of the CA client certificates must chain to (mutual TLS).
+      auth_tokens: file of tenant tokens, one per line (``token [name]``): every call must carry one.
+      insecure: allow binding a non-loopback interface without TLS and tokens.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    shards: int = 2
+    ray_address: str = "local"
+    gpus_per_shard: float = 0.0
+    shard_host: Optional[str] = None
+    precond_workers: int = 0
+    gpus_per_precond_worker: float = 0.0
+    precond_f64: bool = False
+    grpc_threads: int = 32
+    min_shard_bytes: int = 4 << 20
+    step_timeout_s: float = 300.0
+    vote_timeout_s: float = 30.0
+    tls_cert: Optional[str] = None
+    tls_key: Optional[str] = None
+    tls_client_ca: Optional[str] = None
+    auth_tokens: Optional[str] = None
+    insecure: bool = False
+
+    def __post_init__(self):
+        if self.shards < 1:
+            raise InvalidArgument(f"--shards must be >= 1, got {self.shards}")
+        if not 0 <= self.port <= 65535:
+            raise InvalidArgument(f"--port must be in [0, 65535], got {self.port}")
+        if self.gpus_per_shard < 0 or self.gpus_per_precond_worker < 0:
+            raise InvalidArgument("GPU counts must be >= 0")
+        if self.precond_workers < 0:
+            raise InvalidArgument(f"--precond-workers must be >= 0, got {self.precond_workers}")
+        if self.min_shard_bytes < 0:
+            raise InvalidArgument(f"--min-shard-bytes must be >= 0, got {self.min_shard_bytes}")
+        if self.grpc_threads < 2:  # half of them at most serve open PushPull streams
+            raise InvalidArgument(f"grpc_threads must be >= 2, got {self.grpc_threads}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise InvalidArgument("--tls-cert and --tls-key go together: give both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise InvalidArgument("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS)")
+        exposed = [h for h in (self.host, self.data_host) if not is_loopback(h)]
+        if exposed and not (self.tls_cert and self.auth_tokens) and not self.insecure:
+            raise InvalidArgument(
+                f"binding {exposed[0]!r} exposes optserve to the network: give --tls-cert/--tls-key and "
+                f"--auth-tokens, or --insecure to run without them")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+    @property
+    def data_host(self) -> str:
+        """Interface the shard actors bind (a wildcard makes them advertise their node's IP)."""
+        return self.shard_host or self.host
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an interface to bind) is reachable only from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,209 @@
+"""The coordinator: sessions, their placement over the shards, and their status.
+
+The coordinator never sees tensor values: it validates a session's configuration, places its
+tensors (:func:`~optserve.server.domain.placement.place_tensors`), opens the session on the
+shards it chose (through a :class:`ShardFleet`, which the process host implements over Ray) and
+answers with the shard map; clients then talk to the shards directly.
+
+Ownership: a session belongs to the tenant that created it (``""`` when the server has no
+tokens). Session names are one namespace: another tenant's session is PERMISSION_DENIED to every
+call, and its name cannot be taken while it lives (ALREADY_EXISTS). Listing shows only the
+caller's own sessions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Optional, Protocol, Sequence
+
+from optserve.server.domain.clock import ClockStatus
+from optserve.server.domain.config import Mode, PreconditionerOptions, SessionConfig
+from optserve.server.domain.errors import AlreadyExists, FailedPrecondition, NotFound, PermissionDenied
+from optserve.server.domain.placement import place_tensors
+from optserve.server.domain.shard_session import ShardSessionStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class Assignment:
+    """Tensors of one session on one shard."""
+
+    shard_index: int
+    address: str
+    tensor_names: tuple[str, ...]
+    param_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionRecord:
+    """A session and where its tensors live (the first assignment is its home shard).
+
+    Attributes:
+      owner: the tenant that created it ("" on a server without tokens).
+      creator: the creating client's identity (only it may send the initial values).
+    """
+
+    config: SessionConfig
+    assignments: tuple[Assignment, ...]
+    owner: str = ""
+    creator: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class AttachExpectation:
+    """What an attaching client expects of a session; None fields are not checked."""
+
+    optimizer_name: Optional[str] = None
+    optimizer_args: Optional[dict] = None
+    preconditioners: Optional[PreconditionerOptions] = None
+    mode: Optional[Mode] = None
+
+    def differences(self, config: SessionConfig) -> list[str]:
+        """How ``config`` differs from the expectation, one phrase per difference."""
+        found = []
+        if self.optimizer_name is not None and self.optimizer_name != config.optimizer_name:
+            found.append(f"optimizer {config.optimizer_name!r}, not {self.optimizer_name!r}")
+        elif self.optimizer_args is not None and self.optimizer_args != config.optimizer_args:
+            keys = sorted(set(self.optimizer_args) | set(config.optimizer_args), key=str)
+            for key in keys:
+                has, wants = config.optimizer_args.get(key, "<unset>"), self.optimizer_args.get(key, "<unset>")
+                if has != wants:
+                    found.append(f"optimizer option {key!r} = {has!r}, not {wants!r}")
+        if self.preconditioners is not None and self.preconditioners != config.preconditioners:
+            found.append(f"preconditioners {config.preconditioners}, not {self.preconditioners}")
+        if self.mode is not None and self.mode is not config.mode:
+            found.append(f"mode {config.mode.name.lower()}, not {self.mode.name.lower()}")
+        return found
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardOpening:
+    """What one shard needs to hold its part of a new session.
+
+    Attributes:
+      shard_index: the shard.
+      config: the session.
+      tensor_names: the tensors it holds.
+      participants: shards holding the session (votes and sums wait for all of them).
+      home_clock: the home shard's clock address; None on the home shard (it keeps the clock).
+      owner / creator: as :class:`SessionRecord`.
+    """
+
+    shard_index: int
+    config: SessionConfig
+    tensor_names: tuple[str, ...]
+    participants: int
+    home_clock: Optional[str]
+    owner: str = ""
+    creator: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionStatus:
+    """A session across its shards: the home shard's clock and each shard's own status."""
+
+    record: SessionRecord
+    clock: ClockStatus
+    shards: tuple[ShardSessionStatus, ...]  # in assignment order
+
+
+class ShardFleet(Protocol):
+    """The shard actors as the coordinator sees them. Calls run on all named shards at once and
+    raise the first domain error any of them raised."""
+
+    addresses: Sequence[str]  # data-plane "host:port" by shard index
+    clock_addresses: Sequence[str]  # clock endpoints by shard index
+
+    def open_session(self, openings: Sequence[ShardOpening]) -> None: ...
+
+    def close_session(self, name: str) -> None: ...  # on every shard (idempotent)
+
+    def session_status(self, name: str, shard_indices: Sequence[int]) -> list[ShardSessionStatus]: ...
+
+
+class Coordinator:
+    """Sessions on one server.
+
+    Args:
+      fleet: the shard actors.
+      min_shard_bytes: see :func:`~optserve.server.domain.placement.place_tensors`.
+    """
+
+    def __init__(self, fleet: ShardFleet, *, min_shard_bytes: int = 0):
+        self._fleet = fleet
+        self._min_shard_bytes = min_shard_bytes
+        self._sessions: dict[str, SessionRecord] = {}
+        self._lock = threading.Lock()
+
+    def create_session(self, config: SessionConfig, owner: str = "", creator: str = "") -> SessionRecord:
+        """Places and opens a session owned by tenant ``owner``, created by client ``creator``."""
+        config.validate_optimizer()
+        with self._lock:
+            if config.name in self._sessions:
+                raise AlreadyExists(f"session {config.name!r} already exists")
+            num_shards = len(self._fleet.addresses)
+            placement = place_tensors(config.tensors, num_shards, min_shard_bytes=self._min_shard_bytes,
+                                      shard_loads=self._shard_loads_locked(num_shards))
+            by_name = config.spec_by_name
+            assignments = tuple(
+                Assignment(i, self._fleet.addresses[i], tuple(names), sum(by_name[n].nbytes for n in names))
+                for i, names in enumerate(placement)
+                if names
+            )
+            home = assignments[0].shard_index
+            home_clock = self._fleet.clock_addresses[home]
+            try:
+                self._fleet.open_session([
+                    ShardOpening(a.shard_index, config, a.tensor_names, len(assignments),
+                                 None if a.shard_index == home else home_clock, owner, creator)
+                    for a in assignments
+                ])
+            except BaseException:
+                self._fleet.close_session(config.name)
+                raise
+            record = SessionRecord(config, assignments, owner, creator)
+            self._sessions[config.name] = record
+            return record
+
+    def _shard_loads_locked(self, num_shards: int) -> list[int]:
+        """Parameter bytes each shard holds for the open sessions."""
+        loads = [0] * num_shards
+        for record in self._sessions.values():
+            for a in record.assignments:
+                loads[a.shard_index] += a.param_bytes
+        return loads
+
+    def get_session(self, name: str, tenant: str = "", expect: Optional[AttachExpectation] = None) -> SessionRecord:
+        """The session, if ``tenant`` owns it and it is what the caller ``expect``s."""
+        record = self._owned(name, tenant)
+        differences = expect.differences(record.config) if expect is not None else []
+        if differences:
+            raise FailedPrecondition(f"session {name!r} is not the session you expect: it has "
+                                     + "; ".join(differences))
+        return record
+
+    def _owned(self, name: str, tenant: str) -> SessionRecord:
+        with self._lock:
+            record = self._sessions.get(name)
+        if record is None:
+            raise NotFound(f"session {name!r} not found")
+        if record.owner != tenant:
+            raise PermissionDenied(f"session {name!r} belongs to another tenant")
+        return record
+
+    def list_sessions(self, tenant: str = "") -> list[str]:
+        """The names of ``tenant``'s sessions."""
+        with self._lock:
+            return sorted(name for name, record in self._sessions.items() if record.owner == tenant)
+
+    def close_session(self, name: str, tenant: str = "") -> None:
+        self._owned(name, tenant)
+        with self._lock:
+            if self._sessions.pop(name, None) is None:
+                raise NotFound(f"session {name!r} not found")
+        self._fleet.close_session(name)
+
+    def status(self, name: str, tenant: str = "") -> SessionStatus:
+        record = self._owned(name, tenant)
+        shards = self._fleet.session_status(name, [a.shard_index for a in record.assignments])
+        return SessionStatus(record, shards[0].clock, tuple(shards))  # the home shard keeps the clock

@@ -1,0 +1,84 @@
+"""Domain errors: what went wrong, in words that name the session, tensor, shape or option.
+
+These carry no transport detail. The wire layer's one table
+(:data:`optserve.server.wire.errors.STATUS_CODES`) maps each class to a gRPC status code.
+Errors crossing a Ray call arrive wrapped (``RayTaskError``); :func:`unwrap` recovers them.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class RejectReason(enum.Enum):
+    """Why a shard refused a push (values are the wire enum ``optserve.v1.RejectReason``)."""
+
+    INVALID = 1
+    NONFINITE = 2
+    STALE = 3
+    ABORTED = 4
+
+
+class OptservError(Exception):
+    """Base class of domain errors (an unexpected one maps to INTERNAL)."""
+
+
+class NotFound(OptservError):
+    """Unknown session, or nothing staged under a push identity."""
+
+
+class AlreadyExists(OptservError):
+    """Duplicate session name."""
+
+
+class InvalidArgument(OptservError):
+    """Bad option, tensor, shape, dtype, chunk or value."""
+
+
+class NonFinite(InvalidArgument):
+    """NaN or Inf in a gradient of a session that does not allow them."""
+
+
+class Stale(OptservError):
+    """A push too old for the session (async reject policy, or sync against another version).
+
+    Attributes:
+      current_version: the session's version when the push was refused.
+    """
+
+    def __init__(self, message: str, current_version: int):
+        super().__init__(message)
+        self.current_version = current_version
+
+    def __reduce__(self):  # crosses Ray calls intact
+        return (Stale, (str(self), self.current_version))
+
+
+class PeerRefused(OptservError):
+    """Another shard refused its part of a push (or never staged it): applied nowhere."""
+
+
+class FailedPrecondition(OptservError):
+    """The session is not in a state that allows the call (e.g. not initialized), or it is not
+    the session the caller expects (another optimizer or mode)."""
+
+
+class PermissionDenied(OptservError):
+    """The caller may not touch this session (another tenant's, or not its creator's to initialize)."""
+
+
+class Cancelled(OptservError):
+    """The caller went away mid-push (its stream broke or ended early): nothing was applied."""
+
+
+class Timeout(OptservError):
+    """A wait (sync barrier, cross-shard reduction) ran past its deadline."""
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """Returns the domain error inside a Ray task error (its ``cause`` chain), or ``exc`` itself."""
+    seen = 0
+    while not isinstance(exc, OptservError) and getattr(exc, "cause", None) is not None and seen < 5:
+        exc = exc.cause
+        seen += 1
+    return exc

@@ -1,0 +1,388 @@
+"""One session on one shard: staging, idempotency, ticket order, sync averaging, rejections.
+
+A push arrives as chunks; :meth:`ShardSession.push` assembles and validates them into pooled
+buffers, stages them under the push's identity ``(client_id, sequence)`` and, with
+``auto_commit``, votes at the session clock with the session's other shards. The clock issues a
+*ticket* only when every shard staged its part; tickets are applied strictly in ordinal order
+(so every shard applies the same pushes in the same order), and the updater
+(:mod:`optserve.server.compute.updater`) runs the step. The client-driven two-phase path
+(``stage`` then ``commit`` / ``abort``) reaches the same tickets without the vote.
+
+Idempotency: a shard remembers each client's last applied sequence; a retry of an applied push
+is answered from the clock's ticket and applies nothing twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+import numpy as np
+
+from optserve.server.compute.buffers import BufferPool, aligned_empty
+from optserve.server.compute.updater import Updater
+from optserve.server.domain.assembly import TensorAssembler
+from optserve.server.domain.clock import ClockStatus, Ticket
+from optserve.server.domain.config import Mode, SessionConfig, TensorSpec
+from optserve.server.domain.errors import (Cancelled, FailedPrecondition, InvalidArgument, NonFinite, NotFound,
+                                           PeerRefused, PermissionDenied, RejectReason, Stale, Timeout)
+
+_GAP_POLL_S = 0.25
+
+
+@dataclasses.dataclass(frozen=True)
+class PushHeader:
+    """Who pushes what: the push's identity and the version its gradients were computed from.
+
+    Attributes:
+      client_id: the pushing client (non-empty).
+      sequence: the client's push number (>= 0); a retry reuses it.
+      base_version: the session version the gradients were computed from.
+      auto_commit: the shards commit among themselves once all staged (else the client commits).
+    """
+
+    client_id: str
+    sequence: int
+    base_version: int
+    auto_commit: bool = True
+
+    def __post_init__(self):
+        if not self.client_id:
+            raise InvalidArgument("push header: client_id must be non-empty")
+        if self.sequence < 0:
+            raise InvalidArgument(f"push header: sequence must be >= 0, got {self.sequence}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Receipt:
+    """What a push came to on this shard.
+
+    Attributes:
+      version: after an applied push, the version of its step; otherwise the shard's version.
+      already_applied: the push had been applied before (a retry): nothing was staged.
+      committed: the push is applied (its step is complete on this shard).
+      staleness / scale: the clock's decision (0 / 1.0 unless async).
+    """
+
+    version: int
+    already_applied: bool
+    committed: bool
+    staleness: int = 0
+    scale: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSessionStatus:
+    """A session on one shard.
+
+    Attributes:
+      version: steps applied on this shard.
+      initialized: initial parameters received.
+      rejected: pushes this shard refused, by reason.
+      device: the JAX device holding the tensors.
+      clock: the session clock's status (its home shard only, else None).
+      preconditioners: Shampoo's root status on this shard (else None).
+      node_id: the Ray node the shard runs on (set by the shard actor).
+    """
+
+    version: int
+    initialized: bool
+    rejected: Mapping[RejectReason, int]
+    device: str
+    clock: Optional[ClockStatus]
+    preconditioners: Any = None
+    node_id: str = ""
+
+
+class _Staged:
+    __slots__ = ("base_version", "grads")
+
+    def __init__(self, base_version: int, grads: dict[str, np.ndarray]):
+        self.base_version = base_version
+        self.grads = grads
+
+
+class ShardSession:
+    """A session's tensors on one shard.
+
+    Args:
+      config: the session.
+      tensor_names: the tensors this shard holds (a subset of ``config.tensors``, in order).
+      shard_index: this shard's index (its vote and its part of cross-shard sums).
+      clock: the session's clock (:class:`~optserve.server.domain.clock.LocalClock` in its home
+        shard, a remote handle with the same methods elsewhere).
+      updater: the compute side (parameters, optimizer state, the jitted step).
+      step_timeout_s: longest wait for a sync barrier, a missing ticket or a reduction.
+      vote_timeout_s: auto-commit: longest wait for the peer shards to stage a push; also how
+        long a push waits for the creator's initial values.
+      owner: the tenant the session belongs to ("" without tokens).
+      creator: the creating client's identity; only it may send the initial values ("": anyone).
+    """
+
+    def __init__(self, config: SessionConfig, tensor_names: list[str], shard_index: int, clock, updater: Updater,
+                 step_timeout_s: float = 300.0, vote_timeout_s: float = 30.0, owner: str = "", creator: str = ""):
+        by_name = config.spec_by_name
+        self.config = config
+        self.owner = owner
+        self.creator = creator
+        self.specs: dict[str, TensorSpec] = {name: by_name[name] for name in tensor_names}
+        self.shard_index = shard_index
+        self.updater = updater
+        self.version = 0
+        self._clock = clock
+        self._timeout = step_timeout_s
+        self._vote_timeout = vote_timeout_s
+        self._rejected = {reason: 0 for reason in RejectReason}
+        self._pool = BufferPool([(s.name, s.shape) for s in self.specs.values()])
+        self._staged: dict[tuple[str, int], _Staged] = {}
+        self._staged_lock = threading.Lock()
+        self._applied_sequence: dict[str, int] = {}
+        self._cond = threading.Condition()
+        self._next_ordinal = 0
+        self._arrived: dict[int, Ticket] = {}
+        self._sum: Optional[dict[str, np.ndarray]] = None
+        self._summed = 0
+
+    # ----------------------------------------------------------------- initial values
+    @property
+    def initialized(self) -> bool:
+        return self.updater.initialized
+
+    def initialize(self, chunks: Iterable, client_id: str = "") -> int:
+        """Installs the initial parameters from ``chunks`` (once), sent by client ``client_id``;
+        returns the version (0). Only the session's creator may send them."""
+        if self.creator and client_id != self.creator:
+            raise PermissionDenied(f"session {self.config.name!r}: only the client that created it may send "
+                                   f"its initial values")
+        if self.initialized:
+            raise FailedPrecondition(f"session {self.config.name!r}: parameters are already initialized")
+        buffers = {s.name: np.empty(s.shape, s.dtype.numpy) for s in self.specs.values()}
+        assembler = TensorAssembler(self.specs, buffers, check_finite=False)
+        for chunk in chunks:
+            assembler.add(chunk)
+        values = assembler.finish()
+        with self._cond:
+            if self.initialized:
+                raise FailedPrecondition(f"session {self.config.name!r}: parameters are already initialized")
+            self.updater.initialize(values)
+            self._cond.notify_all()  # pushes and pulls that arrived first (see _require_initialized)
+            return self.version
+
+    def _require_initialized(self) -> None:
+        """Waits up to ``vote_timeout_s`` for the initial values: a client that attaches right after
+        the session was created may pull before its creator has sent them."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.initialized, timeout=self._vote_timeout):
+                raise FailedPrecondition(
+                    f"session {self.config.name!r}: initial values were not sent to shard {self.shard_index} "
+                    f"(waited {self._vote_timeout:g} s for the creating client)")
+
+    # ----------------------------------------------------------------- the step
+    def push(self, header: PushHeader, chunks: Iterable, complete: Callable[[], bool] = lambda: True) -> Receipt:
+        """Receives one push and, with ``header.auto_commit``, applies it with the session's shards.
+
+        Args:
+          header: the push's identity.
+          chunks: ``TensorChunk``-like items covering this shard's tensors exactly once.
+          complete: asked once the chunks ran out: False if the push's stream broke or ended
+            early (nothing is then applied anywhere).
+
+        Returns:
+          auto_commit: the applied push's receipt; else the staged push's (``committed=False``).
+
+        Raises:
+          InvalidArgument / NonFinite: a bad chunk or value (nothing staged, the peers drop theirs).
+          Cancelled: the stream ended early.
+          Stale / PeerRefused / Timeout: the push was refused or its step never completed.
+        """
+        try:
+            already_applied = self._receive(header, chunks, complete)
+        except BaseException:
+            if header.auto_commit:  # tell the peers to drop their parts
+                self._clock.vote(header.client_id, header.sequence, -1, self.shard_index, False, self._vote_timeout)
+            raise
+        if not header.auto_commit:
+            return Receipt(self.version, already_applied, committed=False)
+        ticket = self._decide(header.client_id, header.sequence, lambda base: self._clock.vote(
+            header.client_id, header.sequence, base, self.shard_index, True, self._vote_timeout))
+        return Receipt(ticket.target_version, already_applied, True, ticket.staleness, ticket.scale)
+
+    def commit(self, client_id: str, sequence: int) -> Receipt:
+        """Two-phase path: applies a push staged without ``auto_commit``; returns once its step is
+        applied here. Raises NotFound if nothing is staged under the identity and it was never applied."""
+        with self._staged_lock:
+            staged = (client_id, sequence) in self._staged
+        if not staged and not self._already_applied(client_id, sequence):
+            raise NotFound(f"session {self.config.name!r}: no staged push {sequence} from client {client_id!r}")
+        ticket = self._decide(client_id, sequence, lambda base: self._clock.commit(client_id, sequence, base))
+        return Receipt(ticket.target_version, not staged, True, ticket.staleness, ticket.scale)
+
+    def abort(self, client_id: str, sequence: int) -> bool:
+        """Two-phase path: drops a staged push (idempotent); returns whether one was dropped."""
+        return self._drop(client_id, sequence, RejectReason.ABORTED)
+
+    def _receive(self, header: PushHeader, chunks: Iterable, complete: Callable[[], bool]) -> bool:
+        """Assembles and stages the push; returns True if it had been applied (nothing staged)."""
+        self._require_initialized()
+        buffers = self._pool.acquire()
+        assembler = TensorAssembler(self.specs, buffers, check_finite=not self.config.allow_nonfinite)
+        try:
+            for chunk in chunks:
+                assembler.add(chunk)
+            grads = assembler.finish()
+            if not complete():
+                raise Cancelled(f"push {header.sequence} from client {header.client_id!r}: the call ended early")
+        except BaseException as exc:
+            self._pool.release(buffers)
+            self._rejected[RejectReason.NONFINITE if isinstance(exc, NonFinite) else
+                           RejectReason.INVALID if isinstance(exc, InvalidArgument) else RejectReason.ABORTED] += 1
+            raise
+        if self._already_applied(header.client_id, header.sequence):
+            self._pool.release(buffers)
+            return True
+        with self._staged_lock:  # a retry replaces what an earlier attempt staged
+            old = self._staged.pop((header.client_id, header.sequence), None)
+            self._staged[(header.client_id, header.sequence)] = _Staged(header.base_version, grads)
+        if old is not None:
+            self._pool.release(old.grads)
+        return False
+
+    def _already_applied(self, client_id: str, sequence: int) -> bool:
+        last = self._applied_sequence.get(client_id)
+        return last is not None and last >= sequence
+
+    def _drop(self, client_id: str, sequence: int, reason: RejectReason) -> bool:
+        with self._staged_lock:
+            staged = self._staged.pop((client_id, sequence), None)
+        if staged is None:
+            return False
+        self._rejected[reason] += 1
+        self._pool.release(staged.grads)
+        return True
+
+    def _decide(self, client_id: str, sequence: int, ask: Callable[[int], Ticket]) -> Ticket:
+        """Gets the push's ticket (``ask(base_version)``), then applies tickets up to it."""
+        with self._staged_lock:
+            entry = self._staged.get((client_id, sequence))
+        try:
+            ticket = ask(entry.base_version if entry is not None else -1)
+        except Stale:
+            self._drop(client_id, sequence, RejectReason.STALE)
+            raise
+        except PeerRefused:
+            self._drop(client_id, sequence, RejectReason.ABORTED)
+            raise
+        self._run_through(ticket)
+        return ticket
+
+    def _run_through(self, ticket: Ticket) -> None:
+        """Applies tickets in ordinal order up to ``ticket``, then waits for its step."""
+        deadline = time.monotonic() + self._timeout
+        with self._cond:
+            if ticket.ordinal >= self._next_ordinal:  # else: a retry of a push applied already
+                self._arrived[ticket.ordinal] = ticket
+                self._cond.notify_all()
+            while self._next_ordinal <= ticket.ordinal:
+                pending = self._arrived.pop(self._next_ordinal, None)
+                if pending is not None:
+                    self._apply_ticket(pending)
+                    self._cond.notify_all()
+                    continue
+                if not self._cond.wait(timeout=_GAP_POLL_S):
+                    missing = self._clock.ticket(self._next_ordinal)
+                    if missing is not None:
+                        self._arrived.setdefault(missing.ordinal, missing)
+                if time.monotonic() > deadline:
+                    raise Timeout(f"session {self.config.name!r}: ticket {self._next_ordinal} never arrived on "
+                                  f"shard {self.shard_index}")
+            while self.version < ticket.target_version:
+                if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise Timeout(
+                        f"session {self.config.name!r}: step {ticket.target_version} did not complete within "
+                        f"{self._timeout:.0f} s (sync mode waits for num_workers={self.config.num_workers} pushes)"
+                    )
+
+    def _apply_ticket(self, ticket: Ticket) -> None:
+        with self._staged_lock:
+            staged = self._staged.pop((ticket.client_id, ticket.sequence), None)
+        self._next_ordinal = ticket.ordinal + 1
+        if staged is None:
+            raise Timeout(
+                f"session {self.config.name!r}: push {ticket.sequence} of client {ticket.client_id!r} was "
+                f"committed but never staged on shard {self.shard_index}"
+            )
+        self._applied_sequence[ticket.client_id] = ticket.sequence
+        grads = staged.grads
+        if self.config.mode is Mode.SYNC and self.config.num_workers > 1:
+            self._add_to_sum(grads)
+            self._pool.release(grads)
+            if not ticket.closes_step:
+                return
+            grads = {name: np.divide(s, np.float32(self._summed), out=s) for name, s in self._sum.items()}
+            self._sum, self._summed = None, 0
+            self._update(grads, ticket)
+            return
+        self._update(grads, ticket)
+        self._pool.release(grads)
+
+    def _add_to_sum(self, grads: dict[str, np.ndarray]) -> None:
+        """Sync mode: accumulates one push of the step (the mean is taken when the step closes)."""
+        if self._sum is None:
+            self._sum = {name: aligned_empty(g.shape, g.dtype) for name, g in grads.items()}
+            for name, g in grads.items():
+                np.copyto(self._sum[name], g)
+        else:
+            for name, g in grads.items():
+                self._sum[name] += g
+        self._summed += 1
+
+    def _update(self, grads: dict[str, np.ndarray], ticket: Ticket) -> None:
+        self.updater.apply(grads, ticket.scale, lambda partial: self._clock.reduce_sum(
+            ticket.target_version, self.shard_index, partial))
+        self.version = ticket.target_version
+
+    # ----------------------------------------------------------------- reading
+    def snapshot(self) -> tuple[int, dict[str, np.ndarray]]:
+        """The current version and host views of the parameters (consistent with each other)."""
+        with self._cond:
+            self._require_initialized()
+            return self.version, self.updater.host_params()
+
+    def status(self) -> ShardSessionStatus:
+        preconditioners = self.updater.preconditioners
+        return ShardSessionStatus(
+            version=self.version, initialized=self.initialized, rejected=dict(self._rejected),
+            device=str(self.updater.device), clock=self._clock.status(),
+            preconditioners=preconditioners.status() if preconditioners is not None else None)
+
+
+class ShardRegistry:
+    """The sessions one shard holds, by name (thread-safe)."""
+
+    def __init__(self):
+        self._sessions: dict[str, ShardSession] = {}
+        self._lock = threading.Lock()
+
+    def add(self, session: ShardSession) -> None:
+        with self._lock:
+            self._sessions[session.config.name] = session
+
+    def remove(self, name: str) -> bool:
+        with self._lock:
+            return self._sessions.pop(name, None) is not None
+
+    def get(self, name: str, tenant: Optional[str] = None) -> ShardSession:
+        """The session, if tenant ``tenant`` owns it (None: a caller inside the server, unchecked)."""
+        with self._lock:
+            session = self._sessions.get(name)
+        if session is None:
+            raise NotFound(f"session {name!r} not found on this shard")
+        if tenant is not None and session.owner != tenant:
+            raise PermissionDenied(f"session {name!r} belongs to another tenant")
+        return session
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._sessions)

@@ -1,0 +1,211 @@
+"""The session clock over gRPC: the home shard serves it, the session's other shards call it.
+
+Every shard actor runs a :class:`ClockServer` next to its data plane, serving the
+:class:`~optserve.server.domain.clock.LocalClock` of each multi-shard session it is home to
+(``optserve.v1.SessionClock`` in ``clock.proto``). The other shards of such a session hold a
+:class:`PeerClock`: the ``LocalClock`` methods, each one unary call answered in the home shard's
+process, domain refusals carried back in the reply and raised again.
+
+The server has its own thread pool, apart from the data plane's: a vote holds a thread until
+every shard of the push voted, and those waits must never starve the data plane of threads.
+It listens on its own port, apart from the client-facing ones, and answers only the server's own
+processes (:class:`~optserve.server.wire.security.InternalTrust`: a secret made at start, and TLS
+with a certificate made at start when the server runs with TLS).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+from typing import Callable, Optional
+
+import grpc
+
+from optserve.protos.optserve.v1 import clock_pb2, clock_pb2_grpc
+from optserve.server.domain.clock import LocalClock, Ticket
+from optserve.server.domain.errors import (FailedPrecondition, InvalidArgument, NotFound, OptservError, PeerRefused,
+                                           Stale, Timeout)
+from optserve.server.wire.security import InternalSecretInterceptor, InternalTrust
+
+_THREADS = 256  # one per vote or sum waiting for its peers
+_RPC_SLACK_S = 30.0  # beyond the home-side wait, for the reply to arrive
+
+_KINDS: dict[type, int] = {
+    NotFound: clock_pb2.CLOCK_ERROR_KIND_NOT_FOUND,
+    Stale: clock_pb2.CLOCK_ERROR_KIND_STALE,
+    PeerRefused: clock_pb2.CLOCK_ERROR_KIND_PEER_REFUSED,
+    InvalidArgument: clock_pb2.CLOCK_ERROR_KIND_INVALID_ARGUMENT,
+    FailedPrecondition: clock_pb2.CLOCK_ERROR_KIND_FAILED_PRECONDITION,
+    Timeout: clock_pb2.CLOCK_ERROR_KIND_TIMEOUT,
+}
+_CLASSES = {kind: cls for cls, kind in _KINDS.items()}
+
+
+# ------------------------------------------------------------------ conversions
+def _ticket_to_proto(ticket: Ticket) -> clock_pb2.ClockTicket:
+    return clock_pb2.ClockTicket(ordinal=ticket.ordinal, client_id=ticket.client_id, sequence=ticket.sequence,
+                                 staleness=ticket.staleness, scale=ticket.scale, closes_step=ticket.closes_step,
+                                 target_version=ticket.target_version)
+
+
+def _ticket_from_proto(t: clock_pb2.ClockTicket) -> Ticket:
+    return Ticket(t.ordinal, t.client_id, t.sequence, t.staleness, t.scale, t.closes_step, t.target_version)
+
+
+def _error_to_proto(exc: OptservError) -> clock_pb2.ClockError:
+    kind = next((k for cls, k in _KINDS.items() if isinstance(exc, cls)), clock_pb2.CLOCK_ERROR_KIND_UNSPECIFIED)
+    return clock_pb2.ClockError(kind=kind, message=str(exc), current_version=getattr(exc, "current_version", 0))
+
+
+def _error_from_proto(error: clock_pb2.ClockError) -> OptservError:
+    if error.kind == clock_pb2.CLOCK_ERROR_KIND_STALE:
+        return Stale(error.message, error.current_version)
+    return _CLASSES.get(error.kind, OptservError)(error.message)
+
+
+def _ticket_reply(call: Callable[[], Optional[Ticket]]) -> clock_pb2.ClockTicketReply:
+    try:
+        ticket = call()
+    except OptservError as exc:
+        return clock_pb2.ClockTicketReply(error=_error_to_proto(exc))
+    return clock_pb2.ClockTicketReply(ticket=_ticket_to_proto(ticket)) if ticket is not None else clock_pb2.ClockTicketReply()
+
+
+def _ticket_outcome(reply: clock_pb2.ClockTicketReply) -> Optional[Ticket]:
+    kind = reply.WhichOneof("outcome")
+    if kind == "error":
+        raise _error_from_proto(reply.error)
+    return _ticket_from_proto(reply.ticket) if kind == "ticket" else None
+
+
+# ------------------------------------------------------------------ home side
+class _ClockServicer(clock_pb2_grpc.SessionClockServicer):
+    def __init__(self, clock_for: Callable[[str], LocalClock]):
+        self._clock_for = clock_for
+
+    def Vote(self, request, context):
+        return _ticket_reply(lambda: self._clock_for(request.session).vote(
+            request.client_id, request.sequence, request.base_version, request.shard_index, request.staged,
+            request.timeout_s))
+
+    def Commit(self, request, context):
+        return _ticket_reply(lambda: self._clock_for(request.session).commit(
+            request.client_id, request.sequence, request.base_version))
+
+    def GetTicket(self, request, context):
+        return _ticket_reply(lambda: self._clock_for(request.session).ticket(request.ordinal))
+
+    def ReduceSum(self, request, context):
+        try:
+            total = self._clock_for(request.session).reduce_sum(request.key, request.shard_index, request.value)
+        except OptservError as exc:
+            return clock_pb2.ClockSumReply(error=_error_to_proto(exc))
+        return clock_pb2.ClockSumReply(total=total)
+
+
+class ClockServer:
+    """Serves the clocks of the sessions a shard is home to (thread-safe registry).
+
+    Args:
+      host: interface to bind (the server's data-plane host).
+      advertised_host: the host peers dial (``host`` unless it is a wildcard).
+      trust: the server's internal secret (and TLS identity).
+    """
+
+    def __init__(self, host: str, advertised_host: str, trust: InternalTrust):
+        self._clocks: dict[str, LocalClock] = {}
+        self._lock = threading.Lock()
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="optserve-clock"),
+                                   interceptors=[InternalSecretInterceptor(trust.secret)])
+        clock_pb2_grpc.add_SessionClockServicer_to_server(_ClockServicer(self._clock), self._server)
+        credentials = trust.server_credentials()
+        port = (self._server.add_secure_port(f"{host}:0", credentials) if credentials is not None
+                else self._server.add_insecure_port(f"{host}:0"))
+        self._server.start()
+        self.address = f"{advertised_host}:{port}"
+
+    def _clock(self, session: str) -> LocalClock:
+        with self._lock:
+            clock = self._clocks.get(session)
+        if clock is None:
+            raise NotFound(f"session {session!r} has no clock on this shard")
+        return clock
+
+    def add(self, session: str, clock: LocalClock) -> None:
+        with self._lock:
+            self._clocks[session] = clock
+
+    def remove(self, session: str) -> None:
+        with self._lock:
+            self._clocks.pop(session, None)
+
+    def stop(self) -> None:
+        self._server.stop(grace=0.5).wait()
+
+
+# ------------------------------------------------------------------ peer side
+class _Stubs:
+    """One stub per home address and process (its channel is shared by every session there)."""
+
+    _by_address: dict[str, clock_pb2_grpc.SessionClockStub] = {}
+    _lock = threading.Lock()
+
+    @classmethod
+    def at(cls, address: str, trust: InternalTrust) -> clock_pb2_grpc.SessionClockStub:
+        with cls._lock:
+            if address not in cls._by_address:
+                cls._by_address[address] = clock_pb2_grpc.SessionClockStub(trust.channel(address))
+            return cls._by_address[address]
+
+
+class PeerClock:
+    """A non-home shard's handle on its session's clock (the :class:`LocalClock` methods).
+
+    Args:
+      address: the home shard's :class:`ClockServer` address.
+      session: the session's name.
+      trust: the server's internal secret (and TLS identity).
+      reduce_timeout_s: longest wait for a cross-shard sum (the home shard enforces it too).
+    """
+
+    def __init__(self, address: str, session: str, trust: InternalTrust, reduce_timeout_s: float = 300.0):
+        self._stub = _Stubs.at(address, trust)
+        self._metadata = trust.metadata
+        self._session = session
+        self._reduce_timeout = reduce_timeout_s
+
+    def _call(self, method: str, request, rpc_deadline_s: float):
+        try:
+            return getattr(self._stub, method)(request, timeout=rpc_deadline_s, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise Timeout(f"session {self._session!r}: the clock on its home shard did not answer {method} "
+                          f"({exc.code().name}: {exc.details()})") from None
+
+    def commit(self, client_id: str, sequence: int, base_version: int) -> Ticket:
+        request = clock_pb2.ClockCommitRequest(session=self._session, client_id=client_id, sequence=sequence,
+                                               base_version=base_version)
+        return _ticket_outcome(self._call("Commit", request, _RPC_SLACK_S))
+
+    def ticket(self, ordinal: int) -> Optional[Ticket]:
+        request = clock_pb2.ClockTicketRequest(session=self._session, ordinal=ordinal)
+        return _ticket_outcome(self._call("GetTicket", request, _RPC_SLACK_S))
+
+    def vote(self, client_id: str, sequence: int, base_version: int, shard_index: int, staged: bool,
+             timeout_s: float) -> Optional[Ticket]:
+        request = clock_pb2.ClockVoteRequest(session=self._session, client_id=client_id, sequence=sequence,
+                                             base_version=base_version, shard_index=shard_index, staged=staged,
+                                             timeout_s=timeout_s)
+        if not staged:  # tell the peers, do not wait for them
+            self._stub.Vote.future(request, timeout=_RPC_SLACK_S, metadata=self._metadata)
+            return None
+        return _ticket_outcome(self._call("Vote", request, timeout_s + _RPC_SLACK_S))
+
+    def reduce_sum(self, key: int, shard_index: int, value: float) -> float:
+        request = clock_pb2.ClockSumRequest(session=self._session, key=key, shard_index=shard_index, value=value)
+        reply = self._call("ReduceSum", request, self._reduce_timeout + _RPC_SLACK_S)
+        if reply.WhichOneof("outcome") == "error":
+            raise _error_from_proto(reply.error)
+        return reply.total
+
+    def status(self) -> None:
+        return None  # the coordinator asks the home shard

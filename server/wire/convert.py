@@ -1,0 +1,151 @@
+"""Proto <-> domain conversions for the control plane: the one place each record is converted.
+
+Decoding validates at the edge (errors name the field or option); encoding turns the domain's
+typed status records into ``GetStatusResponse``.
+"""
+
+from __future__ import annotations
+
+import json
+
+from optserve.protos.optserve.v1 import control_pb2, tensor_pb2
+from optserve.server.compute.root_offload import RootStatus
+from optserve.server.domain.assembly import wire_dtype
+from optserve.server.domain.config import Mode, PreconditionerOptions, SessionConfig, StalenessPolicy, TensorSpec
+from optserve.server.domain.coordinator import AttachExpectation, SessionRecord, SessionStatus
+from optserve.server.domain.errors import InvalidArgument, RejectReason
+
+
+def session_config_from_proto(message: control_pb2.SessionConfig) -> SessionConfig:
+    """Decodes and validates a SessionConfig; errors name the field or option."""
+    tensors = tuple(
+        TensorSpec(t.name, wire_dtype(t.dtype, what=f"tensor {t.name!r}"), tuple(int(d) for d in t.shape))
+        for t in message.tensors
+    )
+    if not message.optimizer.name:
+        raise InvalidArgument("optimizer.name must be set")
+    args = _optimizer_args(message.optimizer)
+    mode = _mode(message.mode)
+    try:
+        policy = StalenessPolicy(message.staleness_policy or StalenessPolicy.REJECT.value)
+    except ValueError:
+        raise InvalidArgument(f"staleness_policy must be REJECT or SCALE, got {message.staleness_policy}") from None
+    wire = None if message.wire_dtype == tensor_pb2.DTYPE_UNSPECIFIED else wire_dtype(message.wire_dtype, what="wire_dtype")
+    return SessionConfig(
+        name=message.name,
+        tensors=tensors,
+        optimizer_name=message.optimizer.name,
+        optimizer_args=args,
+        preconditioners=preconditioner_options_from_proto(message.optimizer.preconditioners),
+        mode=mode,
+        num_workers=message.num_workers or 1,
+        max_staleness=None if message.max_staleness < 0 else message.max_staleness,
+        staleness_policy=policy,
+        allow_nonfinite=message.allow_nonfinite,
+        wire_dtype=wire,
+    )
+
+
+def _optimizer_args(spec: control_pb2.OptimizerSpec) -> dict:
+    try:
+        args = json.loads(spec.args_json or "{}")
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise InvalidArgument(f"optimizer {spec.name!r}: args_json is not valid JSON: {exc}") from None
+    if not isinstance(args, dict):
+        raise InvalidArgument(f"optimizer {spec.name!r}: args_json must be a JSON object")
+    return args
+
+
+def _mode(value: int) -> Mode:
+    try:
+        return Mode(value)
+    except ValueError:
+        raise InvalidArgument(f"mode must be MODE_SYNC or MODE_ASYNC, got {value}") from None
+
+
+def attach_expectation_from_proto(request: control_pb2.GetSessionRequest):
+    """What an attaching client expects (None when it states nothing)."""
+    has_optimizer, has_mode = request.HasField("expect_optimizer"), request.expect_mode != control_pb2.MODE_UNSPECIFIED
+    if not (has_optimizer or has_mode):
+        return None
+    spec = request.expect_optimizer
+    return AttachExpectation(
+        optimizer_name=spec.name or None if has_optimizer else None,
+        optimizer_args=_optimizer_args(spec) if has_optimizer else None,
+        preconditioners=preconditioner_options_from_proto(spec.preconditioners) if has_optimizer else None,
+        mode=_mode(request.expect_mode) if has_mode else None,
+    )
+
+
+def session_config_to_proto(config: SessionConfig) -> control_pb2.SessionConfig:
+    return control_pb2.SessionConfig(
+        name=config.name,
+        tensors=[tensor_pb2.TensorSpec(name=t.name, dtype=t.dtype.value, shape=list(t.shape)) for t in config.tensors],
+        optimizer=control_pb2.OptimizerSpec(name=config.optimizer_name, args_json=json.dumps(config.optimizer_args),
+                                            preconditioners=preconditioner_options_to_proto(config.preconditioners)),
+        mode=config.mode.value,
+        num_workers=config.num_workers,
+        max_staleness=-1 if config.max_staleness is None else config.max_staleness,
+        staleness_policy=config.staleness_policy.value,
+        allow_nonfinite=config.allow_nonfinite,
+        wire_dtype=config.wire_dtype.value if config.wire_dtype else tensor_pb2.DTYPE_UNSPECIFIED,
+    )
+
+
+def preconditioner_options_from_proto(message: control_pb2.PreconditionerOptions) -> PreconditionerOptions:
+    return PreconditionerOptions(in_process=message.in_process,
+                                 max_age=message.max_age if message.HasField("max_age") else None)
+
+
+def preconditioner_options_to_proto(options: PreconditionerOptions) -> control_pb2.PreconditionerOptions:
+    message = control_pb2.PreconditionerOptions(in_process=options.in_process)
+    if options.max_age is not None:
+        message.max_age = options.max_age
+    return message
+
+
+def root_status_to_proto(status: RootStatus | None) -> dict:
+    """The ShardStatus fields for a shard's root status (``{}`` for kernels without roots)."""
+    if status is None:
+        return {}
+    offload = control_pb2.RootOffloadStatus(
+        offloaded=status.offloaded, max_age=-1 if status.max_age is None else status.max_age,
+        roots_installed=status.roots_installed, waits=status.waits, resubmits=status.resubmits)
+    blocks = [control_pb2.PreconditionerStatus(tensor=b.tensor, block=b.block, dim=b.dim, size=b.size, age=b.age,
+                                               error=b.error, failures=b.failures, fallback_steps=b.fallback_steps)
+              for b in status.blocks]
+    return {"preconditioners": blocks, "root_offload": offload}
+
+
+def assignment_to_proto(a) -> control_pb2.ShardAssignment:
+    return control_pb2.ShardAssignment(
+        shard_index=a.shard_index, address=a.address, tensor_names=list(a.tensor_names), param_bytes=a.param_bytes)
+
+
+def session_info_to_proto(record: SessionRecord) -> control_pb2.SessionInfo:
+    return control_pb2.SessionInfo(
+        config=session_config_to_proto(record.config),
+        shards=[assignment_to_proto(a) for a in record.assignments],
+    )
+
+
+def status_to_proto(status: SessionStatus) -> control_pb2.GetStatusResponse:
+    """Stale refusals are the clock's count (it decides them); the others are summed over shards."""
+    rejected = {RejectReason.STALE: status.clock.stale}
+    for shard in status.shards:
+        for reason, count in shard.rejected.items():
+            if reason is not RejectReason.STALE:
+                rejected[reason] = rejected.get(reason, 0) + count
+    return control_pb2.GetStatusResponse(
+        name=status.record.config.name,
+        version=status.clock.version,
+        steps_applied=min(s.version for s in status.shards),
+        pushes_accepted=status.clock.accepted,
+        rejected=[control_pb2.RejectCount(reason=r.value, count=c)
+                  for r, c in sorted(rejected.items(), key=lambda item: item[0].value)],
+        shards=[
+            control_pb2.ShardStatus(assignment=assignment_to_proto(a), version=s.version, initialized=s.initialized,
+                                    node_id=s.node_id, device=s.device, **root_status_to_proto(s.preconditioners))
+            for a, s in zip(status.record.assignments, status.shards)
+        ],
+    )

@@ -1,0 +1,303 @@
+"""Wire layer of a shard: the ShardData gRPC service.
+
+Each method decodes its request, makes one call on the session's
+:class:`~optserve.server.domain.shard_session.ShardSession` and encodes the answer; the domain
+error table (:mod:`optserve.server.wire.errors`) turns refusals into statuses. Chunks are read
+in place and written once (:mod:`optserve.protos.chunk_codec`, served by :func:`add_to_server`).
+
+Step framings on ``PushPull`` (repeated until the client ends the call):
+
+* one message: ``step`` -> ``step_result`` (or chunks, ``done`` when the parameters exceed one chunk);
+* streamed: ``header``, [``pull``], chunks, ``seal`` -> chunks, ``done``;
+* two-phase (``header.auto_commit`` false): ... ``seal`` -> ``staged``; ``decision`` -> chunks,
+  ``done`` (commit) or ``done`` (abort). The SDK never uses it; ``Commit`` / ``Abort`` are the
+  same decision as unary calls after a ``Push``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator, Optional
+
+import grpc
+
+from optserve.protos import chunk_codec, contract
+from optserve.protos.optserve.v1 import data_pb2, data_pb2_grpc, tensor_pb2
+from optserve.server.domain.assembly import wire_dtype
+from optserve.server.domain.config import DType
+from optserve.server.domain.errors import Cancelled, InvalidArgument
+from optserve.server.domain.shard_session import PushHeader, Receipt, ShardRegistry, ShardSession
+from optserve.server.wire.errors import grpc_errors
+from optserve.server.wire.security import TokenTable
+
+
+def _first(requests: Iterator, field: str, what: str):
+    """The stream's first message, which must carry ``field``."""
+    request = next(requests, None)
+    if request is None or request.WhichOneof("item") != field:
+        raise InvalidArgument(f"{what}: the first message must be `{field}`")
+    return request
+
+
+def _push_header(message: data_pb2.PushHeader) -> PushHeader:
+    return PushHeader(message.client_id, message.sequence, message.base_version, message.auto_commit)
+
+
+def _pull_options(request: data_pb2.PullRequest) -> tuple[Optional[DType], int]:
+    dtype = None if request.wire_dtype == tensor_pb2.DTYPE_UNSPECIFIED else wire_dtype(request.wire_dtype, what="pull wire_dtype")
+    return dtype, contract.clamp_chunk_bytes(request.max_chunk_bytes or None)
+
+
+def _param_slices(session: ShardSession, params, dtype: Optional[DType], chunk_bytes: int):
+    """(name, wire dtype value, shape, byte offset, bytes view) of the shard's parameters, in order."""
+    for name, spec in session.specs.items():
+        wire = dtype or spec.dtype
+        array = params[name]
+        for offset, data in contract.slices(contract.wire_bytes(array, wire.value), wire.itemsize, chunk_bytes):
+            yield name, wire.value, array.shape, offset, data
+
+
+def _tensor_chunk(name, dtype, shape, offset, data) -> tensor_pb2.TensorChunk:
+    return tensor_pb2.TensorChunk(name=name, dtype=dtype, shape=list(shape), offset=offset, data=bytes(data))
+
+
+def _push_response(receipt: Receipt) -> data_pb2.PushResponse:
+    return data_pb2.PushResponse(already_applied=receipt.already_applied, version=receipt.version,
+                                 committed=receipt.committed, staleness=receipt.staleness)
+
+
+class _StreamCount:
+    """Open PushPull calls; each holds a server thread for as long as it stays open."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._open = 0
+        self._lock = threading.Lock()
+
+    def __enter__(self):
+        with self._lock:
+            self._open += 1
+        return self
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._open -= 1
+
+    def crowded(self) -> bool:
+        return self._open > self.limit
+
+
+class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
+    """ShardData on one shard actor (serve it with :func:`add_to_server`).
+
+    ``max_open_streams``: PushPull calls past this many end after their current step
+    (``StepDone.stream_closing``), so idle streams never take all the server's threads.
+    ``tokens``: the server's tenant tokens (None: no tenants); a call reaches only its tenant's
+    sessions (the interceptor already refused calls without a valid token).
+    """
+
+    def __init__(self, registry: ShardRegistry, max_open_streams: int = 16, tokens: Optional[TokenTable] = None):
+        self._registry = registry
+        self._streams = _StreamCount(max_open_streams)
+        self._tokens = tokens
+
+    def _session(self, name: str, context) -> ShardSession:
+        return self._registry.get(name, self._tokens.tenant(context) if self._tokens is not None else "")
+
+    @grpc_errors
+    def InitTensors(self, request_iterator, context):
+        first = _first(request_iterator, "session", "InitTensors")
+        version = self._session(first.session, context).initialize((r.chunk for r in request_iterator), first.client_id)
+        return data_pb2.InitTensorsResponse(version=version)
+
+    @grpc_errors
+    def Push(self, request_iterator, context):
+        header = _first(request_iterator, "header", "Push").header
+        receipt = self._session(header.session, context).push(
+            _push_header(header), (r.chunk for r in request_iterator), context.is_active)
+        return _push_response(receipt)
+
+    @grpc_errors
+    def Commit(self, request, context):
+        receipt = self._session(request.session, context).commit(request.client_id, request.sequence)
+        return data_pb2.CommitResponse(version=receipt.version, staleness=receipt.staleness, scale=receipt.scale)
+
+    @grpc_errors
+    def Abort(self, request, context):
+        return data_pb2.AbortResponse(dropped=self._session(request.session, context).abort(request.client_id, request.sequence))
+
+    @grpc_errors
+    def Pull(self, request, context):
+        session = self._session(request.session, context)
+        dtype, chunk_bytes = _pull_options(request)
+        version, params = session.snapshot()
+        yield data_pb2.PullResponse(version=version)
+        for piece in _param_slices(session, params, dtype, chunk_bytes):
+            yield chunk_codec.encode_chunk_message(*piece)
+
+    @grpc_errors
+    def PushPull(self, request_iterator, context):
+        """Steps in any of the module's framings until the client ends the call (or the shard,
+        when crowded, after a step's ``done``)."""
+        with self._streams:
+            while True:
+                try:
+                    first = next(request_iterator, None)
+                except grpc.RpcError:  # the client closed the call after its last step
+                    return
+                if first is None:
+                    return
+                kind = first.WhichOneof("item")
+                if kind == "step":
+                    closing = yield from self._one_message_step(first.step, context)
+                elif kind == "header" and first.header.auto_commit:
+                    closing = yield from self._streamed_step(first.header, request_iterator, context)
+                elif kind == "header":
+                    closing = yield from self._two_phase_step(first.header, request_iterator, context)
+                else:
+                    raise InvalidArgument("PushPull: each step must start with `header` or `step`")
+                if closing is not False:  # True: crowded, the client reopens; None: the call ended mid-step
+                    return
+
+    # ------------------------------------------------------------- framings
+    def _one_message_step(self, step: data_pb2.PushPullStep, context):
+        if not step.header.auto_commit:
+            raise InvalidArgument("PushPull `step`: header.auto_commit must be true (a one-message step "
+                                  "commits with its peers; use header, chunks, seal for a decision)")
+        session = self._session(step.header.session, context)
+        receipt = session.push(_push_header(step.header), iter(step.chunks), context.is_active)
+        return (yield from self._answer(session, receipt, step.pull, one_message=True))
+
+    def _streamed_step(self, header, request_iterator, context):
+        session = self._session(header.session, context)
+        framing = _StreamedPush(request_iterator)
+        try:
+            receipt = session.push(_push_header(header), framing.chunks(),
+                                   lambda: framing.sealed and context.is_active())
+        except Cancelled:
+            return None
+        return (yield from self._answer(session, receipt, framing.pull, one_message=False))
+
+    def _two_phase_step(self, header, request_iterator, context):
+        """The client decides after ``staged``: commit streams the parameters, abort drops the push."""
+        session = self._session(header.session, context)
+        framing = _StreamedPush(request_iterator)
+        push = _push_header(header)
+        try:
+            staged = session.push(push, framing.chunks(), lambda: framing.sealed and context.is_active())
+        except Cancelled:
+            return None
+        yield data_pb2.PushPullResponse(staged=_push_response(staged))
+        decision = next(request_iterator, None)
+        if decision is None or decision.WhichOneof("item") != "decision" or not decision.decision.commit:
+            session.abort(push.client_id, push.sequence)
+            if decision is None:
+                return None
+            closing = self._streams.crowded()
+            yield data_pb2.PushPullResponse(
+                done=data_pb2.StepDone(version=session.version, committed=False, stream_closing=closing))
+            return closing
+        receipt = session.commit(push.client_id, push.sequence)
+        return (yield from self._answer(session, receipt, framing.pull, one_message=False))
+
+    def _answer(self, session: ShardSession, receipt: Receipt, pull: data_pb2.PullRequest, one_message: bool):
+        """The step's parameters and ``done``: one ``step_result`` when ``one_message`` and they fit
+        in one chunk, else chunks then ``done``. Returns whether the shard ends the call."""
+        dtype, chunk_bytes = _pull_options(pull)
+        version, params = session.snapshot()
+        closing = self._streams.crowded()
+        done = data_pb2.StepDone(version=version, staleness=receipt.staleness, committed=True, stream_closing=closing)
+        reply_bytes = sum(params[name].size * (dtype or spec.dtype).itemsize for name, spec in session.specs.items())
+        if one_message and reply_bytes <= chunk_bytes:
+            chunks = [_tensor_chunk(*piece) for piece in _param_slices(session, params, dtype, chunk_bytes)]
+            # The snapshot's arrays are views of the shard's device buffers: held while the stream
+            # waits for its next step, they would stop that step's update from donating (reusing)
+            # those buffers, and JAX would allocate fresh ones.
+            del params
+            yield data_pb2.PushPullResponse(step_result=data_pb2.PushPullStepResult(done=done, chunks=chunks))
+        else:
+            for piece in _param_slices(session, params, dtype, chunk_bytes):
+                yield chunk_codec.encode_chunk_message(*piece)
+            del params
+            yield data_pb2.PushPullResponse(done=done)
+        return closing
+
+
+class _StreamedPush:
+    """The chunks of a streamed push, up to its ``seal``; remembers the ``pull`` options sent with them."""
+
+    def __init__(self, request_iterator):
+        self._requests = request_iterator
+        self.pull = data_pb2.PullRequest()
+        self.sealed = False
+
+    def chunks(self):
+        for request in self._requests:
+            kind = request.WhichOneof("item")
+            if kind == "chunk":
+                yield request.chunk
+            elif kind == "pull":
+                self.pull = request.pull
+            elif kind == "seal":
+                self.sealed = True
+                return
+            else:
+                raise InvalidArgument(f"PushPull: unexpected `{kind}` before `seal`")
+
+
+class _ChunkRequest:
+    """A request that holds one chunk, decoded without copying its bytes (:func:`add_to_server`).
+
+    It answers what the servicer asks of a request: ``WhichOneof("item")`` and ``chunk``.
+    """
+
+    __slots__ = ("chunk",)
+
+    def __init__(self, chunk: chunk_codec.ChunkView):
+        self.chunk = chunk
+
+    def WhichOneof(self, group: str) -> str:  # noqa: N802 - the protobuf method's name
+        return "chunk"
+
+
+def _request_decoder(message_type):
+    """Deserializer: chunk requests as :class:`_ChunkRequest`, others as ``message_type``."""
+
+    def decode(serialized: bytes):
+        chunk = chunk_codec.split_chunk(serialized)
+        return message_type.FromString(serialized) if chunk is None else _ChunkRequest(chunk)
+
+    return decode
+
+
+def add_to_server(registry: ShardRegistry, server: grpc.Server, max_open_streams: int = 16,
+                  tokens: Optional[TokenTable] = None) -> None:
+    """Serves ShardData for ``registry`` on ``server`` with the copy-saving chunk codecs.
+
+    Same service name, methods and wire format as ``data_pb2_grpc.add_ShardDataServicer_to_server``;
+    chunk requests are read in place and chunk responses serialized by hand
+    (:mod:`optserve.protos.chunk_codec`), sparing protobuf's copies of every tensor byte.
+    ``max_open_streams`` and ``tokens``: see :class:`ShardDataServicer`.
+    """
+    servicer = ShardDataServicer(registry, max_open_streams=max_open_streams, tokens=tokens)
+    handlers = {
+        "InitTensors": grpc.stream_unary_rpc_method_handler(
+            servicer.InitTensors, request_deserializer=_request_decoder(data_pb2.InitTensorsRequest),
+            response_serializer=data_pb2.InitTensorsResponse.SerializeToString),
+        "Push": grpc.stream_unary_rpc_method_handler(
+            servicer.Push, request_deserializer=_request_decoder(data_pb2.PushRequest),
+            response_serializer=data_pb2.PushResponse.SerializeToString),
+        "Commit": grpc.unary_unary_rpc_method_handler(
+            servicer.Commit, request_deserializer=data_pb2.CommitRequest.FromString,
+            response_serializer=data_pb2.CommitResponse.SerializeToString),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            servicer.Abort, request_deserializer=data_pb2.AbortRequest.FromString,
+            response_serializer=data_pb2.AbortResponse.SerializeToString),
+        "Pull": grpc.unary_stream_rpc_method_handler(
+            servicer.Pull, request_deserializer=data_pb2.PullRequest.FromString,
+            response_serializer=chunk_codec.serialize),
+        "PushPull": grpc.stream_stream_rpc_method_handler(
+            servicer.PushPull, request_deserializer=_request_decoder(data_pb2.PushPullRequest),
+            response_serializer=chunk_codec.serialize),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("optserve.v1.ShardData", handlers),))

@@ -1,0 +1,92 @@
+"""The layers import one way: read every source file and fail on an import that crosses the wrong way.
+
+wire -> domain -> compute -> kernels; the process hosts (app.py, cli.py, shard_actor.py) on top;
+client and kernels independent of the server; applications (the demo) on top of everything.
+Lazy imports inside functions count: they cross a layer all the same.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+HOSTS = ("optserve.server.app", "optserve.server.cli", "optserve.server.shard_actor")
+
+# folder -> (forbidden module prefixes anywhere in a file, forbidden at import time only)
+RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "server/domain": (("grpc", "ray", "optserve.server.wire", "optserve.demo", "optserve.client") + HOSTS, ()),
+    "server/compute": (("grpc", "optserve.server.wire", "optserve.server.domain", "optserve.demo",
+                        "optserve.client") + HOSTS, ()),
+    "server/wire": (("ray", "optserve.demo", "optserve.client") + HOSTS, ()),
+    "server": (("optserve.demo", "optserve.client"), ()),
+    "optim_kernels": (("optserve.server", "optserve.client", "optserve.protos", "optserve.demo", "grpc", "ray"), ()),
+    "protos": (("optserve.server", "optserve.client", "optserve.optim_kernels", "optserve.demo", "jax", "ray"), ()),
+    "client": (("optserve.server", "optserve.optim_kernels", "optserve.demo", "ray"), ("jax",)),
+}
+# The client's JAX and torch adapters exist to import their framework.
+ADAPTERS = {"client/jax.py": ("jax",)}
+
+
+def _imports(tree: ast.AST) -> list[tuple[str, int, bool]]:
+    """(module, line, at import time) for every import in a module's syntax tree."""
+    top_level = {id(node) for node in getattr(tree, "body", [])}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno, id(node) in top_level) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [(node.module, node.lineno, id(node) in top_level)]
+            found += [(f"{node.module}.{alias.name}", node.lineno, id(node) in top_level) for alias in node.names]
+    return found
+
+
+def _crosses(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def violations(root: pathlib.Path = REPO) -> list[str]:
+    """Every import that crosses a layer the wrong way, as 'path:line imports module'."""
+    found = []
+    for folder, (anywhere, at_import) in RULES.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            relative = path.relative_to(root).as_posix()
+            if "_pb2" in path.name:
+                continue
+            allowed = ADAPTERS.get(relative, ())
+            for module, line, top in _imports(ast.parse(path.read_text(), relative)):
+                if _crosses(module, allowed):
+                    continue
+                if _crosses(module, anywhere) or (top and _crosses(module, at_import)):
+                    found.append(f"{relative}:{line} imports {module}")
+    return sorted(set(found))
+
+
+def test_no_import_crosses_a_layer_the_wrong_way():
+    assert violations() == []
+
+
+@pytest.mark.parametrize("folder, source, module", [
+    ("server/domain", "import grpc\n", "grpc"),
+    ("server/domain", "def f():\n    import ray\n", "ray"),
+    ("server/compute", "from optserve.server.wire import errors\n", "optserve.server.wire"),
+    ("optim_kernels", "from optserve.protos import contract\n", "optserve.protos"),
+    ("client", "import jax\n", "jax"),
+    ("server", "from optserve import demo\n", "optserve.demo"),
+])
+def test_the_check_catches_a_crossing(tmp_path, folder, source, module):
+    for name in RULES:
+        (tmp_path / name).mkdir(parents=True, exist_ok=True)
+    (tmp_path / folder / "bad.py").write_text(source)
+    assert any(module in v and "bad.py" in v for v in violations(tmp_path))
+
+
+def test_importing_the_client_loads_neither_jax_nor_ray_nor_the_server():
+    code = ("import sys, optserve.client, optserve.client.torch; "
+            "print(sorted(m for m in ('jax', 'ray', 'optserve.server') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
