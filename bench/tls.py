@@ -71,9 +71,9 @@ def main(argv=None) -> str:
                 s.close()
             plain.close()
             secure.close()
-        finally:
-            plain_server.stop()
+        finally:  # the first server started Ray and shuts it down: stop it last
             secure_server.stop()
+            plain_server.stop()
 
     step = {name: statistics.median(v) for name, v in samples.items()}
     ratios = [t / p for t, p in zip(samples["tls"], samples["plain"])]

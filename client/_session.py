@@ -35,6 +35,17 @@ _SERVICE = "/optserve.v1.ShardData/"
 _SMALL_SESSION_ELEMENTS = 64 << 10
 
 
+_MAX_SCALARS, _MAX_SCALAR_NAME = 16, 64
+
+
+def _scalar(value: Any, what: str) -> float:
+    """A telemetry value as a float (a 0-d array or a framework scalar tensor works too)."""
+    try:
+        return float(value.item() if hasattr(value, "item") else value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{what}: must be a number, got {type(value).__name__}") from None
+
+
 class _ShardCalls:
     """The chunk-carrying ShardData methods on one channel, with the copy-saving codecs of
     :mod:`optserve.protos.chunk_codec`: requests may be pre-encoded chunk messages (bytes) and
@@ -114,30 +125,34 @@ class Session:
         return {name: value for _, arrays in results for name, value in arrays.items()}
 
     def push(self, grads: Mapping[str, np.ndarray], wire_dtype: _wire.DTypeLike = "default",
-             base_version: Optional[int] = None) -> int:
+             base_version: Optional[int] = None, loss: Optional[float] = None,
+             scalars: Optional[Mapping[str, float]] = None) -> int:
         """Applies ``grads`` (sync: joins the current step and waits for it); returns the new version.
 
         ``base_version``: the version of the parameters the gradient was computed from (async
         staleness is measured against it); default: the latest version this object has seen.
+        ``loss`` / ``scalars``: telemetry kept with the push's version and staleness
+        (``Client.session_series``, ``optserve report``); they never change the update.
 
         Raises:
           InvalidArgumentError, StaleError, ...: the server's refusal; nothing was applied.
         """
         grads = self._check_grads(grads)
         wire = self._wire(wire_dtype)
-        header = self._header(base_version)
+        header = self._header(base_version, loss, scalars)
         return _retry.call(lambda: self._push_once(header, grads, wire), self._client.retry)
 
     def push_pull(self, grads: Mapping[str, np.ndarray], wire_dtype: _wire.DTypeLike = "default",
                   out: Optional[Mapping[str, np.ndarray]] = None,
-                  base_version: Optional[int] = None) -> dict[str, np.ndarray]:
+                  base_version: Optional[int] = None, loss: Optional[float] = None,
+                  scalars: Optional[Mapping[str, float]] = None) -> dict[str, np.ndarray]:
         """Pushes ``grads`` and returns the parameters of the step they joined (into ``out`` if given).
 
-        ``base_version``: as for :meth:`push`.
+        ``base_version``, ``loss``, ``scalars``: as for :meth:`push`.
         """
         grads = self._check_grads(grads)
         wire = self._wire(wire_dtype)
-        header = self._header(base_version)
+        header = self._header(base_version, loss, scalars)
         return _retry.call(lambda: self._push_pull_once(header, grads, wire, out), self._client.retry)
 
     def push_pull_async(self, grads: Mapping[str, np.ndarray], **kwargs) -> concurrent.futures.Future:
@@ -171,10 +186,21 @@ class Session:
             return self.wire_dtype
         return _wire.dtype_enum(requested, what="wire_dtype")
 
-    def _header(self, base_version: Optional[int] = None) -> data_pb2.PushHeader:
+    def _header(self, base_version: Optional[int] = None, loss: Optional[float] = None,
+                scalars: Optional[Mapping[str, float]] = None) -> data_pb2.PushHeader:
         base = self._version if base_version is None else int(base_version)
-        return data_pb2.PushHeader(session=self.name, client_id=self.client_id, sequence=next(self._sequence),
-                                   base_version=base, auto_commit=True)
+        header = data_pb2.PushHeader(session=self.name, client_id=self.client_id, sequence=next(self._sequence),
+                                     base_version=base, auto_commit=True)
+        if loss is not None:
+            header.loss = _scalar(loss, "loss")
+        for name, value in (scalars or {}).items():
+            if not isinstance(name, str) or not 1 <= len(name) <= _MAX_SCALAR_NAME:
+                raise InvalidArgumentError(f"scalars: a name must be a string of 1-{_MAX_SCALAR_NAME} characters, "
+                                           f"got {name!r}")
+            header.scalars[name] = _scalar(value, f"scalars[{name!r}]")
+        if len(header.scalars) > _MAX_SCALARS:
+            raise InvalidArgumentError(f"scalars: at most {_MAX_SCALARS} per push, got {len(header.scalars)}")
+        return header
 
     def _see_version(self, version: int) -> None:
         with self._version_lock:

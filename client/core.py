@@ -24,6 +24,7 @@ from optserve.client import _retry, _wire
 from optserve.client._session import Session
 from optserve.client._transport import ClientCert, TLSArg, Transport
 from optserve.client.options import SessionOptions
+from optserve.client.status import ServerShardStatus, SessionSeries, SessionStatus
 from optserve.protos import contract, heap
 from optserve.protos.optserve.v1 import control_pb2, control_pb2_grpc
 
@@ -174,6 +175,24 @@ class Client:
 
     def list_sessions(self) -> list[str]:
         return list(self._call(self._control.ListSessions, control_pb2.ListSessionsRequest()).names)
+
+    def session_options(self, name: str) -> SessionOptions:
+        """A session's options as the server holds them, without attaching to it."""
+        info = self._call(self._control.GetSession, control_pb2.GetSessionRequest(name=name)).session
+        return SessionOptions.from_config(info.config)
+
+    def session_status(self, name: str) -> SessionStatus:
+        """A session's status without attaching to it (see ``Session.status``)."""
+        return SessionStatus.from_proto(self._call(self._control.GetStatus, control_pb2.GetStatusRequest(name=name)))
+
+    def session_series(self, name: str) -> SessionSeries:
+        """A session's accepted pushes (version, staleness, loss, scalars) and refused ones."""
+        return SessionSeries.from_proto(self._call(self._control.GetSeries, control_pb2.GetSeriesRequest(name=name)))
+
+    def server_status(self) -> list[ServerShardStatus]:
+        """The server's shard actors: address, Ray node, sessions, bytes, memory, whether they answer."""
+        response = self._call(self._control.GetServerStatus, control_pb2.GetServerStatusRequest())
+        return [ServerShardStatus.from_proto(s) for s in response.shards]
 
     def close_session(self, name: str) -> None:
         self._call(self._control.CloseSession, control_pb2.CloseSessionRequest(name=name))

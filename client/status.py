@@ -77,6 +77,7 @@ class ShardStatus:
     device: str
     preconditioners: tuple[PreconditionerBlockStatus, ...] = ()
     root_offload: Optional[RootOffloadStatus] = None
+    optimizer_state_bytes: int = 0
 
     @classmethod
     def from_proto(cls, s: control_pb2.ShardStatus) -> "ShardStatus":
@@ -85,6 +86,7 @@ class ShardStatus:
             param_bytes=s.assignment.param_bytes, version=s.version, initialized=s.initialized, node_id=s.node_id,
             device=s.device, preconditioners=tuple(PreconditionerBlockStatus.from_proto(b) for b in s.preconditioners),
             root_offload=RootOffloadStatus.from_proto(s.root_offload) if s.HasField("root_offload") else None,
+            optimizer_state_bytes=s.optimizer_state_bytes,
         )
 
 
@@ -92,7 +94,9 @@ class ShardStatus:
 class SessionStatus:
     """``version``: steps decided; ``steps_applied``: applied on every shard; ``pushes_accepted``;
     ``rejected``: refused pushes by reason ("invalid", "nonfinite", "stale", "aborted"; reasons
-    never seen are absent); ``shards``: one :class:`ShardStatus` per shard."""
+    never seen are absent); ``shards``: one :class:`ShardStatus` per shard; ``staleness_p50`` /
+    ``staleness_max``: of the accepted pushes, in versions; ``last_activity_unix_s``: when the
+    session last decided a push (0: never)."""
 
     name: str
     version: int
@@ -100,6 +104,9 @@ class SessionStatus:
     pushes_accepted: int
     rejected: dict[str, int] = dataclasses.field(hash=False)
     shards: tuple[ShardStatus, ...]
+    staleness_p50: int = 0
+    staleness_max: int = 0
+    last_activity_unix_s: float = 0.0
 
     @classmethod
     def from_proto(cls, response: control_pb2.GetStatusResponse) -> "SessionStatus":
@@ -111,4 +118,61 @@ class SessionStatus:
             pushes_accepted=response.pushes_accepted,
             rejected={names[r.reason]: r.count for r in response.rejected if r.reason in names},
             shards=tuple(ShardStatus.from_proto(s) for s in response.shards),
+            staleness_p50=response.staleness_p50,
+            staleness_max=response.staleness_max,
+            last_activity_unix_s=response.last_activity_unix_s,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerShardStatus:
+    """One shard actor of a server: where it runs, what it holds, whether it answered."""
+
+    index: int
+    address: str
+    node_id: str
+    sessions: int
+    param_bytes: int
+    resident_bytes: int
+    healthy: bool
+
+    @classmethod
+    def from_proto(cls, s: control_pb2.ServerShard) -> "ServerShardStatus":
+        return cls(s.index, s.address, s.node_id, s.sessions, s.param_bytes, s.resident_bytes, s.healthy)
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceptedPush:
+    """One accepted push: the version of its step, its staleness, the telemetry its client attached,
+    and when it was applied (seconds since the Unix epoch)."""
+
+    version: int
+    staleness: int
+    loss: Optional[float]
+    scalars: dict[str, float] = dataclasses.field(hash=False)
+    unix_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RefusedPush:
+    """One refused push: when, and why ("invalid", "nonfinite", "stale", "aborted")."""
+
+    unix_s: float
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionSeries:
+    """A session's pushes, oldest first (``Client.session_series``)."""
+
+    accepted: tuple[AcceptedPush, ...]
+    rejected: tuple[RefusedPush, ...]
+
+    @classmethod
+    def from_proto(cls, response: control_pb2.GetSeriesResponse) -> "SessionSeries":
+        names = contract.REJECT_REASON_NAMES
+        return cls(
+            accepted=tuple(AcceptedPush(p.version, p.staleness, p.loss if p.HasField("loss") else None,
+                                        dict(p.scalars), p.unix_s) for p in response.accepted),
+            rejected=tuple(RefusedPush(r.unix_s, names.get(r.reason, "unknown")) for r in response.refused),
         )

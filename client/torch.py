@@ -270,7 +270,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
     # -- the training loop ---------------------------------------------------------------------
 
-    def step(self, closure=None):
+    def step(self, closure=None, loss=None):
         """Pushes every parameter's ``.grad`` and writes the returned parameters in place.
 
         A parameter whose ``.grad`` is ``None`` is pushed as zeros (as after
@@ -278,25 +278,33 @@ class RemoteOptimizer(torch.optim.Optimizer):
         With ``overlap=True`` the parameters written are those of the previous step (none on
         the first step) and this step's push is still in flight when ``step()`` returns.
 
+        ``loss`` (a number or a scalar tensor), or the value ``closure()`` returns, travels with
+        the push as telemetry: the server keeps it with the push's version and staleness
+        (``optserve report``); it never changes the update.
+
         Returns:
           ``closure()``'s loss if a closure is given, else ``None``.
         """
-        loss = None
+        result = None
         if closure is not None:
             with torch.enable_grad():
-                loss = closure()
+                result = closure()
+        telemetry = loss if loss is not None else result
         grads = self._gradients(copy=self.config.overlap)
         if grads is None:
-            return loss
+            return result
+        push = dict(self._wire)
+        if telemetry is not None:
+            push["loss"] = float(telemetry.detach().item() if isinstance(telemetry, torch.Tensor) else telemetry)
         if self._stepper is not None:
             self._write_in_flight()
-            self._stepper.step(grads, **self._wire)  # nothing in flight now: starts the push and returns
+            self._stepper.step(grads, **push)  # nothing in flight now: starts the push and returns
         else:
             try:
-                self._write(self._session.push_pull(grads, **self._wire))
+                self._write(self._session.push_pull(grads, **push))
             except StaleError:
                 self._skip_stale()
-        return loss
+        return result
 
     def synchronize(self) -> None:
         """With ``overlap=True``: waits for the push in flight and writes its parameters."""

@@ -249,7 +249,7 @@ def worker_main(task: WorkerTask, messages, go) -> None:
             loss = torch.nn.functional.cross_entropy(model(x[batch]), y[batch])
             optimizer.zero_grad()
             loss.backward()
-            optimizer.step()
+            optimizer.step(loss=loss)  # the loss travels with the push: the session's series
             messages.put(("step", task.rank, step, float(loss.item()), int(optimizer.version)))
         optimizer.synchronize()
         optimizer.close()
@@ -341,6 +341,7 @@ def run_remote(cfg: DemoConfig, address: str, data: DigitsSplit) -> RunResult:
             if p.is_alive():
                 p.terminate()
     owner.pull()  # the session's final parameters into `model`
+    _write_report(address, session_name, cfg.out)
     owner.session.close()
     owner.close()
     train_loss, _ = evaluate(model, data.x_train, data.y_train)
@@ -478,6 +479,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     (cfg.out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"wrote {plot} and {cfg.out / 'summary.json'}", flush=True)
     return 0
+
+
+def _write_report(address: str, session: str, out: Path) -> None:
+    """What ``optserve report`` writes: loss vs step coloured by staleness, staleness histogram,
+    accepted vs refused pushes over time, and the series as CSV."""
+    from optserve.client import Client
+    from optserve.client.report import write_csv, write_plots
+
+    with Client(address) as client:
+        series = client.session_series(session)
+    report = out / "report"
+    report.mkdir(parents=True, exist_ok=True)
+    write_csv(series, report / "series.csv")
+    write_plots(series, report, "demo (async)")
+    staleness = [p.staleness for p in series.accepted]
+    print(f"session series: {len(series.accepted)} pushes accepted (staleness max {max(staleness, default=0)}), "
+          f"{len(series.rejected)} refused; plots in {report}", flush=True)
 
 
 def _ray_is_initialized() -> bool:

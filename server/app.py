@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import os
 from concurrent import futures
-from typing import Callable
+from typing import Callable, Optional
 
 from optserve.server.domain.config import ServerConfig
 
@@ -26,6 +26,12 @@ class RunningServer:
     clock_addresses: list[str]  # the shards' internal endpoints (only server processes may call them)
     _stop: Callable[[], None]
     precond_workers: list = dataclasses.field(default_factory=list)  # Ray actor handles
+    metrics_address: Optional[str] = None  # "host:port" serving /metrics (None: off)
+    _drain: Callable[[], None] = lambda: None
+
+    def drain(self) -> None:
+        """Health checks answer NOT_SERVING on every port; calls are still served."""
+        self._drain()
 
     def stop(self) -> None:
         self._stop()
@@ -59,6 +65,7 @@ def start_server(config: ServerConfig) -> RunningServer:
     from optserve.server.domain.coordinator import Coordinator
     from optserve.server.shard_actor import start_shards
     from optserve.server.wire.control_servicer import ControlServicer
+    from optserve.server.wire.health import Health, enable_reflection
     from optserve.server.wire.security import ServerSecurity
 
     security = ServerSecurity.from_config(config)
@@ -72,15 +79,35 @@ def start_server(config: ServerConfig) -> RunningServer:
     fleet = start_shards(config, security, pool)
     coordinator = Coordinator(fleet, min_shard_bytes=config.min_shard_bytes)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads), options=contract.SERVER_OPTIONS,
-                         interceptors=security.interceptors())
+                         interceptors=security.interceptors(open_services=Health.OPEN_SERVICES))
     control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(coordinator, security.tokens), server)
+    health = Health(server, ("optserve.v1.Control",))
+    enable_reflection(server, ("optserve.v1.Control",))
     port = security.add_port(server, f"{config.host}:{config.port}")
     server.start()
+    health.serving()
     host = "127.0.0.1" if config.host in ("0.0.0.0", "", "::", "[::]") else config.host
     address = f"{host}:{port}"
     log.info("optserve listening on %s with shards %s", address, fleet.addresses)
+    metrics_server, metrics_address = None, None
+    if config.metrics_port is not None:
+        from optserve.server.metrics import FleetCollector, serve_metrics
+
+        collector = FleetCollector(lambda: [f for f in fleet.shard_reports("metrics") if f is not None],
+                                   lambda: len(coordinator.list_all()))
+        metrics_server, metrics_port = serve_metrics(config.metrics_host, config.metrics_port, collector)
+        metrics_address = f"{config.metrics_host}:{metrics_port}"
+        log.info("optserve metrics at http://%s/metrics", metrics_address)
+
+    def drain():
+        health.draining()
+        for actor in fleet.actors:
+            actor.drain.remote()
 
     def stop():
+        health.draining()
+        if metrics_server is not None:
+            metrics_server.shutdown()
         server.stop(grace=0.5).wait()
         for actor in fleet.actors:
             try:
@@ -90,8 +117,12 @@ def start_server(config: ServerConfig) -> RunningServer:
             ray.kill(actor)
         for worker in pool.workers if pool is not None else []:
             ray.kill(worker)
+        if fleet.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(fleet.placement_group)
         if started_ray:
             ray.shutdown()
 
     return RunningServer(address, config, list(fleet.addresses), list(fleet.clock_addresses), stop,
-                         pool.workers if pool is not None else [])
+                         pool.workers if pool is not None else [], metrics_address, drain)

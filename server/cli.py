@@ -10,6 +10,7 @@ import argparse
 import signal
 import sys
 import threading
+import time
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,9 +35,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls-client-ca", default=None, help="PEM CA that client certificates must chain to (mTLS)")
     serve.add_argument("--auth-tokens", default=None,
                        help="file of tenant tokens, one per line ('token [name]'); every call must carry one")
+    serve.add_argument("--metrics-port", type=int, default=None,
+                       help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0: a free port)")
+    serve.add_argument("--metrics-host", default="127.0.0.1", help="interface of the metrics endpoint")
+    serve.add_argument("--drain-s", type=float, default=1.0,
+                       help="on SIGINT/SIGTERM, seconds health checks report NOT_SERVING before stopping")
     serve.add_argument("--insecure", action="store_true",
                        help="allow a non-loopback --host/--shard-host without TLS and tokens")
     sub.add_parser("demo", help="run the end-to-end demo", add_help=False)
+    sub.add_parser("status", help="sessions and shards of a running server", add_help=False)
     return parser
 
 
@@ -52,6 +59,7 @@ def serve(args: argparse.Namespace) -> int:
             gpus_per_precond_worker=args.gpus_per_precond_worker, precond_f64=args.precond_f64,
             min_shard_bytes=args.min_shard_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens, insecure=args.insecure,
+            metrics_port=args.metrics_port, metrics_host=args.metrics_host, drain_s=args.drain_s,
         )
         running = start_server(config)
     except InvalidArgument as exc:
@@ -61,8 +69,13 @@ def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"optserve listening on {running.address}", flush=True)
+    if running.metrics_address:
+        print(f"optserve metrics at http://{running.metrics_address}/metrics", flush=True)
     while not stop.wait(0.5):
         pass
+    print("optserve draining", flush=True)
+    running.drain()
+    time.sleep(config.drain_s)
     print("optserve shutting down", flush=True)
     running.stop()
     return 0

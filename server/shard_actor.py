@@ -14,7 +14,7 @@ from concurrent import futures
 from typing import Sequence
 
 from optserve.server.domain.config import ServerConfig
-from optserve.server.domain.coordinator import ShardOpening
+from optserve.server.domain.coordinator import ShardOpening, ShardSummary
 from optserve.server.domain.errors import unwrap
 from optserve.server.domain.shard_session import ShardSessionStatus
 
@@ -40,7 +40,9 @@ class ShardActor:
         from optserve.protos import contract
         from optserve.protos.heap import retain_freed_memory
         from optserve.server.domain.shard_session import ShardRegistry
+        from optserve.server.metrics import ShardMetrics, session_gauges
         from optserve.server.wire.clock_service import ClockServer
+        from optserve.server.wire.health import Health
         from optserve.server.wire.shard_servicer import add_to_server
 
         retain_freed_memory()  # received chunks reuse freed memory instead of page-faulting fresh pages
@@ -49,8 +51,11 @@ class ShardActor:
         self._precond_pool = precond_pool.for_shard(index) if precond_pool is not None else None
         self._registry = ShardRegistry()
         self._security = security
+        self._metrics = ShardMetrics(index, lambda: session_gauges(self._registry.sessions(), str(index)))
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads),
-                                   options=contract.SERVER_OPTIONS, interceptors=security.interceptors())
+                                   options=contract.SERVER_OPTIONS,
+                                   interceptors=security.interceptors(open_services=Health.OPEN_SERVICES))
+        self._health = Health(self._server, ("optserve.v1.ShardData",))
         # half the threads at most for open PushPull streams, the rest for everything else
         add_to_server(self._registry, self._server, max_open_streams=max(1, config.grpc_threads // 2),
                       tokens=security.tokens)
@@ -61,6 +66,7 @@ class ShardActor:
         self._address = f"{advertised}:{port}"
         self._clocks = ClockServer(host, advertised, security.internal)  # clocks of the sessions this shard is home to
         self._node_id = ray.get_runtime_context().get_node_id()
+        self._health.serving()
 
     def address(self) -> str:
         return self._address
@@ -93,16 +99,47 @@ class ShardActor:
                               reduce_timeout_s=self._config.step_timeout_s)
         self._registry.add(ShardSession(config, list(opening.tensor_names), opening.shard_index, clock,
                                         Updater(optimizer, preconditioners), self._config.step_timeout_s,
-                                        self._config.vote_timeout_s, owner=opening.owner, creator=opening.creator))
+                                        self._config.vote_timeout_s, owner=opening.owner, creator=opening.creator,
+                                        observer=self._observer(config.name)))
 
     def close_session(self, name: str) -> bool:
         self._clocks.remove(name)
-        return self._registry.remove(name)
+        removed = self._registry.remove(name)
+        self._metrics.forget(name)
+        return removed
+
+    def _observer(self, session: str):
+        """The session's metrics observer; a no-op one when the server exports no metrics."""
+        from optserve.server.domain.shard_session import StepObserver
+
+        return self._metrics.observer(session) if self._config.metrics_port is not None else StepObserver()
+
+    def session_series(self, name: str):
+        """The series the session's home shard keeps (``(accepted, refused)`` records)."""
+        series = self._registry.get(name).series
+        return series.snapshot() if series is not None else ([], [])
+
+    def metrics(self) -> list:
+        """This shard's metric families (prometheus ``Metric`` objects), read now."""
+        return self._metrics.collect()
+
+    def server_status(self) -> dict:
+        """``{"node_id", "sessions", "param_bytes", "resident_bytes"}`` of this shard, now."""
+        from optserve.server.metrics import resident_bytes
+
+        sessions = self._registry.sessions()
+        return {"node_id": self._node_id, "sessions": len(sessions),
+                "param_bytes": sum(s.updater.param_bytes() for s in sessions), "resident_bytes": resident_bytes()}
 
     def session_status(self, name: str) -> ShardSessionStatus:
         return dataclasses.replace(self._registry.get(name).status(), node_id=self._node_id)
 
+    def drain(self) -> None:
+        """Health says NOT_SERVING (load balancers and probes stop sending new work)."""
+        self._health.draining()
+
     def stop(self) -> None:
+        self._health.draining()
         self._server.stop(grace=0.5).wait()
         self._clocks.stop()
 
@@ -113,6 +150,8 @@ class RayShardFleet:
     Args:
       actors: shard actor handles, index = position.
     """
+
+    placement_group = None  # set by start_shards: the Ray placement group the actors run in
 
     def __init__(self, actors: list):
         import ray
@@ -130,6 +169,31 @@ class RayShardFleet:
     def session_status(self, name: str, shard_indices: Sequence[int]) -> list[ShardSessionStatus]:
         return _ray_get([self.actors[i].session_status.remote(name) for i in shard_indices])
 
+    def session_series(self, name: str, shard_index: int):
+        return _ray_get(self.actors[shard_index].session_series.remote(name))
+
+    def shard_summaries(self) -> list[ShardSummary]:
+        reports = self.shard_reports("server_status", timeout_s=5.0)
+        return [ShardSummary(i, self.addresses[i], healthy=False) if r is None else
+                ShardSummary(i, self.addresses[i], r["node_id"], r["sessions"], r["param_bytes"], r["resident_bytes"],
+                             healthy=True)
+                for i, r in enumerate(reports)]
+
+    def shard_reports(self, method: str, timeout_s: float = 10.0) -> list:
+        """``actor.<method>()`` of every shard, or None for a shard that did not answer in time."""
+        import ray
+
+        refs = [getattr(actor, method).remote() for actor in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        done = set(ready)
+        out = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref) if ref in done else None)
+            except Exception:  # noqa: BLE001 - a dead shard reports as unhealthy
+                out.append(None)
+        return out
+
 
 def _ray_get(refs):
     import ray
@@ -140,12 +204,70 @@ def _ray_get(refs):
         raise unwrap(exc) from None
 
 
-def start_shards(config: ServerConfig, security, precond_pool=None) -> RayShardFleet:
-    """Starts ``config.shards`` shard actors (actor options in one place); returns once all serve."""
-    import ray
+BUNDLE_CPUS = 0.01  # what each shard's bundle reserves: enough to be placed, nothing a task misses
+PLACEMENT_TIMEOUT_S = 300.0  # longest wait for Ray to reserve the bundles (an autoscaler may add nodes)
 
+
+def shard_bundles(config: ServerConfig) -> list[dict[str, float]]:
+    """One placement-group bundle per shard: a token CPU amount, and the shard's GPUs."""
+    bundle = {"CPU": BUNDLE_CPUS}
+    if config.gpus_per_shard > 0:
+        bundle["GPU"] = config.gpus_per_shard
+    return [dict(bundle) for _ in range(config.shards)]
+
+
+def _spread_placement_group(config: ServerConfig, timeout_s: float = PLACEMENT_TIMEOUT_S):
+    """A SPREAD placement group for the shards, reserved: one bundle per shard, on as many nodes
+    as the cluster has (SPREAD is soft, so one node holds them all when there is one).
+
+    Raises:
+      RuntimeError: Ray could not reserve the bundles within ``timeout_s`` (the group is removed).
+    """
+    import time
+
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundles = shard_bundles(config)
+    group = placement_group(bundles, strategy="SPREAD")
+    ready = group.ready()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done, _ = ray.wait([ready], timeout=min(30.0, max(0.0, deadline - time.monotonic())))
+        if done:
+            return group
+        if time.monotonic() >= deadline:
+            remove_placement_group(group)
+            raise RuntimeError(f"Ray could not place {len(bundles)} shards (a bundle of {bundles[0]} each) "
+                               f"within {timeout_s:.0f} s: the cluster's nodes lack the resources")
+        log.warning("waiting for Ray to place %d shards (a bundle of %s each)", len(bundles), bundles[0])
+
+
+def start_shards(config: ServerConfig, security, precond_pool=None) -> RayShardFleet:
+    """Starts ``config.shards`` shard actors (actor options in one place); returns once all serve.
+
+    The shards are spread over the Ray cluster's nodes: a placement group with the SPREAD strategy
+    reserves one small bundle per shard (:func:`shard_bundles`), and shard ``i`` runs in bundle
+    ``i``. On one node every bundle lands there. The returned fleet's ``placement_group`` must be
+    removed (``ray.util.remove_placement_group``) once its actors are stopped; removing it also
+    kills any actor still in it.
+    """
+    import ray
+    from ray.util.placement_group import remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = _spread_placement_group(config)
     options = {"num_cpus": 0, "max_concurrency": 16}
     if config.gpus_per_shard > 0:  # the actor's JAX then sees (only) the GPUs Ray assigned it
         options["num_gpus"] = config.gpus_per_shard
-    cls = ray.remote(ShardActor).options(**options)
-    return RayShardFleet([cls.remote(i, config, security, precond_pool) for i in range(config.shards)])
+    cls = ray.remote(ShardActor)
+    try:
+        actors = [cls.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                      group, placement_group_bundle_index=i)).remote(i, config, security, precond_pool)
+                  for i in range(config.shards)]
+        fleet = RayShardFleet(actors)
+    except BaseException:
+        remove_placement_group(group)  # and with it the actors already started
+        raise
+    fleet.placement_group = group
+    return fleet

@@ -389,3 +389,31 @@ def test_two_worker_processes_share_an_async_session_and_the_loss_falls(server, 
     final_loss = ((x @ w.T + b - y) ** 2).mean().item()
     assert final_loss < 0.1 * initial_loss, (initial_loss, final_loss)
     session.close()
+
+
+def test_step_sends_the_loss_of_its_argument_or_closure_as_telemetry(server, unique_name):
+    from optserve.client import Client
+
+    model = _model()
+    x, y = _data()
+    opt = RemoteOptimizer(model.named_parameters(), server.address, {"name": "sgd", "args": {"learning_rate": 0.1}},
+                          session=unique_name)
+    try:
+        loss = _loss(model, x, y)
+        loss.backward()
+        opt.step(loss=loss)
+
+        def closure():
+            opt.zero_grad()
+            value = _loss(model, x, y)
+            value.backward()
+            return value
+
+        returned = opt.step(closure)
+        with Client(server.address) as client:
+            series = client.session_series(unique_name)
+        assert [p.loss for p in series.accepted] == pytest.approx([float(loss), float(returned)])
+        assert [p.version for p in series.accepted] == [1, 2]
+    finally:
+        opt.session.close()
+        opt.close()

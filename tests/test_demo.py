@@ -43,6 +43,10 @@ def test_demo_trains_two_worker_processes_and_reports_table_plot_and_summary(tmp
 
     png = (out / "loss_curve.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5_000
+    # the session's series: every accepted push carried its worker's loss
+    rows = (out / "report" / "series.csv").read_text().splitlines()[1:]
+    assert rows and all(row.split(",")[2] for row in rows)
+    assert (out / "report" / "loss_vs_step.png").stat().st_size > 5_000
 
     summary = json.loads((out / "summary.json").read_text())
     remote, local = summary["runs"]

@@ -91,7 +91,20 @@ class Updater:
         if self.preconditioners is not None:  # sends the statistics for new roots, without waiting
             self.opt_state = self.preconditioners.after_update(self.opt_state)
 
+    def param_bytes(self) -> int:
+        return _tree_bytes(self.params)
+
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer state's arrays (0 before initialization)."""
+        return _tree_bytes(self.opt_state)
+
     def host_params(self) -> dict[str, np.ndarray]:
         """Host views of the parameters (no copy on CPU). Drop them before the next :meth:`apply`:
         a view that is still alive stops the update from donating (reusing) its buffer."""
         return {name: np.asarray(p) for name, p in self.params.items()}
+
+
+def _tree_bytes(tree) -> int:
+    import jax
+
+    return sum(int(getattr(leaf, "nbytes", 0)) for leaf in jax.tree.leaves(tree)) if tree is not None else 0

@@ -42,6 +42,7 @@ class TensorAssembler:
         self._flat = {name: buf.reshape(-1) for name, buf in buffers.items()}
         self._check_finite = check_finite
         self._ranges: dict[str, list[tuple[int, int]]] = {name: [] for name in specs}
+        self.received_bytes = 0  # tensor bytes accepted so far
 
     def add(self, chunk) -> None:
         """Validates and decodes one ``optserve.v1.TensorChunk``."""
@@ -69,6 +70,7 @@ class TensorAssembler:
         if ranges and start < ranges[-1][1] and start + count > ranges[-1][0]:
             raise InvalidArgument(f"tensor {spec.name!r}: chunk elements [{start}, {start + count}) overlap another chunk")
         ranges.append((start, start + count))
+        self.received_bytes += len(data)
         if count == 0:
             return
         destination = self._flat[spec.name][start : start + count]

@@ -50,11 +50,16 @@ class Ticket:
 
 @dataclasses.dataclass(frozen=True)
 class ClockStatus:
-    """A session clock's counters: ``version`` (steps decided), ``accepted`` pushes, ``stale`` refusals."""
+    """A session clock's counters: ``version`` (steps decided), ``accepted`` pushes, ``stale``
+    refusals; the accepted pushes' staleness (median and largest, versions); and when the clock
+    last decided a push (``last_activity_unix_s``, 0: never)."""
 
     version: int
     accepted: int
     stale: int
+    staleness_p50: int = 0
+    staleness_max: int = 0
+    last_activity_unix_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -72,6 +77,8 @@ class SessionClock:
     tickets: dict = dataclasses.field(default_factory=dict)  # ordinal -> Ticket
     accepted: int = 0
     stale: int = 0
+    staleness_counts: dict = dataclasses.field(default_factory=dict)  # staleness -> accepted pushes
+    last_activity_unix_s: float = 0.0
 
     def commit(self, client_id: str, sequence: int, base_version: int) -> Ticket:
         """Returns the push's ticket, deciding it on the first call; raises the refusal otherwise."""
@@ -83,6 +90,7 @@ class SessionClock:
         if previous is not None and previous[0] > sequence:
             raise Stale(f"push {sequence} of client {client_id!r} is older than its push {previous[0]}; "
                         f"current version is {self.version}", self.version)
+        self.last_activity_unix_s = time.time()
         try:
             decision = decide(
                 mode=self.mode, version=self.version, base_version=base_version, num_workers=self.num_workers,
@@ -97,6 +105,7 @@ class SessionClock:
                         decision.closes_step, self.version + 1)
         self.next_ordinal += 1
         self.accepted += 1
+        self.staleness_counts[decision.staleness] = self.staleness_counts.get(decision.staleness, 0) + 1
         if decision.closes_step:
             self.version += 1
             self.step_clients.clear()
@@ -108,7 +117,18 @@ class SessionClock:
         return ticket
 
     def status(self) -> ClockStatus:
-        return ClockStatus(self.version, self.accepted, self.stale)
+        return ClockStatus(self.version, self.accepted, self.stale, _median(self.staleness_counts),
+                           max(self.staleness_counts, default=0), self.last_activity_unix_s)
+
+
+def _median(counts: dict) -> int:
+    """The median of a histogram ``value -> count`` (the lower one of an even count; 0 if empty)."""
+    total, seen = sum(counts.values()), 0
+    for value in sorted(counts):
+        seen += counts[value]
+        if 2 * seen >= total:
+            return value
+    return 0
 
 
 def new_session_clock(config) -> SessionClock:

@@ -172,6 +172,9 @@ class ServerConfig:
       tls_client_ca: PEM file of the CA client certificates must chain to (mutual TLS).
       auth_tokens: file of tenant tokens, one per line (``token [name]``): every call must carry one.
       insecure: allow binding a non-loopback interface without TLS and tokens.
+      metrics_port: serve Prometheus metrics at ``http://metrics_host:metrics_port/metrics``
+        (None: off; 0: pick a free port). The endpoint has no authentication: it names sessions.
+      drain_s: on SIGINT / SIGTERM, how long health checks say NOT_SERVING before the server stops.
     """
 
     host: str = "127.0.0.1"
@@ -192,6 +195,9 @@ class ServerConfig:
     tls_client_ca: Optional[str] = None
     auth_tokens: Optional[str] = None
     insecure: bool = False
+    metrics_port: Optional[int] = None
+    metrics_host: str = "127.0.0.1"
+    drain_s: float = 1.0
 
     def __post_init__(self):
         if self.shards < 1:
@@ -206,6 +212,10 @@ class ServerConfig:
             raise InvalidArgument(f"--min-shard-bytes must be >= 0, got {self.min_shard_bytes}")
         if self.grpc_threads < 2:  # half of them at most serve open PushPull streams
             raise InvalidArgument(f"grpc_threads must be >= 2, got {self.grpc_threads}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise InvalidArgument(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
+        if self.drain_s < 0:
+            raise InvalidArgument(f"--drain-s must be >= 0, got {self.drain_s}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidArgument("--tls-cert and --tls-key go together: give both or neither")
         if self.tls_client_ca and not self.tls_cert:

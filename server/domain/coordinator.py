@@ -107,6 +107,19 @@ class SessionStatus:
     shards: tuple[ShardSessionStatus, ...]  # in assignment order
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardSummary:
+    """One shard actor as the server sees it now (``healthy`` False: it did not answer)."""
+
+    index: int
+    address: str
+    node_id: str = ""
+    sessions: int = 0
+    param_bytes: int = 0
+    resident_bytes: int = 0
+    healthy: bool = False
+
+
 class ShardFleet(Protocol):
     """The shard actors as the coordinator sees them. Calls run on all named shards at once and
     raise the first domain error any of them raised."""
@@ -119,6 +132,10 @@ class ShardFleet(Protocol):
     def close_session(self, name: str) -> None: ...  # on every shard (idempotent)
 
     def session_status(self, name: str, shard_indices: Sequence[int]) -> list[ShardSessionStatus]: ...
+
+    def shard_summaries(self) -> list[ShardSummary]: ...  # every shard, answering or not
+
+    def session_series(self, name: str, shard_index: int): ...  # (accepted, refused) of the home shard
 
 
 class Coordinator:
@@ -195,6 +212,19 @@ class Coordinator:
         """The names of ``tenant``'s sessions."""
         with self._lock:
             return sorted(name for name, record in self._sessions.items() if record.owner == tenant)
+
+    def list_all(self) -> list[str]:
+        """Every open session's name (operators' view: metrics, server status)."""
+        with self._lock:
+            return sorted(self._sessions)
+
+    def series(self, name: str, tenant: str = ""):
+        """The session's ``(accepted, refused)`` push records, kept by its home shard."""
+        record = self._owned(name, tenant)
+        return self._fleet.session_series(name, record.assignments[0].shard_index)
+
+    def shards(self) -> list[ShardSummary]:
+        return self._fleet.shard_summaries()
 
     def close_session(self, name: str, tenant: str = "") -> None:
         self._owned(name, tenant)

@@ -26,6 +26,7 @@ from optserve.server.compute.updater import Updater
 from optserve.server.domain.assembly import TensorAssembler
 from optserve.server.domain.clock import ClockStatus, Ticket
 from optserve.server.domain.config import Mode, SessionConfig, TensorSpec
+from optserve.server.domain.telemetry import SessionSeries, Telemetry
 from optserve.server.domain.errors import (Cancelled, FailedPrecondition, InvalidArgument, NonFinite, NotFound,
                                            PeerRefused, PermissionDenied, RejectReason, Stale, Timeout)
 
@@ -41,12 +42,14 @@ class PushHeader:
       sequence: the client's push number (>= 0); a retry reuses it.
       base_version: the session version the gradients were computed from.
       auto_commit: the shards commit among themselves once all staged (else the client commits).
+      telemetry: the loss and scalars the client attached (kept in the session's series).
     """
 
     client_id: str
     sequence: int
     base_version: int
     auto_commit: bool = True
+    telemetry: Telemetry = Telemetry()
 
     def __post_init__(self):
         if not self.client_id:
@@ -85,6 +88,7 @@ class ShardSessionStatus:
       clock: the session clock's status (its home shard only, else None).
       preconditioners: Shampoo's root status on this shard (else None).
       node_id: the Ray node the shard runs on (set by the shard actor).
+      state_bytes: bytes of the optimizer state this shard holds for the session.
     """
 
     version: int
@@ -94,14 +98,39 @@ class ShardSessionStatus:
     clock: Optional[ClockStatus]
     preconditioners: Any = None
     node_id: str = ""
+    state_bytes: int = 0
+
+
+class StepObserver:
+    """What a shard session reports as it works; the process host plugs in its metrics. The
+    methods here do nothing (the default)."""
+
+    def received(self, nbytes: int) -> None:
+        """A push's tensor bytes were received and validated."""
+
+    def rejected(self, reason: RejectReason) -> None:
+        """This shard refused (or dropped) a push."""
+
+    def accepted(self, staleness: int) -> None:
+        """The session accepted a push (reported by its home shard only: once per push)."""
+
+    def applied(self, seconds: float) -> None:
+        """One update ran on this shard, taking ``seconds``."""
+
+    def pushed(self, seconds: float) -> None:
+        """The wire layer served one push (receive to answer)."""
+
+    def sent(self, seconds: float, nbytes: int) -> None:
+        """The wire layer sent parameters (a pull, or a step's answer)."""
 
 
 class _Staged:
-    __slots__ = ("base_version", "grads")
+    __slots__ = ("base_version", "grads", "telemetry")
 
-    def __init__(self, base_version: int, grads: dict[str, np.ndarray]):
+    def __init__(self, base_version: int, grads: dict[str, np.ndarray], telemetry: Telemetry):
         self.base_version = base_version
         self.grads = grads
+        self.telemetry = telemetry
 
 
 class ShardSession:
@@ -119,14 +148,19 @@ class ShardSession:
         long a push waits for the creator's initial values.
       owner: the tenant the session belongs to ("" without tokens).
       creator: the creating client's identity; only it may send the initial values ("": anyone).
+      observer: where the session reports what it does (metrics).
     """
 
     def __init__(self, config: SessionConfig, tensor_names: list[str], shard_index: int, clock, updater: Updater,
-                 step_timeout_s: float = 300.0, vote_timeout_s: float = 30.0, owner: str = "", creator: str = ""):
+                 step_timeout_s: float = 300.0, vote_timeout_s: float = 30.0, owner: str = "", creator: str = "",
+                 observer: StepObserver = StepObserver()):
         by_name = config.spec_by_name
         self.config = config
         self.owner = owner
         self.creator = creator
+        self.observer = observer
+        self._is_home = clock.status() is not None  # the home shard reports each accepted push once
+        self.series: Optional[SessionSeries] = SessionSeries() if self._is_home else None
         self.specs: dict[str, TensorSpec] = {name: by_name[name] for name in tensor_names}
         self.shard_index = shard_index
         self.updater = updater
@@ -236,15 +270,16 @@ class ShardSession:
                 raise Cancelled(f"push {header.sequence} from client {header.client_id!r}: the call ended early")
         except BaseException as exc:
             self._pool.release(buffers)
-            self._rejected[RejectReason.NONFINITE if isinstance(exc, NonFinite) else
-                           RejectReason.INVALID if isinstance(exc, InvalidArgument) else RejectReason.ABORTED] += 1
+            self._count_rejection(RejectReason.NONFINITE if isinstance(exc, NonFinite) else
+                                  RejectReason.INVALID if isinstance(exc, InvalidArgument) else RejectReason.ABORTED)
             raise
+        self.observer.received(assembler.received_bytes)
         if self._already_applied(header.client_id, header.sequence):
             self._pool.release(buffers)
             return True
         with self._staged_lock:  # a retry replaces what an earlier attempt staged
             old = self._staged.pop((header.client_id, header.sequence), None)
-            self._staged[(header.client_id, header.sequence)] = _Staged(header.base_version, grads)
+            self._staged[(header.client_id, header.sequence)] = _Staged(header.base_version, grads, header.telemetry)
         if old is not None:
             self._pool.release(old.grads)
         return False
@@ -258,9 +293,15 @@ class ShardSession:
             staged = self._staged.pop((client_id, sequence), None)
         if staged is None:
             return False
-        self._rejected[reason] += 1
+        self._count_rejection(reason)
         self._pool.release(staged.grads)
         return True
+
+    def _count_rejection(self, reason: RejectReason) -> None:
+        self._rejected[reason] += 1
+        self.observer.rejected(reason)
+        if self.series is not None:
+            self.series.refused(reason)
 
     def _decide(self, client_id: str, sequence: int, ask: Callable[[int], Ticket]) -> Ticket:
         """Gets the push's ticket (``ask(base_version)``), then applies tickets up to it."""
@@ -314,6 +355,9 @@ class ShardSession:
                 f"committed but never staged on shard {self.shard_index}"
             )
         self._applied_sequence[ticket.client_id] = ticket.sequence
+        if self._is_home:
+            self.observer.accepted(ticket.staleness)
+            self.series.accepted(ticket.target_version, ticket.staleness, staged.telemetry)
         grads = staged.grads
         if self.config.mode is Mode.SYNC and self.config.num_workers > 1:
             self._add_to_sum(grads)
@@ -339,9 +383,11 @@ class ShardSession:
         self._summed += 1
 
     def _update(self, grads: dict[str, np.ndarray], ticket: Ticket) -> None:
+        start = time.perf_counter()
         self.updater.apply(grads, ticket.scale, lambda partial: self._clock.reduce_sum(
             ticket.target_version, self.shard_index, partial))
         self.version = ticket.target_version
+        self.observer.applied(time.perf_counter() - start)
 
     # ----------------------------------------------------------------- reading
     def snapshot(self) -> tuple[int, dict[str, np.ndarray]]:
@@ -355,7 +401,8 @@ class ShardSession:
         return ShardSessionStatus(
             version=self.version, initialized=self.initialized, rejected=dict(self._rejected),
             device=str(self.updater.device), clock=self._clock.status(),
-            preconditioners=preconditioners.status() if preconditioners is not None else None)
+            preconditioners=preconditioners.status() if preconditioners is not None else None,
+            state_bytes=self.updater.state_bytes())
 
 
 class ShardRegistry:
@@ -386,3 +433,7 @@ class ShardRegistry:
     def names(self) -> list[str]:
         with self._lock:
             return sorted(self._sessions)
+
+    def sessions(self) -> list[ShardSession]:
+        with self._lock:
+            return list(self._sessions.values())

@@ -6,8 +6,8 @@ from typing import Optional
 
 from optserve.protos.optserve.v1 import control_pb2, control_pb2_grpc
 from optserve.server.domain.coordinator import Coordinator
-from optserve.server.wire.convert import (attach_expectation_from_proto, session_config_from_proto,
-                                          session_info_to_proto, status_to_proto)
+from optserve.server.wire.convert import (attach_expectation_from_proto, series_to_proto, server_status_to_proto,
+                                          session_config_from_proto, session_info_to_proto, status_to_proto)
 from optserve.server.wire.errors import grpc_errors
 from optserve.server.wire.security import TokenTable
 
@@ -46,3 +46,11 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     @grpc_errors
     def GetStatus(self, request, context):
         return status_to_proto(self._coordinator.status(request.name, self._tenant(context)))
+
+    @grpc_errors
+    def GetServerStatus(self, request, context):
+        return server_status_to_proto(self._coordinator.shards())
+
+    @grpc_errors
+    def GetSeries(self, request, context):
+        return series_to_proto(self._coordinator.series(request.name, self._tenant(context)))

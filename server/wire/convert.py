@@ -141,11 +141,36 @@ def status_to_proto(status: SessionStatus) -> control_pb2.GetStatusResponse:
         version=status.clock.version,
         steps_applied=min(s.version for s in status.shards),
         pushes_accepted=status.clock.accepted,
+        staleness_p50=status.clock.staleness_p50,
+        staleness_max=status.clock.staleness_max,
+        last_activity_unix_s=status.clock.last_activity_unix_s,
         rejected=[control_pb2.RejectCount(reason=r.value, count=c)
                   for r, c in sorted(rejected.items(), key=lambda item: item[0].value)],
         shards=[
             control_pb2.ShardStatus(assignment=assignment_to_proto(a), version=s.version, initialized=s.initialized,
-                                    node_id=s.node_id, device=s.device, **root_status_to_proto(s.preconditioners))
+                                    node_id=s.node_id, device=s.device, optimizer_state_bytes=s.state_bytes,
+                                    **root_status_to_proto(s.preconditioners))
             for a, s in zip(status.record.assignments, status.shards)
         ],
     )
+
+
+def server_status_to_proto(shards) -> control_pb2.GetServerStatusResponse:
+    """``ShardSummary`` records -> the wire."""
+    return control_pb2.GetServerStatusResponse(shards=[
+        control_pb2.ServerShard(index=s.index, address=s.address, node_id=s.node_id, sessions=s.sessions,
+                                param_bytes=s.param_bytes, resident_bytes=s.resident_bytes, healthy=s.healthy)
+        for s in shards])
+
+
+def series_to_proto(series) -> control_pb2.GetSeriesResponse:
+    """``(accepted, refused)`` records of :mod:`~optserve.server.domain.telemetry` -> the wire."""
+    accepted, refused = series
+    response = control_pb2.GetSeriesResponse()
+    for push in accepted:
+        point = response.accepted.add(version=push.version, staleness=push.staleness, unix_s=push.unix_s)
+        if push.telemetry.loss is not None:
+            point.loss = push.telemetry.loss
+        point.scalars.update(push.telemetry.scalars)
+    response.refused.extend(control_pb2.RefusedPush(unix_s=r.unix_s, reason=r.reason.value) for r in refused)
+    return response

@@ -17,6 +17,7 @@ Step framings on ``PushPull`` (repeated until the client ends the call):
 from __future__ import annotations
 
 import threading
+import time
 from typing import Iterator, Optional
 
 import grpc
@@ -27,6 +28,7 @@ from optserve.server.domain.assembly import wire_dtype
 from optserve.server.domain.config import DType
 from optserve.server.domain.errors import Cancelled, InvalidArgument
 from optserve.server.domain.shard_session import PushHeader, Receipt, ShardRegistry, ShardSession
+from optserve.server.domain.telemetry import Telemetry
 from optserve.server.wire.errors import grpc_errors
 from optserve.server.wire.security import TokenTable
 
@@ -40,7 +42,8 @@ def _first(requests: Iterator, field: str, what: str):
 
 
 def _push_header(message: data_pb2.PushHeader) -> PushHeader:
-    return PushHeader(message.client_id, message.sequence, message.base_version, message.auto_commit)
+    telemetry = Telemetry(message.loss if message.HasField("loss") else None, dict(message.scalars))
+    return PushHeader(message.client_id, message.sequence, message.base_version, message.auto_commit, telemetry)
 
 
 def _pull_options(request: data_pb2.PullRequest) -> tuple[Optional[DType], int]:
@@ -112,9 +115,11 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
 
     @grpc_errors
     def Push(self, request_iterator, context):
+        start = time.perf_counter()
         header = _first(request_iterator, "header", "Push").header
-        receipt = self._session(header.session, context).push(
-            _push_header(header), (r.chunk for r in request_iterator), context.is_active)
+        session = self._session(header.session, context)
+        receipt = session.push(_push_header(header), (r.chunk for r in request_iterator), context.is_active)
+        session.observer.pushed(time.perf_counter() - start)
         return _push_response(receipt)
 
     @grpc_errors
@@ -128,12 +133,16 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
 
     @grpc_errors
     def Pull(self, request, context):
+        start = time.perf_counter()
         session = self._session(request.session, context)
         dtype, chunk_bytes = _pull_options(request)
         version, params = session.snapshot()
         yield data_pb2.PullResponse(version=version)
+        sent = 0
         for piece in _param_slices(session, params, dtype, chunk_bytes):
+            sent += len(piece[-1])
             yield chunk_codec.encode_chunk_message(*piece)
+        session.observer.sent(time.perf_counter() - start, sent)
 
     @grpc_errors
     def PushPull(self, request_iterator, context):
@@ -148,27 +157,29 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
                 if first is None:
                     return
                 kind = first.WhichOneof("item")
+                started = time.perf_counter()
                 if kind == "step":
-                    closing = yield from self._one_message_step(first.step, context)
+                    closing = yield from self._one_message_step(first.step, context, started)
                 elif kind == "header" and first.header.auto_commit:
-                    closing = yield from self._streamed_step(first.header, request_iterator, context)
+                    closing = yield from self._streamed_step(first.header, request_iterator, context, started)
                 elif kind == "header":
-                    closing = yield from self._two_phase_step(first.header, request_iterator, context)
+                    closing = yield from self._two_phase_step(first.header, request_iterator, context, started)
                 else:
                     raise InvalidArgument("PushPull: each step must start with `header` or `step`")
                 if closing is not False:  # True: crowded, the client reopens; None: the call ended mid-step
                     return
 
     # ------------------------------------------------------------- framings
-    def _one_message_step(self, step: data_pb2.PushPullStep, context):
+    def _one_message_step(self, step: data_pb2.PushPullStep, context, started: float):
         if not step.header.auto_commit:
             raise InvalidArgument("PushPull `step`: header.auto_commit must be true (a one-message step "
                                   "commits with its peers; use header, chunks, seal for a decision)")
         session = self._session(step.header.session, context)
         receipt = session.push(_push_header(step.header), iter(step.chunks), context.is_active)
+        session.observer.pushed(time.perf_counter() - started)
         return (yield from self._answer(session, receipt, step.pull, one_message=True))
 
-    def _streamed_step(self, header, request_iterator, context):
+    def _streamed_step(self, header, request_iterator, context, started: float):
         session = self._session(header.session, context)
         framing = _StreamedPush(request_iterator)
         try:
@@ -176,9 +187,10 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
                                    lambda: framing.sealed and context.is_active())
         except Cancelled:
             return None
+        session.observer.pushed(time.perf_counter() - started)
         return (yield from self._answer(session, receipt, framing.pull, one_message=False))
 
-    def _two_phase_step(self, header, request_iterator, context):
+    def _two_phase_step(self, header, request_iterator, context, started: float):
         """The client decides after ``staged``: commit streams the parameters, abort drops the push."""
         session = self._session(header.session, context)
         framing = _StreamedPush(request_iterator)
@@ -198,11 +210,13 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
                 done=data_pb2.StepDone(version=session.version, committed=False, stream_closing=closing))
             return closing
         receipt = session.commit(push.client_id, push.sequence)
+        session.observer.pushed(time.perf_counter() - started)
         return (yield from self._answer(session, receipt, framing.pull, one_message=False))
 
     def _answer(self, session: ShardSession, receipt: Receipt, pull: data_pb2.PullRequest, one_message: bool):
         """The step's parameters and ``done``: one ``step_result`` when ``one_message`` and they fit
         in one chunk, else chunks then ``done``. Returns whether the shard ends the call."""
+        started = time.perf_counter()
         dtype, chunk_bytes = _pull_options(pull)
         version, params = session.snapshot()
         closing = self._streams.crowded()
@@ -214,11 +228,13 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
             # waits for its next step, they would stop that step's update from donating (reusing)
             # those buffers, and JAX would allocate fresh ones.
             del params
+            session.observer.sent(time.perf_counter() - started, reply_bytes)
             yield data_pb2.PushPullResponse(step_result=data_pb2.PushPullStepResult(done=done, chunks=chunks))
         else:
             for piece in _param_slices(session, params, dtype, chunk_bytes):
                 yield chunk_codec.encode_chunk_message(*piece)
             del params
+            session.observer.sent(time.perf_counter() - started, reply_bytes)
             yield data_pb2.PushPullResponse(done=done)
         return closing
 

@@ -60,6 +60,16 @@ class ControlStub:
                 request_serializer=optserve_dot_v1_dot_control__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=optserve_dot_v1_dot_control__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.GetServerStatus = channel.unary_unary(
+                '/optserve.v1.Control/GetServerStatus',
+                request_serializer=optserve_dot_v1_dot_control__pb2.GetServerStatusRequest.SerializeToString,
+                response_deserializer=optserve_dot_v1_dot_control__pb2.GetServerStatusResponse.FromString,
+                _registered_method=True)
+        self.GetSeries = channel.unary_unary(
+                '/optserve.v1.Control/GetSeries',
+                request_serializer=optserve_dot_v1_dot_control__pb2.GetSeriesRequest.SerializeToString,
+                response_deserializer=optserve_dot_v1_dot_control__pb2.GetSeriesResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -103,6 +113,21 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetServerStatus(self, request, context):
+        """Returns the server's shards: where they run, what they hold, whether they answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSeries(self, request, context):
+        """Returns a session's series: every accepted push (version, staleness, loss, scalars) and
+        every refused one (when, why), oldest first, up to the most recent 100,000 of each.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +155,16 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=optserve_dot_v1_dot_control__pb2.GetStatusRequest.FromString,
                     response_serializer=optserve_dot_v1_dot_control__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'GetServerStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServerStatus,
+                    request_deserializer=optserve_dot_v1_dot_control__pb2.GetServerStatusRequest.FromString,
+                    response_serializer=optserve_dot_v1_dot_control__pb2.GetServerStatusResponse.SerializeToString,
+            ),
+            'GetSeries': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSeries,
+                    request_deserializer=optserve_dot_v1_dot_control__pb2.GetSeriesRequest.FromString,
+                    response_serializer=optserve_dot_v1_dot_control__pb2.GetSeriesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +303,60 @@ class Control:
             '/optserve.v1.Control/GetStatus',
             optserve_dot_v1_dot_control__pb2.GetStatusRequest.SerializeToString,
             optserve_dot_v1_dot_control__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetServerStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/optserve.v1.Control/GetServerStatus',
+            optserve_dot_v1_dot_control__pb2.GetServerStatusRequest.SerializeToString,
+            optserve_dot_v1_dot_control__pb2.GetServerStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSeries(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/optserve.v1.Control/GetSeries',
+            optserve_dot_v1_dot_control__pb2.GetSeriesRequest.SerializeToString,
+            optserve_dot_v1_dot_control__pb2.GetSeriesResponse.FromString,
             options,
             channel_credentials,
             insecure,

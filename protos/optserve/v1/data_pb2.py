@@ -25,47 +25,51 @@ _sym_db = _symbol_database.Default()
 from optserve.protos.optserve.v1 import tensor_pb2 as optserve_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16optserve/v1/data.proto\x12\x0boptserve.v1\x1a\x18optserve/v1/tensor.proto\"m\n\nPushHeader\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x03\x12\x13\n\x0b\x61uto_commit\x18\x05 \x01(\x08\"m\n\x12InitTensorsRequest\x12\x11\n\x07session\x18\x01 \x01(\tH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.optserve.v1.TensorChunkH\x00\x12\x11\n\tclient_id\x18\x03 \x01(\tB\x06\n\x04item\"&\n\x13InitTensorsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"k\n\x0bPushRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.optserve.v1.PushHeaderH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.optserve.v1.TensorChunkH\x00\x42\x06\n\x04item\"^\n\x0cPushResponse\x12\x17\n\x0f\x61lready_applied\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x11\n\tcommitted\x18\x03 \x01(\x08\x12\x11\n\tstaleness\x18\x04 \x01(\x03\"E\n\rCommitRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x03\"C\n\x0e\x43ommitResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\tstaleness\x18\x02 \x01(\x03\x12\r\n\x05scale\x18\x03 \x01(\x02\"D\n\x0c\x41\x62ortRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x03\" \n\rAbortResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\"_\n\x0bPullRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12&\n\nwire_dtype\x18\x02 \x01(\x0e\x32\x12.optserve.v1.DType\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\x03\"T\n\x0cPullResponse\x12\x11\n\x07version\x18\x01 \x01(\x03H\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.optserve.v1.TensorChunkH\x00\x42\x06\n\x04item\"\x1e\n\x0cPushDecision\x12\x0e\n\x06\x63ommit\x18\x01 \x01(\x08\"\x83\x02\n\x0fPushPullRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.optserve.v1.PushHeaderH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.optserve.v1.TensorChunkH\x00\x12\x0e\n\x04seal\x18\x03 \x01(\x08H\x00\x12-\n\x08\x64\x65\x63ision\x18\x04 \x01(\x0b\x32\x19.optserve.v1.PushDecisionH\x00\x12(\n\x04pull\x18\x05 \x01(\x0b\x32\x18.optserve.v1.PullRequestH\x00\x12)\n\x04step\x18\x06 \x01(\x0b\x32\x19.optserve.v1.PushPullStepH\x00\x42\x06\n\x04item\"\x89\x01\n\x0cPushPullStep\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.optserve.v1.PushHeader\x12&\n\x04pull\x18\x02 \x01(\x0b\x32\x18.optserve.v1.PullRequest\x12(\n\x06\x63hunks\x18\x03 \x03(\x0b\x32\x18.optserve.v1.TensorChunk\"c\n\x12PushPullStepResult\x12#\n\x04\x64one\x18\x01 \x01(\x0b\x32\x15.optserve.v1.StepDone\x12(\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x18.optserve.v1.TensorChunk\"Y\n\x08StepDone\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\tstaleness\x18\x02 \x01(\x03\x12\x11\n\tcommitted\x18\x03 \x01(\x08\x12\x16\n\x0estream_closing\x18\x04 \x01(\x08\"\xd1\x01\n\x10PushPullResponse\x12+\n\x06staged\x18\x01 \x01(\x0b\x32\x19.optserve.v1.PushResponseH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.optserve.v1.TensorChunkH\x00\x12%\n\x04\x64one\x18\x03 \x01(\x0b\x32\x15.optserve.v1.StepDoneH\x00\x12\x36\n\x0bstep_result\x18\x04 \x01(\x0b\x32\x1f.optserve.v1.PushPullStepResultH\x00\x42\x06\n\x04item2\xad\x03\n\tShardData\x12R\n\x0bInitTensors\x12\x1f.optserve.v1.InitTensorsRequest\x1a .optserve.v1.InitTensorsResponse(\x01\x12=\n\x04Push\x12\x18.optserve.v1.PushRequest\x1a\x19.optserve.v1.PushResponse(\x01\x12\x41\n\x06\x43ommit\x12\x1a.optserve.v1.CommitRequest\x1a\x1b.optserve.v1.CommitResponse\x12>\n\x05\x41\x62ort\x12\x19.optserve.v1.AbortRequest\x1a\x1a.optserve.v1.AbortResponse\x12=\n\x04Pull\x12\x18.optserve.v1.PullRequest\x1a\x19.optserve.v1.PullResponse0\x01\x12K\n\x08PushPull\x12\x1c.optserve.v1.PushPullRequest\x1a\x1d.optserve.v1.PushPullResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16optserve/v1/data.proto\x12\x0boptserve.v1\x1a\x18optserve/v1/tensor.proto\"\xf0\x01\n\nPushHeader\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x03\x12\x13\n\x0b\x61uto_commit\x18\x05 \x01(\x08\x12\x11\n\x04loss\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x35\n\x07scalars\x18\x07 \x03(\x0b\x32$.optserve.v1.PushHeader.ScalarsEntry\x1a.\n\x0cScalarsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_loss\"m\n\x12InitTensorsRequest\x12\x11\n\x07session\x18\x01 \x01(\tH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.optserve.v1.TensorChunkH\x00\x12\x11\n\tclient_id\x18\x03 \x01(\tB\x06\n\x04item\"&\n\x13InitTensorsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"k\n\x0bPushRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.optserve.v1.PushHeaderH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.optserve.v1.TensorChunkH\x00\x42\x06\n\x04item\"^\n\x0cPushResponse\x12\x17\n\x0f\x61lready_applied\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x11\n\tcommitted\x18\x03 \x01(\x08\x12\x11\n\tstaleness\x18\x04 \x01(\x03\"E\n\rCommitRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x03\"C\n\x0e\x43ommitResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\tstaleness\x18\x02 \x01(\x03\x12\r\n\x05scale\x18\x03 \x01(\x02\"D\n\x0c\x41\x62ortRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x03\" \n\rAbortResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\"_\n\x0bPullRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12&\n\nwire_dtype\x18\x02 \x01(\x0e\x32\x12.optserve.v1.DType\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\x03\"T\n\x0cPullResponse\x12\x11\n\x07version\x18\x01 \x01(\x03H\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.optserve.v1.TensorChunkH\x00\x42\x06\n\x04item\"\x1e\n\x0cPushDecision\x12\x0e\n\x06\x63ommit\x18\x01 \x01(\x08\"\x83\x02\n\x0fPushPullRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.optserve.v1.PushHeaderH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.optserve.v1.TensorChunkH\x00\x12\x0e\n\x04seal\x18\x03 \x01(\x08H\x00\x12-\n\x08\x64\x65\x63ision\x18\x04 \x01(\x0b\x32\x19.optserve.v1.PushDecisionH\x00\x12(\n\x04pull\x18\x05 \x01(\x0b\x32\x18.optserve.v1.PullRequestH\x00\x12)\n\x04step\x18\x06 \x01(\x0b\x32\x19.optserve.v1.PushPullStepH\x00\x42\x06\n\x04item\"\x89\x01\n\x0cPushPullStep\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.optserve.v1.PushHeader\x12&\n\x04pull\x18\x02 \x01(\x0b\x32\x18.optserve.v1.PullRequest\x12(\n\x06\x63hunks\x18\x03 \x03(\x0b\x32\x18.optserve.v1.TensorChunk\"c\n\x12PushPullStepResult\x12#\n\x04\x64one\x18\x01 \x01(\x0b\x32\x15.optserve.v1.StepDone\x12(\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x18.optserve.v1.TensorChunk\"Y\n\x08StepDone\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\tstaleness\x18\x02 \x01(\x03\x12\x11\n\tcommitted\x18\x03 \x01(\x08\x12\x16\n\x0estream_closing\x18\x04 \x01(\x08\"\xd1\x01\n\x10PushPullResponse\x12+\n\x06staged\x18\x01 \x01(\x0b\x32\x19.optserve.v1.PushResponseH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.optserve.v1.TensorChunkH\x00\x12%\n\x04\x64one\x18\x03 \x01(\x0b\x32\x15.optserve.v1.StepDoneH\x00\x12\x36\n\x0bstep_result\x18\x04 \x01(\x0b\x32\x1f.optserve.v1.PushPullStepResultH\x00\x42\x06\n\x04item2\xad\x03\n\tShardData\x12R\n\x0bInitTensors\x12\x1f.optserve.v1.InitTensorsRequest\x1a .optserve.v1.InitTensorsResponse(\x01\x12=\n\x04Push\x12\x18.optserve.v1.PushRequest\x1a\x19.optserve.v1.PushResponse(\x01\x12\x41\n\x06\x43ommit\x12\x1a.optserve.v1.CommitRequest\x1a\x1b.optserve.v1.CommitResponse\x12>\n\x05\x41\x62ort\x12\x19.optserve.v1.AbortRequest\x1a\x1a.optserve.v1.AbortResponse\x12=\n\x04Pull\x12\x18.optserve.v1.PullRequest\x1a\x19.optserve.v1.PullResponse0\x01\x12K\n\x08PushPull\x12\x1c.optserve.v1.PushPullRequest\x1a\x1d.optserve.v1.PushPullResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'optserve.v1.data_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PUSHHEADER']._serialized_start=65
-  _globals['_PUSHHEADER']._serialized_end=174
-  _globals['_INITTENSORSREQUEST']._serialized_start=176
-  _globals['_INITTENSORSREQUEST']._serialized_end=285
-  _globals['_INITTENSORSRESPONSE']._serialized_start=287
-  _globals['_INITTENSORSRESPONSE']._serialized_end=325
-  _globals['_PUSHREQUEST']._serialized_start=327
-  _globals['_PUSHREQUEST']._serialized_end=434
-  _globals['_PUSHRESPONSE']._serialized_start=436
-  _globals['_PUSHRESPONSE']._serialized_end=530
-  _globals['_COMMITREQUEST']._serialized_start=532
-  _globals['_COMMITREQUEST']._serialized_end=601
-  _globals['_COMMITRESPONSE']._serialized_start=603
-  _globals['_COMMITRESPONSE']._serialized_end=670
-  _globals['_ABORTREQUEST']._serialized_start=672
-  _globals['_ABORTREQUEST']._serialized_end=740
-  _globals['_ABORTRESPONSE']._serialized_start=742
-  _globals['_ABORTRESPONSE']._serialized_end=774
-  _globals['_PULLREQUEST']._serialized_start=776
-  _globals['_PULLREQUEST']._serialized_end=871
-  _globals['_PULLRESPONSE']._serialized_start=873
-  _globals['_PULLRESPONSE']._serialized_end=957
-  _globals['_PUSHDECISION']._serialized_start=959
-  _globals['_PUSHDECISION']._serialized_end=989
-  _globals['_PUSHPULLREQUEST']._serialized_start=992
-  _globals['_PUSHPULLREQUEST']._serialized_end=1251
-  _globals['_PUSHPULLSTEP']._serialized_start=1254
-  _globals['_PUSHPULLSTEP']._serialized_end=1391
-  _globals['_PUSHPULLSTEPRESULT']._serialized_start=1393
-  _globals['_PUSHPULLSTEPRESULT']._serialized_end=1492
-  _globals['_STEPDONE']._serialized_start=1494
-  _globals['_STEPDONE']._serialized_end=1583
-  _globals['_PUSHPULLRESPONSE']._serialized_start=1586
-  _globals['_PUSHPULLRESPONSE']._serialized_end=1795
-  _globals['_SHARDDATA']._serialized_start=1798
-  _globals['_SHARDDATA']._serialized_end=2227
+  _globals['_PUSHHEADER_SCALARSENTRY']._loaded_options = None
+  _globals['_PUSHHEADER_SCALARSENTRY']._serialized_options = b'8\001'
+  _globals['_PUSHHEADER']._serialized_start=66
+  _globals['_PUSHHEADER']._serialized_end=306
+  _globals['_PUSHHEADER_SCALARSENTRY']._serialized_start=251
+  _globals['_PUSHHEADER_SCALARSENTRY']._serialized_end=297
+  _globals['_INITTENSORSREQUEST']._serialized_start=308
+  _globals['_INITTENSORSREQUEST']._serialized_end=417
+  _globals['_INITTENSORSRESPONSE']._serialized_start=419
+  _globals['_INITTENSORSRESPONSE']._serialized_end=457
+  _globals['_PUSHREQUEST']._serialized_start=459
+  _globals['_PUSHREQUEST']._serialized_end=566
+  _globals['_PUSHRESPONSE']._serialized_start=568
+  _globals['_PUSHRESPONSE']._serialized_end=662
+  _globals['_COMMITREQUEST']._serialized_start=664
+  _globals['_COMMITREQUEST']._serialized_end=733
+  _globals['_COMMITRESPONSE']._serialized_start=735
+  _globals['_COMMITRESPONSE']._serialized_end=802
+  _globals['_ABORTREQUEST']._serialized_start=804
+  _globals['_ABORTREQUEST']._serialized_end=872
+  _globals['_ABORTRESPONSE']._serialized_start=874
+  _globals['_ABORTRESPONSE']._serialized_end=906
+  _globals['_PULLREQUEST']._serialized_start=908
+  _globals['_PULLREQUEST']._serialized_end=1003
+  _globals['_PULLRESPONSE']._serialized_start=1005
+  _globals['_PULLRESPONSE']._serialized_end=1089
+  _globals['_PUSHDECISION']._serialized_start=1091
+  _globals['_PUSHDECISION']._serialized_end=1121
+  _globals['_PUSHPULLREQUEST']._serialized_start=1124
+  _globals['_PUSHPULLREQUEST']._serialized_end=1383
+  _globals['_PUSHPULLSTEP']._serialized_start=1386
+  _globals['_PUSHPULLSTEP']._serialized_end=1523
+  _globals['_PUSHPULLSTEPRESULT']._serialized_start=1525
+  _globals['_PUSHPULLSTEPRESULT']._serialized_end=1624
+  _globals['_STEPDONE']._serialized_start=1626
+  _globals['_STEPDONE']._serialized_end=1715
+  _globals['_PUSHPULLRESPONSE']._serialized_start=1718
+  _globals['_PUSHPULLRESPONSE']._serialized_end=1927
+  _globals['_SHARDDATA']._serialized_start=1930
+  _globals['_SHARDDATA']._serialized_end=2359
 # @@protoc_insertion_point(module_scope)

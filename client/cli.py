@@ -1,0 +1,100 @@
+"""``optserve status``: what a running server holds, as a table or as JSON.
+
+    optserve status [--address HOST:PORT] [--token T] [--tls CA.pem] [--json]
+
+A client-side command (it needs only ``optserve[client]``), found by ``optserve`` through the
+``optserve.commands`` entry point. Lists the caller's sessions (name, mode, optimizer, version,
+steps, pushes rejected, staleness p50/max, shards, bytes, last activity) and the server's shards
+(address, Ray node, sessions, bytes, memory, healthy). Errors are one line, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from typing import Optional, Sequence
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="optserve status", description="Sessions and shards of a running server.")
+    parser.add_argument("--address", default="127.0.0.1:50051", help="the server's control address")
+    parser.add_argument("--token", default=None, help="tenant token (servers started with --auth-tokens)")
+    parser.add_argument("--tls", default=None, help="CA bundle (PEM) to verify a TLS server with")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def _ago(unix_s: float, now: float) -> str:
+    if not unix_s:
+        return "never"
+    seconds = max(0.0, now - unix_s)
+    return f"{seconds:.0f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def collect(client) -> dict:
+    """``{"sessions": [...], "shards": [...]}`` as plain data (what ``--json`` prints)."""
+    sessions = []
+    for name in client.list_sessions():
+        options = client.session_options(name)
+        status = client.session_status(name)
+        sessions.append({
+            "name": name, "mode": options.mode, "optimizer": options.optimizer,
+            "version": status.version, "steps_applied": status.steps_applied,
+            "pushes_accepted": status.pushes_accepted, "rejected": dict(status.rejected),
+            "staleness_p50": status.staleness_p50, "staleness_max": status.staleness_max,
+            "shards": len(status.shards), "param_bytes": sum(s.param_bytes for s in status.shards),
+            "optimizer_state_bytes": sum(s.optimizer_state_bytes for s in status.shards),
+            "last_activity_unix_s": status.last_activity_unix_s,
+        })
+    shards = [dataclasses.asdict(s) for s in client.server_status()]
+    return {"sessions": sessions, "shards": shards}
+
+
+def render(report: dict, now: Optional[float] = None) -> str:
+    now = time.time() if now is None else now
+    sessions = [[s["name"], s["mode"], s["optimizer"], s["version"], s["steps_applied"],
+                 sum(s["rejected"].values()), f"{s['staleness_p50']}/{s['staleness_max']}", s["shards"],
+                 _mib(s["param_bytes"] + s["optimizer_state_bytes"]), _ago(s["last_activity_unix_s"], now)]
+                for s in report["sessions"]]
+    shards = [[s["index"], s["address"], (s["node_id"] or "?")[:12], s["sessions"], _mib(s["param_bytes"]),
+               _mib(s["resident_bytes"]), "yes" if s["healthy"] else "NO"] for s in report["shards"]]
+    return "\n\n".join([
+        _table(["session", "mode", "optimizer", "version", "steps", "rejected", "staleness p50/max", "shards",
+                "bytes", "last activity"], sessions) if sessions else "no sessions",
+        _table(["shard", "address", "ray node", "sessions", "param bytes", "memory", "healthy"], shards),
+    ])
+
+
+def status_main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``optserve status``; returns the exit status."""
+    from optserve.client import Client
+    from optserve.client._retry import RetryPolicy
+    from optserve.client.errors import OptservError
+
+    args = _parser().parse_args(argv)
+    try:
+        with Client(args.address, token=args.token, tls=args.tls or False, timeout=args.timeout,
+                    retry=RetryPolicy(attempts=2), retain_freed_memory=False) as client:
+            report = collect(client)
+    except (OptservError, ValueError) as exc:
+        print(f"optserve status: {args.address}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+              file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2, sort_keys=True) if args.json else render(report))
+    return 0

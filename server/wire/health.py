@@ -1,0 +1,43 @@
+"""gRPC health checking (``grpc.health.v1.Health``) and reflection on optserve's servers.
+
+NOT_SERVING while a server starts and while it drains, SERVING in between. Health and reflection
+answer without a token (probes and ``grpcurl``-style tools carry none): they reveal no session.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+
+class Health:
+    """The health service of one gRPC server, for ``services`` (and the server as a whole, "")."""
+
+    OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
+                     "grpc.reflection.v1.ServerReflection")
+
+    def __init__(self, server: grpc.Server, services: Sequence[str]):
+        self._servicer = health.HealthServicer()
+        self._services = ("",) + tuple(services)
+        health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
+        self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def _set(self, status) -> None:
+        for service in self._services:
+            self._servicer.set(service, status)
+
+    def serving(self) -> None:
+        self._set(health_pb2.HealthCheckResponse.SERVING)
+
+    def draining(self) -> None:
+        self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+def enable_reflection(server: grpc.Server, services: Sequence[str]) -> None:
+    """Lets tools list and describe ``services`` (full names) and the health service."""
+    from grpc_reflection.v1alpha import reflection
+
+    reflection.enable_server_reflection(tuple(services) + (health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                                           reflection.SERVICE_NAME), server)
