@@ -27,6 +27,7 @@ class RunningServer:
     _stop: Callable[[], None]
     precond_workers: list = dataclasses.field(default_factory=list)  # Ray actor handles
     metrics_address: Optional[str] = None  # "host:port" serving /metrics (None: off)
+    health_address: Optional[str] = None  # "host:port" of the plaintext health port (None: off)
     _drain: Callable[[], None] = lambda: None
 
     def drain(self) -> None:
@@ -85,9 +86,15 @@ def start_server(config: ServerConfig) -> RunningServer:
     enable_reflection(server, ("optserve.v1.Control",))
     port = security.add_port(server, f"{config.host}:{config.port}")
     server.start()
-    health.serving()
     host = "127.0.0.1" if config.host in ("0.0.0.0", "", "::", "[::]") else config.host
     address = f"{host}:{port}"
+    health_server, health_address = None, None
+    if config.health_port is not None:  # plaintext, health only: for probes that cannot speak TLS
+        health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        health.serve_also_on(health_server)
+        health_address = f"{host}:{health_server.add_insecure_port(f'{config.host}:{config.health_port}')}"
+        health_server.start()
+    health.serving()
     log.info("optserve listening on %s with shards %s", address, fleet.addresses)
     metrics_server, metrics_address = None, None
     if config.metrics_port is not None:
@@ -108,6 +115,8 @@ def start_server(config: ServerConfig) -> RunningServer:
         health.draining()
         if metrics_server is not None:
             metrics_server.shutdown()
+        if health_server is not None:
+            health_server.stop(grace=0.5).wait()
         server.stop(grace=0.5).wait()
         for actor in fleet.actors:
             try:
@@ -125,4 +134,4 @@ def start_server(config: ServerConfig) -> RunningServer:
             ray.shutdown()
 
     return RunningServer(address, config, list(fleet.addresses), list(fleet.clock_addresses), stop,
-                         pool.workers if pool is not None else [], metrics_address, drain)
+                         pool.workers if pool is not None else [], metrics_address, health_address, drain)

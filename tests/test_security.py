@@ -43,7 +43,7 @@ def secure_server(ray_local, pki, tmp_path_factory):
     tokens.write_text(TOKENS)
     running = start_server(ServerConfig(host="127.0.0.1", port=0, shards=2, min_shard_bytes=0, vote_timeout_s=8.0,
                                         tls_cert=str(pki.server_cert), tls_key=str(pki.server_key),
-                                        auth_tokens=str(tokens)))
+                                        auth_tokens=str(tokens), health_port=0))
     yield running
     running.stop()
 
@@ -83,6 +83,22 @@ def test_tls_client_with_its_token_trains_exactly_as_in_process(alice, unique_na
         assert unique_name in alice.list_sessions()
     finally:
         session.close()
+
+
+def test_probes_check_health_in_plaintext_on_the_health_port_and_without_a_token_over_tls(secure_server, pki):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    serving = health_pb2.HealthCheckResponse.SERVING
+    plain = health_pb2_grpc.HealthStub(grpc.insecure_channel(secure_server.health_address))
+    assert plain.Check(health_pb2.HealthCheckRequest(service="optserve.v1.Control"), timeout=10).status == serving
+    over_tls = health_pb2_grpc.HealthStub(_secure_channel(pki, secure_server.address))
+    assert over_tls.Check(health_pb2.HealthCheckRequest(), timeout=10).status == serving  # no token needed
+    with pytest.raises(grpc.RpcError) as info:  # the health port serves health only
+        control_pb2_grpc_stub = grpc.insecure_channel(secure_server.health_address).unary_unary(
+            "/optserve.v1.Control/ListSessions", request_serializer=control_pb2.ListSessionsRequest.SerializeToString,
+            response_deserializer=control_pb2.ListSessionsResponse.FromString)
+        control_pb2_grpc_stub(control_pb2.ListSessionsRequest(), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 def test_plaintext_client_to_the_tls_server_is_unavailable(secure_server):

@@ -175,6 +175,8 @@ class ServerConfig:
       metrics_port: serve Prometheus metrics at ``http://metrics_host:metrics_port/metrics``
         (None: off; 0: pick a free port). The endpoint has no authentication: it names sessions.
       drain_s: on SIGINT / SIGTERM, how long health checks say NOT_SERVING before the server stops.
+      health_port: also answer ``grpc.health.v1.Health`` (only it) in plaintext on this port of
+        ``host`` (None: off; 0: a free port), for probes that cannot speak TLS (Kubernetes' gRPC probes).
     """
 
     host: str = "127.0.0.1"
@@ -198,6 +200,7 @@ class ServerConfig:
     metrics_port: Optional[int] = None
     metrics_host: str = "127.0.0.1"
     drain_s: float = 1.0
+    health_port: Optional[int] = None
 
     def __post_init__(self):
         if self.shards < 1:
@@ -214,6 +217,8 @@ class ServerConfig:
             raise InvalidArgument(f"grpc_threads must be >= 2, got {self.grpc_threads}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise InvalidArgument(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
+        if self.health_port is not None and not 0 <= self.health_port <= 65535:
+            raise InvalidArgument(f"--health-port must be in [0, 65535], got {self.health_port}")
         if self.drain_s < 0:
             raise InvalidArgument(f"--drain-s must be >= 0, got {self.drain_s}")
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -24,6 +24,11 @@ class Health:
         health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
         self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
 
+    def serve_also_on(self, server: grpc.Server) -> None:
+        """Answers health checks on ``server`` too (e.g. a plaintext port for probes that cannot
+        speak TLS), with the same status."""
+        health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
+
     def _set(self, status) -> None:
         for service in self._services:
             self._servicer.set(service, status)
