@@ -47,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="allow a non-loopback --host/--shard-host without TLS and tokens")
     sub.add_parser("demo", help="run the end-to-end demo", add_help=False)
     sub.add_parser("status", help="sessions and shards of a running server", add_help=False)
+    sub.add_parser("report", help="plots and CSV of a session's loss and staleness", add_help=False)
     return parser
 
 

@@ -199,8 +199,11 @@ def test_duplicate_session_name_is_already_exists_and_keeps_the_first(client, tw
         ({"name": "no_such_optimizer", "args": {}}, "'no_such_optimizer'"),
         ({"name": "adam", "args": {"learning_rate": 0.1, "bogus_option": 1}}, "'bogus_option'"),
         ({"name": "adafactor_hf", "args": {"lr": 0.01, "relative_step": False, "eps": "bad"}}, "eps"),
+        # refused at creation, not at the first push (which used to wedge the session)
+        ({"name": "adam", "args": {"learning_rate": "fast"}}, "learning_rate"),
+        ({"name": "shampoo", "args": {"learning_rate": 0.1, "block_size": "big"}}, "block_size"),
     ],
-    ids=["unknown optimizer", "unknown argument", "bad value"],
+    ids=["unknown optimizer", "unknown argument", "bad value", "wrong-typed value", "wrong-typed int"],
 )
 def test_bad_optimizer_spec_is_invalid_argument_naming_it(client, unique_name, optimizer, fragment):
     with pytest.raises(InvalidArgumentError, match=fragment):
