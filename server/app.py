@@ -90,7 +90,7 @@ def start_server(config: ServerConfig) -> RunningServer:
     address = f"{host}:{port}"
     health_server, health_address = None, None
     if config.health_port is not None:  # plaintext, health only: for probes that cannot speak TLS
-        health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=contract.SERVER_OPTIONS)
         health.serve_also_on(health_server)
         health_address = f"{host}:{health_server.add_insecure_port(f'{config.host}:{config.health_port}')}"
         health_server.start()
@@ -115,6 +115,7 @@ def start_server(config: ServerConfig) -> RunningServer:
         health.draining()
         if metrics_server is not None:
             metrics_server.shutdown()
+            metrics_server.server_close()
         if health_server is not None:
             health_server.stop(grace=0.5).wait()
         server.stop(grace=0.5).wait()

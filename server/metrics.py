@@ -75,7 +75,8 @@ class _SessionObserver(StepObserver):
         self._steps = metrics.steps_applied.labels(*labels)
         self._rejected = {reason: metrics.rejected.labels(session, metrics.shard, reason.name.lower())
                           for reason in RejectReason}
-        self._staleness = metrics.staleness.labels(session)
+        self._staleness_metric, self._session = metrics.staleness, session
+        self._staleness = None  # made on the first accepted push: only the home shard reports them
 
     def received(self, nbytes: int) -> None:
         self._received.inc(nbytes)
@@ -84,6 +85,8 @@ class _SessionObserver(StepObserver):
         self._rejected[reason].inc()
 
     def accepted(self, staleness: int) -> None:
+        if self._staleness is None:
+            self._staleness = self._staleness_metric.labels(self._session)
         self._staleness.observe(staleness)
 
     def applied(self, seconds: float) -> None:

@@ -55,8 +55,12 @@ def observed(ray_local):
 def _scrape(running) -> dict[str, list]:
     text = urllib.request.urlopen(f"http://{running.metrics_address}/metrics", timeout=30).read().decode()
     samples: dict[str, list] = {}
+    seen = set()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            key = (sample.name, tuple(sorted(sample.labels.items())))
+            assert key not in seen, f"duplicate series {key}"  # one series, one exporter
+            seen.add(key)
             samples.setdefault(sample.name, []).append(sample)
     return samples
 

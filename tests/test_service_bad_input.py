@@ -303,3 +303,25 @@ def test_commit_of_a_push_never_staged_is_not_found_and_applies_nothing(twins, s
     assert info.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
     assert victim.status().pushes_accepted == accepted
     assert_state_intact(victim, twin, params)
+
+
+def test_a_refusal_on_a_non_home_shard_reaches_the_home_shard_at_once(client, server, unique_name):
+    # The refusing shard tells the session clock without waiting; that call must not be dropped
+    # (an unreferenced gRPC future is cancelled when collected), else the home shard waits for the
+    # vote timeout before it refuses the push too.
+    import time
+
+    params = make_params()
+    session = client.create_session(unique_name, params, optimizer=ADAM)
+    try:
+        home, other = session.info.shards[0], session.info.shards[1]
+        for attempt in range(3):
+            bad = make_grads(params, attempt)
+            bad[other.tensor_names[0]].reshape(-1)[0] = np.nan
+            start = time.monotonic()
+            with pytest.raises(InvalidArgumentError):
+                session.push(bad)
+            assert time.monotonic() - start < server.config.vote_timeout_s / 2
+        assert session.status().pushes_accepted == 0
+    finally:
+        session.close()

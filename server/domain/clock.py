@@ -138,12 +138,16 @@ def new_session_clock(config) -> SessionClock:
 class _VoteRound:
     """The votes on one push: shard index -> staged?, and the outcome once decided."""
 
-    __slots__ = ("votes", "outcome", "taken")
+    __slots__ = ("votes", "outcome", "taken", "started")
 
     def __init__(self):
         self.votes: dict[int, bool] = {}
         self.outcome = None  # Ticket | OptservError
         self.taken = 0
+        self.started = time.monotonic()
+
+
+_STALE_ROUND_S = 600.0  # a decided round some shard never voted in is forgotten after this long
 
 
 class LocalClock:
@@ -181,15 +185,19 @@ class LocalClock:
 
         The push is decided (:meth:`SessionClock.commit`) only when all participants voted
         ``staged=True``; one refusal, or a shard that does not vote within ``timeout_s``, refuses
-        it everywhere (:class:`PeerRefused`). Every voter gets the same outcome; a refusing voter
-        gets None at once (it reports its own error). A refused round is forgotten, so a retry of
-        the same push starts afresh.
+        it everywhere (:class:`PeerRefused`). Every voter gets the same outcome, also one that votes
+        after the refusal; a refusing voter gets None at once (it reports its own error). A shard
+        voting again on a decided push is a retry: the push is decided afresh.
         """
         if self._participants == 1:  # the only shard decides alone
             return self.commit(client_id, sequence, base_version) if staged else None
         key = (client_id, sequence)
         with self._cond:
-            round_ = self._votes.setdefault(key, _VoteRound())
+            round_ = self._votes.get(key)
+            if round_ is None or (round_.outcome is not None and shard_index in round_.votes):
+                # the first vote, or a shard voting again on a decided push: a retry, decided afresh
+                round_ = self._votes[key] = _VoteRound()
+                self._forget_stale_rounds()
             round_.votes[shard_index] = staged
             if round_.outcome is None:
                 if not staged:
@@ -214,7 +222,9 @@ class LocalClock:
                     break
                 self._cond.wait(remaining)
             round_.taken += 1
-            if round_.taken >= len(round_.votes) and self._votes.get(key) is round_:
+            # Kept until every shard voted: a refusal that arrives before a peer's vote must still
+            # answer that vote (the peer would otherwise wait for the vote timeout).
+            if round_.taken >= self._participants and self._votes.get(key) is round_:
                 del self._votes[key]
             outcome = round_.outcome
         if not staged:
@@ -222,6 +232,14 @@ class LocalClock:
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
+
+    def _forget_stale_rounds(self) -> None:
+        """Drops decided rounds that some shard never voted in (its client vanished), once old."""
+        if len(self._votes) < 256:
+            return
+        now = time.monotonic()
+        for key in [k for k, r in self._votes.items() if r.outcome is not None and now - r.started > _STALE_ROUND_S]:
+            del self._votes[key]
 
     def reduce_sum(self, key: int, shard_index: int, value: float) -> float:
         """Sums ``value`` over the participants for step ``key``; returns once all arrived.

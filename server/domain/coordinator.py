@@ -150,13 +150,14 @@ class Coordinator:
         self._fleet = fleet
         self._min_shard_bytes = min_shard_bytes
         self._sessions: dict[str, SessionRecord] = {}
+        self._closing: set[str] = set()  # names whose shards are still closing: not yet reusable
         self._lock = threading.Lock()
 
     def create_session(self, config: SessionConfig, owner: str = "", creator: str = "") -> SessionRecord:
         """Places and opens a session owned by tenant ``owner``, created by client ``creator``."""
         config.validate_optimizer()
         with self._lock:
-            if config.name in self._sessions:
+            if config.name in self._sessions or config.name in self._closing:
                 raise AlreadyExists(f"session {config.name!r} already exists")
             num_shards = len(self._fleet.addresses)
             placement = place_tensors(config.tensors, num_shards, min_shard_bytes=self._min_shard_bytes,
@@ -201,7 +202,10 @@ class Coordinator:
 
     def _owned(self, name: str, tenant: str) -> SessionRecord:
         with self._lock:
-            record = self._sessions.get(name)
+            return self._owned_locked(name, tenant)
+
+    def _owned_locked(self, name: str, tenant: str) -> SessionRecord:
+        record = self._sessions.get(name)
         if record is None:
             raise NotFound(f"session {name!r} not found")
         if record.owner != tenant:
@@ -227,11 +231,16 @@ class Coordinator:
         return self._fleet.shard_summaries()
 
     def close_session(self, name: str, tenant: str = "") -> None:
-        self._owned(name, tenant)
-        with self._lock:
-            if self._sessions.pop(name, None) is None:
-                raise NotFound(f"session {name!r} not found")
-        self._fleet.close_session(name)
+        """Closes ``tenant``'s session; its name is free again once every shard dropped it."""
+        with self._lock:  # the owner check and the removal are one step: no other record can slip in
+            self._owned_locked(name, tenant)
+            del self._sessions[name]
+            self._closing.add(name)
+        try:
+            self._fleet.close_session(name)
+        finally:
+            with self._lock:
+                self._closing.discard(name)
 
     def status(self, name: str, tenant: str = "") -> SessionStatus:
         record = self._owned(name, tenant)

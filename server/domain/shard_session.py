@@ -51,7 +51,10 @@ class PushHeader:
     auto_commit: bool = True
     telemetry: Telemetry = Telemetry()
 
-    def __post_init__(self):
+    def validate(self) -> None:
+        """Raises InvalidArgument naming what is wrong (called inside the push, so a bad header
+        is a refusal that the session's other shards hear of)."""
+        self.telemetry.validate()
         if not self.client_id:
             raise InvalidArgument("push header: client_id must be non-empty")
         if self.sequence < 0:
@@ -263,6 +266,7 @@ class ShardSession:
         buffers = self._pool.acquire()
         assembler = TensorAssembler(self.specs, buffers, check_finite=not self.config.allow_nonfinite)
         try:
+            header.validate()
             for chunk in chunks:
                 assembler.add(chunk)
             grads = assembler.finish()

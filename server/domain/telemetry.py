@@ -2,7 +2,7 @@
 
 The session's home shard records every push it applies (the version of its step, its staleness,
 the loss and scalars its client attached, when) and every push it refuses (when, why). Bounded:
-the most recent ``keep`` of each. ``optserve report`` plots them; the loss is also a metric.
+the most recent ``keep`` (20,000) of each, so a series always fits one gRPC message. ``optserve report`` plots them; the loss is also a metric.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ class Telemetry:
     loss: Optional[float] = None
     scalars: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
-    def __post_init__(self):
+    def validate(self) -> None:
+        """Raises InvalidArgument naming the limit a client's telemetry exceeds."""
         if len(self.scalars) > MAX_SCALARS:
             raise InvalidArgument(f"push header: at most {MAX_SCALARS} scalars, got {len(self.scalars)}")
         for name in self.scalars:
@@ -52,7 +53,7 @@ class RefusedPush:
 class SessionSeries:
     """The bounded series of one session (thread-safe)."""
 
-    def __init__(self, keep: int = 100_000):
+    def __init__(self, keep: int = 20_000):
         self._accepted: collections.deque[AcceptedPush] = collections.deque(maxlen=keep)
         self._refused: collections.deque[RefusedPush] = collections.deque(maxlen=keep)
         self._lock = threading.Lock()

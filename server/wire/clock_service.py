@@ -28,6 +28,13 @@ from optserve.server.domain.errors import (FailedPrecondition, InvalidArgument, 
 from optserve.server.wire.security import InternalSecretInterceptor, InternalTrust
 
 _THREADS = 256  # one per vote or sum waiting for its peers
+_IN_FLIGHT: set = set()  # refusing votes sent without waiting, held until they end
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
+def _forget_call(future) -> None:
+    with _IN_FLIGHT_LOCK:
+        _IN_FLIGHT.discard(future)
 _RPC_SLACK_S = 30.0  # beyond the home-side wait, for the reply to arrive
 
 _KINDS: dict[type, int] = {
@@ -195,8 +202,12 @@ class PeerClock:
         request = clock_pb2.ClockVoteRequest(session=self._session, client_id=client_id, sequence=sequence,
                                              base_version=base_version, shard_index=shard_index, staged=staged,
                                              timeout_s=timeout_s)
-        if not staged:  # tell the peers, do not wait for them
-            self._stub.Vote.future(request, timeout=_RPC_SLACK_S, metadata=self._metadata)
+        if not staged:  # tell the peers, do not wait for them (but keep the call alive until it ends:
+            # a future nobody holds is cancelled when it is garbage-collected)
+            future = self._stub.Vote.future(request, timeout=_RPC_SLACK_S, metadata=self._metadata)
+            with _IN_FLIGHT_LOCK:
+                _IN_FLIGHT.add(future)
+            future.add_done_callback(_forget_call)
             return None
         return _ticket_outcome(self._call("Vote", request, timeout_s + _RPC_SLACK_S))
 

@@ -37,7 +37,7 @@ class TlsMaterial:
     certificates must chain to (``client_ca``; None: no client certificates asked for)."""
 
     cert: bytes
-    key: bytes
+    key: bytes = dataclasses.field(repr=False)
     client_ca: Optional[bytes] = None
 
     @classmethod
@@ -157,7 +157,7 @@ class InternalTrust:
     """How the server's own processes talk to each other: a shared secret, and (when the server
     runs with TLS) a certificate made at start for the internal endpoints, trusted only by them."""
 
-    secret: str
+    secret: str = dataclasses.field(repr=False)
     tls: Optional[TlsMaterial] = None
 
     @classmethod

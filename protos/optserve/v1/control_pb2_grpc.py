@@ -122,7 +122,7 @@ class ControlServicer:
 
     def GetSeries(self, request, context):
         """Returns a session's series: every accepted push (version, staleness, loss, scalars) and
-        every refused one (when, why), oldest first, up to the most recent 100,000 of each.
+        every refused one (when, why), oldest first, up to the most recent 20,000 of each.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
