@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -57,6 +58,7 @@ def start_server(config: ServerConfig) -> RunningServer:
 
     Raises:
       InvalidArgument: a TLS or token file cannot be read (naming the flag), before anything starts.
+      Any error starting a part (a port in use, Ray unreachable): what was started is stopped first.
     """
     import grpc
     import ray
@@ -70,69 +72,75 @@ def start_server(config: ServerConfig) -> RunningServer:
     from optserve.server.wire.security import ServerSecurity
 
     security = ServerSecurity.from_config(config)
-    started_ray = _init_ray(config.ray_address)
-    pool = None
-    if config.precond_workers > 0:
-        from optserve.server.compute.preconditioner_pool import PoolConfig, PreconditionerPool, start_workers
+    teardown = contextlib.ExitStack()  # undone in reverse: by stop(), or at once if starting fails
+    try:
+        if _init_ray(config.ray_address):
+            teardown.callback(ray.shutdown)
+        pool = None
+        if config.precond_workers > 0:
+            from optserve.server.compute.preconditioner_pool import PoolConfig, PreconditionerPool, start_workers
 
-        pool_config = PoolConfig(config.precond_workers, config.gpus_per_precond_worker, config.precond_f64)
-        pool = PreconditionerPool(start_workers(pool_config), pool_config)
-    fleet = start_shards(config, security, pool)
-    coordinator = Coordinator(fleet, min_shard_bytes=config.min_shard_bytes)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads), options=contract.SERVER_OPTIONS,
-                         interceptors=security.interceptors(open_services=Health.OPEN_SERVICES))
-    control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(coordinator, security.tokens), server)
-    health = Health(server, ("optserve.v1.Control",))
-    enable_reflection(server, ("optserve.v1.Control",))
-    port = security.add_port(server, f"{config.host}:{config.port}")
-    server.start()
-    host = "127.0.0.1" if config.host in ("0.0.0.0", "", "::", "[::]") else config.host
-    address = f"{host}:{port}"
-    health_server, health_address = None, None
-    if config.health_port is not None:  # plaintext, health only: for probes that cannot speak TLS
-        health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=contract.SERVER_OPTIONS)
-        health.serve_also_on(health_server)
-        health_address = f"{host}:{health_server.add_insecure_port(f'{config.host}:{config.health_port}')}"
-        health_server.start()
-    health.serving()
+            pool_config = PoolConfig(config.precond_workers, config.gpus_per_precond_worker, config.precond_f64)
+            pool = PreconditionerPool(start_workers(pool_config), pool_config)
+            teardown.callback(lambda: [ray.kill(worker) for worker in pool.workers])
+        fleet = start_shards(config, security, pool)
+        teardown.callback(_stop_fleet, fleet)
+        coordinator = Coordinator(fleet, min_shard_bytes=config.min_shard_bytes)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads),
+                             options=contract.SERVER_OPTIONS,
+                             interceptors=security.interceptors(open_services=Health.OPEN_SERVICES))
+        control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(coordinator, security.tokens), server)
+        health = Health(server, ("optserve.v1.Control",))
+        enable_reflection(server, ("optserve.v1.Control",))
+        port = security.add_port(server, f"{config.host}:{config.port}")
+        server.start()
+        teardown.callback(lambda: server.stop(grace=0.5).wait())
+        host = "127.0.0.1" if config.host in ("0.0.0.0", "", "::", "[::]") else config.host
+        address = f"{host}:{port}"
+        health_address = None
+        if config.health_port is not None:  # plaintext, health only: for probes that cannot speak TLS
+            health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=contract.SERVER_OPTIONS)
+            health.serve_also_on(health_server)
+            health_address = f"{host}:{health_server.add_insecure_port(f'{config.host}:{config.health_port}')}"
+            health_server.start()
+            teardown.callback(lambda: health_server.stop(grace=0.5).wait())
+        metrics_address = None
+        if config.metrics_port is not None:
+            from optserve.server.metrics import FleetCollector, serve_metrics
+
+            collector = FleetCollector(lambda: [f for f in fleet.shard_reports("metrics") if f is not None],
+                                       lambda: len(coordinator.list_all()))
+            metrics_server, metrics_port = serve_metrics(config.metrics_host, config.metrics_port, collector)
+            teardown.callback(metrics_server.server_close)
+            teardown.callback(metrics_server.shutdown)
+            metrics_address = f"{config.metrics_host}:{metrics_port}"
+            log.info("optserve metrics at http://%s/metrics", metrics_address)
+        teardown.callback(health.draining)
+        health.serving()
+    except BaseException:
+        teardown.close()
+        raise
     log.info("optserve listening on %s with shards %s", address, fleet.addresses)
-    metrics_server, metrics_address = None, None
-    if config.metrics_port is not None:
-        from optserve.server.metrics import FleetCollector, serve_metrics
-
-        collector = FleetCollector(lambda: [f for f in fleet.shard_reports("metrics") if f is not None],
-                                   lambda: len(coordinator.list_all()))
-        metrics_server, metrics_port = serve_metrics(config.metrics_host, config.metrics_port, collector)
-        metrics_address = f"{config.metrics_host}:{metrics_port}"
-        log.info("optserve metrics at http://%s/metrics", metrics_address)
 
     def drain():
         health.draining()
         for actor in fleet.actors:
             actor.drain.remote()
 
-    def stop():
-        health.draining()
-        if metrics_server is not None:
-            metrics_server.shutdown()
-            metrics_server.server_close()
-        if health_server is not None:
-            health_server.stop(grace=0.5).wait()
-        server.stop(grace=0.5).wait()
-        for actor in fleet.actors:
-            try:
-                ray.get(actor.stop.remote(), timeout=10)
-            except Exception:  # noqa: BLE001 - best effort, the actor is killed next
-                pass
-            ray.kill(actor)
-        for worker in pool.workers if pool is not None else []:
-            ray.kill(worker)
-        if fleet.placement_group is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            remove_placement_group(fleet.placement_group)
-        if started_ray:
-            ray.shutdown()
-
-    return RunningServer(address, config, list(fleet.addresses), list(fleet.clock_addresses), stop,
+    return RunningServer(address, config, list(fleet.addresses), list(fleet.clock_addresses), teardown.close,
                          pool.workers if pool is not None else [], metrics_address, health_address, drain)
+
+
+def _stop_fleet(fleet) -> None:
+    """Stops and kills the shard actors, then frees their placement group."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for actor in fleet.actors:
+        try:
+            ray.get(actor.stop.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - best effort, the actor is killed next
+            pass
+        ray.kill(actor)
+    if fleet.placement_group is not None:
+        remove_placement_group(fleet.placement_group)

@@ -70,6 +70,10 @@ def serve(args: argparse.Namespace) -> int:
     except InvalidArgument as exc:
         print(f"optserve serve: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # noqa: BLE001 - a port in use, Ray unreachable, ...: one line, not a traceback
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(f"optserve serve: could not start: {type(exc).__name__}: {detail}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

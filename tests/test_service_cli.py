@@ -53,3 +53,24 @@ def test_serve_refuses_a_bad_flag_value_in_one_line_naming_the_flag(flags, named
     assert result.returncode == 2
     assert result.stderr.strip().startswith("optserve serve: ") and named in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_serve_on_a_port_in_use_is_one_line_exit_2_and_leaves_nothing_running():
+    import socket
+
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    try:
+        proc = subprocess.run([sys.executable, "-c", "import sys; from optserve.server.cli import main; sys.exit(main())",
+                               "serve", "--port", str(port), "--shards", "1"], capture_output=True, text=True,
+                              timeout=180, env=env)
+    finally:
+        holder.close()
+    lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("optserve serve")]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and "could not start" in lines[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
