@@ -35,7 +35,6 @@ _SERVICE = "/optserve.v1.ShardData/"
 _SMALL_SESSION_ELEMENTS = 64 << 10
 
 
-_MAX_SCALARS, _MAX_SCALAR_NAME = 16, 64
 
 
 def _scalar(value: Any, what: str) -> float:
@@ -194,12 +193,12 @@ class Session:
         if loss is not None:
             header.loss = _scalar(loss, "loss")
         for name, value in (scalars or {}).items():
-            if not isinstance(name, str) or not 1 <= len(name) <= _MAX_SCALAR_NAME:
-                raise InvalidArgumentError(f"scalars: a name must be a string of 1-{_MAX_SCALAR_NAME} characters, "
+            if not isinstance(name, str) or not 1 <= len(name) <= contract.MAX_SCALAR_NAME:
+                raise InvalidArgumentError(f"scalars: a name must be a string of 1-{contract.MAX_SCALAR_NAME} characters, "
                                            f"got {name!r}")
             header.scalars[name] = _scalar(value, f"scalars[{name!r}]")
-        if len(header.scalars) > _MAX_SCALARS:
-            raise InvalidArgumentError(f"scalars: at most {_MAX_SCALARS} per push, got {len(header.scalars)}")
+        if len(header.scalars) > contract.MAX_SCALARS:
+            raise InvalidArgumentError(f"scalars: at most {contract.MAX_SCALARS} per push, got {len(header.scalars)}")
         return header
 
     def _see_version(self, version: int) -> None:

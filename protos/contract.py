@@ -199,6 +199,12 @@ def _checked_wire(wire: int) -> int:
     return wire
 
 
+# --- push telemetry (PushHeader.loss / scalars) -------------------------------------------------
+
+MAX_SCALARS = 16  # scalars per push
+MAX_SCALAR_NAME = 64  # characters in a scalar's name
+
+
 # --- metadata, reject reasons, gRPC options ----------------------------------------------------
 
 # Trailing metadata of an ABORTED push: the session's version when it was refused as stale ...

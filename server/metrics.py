@@ -20,8 +20,6 @@ from optserve.server.domain.errors import RejectReason
 from optserve.server.domain.shard_session import StepObserver
 
 
-PREFIX = "optserve_"
-
 # name -> (type, labels, help)
 METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "optserve_push_seconds": ("histogram", ("session", "shard"), "Time a shard spent on one push: receive, stage, vote, update."),
@@ -231,7 +229,7 @@ def session_gauges(sessions: Iterable, shard: str) -> list[Metric]:
         if session.series is not None and session.series.last_loss is not None:
             loss.add_metric([name], session.series.last_loss)
         params.add_metric([name, shard], session.updater.param_bytes())
-        state.add_metric([name, shard], session.updater.state_bytes())
+        state.add_metric([name, shard], status.state_bytes)
         roots = status.preconditioners
         if roots is not None and roots.blocks:
             age.add_metric([name, shard], max(b.age for b in roots.blocks))

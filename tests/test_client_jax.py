@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import optserve.client.jax as ojax
-from optserve.client import InvalidArgumentError, PreconditionerOptions, SessionOptions
+from optserve.client import InvalidArgumentError, SessionOptions
 
 STEPS = 20
 

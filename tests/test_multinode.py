@@ -23,7 +23,6 @@ import tempfile
 import time
 import warnings
 
-import numpy as np
 import pytest
 
 from _service_helpers import InProcess, make_grads, make_params, max_abs_diff

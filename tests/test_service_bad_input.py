@@ -314,7 +314,7 @@ def test_a_refusal_on_a_non_home_shard_reaches_the_home_shard_at_once(client, se
     params = make_params()
     session = client.create_session(unique_name, params, optimizer=ADAM)
     try:
-        home, other = session.info.shards[0], session.info.shards[1]
+        other = session.info.shards[1]  # not the home shard (the first of the shard map)
         for attempt in range(3):
             bad = make_grads(params, attempt)
             bad[other.tensor_names[0]].reshape(-1)[0] = np.nan

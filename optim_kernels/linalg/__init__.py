@@ -38,4 +38,5 @@ __all__ = [
     "matrix_inverse_pth_root",
     "matrix_power",
     "power_iteration",
+    "root_method_config",
 ]

@@ -14,10 +14,8 @@ import threading
 import time
 from typing import Mapping, Optional
 
+from optserve.protos.contract import MAX_SCALAR_NAME, MAX_SCALARS
 from optserve.server.domain.errors import InvalidArgument, RejectReason
-
-MAX_SCALARS = 16
-MAX_SCALAR_NAME = 64
 
 
 @dataclasses.dataclass(frozen=True)
