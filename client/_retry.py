@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from typing import Callable, TypeVar
+from typing import Callable, Optional, TypeVar
 
 import grpc
 
@@ -31,8 +31,12 @@ class RetryPolicy:
             raise ValueError(f"attempts must be >= 1, got {self.attempts}")
 
 
-def call(fn: Callable[[], T], policy: RetryPolicy) -> T:
-    """Calls ``fn``; converts gRPC errors to client errors; retries UNAVAILABLE per ``policy``."""
+def call(fn: Callable[[], T], policy: RetryPolicy, before_retry: Optional[Callable[[], None]] = None) -> T:
+    """Calls ``fn``; converts gRPC errors to client errors; retries UNAVAILABLE per ``policy``.
+
+    ``before_retry()`` runs before each retry; an error it raises ends the retries (the session
+    was found lost, say: waiting cannot help).
+    """
     for attempt in range(policy.attempts):
         try:
             return fn()
@@ -42,6 +46,8 @@ def call(fn: Callable[[], T], policy: RetryPolicy) -> T:
             error = unavailable
         if not isinstance(error, UnavailableError) or attempt + 1 == policy.attempts:
             raise error
+        if before_retry is not None:
+            before_retry()
         backoff = min(policy.max_backoff_s, policy.initial_backoff_s * 2**attempt)
         time.sleep(backoff * random.uniform(0.8, 1.2))
     raise AssertionError("unreachable")

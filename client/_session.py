@@ -21,7 +21,8 @@ import numpy as np
 
 from optserve.client import _retry, _wire
 from optserve.client._step_stream import StepStream, StreamBroken
-from optserve.client.errors import InvalidArgumentError, PeerRefusedError, UnavailableError, from_rpc_error
+from optserve.client.errors import (InvalidArgumentError, NotFoundError, OptservError, PeerRefusedError,
+                                   SessionLostError, UnavailableError, from_rpc_error)
 from optserve.client.options import SessionOptions
 from optserve.client.status import SessionStatus
 from optserve.protos import chunk_codec, contract
@@ -118,8 +119,7 @@ class Session:
         ``out``: arrays to write into (e.g. the previous result), avoiding fresh allocations.
         """
         wire = self._wire(wire_dtype)
-        results = self._each_shard(
-            lambda shard: _retry.call(lambda: self._pull_shard(shard, wire, out), self._client.retry))
+        results = self._served(lambda: self._each_shard(lambda shard: self._pull_shard(shard, wire, out)))
         self._see_version(min(version for version, _ in results))
         return {name: value for _, arrays in results for name, value in arrays.items()}
 
@@ -139,7 +139,7 @@ class Session:
         grads = self._check_grads(grads)
         wire = self._wire(wire_dtype)
         header = self._header(base_version, loss, scalars)
-        return _retry.call(lambda: self._push_once(header, grads, wire), self._client.retry)
+        return self._served(lambda: self._push_once(header, grads, wire))
 
     def push_pull(self, grads: Mapping[str, np.ndarray], wire_dtype: _wire.DTypeLike = "default",
                   out: Optional[Mapping[str, np.ndarray]] = None,
@@ -152,7 +152,7 @@ class Session:
         grads = self._check_grads(grads)
         wire = self._wire(wire_dtype)
         header = self._header(base_version, loss, scalars)
-        return _retry.call(lambda: self._push_pull_once(header, grads, wire, out), self._client.retry)
+        return self._served(lambda: self._push_pull_once(header, grads, wire, out))
 
     def push_pull_async(self, grads: Mapping[str, np.ndarray], **kwargs) -> concurrent.futures.Future:
         """``push_pull`` in a background thread (one at a time per session, in call order)."""
@@ -180,6 +180,27 @@ class Session:
         self._background.shutdown(wait=False)
 
     # ----------------------------------------------------------------- helpers
+    def _served(self, attempt: Callable[[], Any]) -> Any:
+        """Runs a data-plane ``attempt`` with the client's retries (UNAVAILABLE). When it fails in
+        a way that may mean a shard died (UNAVAILABLE, a shard that no longer knows the session),
+        the coordinator is asked first: a lost session raises :class:`SessionLostError` at once."""
+        try:
+            return _retry.call(attempt, self._client.retry, before_retry=self._raise_if_lost)
+        except (UnavailableError, NotFoundError):
+            self._raise_if_lost()
+            raise
+
+    def _raise_if_lost(self) -> None:
+        """Raises SessionLostError if the coordinator says this session is lost (one quick call;
+        any other answer, or none, raises nothing)."""
+        request = control_pb2.GetSessionRequest(name=self.name)
+        try:
+            self._client._control.GetSession(request, timeout=min(5.0, self._client.timeout))
+        except grpc.RpcError as exc:
+            error: OptservError = from_rpc_error(exc)
+            if isinstance(error, SessionLostError):
+                raise error from None
+
     def _wire(self, requested) -> Optional[int]:
         if isinstance(requested, str) and requested == "default":
             return self.wire_dtype

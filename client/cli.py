@@ -49,10 +49,16 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 def collect(client) -> dict:
     """``{"sessions": [...], "shards": [...]}`` as plain data (what ``--json`` prints)."""
-    sessions = []
+    from optserve.client.errors import SessionLostError
+
+    sessions, lost = [], []
     for name in client.list_sessions():
-        options = client.session_options(name)
-        status = client.session_status(name)
+        try:
+            options = client.session_options(name)
+            status = client.session_status(name)
+        except SessionLostError as exc:  # listed until its owner closes it
+            lost.append({"name": name, "why": str(exc)})
+            continue
         sessions.append({
             "name": name, "mode": options.mode, "optimizer": options.optimizer,
             "version": status.version, "steps_applied": status.steps_applied,
@@ -63,7 +69,7 @@ def collect(client) -> dict:
             "last_activity_unix_s": status.last_activity_unix_s,
         })
     shards = [dataclasses.asdict(s) for s in client.server_status()]
-    return {"sessions": sessions, "shards": shards}
+    return {"sessions": sessions, "lost_sessions": lost, "shards": shards}
 
 
 def render(report: dict, now: Optional[float] = None) -> str:
@@ -77,6 +83,8 @@ def render(report: dict, now: Optional[float] = None) -> str:
     return "\n\n".join([
         _table(["session", "mode", "optimizer", "version", "steps", "rejected", "staleness p50/max", "shards",
                 "bytes", "last activity"], sessions) if sessions else "no sessions",
+        *([_table(["lost session", "why"], [[s["name"], s["why"]] for s in report["lost_sessions"]])]
+          if report.get("lost_sessions") else []),
         _table(["shard", "address", "ray node", "sessions", "param bytes", "memory", "healthy"], shards),
     ])
 

@@ -86,6 +86,14 @@ class PermissionDeniedError(OptservError):
     code = "PERMISSION_DENIED"
 
 
+class SessionLostError(OptservError):
+    """DATA_LOSS: a shard holding part of the session died and the server could not restore it
+    (the message names the session and the shard). Retrying cannot help: close the session and
+    create it again."""
+
+    code = "DATA_LOSS"
+
+
 _BY_CODE = {
     grpc.StatusCode.NOT_FOUND: NotFoundError,
     grpc.StatusCode.ALREADY_EXISTS: AlreadyExistsError,
@@ -96,6 +104,7 @@ _BY_CODE = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.DATA_LOSS: SessionLostError,
 }
 
 

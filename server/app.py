@@ -30,6 +30,7 @@ class RunningServer:
     metrics_address: Optional[str] = None  # "host:port" serving /metrics (None: off)
     health_address: Optional[str] = None  # "host:port" of the plaintext health port (None: off)
     _drain: Callable[[], None] = lambda: None
+    fleet: object = None  # the RayShardFleet (operators' and fault tests' handle on the shard actors)
 
     def drain(self) -> None:
         """Health checks answer NOT_SERVING on every port; calls are still served."""
@@ -67,6 +68,7 @@ def start_server(config: ServerConfig) -> RunningServer:
     from optserve.protos.optserve.v1 import control_pb2_grpc
     from optserve.server.domain.coordinator import Coordinator
     from optserve.server.shard_actor import start_shards
+    from optserve.server.shard_watch import ShardWatch
     from optserve.server.wire.control_servicer import ControlServicer
     from optserve.server.wire.health import Health, enable_reflection
     from optserve.server.wire.security import ServerSecurity
@@ -86,6 +88,8 @@ def start_server(config: ServerConfig) -> RunningServer:
         fleet = start_shards(config, security, pool)
         teardown.callback(_stop_fleet, fleet)
         coordinator = Coordinator(fleet, min_shard_bytes=config.min_shard_bytes)
+        watch = ShardWatch(fleet, coordinator).start()  # stopped before the fleet (teardown runs in reverse)
+        teardown.callback(watch.stop)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads),
                              options=contract.SERVER_OPTIONS,
                              interceptors=security.interceptors(open_services=Health.OPEN_SERVICES))
@@ -121,6 +125,8 @@ def start_server(config: ServerConfig) -> RunningServer:
         teardown.close()
         raise
     log.info("optserve listening on %s with shards %s", address, fleet.addresses)
+    log.warning("sessions are not durable: a shard process that dies loses the sessions it holds "
+                "(they answer DATA_LOSS), and a server restart loses every session")
 
     def drain():
         health.draining()
@@ -128,7 +134,7 @@ def start_server(config: ServerConfig) -> RunningServer:
             actor.drain.remote()
 
     return RunningServer(address, config, list(fleet.addresses), list(fleet.clock_addresses), teardown.close,
-                         pool.workers if pool is not None else [], metrics_address, health_address, drain)
+                         pool.workers if pool is not None else [], metrics_address, health_address, drain, fleet)
 
 
 def _stop_fleet(fleet) -> None:

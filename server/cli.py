@@ -78,6 +78,8 @@ def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"optserve listening on {running.address}", flush=True)
+    print("optserve: sessions are not durable: a shard process that dies loses the sessions it holds "
+          "(they answer DATA_LOSS), and a server restart loses every session", flush=True)
     if running.metrics_address:
         print(f"optserve metrics at http://{running.metrics_address}/metrics", flush=True)
     while not stop.wait(0.5):

@@ -102,11 +102,26 @@ class ShardActor:
                                         self._config.vote_timeout_s, owner=opening.owner, creator=opening.creator,
                                         observer=self._observer(config.name)))
 
-    def close_session(self, name: str) -> bool:
+    def close_session(self, name: str, reason: str = "") -> bool:
+        """Drops the session's part on this shard; with a ``reason`` (the session was lost), calls
+        still waiting in it fail with SessionLost(``reason``) instead of waiting out their timeouts."""
+        from optserve.server.domain.errors import NotFound, SessionLost
+
+        if reason:
+            try:
+                self._registry.get(name).abandon(SessionLost(reason))
+            except NotFound:
+                pass
         self._clocks.remove(name)
         removed = self._registry.remove(name)
         self._metrics.forget(name)
         return removed
+
+    def pid(self) -> int:
+        """The shard's process id (operators and fault tests kill it)."""
+        import os
+
+        return os.getpid()
 
     def _observer(self, session: str):
         """The session's metrics observer; a no-op one when the server exports no metrics."""
@@ -153,18 +168,63 @@ class RayShardFleet:
 
     placement_group = None  # set by start_shards: the Ray placement group the actors run in
 
-    def __init__(self, actors: list):
+    def __init__(self, actors: list, start_actor=None):
         import ray
 
         self.actors = actors
         self.addresses = ray.get([a.address.remote() for a in actors])
         self.clock_addresses = ray.get([a.clock_address.remote() for a in actors])
+        self._start_actor = start_actor  # index -> a new actor for that shard (see restart)
+
+    def dead_shards(self, timeout_s: float = 5.0) -> list[int]:
+        """Indices of the shards whose actor died (a shard that is only slow to answer is alive)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        refs = [actor.pid.remote() for actor in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        done, dead = set(ready), []
+        for index, ref in enumerate(refs):
+            if ref in done:
+                try:
+                    ray.get(ref)
+                except RayActorError:
+                    dead.append(index)
+        return dead
+
+    def restart(self, index: int) -> str:
+        """Replaces shard ``index``'s (dead) actor by a new one in the same placement bundle;
+        returns its data-plane address (the shard's sessions are not restored)."""
+        import ray
+
+        if self._start_actor is None:
+            raise RuntimeError("this fleet cannot start shard actors")
+        ray.kill(self.actors[index])
+        actor = self._start_actor(index)
+        address, clock_address = ray.get([actor.address.remote(), actor.clock_address.remote()])
+        self.actors[index] = actor
+        self.addresses[index], self.clock_addresses[index] = address, clock_address
+        return address
+
+    def pids(self) -> list[int]:
+        """Each shard's process id (by index)."""
+        return _ray_get([actor.pid.remote() for actor in self.actors])
 
     def open_session(self, openings: Sequence[ShardOpening]) -> None:
         _ray_get([self.actors[o.shard_index].open_session.remote(o) for o in openings])
 
-    def close_session(self, name: str) -> None:
-        _ray_get([a.close_session.remote(name) for a in self.actors])
+    def close_session(self, name: str, reason: str = "") -> None:
+        """On every shard that answers; a dead shard holds nothing any more."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        for ref in [a.close_session.remote(name, reason) for a in self.actors]:
+            try:
+                ray.get(ref)
+            except RayActorError:
+                pass
+            except Exception as exc:  # re-raise the domain error inside a RayTaskError
+                raise unwrap(exc) from None
 
     def session_status(self, name: str, shard_indices: Sequence[int]) -> list[ShardSessionStatus]:
         return _ray_get([self.actors[i].session_status.remote(name) for i in shard_indices])
@@ -261,11 +321,13 @@ def start_shards(config: ServerConfig, security, precond_pool=None) -> RayShardF
     if config.gpus_per_shard > 0:  # the actor's JAX then sees (only) the GPUs Ray assigned it
         options["num_gpus"] = config.gpus_per_shard
     cls = ray.remote(ShardActor)
+
+    def start_actor(index: int):
+        return cls.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=index)).remote(index, config, security, precond_pool)
+
     try:
-        actors = [cls.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                      group, placement_group_bundle_index=i)).remote(i, config, security, precond_pool)
-                  for i in range(config.shards)]
-        fleet = RayShardFleet(actors)
+        fleet = RayShardFleet([start_actor(i) for i in range(config.shards)], start_actor)
     except BaseException:
         remove_placement_group(group)  # and with it the actors already started
         raise

@@ -32,6 +32,7 @@ def test_reject_reasons_are_the_proto_enum():
     (errors.PermissionDenied("x"), grpc.StatusCode.PERMISSION_DENIED),
     (errors.Cancelled("x"), grpc.StatusCode.CANCELLED),
     (errors.Timeout("x"), grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.SessionLost("x"), grpc.StatusCode.DATA_LOSS),
     (RuntimeError("x"), grpc.StatusCode.INTERNAL),
 ])
 def test_every_domain_error_has_its_status_code(error, code):

@@ -166,6 +166,17 @@ class LocalClock:
         self._cond = threading.Condition()
         self._votes: dict[tuple[str, int], _VoteRound] = {}
         self._sums: dict[int, dict] = {}
+        self._abandoned: Optional[OptservError] = None
+
+    def abandon(self, error: OptservError) -> None:
+        """The session ended (closed, or a shard of it died): pending and later votes and sums
+        fail with ``error``."""
+        with self._cond:
+            self._abandoned = error
+            for round_ in self._votes.values():
+                if round_.outcome is None:
+                    round_.outcome = error
+            self._cond.notify_all()
 
     @property
     def participants(self) -> int:
@@ -193,6 +204,8 @@ class LocalClock:
             return self.commit(client_id, sequence, base_version) if staged else None
         key = (client_id, sequence)
         with self._cond:
+            if self._abandoned is not None:
+                raise self._abandoned
             round_ = self._votes.get(key)
             if round_ is None or (round_.outcome is not None and shard_index in round_.votes):
                 # the first vote, or a shard voting again on a decided push: a retry, decided afresh
@@ -257,6 +270,8 @@ class LocalClock:
             self._cond.notify_all()
             deadline = time.monotonic() + self._reduce_timeout
             while len(entry["values"]) < self._participants:
+                if self._abandoned is not None:
+                    raise self._abandoned
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     self._sums.pop(key, None)

@@ -9,6 +9,11 @@ Ownership: a session belongs to the tenant that created it (``""`` when the serv
 tokens). Session names are one namespace: another tenant's session is PERMISSION_DENIED to every
 call, and its name cannot be taken while it lives (ALREADY_EXISTS). Listing shows only the
 caller's own sessions.
+
+Lost sessions: when a shard process dies (:meth:`Coordinator.shard_lost`), every session with
+tensors on it is *lost*: its parts on the other shards are dropped, and every call naming it is
+refused with :class:`~optserve.server.domain.errors.SessionLost` (the message names the session
+and the shard) until its owner closes it; it stays listed, so the owner sees what happened.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Optional, Protocol, Sequence
 
 from optserve.server.domain.clock import ClockStatus
 from optserve.server.domain.config import Mode, PreconditionerOptions, SessionConfig
-from optserve.server.domain.errors import AlreadyExists, FailedPrecondition, NotFound, PermissionDenied
+from optserve.server.domain.errors import AlreadyExists, FailedPrecondition, NotFound, PermissionDenied, SessionLost
 from optserve.server.domain.placement import place_tensors
 from optserve.server.domain.shard_session import ShardSessionStatus
 
@@ -129,7 +134,8 @@ class ShardFleet(Protocol):
 
     def open_session(self, openings: Sequence[ShardOpening]) -> None: ...
 
-    def close_session(self, name: str) -> None: ...  # on every shard (idempotent)
+    def close_session(self, name: str, reason: str = "") -> None: ...  # on every shard (idempotent);
+    # calls still waiting in the session fail with ``reason`` (a lost session's message) if given
 
     def session_status(self, name: str, shard_indices: Sequence[int]) -> list[ShardSessionStatus]: ...
 
@@ -151,6 +157,7 @@ class Coordinator:
         self._min_shard_bytes = min_shard_bytes
         self._sessions: dict[str, SessionRecord] = {}
         self._closing: set[str] = set()  # names whose shards are still closing: not yet reusable
+        self._lost: dict[str, str] = {}  # lost session -> why (see the module docstring)
         self._lock = threading.Lock()
 
     def create_session(self, config: SessionConfig, owner: str = "", creator: str = "") -> SessionRecord:
@@ -192,17 +199,45 @@ class Coordinator:
         return loads
 
     def get_session(self, name: str, tenant: str = "", expect: Optional[AttachExpectation] = None) -> SessionRecord:
-        """The session, if ``tenant`` owns it and it is what the caller ``expect``s."""
-        record = self._owned(name, tenant)
+        """The session, if ``tenant`` owns it, it is not lost and it is what the caller ``expect``s."""
+        record = self._usable(name, tenant)
         differences = expect.differences(record.config) if expect is not None else []
         if differences:
             raise FailedPrecondition(f"session {name!r} is not the session you expect: it has "
                                      + "; ".join(differences))
         return record
 
-    def _owned(self, name: str, tenant: str) -> SessionRecord:
+    def _usable(self, name: str, tenant: str) -> SessionRecord:
+        """The session, if ``tenant`` owns it; raises SessionLost if it is lost."""
         with self._lock:
-            return self._owned_locked(name, tenant)
+            record = self._owned_locked(name, tenant)
+            why = self._lost.get(name)
+        if why is not None:
+            raise SessionLost(why)
+        return record
+
+    def shard_lost(self, shard_index: int, address: str, cause: str) -> list[str]:
+        """Shard ``shard_index`` (at ``address``) died of ``cause``: its sessions are lost.
+
+        Drops their parts on the other shards (calls waiting there fail with the same message)
+        and returns their names. Sessions already lost are left as they are.
+        """
+        with self._lock:
+            lost = {}
+            for name, record in self._sessions.items():
+                if name not in self._lost and any(a.shard_index == shard_index for a in record.assignments):
+                    lost[name] = (f"session {name!r} is lost: shard {shard_index} ({address}), which held part of "
+                                  f"it, died ({cause}) and the server keeps no copy of its state; close the "
+                                  f"session and create it again")
+            self._lost.update(lost)
+        for name, why in lost.items():
+            self._fleet.close_session(name, why)
+        return sorted(lost)
+
+    def lost_sessions(self) -> dict[str, str]:
+        """Lost session -> why (operators' view)."""
+        with self._lock:
+            return dict(self._lost)
 
     def _owned_locked(self, name: str, tenant: str) -> SessionRecord:
         record = self._sessions.get(name)
@@ -224,7 +259,7 @@ class Coordinator:
 
     def series(self, name: str, tenant: str = ""):
         """The session's ``(accepted, refused)`` push records, kept by its home shard."""
-        record = self._owned(name, tenant)
+        record = self._usable(name, tenant)
         return self._fleet.session_series(name, record.assignments[0].shard_index)
 
     def shards(self) -> list[ShardSummary]:
@@ -235,6 +270,7 @@ class Coordinator:
         with self._lock:  # the owner check and the removal are one step: no other record can slip in
             self._owned_locked(name, tenant)
             del self._sessions[name]
+            self._lost.pop(name, None)
             self._closing.add(name)
         try:
             self._fleet.close_session(name)
@@ -243,6 +279,6 @@ class Coordinator:
                 self._closing.discard(name)
 
     def status(self, name: str, tenant: str = "") -> SessionStatus:
-        record = self._owned(name, tenant)
+        record = self._usable(name, tenant)
         shards = self._fleet.session_status(name, [a.shard_index for a in record.assignments])
         return SessionStatus(record, shards[0].clock, tuple(shards))  # the home shard keeps the clock

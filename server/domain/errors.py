@@ -71,6 +71,11 @@ class Cancelled(OptservError):
     """The caller went away mid-push (its stream broke or ended early): nothing was applied."""
 
 
+class SessionLost(OptservError):
+    """A session's state is gone: a shard holding part of it died and the server cannot restore it.
+    Retrying cannot help; the session must be closed (and created again)."""
+
+
 class Timeout(OptservError):
     """A wait (sync barrier, cross-shard reduction) ran past its deadline."""
 

@@ -28,7 +28,7 @@ from optserve.server.domain.clock import ClockStatus, Ticket
 from optserve.server.domain.config import Mode, SessionConfig, TensorSpec
 from optserve.server.domain.telemetry import SessionSeries, Telemetry
 from optserve.server.domain.errors import (Cancelled, FailedPrecondition, InvalidArgument, NonFinite, NotFound,
-                                           PeerRefused, PermissionDenied, RejectReason, Stale, Timeout)
+                                           OptservError, PeerRefused, PermissionDenied, RejectReason, Stale, Timeout)
 
 _GAP_POLL_S = 0.25
 
@@ -181,6 +181,7 @@ class ShardSession:
         self._arrived: dict[int, Ticket] = {}
         self._sum: Optional[dict[str, np.ndarray]] = None
         self._summed = 0
+        self._abandoned: Optional[OptservError] = None  # set by abandon(): every wait raises it
 
     # ----------------------------------------------------------------- initial values
     @property
@@ -211,10 +212,11 @@ class ShardSession:
         """Waits up to ``vote_timeout_s`` for the initial values: a client that attaches right after
         the session was created may pull before its creator has sent them."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self.initialized, timeout=self._vote_timeout):
+            if not self._cond.wait_for(lambda: self.initialized or self._abandoned, timeout=self._vote_timeout):
                 raise FailedPrecondition(
                     f"session {self.config.name!r}: initial values were not sent to shard {self.shard_index} "
                     f"(waited {self._vote_timeout:g} s for the creating client)")
+            self._raise_if_abandoned()
 
     # ----------------------------------------------------------------- the step
     def push(self, header: PushHeader, chunks: Iterable, complete: Callable[[], bool] = lambda: True) -> Receipt:
@@ -335,7 +337,9 @@ class ShardSession:
                     self._apply_ticket(pending)
                     self._cond.notify_all()
                     continue
+                self._raise_if_abandoned()
                 if not self._cond.wait(timeout=_GAP_POLL_S):
+                    self._raise_if_abandoned()
                     missing = self._clock.ticket(self._next_ordinal)
                     if missing is not None:
                         self._arrived.setdefault(missing.ordinal, missing)
@@ -343,11 +347,26 @@ class ShardSession:
                     raise Timeout(f"session {self.config.name!r}: ticket {self._next_ordinal} never arrived on "
                                   f"shard {self.shard_index}")
             while self.version < ticket.target_version:
+                self._raise_if_abandoned()
                 if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
                     raise Timeout(
                         f"session {self.config.name!r}: step {ticket.target_version} did not complete within "
                         f"{self._timeout:.0f} s (sync mode waits for num_workers={self.config.num_workers} pushes)"
                     )
+
+    def abandon(self, error: OptservError) -> None:
+        """Ends the session on this shard (it was closed, or lost a peer shard): every call
+        waiting in it, and every later one, raises ``error``; its clock's waits end too."""
+        with self._cond:
+            self._abandoned = error
+            self._cond.notify_all()
+        abandon_clock = getattr(self._clock, "abandon", None)  # the home shard's LocalClock
+        if abandon_clock is not None:
+            abandon_clock(error)
+
+    def _raise_if_abandoned(self) -> None:
+        if self._abandoned is not None:
+            raise self._abandoned
 
     def _apply_ticket(self, ticket: Ticket) -> None:
         with self._staged_lock:

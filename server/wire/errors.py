@@ -29,6 +29,7 @@ STATUS_CODES: tuple[tuple[type[errors.OptservError], grpc.StatusCode], ...] = (
     (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (errors.Cancelled, grpc.StatusCode.CANCELLED),
     (errors.Timeout, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.SessionLost, grpc.StatusCode.DATA_LOSS),
 )
 
 
