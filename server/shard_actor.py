@@ -100,7 +100,8 @@ class ShardActor:
         self._registry.add(ShardSession(config, list(opening.tensor_names), opening.shard_index, clock,
                                         Updater(optimizer, preconditioners), self._config.step_timeout_s,
                                         self._config.vote_timeout_s, owner=opening.owner, creator=opening.creator,
-                                        observer=self._observer(config.name)))
+                                        observer=self._observer(config.name),
+                                        staged_push_ttl_s=self._config.staged_push_ttl_s))
 
     def close_session(self, name: str, reason: str = "") -> bool:
         """Drops the session's part on this shard; with a ``reason`` (the session was lost), calls

@@ -168,6 +168,8 @@ class ServerConfig:
       step_timeout_s: longest wait for a sync barrier or a cross-shard reduction.
       vote_timeout_s: how long shards that staged a push wait for their peers to stage theirs
         before refusing it everywhere (a client that vanished between shards).
+      staged_push_ttl_s: how long a push staged without auto-commit (the client-driven two-phase
+        path) waits for its Commit or Abort before the shard drops it and frees its buffers (> 0).
       tls_cert / tls_key: PEM files of the server's certificate chain and key: TLS on every port.
       tls_client_ca: PEM file of the CA client certificates must chain to (mutual TLS).
       auth_tokens: file of tenant tokens, one per line (``token [name]``): every call must carry one.
@@ -192,6 +194,7 @@ class ServerConfig:
     min_shard_bytes: int = 4 << 20
     step_timeout_s: float = 300.0
     vote_timeout_s: float = 30.0
+    staged_push_ttl_s: float = 60.0
     tls_cert: Optional[str] = None
     tls_key: Optional[str] = None
     tls_client_ca: Optional[str] = None
@@ -219,6 +222,8 @@ class ServerConfig:
             raise InvalidArgument(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         if self.health_port is not None and not 0 <= self.health_port <= 65535:
             raise InvalidArgument(f"--health-port must be in [0, 65535], got {self.health_port}")
+        if not self.staged_push_ttl_s > 0:
+            raise InvalidArgument(f"staged_push_ttl_s must be > 0, got {self.staged_push_ttl_s}")
         if self.drain_s < 0:
             raise InvalidArgument(f"--drain-s must be >= 0, got {self.drain_s}")
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -10,11 +10,20 @@ buffers, stages them under the push's identity ``(client_id, sequence)`` and, wi
 
 Idempotency: a shard remembers each client's last applied sequence; a retry of an applied push
 is answered from the clock's ticket and applies nothing twice.
+
+A push staged for the two-phase path and never committed or aborted expires after
+``staged_push_ttl_s``: checked lazily, when the session next receives a push or a commit (or is
+asked for its status), so expiry costs no thread or timer.
+
+Every push the shard refuses or drops is logged once (logger ``__name__``, INFO, ``key=value``:
+``event=push_refused session=... shard=... client=... sequence=... reason=...``); never values.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import threading
 import time
 from typing import Any, Callable, Iterable, Mapping, Optional
@@ -30,7 +39,11 @@ from optserve.server.domain.telemetry import SessionSeries, Telemetry
 from optserve.server.domain.errors import (Cancelled, FailedPrecondition, InvalidArgument, NonFinite, NotFound,
                                            OptservError, PeerRefused, PermissionDenied, RejectReason, Stale, Timeout)
 
+_log = logging.getLogger(__name__)
+
 _GAP_POLL_S = 0.25
+_ANSWER_MARGIN_S = 1.0  # a wait bounded by the caller's deadline ends this much earlier, to answer in time
+_KEEP_EXPIRED = 1024  # expired staged pushes remembered (for a later Commit's message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,12 +141,27 @@ class StepObserver:
 
 
 class _Staged:
-    __slots__ = ("base_version", "grads", "telemetry")
+    """A staged push. ``expires_at``: monotonic time after which an uncommitted two-phase push is
+    dropped (None: auto-commit, bounded by its vote); ``committing``: a Commit reached this shard,
+    so it no longer expires."""
 
-    def __init__(self, base_version: int, grads: dict[str, np.ndarray], telemetry: Telemetry):
+    __slots__ = ("base_version", "grads", "telemetry", "expires_at", "committing")
+
+    def __init__(self, base_version: int, grads: dict[str, np.ndarray], telemetry: Telemetry,
+                 expires_at: Optional[float] = None):
         self.base_version = base_version
         self.grads = grads
         self.telemetry = telemetry
+        self.expires_at = expires_at
+        self.committing = False
+
+
+def _log_value(value) -> str:
+    """A ``key=value`` log field's value: as is when plain, else JSON-quoted (spaces, quotes, '=')."""
+    text = str(value)
+    if text and all(c.isalnum() or c in "-_.:/@+" for c in text):
+        return text
+    return json.dumps(text)
 
 
 class ShardSession:
@@ -149,6 +177,8 @@ class ShardSession:
       step_timeout_s: longest wait for a sync barrier, a missing ticket or a reduction.
       vote_timeout_s: auto-commit: longest wait for the peer shards to stage a push; also how
         long a push waits for the creator's initial values.
+      staged_push_ttl_s: two-phase path: a push staged without ``auto_commit`` and neither
+        committed nor aborted within this long is dropped (rejection reason ABORTED).
       owner: the tenant the session belongs to ("" without tokens).
       creator: the creating client's identity; only it may send the initial values ("": anyone).
       observer: where the session reports what it does (metrics).
@@ -156,7 +186,9 @@ class ShardSession:
 
     def __init__(self, config: SessionConfig, tensor_names: list[str], shard_index: int, clock, updater: Updater,
                  step_timeout_s: float = 300.0, vote_timeout_s: float = 30.0, owner: str = "", creator: str = "",
-                 observer: StepObserver = StepObserver()):
+                 observer: StepObserver = StepObserver(), staged_push_ttl_s: float = 60.0):
+        if not staged_push_ttl_s > 0:
+            raise InvalidArgument(f"staged_push_ttl_s must be > 0, got {staged_push_ttl_s}")
         by_name = config.spec_by_name
         self.config = config
         self.owner = owner
@@ -171,6 +203,8 @@ class ShardSession:
         self._clock = clock
         self._timeout = step_timeout_s
         self._vote_timeout = vote_timeout_s
+        self._staged_ttl = staged_push_ttl_s
+        self._expired: dict[tuple[str, int], float] = {}  # identity -> when it expired (time.time())
         self._rejected = {reason: 0 for reason in RejectReason}
         self._pool = BufferPool([(s.name, s.shape) for s in self.specs.values()])
         self._staged: dict[tuple[str, int], _Staged] = {}
@@ -182,6 +216,7 @@ class ShardSession:
         self._sum: Optional[dict[str, np.ndarray]] = None
         self._summed = 0
         self._abandoned: Optional[OptservError] = None  # set by abandon(): every wait raises it
+        self._step_clients: list[str] = []  # sync: clients whose pushes the open step holds here
 
     # ----------------------------------------------------------------- initial values
     @property
@@ -219,7 +254,8 @@ class ShardSession:
             self._raise_if_abandoned()
 
     # ----------------------------------------------------------------- the step
-    def push(self, header: PushHeader, chunks: Iterable, complete: Callable[[], bool] = lambda: True) -> Receipt:
+    def push(self, header: PushHeader, chunks: Iterable, complete: Callable[[], bool] = lambda: True,
+             wait_s: Optional[float] = None) -> Receipt:
         """Receives one push and, with ``header.auto_commit``, applies it with the session's shards.
 
         Args:
@@ -227,6 +263,9 @@ class ShardSession:
           chunks: ``TensorChunk``-like items covering this shard's tensors exactly once.
           complete: asked once the chunks ran out: False if the push's stream broke or ended
             early (nothing is then applied anywhere).
+          wait_s: how long the caller waits for the answer (its deadline; None: unbounded). The
+            wait for the push's step ends at ``step_timeout_s`` or shortly before this, whichever
+            comes first, so the caller hears the shard's Timeout rather than its own deadline.
 
         Returns:
           auto_commit: the applied push's receipt; else the staged push's (``committed=False``).
@@ -234,8 +273,11 @@ class ShardSession:
         Raises:
           InvalidArgument / NonFinite: a bad chunk or value (nothing staged, the peers drop theirs).
           Cancelled: the stream ended early.
-          Stale / PeerRefused / Timeout: the push was refused or its step never completed.
+          Stale / PeerRefused / Timeout: the push was refused or its step never completed (a sync
+            step's Timeout names how many of num_workers pushes arrived, and from which clients).
         """
+        until = self._wait_until(wait_s)
+        self._expire_staged()
         try:
             already_applied = self._receive(header, chunks, complete)
         except BaseException:
@@ -245,22 +287,58 @@ class ShardSession:
         if not header.auto_commit:
             return Receipt(self.version, already_applied, committed=False)
         ticket = self._decide(header.client_id, header.sequence, lambda base: self._clock.vote(
-            header.client_id, header.sequence, base, self.shard_index, True, self._vote_timeout))
+            header.client_id, header.sequence, base, self.shard_index, True, self._vote_timeout), until)
         return Receipt(ticket.target_version, already_applied, True, ticket.staleness, ticket.scale)
 
-    def commit(self, client_id: str, sequence: int) -> Receipt:
+    def commit(self, client_id: str, sequence: int, wait_s: Optional[float] = None) -> Receipt:
         """Two-phase path: applies a push staged without ``auto_commit``; returns once its step is
-        applied here. Raises NotFound if nothing is staged under the identity and it was never applied."""
+        applied here (``wait_s``: as for :meth:`push`).
+
+        Raises:
+          NotFound: nothing is staged under the identity and it was never applied (also when it
+            expired: not committed within ``staged_push_ttl_s``; the message says so).
+        """
+        until = self._wait_until(wait_s)
+        self._expire_staged()
+        key = (client_id, sequence)
         with self._staged_lock:
-            staged = (client_id, sequence) in self._staged
-        if not staged and not self._already_applied(client_id, sequence):
+            entry = self._staged.get(key)
+            if entry is not None:
+                entry.committing = True  # from now on it waits for its ticket, never expires
+            expired_at = self._expired.get(key)
+        if entry is None and not self._already_applied(client_id, sequence):
+            if expired_at is not None:
+                raise NotFound(f"session {self.config.name!r}: staged push {sequence} from client {client_id!r} "
+                               f"expired on shard {self.shard_index}: not committed within "
+                               f"staged_push_ttl_s={self._staged_ttl:g} s, so it was dropped")
             raise NotFound(f"session {self.config.name!r}: no staged push {sequence} from client {client_id!r}")
-        ticket = self._decide(client_id, sequence, lambda base: self._clock.commit(client_id, sequence, base))
-        return Receipt(ticket.target_version, not staged, True, ticket.staleness, ticket.scale)
+        ticket = self._decide(client_id, sequence, lambda base: self._clock.commit(client_id, sequence, base), until)
+        return Receipt(ticket.target_version, entry is None, True, ticket.staleness, ticket.scale)
 
     def abort(self, client_id: str, sequence: int) -> bool:
         """Two-phase path: drops a staged push (idempotent); returns whether one was dropped."""
         return self._drop(client_id, sequence, RejectReason.ABORTED)
+
+    def _wait_until(self, wait_s: Optional[float]) -> Optional[float]:
+        """The monotonic time by which a wait must end to answer a caller that waits ``wait_s``."""
+        return None if wait_s is None else time.monotonic() + wait_s - _ANSWER_MARGIN_S
+
+    def _expire_staged(self) -> None:
+        """Drops two-phase pushes staged longer than ``staged_push_ttl_s`` without a Commit or
+        Abort: their buffers return to the pool, each counts as an ABORTED refusal."""
+        now = time.monotonic()
+        with self._staged_lock:
+            keys = [key for key, entry in self._staged.items()
+                    if entry.expires_at is not None and not entry.committing and entry.expires_at <= now]
+            expired = [(key, self._staged.pop(key)) for key in keys]
+            for key, _ in expired:
+                self._expired[key] = time.time()
+            while len(self._expired) > _KEEP_EXPIRED:
+                del self._expired[next(iter(self._expired))]
+        for (client_id, sequence), entry in expired:
+            self._pool.release(entry.grads)
+            self._refuse(RejectReason.ABORTED, client_id, sequence,
+                         cause=f"not committed within staged_push_ttl_s={self._staged_ttl:g}")
 
     def _receive(self, header: PushHeader, chunks: Iterable, complete: Callable[[], bool]) -> bool:
         """Assembles and stages the push; returns True if it had been applied (nothing staged)."""
@@ -276,16 +354,20 @@ class ShardSession:
                 raise Cancelled(f"push {header.sequence} from client {header.client_id!r}: the call ended early")
         except BaseException as exc:
             self._pool.release(buffers)
-            self._count_rejection(RejectReason.NONFINITE if isinstance(exc, NonFinite) else
-                                  RejectReason.INVALID if isinstance(exc, InvalidArgument) else RejectReason.ABORTED)
+            self._refuse(RejectReason.NONFINITE if isinstance(exc, NonFinite) else
+                         RejectReason.INVALID if isinstance(exc, InvalidArgument) else RejectReason.ABORTED,
+                         header.client_id, header.sequence)
             raise
         self.observer.received(assembler.received_bytes)
         if self._already_applied(header.client_id, header.sequence):
             self._pool.release(buffers)
             return True
+        expires_at = None if header.auto_commit else time.monotonic() + self._staged_ttl
         with self._staged_lock:  # a retry replaces what an earlier attempt staged
             old = self._staged.pop((header.client_id, header.sequence), None)
-            self._staged[(header.client_id, header.sequence)] = _Staged(header.base_version, grads, header.telemetry)
+            self._staged[(header.client_id, header.sequence)] = _Staged(header.base_version, grads, header.telemetry,
+                                                                        expires_at)
+            self._expired.pop((header.client_id, header.sequence), None)
         if old is not None:
             self._pool.release(old.grads)
         return False
@@ -299,18 +381,24 @@ class ShardSession:
             staged = self._staged.pop((client_id, sequence), None)
         if staged is None:
             return False
-        self._count_rejection(reason)
+        self._refuse(reason, client_id, sequence)
         self._pool.release(staged.grads)
         return True
 
-    def _count_rejection(self, reason: RejectReason) -> None:
+    def _refuse(self, reason: RejectReason, client_id: str, sequence: int, cause: str = "") -> None:
+        """Counts (status, metrics, series) and logs one push this shard refused or dropped."""
         self._rejected[reason] += 1
         self.observer.rejected(reason)
         if self.series is not None:
             self.series.refused(reason)
+        _log.info("event=push_refused session=%s shard=%d client=%s sequence=%d reason=%s%s",
+                  _log_value(self.config.name), self.shard_index, _log_value(client_id), sequence, reason.name,
+                  f" cause={_log_value(cause)}" if cause else "")
 
-    def _decide(self, client_id: str, sequence: int, ask: Callable[[int], Ticket]) -> Ticket:
-        """Gets the push's ticket (``ask(base_version)``), then applies tickets up to it."""
+    def _decide(self, client_id: str, sequence: int, ask: Callable[[int], Ticket],
+                until: Optional[float] = None) -> Ticket:
+        """Gets the push's ticket (``ask(base_version)``), then applies tickets up to it (waiting
+        until ``until`` at most, see :meth:`_run_through`)."""
         with self._staged_lock:
             entry = self._staged.get((client_id, sequence))
         try:
@@ -321,12 +409,14 @@ class ShardSession:
         except PeerRefused:
             self._drop(client_id, sequence, RejectReason.ABORTED)
             raise
-        self._run_through(ticket)
+        self._run_through(ticket, until)
         return ticket
 
-    def _run_through(self, ticket: Ticket) -> None:
-        """Applies tickets in ordinal order up to ``ticket``, then waits for its step."""
-        deadline = time.monotonic() + self._timeout
+    def _run_through(self, ticket: Ticket, until: Optional[float] = None) -> None:
+        """Applies tickets in ordinal order up to ``ticket``, then waits for its step: for
+        ``step_timeout_s`` at most, or until the monotonic time ``until`` (the caller's deadline)."""
+        started = time.monotonic()
+        deadline = started + self._timeout if until is None else min(started + self._timeout, until)
         with self._cond:
             if ticket.ordinal >= self._next_ordinal:  # else: a retry of a push applied already
                 self._arrived[ticket.ordinal] = ticket
@@ -349,10 +439,19 @@ class ShardSession:
             while self.version < ticket.target_version:
                 self._raise_if_abandoned()
                 if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    raise Timeout(
-                        f"session {self.config.name!r}: step {ticket.target_version} did not complete within "
-                        f"{self._timeout:.0f} s (sync mode waits for num_workers={self.config.num_workers} pushes)"
-                    )
+                    raise Timeout(self._step_timeout_message(ticket, time.monotonic() - started))
+
+    def _step_timeout_message(self, ticket: Ticket, waited_s: float) -> str:
+        """Why ``ticket``'s step did not complete: in sync mode, which pushes of it arrived (call
+        with ``_cond`` held; this shard applied every ticket up to ``ticket``, so it knows them)."""
+        message = f"session {self.config.name!r}: step {ticket.target_version} did not complete within {waited_s:.1f} s"
+        workers = self.config.num_workers
+        if self.config.mode is not Mode.SYNC or workers <= 1:
+            return message
+        arrived = self._step_clients
+        return (f"{message}: {len(arrived)} of num_workers={workers} pushes arrived for the step (from clients "
+                f"{', '.join(repr(c) for c in arrived)}); waiting for {workers - len(arrived)} more "
+                f"(step_timeout_s={self._timeout:g})")
 
     def abandon(self, error: OptservError) -> None:
         """Ends the session on this shard (it was closed, or lost a peer shard): every call
@@ -386,9 +485,11 @@ class ShardSession:
             self._add_to_sum(grads)
             self._pool.release(grads)
             if not ticket.closes_step:
+                self._step_clients.append(ticket.client_id)
                 return
             grads = {name: np.divide(s, np.float32(self._summed), out=s) for name, s in self._sum.items()}
             self._sum, self._summed = None, 0
+            self._step_clients = []
             self._update(grads, ticket)
             return
         self._update(grads, ticket)
@@ -420,6 +521,8 @@ class ShardSession:
             return self.version, self.updater.host_params()
 
     def status(self) -> ShardSessionStatus:
+        """The session on this shard (expired staged pushes are dropped first, so counts are current)."""
+        self._expire_staged()
         preconditioners = self.updater.preconditioners
         return ShardSessionStatus(
             version=self.version, initialized=self.initialized, rejected=dict(self._rejected),

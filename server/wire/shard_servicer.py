@@ -118,13 +118,15 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
         start = time.perf_counter()
         header = _first(request_iterator, "header", "Push").header
         session = self._session(header.session, context)
-        receipt = session.push(_push_header(header), (r.chunk for r in request_iterator), context.is_active)
+        receipt = session.push(_push_header(header), (r.chunk for r in request_iterator), context.is_active,
+                               wait_s=context.time_remaining())
         session.observer.pushed(time.perf_counter() - start)
         return _push_response(receipt)
 
     @grpc_errors
     def Commit(self, request, context):
-        receipt = self._session(request.session, context).commit(request.client_id, request.sequence)
+        receipt = self._session(request.session, context).commit(request.client_id, request.sequence,
+                                                                  wait_s=context.time_remaining())
         return data_pb2.CommitResponse(version=receipt.version, staleness=receipt.staleness, scale=receipt.scale)
 
     @grpc_errors
@@ -175,7 +177,8 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
             raise InvalidArgument("PushPull `step`: header.auto_commit must be true (a one-message step "
                                   "commits with its peers; use header, chunks, seal for a decision)")
         session = self._session(step.header.session, context)
-        receipt = session.push(_push_header(step.header), iter(step.chunks), context.is_active)
+        receipt = session.push(_push_header(step.header), iter(step.chunks), context.is_active,
+                               wait_s=context.time_remaining())
         session.observer.pushed(time.perf_counter() - started)
         return (yield from self._answer(session, receipt, step.pull, one_message=True))
 
@@ -184,7 +187,7 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
         framing = _StreamedPush(request_iterator)
         try:
             receipt = session.push(_push_header(header), framing.chunks(),
-                                   lambda: framing.sealed and context.is_active())
+                                   lambda: framing.sealed and context.is_active(), wait_s=context.time_remaining())
         except Cancelled:
             return None
         session.observer.pushed(time.perf_counter() - started)
@@ -196,7 +199,8 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
         framing = _StreamedPush(request_iterator)
         push = _push_header(header)
         try:
-            staged = session.push(push, framing.chunks(), lambda: framing.sealed and context.is_active())
+            staged = session.push(push, framing.chunks(), lambda: framing.sealed and context.is_active(),
+                                  wait_s=context.time_remaining())
         except Cancelled:
             return None
         yield data_pb2.PushPullResponse(staged=_push_response(staged))
@@ -209,7 +213,7 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
             yield data_pb2.PushPullResponse(
                 done=data_pb2.StepDone(version=session.version, committed=False, stream_closing=closing))
             return closing
-        receipt = session.commit(push.client_id, push.sequence)
+        receipt = session.commit(push.client_id, push.sequence, wait_s=context.time_remaining())
         session.observer.pushed(time.perf_counter() - started)
         return (yield from self._answer(session, receipt, framing.pull, one_message=False))
 

@@ -1,0 +1,182 @@
+"""Session edges: a sync step some worker never joins, staged pushes never committed, refusal logs.
+
+The service cases run against their own server (2 shards, every session on both) with short
+timeouts, sharing the run's Ray: ``step_timeout_s`` far below the client's deadline, and a short
+``staged_push_ttl_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from _service_helpers import make_grads, make_params, max_abs_diff
+from optserve.client import Client, DeadlineExceededError
+from optserve.protos.optserve.v1 import data_pb2, data_pb2_grpc, tensor_pb2
+
+SGD = {"name": "sgd", "args": {"learning_rate": 0.5}}
+STEP_TIMEOUT_S = 3.0
+STAGED_TTL_S = 1.0
+CLIENT_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def impatient_server(ray_local):
+    """A server whose sync steps give up after 3 s and whose staged pushes expire after 1 s."""
+    from optserve.server.app import start_server
+    from optserve.server.domain.config import ServerConfig
+
+    running = start_server(ServerConfig(host="127.0.0.1", port=0, shards=2, min_shard_bytes=0,
+                                        step_timeout_s=STEP_TIMEOUT_S, vote_timeout_s=STEP_TIMEOUT_S,
+                                        staged_push_ttl_s=STAGED_TTL_S))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(impatient_server):
+    with Client(impatient_server.address, timeout=CLIENT_TIMEOUT_S) as c:
+        yield c
+
+
+def test_sync_push_whose_partner_never_pushes_times_out_naming_session_count_and_clients(client, unique_name):
+    params = make_params()
+    session = client.create_session(unique_name, params, optimizer=SGD, mode="sync", num_workers=2)
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceededError) as info:
+        session.push(make_grads(params, 0))
+    waited = time.monotonic() - started
+    message = str(info.value)
+    assert repr(unique_name) in message
+    assert "1 of num_workers=2" in message
+    assert repr(session.client_id) in message
+    assert waited < STEP_TIMEOUT_S + 5.0 < CLIENT_TIMEOUT_S  # the server's timeout, not the client's deadline
+    session.close()
+
+
+def test_sync_push_gets_the_named_timeout_before_a_shorter_client_deadline(server, unique_name):
+    # The shared server waits 300 s for a step; a client with a 5 s deadline still hears the shard's
+    # named Timeout (the shard stops waiting just before the call's deadline), not a bare deadline.
+    with Client(server.address, timeout=5.0) as short:
+        params = make_params()
+        session = short.create_session(unique_name, params, optimizer=SGD, mode="sync", num_workers=2)
+        with pytest.raises(DeadlineExceededError) as info:
+            session.push(make_grads(params, 0))
+        assert repr(unique_name) in str(info.value) and "1 of num_workers=2" in str(info.value)
+        assert repr(session.client_id) in str(info.value)
+        session.close()
+
+
+# ------------------------------------------------------------------ staged pushes that expire
+def _raw_shard(session, tensor_name):
+    """(stub, tensor names) of the shard holding ``tensor_name``."""
+    for shard in session.info.shards:
+        if tensor_name in shard.tensor_names:
+            return data_pb2_grpc.ShardDataStub(grpc.insecure_channel(shard.address)), list(shard.tensor_names)
+    raise AssertionError(tensor_name)
+
+
+def _chunk(name, array):
+    return tensor_pb2.TensorChunk(name=name, dtype=tensor_pb2.DTYPE_FLOAT32, shape=list(array.shape),
+                                  data=np.ascontiguousarray(array, np.float32).tobytes())
+
+
+def test_staged_push_never_committed_expires_and_its_commit_is_not_found_naming_it(client, unique_name):
+    params = make_params()
+    victim = client.create_session(unique_name + "-v", params, optimizer=SGD)
+    twin = client.create_session(unique_name + "-t", params, optimizer=SGD)
+    stub, names = _raw_shard(victim, "dense/w")
+    grads = make_grads(params, 7)
+    header = data_pb2.PushHeader(session=victim.name, client_id="raw-stager", sequence=1,
+                                 base_version=victim.version, auto_commit=False)
+    staged = stub.Push(iter([data_pb2.PushRequest(header=header)] +
+                            [data_pb2.PushRequest(chunk=_chunk(n, grads[n])) for n in names]), timeout=30)
+    assert not staged.committed
+    time.sleep(STAGED_TTL_S + 0.5)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Commit(data_pb2.CommitRequest(session=victim.name, client_id="raw-stager", sequence=1), timeout=30)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "staged push 1 from client 'raw-stager'" in info.value.details()
+    assert "expired" in info.value.details() and "staged_push_ttl_s" in info.value.details()
+    assert victim.status().rejected["aborted"] >= 1
+    step = make_grads(params, 1)
+    assert max_abs_diff(victim.push_pull(step), twin.push_pull(step)) == 0.0
+    assert victim.version == twin.version == 1
+    victim.close()
+    twin.close()
+
+
+# ------------------------------------------------------------------ in process: one shard session
+def _local_session(name="edge", ttl_s=60.0, num_workers=1):
+    """A one-shard session as the shard actor builds it: LocalClock, Updater, SGD; initialized to ones."""
+    from optserve.server.compute.root_offload import build_shard_optimizer
+    from optserve.server.compute.updater import Updater
+    from optserve.server.domain.clock import LocalClock
+    from optserve.server.domain.config import DType, SessionConfig, TensorSpec
+    from optserve.server.domain.shard_session import ShardSession
+
+    config = SessionConfig(name=name, tensors=(TensorSpec("w", DType.FLOAT32, (4,)),), optimizer_name="sgd",
+                           optimizer_args={"learning_rate": 0.5}, num_workers=num_workers)
+    optimizer, preconditioners = build_shard_optimizer("sgd", config.optimizer_args, {"w": (4,)}, None)
+    session = ShardSession(config, ["w"], 0, LocalClock(config), Updater(optimizer, preconditioners),
+                           step_timeout_s=5.0, vote_timeout_s=5.0, staged_push_ttl_s=ttl_s)
+    session.initialize([_chunk("w", np.ones(4, np.float32))])
+    return session
+
+
+def _header(client_id, sequence, base_version, auto_commit=True):
+    from optserve.server.domain.shard_session import PushHeader
+
+    return PushHeader(client_id=client_id, sequence=sequence, base_version=base_version, auto_commit=auto_commit)
+
+
+def test_refused_push_is_logged_once_as_key_values_without_tensor_values(caplog):
+    from optserve.server.domain import shard_session
+    from optserve.server.domain.errors import Stale
+
+    session = _local_session("logged session")
+    session.push(_header("worker-a", 1, 0), [_chunk("w", np.full(4, 0.125, np.float32))])
+    caplog.set_level(logging.INFO, logger=shard_session.__name__)
+    with pytest.raises(Stale):
+        session.push(_header("worker-a", 2, 0), [_chunk("w", np.full(4, 0.375, np.float32))])
+    refused = [r for r in caplog.records if r.name == shard_session.__name__ and "event=push_refused" in r.getMessage()]
+    assert len(refused) == 1 and refused[0].levelno == logging.INFO
+    assert refused[0].getMessage() == ('event=push_refused session="logged session" shard=0 client=worker-a '
+                                       'sequence=2 reason=STALE')
+    assert "0.375" not in refused[0].getMessage()
+
+
+def test_expired_staged_push_is_dropped_on_the_next_push_counted_aborted_and_logged(caplog):
+    from optserve.server.domain import shard_session
+    from optserve.server.domain.errors import NotFound, RejectReason
+
+    session = _local_session(ttl_s=0.05)
+    session.push(_header("stager", 1, 0, auto_commit=False), [_chunk("w", np.full(4, 9.0, np.float32))])
+    time.sleep(0.1)
+    caplog.set_level(logging.INFO, logger=shard_session.__name__)
+    receipt = session.push(_header("worker", 1, 0), [_chunk("w", np.full(4, 0.5, np.float32))])  # expires it
+    assert receipt.committed and receipt.version == 1
+    assert session.status().rejected[RejectReason.ABORTED] == 1
+    assert any("client=stager sequence=1 reason=ABORTED" in r.getMessage() for r in caplog.records)
+    with pytest.raises(NotFound, match="staged push 1 from client 'stager' expired"):
+        session.commit("stager", 1)
+    np.testing.assert_array_equal(session.snapshot()[1]["w"], np.full(4, 0.75, np.float32))  # 1 - 0.5 * 0.5
+
+
+def test_staged_push_committed_within_its_ttl_applies(caplog):
+    session = _local_session(ttl_s=30.0)
+    session.push(_header("stager", 1, 0, auto_commit=False), [_chunk("w", np.full(4, 2.0, np.float32))])
+    assert session.commit("stager", 1).version == 1
+    np.testing.assert_array_equal(session.snapshot()[1]["w"], np.zeros(4, np.float32))
+
+
+def test_staged_push_ttl_must_be_positive():
+    from optserve.server.domain.config import ServerConfig
+    from optserve.server.domain.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="staged_push_ttl_s"):
+        ServerConfig(staged_push_ttl_s=0)
