@@ -178,5 +178,5 @@ def test_staged_push_ttl_must_be_positive():
     from optserve.server.domain.config import ServerConfig
     from optserve.server.domain.errors import InvalidArgument
 
-    with pytest.raises(InvalidArgument, match="staged_push_ttl_s"):
+    with pytest.raises(InvalidArgument, match="--staged-push-ttl-s must be > 0"):
         ServerConfig(staged_push_ttl_s=0)

@@ -223,7 +223,7 @@ class ServerConfig:
         if self.health_port is not None and not 0 <= self.health_port <= 65535:
             raise InvalidArgument(f"--health-port must be in [0, 65535], got {self.health_port}")
         if not self.staged_push_ttl_s > 0:
-            raise InvalidArgument(f"staged_push_ttl_s must be > 0, got {self.staged_push_ttl_s}")
+            raise InvalidArgument(f"--staged-push-ttl-s must be > 0, got {self.staged_push_ttl_s}")
         if self.drain_s < 0:
             raise InvalidArgument(f"--drain-s must be >= 0, got {self.drain_s}")
         if bool(self.tls_cert) != bool(self.tls_key):
