@@ -21,13 +21,13 @@ are also used by the compression test.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib.util
 import json
 import multiprocessing
 import os
 import queue as queue_module
+import shutil
 import sys
 import time
 import traceback
@@ -39,7 +39,7 @@ import numpy as np
 
 # --- model and data ---------------------------------------------------------------------------
 
-_NEEDS = ("torch", "sklearn", "matplotlib", "transformers", "tqdm", "rich")
+_NEEDS = ("torch", "sklearn", "matplotlib", "transformers", "tqdm", "rich", "jax", "optax", "ray")
 
 HIDDEN = 64
 NUM_CLASSES = 10
@@ -164,7 +164,15 @@ class DemoConfig:
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> DemoConfig:
-    parser = argparse.ArgumentParser(
+    """The :class:`DemoConfig` of ``argv``.
+
+    Raises:
+      ValueError: a flag's value is out of range (the message names the flag).
+      SystemExit: argparse refused the command line (one line on stderr, status 2) or printed --help.
+    """
+    from optserve.client.cli import OneLineArgumentParser
+
+    parser = OneLineArgumentParser(
         prog="optserve demo",
         description="Embedded server + 2 worker processes training an MLP on the digits data asynchronously.",
     )
@@ -403,7 +411,13 @@ def print_table(cfg: DemoConfig, initial: tuple[float, float], results: Sequence
     for r in results:
         table.add_row(r.label, str(r.updates), str(r.dropped_stale), f"{r.seconds:.1f}", f"{r.train_loss:.4f}",
                       f"{r.test_loss:.4f}", f"{r.test_accuracy:.3f}")
-    Console(width=120).print(table)
+    Console(width=terminal_columns()).print(table)
+
+
+def terminal_columns() -> int:
+    """The width the demo's table may use: the terminal's (or ``$COLUMNS``), 80 when stdout is no
+    terminal and ``$COLUMNS`` is unset."""
+    return shutil.get_terminal_size(fallback=(80, 24)).columns
 
 
 def write_plot(path: Path, results: Sequence[RunResult]) -> None:
@@ -435,12 +449,17 @@ def write_plot(path: Path, results: Sequence[RunResult]) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Runs the demo; returns the process exit status (0 on success)."""
+    """Runs the demo; returns the process exit status (0 on success, 2 for a bad flag or a missing
+    dependency, each reported in one line on stderr)."""
+    try:
+        cfg = parse_args(argv)
+    except ValueError as exc:
+        print(f"optserve demo: {exc}", file=sys.stderr)
+        return 2
     missing = [name for name in _NEEDS if importlib.util.find_spec(name) is None]
     if missing:
-        print(f"optserve demo: needs {', '.join(missing)}: pip install 'optserve[demo]'", file=sys.stderr)
+        print(f"optserve demo: needs {', '.join(missing)}: pip install -e '.[demo]'", file=sys.stderr)
         return 2
-    cfg = parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     cfg.out.mkdir(parents=True, exist_ok=True)
