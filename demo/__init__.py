@@ -407,7 +407,8 @@ def print_table(cfg: DemoConfig, initial: tuple[float, float], results: Sequence
 
     table = Table(title=f"digits MLP, {cfg.optimizer} lr={cfg.lr}, batch {cfg.batch_size} (initial test loss {initial[0]:.3f})")
     for column in ("run", "updates", "stale dropped", "wall s", "final train loss", "test loss", "test accuracy"):
-        table.add_column(column, justify="left" if column == "run" else "right")
+        # on a narrow terminal words wrap and a number folds onto the next line (never an ellipsis)
+        table.add_column(column, justify="left" if column == "run" else "right", overflow="fold")
     for r in results:
         table.add_row(r.label, str(r.updates), str(r.dropped_stale), f"{r.seconds:.1f}", f"{r.train_loss:.4f}",
                       f"{r.test_loss:.4f}", f"{r.test_accuracy:.3f}")
