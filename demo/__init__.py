@@ -457,9 +457,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as exc:
         print(f"optserve demo: {exc}", file=sys.stderr)
         return 2
-    missing = [name for name in _NEEDS if importlib.util.find_spec(name) is None]
+    missing = _missing(_NEEDS)
     if missing:
-        print(f"optserve demo: needs {', '.join(missing)}: pip install -e '.[demo]'", file=sys.stderr)
+        print(f"optserve demo: the demo is not installed (pip install -e '.[demo]'): missing {', '.join(missing)}",
+              file=sys.stderr)
         return 2
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -499,6 +500,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     (cfg.out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"wrote {plot} and {cfg.out / 'summary.json'}", flush=True)
     return 0
+
+
+def _missing(modules: Sequence[str]) -> list[str]:
+    """The top-level ``modules`` that cannot be imported here (not found, or their lookup fails)."""
+    missing = []
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
 
 
 def _write_report(address: str, session: str, out: Path) -> None:

@@ -67,5 +67,6 @@ def test_a_bad_flag_of_demo_status_or_report_is_one_line_naming_it_and_exit_2(ar
 
 
 def test_demo_on_a_client_only_install_names_what_is_missing_in_one_line():
-    _assert_one_line_exit_2(_optserve("demo", "--quick", main=_CLIENT_ONLY_MAIN), "optserve demo: ",
-                            "not installed")
+    _assert_one_line_exit_2(_optserve("demo", "--quick", main=_CLIENT_ONLY_MAIN),
+                            "optserve demo: the demo is not installed (pip install -e",
+                            "missing", "jax", "ray")
