@@ -402,16 +402,22 @@ def _progress_bar(total: int, enabled: bool, description: str):
 
 
 def print_table(cfg: DemoConfig, initial: tuple[float, float], results: Sequence[RunResult]) -> None:
+    """Prints the runs side by side, one column per run and one row per measure, as wide as the
+    terminal (:func:`terminal_columns`): two runs fit 80 columns; a narrower terminal wraps the
+    labels at words and folds numbers onto a second line (never an ellipsis)."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"digits MLP, {cfg.optimizer} lr={cfg.lr}, batch {cfg.batch_size} (initial test loss {initial[0]:.3f})")
-    for column in ("run", "updates", "stale dropped", "wall s", "final train loss", "test loss", "test accuracy"):
-        # on a narrow terminal words wrap and a number folds onto the next line (never an ellipsis)
-        table.add_column(column, justify="left" if column == "run" else "right", overflow="fold")
+    table = Table(title=f"digits MLP, {cfg.optimizer} lr={cfg.lr}, batch {cfg.batch_size} "
+                        f"(initial test loss {initial[0]:.3f})")
+    table.add_column("", justify="left", overflow="fold")
     for r in results:
-        table.add_row(r.label, str(r.updates), str(r.dropped_stale), f"{r.seconds:.1f}", f"{r.train_loss:.4f}",
-                      f"{r.test_loss:.4f}", f"{r.test_accuracy:.3f}")
+        table.add_column(r.label, justify="right", overflow="fold")
+    rows = (("updates", lambda r: str(r.updates)), ("stale dropped", lambda r: str(r.dropped_stale)),
+            ("wall s", lambda r: f"{r.seconds:.1f}"), ("final train loss", lambda r: f"{r.train_loss:.4f}"),
+            ("test loss", lambda r: f"{r.test_loss:.4f}"), ("test accuracy", lambda r: f"{r.test_accuracy:.3f}"))
+    for name, cell in rows:
+        table.add_row(name, *(cell(r) for r in results))
     Console(width=terminal_columns()).print(table)
 
 
