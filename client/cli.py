@@ -18,8 +18,16 @@ import time
 from typing import Optional, Sequence
 
 
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line on stderr, ``PROG: MESSAGE``, and exit
+    status 2 (argparse's own prints the whole usage block first). ``--help`` is unchanged."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="optserve status", description="Sessions and shards of a running server.")
+    parser = OneLineArgumentParser(prog="optserve status", description="Sessions and shards of a running server.")
     parser.add_argument("--address", default="127.0.0.1:50051", help="the server's control address")
     parser.add_argument("--token", default=None, help="tenant token (servers started with --auth-tokens)")
     parser.add_argument("--tls", default=None, help="CA bundle (PEM) to verify a TLS server with")

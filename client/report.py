@@ -23,7 +23,9 @@ from typing import Optional, Sequence
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="optserve report", description="Plots of a session's loss and staleness.")
+    from optserve.client.cli import OneLineArgumentParser
+
+    parser = OneLineArgumentParser(prog="optserve report", description="Plots of a session's loss and staleness.")
     parser.add_argument("session", help="the session's name")
     parser.add_argument("--address", default="127.0.0.1:50051", help="the server's control address")
     parser.add_argument("--token", default=None, help="tenant token (servers started with --auth-tokens)")

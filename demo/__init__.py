@@ -21,13 +21,13 @@ are also used by the compression test.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib.util
 import json
 import multiprocessing
 import os
 import queue as queue_module
+import shutil
 import sys
 import time
 import traceback
@@ -39,7 +39,7 @@ import numpy as np
 
 # --- model and data ---------------------------------------------------------------------------
 
-_NEEDS = ("torch", "sklearn", "matplotlib", "transformers", "tqdm", "rich")
+_NEEDS = ("torch", "sklearn", "matplotlib", "transformers", "tqdm", "rich", "jax", "optax", "ray")
 
 HIDDEN = 64
 NUM_CLASSES = 10
@@ -164,7 +164,15 @@ class DemoConfig:
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> DemoConfig:
-    parser = argparse.ArgumentParser(
+    """The :class:`DemoConfig` of ``argv``.
+
+    Raises:
+      ValueError: a flag's value is out of range (the message names the flag).
+      SystemExit: argparse refused the command line (one line on stderr, status 2) or printed --help.
+    """
+    from optserve.client.cli import OneLineArgumentParser
+
+    parser = OneLineArgumentParser(
         prog="optserve demo",
         description="Embedded server + 2 worker processes training an MLP on the digits data asynchronously.",
     )
@@ -394,16 +402,29 @@ def _progress_bar(total: int, enabled: bool, description: str):
 
 
 def print_table(cfg: DemoConfig, initial: tuple[float, float], results: Sequence[RunResult]) -> None:
+    """Prints the runs side by side, one column per run and one row per measure, as wide as the
+    terminal (:func:`terminal_columns`): two runs fit 80 columns; a narrower terminal wraps the
+    labels at words and folds numbers onto a second line (never an ellipsis)."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"digits MLP, {cfg.optimizer} lr={cfg.lr}, batch {cfg.batch_size} (initial test loss {initial[0]:.3f})")
-    for column in ("run", "updates", "stale dropped", "wall s", "final train loss", "test loss", "test accuracy"):
-        table.add_column(column, justify="left" if column == "run" else "right")
+    table = Table(title=f"digits MLP, {cfg.optimizer} lr={cfg.lr}, batch {cfg.batch_size} "
+                        f"(initial test loss {initial[0]:.3f})")
+    table.add_column("", justify="left", overflow="fold")
     for r in results:
-        table.add_row(r.label, str(r.updates), str(r.dropped_stale), f"{r.seconds:.1f}", f"{r.train_loss:.4f}",
-                      f"{r.test_loss:.4f}", f"{r.test_accuracy:.3f}")
-    Console(width=120).print(table)
+        table.add_column(r.label, justify="right", overflow="fold")
+    rows = (("updates", lambda r: str(r.updates)), ("stale dropped", lambda r: str(r.dropped_stale)),
+            ("wall s", lambda r: f"{r.seconds:.1f}"), ("final train loss", lambda r: f"{r.train_loss:.4f}"),
+            ("test loss", lambda r: f"{r.test_loss:.4f}"), ("test accuracy", lambda r: f"{r.test_accuracy:.3f}"))
+    for name, cell in rows:
+        table.add_row(name, *(cell(r) for r in results))
+    Console(width=terminal_columns()).print(table)
+
+
+def terminal_columns() -> int:
+    """The width the demo's table may use: the terminal's (or ``$COLUMNS``), 80 when stdout is no
+    terminal and ``$COLUMNS`` is unset."""
+    return shutil.get_terminal_size(fallback=(80, 24)).columns
 
 
 def write_plot(path: Path, results: Sequence[RunResult]) -> None:
@@ -435,12 +456,18 @@ def write_plot(path: Path, results: Sequence[RunResult]) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Runs the demo; returns the process exit status (0 on success)."""
-    missing = [name for name in _NEEDS if importlib.util.find_spec(name) is None]
-    if missing:
-        print(f"optserve demo: needs {', '.join(missing)}: pip install 'optserve[demo]'", file=sys.stderr)
+    """Runs the demo; returns the process exit status (0 on success, 2 for a bad flag or a missing
+    dependency, each reported in one line on stderr)."""
+    try:
+        cfg = parse_args(argv)
+    except ValueError as exc:
+        print(f"optserve demo: {exc}", file=sys.stderr)
         return 2
-    cfg = parse_args(argv)
+    missing = _missing(_NEEDS)
+    if missing:
+        print(f"optserve demo: the demo is not installed (pip install -e '.[demo]'): missing {', '.join(missing)}",
+              file=sys.stderr)
+        return 2
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     cfg.out.mkdir(parents=True, exist_ok=True)
@@ -479,6 +506,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     (cfg.out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"wrote {plot} and {cfg.out / 'summary.json'}", flush=True)
     return 0
+
+
+def _missing(modules: Sequence[str]) -> list[str]:
+    """The top-level ``modules`` that cannot be imported here (not found, or their lookup fails)."""
+    missing = []
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
 
 
 def _write_report(address: str, session: str, out: Path) -> None:

@@ -54,11 +54,25 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def serve(args: argparse.Namespace) -> int:
-    from optserve.server.app import start_server
-    from optserve.server.domain.config import ServerConfig
-    from optserve.server.domain.errors import InvalidArgument
+SERVER_EXTRA = "pip install -e '.[server]'"  # what a client-only install lacks to serve
 
+
+def _not_installed(exc: ImportError) -> str:
+    """The one line ``optserve serve`` prints when the server's dependencies cannot be imported."""
+    return f"optserve serve: the server is not installed ({SERVER_EXTRA}): {exc}"
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Runs the server until SIGINT / SIGTERM; returns the exit status. A missing server install, a
+    bad flag value or a failed start (port in use, Ray unreachable, resources Ray lacks) is one line
+    on stderr and status 2."""
+    try:
+        from optserve.server.app import start_server
+        from optserve.server.domain.config import ServerConfig
+        from optserve.server.domain.errors import InvalidArgument
+    except ImportError as exc:
+        print(_not_installed(exc), file=sys.stderr)
+        return 2
     try:
         config = ServerConfig(
             host=args.host, port=args.port, shards=args.shards, ray_address=args.ray_address,
@@ -72,6 +86,9 @@ def serve(args: argparse.Namespace) -> int:
         running = start_server(config)
     except InvalidArgument as exc:
         print(f"optserve serve: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:  # jax / ray / ... imported lazily while starting
+        print(_not_installed(exc), file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - a port in use, Ray unreachable, ...: one line, not a traceback
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -105,12 +122,27 @@ def _plugin_command(name: str):
     return None
 
 
+def _run_plugin(name: str, command, argv: list[str]) -> int:
+    """Runs a plugin command; an ``ImportError`` escaping it (an extra not installed) is one line on
+    stderr and status 2 instead of a traceback."""
+    try:
+        return command(argv) or 0
+    except ImportError as exc:
+        print(f"optserve {name}: a dependency is not installed: {exc}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``optserve``; returns the exit status (2 for a usage or start error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] and argv[0] != "serve" and not argv[0].startswith("-"):
-        command = _plugin_command(argv[0])
+        try:
+            command = _plugin_command(argv[0])
+        except ImportError as exc:
+            print(f"optserve {argv[0]}: not installed: {exc}", file=sys.stderr)
+            return 2
         if command is not None:
-            return command(argv[1:]) or 0
+            return _run_plugin(argv[0], command, argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)

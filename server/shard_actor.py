@@ -281,14 +281,22 @@ def _spread_placement_group(config: ServerConfig, timeout_s: float = PLACEMENT_T
     """A SPREAD placement group for the shards, reserved: one bundle per shard, on as many nodes
     as the cluster has (SPREAD is soft, so one node holds them all when there is one).
 
+    Fails fast, before asking Ray, when the embedded Ray lacks the GPUs the bundles need; on a
+    cluster joined by address (an autoscaler may add nodes) it waits up to ``timeout_s``
+    (:func:`~optserve.server.compute.preconditioner_pool.check_gpus`).
+
     Raises:
-      RuntimeError: Ray could not reserve the bundles within ``timeout_s`` (the group is removed).
+      RuntimeError: the embedded Ray has too few GPUs (at once), or Ray could not reserve the
+        bundles within ``timeout_s`` (the group is removed).
     """
     import time
 
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
+    from optserve.server.compute.preconditioner_pool import check_gpus
+
+    check_gpus("--gpus-per-shard", config.gpus_per_shard, config.shards, "shards")
     bundles = shard_bundles(config)
     group = placement_group(bundles, strategy="SPREAD")
     ready = group.ready()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -60,3 +61,24 @@ def test_demo_trains_two_worker_processes_and_reports_table_plot_and_summary(tmp
     assert remote["test_loss"] < 0.5 * initial and local["test_loss"] < 0.5 * initial
     assert remote["test_accuracy"] > 0.7, remote
     assert remote["test_accuracy"] > local["test_accuracy"] - 0.2, (remote, local)
+
+
+@pytest.mark.parametrize("columns", [50, 80, 100])
+def test_demo_table_fits_the_terminal_width(columns, monkeypatch, capsys):
+    from optserve.demo import DemoConfig, RunResult, print_table
+
+    monkeypatch.setenv("COLUMNS", str(columns))  # what shutil.get_terminal_size reads first
+    run = RunResult("optserve async, 2 worker processes", 300, 2, 12.5, 0.1234, 0.2345, 0.955, [])
+    print_table(DemoConfig(), (2.3, 0.1), [run, dataclasses.replace(run, label="in process (Adam)")])
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(line.count("0.955") for line in lines) == 2, "both runs, accuracy whole"
+    assert max(len(line) for line in lines) <= columns
+    if columns >= 80:  # two runs' labels fit an 80-column terminal unwrapped
+        assert any("optserve async, 2 worker processes" in line and "in process (Adam)" in line for line in lines)
+
+
+def test_demo_table_width_falls_back_to_80_columns_without_a_terminal():
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    width = subprocess.run([sys.executable, "-c", "from optserve.demo import terminal_columns; print(terminal_columns())"],
+                           capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
+    assert width.stdout.strip() == "80", width.stderr

@@ -58,10 +58,55 @@ class PoolConfig:
             raise ValueError("preconditioner pool: batch_blocks and max_attempts must be >= 1")
 
 
-def start_workers(config: PoolConfig) -> list:
-    """Starts ``config.workers`` worker actors (Ray restarts each one when it dies)."""
+def ray_started_here() -> bool:
+    """Whether this process started the Ray instance it is connected to (``ray.init()`` without an
+    address: the embedded ``--ray-address local`` Ray, whose resources are fixed: no autoscaler adds
+    nodes to it). False for a cluster joined by address, and when Ray's private node record cannot
+    be read (then callers wait, as they do for a cluster that may grow)."""
+    try:
+        import ray._private.worker as ray_worker
+
+        node = ray_worker._global_node
+        return bool(node is not None and node.head)
+    except (ImportError, AttributeError):
+        return False
+
+
+def check_gpus(flag: str, per_actor: float, actors: int, what: str) -> None:
+    """Checks that the Ray cluster has the ``actors x per_actor`` GPUs that ``flag`` asks for.
+
+    Ray would otherwise wait for them without end. The choice: when Ray was started by this process
+    (:func:`ray_started_here`) the cluster can never grow, so a shortfall raises at once; on a
+    cluster joined by address an autoscaler may still add GPU nodes, so a shortfall is only logged
+    and the caller waits (for the shards, up to their placement timeout).
+
+    Raises:
+      RuntimeError: one line, e.g. ``the Ray cluster has 0 GPUs, --gpus-per-shard 1 x 2 shards
+        needs 2``.
+    """
     import ray
 
+    needed = per_actor * actors
+    if needed <= 0:
+        return
+    have = float(ray.cluster_resources().get("GPU", 0.0))
+    if needed <= have:
+        return
+    message = f"the Ray cluster has {have:g} GPUs, {flag} {per_actor:g} x {actors} {what} needs {needed:g}"
+    if ray_started_here():
+        raise RuntimeError(message)
+    log.warning("%s: waiting for the cluster to add GPU nodes", message)
+
+
+def start_workers(config: PoolConfig) -> list:
+    """Starts ``config.workers`` worker actors (Ray restarts each one when it dies).
+
+    Raises:
+      RuntimeError: the embedded Ray has fewer GPUs than the workers ask for (:func:`check_gpus`).
+    """
+    import ray
+
+    check_gpus("--gpus-per-precond-worker", config.gpus_per_worker, config.workers, "preconditioner workers")
     resources = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": _RAY_TASK_RETRIES}
     if config.gpus_per_worker > 0:  # the worker's JAX then sees (only) the GPUs Ray assigned it
         resources["num_gpus"] = config.gpus_per_worker
