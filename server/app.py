@@ -50,7 +50,12 @@ def _init_ray(address: str) -> bool:
     if address == "local":
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
         return True
-    ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # one namespace for optserve's drivers on a cluster: a restarted durable coordinator finds the
+    # detached placement group (named in the driver's namespace) that its predecessor left
+    from optserve.server.shard_actor import DETACHED_NAMESPACE
+
+    ray.init(address=address, namespace=DETACHED_NAMESPACE, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
     return False
 
 

@@ -96,12 +96,15 @@ class ShardActor:
         from optserve.server.compute.checkpoints import CorruptCheckpoint, ShardStore, read_step_log
         from optserve.server.compute.root_offload import build_shard_optimizer
         from optserve.server.compute.updater import Updater
-        from optserve.server.domain.clock import LocalClock, Ticket
+        from optserve.server.domain.clock import LocalClock
         from optserve.server.domain.errors import SessionLost
         from optserve.server.domain.shard_session import ShardSession
         from optserve.server.wire.clock_service import PeerClock
 
         config = opening.config
+        held = self._registry.find(config.name)
+        if restore and held is not None:  # a re-attached shard kept it in memory
+            return held.version
         by_name = config.spec_by_name
         durability = self._config.durability
         home = opening.home_clock is None
@@ -115,7 +118,7 @@ class ShardActor:
         if home:
             clock = LocalClock(config, opening.participants, reduce_timeout_s=self._config.step_timeout_s,
                                checkpoints=durability.policy(config.gradient_bytes) if durability else None,
-                               journal=(lambda ticket: store.journal_ticket(ticket.to_json())) if store else None)
+                               journal=store.journal_entry if store else None)
         else:
             clock = PeerClock(opening.home_clock, config.name, self._security.internal,
                               reduce_timeout_s=self._config.step_timeout_s)
@@ -128,8 +131,7 @@ class ShardActor:
         if store is not None:
             try:
                 if restore:
-                    session.restore(store, read_step_log,
-                                    lambda manifest: [Ticket.from_json(t) for t in store.journal(manifest)])
+                    session.restore(store, read_step_log, store.journal)
                 else:
                     store.start_logs(None)
                     session.attach_store(store)
@@ -198,6 +200,11 @@ class ShardActor:
         self._metrics.forget(name)
         return removed
 
+    def internal_trust(self):
+        """The internal endpoints' secret and TLS identity this shard was started with (a
+        re-attaching coordinator gives the same to the shards it starts)."""
+        return self._security.internal
+
     def pid(self) -> int:
         """The shard's process id (operators and fault tests kill it)."""
         import os
@@ -248,6 +255,7 @@ class RayShardFleet:
     """
 
     placement_group = None  # set by start_shards: the Ray placement group the actors run in
+    reattached: list = []  # set by start_shards: shards a previous coordinator left running
 
     def __init__(self, actors: list, start_actor=None):
         import ray
@@ -392,7 +400,7 @@ def shard_bundles(config: ServerConfig) -> list[dict[str, float]]:
     return [dict(bundle) for _ in range(config.shards)]
 
 
-def _spread_placement_group(config: ServerConfig, timeout_s: float = PLACEMENT_TIMEOUT_S):
+def _spread_placement_group(config: ServerConfig, timeout_s: float = PLACEMENT_TIMEOUT_S, **group_options):
     """A SPREAD placement group for the shards, reserved: one bundle per shard, on as many nodes
     as the cluster has (SPREAD is soft, so one node holds them all when there is one).
 
@@ -413,7 +421,7 @@ def _spread_placement_group(config: ServerConfig, timeout_s: float = PLACEMENT_T
 
     check_gpus("--gpus-per-shard", config.gpus_per_shard, config.shards, "shards")
     bundles = shard_bundles(config)
-    group = placement_group(bundles, strategy="SPREAD")
+    group = placement_group(bundles, strategy="SPREAD", **group_options)
     ready = group.ready()
     deadline = time.monotonic() + timeout_s
     while True:
@@ -427,6 +435,40 @@ def _spread_placement_group(config: ServerConfig, timeout_s: float = PLACEMENT_T
         log.warning("waiting for Ray to place %d shards (a bundle of %s each)", len(bundles), bundles[0])
 
 
+DETACHED_NAMESPACE = "optserve"  # where a durable server on a cluster names its detached shard actors
+
+
+def detached_names(config: ServerConfig) -> tuple[str, list[str]]:
+    """A durable server's placement group and shard actor names on a Ray cluster: derived from its
+    checkpoint folder, the durable identity a restarted coordinator finds them by."""
+    import hashlib
+    import os
+
+    key = hashlib.sha1(os.path.abspath(config.durability.checkpoint_dir).encode()).hexdigest()[:12]
+    return f"optserve-{key}-shards", [f"optserve-{key}-shard-{i}" for i in range(config.shards)]
+
+
+def _find_detached(group_name: str, actor_names: list[str]):
+    """The placement group and the live shard actors a previous coordinator left (None for an
+    actor that is gone), or None when there is no such group."""
+    import ray
+    from ray.util import get_placement_group
+
+    try:
+        group = get_placement_group(group_name)
+    except ValueError:
+        return None
+    actors = []
+    for name in actor_names:
+        try:
+            actor = ray.get_actor(name, namespace=DETACHED_NAMESPACE)
+            ray.get(actor.pid.remote(), timeout=30)
+            actors.append(actor)
+        except Exception:  # noqa: BLE001 - gone, dead or not answering: started anew
+            actors.append(None)
+    return group, actors
+
+
 def start_shards(config: ServerConfig, security, precond_pool=None) -> RayShardFleet:
     """Starts ``config.shards`` shard actors (actor options in one place); returns once all serve.
 
@@ -435,27 +477,58 @@ def start_shards(config: ServerConfig, security, precond_pool=None) -> RayShardF
     ``i``. On one node every bundle lands there. The returned fleet's ``placement_group`` must be
     removed (``ray.util.remove_placement_group``) once its actors are stopped; removing it also
     kills any actor still in it.
+
+    A durable server on a Ray cluster (``--ray-address`` and ``--checkpoint-dir``) names its
+    placement group and actors, detached from the coordinator (:func:`detached_names`): they
+    outlive a coordinator that crashes, and the next coordinator with the same checkpoint folder
+    re-attaches to them (``fleet.reattached`` lists the shards it found alive, which keep their
+    sessions in memory and their security; the others are started anew and restore theirs).
     """
+    import dataclasses
+
     import ray
     from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    group = _spread_placement_group(config)
+    detached = config.durability is not None and config.ray_address != "local"
+    group_name, actor_names = detached_names(config) if detached else (None, None)
+    found = _find_detached(group_name, actor_names) if detached else None
+    if found is not None:
+        group, alive = found
+        live = [a for a in alive if a is not None]
+        if live:  # new actors must trust the survivors' internal endpoints
+            security = dataclasses.replace(security, internal=ray.get(live[0].internal_trust.remote()))
+    else:
+        group = _spread_placement_group(config, **({"name": group_name, "lifetime": "detached"} if detached else {}))
+        alive = [None] * config.shards
     options = {"num_cpus": 0, "max_concurrency": 16}
     if config.gpus_per_shard > 0:  # the actor's JAX then sees (only) the GPUs Ray assigned it
         options["num_gpus"] = config.gpus_per_shard
     cls = ray.remote(ShardActor)
 
     def start_actor(index: int, ports: tuple = (0, 0), recovering: bool = False):
-        return cls.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            group, placement_group_bundle_index=index)).remote(index, config, security, precond_pool, ports,
-                                                               recovering)
+        named = {"name": actor_names[index], "namespace": DETACHED_NAMESPACE, "lifetime": "detached"} if detached else {}
+        for attempt in range(50):  # a dead detached actor's name is freed shortly after its death
+            try:
+                return cls.options(**options, **named, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=index)).remote(index, config, security, precond_pool, ports,
+                                                                       recovering)
+            except ValueError:
+                if not named or attempt == 49:
+                    raise
+                import time
+
+                time.sleep(0.2)
 
     recovering = config.durability is not None  # sessions of the catalog are restored before clients come
     try:
-        fleet = RayShardFleet([start_actor(i, recovering=recovering) for i in range(config.shards)], start_actor)
+        fleet = RayShardFleet([a if a is not None else start_actor(i, recovering=recovering)
+                               for i, a in enumerate(alive)], start_actor)
     except BaseException:
         remove_placement_group(group)  # and with it the actors already started
         raise
     fleet.placement_group = group
+    fleet.reattached = [i for i, a in enumerate(alive) if a is not None]
+    if fleet.reattached:
+        log.warning("event=shards_reattached shards=%s", ",".join(map(str, fleet.reattached)))
     return fleet

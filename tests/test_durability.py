@@ -47,13 +47,20 @@ def _kill_shard(running, index: int) -> int:
     return pid
 
 
-@pytest.mark.parametrize("killed", [0, 1], ids=["home-shard", "other-shard"])
-def test_sync_session_survives_a_shard_sigkill_with_no_acknowledged_step_lost(durable_server, unique_name, killed):
+CLIPPED = {"name": "adafactor", "args": {"learning_rate": 0.01, "global_norm_clip_threshold": 0.5}}
+
+
+@pytest.mark.parametrize("optimizer, killed", [(OPTIMIZER, 0), (OPTIMIZER, 1), (CLIPPED, 0)],
+                         ids=["home-shard", "other-shard", "cross-shard-sum-home-shard"])
+def test_sync_session_survives_a_shard_sigkill_with_no_acknowledged_step_lost(durable_server, unique_name, optimizer,
+                                                                              killed):
+    """adafactor_hf with momentum; and T5X adafactor clipping by the global norm, whose update
+    needs a sum over both shards each step (the restarted clock answers sums from its journal)."""
     client = Client(durable_server.address, timeout=90.0)
     params = make_params(3)
-    session = client.create_session(unique_name, params, optimizer=OPTIMIZER)
+    session = client.create_session(unique_name, params, optimizer=optimizer)
     assert len(session.info.shards) == 2
-    reference = InProcess(OPTIMIZER["name"], OPTIMIZER["args"], params)
+    reference = InProcess(optimizer["name"], optimizer["args"], params)
     for step in range(6):  # a checkpoint at 4, steps 5-6 only in the log
         grads = make_grads(params, step)
         got = session.push_pull(grads)
@@ -74,6 +81,11 @@ def test_sync_session_survives_a_shard_sigkill_with_no_acknowledged_step_lost(du
         time.sleep(0.2)
         durability = [s.durability for s in session.status().shards]
     assert min(d.durable_version for d in durability) >= 8, durability  # checkpoints go on after the recovery
+    from optserve.client.cli import collect, render
+
+    (entry,) = [e for e in collect(client)["sessions"] if e["name"] == unique_name]  # what `optserve status` shows
+    assert entry["recoveries"] == 1 and entry["durable_version"] >= 8
+    assert "durable" in render({"sessions": [entry], "lost_sessions": [], "shards": []})
     session.close()
     client.close()
 

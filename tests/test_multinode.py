@@ -196,3 +196,46 @@ def test_serve_on_a_two_node_cluster_spreads_its_shards_and_trains_like_the_kern
         assert "optserve shutting down" in server.output()
     finally:
         server.stop()
+
+
+def test_a_durable_coordinator_killed_on_a_cluster_reattaches_to_its_running_shards(two_node_cluster, tmp_path):
+    """``--ray-address`` + ``--checkpoint-dir``: the shard actors are named and detached, so they
+    outlive a coordinator killed with SIGKILL; the next coordinator with the same checkpoint folder
+    re-attaches to them (same addresses, nothing restored) and training goes on exactly."""
+    port = _free_port()
+    argv = [sys.executable, "-m", "optserve.server.cli", "serve", "--port", str(port), "--shards", "2",
+            "--ray-address", two_node_cluster, "--min-shard-bytes", "0",
+            "--checkpoint-dir", str(tmp_path / "checkpoints")]
+    first = _Started("optserve-first", argv, str(tmp_path))
+    second = None
+    try:
+        address = first.wait_for("optserve listening on ").split()[-1]
+        params = make_params(2)
+        reference = InProcess(ADAM["name"], ADAM["args"], params)
+        client = Client(address, timeout=120)
+        session = client.create_session("reattach", params, optimizer=ADAM)
+        for step in range(3):
+            grads = make_grads(params, step)
+            got, expected = session.push_pull(grads), reference.step(grads)
+        before = [s.address for s in session.status().shards]
+
+        os.killpg(first.process.pid, signal.SIGKILL)  # the coordinator only: the Ray nodes keep running
+        first.process.wait(timeout=STOP_TIMEOUT_S)
+        second = _Started("optserve-second", argv, str(tmp_path))
+        second.wait_for("optserve listening on ")
+        assert "event=shards_reattached shards=0,1" in second.output(), second.output()[-4000:]
+        status = session.status()
+        assert [s.address for s in status.shards] == before
+        assert [s.durability.recoveries for s in status.shards] == [0, 0]  # kept in memory, not reloaded
+        for step in range(3, 6):
+            grads = make_grads(params, step)
+            got, expected = session.push_pull(grads), reference.step(grads)
+        assert max_abs_diff(got, expected) <= 1e-6
+        session.close()
+        client.close()
+        second.process.send_signal(signal.SIGTERM)
+        assert second.process.wait(timeout=STOP_TIMEOUT_S + 30) == 0, second.output()[-4000:]
+    finally:
+        for server in (first, second):
+            if server is not None:
+                server.stop()

@@ -125,13 +125,13 @@ class _Segments:
     def path(self, index: int) -> str:
         return os.path.join(self.folder, f"{self.kind}-{index}.log")
 
-    def rotate(self) -> int:
-        """Closes the current segment (flushed) and opens the next; returns the new index."""
-        os.fsync(self._fd)
-        os.close(self._fd)
+    def rotate(self) -> tuple[int, int]:
+        """Opens the next segment; returns its index and the previous segment's file descriptor,
+        which the caller flushes and closes (off the step path)."""
+        old = self._fd
         self.index += 1
         self._fd = os.open(self.path(self.index), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        return self.index
+        return self.index, old
 
     def write(self, parts: list) -> None:
         os.writev(self._fd, parts)
@@ -203,8 +203,8 @@ def read_step_log(path: str, arrays: Callable[[], dict]):
             yield json.loads(header), grads
 
 
-def read_journal(path: str) -> list[list]:
-    """The tickets (JSON lists) of a ticket-journal segment; a torn last line is dropped."""
+def read_journal(path: str) -> list:
+    """The entries (tickets' and sums' JSON) of a journal segment; a torn last line is dropped."""
     out = []
     with open(path, "rb") as fh:
         for line in fh:
@@ -254,6 +254,10 @@ class ShardStore:
         self._tickets: Optional[_Segments] = None
         self._records_since_sync = 0
         self._tickets_since_sync = 0
+        self._log_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="optserve-log")
+        self._logged = threading.Condition()  # guards _logged_version / _log_error
+        self._logged_version = 0
+        self._log_error: Optional[BaseException] = None
         self.durable_version = -1
         self.log_records = 0
         self.log_bytes = 0
@@ -288,8 +292,10 @@ class ShardStore:
         manifest["path"] = os.path.join(self.folder, f"checkpoint-{version}")
         return manifest
 
-    def start_logs(self, manifest: Optional[dict]) -> None:
-        """Opens fresh log segments after everything on disk (call after replaying)."""
+    def start_logs(self, manifest: Optional[dict], version: int = 0) -> None:
+        """Opens fresh log segments after everything on disk (call after replaying, which reached
+        ``version``: every step up to it is in the log)."""
+        self._logged_version = version
         steps_from = manifest["steps_from"] if manifest else 0
         tickets_from = manifest["tickets_from"] if manifest else 0
         next_steps = max(_segment_indices(self.folder, "steps", steps_from), default=steps_from - 1) + 1
@@ -321,7 +327,7 @@ class ShardStore:
         start = manifest["steps_from"] if manifest else 0
         return [os.path.join(self.folder, f"steps-{i}.log") for i in _segment_indices(self.folder, "steps", start)]
 
-    def journal(self, manifest: Optional[dict]) -> list[list]:
+    def journal(self, manifest: Optional[dict]) -> list:
         start = manifest["tickets_from"] if manifest else 0
         out = []
         for i in _segment_indices(self.folder, "tickets", start):
@@ -329,9 +335,10 @@ class ShardStore:
         return out
 
     # ------------------------------------------------------------- writing
-    def journal_ticket(self, ticket_json: list) -> None:
-        """Appends one ticket to the journal (home shard; called under the clock's lock)."""
-        line = (json.dumps(ticket_json) + "\n").encode()
+    def journal_entry(self, entry) -> None:
+        """Appends one clock entry (a ticket's or a sum's JSON) to the journal (home shard; called
+        under the clock's lock)."""
+        line = (json.dumps(entry) + "\n").encode()
         with self._lock:
             self._tickets.write([line])
             self._tickets_since_sync += 1
@@ -339,18 +346,55 @@ class ShardStore:
                 self._tickets.fsync()
                 self._tickets_since_sync = 0
 
-    def log_step(self, record, grads: list) -> None:
-        header = json.dumps(record.to_json()).encode()
-        payload = [memoryview(np.ascontiguousarray(g).reshape(-1)).cast("B") for g in grads]
-        nbytes = sum(p.nbytes for p in payload)
-        self._steps.write([_PREFIX.pack(_REC_START, nbytes), *payload, _U32.pack(len(header)), header,
-                           _U32.pack(zlib.crc32(header)), _REC_END])
+    def log_step(self, record, grads: list, release: Optional[Callable[[], None]] = None) -> None:
+        """Queues ``record`` and its gradient (arrays in tensor order) for the log thread, which
+        appends them in order (and flushes them per the fsync policy), then calls ``release()``
+        (the arrays may be reused from then on). :meth:`wait_logged` waits for the record."""
         self.log_records += 1
-        self.log_bytes += nbytes
-        self._records_since_sync += 1
-        if self._config.fsync_due(self._records_since_sync):
-            self._steps.fsync()
-            self._records_since_sync = 0
+        self.log_bytes += sum(g.nbytes for g in grads)
+        self._log_thread.submit(self._append, record, grads, release)
+
+    def _append(self, record, grads: list, release: Optional[Callable[[], None]]) -> None:
+        try:
+            header = json.dumps(record.to_json()).encode()
+            payload = [memoryview(np.ascontiguousarray(g).reshape(-1)).cast("B") for g in grads]
+            nbytes = sum(p.nbytes for p in payload)
+            self._steps.write([_PREFIX.pack(_REC_START, nbytes), *payload, _U32.pack(len(header)), header,
+                               _U32.pack(zlib.crc32(header)), _REC_END])
+            del payload
+            self._records_since_sync += 1
+            if self._config.fsync_due(self._records_since_sync):
+                self._steps.fsync()
+                self._records_since_sync = 0
+        except BaseException as exc:  # noqa: BLE001 - every later wait_logged raises it
+            log.exception("event=step_log_failed session=%s shard=%d version=%d", self._session, self._shard,
+                          record.version)
+            with self._logged:
+                self._log_error = exc
+                self._logged.notify_all()
+            return
+        finally:
+            if release is not None:
+                release()
+        with self._logged:
+            self._logged_version = max(self._logged_version, record.version)
+            self._logged.notify_all()
+
+    def wait_logged(self, version: int) -> None:
+        """Returns once the step of ``version`` is in the log (what acknowledging it waits for).
+
+        Raises:
+          OSError: the log could not be written (disk full, ...): the step cannot be acknowledged.
+        """
+        with self._logged:
+            self._logged.wait_for(lambda: self._logged_version >= version or self._log_error is not None)
+            if self._logged_version < version:
+                raise OSError(f"session {self._session!r}: the step log on shard {self._shard} could not be "
+                              f"written ({self._log_error}); step {version} is not durable")
+
+    def _flush_log(self) -> None:
+        """Waits until every queued record is written."""
+        self._log_thread.submit(lambda: None).result()
 
     def checkpoint(self, progress, params: dict, opt_state: Any, clock_state_fn: Optional[Callable] = None,
                    wait: bool = False) -> bool:
@@ -363,7 +407,9 @@ class ShardStore:
         ``clock_state_fn(rotate)``: the home shard's clock state, taken with the ticket journal's
         rotation under the clock's lock. Returns True."""
         tree = {"params": _host_tree(params), "opt_state": _host_tree(opt_state)}
-        steps_from = self._steps.rotate()
+        self._flush_log()  # the records before this version go to the segments the checkpoint replaces
+        steps_from, closed = self._steps.rotate()
+        closed_fds = [closed]
         self._records_since_sync = 0
         clock_state, tickets_from = None, 0
         if self._home and clock_state_fn is not None:
@@ -375,12 +421,15 @@ class ShardStore:
                     self._tickets_since_sync = 0
 
             clock_state = clock_state_fn(rotate)
-            tickets_from = rotated[0]
+            tickets_from, closed = rotated[0]
+            closed_fds.append(closed)
         self.log_records, self.log_bytes = 0, 0
         manifest = {"progress": progress.to_json(), "clock": clock_state, "steps_from": steps_from,
-                    "tickets_from": tickets_from}
+                    "tickets_from": tickets_from, "closed_fds": closed_fds}
         with self._done:
             superseded = self._pending
+            if superseded is not None:  # its segments are flushed and closed with this one's
+                manifest["closed_fds"] = superseded[2]["closed_fds"] + manifest["closed_fds"]
             self._pending = (progress.version, tree, manifest)
             if not self._busy:
                 self._busy = True
@@ -412,6 +461,11 @@ class ShardStore:
 
         started = time.monotonic()
         path = os.path.join(self.folder, f"checkpoint-{version}")
+        for fd in manifest.pop("closed_fds"):  # the segments before this checkpoint: flushed, closed
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         try:
             if os.path.exists(path):  # a checkpoint of this version without a manifest, or a re-save
                 shutil.rmtree(path)
@@ -446,6 +500,7 @@ class ShardStore:
             self._done.wait_for(lambda: not self._busy)
 
     def close(self) -> None:
+        self._log_thread.shutdown(wait=True)
         self.wait()
         self._writer.shutdown(wait=True)
         for segments in (self._steps, self._tickets):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from optserve.server.domain.config import Mode, StalenessPolicy
 from optserve.server.domain.durability import CheckpointPolicy
@@ -27,6 +27,7 @@ from optserve.server.domain.errors import OptservError, PeerRefused, Stale, Time
 from optserve.server.domain.staleness import decide
 
 _KEEP_TICKETS = 4096
+_KEEP_SUMS = 64  # durable sessions: cross-shard sums remembered (by step) for shards that ask again
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,12 +203,13 @@ class LocalClock:
       participants: shards holding tensors of the session; votes and sums wait for all of them.
       reduce_timeout_s: longest wait for the other shards' parts of a cross-shard sum.
       checkpoints: durable sessions: the checkpoint policy (marks checkpoint-due steps).
-      journal: durable sessions: called with each new ticket, under the clock's lock, before any
-        shard sees it (the ticket journal a restarted clock replays).
+      journal: durable sessions: called under the clock's lock with each new ticket's JSON
+        (``Ticket.to_json``) before any shard sees it, and with ``{"sum": key, "total": total}``
+        for each cross-shard sum before any shard gets it: the journal a restarted clock replays.
     """
 
     def __init__(self, config, participants: int = 1, reduce_timeout_s: float = 300.0,
-                 checkpoints: Optional[CheckpointPolicy] = None, journal: Optional[Callable[[Ticket], None]] = None):
+                 checkpoints: Optional[CheckpointPolicy] = None, journal: Optional[Callable[[Any], None]] = None):
         self._clock = new_session_clock(config, checkpoints)
         self._journal = journal  # durable sessions: each new ticket is written here before it is handed out
         self._participants = participants
@@ -215,6 +217,7 @@ class LocalClock:
         self._cond = threading.Condition()
         self._votes: dict[tuple[str, int], _VoteRound] = {}
         self._sums: dict[int, dict] = {}
+        self._totals: dict[int, float] = {}  # durable sessions: recent sums, answered again after a restart
         self._abandoned: Optional[OptservError] = None
         self._down: dict[int, OptservError] = {}  # shard index -> why (restarting), see peer_down
 
@@ -240,24 +243,30 @@ class LocalClock:
         fresh_from = self._clock.next_ordinal
         ticket = self._clock.commit(client_id, sequence, base_version)
         if self._journal is not None and ticket.ordinal >= fresh_from:
-            self._journal(ticket)
+            self._journal(ticket.to_json())
         return ticket
 
-    def restore(self, state: Optional[dict], journal: list[Ticket]) -> None:
+    def restore(self, state: Optional[dict], journal: list) -> None:
         """Durable sessions, at recovery: the clock state of the latest checkpoint (None: none),
-        then the tickets journaled after it."""
+        then the journal entries written after it."""
         with self._cond:
             if state is not None:
                 self._clock.restore(state)
-            for ticket in journal:
+                self._totals.update({int(k): float(v) for k, v in state.get("sums", {}).items()})
+            for entry in journal:
+                if isinstance(entry, dict):
+                    self._totals[int(entry["sum"])] = float(entry["total"])
+                    continue
+                ticket = Ticket.from_json(entry)
                 if ticket.ordinal >= self._clock.next_ordinal:
                     self._clock.record(ticket)
 
     def durable_state(self, rotate: Callable[[], None]) -> dict:
         """The clock's state for a checkpoint, with ``rotate()`` (start a new journal segment)
-        run under the same lock: the state covers exactly the tickets journaled before it."""
+        run under the same lock: the state covers exactly what was journaled before it."""
         with self._cond:
             state = self._clock.to_json()
+            state["sums"] = {str(k): v for k, v in self._totals.items()}
             rotate()
             return state
 
@@ -359,6 +368,8 @@ class LocalClock:
         if self._participants == 1:
             return value
         with self._cond:
+            if key in self._totals:  # decided before a restart (of this clock or of the asking shard)
+                return self._totals[key]
             entry = self._sums.setdefault(key, {"values": {}, "taken": 0})
             entry["values"][shard_index] = value
             self._cond.notify_all()
@@ -375,6 +386,11 @@ class LocalClock:
             total = 0.0
             for index in sorted(entry["values"]):
                 total += entry["values"][index]
+            if self._journal is not None and key not in self._totals:
+                self._journal({"sum": key, "total": total})
+                self._totals[key] = total
+                for old in [k for k in self._totals if k <= key - _KEEP_SUMS]:
+                    del self._totals[old]
             entry["taken"] += 1
             if entry["taken"] >= self._participants:
                 self._sums.pop(key, None)

@@ -197,9 +197,12 @@ class SessionStore(Protocol):
     The shard session calls it under its own lock, in step order.
     """
 
-    def log_step(self, record: StepRecord, grads: list) -> None:
-        """Appends ``record`` and ``grads`` (the shard's tensors' gradients, in tensor order);
-        returns once written (and flushed, per the fsync policy)."""
+    def log_step(self, record: StepRecord, grads: list, release=None) -> None:
+        """Appends ``record`` and ``grads`` (the shard's tensors' gradients, in tensor order) in
+        the background, in call order (flushed per the fsync policy), then calls ``release()``."""
+
+    def wait_logged(self, version: int) -> None:
+        """Returns once the step of ``version`` is logged (acknowledging it waits for this)."""
 
     def checkpoint(self, progress: ShardProgress, params: dict, opt_state: Any, clock_state_fn=None,
                    wait: bool = False) -> bool:

@@ -85,6 +85,9 @@ class Receipt:
       already_applied: the push had been applied before (a retry): nothing was staged.
       committed: the push is applied (its step is complete on this shard).
       staleness / scale: the clock's decision (0 / 1.0 unless async).
+      durable: returns once the push's step is in the step log (durable sessions; the answer that
+        acknowledges the push waits for it, so nothing acknowledged can be lost). Raises if the
+        log could not be written.
     """
 
     version: int
@@ -92,6 +95,7 @@ class Receipt:
     committed: bool
     staleness: int = 0
     scale: float = 1.0
+    durable: Callable[[], None] = lambda: None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,7 +302,8 @@ class ShardSession:
             return Receipt(self.version, already_applied, committed=False)
         ticket = self._decide(header.client_id, header.sequence, lambda base: self._clock.vote(
             header.client_id, header.sequence, base, self.shard_index, True, self._vote_timeout), until)
-        return Receipt(ticket.target_version, already_applied, True, ticket.staleness, ticket.scale)
+        return Receipt(ticket.target_version, already_applied, True, ticket.staleness, ticket.scale,
+                       self._durable(ticket.target_version))
 
     def commit(self, client_id: str, sequence: int, wait_s: Optional[float] = None) -> Receipt:
         """Two-phase path: applies a push staged without ``auto_commit``; returns once its step is
@@ -323,7 +328,8 @@ class ShardSession:
                                f"staged_push_ttl_s={self._staged_ttl:g} s, so it was dropped")
             raise NotFound(f"session {self.config.name!r}: no staged push {sequence} from client {client_id!r}")
         ticket = self._decide(client_id, sequence, lambda base: self._clock.commit(client_id, sequence, base), until)
-        return Receipt(ticket.target_version, entry is None, True, ticket.staleness, ticket.scale)
+        return Receipt(ticket.target_version, entry is None, True, ticket.staleness, ticket.scale,
+                       self._durable(ticket.target_version))
 
     def abort(self, client_id: str, sequence: int) -> bool:
         """Two-phase path: drops a staged push (idempotent); returns whether one was dropped."""
@@ -433,6 +439,9 @@ class ShardSession:
                 self._cond.notify_all()
             while self._next_ordinal <= ticket.ordinal:
                 pending = self._arrived.pop(self._next_ordinal, None)
+                if pending is not None and self._awaits_resend(pending):
+                    self._arrived[pending.ordinal] = pending  # applied once its client sends it again
+                    pending = None
                 if pending is not None:
                     self._apply_ticket(pending)
                     self._cond.notify_all()
@@ -444,12 +453,26 @@ class ShardSession:
                     if missing is not None:
                         self._arrived.setdefault(missing.ordinal, missing)
                 if time.monotonic() > deadline:
+                    waiting = self._arrived.get(self._next_ordinal)
+                    if waiting is not None:
+                        raise Timeout(f"session {self.config.name!r}: push {waiting.sequence} of client "
+                                      f"{waiting.client_id!r} (ticket {waiting.ordinal}) was decided before shard "
+                                      f"{self.shard_index} restarted and its client has not sent it again")
                     raise Timeout(f"session {self.config.name!r}: ticket {self._next_ordinal} never arrived on "
                                   f"shard {self.shard_index}")
             while self.version < ticket.target_version:
                 self._raise_if_abandoned()
                 if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
                     raise Timeout(self._step_timeout_message(ticket, time.monotonic() - started))
+
+    def _awaits_resend(self, ticket: Ticket) -> bool:
+        """A durable session's ticket whose push is not staged here: it was decided before this
+        shard restarted (its staged copy died with the process) and is applied once its client,
+        retrying, sends it again. (Without durability such a ticket is a fault: see _apply_ticket.)"""
+        if self._store is None:
+            return False
+        with self._staged_lock:
+            return (ticket.client_id, ticket.sequence) not in self._staged
 
     def _step_timeout_message(self, ticket: Ticket, waited_s: float) -> str:
         """Why ``ticket``'s step did not complete: in sync mode, which pushes of it arrived (call
@@ -504,8 +527,8 @@ class ShardSession:
             self._step_clients, self._step_tickets = [], []
             self._update(grads, ticket, tickets)
             return
-        self._update(grads, ticket, ((ticket.ordinal, ticket.client_id, ticket.sequence),))
-        self._pool.release(grads)
+        self._update(grads, ticket, ((ticket.ordinal, ticket.client_id, ticket.sequence),),
+                     release=lambda: self._pool.release(grads))
 
     def _add_to_sum(self, grads: dict[str, np.ndarray]) -> None:
         """Sync mode: accumulates one push of the step (the mean is taken when the step closes)."""
@@ -518,21 +541,30 @@ class ShardSession:
                 self._sum[name] += g
         self._summed += 1
 
-    def _update(self, grads: dict[str, np.ndarray], ticket: Ticket, tickets: tuple) -> None:
-        """Applies one step; a durable session logs it before the new version shows (and so
-        before anyone is acknowledged), and checkpoints after it when the ticket says so."""
+    def _update(self, grads: dict[str, np.ndarray], ticket: Ticket, tickets: tuple,
+                release: Optional[Callable[[], None]] = None) -> None:
+        """Applies one step, then ``release()`` (the gradient buffers may be reused). A durable
+        session also logs the step (in the background: its answers wait for it, see
+        :class:`Receipt`) and checkpoints after it when the ticket says so."""
         start = time.perf_counter()
         global_stat = self.updater.apply(grads, ticket.scale, lambda partial: self._clock.reduce_sum(
             ticket.target_version, self.shard_index, partial))
         if self._store is not None:
             self._store.log_step(StepRecord(ticket.target_version, tickets, ticket.scale, global_stat),
-                                 [grads[name] for name in self.specs])
+                                 [grads[name] for name in self.specs], release)
+        elif release is not None:
+            release()
         self.version = ticket.target_version
         self.observer.applied(time.perf_counter() - start)
         if ticket.checkpoint and self._store is not None:
             self._checkpoint()
 
     # ----------------------------------------------------------------- durability
+    def _durable(self, version: int) -> Callable[[], None]:
+        """What waits for step ``version`` to be logged (nothing when not durable)."""
+        store = self._store
+        return (lambda: store.wait_logged(version)) if store is not None else (lambda: None)
+
     def _progress(self) -> ShardProgress:
         return ShardProgress(self.version, self._next_ordinal, dict(self._applied_sequence))
 
@@ -559,7 +591,7 @@ class ShardSession:
         Args:
           store: the session's store on this shard (also where later steps are logged).
           read_log: ``(segment_path, arrays) -> iterator of (record_json, grads)``.
-          journal_tickets: ``manifest -> [Ticket]`` journaled after the checkpoint (home shard).
+          journal_tickets: ``manifest -> [entry]``: the clock journal after the checkpoint (home shard).
 
         Returns the version reached: exactly the last step this shard logged (acknowledged or not).
         """
@@ -580,7 +612,7 @@ class ShardSession:
                 self._applied_sequence = dict(progress.applied_sequence)
                 if self._is_home:
                     self._clock.restore(manifest.get("clock"), journal_tickets(manifest))
-            store.start_logs(manifest)
+            store.start_logs(manifest, self.version)
             store.recoveries += 1
             self._store = store
             self._cond.notify_all()

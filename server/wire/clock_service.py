@@ -16,6 +16,7 @@ with a certificate made at start when the server runs with TLS).
 from __future__ import annotations
 
 import threading
+import time
 from concurrent import futures
 from typing import Callable, Optional
 
@@ -233,8 +234,18 @@ class PeerClock:
         return _ticket_outcome(self._call("Vote", request, timeout_s + _RPC_SLACK_S))
 
     def reduce_sum(self, key: int, shard_index: int, value: float) -> float:
+        """The sum over the session's shards; waits through a restart of the home shard (a
+        durable one answers a sum decided before it died from its journal)."""
         request = clock_pb2.ClockSumRequest(session=self._session, key=key, shard_index=shard_index, value=value)
-        reply = self._call("ReduceSum", request, self._reduce_timeout + _RPC_SLACK_S)
+        deadline = time.monotonic() + self._reduce_timeout
+        while True:
+            try:
+                reply = self._call("ReduceSum", request, self._reduce_timeout + _RPC_SLACK_S)
+                break
+            except Unavailable:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.5)
         if reply.WhichOneof("outcome") == "error":
             raise _error_from_proto(reply.error)
         return reply.total

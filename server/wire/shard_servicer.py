@@ -121,12 +121,14 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
         receipt = session.push(_push_header(header), (r.chunk for r in request_iterator), context.is_active,
                                wait_s=context.time_remaining())
         session.observer.pushed(time.perf_counter() - start)
+        receipt.durable()  # the answer acknowledges the push: its step is in the step log first
         return _push_response(receipt)
 
     @grpc_errors
     def Commit(self, request, context):
         receipt = self._session(request.session, context).commit(request.client_id, request.sequence,
                                                                   wait_s=context.time_remaining())
+        receipt.durable()
         return data_pb2.CommitResponse(version=receipt.version, staleness=receipt.staleness, scale=receipt.scale)
 
     @grpc_errors
@@ -233,12 +235,14 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
             # those buffers, and JAX would allocate fresh ones.
             del params
             session.observer.sent(time.perf_counter() - started, reply_bytes)
+            receipt.durable()  # `done` acknowledges the push: its step is in the step log first
             yield data_pb2.PushPullResponse(step_result=data_pb2.PushPullStepResult(done=done, chunks=chunks))
         else:
             for piece in _param_slices(session, params, dtype, chunk_bytes):
                 yield chunk_codec.encode_chunk_message(*piece)
             del params
             session.observer.sent(time.perf_counter() - started, reply_bytes)
+            receipt.durable()  # `done` acknowledges the push: its step is in the step log first
             yield data_pb2.PushPullResponse(done=done)
         return closing
 
