@@ -88,7 +88,12 @@ def start_server(config: ServerConfig) -> RunningServer:
             from optserve.server.compute.preconditioner_pool import PoolConfig, PreconditionerPool, start_workers
 
             pool_config = PoolConfig(config.precond_workers, config.gpus_per_precond_worker, config.precond_f64)
-            pool = PreconditionerPool(start_workers(pool_config), pool_config)
+            detached = None
+            if config.durability is not None and config.ray_address != "local":  # outlive this coordinator
+                from optserve.server.shard_actor import DETACHED_NAMESPACE, detached_prefix
+
+                detached = (detached_prefix(config), DETACHED_NAMESPACE)
+            pool = PreconditionerPool(start_workers(pool_config, detached), pool_config)
             teardown.callback(lambda: [ray.kill(worker) for worker in pool.workers])
         fleet = start_shards(config, security, pool)
         teardown.callback(_stop_fleet, fleet)

@@ -441,11 +441,16 @@ DETACHED_NAMESPACE = "optserve"  # where a durable server on a cluster names its
 def detached_names(config: ServerConfig) -> tuple[str, list[str]]:
     """A durable server's placement group and shard actor names on a Ray cluster: derived from its
     checkpoint folder, the durable identity a restarted coordinator finds them by."""
+    prefix = detached_prefix(config)
+    return f"{prefix}-shards", [f"{prefix}-shard-{i}" for i in range(config.shards)]
+
+
+def detached_prefix(config: ServerConfig) -> str:
+    """The name prefix of a durable server's detached actors on a cluster (see :func:`detached_names`)."""
     import hashlib
     import os
 
-    key = hashlib.sha1(os.path.abspath(config.durability.checkpoint_dir).encode()).hexdigest()[:12]
-    return f"optserve-{key}-shards", [f"optserve-{key}-shard-{i}" for i in range(config.shards)]
+    return "optserve-" + hashlib.sha1(os.path.abspath(config.durability.checkpoint_dir).encode()).hexdigest()[:12]
 
 
 def _find_detached(group_name: str, actor_names: list[str]):

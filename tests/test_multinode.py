@@ -204,7 +204,7 @@ def test_a_durable_coordinator_killed_on_a_cluster_reattaches_to_its_running_sha
     re-attaches to them (same addresses, nothing restored) and training goes on exactly."""
     port = _free_port()
     argv = [sys.executable, "-m", "optserve.server.cli", "serve", "--port", str(port), "--shards", "2",
-            "--ray-address", two_node_cluster, "--min-shard-bytes", "0",
+            "--ray-address", two_node_cluster, "--min-shard-bytes", "0", "--precond-workers", "1",
             "--checkpoint-dir", str(tmp_path / "checkpoints")]
     first = _Started("optserve-first", argv, str(tmp_path))
     second = None
@@ -214,9 +214,14 @@ def test_a_durable_coordinator_killed_on_a_cluster_reattaches_to_its_running_sha
         reference = InProcess(ADAM["name"], ADAM["args"], params)
         client = Client(address, timeout=120)
         session = client.create_session("reattach", params, optimizer=ADAM)
+        shampoo_args = {"learning_rate": 0.01, "block_size": 8, "start_preconditioning_step": 2}
+        shampoo_reference = InProcess("shampoo", shampoo_args, params)
+        shampoo = client.create_session("reattach-shampoo", params, optimizer={  # roots from the worker
+            "name": "shampoo", "args": shampoo_args, "preconditioners": {"max_age": 0}})
         for step in range(3):
             grads = make_grads(params, step)
             got, expected = session.push_pull(grads), reference.step(grads)
+            shampoo.push_pull(grads), shampoo_reference.step(grads)
         before = [s.address for s in session.status().shards]
 
         os.killpg(first.process.pid, signal.SIGKILL)  # the coordinator only: the Ray nodes keep running
@@ -230,7 +235,11 @@ def test_a_durable_coordinator_killed_on_a_cluster_reattaches_to_its_running_sha
         for step in range(3, 6):
             grads = make_grads(params, step)
             got, expected = session.push_pull(grads), reference.step(grads)
+            shampoo_got, shampoo_expected = shampoo.push_pull(grads), shampoo_reference.step(grads)
         assert max_abs_diff(got, expected) <= 1e-6
+        assert max_abs_diff(shampoo_got, shampoo_expected) <= 1e-5  # the re-attached worker computes its roots
+        assert all(s.root_offload.roots_installed > 0 for s in shampoo.status().shards)
+        shampoo.close()
         session.close()
         client.close()
         second.process.send_signal(signal.SIGTERM)

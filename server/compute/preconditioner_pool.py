@@ -98,8 +98,12 @@ def check_gpus(flag: str, per_actor: float, actors: int, what: str) -> None:
     log.warning("%s: waiting for the cluster to add GPU nodes", message)
 
 
-def start_workers(config: PoolConfig) -> list:
+def start_workers(config: PoolConfig, detached: Optional[tuple[str, str]] = None) -> list:
     """Starts ``config.workers`` worker actors (Ray restarts each one when it dies).
+
+    ``detached``: ``(name prefix, namespace)``: named actors detached from the caller, which
+    outlive it; a later call with the same prefix gets the running ones instead of new ones (a
+    durable server's restarted coordinator on a Ray cluster).
 
     Raises:
       RuntimeError: the embedded Ray has fewer GPUs than the workers ask for (:func:`check_gpus`).
@@ -110,8 +114,13 @@ def start_workers(config: PoolConfig) -> list:
     resources = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": _RAY_TASK_RETRIES}
     if config.gpus_per_worker > 0:  # the worker's JAX then sees (only) the GPUs Ray assigned it
         resources["num_gpus"] = config.gpus_per_worker
-    cls = ray.remote(PreconditionerWorker).options(**resources)
-    workers = [cls.remote(i, config.f64) for i in range(config.workers)]
+    cls = ray.remote(PreconditionerWorker)
+    if detached is None:
+        workers = [cls.options(**resources).remote(i, config.f64) for i in range(config.workers)]
+    else:
+        prefix, namespace = detached
+        workers = [cls.options(**resources, name=f"{prefix}-precond-{i}", namespace=namespace, lifetime="detached",
+                               get_if_exists=True).remote(i, config.f64) for i in range(config.workers)]
     ray.get([w.info.remote() for w in workers])
     return workers
 
