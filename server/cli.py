@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
                          help="... or every S seconds (whichever comes first)")
     durable.add_argument("--max-log-bytes", type=int, default=None,
                          help="... or when a session's step log would exceed this many bytes (default: about the "
-                              "session's parameter + optimizer state bytes)")
+                              "session's parameter + optimizer state bytes, at least 256 MiB)")
     durable.add_argument("--fsync", choices=["step", "every-n", "checkpoint"], default="checkpoint",
                          help="when the step log is flushed to disk: every step, every N steps "
                               "(--fsync-every-steps), or at checkpoints (default); bounds what a machine loss loses")

@@ -29,8 +29,8 @@ def checkpoint_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def durable_server(ray_local, checkpoint_dir):
-    """A durable server of its own (these tests kill its shards): a checkpoint every 4 steps (and,
-    by the default log bound, every 2), one preconditioner worker for Shampoo."""
+    """A durable server of its own (these tests kill its shards): a checkpoint every 4 steps, one
+    preconditioner worker for Shampoo."""
     from optserve.server.app import start_server
     from optserve.server.domain.config import ServerConfig
     from optserve.server.domain.durability import DurabilityConfig

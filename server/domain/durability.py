@@ -52,8 +52,9 @@ class DurabilityConfig:
       every_steps: a checkpoint is due every this many steps (>= 1).
       every_s: ... or when this many seconds passed since the last one (> 0).
       max_log_bytes: ... or when the step log since the last checkpoint would exceed this many
-        bytes; None: the session's parameter + optimizer state bytes (estimated as
-        ``log_bytes_factor`` x its parameter bytes), so the log never outgrows a checkpoint.
+        bytes; None: about the session's parameter + optimizer state bytes (``LOG_BYTES_FACTOR`` x
+        its parameter bytes, at least ``MIN_DEFAULT_LOG_BYTES``), so the log never outgrows a
+        checkpoint by much and a small, fast session is not checkpointed every few steps.
       fsync: the step log's flush policy (:class:`FsyncPolicy`).
       fsync_every_steps: EVERY_N's N (>= 1).
     """
@@ -79,7 +80,8 @@ class DurabilityConfig:
 
     def policy(self, session_param_bytes: int) -> "CheckpointPolicy":
         """The checkpoint policy of a session holding ``session_param_bytes`` parameter bytes."""
-        max_log = self.max_log_bytes if self.max_log_bytes is not None else LOG_BYTES_FACTOR * session_param_bytes
+        max_log = self.max_log_bytes if self.max_log_bytes is not None else max(
+            LOG_BYTES_FACTOR * session_param_bytes, MIN_DEFAULT_LOG_BYTES)
         return CheckpointPolicy(self.every_steps, self.every_s, max(1, max_log), max(1, session_param_bytes))
 
     def fsync_due(self, records_since_sync: int) -> bool:
@@ -90,6 +92,7 @@ class DurabilityConfig:
 
 
 LOG_BYTES_FACTOR = 2  # the default log bound: about a session's parameters + a parameter-sized state
+MIN_DEFAULT_LOG_BYTES = 256 << 20  # ... but never below this (a checkpoint costs more than a small log)
 
 
 @dataclasses.dataclass(frozen=True)

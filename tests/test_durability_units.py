@@ -1,0 +1,160 @@
+"""The pieces of durability on their own (no Ray, no server): the checkpoint policy, the clock's
+checkpoint marks and journal, the step log's framing, and checkpoints on disk."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from optserve.server.compute.checkpoints import CorruptCheckpoint, ShardStore, read_step_log
+from optserve.server.domain.clock import LocalClock, Ticket
+from optserve.server.domain.config import DType, Mode, SessionConfig, TensorSpec
+from optserve.server.domain.durability import (MIN_DEFAULT_LOG_BYTES, CheckpointPolicy, DurabilityConfig,
+                                               FsyncPolicy, ShardProgress, StepRecord)
+from optserve.server.domain.errors import InvalidArgument
+
+
+def _config(mode=Mode.ASYNC) -> SessionConfig:
+    return SessionConfig("units", (TensorSpec("w", DType.FLOAT32, (4, 3)), TensorSpec("b", DType.FLOAT32, (3,))),
+                         "sgd", {"learning_rate": 0.1}, mode=mode)
+
+
+def test_checkpoint_policy_is_due_by_steps_by_seconds_or_by_log_bytes():
+    policy = CheckpointPolicy(every_steps=10, every_s=60.0, max_log_bytes=1000, step_bytes=300)
+    assert not policy.due(0, 1e9)  # nothing new since the last one
+    assert not policy.due(3, 1.0)
+    assert policy.due(4, 1.0)  # 4 x 300 bytes >= 1000
+    assert policy.due(1, 61.0)
+    assert CheckpointPolicy(10, 60.0, 10**12, 1).due(10, 0.0)
+
+
+def test_default_log_bound_is_twice_the_parameters_but_never_below_the_floor():
+    config = DurabilityConfig("/tmp/x")
+    assert config.policy(400 << 20).max_log_bytes == 800 << 20
+    assert config.policy(1 << 10).max_log_bytes == MIN_DEFAULT_LOG_BYTES
+    assert DurabilityConfig("/tmp/x", max_log_bytes=5).policy(1 << 30).max_log_bytes == 5
+
+
+@pytest.mark.parametrize("kwargs, named", [({"every_steps": 0}, "--checkpoint-every-steps"),
+                                           ({"every_s": 0}, "--checkpoint-every-s"),
+                                           ({"fsync_every_steps": 0}, "--fsync-every-steps"),
+                                           ({"checkpoint_dir": ""}, "--checkpoint-dir")])
+def test_durability_options_are_validated_naming_the_flag(kwargs, named):
+    with pytest.raises(InvalidArgument, match=named):
+        DurabilityConfig(**{"checkpoint_dir": "/tmp/x", **kwargs})
+
+
+def test_fsync_policy_flushes_every_step_every_n_or_only_at_checkpoints():
+    assert DurabilityConfig("/d", fsync=FsyncPolicy.STEP).fsync_due(1)
+    every_3 = DurabilityConfig("/d", fsync=FsyncPolicy.EVERY_N, fsync_every_steps=3)
+    assert [every_3.fsync_due(n) for n in (1, 2, 3)] == [False, False, True]
+    assert not DurabilityConfig("/d").fsync_due(10**6)
+
+
+def test_clock_marks_checkpoint_due_steps_and_a_restored_clock_decides_the_same_tickets():
+    journal: list = []
+    policy = CheckpointPolicy(every_steps=3, every_s=1e9, max_log_bytes=10**12, step_bytes=1)
+    clock = LocalClock(_config(), checkpoints=policy, journal=journal.append)
+    tickets = [clock.commit("a", s, s - 1) for s in range(1, 8)]
+    assert [t.checkpoint for t in tickets] == [False, False, True, False, False, True, False]
+    assert [Ticket.from_json(e) for e in journal] == tickets  # every ticket journaled, in order
+    state = clock.durable_state(lambda: None)
+    journal.clear()
+    later = [clock.commit("b", s, 7) for s in range(1, 4)]  # journaled after the checkpoint's state
+
+    restored = LocalClock(_config(), checkpoints=policy)
+    restored.restore(json.loads(json.dumps(state)), json.loads(json.dumps(journal)))
+    assert restored.commit("b", 3, 7) == later[2]  # a retry gets the ticket it had
+    assert restored.commit("a", 8, 7) == clock.commit("a", 8, 7)  # and new pushes the same decision
+    import dataclasses
+
+    assert dataclasses.replace(restored.status(), last_activity_unix_s=0) == dataclasses.replace(
+        clock.status(), last_activity_unix_s=0)
+
+
+def test_a_restarted_clock_answers_a_cross_shard_sum_from_its_journal():
+    import threading
+
+    journal: list = []
+    clock = LocalClock(_config(), participants=2, journal=journal.append)
+    results = {}
+    other = threading.Thread(target=lambda: results.update(one=clock.reduce_sum(5, 1, 2.5)))
+    other.start()
+    results["zero"] = clock.reduce_sum(5, 0, 1.0)
+    other.join()
+    assert results == {"zero": 3.5, "one": 3.5}
+    restored = LocalClock(_config(), participants=2)
+    restored.restore(None, journal)
+    assert restored.reduce_sum(5, 1, 2.5) == 3.5  # no wait for shard 0's part: it was summed before
+
+
+def _store(tmp_path, home=True, **config) -> ShardStore:
+    return ShardStore(str(tmp_path), "units", 0, DurabilityConfig(str(tmp_path), **config), home=home)
+
+
+def _grads(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((4, 3)).astype(np.float32), "b": rng.standard_normal(3).astype(np.float32)}
+
+
+def _buffers() -> dict:
+    return {"w": np.empty((4, 3), np.float32), "b": np.empty(3, np.float32)}
+
+
+def test_step_log_reads_back_every_record_and_ends_at_a_torn_tail(tmp_path):
+    store = _store(tmp_path)
+    store.start_logs(None)
+    written = [_grads(i) for i in range(3)]
+    for i, grads in enumerate(written):
+        store.log_step(StepRecord(i + 1, ((i, "c", i + 1),), 1.0, 0.5 * i), list(grads.values()))
+    store.wait_logged(3)
+    (segment,) = store.log_segments(None)
+    with open(segment, "ab") as fh:  # a crash in the middle of a fourth record
+        fh.write(b"OSLR" + (60).to_bytes(8, "little") + b"\0" * 20)
+    records = list(read_step_log(segment, _buffers))
+    assert [StepRecord.from_json(h).version for h, _ in records] == [1, 2, 3]
+    for (header, grads), expected in zip(records, written):
+        assert all(np.array_equal(grads[k], expected[k]) for k in expected)
+    assert StepRecord.from_json(records[2][0]).global_stat == 1.0
+    store.close()
+
+
+def test_step_log_damaged_before_its_end_is_reported_not_replayed(tmp_path):
+    store = _store(tmp_path)
+    store.start_logs(None)
+    for i in range(2):
+        store.log_step(StepRecord(i + 1, ((i, "c", i + 1),), 1.0, 0.0), list(_grads(i).values()))
+    store.wait_logged(2)
+    (segment,) = store.log_segments(None)
+    with open(segment, "r+b") as fh:
+        fh.seek(4 + 8 + 60 + 4 + 5)  # inside the first record's header
+        fh.write(b"#")
+    with pytest.raises(CorruptCheckpoint, match="damaged"):
+        list(read_step_log(segment, _buffers))
+    store.close()
+
+
+def test_checkpoint_round_trips_and_truncates_the_log_and_a_damaged_one_is_refused(tmp_path):
+    import jax
+
+    store = _store(tmp_path)
+    store.start_logs(None)
+    params = {"b": np.arange(3, dtype=np.float32), "w": np.ones((4, 3), np.float32)}
+    state = ({"b": np.zeros(3, np.float32), "w": np.full((4, 3), 2.0, np.float32)}, np.array(7, np.int32))
+    store.log_step(StepRecord(1, ((0, "c", 1),), 1.0, 0.0), list(_grads(0).values()))
+    store.checkpoint(ShardProgress(1, 1, {"c": 1}), params, state,
+                     clock_state_fn=lambda rotate: (rotate(), {"version": 1})[1], wait=True)
+    manifest = store.latest()
+    assert manifest["progress"] == {"version": 1, "next_ordinal": 1, "applied_sequence": {"c": 1}}
+    assert manifest["clock"] == {"version": 1} and store.durable_version == 1
+    assert store.log_segments(manifest) == [os.path.join(store.folder, "steps-1.log")]  # segment 0 deleted
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), {"params": params, "opt_state": state})
+    restored = store.restore_arrays(manifest, abstract)
+    assert np.array_equal(restored["params"]["b"], params["b"]) and int(restored["opt_state"][1]) == 7
+    manifest["crc32"][0] ^= 1  # as if the arrays on disk had changed
+    with pytest.raises(CorruptCheckpoint, match="checksums"):
+        store.restore_arrays(manifest, abstract)
+    store.close()
