@@ -301,13 +301,13 @@ class RayShardFleet:
         return _ray_get(self.actors[opening.shard_index].open_session.remote(opening, True))
 
     def peer_down(self, home_index: int, shard_index: int, names: Sequence[str]) -> None:
-        _ray_get(self.actors[home_index].peer_down.remote(shard_index, list(names)))
+        _tell(self.actors[home_index].peer_down.remote(shard_index, list(names)))
 
     def peer_up(self, home_index: int, shard_index: int, names: Sequence[str]) -> None:
-        _ray_get(self.actors[home_index].peer_up.remote(shard_index, list(names)))
+        _tell(self.actors[home_index].peer_up.remote(shard_index, list(names)))
 
     def set_home_clock(self, shard_index: int, name: str, address: str) -> None:
-        _ray_get(self.actors[shard_index].set_home_clock.remote(name, address))
+        _tell(self.actors[shard_index].set_home_clock.remote(name, address))
 
     def recovered(self, shard_index: int) -> None:
         _ray_get(self.actors[shard_index].recovered.remote())
@@ -377,6 +377,20 @@ def _bind(add_port, port: int) -> int:
         except RuntimeError:
             log.warning("port %d is taken: the restarted shard listens on another one", port)
     return add_port(0)
+
+
+def _tell(ref) -> None:
+    """Waits for a notice to a shard; a shard that died meanwhile misses it (it restores its sessions
+    when it is restarted, and hears of its peers then)."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    try:
+        ray.get(ref)
+    except RayActorError:
+        pass
+    except Exception as exc:  # re-raise the domain error inside a RayTaskError
+        raise unwrap(exc) from None
 
 
 def _ray_get(refs):
