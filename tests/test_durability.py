@@ -239,3 +239,31 @@ def test_shampoo_with_preconditioner_workers_survives_a_shard_kill_exactly(durab
     assert all(s.root_offload.offloaded for s in status.shards)
     session.close()
     client.close()
+
+
+@pytest.mark.parametrize("killed", [0, 1], ids=["home-shard", "other-shard"])
+def test_a_push_in_flight_during_a_shard_kill_applies_exactly_once(durable_server, unique_name, killed):
+    """Sync with two workers: the first worker's push is staged and waits for the second when a
+    shard is killed; it is retried (same sequence) through the recovery and the step averages the
+    two pushes exactly once."""
+    sgd = {"name": "sgd", "args": {"learning_rate": 0.1}}
+    first_client, second_client = Client(durable_server.address, timeout=90.0), Client(durable_server.address,
+                                                                                       timeout=90.0)
+    params = make_params(8)
+    first = first_client.create_session(unique_name, params, optimizer=sgd, num_workers=2)
+    second = second_client.session(unique_name)
+    g1, g2 = make_grads(params, 0), make_grads(params, 1)
+    pending = first.push_pull_async(g1)
+    time.sleep(1.0)  # staged on both shards, waiting for the second worker
+    assert not pending.done()
+    _kill_shard(durable_server, killed)
+    got_second = second.push_pull(g2)
+    got_first = pending.result(timeout=120)
+    expected = {k: params[k] - 0.1 * (g1[k] + g2[k]) / 2 for k in params}
+    assert max_abs_diff(got_first, expected) <= 1e-6 and max_abs_diff(got_second, expected) <= 1e-6
+    status = first.status()
+    assert status.version == 1 and status.pushes_accepted == 2
+    first.close()
+    second.detach()
+    first_client.close()
+    second_client.close()
