@@ -23,7 +23,7 @@ import threading
 from typing import Optional, Protocol, Sequence
 
 from optserve.server.domain.clock import ClockStatus
-from optserve.server.domain.config import Mode, PreconditionerOptions, SessionConfig
+from optserve.server.domain.config import Limits, Mode, PreconditionerOptions, SessionConfig, estimated_shard_bytes
 from optserve.server.domain.errors import AlreadyExists, FailedPrecondition, NotFound, PermissionDenied, SessionLost
 from optserve.server.domain.placement import place_tensors
 from optserve.server.domain.shard_session import ShardSessionStatus
@@ -150,26 +150,47 @@ class Coordinator:
     Args:
       fleet: the shard actors.
       min_shard_bytes: see :func:`~optserve.server.domain.placement.place_tensors`.
+      limits: bounds a new session must keep (bytes, memory budget per shard, sessions per tenant).
     """
 
-    def __init__(self, fleet: ShardFleet, *, min_shard_bytes: int = 0):
+    def __init__(self, fleet: ShardFleet, *, min_shard_bytes: int = 0, limits: Optional[Limits] = None):
         self._fleet = fleet
         self._min_shard_bytes = min_shard_bytes
+        self.limits = limits or Limits()
+        self._estimated: dict[str, dict[int, int]] = {}  # session -> shard -> estimated bytes (budget)
         self._sessions: dict[str, SessionRecord] = {}
         self._closing: set[str] = set()  # names whose shards are still closing: not yet reusable
         self._lost: dict[str, str] = {}  # lost session -> why (see the module docstring)
         self._lock = threading.Lock()
 
     def create_session(self, config: SessionConfig, owner: str = "", creator: str = "") -> SessionRecord:
-        """Places and opens a session owned by tenant ``owner``, created by client ``creator``."""
+        """Places and opens a session owned by tenant ``owner``, created by client ``creator``.
+
+        Raises:
+          ResourceExhausted: the session is larger than ``max_session_bytes``, its tensors would
+            take a shard past its memory budget, or ``owner`` holds ``max_sessions_per_tenant``
+            sessions (checked before any shard allocates anything).
+        """
+        limits = self.limits
+        session_bytes = sum(t.nbytes for t in config.tensors)
+        if session_bytes > limits.max_session_bytes:
+            raise limits.exceeded("max_session_bytes", f"session {config.name!r}: {session_bytes} parameter bytes",
+                                  session_bytes)
         config.validate_optimizer()
         with self._lock:
             if config.name in self._sessions or config.name in self._closing:
                 raise AlreadyExists(f"session {config.name!r} already exists")
+            owned = sum(1 for record in self._sessions.values() if record.owner == owner)
+            if owned >= limits.max_sessions_per_tenant:
+                raise limits.exceeded("max_sessions_per_tenant", f"tenant {owner!r}: {owned + 1} open sessions",
+                                      owned + 1)
             num_shards = len(self._fleet.addresses)
             placement = place_tensors(config.tensors, num_shards, min_shard_bytes=self._min_shard_bytes,
                                       shard_loads=self._shard_loads_locked(num_shards))
             by_name = config.spec_by_name
+            estimated = {i: estimated_shard_bytes(by_name[n] for n in names) for i, names in enumerate(placement)
+                         if names}
+            self._check_budget_locked(config.name, estimated, num_shards)
             assignments = tuple(
                 Assignment(i, self._fleet.addresses[i], tuple(names), sum(by_name[n].nbytes for n in names))
                 for i, names in enumerate(placement)
@@ -188,7 +209,19 @@ class Coordinator:
                 raise
             record = SessionRecord(config, assignments, owner, creator)
             self._sessions[config.name] = record
+            self._estimated[config.name] = estimated
             return record
+
+    def _check_budget_locked(self, name: str, estimated: dict[int, int], num_shards: int) -> None:
+        """Raises ResourceExhausted if ``estimated`` bytes would take a shard past its budget."""
+        budget = self.limits.shard_budget(num_shards)
+        for shard, needed in sorted(estimated.items()):
+            held = sum(e.get(shard, 0) for e in self._estimated.values())
+            if held + needed > budget:
+                raise self.limits.exceeded(
+                    "shard_memory_bytes", f"session {name!r}: shard {shard} would hold an estimated {held + needed} "
+                    f"bytes ({needed} of them this session's parameters, optimizer state and gradient buffer)",
+                    held + needed, budget)
 
     def _shard_loads_locked(self, num_shards: int) -> list[int]:
         """Parameter bytes each shard holds for the open sessions."""
@@ -270,6 +303,7 @@ class Coordinator:
         with self._lock:  # the owner check and the removal are one step: no other record can slip in
             self._owned_locked(name, tenant)
             del self._sessions[name]
+            self._estimated.pop(name, None)
             self._lost.pop(name, None)
             self._closing.add(name)
         try:

@@ -76,6 +76,11 @@ class SessionLost(OptservError):
     Retrying cannot help; the session must be closed (and created again)."""
 
 
+class ResourceExhausted(OptservError):
+    """A limit of the server would be exceeded (the message names the limit and its flag):
+    session or tensor size, memory budget, tensor count, sessions per tenant, open streams."""
+
+
 class Timeout(OptservError):
     """A wait (sync barrier, cross-shard reduction) ran past its deadline."""
 

@@ -29,7 +29,7 @@ from optserve.server.domain.config import DType
 from optserve.server.domain.errors import Cancelled, InvalidArgument
 from optserve.server.domain.shard_session import PushHeader, Receipt, ShardRegistry, ShardSession
 from optserve.server.domain.telemetry import Telemetry
-from optserve.server.wire.errors import grpc_errors
+from optserve.server.wire.errors import grpc_errors, safe_decoder
 from optserve.server.wire.security import TokenTable
 
 
@@ -177,10 +177,11 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
             raise InvalidArgument("PushPull `step`: header.auto_commit must be true (a one-message step "
                                   "commits with its peers; use header, chunks, seal for a decision)")
         session = self._session(step.header.session, context)
-        receipt = session.push(_push_header(step.header), iter(step.chunks), context.is_active,
+        framing = _OneMessagePush(step)
+        receipt = session.push(_push_header(step.header), framing.chunks(), context.is_active,
                                wait_s=context.time_remaining())
         session.observer.pushed(time.perf_counter() - started)
-        return (yield from self._answer(session, receipt, step.pull, one_message=True))
+        return (yield from self._answer(session, receipt, framing.reply, one_message=True))
 
     def _streamed_step(self, header, request_iterator, context, started: float):
         session = self._session(header.session, context)
@@ -191,7 +192,7 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
         except Cancelled:
             return None
         session.observer.pushed(time.perf_counter() - started)
-        return (yield from self._answer(session, receipt, framing.pull, one_message=False))
+        return (yield from self._answer(session, receipt, framing.reply, one_message=False))
 
     def _two_phase_step(self, header, request_iterator, context, started: float):
         """The client decides after ``staged``: commit streams the parameters, abort drops the push."""
@@ -215,13 +216,14 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
             return closing
         receipt = session.commit(push.client_id, push.sequence, wait_s=context.time_remaining())
         session.observer.pushed(time.perf_counter() - started)
-        return (yield from self._answer(session, receipt, framing.pull, one_message=False))
+        return (yield from self._answer(session, receipt, framing.reply, one_message=False))
 
-    def _answer(self, session: ShardSession, receipt: Receipt, pull: data_pb2.PullRequest, one_message: bool):
-        """The step's parameters and ``done``: one ``step_result`` when ``one_message`` and they fit
-        in one chunk, else chunks then ``done``. Returns whether the shard ends the call."""
+    def _answer(self, session: ShardSession, receipt: Receipt, reply: tuple[Optional[DType], int], one_message: bool):
+        """The step's parameters and ``done`` in the ``reply`` options (:func:`_pull_options`, checked
+        before the push): one ``step_result`` when ``one_message`` and they fit in one chunk, else
+        chunks then ``done``. Returns whether the shard ends the call."""
         started = time.perf_counter()
-        dtype, chunk_bytes = _pull_options(pull)
+        dtype, chunk_bytes = reply
         version, params = session.snapshot()
         closing = self._streams.crowded()
         done = data_pb2.StepDone(version=version, staleness=receipt.staleness, committed=True, stream_closing=closing)
@@ -243,12 +245,27 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
         return closing
 
 
+class _OneMessagePush:
+    """A one-message step's chunks, after its reply options (``pull``) are checked: inside the push,
+    so bad options refuse it like a bad chunk (nothing applied, the session's other shards drop
+    their parts) instead of failing after it was applied."""
+
+    def __init__(self, step: data_pb2.PushPullStep):
+        self._step = step
+        self.reply: tuple[Optional[DType], int] = (None, contract.DEFAULT_CHUNK_BYTES)
+
+    def chunks(self):
+        self.reply = _pull_options(self._step.pull)
+        yield from self._step.chunks
+
+
 class _StreamedPush:
-    """The chunks of a streamed push, up to its ``seal``; remembers the ``pull`` options sent with them."""
+    """The chunks of a streamed push, up to its ``seal``; remembers the reply options (``pull``)
+    sent with them, checked as they arrive: bad ones refuse the push before it is applied."""
 
     def __init__(self, request_iterator):
         self._requests = request_iterator
-        self.pull = data_pb2.PullRequest()
+        self.reply = _pull_options(data_pb2.PullRequest())
         self.sealed = False
 
     def chunks(self):
@@ -257,7 +274,7 @@ class _StreamedPush:
             if kind == "chunk":
                 yield request.chunk
             elif kind == "pull":
-                self.pull = request.pull
+                self.reply = _pull_options(request.pull)
             elif kind == "seal":
                 self.sealed = True
                 return
@@ -287,7 +304,7 @@ def _request_decoder(message_type):
         chunk = chunk_codec.split_chunk(serialized)
         return message_type.FromString(serialized) if chunk is None else _ChunkRequest(chunk)
 
-    return decode
+    return safe_decoder(decode)
 
 
 def add_to_server(registry: ShardRegistry, server: grpc.Server, max_open_streams: int = 16,
@@ -308,13 +325,13 @@ def add_to_server(registry: ShardRegistry, server: grpc.Server, max_open_streams
             servicer.Push, request_deserializer=_request_decoder(data_pb2.PushRequest),
             response_serializer=data_pb2.PushResponse.SerializeToString),
         "Commit": grpc.unary_unary_rpc_method_handler(
-            servicer.Commit, request_deserializer=data_pb2.CommitRequest.FromString,
+            servicer.Commit, request_deserializer=safe_decoder(data_pb2.CommitRequest.FromString),
             response_serializer=data_pb2.CommitResponse.SerializeToString),
         "Abort": grpc.unary_unary_rpc_method_handler(
-            servicer.Abort, request_deserializer=data_pb2.AbortRequest.FromString,
+            servicer.Abort, request_deserializer=safe_decoder(data_pb2.AbortRequest.FromString),
             response_serializer=data_pb2.AbortResponse.SerializeToString),
         "Pull": grpc.unary_stream_rpc_method_handler(
-            servicer.Pull, request_deserializer=data_pb2.PullRequest.FromString,
+            servicer.Pull, request_deserializer=safe_decoder(data_pb2.PullRequest.FromString),
             response_serializer=chunk_codec.serialize),
         "PushPull": grpc.stream_stream_rpc_method_handler(
             servicer.PushPull, request_deserializer=_request_decoder(data_pb2.PushPullRequest),
