@@ -555,10 +555,13 @@ def print_report(report: Report, out=sys.stdout) -> None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.fuzz", description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=10_000)
+    parser.add_argument("--small", action="store_true", help="2,000 requests (as `python -m bench --small`)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--address", default=None, help="fuzz a running server (default: start an embedded one)")
     args = parser.parse_args(argv)
+    if args.small:
+        args.requests = min(args.requests, 2_000)
 
     running = None
     address = args.address
