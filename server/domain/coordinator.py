@@ -159,6 +159,7 @@ class Coordinator:
         self.limits = limits or Limits()
         self._estimated: dict[str, dict[int, int]] = {}  # session -> shard -> estimated bytes (budget)
         self._sessions: dict[str, SessionRecord] = {}
+        self._creating: dict[str, SessionRecord] = {}  # names whose shards are still opening: reserved
         self._closing: set[str] = set()  # names whose shards are still closing: not yet reusable
         self._lost: dict[str, str] = {}  # lost session -> why (see the module docstring)
         self._lock = threading.Lock()
@@ -177,10 +178,11 @@ class Coordinator:
             raise limits.exceeded("max_session_bytes", f"session {config.name!r}: {session_bytes} parameter bytes",
                                   session_bytes)
         config.validate_optimizer()
-        with self._lock:
-            if config.name in self._sessions or config.name in self._closing:
+        with self._lock:  # reserve the name, the tenant's slot and the shards' budget
+            if config.name in self._sessions or config.name in self._creating or config.name in self._closing:
                 raise AlreadyExists(f"session {config.name!r} already exists")
-            owned = sum(1 for record in self._sessions.values() if record.owner == owner)
+            owned = sum(1 for records in (self._sessions, self._creating) for record in records.values()
+                        if record.owner == owner)
             if owned >= limits.max_sessions_per_tenant:
                 raise limits.exceeded("max_sessions_per_tenant", f"tenant {owner!r}: {owned + 1} open sessions",
                                       owned + 1)
@@ -196,21 +198,31 @@ class Coordinator:
                 for i, names in enumerate(placement)
                 if names
             )
-            home = assignments[0].shard_index
-            home_clock = self._fleet.clock_addresses[home]
-            try:
-                self._fleet.open_session([
-                    ShardOpening(a.shard_index, config, a.tensor_names, len(assignments),
-                                 None if a.shard_index == home else home_clock, owner, creator)
-                    for a in assignments
-                ])
-            except BaseException:
-                self._fleet.close_session(config.name)
-                raise
             record = SessionRecord(config, assignments, owner, creator)
-            self._sessions[config.name] = record
+            self._creating[config.name] = record
             self._estimated[config.name] = estimated
-            return record
+        # The shards open it without the lock: listing and other sessions' calls go on meanwhile.
+        home = assignments[0].shard_index
+        home_clock = self._fleet.clock_addresses[home]
+        try:
+            self._fleet.open_session([
+                ShardOpening(a.shard_index, config, a.tensor_names, len(assignments),
+                             None if a.shard_index == home else home_clock, owner, creator)
+                for a in assignments
+            ])
+        except BaseException:
+            try:
+                self._fleet.close_session(config.name)
+            finally:
+                with self._lock:
+                    del self._creating[config.name]
+                    self._estimated.pop(config.name, None)
+                    self._lost.pop(config.name, None)
+            raise
+        with self._lock:
+            del self._creating[config.name]
+            self._sessions[config.name] = record
+        return record
 
     def _check_budget_locked(self, name: str, estimated: dict[int, int], num_shards: int) -> None:
         """Raises ResourceExhausted if ``estimated`` bytes would take a shard past its budget."""
@@ -226,7 +238,7 @@ class Coordinator:
     def _shard_loads_locked(self, num_shards: int) -> list[int]:
         """Parameter bytes each shard holds for the open sessions."""
         loads = [0] * num_shards
-        for record in self._sessions.values():
+        for record in [*self._sessions.values(), *self._creating.values()]:
             for a in record.assignments:
                 loads[a.shard_index] += a.param_bytes
         return loads
@@ -257,7 +269,7 @@ class Coordinator:
         """
         with self._lock:
             lost = {}
-            for name, record in self._sessions.items():
+            for name, record in [*self._sessions.items(), *self._creating.items()]:
                 if name not in self._lost and any(a.shard_index == shard_index for a in record.assignments):
                     lost[name] = (f"session {name!r} is lost: shard {shard_index} ({address}), which held part of "
                                   f"it, died ({cause}) and the server keeps no copy of its state; close the "
