@@ -7,6 +7,7 @@ Requests are raw bytes on a plain gRPC channel (generic ``unary_unary`` / ``unar
 ``stream_unary`` / ``stream_stream`` calls with no serializer), drawn from a seeded generator:
 
 - ``random``: random bytes;
+- (any kind) names of up to 300,000 characters, which error messages echo;
 - ``mutated``: a valid message (a push's header and chunks, a session definition, ...) with bytes
   flipped, inserted, deleted or cut off;
 - ``huge_shape``: sessions and chunks declaring 2^40, 2^62 or negative dimensions, or ranks of 100;
@@ -132,6 +133,8 @@ class Generator:
             return TARGET
         if r < 0.8:
             return f"fuzz-scratch-{self.rng.randrange(50)}"
+        if r < 0.83:  # echoed in error messages: status details must stay small
+            return "n" * self.rng.choice([20_000, 300_000])
         return "".join(self.rng.choice("abc/-_\u00e9\u4e2d") for _ in range(self.rng.randrange(0, 40)))
 
     def _client(self) -> str:

@@ -273,3 +273,45 @@ def test_a_session_of_40000_tensors_is_validated_and_placed_in_near_linear_time(
     assert large < 3.0, large  # was 14 s: the duplicate-name check counted every name in the list
     assert large < 4 * small * 3 + 0.2, (small, large)  # 4x the tensors, well under 16x the time
     assert Limits().max_tensors >= 40_000
+
+
+# ----------------------------------------------------------------------------- configuration
+
+def test_limit_defaults_come_from_the_machines_memory_and_bad_values_name_the_flag():
+    from optserve.server.domain.config import Limits, ServerConfig, machine_memory_bytes
+    from optserve.server.domain.errors import InvalidArgument
+
+    memory = machine_memory_bytes()
+    assert memory > 1 << 30
+    limits = ServerConfig().limits
+    assert limits.max_session_bytes == memory // 8
+    assert limits.shard_budget(2) == memory // 4 and limits.shard_budget(4) == memory // 8
+    assert Limits(shard_memory_bytes=123).shard_budget(2) == 123
+    for flag, field in (("--max-tensors", "max_tensors"), ("--max-json-depth", "max_json_depth"),
+                        ("--shard-memory-bytes", "shard_memory_bytes")):
+        with pytest.raises(InvalidArgument, match=flag):
+            Limits(**{field: 0})
+
+
+def test_serve_with_a_bad_limit_flag_is_one_line_and_status_2(capsys):
+    from optserve.server.cli import main
+
+    assert main(["serve", "--port", "0", "--max-sessions-per-tenant", "0"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["optserve serve: --max-sessions-per-tenant must be a positive integer, got 0"]
+
+
+def test_an_error_naming_a_huge_name_keeps_its_status_with_the_message_cut(control, shard_channel):
+    # The message echoes the name; past 16 KiB of status details the client used to see a
+    # transport RESOURCE_EXHAUSTED ("Stream removed") instead of NOT_FOUND.
+    from optserve.protos.optserve.v1 import data_pb2, data_pb2_grpc
+
+    name = "x" * 200_000
+    calls = {"GetStatus": lambda: control.GetStatus(control_pb2.GetStatusRequest(name=name), timeout=30),
+             "Pull": lambda: list(data_pb2_grpc.ShardDataStub(shard_channel).Pull(
+                 data_pb2.PullRequest(session=name), timeout=30))}
+    for rpc, call in calls.items():
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND, (rpc, info.value.details()[:200])
+        assert "characters cut" in info.value.details() and len(info.value.details()) <= 2048

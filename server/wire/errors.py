@@ -93,6 +93,19 @@ def status_code_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+# Status details travel in trailing metadata, which clients refuse past 16 KiB (the call then fails
+# with a transport RESOURCE_EXHAUSTED instead of its status): messages echo names the client sent
+# (a session name may be megabytes), so they are cut to this many characters.
+MAX_DETAILS_CHARS = 2048
+
+
+def _bounded(message: str) -> str:
+    if len(message) <= MAX_DETAILS_CHARS:
+        return message
+    cut = len(message) - MAX_DETAILS_CHARS
+    return f"{message[:MAX_DETAILS_CHARS - 40]} ... [{cut} characters cut]"
+
+
 def _abort(context: grpc.ServicerContext, exc: BaseException):
     if not context.is_active():  # the client went away: nobody to tell
         log.debug("RPC ended by the client: %s", exc)
@@ -108,7 +121,7 @@ def _abort(context: grpc.ServicerContext, exc: BaseException):
         context.set_trailing_metadata(((contract.CURRENT_VERSION_KEY, str(inner.current_version)),))
     elif isinstance(inner, errors.PeerRefused):
         context.set_trailing_metadata(((contract.PEER_REFUSED_KEY, "1"),))
-    context.abort(code, message)
+    context.abort(code, _bounded(message))
 
 
 def grpc_errors(method):
