@@ -225,11 +225,11 @@ class Limits:
             return self.shard_memory_bytes
         return machine_memory_bytes() // 2 // max(1, shards)
 
-    def exceeded(self, name: str, what: str, value: int, limit: Optional[int] = None) -> ResourceExhausted:
-        """The error for ``what`` (e.g. "session 'm': 5 tensors") over limit ``name``."""
+    def exceeded(self, name: str, what: str, limit: Optional[int] = None) -> ResourceExhausted:
+        """The error for ``what`` (e.g. "session 'm': 5 tensors") over limit ``name`` (its value:
+        ``limit``, else the field's)."""
         limit = getattr(self, name) if limit is None else limit
-        return ResourceExhausted(f"{what} exceeds the limit {name}={limit} (server flag {self.FLAGS[name]}; "
-                                 f"got {value})")
+        return ResourceExhausted(f"{what}: over the limit {name}={limit} (server flag {self.FLAGS[name]})")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -175,8 +175,7 @@ class Coordinator:
         limits = self.limits
         session_bytes = sum(t.nbytes for t in config.tensors)
         if session_bytes > limits.max_session_bytes:
-            raise limits.exceeded("max_session_bytes", f"session {config.name!r}: {session_bytes} parameter bytes",
-                                  session_bytes)
+            raise limits.exceeded("max_session_bytes", f"session {config.name!r}: {session_bytes} parameter bytes")
         config.validate_optimizer()
         with self._lock:  # reserve the name, the tenant's slot and the shards' budget
             if config.name in self._sessions or config.name in self._creating or config.name in self._closing:
@@ -184,8 +183,7 @@ class Coordinator:
             owned = sum(1 for records in (self._sessions, self._creating) for record in records.values()
                         if record.owner == owner)
             if owned >= limits.max_sessions_per_tenant:
-                raise limits.exceeded("max_sessions_per_tenant", f"tenant {owner!r}: {owned + 1} open sessions",
-                                      owned + 1)
+                raise limits.exceeded("max_sessions_per_tenant", f"tenant {owner!r}: {owned + 1} open sessions")
             num_shards = len(self._fleet.addresses)
             placement = place_tensors(config.tensors, num_shards, min_shard_bytes=self._min_shard_bytes,
                                       shard_loads=self._shard_loads_locked(num_shards))
@@ -232,8 +230,7 @@ class Coordinator:
             if held + needed > budget:
                 raise self.limits.exceeded(
                     "shard_memory_bytes", f"session {name!r}: shard {shard} would hold an estimated {held + needed} "
-                    f"bytes ({needed} of them this session's parameters, optimizer state and gradient buffer)",
-                    held + needed, budget)
+                    f"bytes, {needed} of them this session's parameters, optimizer state and gradient buffer", budget)
 
     def _shard_loads_locked(self, num_shards: int) -> list[int]:
         """Parameter bytes each shard holds for the open sessions."""

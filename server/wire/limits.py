@@ -47,7 +47,7 @@ def check_optimizer_args(spec: control_pb2.OptimizerSpec, limits: Limits) -> Non
     the limit otherwise: deep nesting would exhaust the parser's recursion)."""
     size = len(spec.args_json.encode("utf-8", "surrogatepass"))
     if size > limits.max_json_bytes:
-        raise limits.exceeded("max_json_bytes", f"optimizer {spec.name[:200]!r}: args_json of {size} bytes", size)
+        raise limits.exceeded("max_json_bytes", f"optimizer {spec.name[:200]!r}: args_json of {size} bytes")
     depth = json_depth(spec.args_json, limits.max_json_depth)
     if depth > limits.max_json_depth:
         raise InvalidArgument(f"optimizer {spec.name[:200]!r}: args_json is nested deeper than "
@@ -59,13 +59,13 @@ def check_session_request(message: control_pb2.SessionConfig, limits: Limits) ->
     rank, the optimizer arguments' size (RESOURCE_EXHAUSTED) and nesting (INVALID_ARGUMENT)."""
     count = len(message.tensors)
     if count > limits.max_tensors:
-        raise limits.exceeded("max_tensors", f"session {message.name[:200]!r}: {count} tensors", count)
+        raise limits.exceeded("max_tensors", f"session {message.name[:200]!r}: {count} tensors")
     for tensor in message.tensors:
         name_bytes = len(tensor.name.encode("utf-8", "surrogatepass"))
         if name_bytes > limits.max_tensor_name_bytes:
             raise limits.exceeded("max_tensor_name_bytes", f"session {message.name[:200]!r}: tensor name "
-                                  f"{tensor.name[:64]!r}... of {name_bytes} bytes", name_bytes)
+                                  f"{tensor.name[:64]!r}... of {name_bytes} bytes")
         if len(tensor.shape) > limits.max_tensor_rank:
             raise limits.exceeded("max_tensor_rank", f"session {message.name[:200]!r}: tensor {tensor.name!r} of "
-                                  f"rank {len(tensor.shape)}", len(tensor.shape))
+                                  f"rank {len(tensor.shape)}")
     check_optimizer_args(message.optimizer, limits)
