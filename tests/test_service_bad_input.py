@@ -373,3 +373,23 @@ def test_push_with_a_bad_reply_wire_dtype_is_refused_unapplied_and_a_retry_appli
     twin.push(grads)
     assert max_abs_diff(victim.pull(), twin.pull()) == 0.0
     assert_state_intact(victim, twin, params, step=6)
+
+
+def test_push_with_an_overlong_client_id_is_rejected_and_nothing_is_staged(twins):
+    # Shards remember client ids (applied sequences, expired pushes): megabyte ids would grow them.
+    from optserve.protos import contract
+
+    victim, twin, params = twins
+    stub, names = _raw_shard(victim, "dense/w")
+    grads = make_grads(params, 5)
+    long_id = "c" * (contract.MAX_CLIENT_ID_CHARS + 1)
+    header = data_pb2.PushHeader(session=victim.name, client_id=long_id, sequence=1, base_version=victim.version)
+    requests = [data_pb2.PushRequest(header=header)] + [data_pb2.PushRequest(chunk=_chunk(n, grads[n])) for n in names]
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Push(iter(requests), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "client_id" in info.value.details()
+    for call, request in ((stub.Commit, data_pb2.CommitRequest), (stub.Abort, data_pb2.AbortRequest)):
+        with pytest.raises(grpc.RpcError) as info:
+            call(request(session=victim.name, client_id=long_id, sequence=1), timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert_state_intact(victim, twin, params)

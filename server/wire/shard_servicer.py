@@ -41,7 +41,16 @@ def _first(requests: Iterator, field: str, what: str):
     return request
 
 
+def _client_id(client_id: str, what: str) -> str:
+    """``client_id``, if it is at most :data:`~optserve.protos.contract.MAX_CLIENT_ID_CHARS` long."""
+    if len(client_id) > contract.MAX_CLIENT_ID_CHARS:
+        raise InvalidArgument(f"{what}: client_id has {len(client_id)} characters, more than "
+                              f"{contract.MAX_CLIENT_ID_CHARS}")
+    return client_id
+
+
 def _push_header(message: data_pb2.PushHeader) -> PushHeader:
+    _client_id(message.client_id, "push header")
     telemetry = Telemetry(message.loss if message.HasField("loss") else None, dict(message.scalars))
     return PushHeader(message.client_id, message.sequence, message.base_version, message.auto_commit, telemetry)
 
@@ -125,13 +134,15 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
 
     @grpc_errors
     def Commit(self, request, context):
-        receipt = self._session(request.session, context).commit(request.client_id, request.sequence,
-                                                                  wait_s=context.time_remaining())
+        session = self._session(request.session, context)
+        receipt = session.commit(_client_id(request.client_id, "Commit"), request.sequence,
+                                 wait_s=context.time_remaining())
         return data_pb2.CommitResponse(version=receipt.version, staleness=receipt.staleness, scale=receipt.scale)
 
     @grpc_errors
     def Abort(self, request, context):
-        return data_pb2.AbortResponse(dropped=self._session(request.session, context).abort(request.client_id, request.sequence))
+        dropped = self._session(request.session, context).abort(_client_id(request.client_id, "Abort"), request.sequence)
+        return data_pb2.AbortResponse(dropped=dropped)
 
     @grpc_errors
     def Pull(self, request, context):
