@@ -87,7 +87,19 @@ def start_server(config: ServerConfig) -> RunningServer:
             teardown.callback(lambda: [ray.kill(worker) for worker in pool.workers])
         fleet = start_shards(config, security, pool)
         teardown.callback(_stop_fleet, fleet)
-        coordinator = Coordinator(fleet, min_shard_bytes=config.min_shard_bytes, limits=config.limits)
+        catalog = None
+        if config.durability is not None:
+            from optserve.server.compute.checkpoints import SessionCatalog
+
+            catalog = SessionCatalog(config.durability.checkpoint_dir)
+            teardown.callback(_final_checkpoints, fleet)  # after the servers stopped, before the fleet
+        coordinator = Coordinator(fleet, min_shard_bytes=config.min_shard_bytes, catalog=catalog,
+                                  limits=config.limits)
+        if catalog is not None:
+            restored = coordinator.restore_all()
+            for index in range(config.shards):
+                fleet.recovered(index)
+            log.warning("event=sessions_restored count=%d lost=%d", len(restored), len(coordinator.lost_sessions()))
         watch = ShardWatch(fleet, coordinator).start()  # stopped before the fleet (teardown runs in reverse)
         teardown.callback(watch.stop)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads),
@@ -125,8 +137,13 @@ def start_server(config: ServerConfig) -> RunningServer:
         teardown.close()
         raise
     log.info("optserve listening on %s with shards %s", address, fleet.addresses)
-    log.warning("sessions are not durable: a shard process that dies loses the sessions it holds "
-                "(they answer DATA_LOSS), and a server restart loses every session")
+    if config.durability is None:
+        log.warning("sessions are not durable: a shard process that dies loses the sessions it holds "
+                    "(they answer DATA_LOSS), and a server restart loses every session (see --checkpoint-dir)")
+    else:
+        d = config.durability
+        log.info("sessions are durable in %s: checkpoints every %d steps or %g s, step log fsync at %s",
+                 d.checkpoint_dir, d.every_steps, d.every_s, d.fsync.value)
 
     def drain():
         health.draining()
@@ -135,6 +152,15 @@ def start_server(config: ServerConfig) -> RunningServer:
 
     return RunningServer(address, config, list(fleet.addresses), list(fleet.clock_addresses), teardown.close,
                          pool.workers if pool is not None else [], metrics_address, health_address, drain, fleet)
+
+
+def _final_checkpoints(fleet) -> None:
+    """Durable servers, stopping: a checkpoint of every session with steps since its last one."""
+    try:
+        written = fleet.checkpoint_all()
+        log.info("event=final_checkpoints written=%d", written)
+    except Exception:  # noqa: BLE001 - the step logs still hold every acknowledged step
+        log.exception("event=final_checkpoints_failed")
 
 
 def _stop_fleet(fleet) -> None:

@@ -10,23 +10,34 @@ tokens). Session names are one namespace: another tenant's session is PERMISSION
 call, and its name cannot be taken while it lives (ALREADY_EXISTS). Listing shows only the
 caller's own sessions.
 
-Lost sessions: when a shard process dies (:meth:`Coordinator.shard_lost`), every session with
-tensors on it is *lost*: its parts on the other shards are dropped, and every call naming it is
-refused with :class:`~optserve.server.domain.errors.SessionLost` (the message names the session
-and the shard) until its owner closes it; it stays listed, so the owner sees what happened.
+Lost sessions: on a server without durability, when a shard process dies
+(:meth:`Coordinator.shard_lost`), every session with tensors on it is *lost*: its parts on the
+other shards are dropped, and every call naming it is refused with
+:class:`~optserve.server.domain.errors.SessionLost` (the message names the session and the shard)
+until its owner closes it; it stays listed, so the owner sees what happened.
+
+Durable sessions (a :class:`SessionCatalog`): each session's definition and shard map are saved
+at creation. A dead shard is replaced and its part of every session restored from its checkpoint
+and step log (:meth:`Coordinator.shard_down`, then :meth:`Coordinator.shard_restarted`); a
+restarted server restores every saved session (:meth:`Coordinator.restore_all`). A session whose
+part cannot be restored (a damaged checkpoint) is lost, with the reason.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from typing import Optional, Protocol, Sequence
 
 from optserve.server.domain.clock import ClockStatus
 from optserve.server.domain.config import Limits, Mode, PreconditionerOptions, SessionConfig, estimated_shard_bytes
-from optserve.server.domain.errors import AlreadyExists, FailedPrecondition, NotFound, PermissionDenied, SessionLost
+from optserve.server.domain.errors import (AlreadyExists, FailedPrecondition, NotFound, OptservError,
+                                           PermissionDenied, SessionLost)
 from optserve.server.domain.placement import place_tensors
 from optserve.server.domain.shard_session import ShardSessionStatus
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +63,19 @@ class SessionRecord:
     assignments: tuple[Assignment, ...]
     owner: str = ""
     creator: str = ""
+
+    def to_json(self) -> dict:
+        """The catalog entry of a durable session (addresses left out: they change at restarts)."""
+        return {"config": self.config.to_json(), "owner": self.owner, "creator": self.creator,
+                "placement": {str(a.shard_index): list(a.tensor_names) for a in self.assignments}}
+
+    def on_shard(self, shard_index: int) -> bool:
+        return any(a.shard_index == shard_index for a in self.assignments)
+
+    def moved(self, shard_index: int, address: str) -> "SessionRecord":
+        """The record with shard ``shard_index`` serving at ``address``."""
+        return dataclasses.replace(self, assignments=tuple(
+            dataclasses.replace(a, address=address) if a.shard_index == shard_index else a for a in self.assignments))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +167,28 @@ class ShardFleet(Protocol):
 
     def session_series(self, name: str, shard_index: int): ...  # (accepted, refused) of the home shard
 
+    # durable servers only
+    def restore_session(self, opening: ShardOpening) -> int: ...  # opens + restores one shard's part;
+    # returns its version; raises SessionLost (damaged checkpoint)
+
+    def peer_down(self, home_index: int, shard_index: int, names: Sequence[str]) -> None: ...
+
+    def peer_up(self, home_index: int, shard_index: int, names: Sequence[str]) -> None: ...
+
+    def set_home_clock(self, shard_index: int, name: str, address: str) -> None: ...
+
+    def recovered(self, shard_index: int) -> None: ...  # the shard answers for unknown sessions again
+
+
+class SessionCatalog(Protocol):
+    """Where a durable server keeps its sessions' definitions (one entry per session)."""
+
+    def save(self, name: str, entry: dict) -> None: ...
+
+    def remove(self, name: str) -> None: ...
+
+    def entries(self) -> list[dict]: ...
+
 
 class Coordinator:
     """Sessions on one server.
@@ -150,19 +196,27 @@ class Coordinator:
     Args:
       fleet: the shard actors.
       min_shard_bytes: see :func:`~optserve.server.domain.placement.place_tensors`.
+      catalog: durable servers: where sessions' definitions are saved (None: not durable).
       limits: bounds a new session must keep (bytes, memory budget per shard, sessions per tenant).
+
+    Locks: ``_lock`` guards the records and is held only briefly, so listing and status answer
+    while a session is being created; ``_membership`` is held while sessions are added (the
+    shards opening a new one) or a shard's sessions change hands (lost, down, restarted), so those
+    never see a session half created.
     """
 
-    def __init__(self, fleet: ShardFleet, *, min_shard_bytes: int = 0, limits: Optional[Limits] = None):
+    def __init__(self, fleet: ShardFleet, *, min_shard_bytes: int = 0, catalog: Optional[SessionCatalog] = None,
+                 limits: Optional[Limits] = None):
         self._fleet = fleet
+        self._catalog = catalog
         self._min_shard_bytes = min_shard_bytes
         self.limits = limits or Limits()
-        self._estimated: dict[str, dict[int, int]] = {}  # session -> shard -> estimated bytes (budget)
         self._sessions: dict[str, SessionRecord] = {}
-        self._creating: dict[str, SessionRecord] = {}  # names whose shards are still opening: reserved
+        self._estimated: dict[str, dict[int, int]] = {}  # session -> shard -> estimated bytes (budget)
         self._closing: set[str] = set()  # names whose shards are still closing: not yet reusable
         self._lost: dict[str, str] = {}  # lost session -> why (see the module docstring)
         self._lock = threading.Lock()
+        self._membership = threading.Lock()
 
     def create_session(self, config: SessionConfig, owner: str = "", creator: str = "") -> SessionRecord:
         """Places and opens a session owned by tenant ``owner``, created by client ``creator``.
@@ -177,50 +231,45 @@ class Coordinator:
         if session_bytes > limits.max_session_bytes:
             raise limits.exceeded("max_session_bytes", f"session {config.name!r}: {session_bytes} parameter bytes")
         config.validate_optimizer()
-        with self._lock:  # reserve the name, the tenant's slot and the shards' budget
-            if config.name in self._sessions or config.name in self._creating or config.name in self._closing:
-                raise AlreadyExists(f"session {config.name!r} already exists")
-            owned = sum(1 for records in (self._sessions, self._creating) for record in records.values()
-                        if record.owner == owner)
-            if owned >= limits.max_sessions_per_tenant:
-                raise limits.exceeded("max_sessions_per_tenant", f"tenant {owner!r}: {owned + 1} open sessions")
-            num_shards = len(self._fleet.addresses)
-            placement = place_tensors(config.tensors, num_shards, min_shard_bytes=self._min_shard_bytes,
-                                      shard_loads=self._shard_loads_locked(num_shards))
-            by_name = config.spec_by_name
-            estimated = {i: estimated_shard_bytes(by_name[n] for n in names) for i, names in enumerate(placement)
-                         if names}
-            self._check_budget_locked(config.name, estimated, num_shards)
-            assignments = tuple(
-                Assignment(i, self._fleet.addresses[i], tuple(names), sum(by_name[n].nbytes for n in names))
-                for i, names in enumerate(placement)
-                if names
-            )
+        with self._membership:  # one create at a time; listing and status go on meanwhile
+            with self._lock:
+                if config.name in self._sessions or config.name in self._closing:
+                    raise AlreadyExists(f"session {config.name!r} already exists")
+                owned = sum(1 for record in self._sessions.values() if record.owner == owner)
+                if owned >= limits.max_sessions_per_tenant:
+                    raise limits.exceeded("max_sessions_per_tenant", f"tenant {owner!r}: {owned + 1} open sessions")
+                num_shards = len(self._fleet.addresses)
+                placement = place_tensors(config.tensors, num_shards, min_shard_bytes=self._min_shard_bytes,
+                                          shard_loads=self._shard_loads_locked(num_shards))
+                by_name = config.spec_by_name
+                estimated = {i: estimated_shard_bytes(by_name[n] for n in names)
+                             for i, names in enumerate(placement) if names}
+                self._check_budget_locked(config.name, estimated, num_shards)
+                assignments = tuple(
+                    Assignment(i, self._fleet.addresses[i], tuple(names), sum(by_name[n].nbytes for n in names))
+                    for i, names in enumerate(placement)
+                    if names
+                )
+                home = assignments[0].shard_index
+                home_clock = self._fleet.clock_addresses[home]
             record = SessionRecord(config, assignments, owner, creator)
-            self._creating[config.name] = record
-            self._estimated[config.name] = estimated
-        # The shards open it without the lock: listing and other sessions' calls go on meanwhile.
-        home = assignments[0].shard_index
-        home_clock = self._fleet.clock_addresses[home]
-        try:
-            self._fleet.open_session([
-                ShardOpening(a.shard_index, config, a.tensor_names, len(assignments),
-                             None if a.shard_index == home else home_clock, owner, creator)
-                for a in assignments
-            ])
-        except BaseException:
             try:
+                self._fleet.open_session([
+                    ShardOpening(a.shard_index, config, a.tensor_names, len(assignments),
+                                 None if a.shard_index == home else home_clock, owner, creator)
+                    for a in assignments
+                ])
+                if self._catalog is not None:
+                    self._catalog.save(config.name, record.to_json())
+            except BaseException:
                 self._fleet.close_session(config.name)
-            finally:
-                with self._lock:
-                    del self._creating[config.name]
-                    self._estimated.pop(config.name, None)
-                    self._lost.pop(config.name, None)
-            raise
-        with self._lock:
-            del self._creating[config.name]
-            self._sessions[config.name] = record
-        return record
+                if self._catalog is not None:
+                    self._catalog.remove(config.name)
+                raise
+            with self._lock:
+                self._sessions[config.name] = record
+                self._estimated[config.name] = estimated
+            return record
 
     def _check_budget_locked(self, name: str, estimated: dict[int, int], num_shards: int) -> None:
         """Raises ResourceExhausted if ``estimated`` bytes would take a shard past its budget."""
@@ -232,10 +281,120 @@ class Coordinator:
                     "shard_memory_bytes", f"session {name!r}: shard {shard} would hold an estimated {held + needed} "
                     f"bytes, {needed} of them this session's parameters, optimizer state and gradient buffer", budget)
 
+    @property
+    def durable(self) -> bool:
+        return self._catalog is not None
+
+    def _openings(self, record: SessionRecord) -> list[ShardOpening]:
+        home = record.assignments[0].shard_index
+        home_clock = self._fleet.clock_addresses[home]
+        return [ShardOpening(a.shard_index, record.config, a.tensor_names, len(record.assignments),
+                             None if a.shard_index == home else home_clock, record.owner, record.creator)
+                for a in record.assignments]
+
+    def restore_all(self) -> list[str]:
+        """Durable servers, at start: restores every session of the catalog on the shards (its
+        checkpoint and step log); returns their names. One that cannot be restored is lost."""
+        with self._membership:
+            return self._restore_all()
+
+    def _restore_all(self) -> list[str]:
+        restored = []
+        num_shards = len(self._fleet.addresses)
+        for entry in self._catalog.entries():
+            config = SessionConfig.from_json(entry["config"])
+            placement = sorted((int(i), tuple(names)) for i, names in entry["placement"].items())
+            if placement[-1][0] >= num_shards:
+                log.error("event=session_lost session=%s reason=needs_%d_shards shards=%d", config.name,
+                          placement[-1][0] + 1, num_shards)
+                continue
+            by_name = config.spec_by_name
+            record = SessionRecord(config, tuple(
+                Assignment(i, self._fleet.addresses[i], names, sum(by_name[n].nbytes for n in names))
+                for i, names in placement), entry.get("owner", ""), entry.get("creator", ""))
+            with self._lock:
+                self._sessions[config.name] = record
+                self._estimated[config.name] = {a.shard_index: estimated_shard_bytes(by_name[n] for n in a.tensor_names)
+                                                for a in record.assignments}
+            why = None
+            for opening in self._openings(record):
+                try:
+                    self._fleet.restore_session(opening)
+                except SessionLost as exc:
+                    why = str(exc)
+                except OptservError as exc:
+                    why = f"session {config.name!r} could not be restored on shard {opening.shard_index}: {exc}"
+            if why is not None:
+                self._mark_lost({config.name: why})
+                log.error("event=session_lost session=%s reason=%s", config.name, why)
+            else:
+                restored.append(config.name)
+                log.warning("event=session_restored session=%s", config.name)
+        return restored
+
+    def shard_down(self, shard_index: int) -> list[str]:
+        """Durable servers: shard ``shard_index`` died and is being restarted. Votes waiting for it
+        on its sessions' home shards end now (the clients retry); returns those sessions."""
+        with self._membership:
+            by_home = self._sessions_on(shard_index)
+        for home, names in by_home.items():
+            if home != shard_index:
+                self._fleet.peer_down(home, shard_index, names)
+        return sorted(n for names in by_home.values() for n in names)
+
+    def shard_restarted(self, shard_index: int) -> list[str]:
+        """Durable servers: shard ``shard_index`` runs again (at ``fleet.addresses[shard_index]``):
+        restores its part of each of its sessions, points peers at a moved home clock, and
+        returns the sessions that could not be restored (now lost)."""
+        with self._membership:
+            return self._shard_restarted(shard_index)
+
+    def _shard_restarted(self, shard_index: int) -> list[str]:
+        address = self._fleet.addresses[shard_index]
+        lost = {}
+        for home, names in self._sessions_on(shard_index).items():
+            for name in names:
+                with self._lock:
+                    record = self._sessions.get(name)
+                    if record is None:
+                        continue
+                    record = self._sessions[name] = record.moved(shard_index, address)
+                opening = next(o for o in self._openings(record) if o.shard_index == shard_index)
+                try:
+                    self._fleet.restore_session(opening)
+                except OptservError as exc:
+                    lost[name] = str(exc) if isinstance(exc, SessionLost) else (
+                        f"session {name!r} could not be restored on shard {shard_index}: {exc}")
+                    continue
+                if home == shard_index:
+                    for a in record.assignments[1:]:
+                        self._fleet.set_home_clock(a.shard_index, name, self._fleet.clock_addresses[shard_index])
+                else:
+                    self._fleet.peer_up(home, shard_index, [name])
+        self._fleet.recovered(shard_index)
+        if lost:
+            self._mark_lost(lost)
+        return sorted(lost)
+
+    def _sessions_on(self, shard_index: int) -> dict[int, list[str]]:
+        """Home shard -> names of the live sessions with tensors on shard ``shard_index``."""
+        out: dict[int, list[str]] = {}
+        with self._lock:
+            for name, record in self._sessions.items():
+                if name not in self._lost and record.on_shard(shard_index):
+                    out.setdefault(record.assignments[0].shard_index, []).append(name)
+        return out
+
+    def _mark_lost(self, lost: dict[str, str]) -> None:
+        with self._lock:
+            self._lost.update(lost)
+        for name, why in lost.items():
+            self._fleet.close_session(name, why)
+
     def _shard_loads_locked(self, num_shards: int) -> list[int]:
         """Parameter bytes each shard holds for the open sessions."""
         loads = [0] * num_shards
-        for record in [*self._sessions.values(), *self._creating.values()]:
+        for record in self._sessions.values():
             for a in record.assignments:
                 loads[a.shard_index] += a.param_bytes
         return loads
@@ -264,16 +423,14 @@ class Coordinator:
         Drops their parts on the other shards (calls waiting there fail with the same message)
         and returns their names. Sessions already lost are left as they are.
         """
-        with self._lock:
+        with self._membership, self._lock:
             lost = {}
-            for name, record in [*self._sessions.items(), *self._creating.items()]:
-                if name not in self._lost and any(a.shard_index == shard_index for a in record.assignments):
+            for name, record in self._sessions.items():
+                if name not in self._lost and record.on_shard(shard_index):
                     lost[name] = (f"session {name!r} is lost: shard {shard_index} ({address}), which held part of "
                                   f"it, died ({cause}) and the server keeps no copy of its state; close the "
                                   f"session and create it again")
-            self._lost.update(lost)
-        for name, why in lost.items():
-            self._fleet.close_session(name, why)
+        self._mark_lost(lost)
         return sorted(lost)
 
     def lost_sessions(self) -> dict[str, str]:
@@ -317,6 +474,8 @@ class Coordinator:
             self._closing.add(name)
         try:
             self._fleet.close_session(name)
+            if self._catalog is not None:
+                self._catalog.remove(name)
         finally:
             with self._lock:
                 self._closing.discard(name)

@@ -76,9 +76,14 @@ class SessionLost(OptservError):
     Retrying cannot help; the session must be closed (and created again)."""
 
 
+class Unavailable(OptservError):
+    """A shard of the session is restarting (durable sessions): nothing was applied; retry the same
+    push (same sequence) once the session's shard map says where the shard serves again."""
+
+
 class ResourceExhausted(OptservError):
     """A limit of the server would be exceeded (the message names the limit and its flag):
-    session or tensor size, memory budget, tensor count, sessions per tenant, open streams."""
+    session or tensor size, memory budget, tensor count, names, sessions per tenant."""
 
 
 class Timeout(OptservError):

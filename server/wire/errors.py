@@ -38,6 +38,7 @@ STATUS_CODES: tuple[tuple[type[errors.OptservError], grpc.StatusCode], ...] = (
     (errors.Cancelled, grpc.StatusCode.CANCELLED),
     (errors.Timeout, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.SessionLost, grpc.StatusCode.DATA_LOSS),
+    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
 )
 
