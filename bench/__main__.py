@@ -5,7 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-BENCHMARKS = ("adafactor", "shampoo", "service", "tls", "metrics", "durability", "torch_loop", "preconditioners")
+BENCHMARKS = ("adafactor", "shampoo", "service", "tls", "metrics", "durability", "torch_loop", "preconditioners",
+              "fuzz")
 
 
 def main(argv: list[str]) -> int:

@@ -94,6 +94,13 @@ class SessionLostError(OptservError):
     code = "DATA_LOSS"
 
 
+class ResourceExhaustedError(OptservError):
+    """A server limit would be exceeded (the message names the limit and the server flag that sets
+    it): session or tensor size, a shard's memory budget, tensor count, sessions per tenant."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
 _BY_CODE = {
     grpc.StatusCode.NOT_FOUND: NotFoundError,
     grpc.StatusCode.ALREADY_EXISTS: AlreadyExistsError,
@@ -105,6 +112,7 @@ _BY_CODE = {
     grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
     grpc.StatusCode.DATA_LOSS: SessionLostError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
 }
 
 

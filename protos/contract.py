@@ -203,6 +203,9 @@ def _checked_wire(wire: int) -> int:
 
 MAX_SCALARS = 16  # scalars per push
 MAX_SCALAR_NAME = 64  # characters in a scalar's name
+# Characters of a push's client_id (the SDK sends 32 hex digits): shards remember client ids
+# (idempotency, expired pushes), so they are bounded.
+MAX_CLIENT_ID_CHARS = 256
 
 
 # --- metadata, reject reasons, gRPC options ----------------------------------------------------

@@ -70,12 +70,12 @@ def start_server(config: ServerConfig) -> RunningServer:
     import ray
 
     from optserve.protos import contract
-    from optserve.protos.optserve.v1 import control_pb2_grpc
     from optserve.server.domain.coordinator import Coordinator
     from optserve.server.shard_actor import start_shards
     from optserve.server.shard_watch import ShardWatch
-    from optserve.server.wire.control_servicer import ControlServicer
+    from optserve.server.wire.control_servicer import ControlServicer, add_to_server as add_control_to_server
     from optserve.server.wire.health import Health, enable_reflection
+    from optserve.server.wire.limits import server_options
     from optserve.server.wire.security import ServerSecurity
 
     security = ServerSecurity.from_config(config)
@@ -103,7 +103,8 @@ def start_server(config: ServerConfig) -> RunningServer:
 
             catalog = SessionCatalog(config.durability.checkpoint_dir)
             teardown.callback(_final_checkpoints, fleet)  # after the servers stopped, before the fleet
-        coordinator = Coordinator(fleet, min_shard_bytes=config.min_shard_bytes, catalog=catalog)
+        coordinator = Coordinator(fleet, min_shard_bytes=config.min_shard_bytes, catalog=catalog,
+                                  limits=config.limits)
         if catalog is not None:
             restored = coordinator.restore_all()
             for index in range(config.shards):
@@ -112,9 +113,9 @@ def start_server(config: ServerConfig) -> RunningServer:
         watch = ShardWatch(fleet, coordinator).start()  # stopped before the fleet (teardown runs in reverse)
         teardown.callback(watch.stop)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads),
-                             options=contract.SERVER_OPTIONS,
+                             options=contract.SERVER_OPTIONS + server_options(config.limits),
                              interceptors=security.interceptors(open_services=Health.OPEN_SERVICES))
-        control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(coordinator, security.tokens), server)
+        add_control_to_server(ControlServicer(coordinator, security.tokens), server)
         health = Health(server, ("optserve.v1.Control",))
         enable_reflection(server, ("optserve.v1.Control",))
         port = security.add_port(server, f"{config.host}:{config.port}")

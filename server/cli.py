@@ -46,6 +46,21 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--staged-push-ttl-s", type=float, default=60.0,
                        help="a push staged without auto-commit (the two-phase path) and not committed within this "
                             "many seconds is dropped and its buffers freed")
+    limits = serve.add_argument_group("limits", "exceeding one is RESOURCE_EXHAUSTED naming it (sizes in bytes)")
+    limits.add_argument("--max-session-bytes", type=int, default=None,
+                        help="parameter bytes of one session (default: 1/8 of this machine's memory)")
+    limits.add_argument("--shard-memory-bytes", type=int, default=None,
+                        help="memory budget of each shard: its sessions' parameters, estimated optimizer state "
+                             "(3 float32 copies) and gradient buffers (default: half of this machine's memory "
+                             "split over the shards)")
+    limits.add_argument("--max-tensors", type=int, default=100_000, help="tensors in one session")
+    limits.add_argument("--max-tensor-name-bytes", type=int, default=1024, help="bytes of a tensor's name")
+    limits.add_argument("--max-tensor-rank", type=int, default=32, help="dimensions of a tensor")
+    limits.add_argument("--max-metadata-bytes", type=int, default=16 << 10, help="request metadata per call")
+    limits.add_argument("--max-json-depth", type=int, default=32,
+                        help="nesting of a session's optimizer arguments (deeper: INVALID_ARGUMENT)")
+    limits.add_argument("--max-json-bytes", type=int, default=1 << 20, help="size of a session's optimizer arguments")
+    limits.add_argument("--max-sessions-per-tenant", type=int, default=1024, help="open sessions of one tenant")
     durable = serve.add_argument_group("durability (sessions survive process crashes and restarts)")
     durable.add_argument("--checkpoint-dir", default=None,
                          help="folder for checkpoints and step logs: turns durability on (a restart with the same "
@@ -82,13 +97,14 @@ def serve(args: argparse.Namespace) -> int:
     on stderr and status 2."""
     try:
         from optserve.server.app import start_server
-        from optserve.server.domain.config import ServerConfig
+        from optserve.server.domain.config import Limits, ServerConfig
         from optserve.server.domain.durability import DurabilityConfig, FsyncPolicy
         from optserve.server.domain.errors import InvalidArgument
     except ImportError as exc:
         print(_not_installed(exc), file=sys.stderr)
         return 2
     try:
+        limits = Limits(**{name: getattr(args, name) for name in Limits.FLAGS if getattr(args, name) is not None})
         config = ServerConfig(
             host=args.host, port=args.port, shards=args.shards, ray_address=args.ray_address,
             gpus_per_shard=args.gpus_per_shard, shard_host=args.shard_host, precond_workers=args.precond_workers,
@@ -96,7 +112,7 @@ def serve(args: argparse.Namespace) -> int:
             min_shard_bytes=args.min_shard_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens, insecure=args.insecure,
             metrics_port=args.metrics_port, metrics_host=args.metrics_host, drain_s=args.drain_s,
-            health_port=args.health_port, staged_push_ttl_s=args.staged_push_ttl_s,
+            health_port=args.health_port, staged_push_ttl_s=args.staged_push_ttl_s, limits=limits,
             durability=None if args.checkpoint_dir is None else DurabilityConfig(
                 args.checkpoint_dir, every_steps=args.checkpoint_every_steps, every_s=args.checkpoint_every_s,
                 max_log_bytes=args.max_log_bytes, fsync=FsyncPolicy(args.fsync),

@@ -49,6 +49,7 @@ class ShardActor:
         from optserve.server.metrics import ShardMetrics, session_gauges
         from optserve.server.wire.clock_service import ClockServer
         from optserve.server.wire.health import Health
+        from optserve.server.wire.limits import server_options
         from optserve.server.wire.shard_servicer import add_to_server
 
         retain_freed_memory()  # received chunks reuse freed memory instead of page-faulting fresh pages
@@ -59,7 +60,7 @@ class ShardActor:
         self._security = security
         self._metrics = ShardMetrics(index, lambda: session_gauges(self._registry.sessions(), str(index)))
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads),
-                                   options=contract.SERVER_OPTIONS,
+                                   options=contract.SERVER_OPTIONS + server_options(config.limits),
                                    interceptors=security.interceptors(open_services=Health.OPEN_SERVICES))
         self._health = Health(self._server, ("optserve.v1.ShardData",))
         # half the threads at most for open PushPull streams, the rest for everything else

@@ -325,3 +325,71 @@ def test_a_refusal_on_a_non_home_shard_reaches_the_home_shard_at_once(client, se
         assert session.status().pushes_accepted == 0
     finally:
         session.close()
+
+
+def _raw_step_on_every_shard(session, grads, sequence, pull, framing):
+    """One auto-commit push of ``grads`` as client "raw-client", sent to every shard at once in
+    ``framing`` ("step": one message; "streamed": header, pull, chunks, seal) with reply options
+    ``pull``; returns each shard's outcome: ("ok", StepDone) or (status code, details)."""
+    import concurrent.futures
+
+    header = _header(session, sequence=sequence, auto_commit=True)
+
+    def one_shard(shard):
+        stub = data_pb2_grpc.ShardDataStub(grpc.insecure_channel(shard.address))
+        chunks = [_chunk(n, grads[n]) for n in shard.tensor_names]
+        if framing == "step":
+            requests = [data_pb2.PushPullRequest(step=data_pb2.PushPullStep(header=header, pull=pull, chunks=chunks))]
+        else:
+            requests = ([data_pb2.PushPullRequest(header=header), data_pb2.PushPullRequest(pull=pull)]
+                        + [data_pb2.PushPullRequest(chunk=c) for c in chunks] + [data_pb2.PushPullRequest(seal=True)])
+        try:
+            responses = list(stub.PushPull(iter(requests), timeout=30))
+        except grpc.RpcError as error:
+            return error.code(), error.details()
+        last = responses[-1]
+        return "ok", (last.step_result.done if last.WhichOneof("item") == "step_result" else last.done)
+
+    with concurrent.futures.ThreadPoolExecutor(len(session.info.shards)) as pool:
+        return list(pool.map(one_shard, session.info.shards))
+
+
+@pytest.mark.parametrize("framing", ["step", "streamed"])
+def test_push_with_a_bad_reply_wire_dtype_is_refused_unapplied_and_a_retry_applies_once(twins, framing):
+    # The reply's options used to be read after the push was applied: the push was answered
+    # INVALID_ARGUMENT although applied, and the client's retry applied it a second time.
+    victim, twin, params = twins
+    grads = make_grads(params, 5)
+    refused = _raw_step_on_every_shard(victim, grads, 1, data_pb2.PullRequest(wire_dtype=7), framing)
+    assert all(code == grpc.StatusCode.INVALID_ARGUMENT and "pull wire_dtype" in details
+               for code, details in refused), refused
+    assert victim.status().steps_applied == 1  # nothing applied anywhere
+    good = data_pb2.PullRequest(wire_dtype=F32)
+    applied = _raw_step_on_every_shard(victim, grads, 1, good, framing)
+    assert [(outcome, done.version, done.committed) for outcome, done in applied] == [("ok", 2, True)] * len(applied)
+    again = _raw_step_on_every_shard(victim, grads, 1, good, framing)  # a retry of an applied push
+    assert [(outcome, done.version) for outcome, done in again] == [("ok", 2)] * len(again)
+    assert victim.status().steps_applied == 2 and victim.status().pushes_accepted == 2
+    twin.push(grads)
+    assert max_abs_diff(victim.pull(), twin.pull()) == 0.0
+    assert_state_intact(victim, twin, params, step=6)
+
+
+def test_push_with_an_overlong_client_id_is_rejected_and_nothing_is_staged(twins):
+    # Shards remember client ids (applied sequences, expired pushes): megabyte ids would grow them.
+    from optserve.protos import contract
+
+    victim, twin, params = twins
+    stub, names = _raw_shard(victim, "dense/w")
+    grads = make_grads(params, 5)
+    long_id = "c" * (contract.MAX_CLIENT_ID_CHARS + 1)
+    header = data_pb2.PushHeader(session=victim.name, client_id=long_id, sequence=1, base_version=victim.version)
+    requests = [data_pb2.PushRequest(header=header)] + [data_pb2.PushRequest(chunk=_chunk(n, grads[n])) for n in names]
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Push(iter(requests), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "client_id" in info.value.details()
+    for call, request in ((stub.Commit, data_pb2.CommitRequest), (stub.Abort, data_pb2.AbortRequest)):
+        with pytest.raises(grpc.RpcError) as info:
+            call(request(session=victim.name, client_id=long_id, sequence=1), timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert_state_intact(victim, twin, params)

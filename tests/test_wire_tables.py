@@ -33,6 +33,7 @@ def test_reject_reasons_are_the_proto_enum():
     (errors.Cancelled("x"), grpc.StatusCode.CANCELLED),
     (errors.Timeout("x"), grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.SessionLost("x"), grpc.StatusCode.DATA_LOSS),
+    (errors.ResourceExhausted("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
     (RuntimeError("x"), grpc.StatusCode.INTERNAL),
 ])
 def test_every_domain_error_has_its_status_code(error, code):

@@ -6,14 +6,16 @@ Constructing these dataclasses validates them; an invalid value raises
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import ipaddress
 import math
+import os
 from typing import Any, Optional
 
 from optserve.server.domain.durability import DurabilityConfig
-from optserve.server.domain.errors import InvalidArgument
+from optserve.server.domain.errors import InvalidArgument, ResourceExhausted
 
 
 class DType(enum.Enum):
@@ -49,6 +51,9 @@ class StalenessPolicy(enum.Enum):
     SCALE = 2
 
 
+MAX_TENSOR_BYTES = (1 << 63) - 1  # chunk offsets and byte counts are int64 on the wire
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
     """One named tensor: ``shape`` outermost first, ``dtype`` as stored on the server."""
@@ -62,6 +67,9 @@ class TensorSpec:
             raise InvalidArgument("tensor name must be non-empty")
         if any(d < 0 for d in self.shape):
             raise InvalidArgument(f"tensor {self.name!r}: negative dimension in shape {list(self.shape)}")
+        if self.nbytes > MAX_TENSOR_BYTES:
+            raise InvalidArgument(f"tensor {self.name!r}: shape {list(self.shape)} holds {self.size} elements, "
+                                  f"{self.nbytes} bytes: more than int64 byte offsets can address")
 
     @property
     def size(self) -> int:
@@ -124,8 +132,8 @@ class SessionConfig:
             raise InvalidArgument(f"session name must have 1-200 characters, got {len(self.name)}")
         if not self.tensors:
             raise InvalidArgument(f"session {self.name!r} has no tensors")
-        names = [t.name for t in self.tensors]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
+        counts = collections.Counter(t.name for t in self.tensors)  # linear: sessions may have 100k tensors
+        duplicates = sorted(n for n, c in counts.items() if c > 1)
         if duplicates:
             raise InvalidArgument(f"session {self.name!r}: duplicate tensor name {duplicates[0]!r}")
         if self.num_workers < 1:
@@ -178,6 +186,82 @@ class SessionConfig:
         )
 
 
+def machine_memory_bytes() -> int:
+    """This machine's physical memory in bytes (8 GiB when the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 8 << 30
+
+
+# Optimizer state is estimated, before any exists, as this many float32 copies of the parameters
+# (Adam's two moments and Shampoo's blocks fit; factored Adafactor is far less), plus one float32
+# gradient buffer: a session's bytes on a shard = params as stored + 4 x 4 bytes per element.
+STATE_COPIES_ESTIMATE = 3
+
+
+def estimated_shard_bytes(tensors) -> int:
+    """Conservative host bytes a shard holds for ``tensors`` (:class:`TensorSpec`): parameters,
+    optimizer state (:data:`STATE_COPIES_ESTIMATE` float32 copies) and a float32 gradient buffer."""
+    return sum(t.nbytes + (STATE_COPIES_ESTIMATE + 1) * 4 * t.size for t in tensors)
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one request, session or tenant may ask of the server; each bound is checked before
+    anything is allocated, and exceeding one is :class:`ResourceExhausted` naming the limit and
+    its ``optserve serve`` flag.
+
+    Attributes:
+      max_session_bytes: parameter bytes of one session, as stored (default: 1/8 of this machine's
+        memory).
+      shard_memory_bytes: memory budget of each shard: the :func:`estimated_shard_bytes` of the
+        sessions it holds (None: half of this machine's memory, split evenly over the shards).
+      max_tensors: tensors in one session.
+      max_tensor_name_bytes: UTF-8 bytes of a tensor's name.
+      max_tensor_rank: dimensions of a tensor's shape.
+      max_metadata_bytes: request metadata (headers) per call; gRPC refuses larger ones.
+      max_json_depth: nesting depth of a session's optimizer arguments (JSON).
+      max_json_bytes: size of a session's optimizer arguments (JSON).
+      max_sessions_per_tenant: open sessions one tenant (the one tenant "" without tokens) may hold.
+    """
+
+    max_session_bytes: int = dataclasses.field(default_factory=lambda: machine_memory_bytes() // 8)
+    shard_memory_bytes: Optional[int] = None
+    max_tensors: int = 100_000
+    max_tensor_name_bytes: int = 1024
+    max_tensor_rank: int = 32
+    max_metadata_bytes: int = 16 << 10
+    max_json_depth: int = 32
+    max_json_bytes: int = 1 << 20
+    max_sessions_per_tenant: int = 1024
+
+    # the flag of each limit, for messages
+    FLAGS = {"max_session_bytes": "--max-session-bytes", "shard_memory_bytes": "--shard-memory-bytes",
+             "max_tensors": "--max-tensors", "max_tensor_name_bytes": "--max-tensor-name-bytes",
+             "max_tensor_rank": "--max-tensor-rank", "max_metadata_bytes": "--max-metadata-bytes",
+             "max_json_depth": "--max-json-depth", "max_json_bytes": "--max-json-bytes",
+             "max_sessions_per_tenant": "--max-sessions-per-tenant"}
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise InvalidArgument(f"{self.FLAGS[field.name]} must be a positive integer, got {value!r}")
+
+    def shard_budget(self, shards: int) -> int:
+        """The memory budget of each of ``shards`` shards in bytes."""
+        if self.shard_memory_bytes is not None:
+            return self.shard_memory_bytes
+        return machine_memory_bytes() // 2 // max(1, shards)
+
+    def exceeded(self, name: str, what: str, limit: Optional[int] = None) -> ResourceExhausted:
+        """The error for ``what`` (e.g. "session 'm': 5 tensors") over limit ``name`` (its value:
+        ``limit``, else the field's)."""
+        limit = getattr(self, name) if limit is None else limit
+        return ResourceExhausted(f"{what}: over the limit {name}={limit} (server flag {self.FLAGS[name]})")
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     """``optserve serve`` flags.
@@ -211,6 +295,7 @@ class ServerConfig:
         ``host`` (None: off; 0: a free port), for probes that cannot speak TLS (Kubernetes' gRPC probes).
       durability: checkpoints, step logs and recovery
         (:class:`~optserve.server.domain.durability.DurabilityConfig`; None: sessions are not durable).
+      limits: bounds on requests, sessions and tenants (:class:`Limits`).
     """
 
     host: str = "127.0.0.1"
@@ -237,6 +322,7 @@ class ServerConfig:
     drain_s: float = 1.0
     health_port: Optional[int] = None
     durability: Optional[DurabilityConfig] = None
+    limits: Limits = dataclasses.field(default_factory=Limits)
 
     def __post_init__(self):
         if self.shards < 1:

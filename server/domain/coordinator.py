@@ -31,7 +31,7 @@ import threading
 from typing import Optional, Protocol, Sequence
 
 from optserve.server.domain.clock import ClockStatus
-from optserve.server.domain.config import Mode, PreconditionerOptions, SessionConfig
+from optserve.server.domain.config import Limits, Mode, PreconditionerOptions, SessionConfig, estimated_shard_bytes
 from optserve.server.domain.errors import (AlreadyExists, FailedPrecondition, NotFound, OptservError,
                                            PermissionDenied, SessionLost)
 from optserve.server.domain.placement import place_tensors
@@ -197,34 +197,61 @@ class Coordinator:
       fleet: the shard actors.
       min_shard_bytes: see :func:`~optserve.server.domain.placement.place_tensors`.
       catalog: durable servers: where sessions' definitions are saved (None: not durable).
+      limits: bounds a new session must keep (bytes, memory budget per shard, sessions per tenant).
+
+    Locks: ``_lock`` guards the records and is held only briefly, so listing and status answer
+    while a session is being created; ``_membership`` is held while sessions are added (the
+    shards opening a new one) or a shard's sessions change hands (lost, down, restarted), so those
+    never see a session half created.
     """
 
-    def __init__(self, fleet: ShardFleet, *, min_shard_bytes: int = 0, catalog: Optional[SessionCatalog] = None):
+    def __init__(self, fleet: ShardFleet, *, min_shard_bytes: int = 0, catalog: Optional[SessionCatalog] = None,
+                 limits: Optional[Limits] = None):
         self._fleet = fleet
         self._catalog = catalog
         self._min_shard_bytes = min_shard_bytes
+        self.limits = limits or Limits()
         self._sessions: dict[str, SessionRecord] = {}
+        self._estimated: dict[str, dict[int, int]] = {}  # session -> shard -> estimated bytes (budget)
         self._closing: set[str] = set()  # names whose shards are still closing: not yet reusable
         self._lost: dict[str, str] = {}  # lost session -> why (see the module docstring)
         self._lock = threading.Lock()
+        self._membership = threading.Lock()
 
     def create_session(self, config: SessionConfig, owner: str = "", creator: str = "") -> SessionRecord:
-        """Places and opens a session owned by tenant ``owner``, created by client ``creator``."""
+        """Places and opens a session owned by tenant ``owner``, created by client ``creator``.
+
+        Raises:
+          ResourceExhausted: the session is larger than ``max_session_bytes``, its tensors would
+            take a shard past its memory budget, or ``owner`` holds ``max_sessions_per_tenant``
+            sessions (checked before any shard allocates anything).
+        """
+        limits = self.limits
+        session_bytes = sum(t.nbytes for t in config.tensors)
+        if session_bytes > limits.max_session_bytes:
+            raise limits.exceeded("max_session_bytes", f"session {config.name!r}: {session_bytes} parameter bytes")
         config.validate_optimizer()
-        with self._lock:
-            if config.name in self._sessions or config.name in self._closing:
-                raise AlreadyExists(f"session {config.name!r} already exists")
-            num_shards = len(self._fleet.addresses)
-            placement = place_tensors(config.tensors, num_shards, min_shard_bytes=self._min_shard_bytes,
-                                      shard_loads=self._shard_loads_locked(num_shards))
-            by_name = config.spec_by_name
-            assignments = tuple(
-                Assignment(i, self._fleet.addresses[i], tuple(names), sum(by_name[n].nbytes for n in names))
-                for i, names in enumerate(placement)
-                if names
-            )
-            home = assignments[0].shard_index
-            home_clock = self._fleet.clock_addresses[home]
+        with self._membership:  # one create at a time; listing and status go on meanwhile
+            with self._lock:
+                if config.name in self._sessions or config.name in self._closing:
+                    raise AlreadyExists(f"session {config.name!r} already exists")
+                owned = sum(1 for record in self._sessions.values() if record.owner == owner)
+                if owned >= limits.max_sessions_per_tenant:
+                    raise limits.exceeded("max_sessions_per_tenant", f"tenant {owner!r}: {owned + 1} open sessions")
+                num_shards = len(self._fleet.addresses)
+                placement = place_tensors(config.tensors, num_shards, min_shard_bytes=self._min_shard_bytes,
+                                          shard_loads=self._shard_loads_locked(num_shards))
+                by_name = config.spec_by_name
+                estimated = {i: estimated_shard_bytes(by_name[n] for n in names)
+                             for i, names in enumerate(placement) if names}
+                self._check_budget_locked(config.name, estimated, num_shards)
+                assignments = tuple(
+                    Assignment(i, self._fleet.addresses[i], tuple(names), sum(by_name[n].nbytes for n in names))
+                    for i, names in enumerate(placement)
+                    if names
+                )
+                home = assignments[0].shard_index
+                home_clock = self._fleet.clock_addresses[home]
             record = SessionRecord(config, assignments, owner, creator)
             try:
                 self._fleet.open_session([
@@ -239,8 +266,20 @@ class Coordinator:
                 if self._catalog is not None:
                     self._catalog.remove(config.name)
                 raise
-            self._sessions[config.name] = record
+            with self._lock:
+                self._sessions[config.name] = record
+                self._estimated[config.name] = estimated
             return record
+
+    def _check_budget_locked(self, name: str, estimated: dict[int, int], num_shards: int) -> None:
+        """Raises ResourceExhausted if ``estimated`` bytes would take a shard past its budget."""
+        budget = self.limits.shard_budget(num_shards)
+        for shard, needed in sorted(estimated.items()):
+            held = sum(e.get(shard, 0) for e in self._estimated.values())
+            if held + needed > budget:
+                raise self.limits.exceeded(
+                    "shard_memory_bytes", f"session {name!r}: shard {shard} would hold an estimated {held + needed} "
+                    f"bytes, {needed} of them this session's parameters, optimizer state and gradient buffer", budget)
 
     @property
     def durable(self) -> bool:
@@ -256,6 +295,10 @@ class Coordinator:
     def restore_all(self) -> list[str]:
         """Durable servers, at start: restores every session of the catalog on the shards (its
         checkpoint and step log); returns their names. One that cannot be restored is lost."""
+        with self._membership:
+            return self._restore_all()
+
+    def _restore_all(self) -> list[str]:
         restored = []
         num_shards = len(self._fleet.addresses)
         for entry in self._catalog.entries():
@@ -271,6 +314,8 @@ class Coordinator:
                 for i, names in placement), entry.get("owner", ""), entry.get("creator", ""))
             with self._lock:
                 self._sessions[config.name] = record
+                self._estimated[config.name] = {a.shard_index: estimated_shard_bytes(by_name[n] for n in a.tensor_names)
+                                                for a in record.assignments}
             why = None
             for opening in self._openings(record):
                 try:
@@ -290,7 +335,8 @@ class Coordinator:
     def shard_down(self, shard_index: int) -> list[str]:
         """Durable servers: shard ``shard_index`` died and is being restarted. Votes waiting for it
         on its sessions' home shards end now (the clients retry); returns those sessions."""
-        by_home = self._sessions_on(shard_index)
+        with self._membership:
+            by_home = self._sessions_on(shard_index)
         for home, names in by_home.items():
             if home != shard_index:
                 self._fleet.peer_down(home, shard_index, names)
@@ -300,6 +346,10 @@ class Coordinator:
         """Durable servers: shard ``shard_index`` runs again (at ``fleet.addresses[shard_index]``):
         restores its part of each of its sessions, points peers at a moved home clock, and
         returns the sessions that could not be restored (now lost)."""
+        with self._membership:
+            return self._shard_restarted(shard_index)
+
+    def _shard_restarted(self, shard_index: int) -> list[str]:
         address = self._fleet.addresses[shard_index]
         lost = {}
         for home, names in self._sessions_on(shard_index).items():
@@ -373,7 +423,7 @@ class Coordinator:
         Drops their parts on the other shards (calls waiting there fail with the same message)
         and returns their names. Sessions already lost are left as they are.
         """
-        with self._lock:
+        with self._membership, self._lock:
             lost = {}
             for name, record in self._sessions.items():
                 if name not in self._lost and record.on_shard(shard_index):
@@ -419,6 +469,7 @@ class Coordinator:
         with self._lock:  # the owner check and the removal are one step: no other record can slip in
             self._owned_locked(name, tenant)
             del self._sessions[name]
+            self._estimated.pop(name, None)
             self._lost.pop(name, None)
             self._closing.add(name)
         try:

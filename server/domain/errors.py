@@ -81,6 +81,11 @@ class Unavailable(OptservError):
     push (same sequence) once the session's shard map says where the shard serves again."""
 
 
+class ResourceExhausted(OptservError):
+    """A limit of the server would be exceeded (the message names the limit and its flag):
+    session or tensor size, memory budget, tensor count, names, sessions per tenant."""
+
+
 class Timeout(OptservError):
     """A wait (sync barrier, cross-shard reduction) ran past its deadline."""
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Optional
 
+import grpc
+
 from optserve.protos.optserve.v1 import control_pb2, control_pb2_grpc
 from optserve.server.domain.coordinator import Coordinator
 from optserve.server.wire.convert import (attach_expectation_from_proto, series_to_proto, server_status_to_proto,
                                           session_config_from_proto, session_info_to_proto, status_to_proto)
-from optserve.server.wire.errors import grpc_errors
+from optserve.server.wire.errors import grpc_errors, safe_decoder
 from optserve.server.wire.security import TokenTable
 
 
@@ -24,14 +26,19 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     @grpc_errors
     def CreateSession(self, request, context):
-        record = self._coordinator.create_session(session_config_from_proto(request.config), self._tenant(context),
-                                                  request.client_id)
-        return control_pb2.CreateSessionResponse(session=session_info_to_proto(record))
+        tenant = self._tenant(context)
+        config = session_config_from_proto(request.config, self._coordinator.limits)
+        record = self._coordinator.create_session(config, tenant, request.client_id)
+        try:
+            return control_pb2.CreateSessionResponse(session=session_info_to_proto(record))
+        except BaseException:  # a create that fails leaves nothing behind
+            self._coordinator.close_session(config.name, tenant)
+            raise
 
     @grpc_errors
     def GetSession(self, request, context):
         record = self._coordinator.get_session(request.name, self._tenant(context),
-                                               attach_expectation_from_proto(request))
+                                               attach_expectation_from_proto(request, self._coordinator.limits))
         return control_pb2.GetSessionResponse(session=session_info_to_proto(record))
 
     @grpc_errors
@@ -54,3 +61,15 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     @grpc_errors
     def GetSeries(self, request, context):
         return series_to_proto(self._coordinator.series(request.name, self._tenant(context)))
+
+
+def add_to_server(servicer: ControlServicer, server: grpc.Server) -> None:
+    """Serves Control like ``control_pb2_grpc.add_ControlServicer_to_server``, with deserializers
+    that hand undecodable requests to the servicer as INVALID_ARGUMENT (:func:`safe_decoder`)."""
+    handlers = {}
+    for method in control_pb2.DESCRIPTOR.services_by_name["Control"].methods:
+        request, response = (getattr(control_pb2, t.name) for t in (method.input_type, method.output_type))
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name), request_deserializer=safe_decoder(request.FromString),
+            response_serializer=response.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("optserve.v1.Control", handlers),))

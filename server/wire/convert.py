@@ -7,24 +7,30 @@ typed status records into ``GetStatusResponse``.
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 from optserve.protos.optserve.v1 import control_pb2, tensor_pb2
 from optserve.server.compute.root_offload import RootStatus
 from optserve.server.domain.assembly import wire_dtype
-from optserve.server.domain.config import Mode, PreconditionerOptions, SessionConfig, StalenessPolicy, TensorSpec
+from optserve.server.domain.config import (Limits, Mode, PreconditionerOptions, SessionConfig, StalenessPolicy,
+                                           TensorSpec)
 from optserve.server.domain.coordinator import AttachExpectation, SessionRecord, SessionStatus
 from optserve.server.domain.errors import InvalidArgument, RejectReason
+from optserve.server.wire.limits import check_optimizer_args, check_session_request
 
 
-def session_config_from_proto(message: control_pb2.SessionConfig) -> SessionConfig:
-    """Decodes and validates a SessionConfig; errors name the field or option."""
+def session_config_from_proto(message: control_pb2.SessionConfig, limits: Optional[Limits] = None) -> SessionConfig:
+    """Decodes and validates a SessionConfig, bounded by ``limits`` (default: :class:`Limits`'
+    defaults) before anything is built; errors name the field, option or limit."""
+    limits = limits or Limits()
+    check_session_request(message, limits)
     tensors = tuple(
         TensorSpec(t.name, wire_dtype(t.dtype, what=f"tensor {t.name!r}"), tuple(int(d) for d in t.shape))
         for t in message.tensors
     )
     if not message.optimizer.name:
         raise InvalidArgument("optimizer.name must be set")
-    args = _optimizer_args(message.optimizer)
+    args = _optimizer_args(message.optimizer, limits)
     mode = _mode(message.mode)
     try:
         policy = StalenessPolicy(message.staleness_policy or StalenessPolicy.REJECT.value)
@@ -46,7 +52,8 @@ def session_config_from_proto(message: control_pb2.SessionConfig) -> SessionConf
     )
 
 
-def _optimizer_args(spec: control_pb2.OptimizerSpec) -> dict:
+def _optimizer_args(spec: control_pb2.OptimizerSpec, limits: Limits) -> dict:
+    check_optimizer_args(spec, limits)
     try:
         args = json.loads(spec.args_json or "{}")
     except (json.JSONDecodeError, RecursionError) as exc:
@@ -63,7 +70,7 @@ def _mode(value: int) -> Mode:
         raise InvalidArgument(f"mode must be MODE_SYNC or MODE_ASYNC, got {value}") from None
 
 
-def attach_expectation_from_proto(request: control_pb2.GetSessionRequest):
+def attach_expectation_from_proto(request: control_pb2.GetSessionRequest, limits: Optional[Limits] = None):
     """What an attaching client expects (None when it states nothing)."""
     has_optimizer, has_mode = request.HasField("expect_optimizer"), request.expect_mode != control_pb2.MODE_UNSPECIFIED
     if not (has_optimizer or has_mode):
@@ -71,7 +78,7 @@ def attach_expectation_from_proto(request: control_pb2.GetSessionRequest):
     spec = request.expect_optimizer
     return AttachExpectation(
         optimizer_name=spec.name or None if has_optimizer else None,
-        optimizer_args=_optimizer_args(spec) if has_optimizer else None,
+        optimizer_args=_optimizer_args(spec, limits or Limits()) if has_optimizer else None,
         preconditioners=preconditioner_options_from_proto(spec.preconditioners) if has_optimizer else None,
         mode=_mode(request.expect_mode) if has_mode else None,
     )

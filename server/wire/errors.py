@@ -3,13 +3,21 @@
 Servicers never choose status codes themselves: they wrap their methods with
 :func:`grpc_errors`, which aborts the RPC with :func:`status_code_for` the exception and, for a
 refused push, trailing metadata the client reads (:mod:`optserve.protos.contract`).
+
+Requests that do not decode never reach gRPC's own handling (which answers INTERNAL): services
+register :func:`safe_decoder` deserializers, which turn such bytes into a :class:`Malformed`
+request, and :func:`grpc_errors` refuses it as INVALID_ARGUMENT (in a stream, when the servicer
+reaches it). Any other exception escaping a servicer is a server fault: INTERNAL, logged with its
+traceback; no handler answers UNKNOWN.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import functools
 import inspect
 import logging
+from typing import Any, Callable
 
 import grpc
 
@@ -31,7 +39,50 @@ STATUS_CODES: tuple[tuple[type[errors.OptservError], grpc.StatusCode], ...] = (
     (errors.Timeout, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.SessionLost, grpc.StatusCode.DATA_LOSS),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
 )
+
+
+class Malformed:
+    """A request whose bytes did not decode (what :func:`safe_decoder` returns instead of raising)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def safe_decoder(decode: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """A gRPC request deserializer: ``decode(bytes)``, or a :class:`Malformed` request when it raises."""
+
+    def deserialize(serialized: bytes):
+        try:
+            return decode(serialized)
+        except Exception as exc:  # noqa: BLE001 - any failure to decode is the request's fault
+            return Malformed(f"{type(exc).__name__}: {exc}"[:200])
+
+    return deserialize
+
+
+def _refuse_malformed(request: Malformed, method: str):
+    raise errors.InvalidArgument(f"{method}: the request could not be parsed ({request.reason})")
+
+
+def _checked_requests(requests, method: str):
+    """A request stream whose malformed messages raise InvalidArgument where they are read."""
+    for request in requests:
+        if isinstance(request, Malformed):
+            _refuse_malformed(request, method)
+        yield request
+
+
+def _checked(request, method: str):
+    """The request (or request stream) a servicer method may read; a malformed one is refused."""
+    if isinstance(request, Malformed):
+        _refuse_malformed(request, method)
+    if isinstance(request, collections.abc.Iterator):
+        return _checked_requests(request, method)
+    return request
 
 
 def status_code_for(exc: BaseException) -> grpc.StatusCode:
@@ -41,6 +92,19 @@ def status_code_for(exc: BaseException) -> grpc.StatusCode:
         if isinstance(exc, cls):
             return code
     return grpc.StatusCode.INTERNAL
+
+
+# Status details travel in trailing metadata, which clients refuse past 16 KiB (the call then fails
+# with a transport RESOURCE_EXHAUSTED instead of its status): messages echo names the client sent
+# (a session name may be megabytes), so they are cut to this many characters.
+MAX_DETAILS_CHARS = 2048
+
+
+def _bounded(message: str) -> str:
+    if len(message) <= MAX_DETAILS_CHARS:
+        return message
+    cut = len(message) - MAX_DETAILS_CHARS
+    return f"{message[:MAX_DETAILS_CHARS - 40]} ... [{cut} characters cut]"
 
 
 def _abort(context: grpc.ServicerContext, exc: BaseException):
@@ -58,7 +122,7 @@ def _abort(context: grpc.ServicerContext, exc: BaseException):
         context.set_trailing_metadata(((contract.CURRENT_VERSION_KEY, str(inner.current_version)),))
     elif isinstance(inner, errors.PeerRefused):
         context.set_trailing_metadata(((contract.PEER_REFUSED_KEY, "1"),))
-    context.abort(code, message)
+    context.abort(code, _bounded(message))
 
 
 def grpc_errors(method):
@@ -68,7 +132,7 @@ def grpc_errors(method):
         @functools.wraps(method)
         def stream_wrapper(self, request, context):
             try:
-                yield from method(self, request, context)
+                yield from method(self, _checked(request, method.__name__), context)
             except Exception as exc:  # noqa: BLE001 - mapped to a status, never swallowed
                 if isinstance(exc, grpc.RpcError) and context.code() is not None:
                     raise
@@ -79,7 +143,7 @@ def grpc_errors(method):
     @functools.wraps(method)
     def wrapper(self, request, context):
         try:
-            return method(self, request, context)
+            return method(self, _checked(request, method.__name__), context)
         except Exception as exc:  # noqa: BLE001
             if isinstance(exc, grpc.RpcError) and context.code() is not None:
                 raise

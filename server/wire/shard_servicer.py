@@ -29,7 +29,7 @@ from optserve.server.domain.config import DType
 from optserve.server.domain.errors import Cancelled, InvalidArgument
 from optserve.server.domain.shard_session import PushHeader, Receipt, ShardRegistry, ShardSession
 from optserve.server.domain.telemetry import Telemetry
-from optserve.server.wire.errors import grpc_errors
+from optserve.server.wire.errors import grpc_errors, safe_decoder
 from optserve.server.wire.security import TokenTable
 
 
@@ -41,7 +41,16 @@ def _first(requests: Iterator, field: str, what: str):
     return request
 
 
+def _client_id(client_id: str, what: str) -> str:
+    """``client_id``, if it is at most :data:`~optserve.protos.contract.MAX_CLIENT_ID_CHARS` long."""
+    if len(client_id) > contract.MAX_CLIENT_ID_CHARS:
+        raise InvalidArgument(f"{what}: client_id has {len(client_id)} characters, more than "
+                              f"{contract.MAX_CLIENT_ID_CHARS}")
+    return client_id
+
+
 def _push_header(message: data_pb2.PushHeader) -> PushHeader:
+    _client_id(message.client_id, "push header")
     telemetry = Telemetry(message.loss if message.HasField("loss") else None, dict(message.scalars))
     return PushHeader(message.client_id, message.sequence, message.base_version, message.auto_commit, telemetry)
 
@@ -126,14 +135,16 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
 
     @grpc_errors
     def Commit(self, request, context):
-        receipt = self._session(request.session, context).commit(request.client_id, request.sequence,
-                                                                  wait_s=context.time_remaining())
+        session = self._session(request.session, context)
+        receipt = session.commit(_client_id(request.client_id, "Commit"), request.sequence,
+                                 wait_s=context.time_remaining())
         receipt.durable()
         return data_pb2.CommitResponse(version=receipt.version, staleness=receipt.staleness, scale=receipt.scale)
 
     @grpc_errors
     def Abort(self, request, context):
-        return data_pb2.AbortResponse(dropped=self._session(request.session, context).abort(request.client_id, request.sequence))
+        dropped = self._session(request.session, context).abort(_client_id(request.client_id, "Abort"), request.sequence)
+        return data_pb2.AbortResponse(dropped=dropped)
 
     @grpc_errors
     def Pull(self, request, context):
@@ -179,10 +190,11 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
             raise InvalidArgument("PushPull `step`: header.auto_commit must be true (a one-message step "
                                   "commits with its peers; use header, chunks, seal for a decision)")
         session = self._session(step.header.session, context)
-        receipt = session.push(_push_header(step.header), iter(step.chunks), context.is_active,
+        framing = _OneMessagePush(step)
+        receipt = session.push(_push_header(step.header), framing.chunks(), context.is_active,
                                wait_s=context.time_remaining())
         session.observer.pushed(time.perf_counter() - started)
-        return (yield from self._answer(session, receipt, step.pull, one_message=True))
+        return (yield from self._answer(session, receipt, framing.reply, one_message=True))
 
     def _streamed_step(self, header, request_iterator, context, started: float):
         session = self._session(header.session, context)
@@ -193,7 +205,7 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
         except Cancelled:
             return None
         session.observer.pushed(time.perf_counter() - started)
-        return (yield from self._answer(session, receipt, framing.pull, one_message=False))
+        return (yield from self._answer(session, receipt, framing.reply, one_message=False))
 
     def _two_phase_step(self, header, request_iterator, context, started: float):
         """The client decides after ``staged``: commit streams the parameters, abort drops the push."""
@@ -217,13 +229,14 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
             return closing
         receipt = session.commit(push.client_id, push.sequence, wait_s=context.time_remaining())
         session.observer.pushed(time.perf_counter() - started)
-        return (yield from self._answer(session, receipt, framing.pull, one_message=False))
+        return (yield from self._answer(session, receipt, framing.reply, one_message=False))
 
-    def _answer(self, session: ShardSession, receipt: Receipt, pull: data_pb2.PullRequest, one_message: bool):
-        """The step's parameters and ``done``: one ``step_result`` when ``one_message`` and they fit
-        in one chunk, else chunks then ``done``. Returns whether the shard ends the call."""
+    def _answer(self, session: ShardSession, receipt: Receipt, reply: tuple[Optional[DType], int], one_message: bool):
+        """The step's parameters and ``done`` in the ``reply`` options (:func:`_pull_options`, checked
+        before the push): one ``step_result`` when ``one_message`` and they fit in one chunk, else
+        chunks then ``done``. Returns whether the shard ends the call."""
         started = time.perf_counter()
-        dtype, chunk_bytes = _pull_options(pull)
+        dtype, chunk_bytes = reply
         version, params = session.snapshot()
         closing = self._streams.crowded()
         done = data_pb2.StepDone(version=version, staleness=receipt.staleness, committed=True, stream_closing=closing)
@@ -247,12 +260,27 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
         return closing
 
 
+class _OneMessagePush:
+    """A one-message step's chunks, after its reply options (``pull``) are checked: inside the push,
+    so bad options refuse it like a bad chunk (nothing applied, the session's other shards drop
+    their parts) instead of failing after it was applied."""
+
+    def __init__(self, step: data_pb2.PushPullStep):
+        self._step = step
+        self.reply: tuple[Optional[DType], int] = (None, contract.DEFAULT_CHUNK_BYTES)
+
+    def chunks(self):
+        self.reply = _pull_options(self._step.pull)
+        yield from self._step.chunks
+
+
 class _StreamedPush:
-    """The chunks of a streamed push, up to its ``seal``; remembers the ``pull`` options sent with them."""
+    """The chunks of a streamed push, up to its ``seal``; remembers the reply options (``pull``)
+    sent with them, checked as they arrive: bad ones refuse the push before it is applied."""
 
     def __init__(self, request_iterator):
         self._requests = request_iterator
-        self.pull = data_pb2.PullRequest()
+        self.reply = _pull_options(data_pb2.PullRequest())
         self.sealed = False
 
     def chunks(self):
@@ -261,7 +289,7 @@ class _StreamedPush:
             if kind == "chunk":
                 yield request.chunk
             elif kind == "pull":
-                self.pull = request.pull
+                self.reply = _pull_options(request.pull)
             elif kind == "seal":
                 self.sealed = True
                 return
@@ -291,7 +319,7 @@ def _request_decoder(message_type):
         chunk = chunk_codec.split_chunk(serialized)
         return message_type.FromString(serialized) if chunk is None else _ChunkRequest(chunk)
 
-    return decode
+    return safe_decoder(decode)
 
 
 def add_to_server(registry: ShardRegistry, server: grpc.Server, max_open_streams: int = 16,
@@ -312,13 +340,13 @@ def add_to_server(registry: ShardRegistry, server: grpc.Server, max_open_streams
             servicer.Push, request_deserializer=_request_decoder(data_pb2.PushRequest),
             response_serializer=data_pb2.PushResponse.SerializeToString),
         "Commit": grpc.unary_unary_rpc_method_handler(
-            servicer.Commit, request_deserializer=data_pb2.CommitRequest.FromString,
+            servicer.Commit, request_deserializer=safe_decoder(data_pb2.CommitRequest.FromString),
             response_serializer=data_pb2.CommitResponse.SerializeToString),
         "Abort": grpc.unary_unary_rpc_method_handler(
-            servicer.Abort, request_deserializer=data_pb2.AbortRequest.FromString,
+            servicer.Abort, request_deserializer=safe_decoder(data_pb2.AbortRequest.FromString),
             response_serializer=data_pb2.AbortResponse.SerializeToString),
         "Pull": grpc.unary_stream_rpc_method_handler(
-            servicer.Pull, request_deserializer=data_pb2.PullRequest.FromString,
+            servicer.Pull, request_deserializer=safe_decoder(data_pb2.PullRequest.FromString),
             response_serializer=chunk_codec.serialize),
         "PushPull": grpc.stream_stream_rpc_method_handler(
             servicer.PushPull, request_deserializer=_request_decoder(data_pb2.PushPullRequest),
