@@ -118,6 +118,13 @@ class ShardActor:
         self._metrics.forget(name)
         return removed
 
+    def compile_stats(self) -> dict:
+        """This process's XLA compilations and shared compiled updates
+        (:func:`~optserve.server.compute.updater.compile_stats`)."""
+        from optserve.server.compute.updater import compile_stats
+
+        return compile_stats()
+
     def pid(self) -> int:
         """The shard's process id (operators and fault tests kill it)."""
         import os
