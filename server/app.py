@@ -90,6 +90,11 @@ def start_server(config: ServerConfig) -> RunningServer:
         coordinator = Coordinator(fleet, min_shard_bytes=config.min_shard_bytes)
         watch = ShardWatch(fleet, coordinator).start()  # stopped before the fleet (teardown runs in reverse)
         teardown.callback(watch.stop)
+        if config.session_idle_s is not None:
+            from optserve.server.leases import SessionLeases
+
+            leases = SessionLeases(coordinator, config.session_idle_s).start()
+            teardown.callback(leases.stop)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads),
                              options=contract.SERVER_OPTIONS,
                              interceptors=security.interceptors(open_services=Health.OPEN_SERVICES))

@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--staged-push-ttl-s", type=float, default=60.0,
                        help="a push staged without auto-commit (the two-phase path) and not committed within this "
                             "many seconds is dropped and its buffers freed")
+    serve.add_argument("--session-idle-s", type=float, default=None,
+                       help="close a session no client pushed to or pulled from for this many seconds "
+                            "(default: never)")
     serve.add_argument("--insecure", action="store_true",
                        help="allow a non-loopback --host/--shard-host without TLS and tokens")
     sub.add_parser("demo", help="run the end-to-end demo", add_help=False)
@@ -82,6 +85,7 @@ def serve(args: argparse.Namespace) -> int:
             tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens, insecure=args.insecure,
             metrics_port=args.metrics_port, metrics_host=args.metrics_host, drain_s=args.drain_s,
             health_port=args.health_port, staged_push_ttl_s=args.staged_push_ttl_s,
+            session_idle_s=args.session_idle_s,
         )
         running = start_server(config)
     except InvalidArgument as exc:

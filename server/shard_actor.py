@@ -142,6 +142,10 @@ class ShardActor:
         series = self._registry.get(name).series
         return series.snapshot() if series is not None else ([], [])
 
+    def session_activity(self) -> dict:
+        """Session name -> its last activity on this shard (unix seconds)."""
+        return self._registry.activity()
+
     def metrics(self) -> list:
         """This shard's metric families (prometheus ``Metric`` objects), read now."""
         return self._metrics.collect()
@@ -239,6 +243,14 @@ class RayShardFleet:
 
     def session_series(self, name: str, shard_index: int):
         return _ray_get(self.actors[shard_index].session_series.remote(name))
+
+    def session_activity(self) -> dict[str, float]:
+        """Session -> its latest activity on the shards that answer within 5 s (unix seconds)."""
+        latest: dict[str, float] = {}
+        for report in self.shard_reports("session_activity", timeout_s=5.0):
+            for name, when in (report or {}).items():
+                latest[name] = max(when, latest.get(name, 0.0))
+        return latest
 
     def shard_summaries(self) -> list[ShardSummary]:
         reports = self.shard_reports("server_status", timeout_s=5.0)

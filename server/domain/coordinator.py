@@ -14,19 +14,30 @@ Lost sessions: when a shard process dies (:meth:`Coordinator.shard_lost`), every
 tensors on it is *lost*: its parts on the other shards are dropped, and every call naming it is
 refused with :class:`~optserve.server.domain.errors.SessionLost` (the message names the session
 and the shard) until its owner closes it; it stays listed, so the owner sees what happened.
+
+Idle sessions: with a lease (:meth:`Coordinator.expire_idle`), a session no client pushed to,
+committed on, pulled from or initialized for that long is closed, as its owner would close it.
+
+Every session event is one log line (:mod:`~optserve.server.domain.events`):
+``event=session_created``, ``session_closed``, ``session_expired``, ``session_lost``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
-from typing import Optional, Protocol, Sequence
+import time
+from typing import Mapping, Optional, Protocol, Sequence
 
 from optserve.server.domain.clock import ClockStatus
 from optserve.server.domain.config import Mode, PreconditionerOptions, SessionConfig
 from optserve.server.domain.errors import AlreadyExists, FailedPrecondition, NotFound, PermissionDenied, SessionLost
+from optserve.server.domain.events import log_event
 from optserve.server.domain.placement import place_tensors
 from optserve.server.domain.shard_session import ShardSessionStatus
+
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +122,12 @@ class SessionStatus:
     clock: ClockStatus
     shards: tuple[ShardSessionStatus, ...]  # in assignment order
 
+    @property
+    def last_activity_unix_s(self) -> float:
+        """When a client last used the session: a push decided, or a push, commit, pull or
+        init on any of its shards (unix seconds)."""
+        return max([self.clock.last_activity_unix_s] + [s.last_activity_unix_s for s in self.shards])
+
 
 @dataclasses.dataclass(frozen=True)
 class ShardSummary:
@@ -142,6 +159,8 @@ class ShardFleet(Protocol):
     def shard_summaries(self) -> list[ShardSummary]: ...  # every shard, answering or not
 
     def session_series(self, name: str, shard_index: int): ...  # (accepted, refused) of the home shard
+
+    def session_activity(self) -> Mapping[str, float]: ...  # session -> latest activity on any shard (unix s)
 
 
 class Coordinator:
@@ -188,7 +207,11 @@ class Coordinator:
                 raise
             record = SessionRecord(config, assignments, owner, creator)
             self._sessions[config.name] = record
-            return record
+        log_event(_log, logging.INFO, "session_created", session=config.name, optimizer=config.optimizer_name,
+                  mode=config.mode.name.lower(), tensors=len(config.tensors),
+                  shards=",".join(str(a.shard_index) for a in assignments),
+                  param_bytes=sum(a.param_bytes for a in assignments))
+        return record
 
     def _shard_loads_locked(self, num_shards: int) -> list[int]:
         """Parameter bytes each shard holds for the open sessions."""
@@ -231,8 +254,34 @@ class Coordinator:
                                   f"session and create it again")
             self._lost.update(lost)
         for name, why in lost.items():
+            log_event(_log, logging.ERROR, "session_lost", session=name, shard=shard_index, cause=cause)
             self._fleet.close_session(name, why)
         return sorted(lost)
+
+    def expire_idle(self, idle_s: float, now: Optional[float] = None) -> list[str]:
+        """Closes every session idle longer than ``idle_s`` seconds at unix time ``now`` (default:
+        now) and returns their names. A session's activity is the latest one any of its shards
+        saw (:meth:`ShardFleet.session_activity`); a session no shard reported on is kept."""
+        activity = self._fleet.session_activity()
+        now = time.time() if now is None else now
+        expired = []
+        with self._lock:
+            for name in list(self._sessions):
+                last = activity.get(name)
+                if last is not None and now - last > idle_s:
+                    del self._sessions[name]
+                    self._lost.pop(name, None)
+                    self._closing.add(name)
+                    expired.append((name, now - last))
+        for name, idle in expired:
+            log_event(_log, logging.INFO, "session_expired", session=name, idle_s=f"{idle:.1f}",
+                      session_idle_s=f"{idle_s:g}")
+            try:
+                self._fleet.close_session(name)
+            finally:
+                with self._lock:
+                    self._closing.discard(name)
+        return [name for name, _ in expired]
 
     def lost_sessions(self) -> dict[str, str]:
         """Lost session -> why (operators' view)."""
@@ -277,6 +326,7 @@ class Coordinator:
         finally:
             with self._lock:
                 self._closing.discard(name)
+        log_event(_log, logging.INFO, "session_closed", session=name)
 
     def status(self, name: str, tenant: str = "") -> SessionStatus:
         record = self._usable(name, tenant)
