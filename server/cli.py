@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--session-idle-s", type=float, default=None,
                        help="close a session no client pushed to or pulled from for this many seconds "
                             "(default: never)")
+    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                       help="log one key=value line per session event, refusal and server error at this "
+                            "level and above, on stderr (default: info)")
     serve.add_argument("--insecure", action="store_true",
                        help="allow a non-loopback --host/--shard-host without TLS and tokens")
     sub.add_parser("demo", help="run the end-to-end demo", add_help=False)
@@ -85,8 +88,11 @@ def serve(args: argparse.Namespace) -> int:
             tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens, insecure=args.insecure,
             metrics_port=args.metrics_port, metrics_host=args.metrics_host, drain_s=args.drain_s,
             health_port=args.health_port, staged_push_ttl_s=args.staged_push_ttl_s,
-            session_idle_s=args.session_idle_s,
+            session_idle_s=args.session_idle_s, log_level=args.log_level,
         )
+        from optserve.server.logs import configure_logging
+
+        configure_logging(config.log_level)
         running = start_server(config)
     except InvalidArgument as exc:
         print(f"optserve serve: {exc}", file=sys.stderr)

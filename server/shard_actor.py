@@ -46,6 +46,10 @@ class ShardActor:
         from optserve.server.wire.shard_servicer import add_to_server
 
         retain_freed_memory()  # received chunks reuse freed memory instead of page-faulting fresh pages
+        if config.log_level is not None:
+            from optserve.server.logs import configure_logging
+
+            configure_logging(config.log_level)
         self._index = index
         self._config = config
         self._precond_pool = precond_pool.for_shard(index) if precond_pool is not None else None

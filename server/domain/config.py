@@ -179,6 +179,8 @@ class ServerConfig:
       drain_s: on SIGINT / SIGTERM, how long health checks say NOT_SERVING before the server stops.
       health_port: also answer ``grpc.health.v1.Health`` (only it) in plaintext on this port of
         ``host`` (None: off; 0: a free port), for probes that cannot speak TLS (Kubernetes' gRPC probes).
+      log_level: "debug", "info", "warning" or "error": the server's processes (coordinator and
+        shards) log at this level to stderr (None: the host program configures logging).
       session_idle_s: a session's idle lease: one that no client pushed to, committed on, pulled
         from or initialized for this many seconds is closed (None: sessions never expire).
     """
@@ -207,6 +209,7 @@ class ServerConfig:
     drain_s: float = 1.0
     health_port: Optional[int] = None
     session_idle_s: Optional[float] = None
+    log_level: Optional[str] = None
 
     def __post_init__(self):
         if self.shards < 1:
@@ -227,6 +230,8 @@ class ServerConfig:
             raise InvalidArgument(f"--health-port must be in [0, 65535], got {self.health_port}")
         if not self.staged_push_ttl_s > 0:
             raise InvalidArgument(f"--staged-push-ttl-s must be > 0, got {self.staged_push_ttl_s}")
+        if self.log_level is not None and self.log_level not in ("debug", "info", "warning", "error"):
+            raise InvalidArgument(f"--log-level must be one of debug, info, warning, error, got {self.log_level!r}")
         if self.session_idle_s is not None and not self.session_idle_s > 0:
             raise InvalidArgument(f"--session-idle-s must be > 0, got {self.session_idle_s}")
         if self.drain_s < 0:
