@@ -110,6 +110,7 @@ class ShardActor:
     def close_session(self, name: str, reason: str = "") -> bool:
         """Drops the session's part on this shard; with a ``reason`` (the session was lost), calls
         still waiting in it fail with SessionLost(``reason``) instead of waiting out their timeouts."""
+        from optserve.protos.heap import release_free_memory
         from optserve.server.domain.errors import NotFound, SessionLost
 
         if reason:
@@ -120,6 +121,8 @@ class ShardActor:
         self._clocks.remove(name)
         removed = self._registry.remove(name)
         self._metrics.forget(name)
+        if removed:  # its buffers are free: give their pages back now (the heap would keep up to 1 GiB of them)
+            release_free_memory()
         return removed
 
     def compile_stats(self) -> dict:
