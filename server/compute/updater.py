@@ -12,7 +12,9 @@ one process-wide cache (:data:`COMPILED`) keyed by the optimizer (name and canon
 after :func:`~optserve.server.compute.root_offload.build_shard_optimizer` decided where roots
 are computed) and the shard's tensor structure (names, shapes, dtypes). A kernel built twice from
 the same name and options is the same pure function, so the second session with the same key
-reuses the first one's compiled executables: its first step costs a dispatch, not a compile.
+reuses the first one's compiled executables: its first step costs a dispatch, not a compile. The
+first session of a key compiles its step when it is initialized (ahead of time, for the shapes
+the step will see), so even its first step is a dispatch.
 Options that are not plain JSON (a callable passed in process) make the key None: that session
 compiles its own.
 """
@@ -37,6 +39,7 @@ class CompiledUpdate:
     step: Callable
     partial: Optional[Callable]
     init: Callable
+    compiled: threading.Event = dataclasses.field(default_factory=threading.Event, compare=False)  # see Updater
 
 
 class CompiledUpdates:
@@ -189,8 +192,35 @@ class Updater:
         import jax
 
         params = {name: jax.device_put(value, self.device) for name, value in values.items()}
-        self.opt_state = self._functions(params).init(params)
+        functions = self._functions(params)
+        self.opt_state = functions.init(params)
         self.params = params
+        if not functions.compiled.is_set():
+            self._compile_ahead(functions)
+
+    def _compile_ahead(self, functions: CompiledUpdate) -> None:
+        """Compiles the step (and partial statistic) for this session's shapes now, so its first
+        :meth:`apply` is a dispatch (jit's cache keeps the result). Best effort: if it fails, the
+        first step compiles as it would have."""
+        import jax
+
+        sharding = jax.sharding.SingleDeviceSharding(self.device)
+        grads = {name: jax.ShapeDtypeStruct(p.shape, np.float32, sharding=sharding) for name, p in self.params.items()}
+        scalar = jax.ShapeDtypeStruct((), np.float32)
+        params, state = self.params, self.opt_state
+        try:
+            # twice: for the state init made, then for the state a step makes (its leaves' types can
+            # differ, e.g. weakly typed counters), which every later step sees
+            for _ in range(2):
+                functions.step.lower(params, state, grads, scalar, scalar).compile()
+                if functions.partial is not None:
+                    functions.partial.lower(grads, state, params).compile()
+                params, state = jax.tree.map(
+                    lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type, sharding=sharding),
+                    jax.eval_shape(functions.step, params, state, grads, scalar, scalar))
+        except Exception:  # noqa: BLE001 - an optimization only
+            return
+        functions.compiled.set()
 
     def apply(self, grads: Mapping[str, np.ndarray], scale: float, reduce: Callable[[float], float]) -> None:
         """One update with float32 ``grads`` (name -> array, the shard's tensors), scaled by ``scale``.
