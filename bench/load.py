@@ -11,10 +11,12 @@ threads of this process (one ``Client`` each). Two runs:
   compiled updates it costs a dispatch, not a compile);
 * ``shared``: one async session, every client attached to it, each pushing its own gradients.
 
-Rows: steps, wall time, throughput, step latency p50 / p99 / max, first-step p50 / max. Then the
-peak resident memory of each process (this one, each shard), and each shard's resident memory
-before the first session and after every session was closed (memory of closed sessions should
-go back: the target is within 10% of before).
+Rows: steps, wall time, throughput, step latency p50 / p99 / max, first-step p50 / max, session
+creation p50 / max (the first session of the structure compiles its update there). Then the peak
+resident memory of each process (this one, each shard), and each shard's resident memory at
+start, after a warm-up session of another structure (JAX's runtime started: the baseline) and
+after every session was closed (memory of closed sessions should go back: the target is within
+10% of the baseline; the one compiled update the runs share stays).
 """
 
 from __future__ import annotations
@@ -50,15 +52,18 @@ class Run:
     def __init__(self):
         self.latencies: list[float] = []
         self.first_steps: list[float] = []
+        self.creates: list[float] = []
         self.errors: list[str] = []
         self.wall_s = 0.0
         self._lock = threading.Lock()
 
-    def add(self, latencies: list[float], first: float | None = None) -> None:
+    def add(self, latencies: list[float], first: float | None = None, create: float | None = None) -> None:
         with self._lock:
             self.latencies += latencies
             if first is not None:
                 self.first_steps.append(first)
+            if create is not None:
+                self.creates.append(create)
 
     def failed(self, error: BaseException) -> None:
         with self._lock:
@@ -67,9 +72,11 @@ class Run:
     def row(self, label: str) -> list:
         lat = np.array(self.latencies) * 1e3
         first = np.array(self.first_steps) * 1e3
+        create = np.array(self.creates) * 1e3
         steps = len(self.latencies) + len(self.first_steps)
         return [label, steps, len(self.errors), round(self.wall_s, 1), round(steps / self.wall_s, 1),
-                _pct(lat, 50), _pct(lat, 99), _pct(lat, 100), _pct(first, 50), _pct(first, 100)]
+                _pct(lat, 50), _pct(lat, 99), _pct(lat, 100), _pct(first, 50), _pct(first, 100),
+                _pct(create, 50), _pct(create, 100)]
 
 
 def _pct(values: np.ndarray, q: float) -> str:
@@ -89,7 +96,9 @@ def run_own_sessions(address: str, clients: int, steps: int, prefix: str = "load
     def client_loop(index: int) -> None:
         try:
             with Client(address, timeout=timeout) as client:
+                t0 = time.perf_counter()
                 session = client.create_session(f"{prefix}-{index}", model(), optimizer=OPTIMIZER)
+                create = time.perf_counter() - t0
                 start.wait(timeout=timeout)
                 t0 = time.perf_counter()
                 params = session.push_pull(gradients(0, index))
@@ -99,7 +108,7 @@ def run_own_sessions(address: str, clients: int, steps: int, prefix: str = "load
                     t0 = time.perf_counter()
                     params = session.push_pull(gradients(step, index))
                     latencies.append(time.perf_counter() - t0)
-                run.add(latencies, first)
+                run.add(latencies, first, create)
                 if keep_results:
                     results[index] = params
                 session.close()
@@ -152,6 +161,19 @@ def _threads(fn, count: int, run: Run) -> None:
     run.wall_s = time.perf_counter() - started
 
 
+def _warm_up(address: str, shards: int) -> None:
+    """Starts JAX's runtime on every shard with sessions of another structure (opened, stepped, closed)."""
+    from optserve.client import Client
+
+    with Client(address, timeout=300) as client:
+        sessions = [client.create_session(f"load-warm-up-{i}", {"warm": np.zeros(3, np.float32)},
+                                          optimizer={"name": "sgd", "args": {"learning_rate": 0.1}})
+                    for i in range(shards)]
+        for session in sessions:
+            session.push_pull({"warm": np.ones(3, np.float32)})
+            session.close()
+
+
 def peak_rss_bytes(pid: int | None = None) -> int:
     """A process's peak resident memory (``VmHWM``), 0 if unreadable."""
     try:
@@ -179,6 +201,8 @@ def main(argv=None) -> str:
     server = start_server(ServerConfig(host="127.0.0.1", port=0, shards=args.shards))
     try:
         pids = server.fleet.pids()
+        at_start = [resident_bytes(pid) for pid in pids]
+        _warm_up(server.address, args.shards)
         before = [resident_bytes(pid) for pid in pids]
         own, _ = run_own_sessions(server.address, args.clients, args.steps)
         shared, applied = run_shared_session(server.address, args.clients, args.steps)
@@ -187,14 +211,15 @@ def main(argv=None) -> str:
         title = f"bench.load: {args.clients} clients x {args.steps} steps, {args.shards} shards, small model " \
                 f"({sum(int(np.prod(s)) for s in SHAPES.values())} params), {OPTIMIZER['name']}"
         text = print_table(title, ["run", "steps", "errors", "wall s", "steps/s", "p50 ms", "p99 ms", "max ms",
-                                   "first p50 ms", "first max ms"],
+                                   "first p50 ms", "first max ms", "create p50 ms", "create max ms"],
                            [own.row("own sessions"), shared.row(f"one shared async ({applied} applied)")])
         mib = 1 << 20
-        rows = [["this process (clients + coordinator)", round(peak_rss_bytes() / mib), "-", "-"]]
-        rows += [[f"shard {i} (pid {pid})", round(peak_rss_bytes(pid) / mib), round(b / mib), round(a / mib)]
-                 for i, (pid, b, a) in enumerate(zip(pids, before, after))]
-        text += "\n" + print_table("memory (MiB)", ["process", "peak RSS", "RSS before sessions",
-                                                    "RSS after closing all"], rows)
+        rows = [["this process (clients + coordinator)", round(peak_rss_bytes() / mib), "-", "-", "-", "-"]]
+        rows += [[f"shard {i} (pid {pid})", round(peak_rss_bytes(pid) / mib), round(s / mib), round(b / mib),
+                  round(a / mib), f"{100 * (a - b) / b:+.0f}%"]
+                 for i, (pid, s, b, a) in enumerate(zip(pids, at_start, before, after))]
+        text += "\n" + print_table("memory (MiB)", ["process", "peak RSS", "RSS at start", "RSS after warm-up",
+                                                    "RSS after closing all", "vs warm-up"], rows)
         for label, run in (("own", own), ("shared", shared)):
             for error in run.errors[:3]:
                 print(f"{label} error: {error}")

@@ -74,13 +74,15 @@ def _push_response(receipt: Receipt) -> data_pb2.PushResponse:
 
 class _OpenStream:
     """One open PushPull call: ``idle_since`` (monotonic) while it waits for a step's first
-    message, None while a step runs; ``evicted`` once :class:`_OpenStreams` ended it."""
+    message, None while a step runs; ``served``: a step ran on it; ``evicted`` once
+    :class:`_OpenStreams` ended it."""
 
-    __slots__ = ("context", "idle_since", "evicted")
+    __slots__ = ("context", "idle_since", "served", "evicted")
 
     def __init__(self, context):
         self.context = context
         self.idle_since: Optional[float] = time.monotonic()
+        self.served = False
         self.evicted = False
 
 
@@ -92,12 +94,15 @@ class _OpenStreams:
     the longest idle first, down to ``limit`` (the client reopens: a reused call that ended before
     its step started is retried). A sweeper thread (while any call is open) does this every
     ``period_s``, so a crowd of idle calls cannot hold the threads a new client needs. A call
-    idle for less than ``min_idle_s`` is left alone (its step's first message is on its way).
+    idle for less than ``min_idle_s`` is left alone (its step's first message is on its way), and
+    a new call that has not served a step yet for less than ``new_idle_s`` (the SDK opens a call
+    with its step's messages, so only a call that sends nothing waits that long).
     """
 
-    def __init__(self, limit: int, min_idle_s: float = 0.5, period_s: float = 0.25):
+    def __init__(self, limit: int, min_idle_s: float = 0.5, new_idle_s: float = 3.0, period_s: float = 0.25):
         self.limit = limit
         self._min_idle_s = min_idle_s
+        self._new_idle_s = new_idle_s
         self._period_s = period_s
         self._open: set[_OpenStream] = set()
         self._lock = threading.Lock()
@@ -128,6 +133,7 @@ class _OpenStreams:
         the client hears CANCELLED before any answer, and retries it on a new call)."""
         with self._lock:
             stream.idle_since = None
+            stream.served = True
             return not stream.evicted
 
     def crowded(self) -> bool:
@@ -142,7 +148,8 @@ class _OpenStreams:
                     return
                 now = time.monotonic()
                 idle = sorted((s for s in self._open if s.idle_since is not None and not s.evicted
-                               and now - s.idle_since >= self._min_idle_s), key=lambda s: s.idle_since)
+                               and now - s.idle_since >= (self._min_idle_s if s.served else self._new_idle_s)),
+                              key=lambda s: s.idle_since)
                 excess = len(self._open) - sum(s.evicted for s in self._open) - self.limit
                 ended = [(stream, now - stream.idle_since) for stream in idle[:max(0, excess)]]
                 for stream, _ in ended:
@@ -223,7 +230,10 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
                     first = next(request_iterator, None)
                 except grpc.RpcError:  # the client closed the call after its last step (or it was ended idle)
                     return
-                if first is None or not self._streams.busy(stream):
+                if first is None:
+                    return
+                if not self._streams.busy(stream):  # ended idle just now: the client hears CANCELLED
+                    context.cancel()  # (not OK without `done`) and retries the step, which never ran here
                     return
                 kind = first.WhichOneof("item")
                 started = time.perf_counter()
