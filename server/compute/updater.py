@@ -40,6 +40,7 @@ class CompiledUpdate:
     partial: Optional[Callable]
     init: Callable
     compiled: threading.Event = dataclasses.field(default_factory=threading.Event, compare=False)  # see Updater
+    compiling: threading.Lock = dataclasses.field(default_factory=threading.Lock, compare=False)
 
 
 class CompiledUpdates:
@@ -193,10 +194,15 @@ class Updater:
 
         params = {name: jax.device_put(value, self.device) for name, value in values.items()}
         functions = self._functions(params)
-        self.opt_state = functions.init(params)
-        self.params = params
-        if not functions.compiled.is_set():
-            self._compile_ahead(functions)
+        if functions.compiled.is_set():
+            self.opt_state = functions.init(params)
+            self.params = params
+            return
+        with functions.compiling:  # sessions created at once wait for one compilation, not each do their own
+            self.opt_state = functions.init(params)
+            self.params = params
+            if not functions.compiled.is_set():
+                self._compile_ahead(functions)
 
     def _compile_ahead(self, functions: CompiledUpdate) -> None:
         """Compiles the step (and partial statistic) for this session's shapes now, so its first
