@@ -12,7 +12,9 @@ import concurrent.futures
 import dataclasses
 import functools
 import itertools
+import random
 import threading
+import time
 import uuid
 from typing import Any, Callable, Mapping, Optional
 
@@ -92,11 +94,7 @@ class Session:
         self.options = SessionOptions.from_config(info.config)
         self.optimizer = {"name": self.options.optimizer, "args": dict(self.options.optimizer_args)}
         self.wire_dtype: Optional[int] = info.config.wire_dtype or None
-        self._shards = []
-        for s in info.shards:
-            calls = _ShardCalls(client._channel(s.address))
-            self._shards.append(_Shard(s.shard_index, s.address, tuple(s.tensor_names), calls,
-                                       StepStream(calls.push_pull, client.timeout, idle_s=client.stream_idle_s)))
+        self._shards = self._connect(info)
         self._small = sum(int(np.prod(shape)) for _, shape in self.specs.values()) <= _SMALL_SESSION_ELEMENTS
         self.client_id = uuid.uuid4().hex  # this object's push identity (PushHeader); not Client.client_id
         self._sequence = itertools.count(1)
@@ -180,26 +178,60 @@ class Session:
         self._background.shutdown(wait=False)
 
     # ----------------------------------------------------------------- helpers
-    def _served(self, attempt: Callable[[], Any]) -> Any:
-        """Runs a data-plane ``attempt`` with the client's retries (UNAVAILABLE). When it fails in
-        a way that may mean a shard died (UNAVAILABLE, a shard that no longer knows the session),
-        the coordinator is asked first: a lost session raises :class:`SessionLostError` at once."""
-        try:
-            return _retry.call(attempt, self._client.retry, before_retry=self._raise_if_lost)
-        except (UnavailableError, NotFoundError):
-            self._raise_if_lost()
-            raise
+    def _connect(self, info: control_pb2.SessionInfo) -> list[_Shard]:
+        """One :class:`_Shard` per entry of the session's shard map."""
+        client = self._client
+        shards = []
+        for s in info.shards:
+            calls = _ShardCalls(client._channel(s.address))
+            shards.append(_Shard(s.shard_index, s.address, tuple(s.tensor_names), calls,
+                                 StepStream(calls.push_pull, client.timeout, idle_s=client.stream_idle_s)))
+        return shards
 
-    def _raise_if_lost(self) -> None:
-        """Raises SessionLostError if the coordinator says this session is lost (one quick call;
-        any other answer, or none, raises nothing)."""
+    def _served(self, attempt: Callable[[], Any]) -> Any:
+        """Runs a data-plane ``attempt``, riding out a shard's recovery.
+
+        A failure that may mean a shard died or restarted (UNAVAILABLE, or a shard that does not
+        know the session) sends the client to the coordinator: a lost session raises
+        :class:`SessionLostError` at once; otherwise the shard map is read again (a restarted
+        shard or server serves at new addresses) and the attempt is retried with the same push
+        identity (applied at most once), with backoff, for up to the client's ``timeout``.
+        """
+        policy = self._client.retry
+        deadline = time.monotonic() + self._client.timeout
+        for attempt_number in itertools.count():
+            try:
+                return attempt()
+            except grpc.RpcError as rpc_error:
+                error: OptservError = from_rpc_error(rpc_error)
+            except (UnavailableError, NotFoundError) as exc:
+                error = exc
+            if not isinstance(error, (UnavailableError, NotFoundError)):
+                raise error
+            self._refresh_shard_map()  # raises SessionLostError, or NotFoundError if the session is gone
+            retryable = isinstance(error, UnavailableError) or attempt_number == 0
+            if not retryable or time.monotonic() >= deadline:
+                raise error
+            backoff = min(policy.max_backoff_s, policy.initial_backoff_s * 2 ** attempt_number)
+            time.sleep(min(backoff * random.uniform(0.8, 1.2), max(0.0, deadline - time.monotonic())))
+        raise AssertionError("unreachable")
+
+    def _refresh_shard_map(self) -> None:
+        """Asks the coordinator for the session: raises SessionLostError (or NotFoundError) if it
+        is lost (or gone); reconnects to shards whose address changed. A coordinator that does not
+        answer (restarting) changes nothing."""
         request = control_pb2.GetSessionRequest(name=self.name)
         try:
-            self._client._control.GetSession(request, timeout=min(5.0, self._client.timeout))
+            info = self._client._control.GetSession(request, timeout=min(5.0, self._client.timeout)).session
         except grpc.RpcError as exc:
             error: OptservError = from_rpc_error(exc)
-            if isinstance(error, SessionLostError):
+            if isinstance(error, (SessionLostError, NotFoundError)):
                 raise error from None
+            return
+        if [(s.shard_index, s.address) for s in info.shards] != [(s.index, s.address) for s in self._shards]:
+            old, self._shards = self._shards, self._connect(info)
+            for shard in old:
+                shard.steps.close()
 
     def _wire(self, requested) -> Optional[int]:
         if isinstance(requested, str) and requested == "default":

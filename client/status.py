@@ -61,6 +61,26 @@ class RootOffloadStatus:
 
 
 @dataclasses.dataclass(frozen=True)
+class DurabilityStatus:
+    """A durable session on one shard (servers run with ``--checkpoint-dir``).
+
+    ``durable_version``: its latest committed checkpoint (-1: none yet); ``log_records`` /
+    ``log_bytes``: steps logged since; ``recoveries``: times this part was restored after its
+    process died or the server restarted; ``checkpoint_seconds``: the latest checkpoint's write time.
+    """
+
+    durable_version: int
+    log_records: int
+    log_bytes: int
+    recoveries: int
+    checkpoint_seconds: float
+
+    @classmethod
+    def from_proto(cls, d: control_pb2.DurabilityStatus) -> "DurabilityStatus":
+        return cls(d.durable_version, d.log_records, d.log_bytes, d.recoveries, d.checkpoint_seconds)
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardStatus:
     """One shard's view of a session: where it is, what it holds, how far it got.
 
@@ -78,6 +98,7 @@ class ShardStatus:
     preconditioners: tuple[PreconditionerBlockStatus, ...] = ()
     root_offload: Optional[RootOffloadStatus] = None
     optimizer_state_bytes: int = 0
+    durability: Optional[DurabilityStatus] = None  # durable servers only
 
     @classmethod
     def from_proto(cls, s: control_pb2.ShardStatus) -> "ShardStatus":
@@ -87,6 +108,7 @@ class ShardStatus:
             device=s.device, preconditioners=tuple(PreconditionerBlockStatus.from_proto(b) for b in s.preconditioners),
             root_offload=RootOffloadStatus.from_proto(s.root_offload) if s.HasField("root_offload") else None,
             optimizer_state_bytes=s.optimizer_state_bytes,
+            durability=DurabilityStatus.from_proto(s.durability) if s.HasField("durability") else None,
         )
 
 

@@ -91,7 +91,18 @@ def start_server(config: ServerConfig) -> RunningServer:
             teardown.callback(lambda: [ray.kill(worker) for worker in pool.workers])
         fleet = start_shards(config, security, pool)
         teardown.callback(_stop_fleet, fleet)
-        coordinator = Coordinator(fleet, min_shard_bytes=config.min_shard_bytes)
+        catalog = None
+        if config.durability is not None:
+            from optserve.server.compute.checkpoints import SessionCatalog
+
+            catalog = SessionCatalog(config.durability.checkpoint_dir)
+            teardown.callback(_final_checkpoints, fleet)  # after the servers stopped, before the fleet
+        coordinator = Coordinator(fleet, min_shard_bytes=config.min_shard_bytes, catalog=catalog)
+        if catalog is not None:
+            restored = coordinator.restore_all()
+            for index in range(config.shards):
+                fleet.recovered(index)
+            log.warning("event=sessions_restored count=%d lost=%d", len(restored), len(coordinator.lost_sessions()))
         watch = ShardWatch(fleet, coordinator).start()  # stopped before the fleet (teardown runs in reverse)
         teardown.callback(watch.stop)
         if config.session_idle_s is not None:
@@ -134,8 +145,13 @@ def start_server(config: ServerConfig) -> RunningServer:
         teardown.close()
         raise
     log_event(log, logging.INFO, "server_started", address=address, shards=",".join(fleet.addresses))
-    log.warning("sessions are not durable: a shard process that dies loses the sessions it holds "
-                "(they answer DATA_LOSS), and a server restart loses every session")
+    if config.durability is None:
+        log.warning("sessions are not durable: a shard process that dies loses the sessions it holds "
+                    "(they answer DATA_LOSS), and a server restart loses every session (see --checkpoint-dir)")
+    else:
+        d = config.durability
+        log.info("sessions are durable in %s: checkpoints every %d steps or %g s, step log fsync at %s",
+                 d.checkpoint_dir, d.every_steps, d.every_s, d.fsync.value)
 
     def drain():
         health.draining()
@@ -144,6 +160,15 @@ def start_server(config: ServerConfig) -> RunningServer:
 
     return RunningServer(address, config, list(fleet.addresses), list(fleet.clock_addresses), teardown.close,
                          pool.workers if pool is not None else [], metrics_address, health_address, drain, fleet)
+
+
+def _final_checkpoints(fleet) -> None:
+    """Durable servers, stopping: a checkpoint of every session with steps since its last one."""
+    try:
+        written = fleet.checkpoint_all()
+        log.info("event=final_checkpoints written=%d", written)
+    except Exception:  # noqa: BLE001 - the step logs still hold every acknowledged step
+        log.exception("event=final_checkpoints_failed")
 
 
 def _stop_fleet(fleet) -> None:

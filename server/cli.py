@@ -52,6 +52,20 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                        help="log one key=value line per session event, refusal and server error at this "
                             "level and above, on stderr (default: info)")
+    durable = serve.add_argument_group("durability (sessions survive process crashes and restarts)")
+    durable.add_argument("--checkpoint-dir", default=None,
+                         help="folder for checkpoints and step logs: turns durability on (a restart with the same "
+                              "folder restores every session)")
+    durable.add_argument("--checkpoint-every-steps", type=int, default=1000, help="a checkpoint every N steps")
+    durable.add_argument("--checkpoint-every-s", type=float, default=300.0,
+                         help="... or every S seconds (whichever comes first)")
+    durable.add_argument("--max-log-bytes", type=int, default=None,
+                         help="... or when a session's step log would exceed this many bytes (default: about the "
+                              "session's parameter + optimizer state bytes)")
+    durable.add_argument("--fsync", choices=["step", "every-n", "checkpoint"], default="checkpoint",
+                         help="when the step log is flushed to disk: every step, every N steps "
+                              "(--fsync-every-steps), or at checkpoints (default); bounds what a machine loss loses")
+    durable.add_argument("--fsync-every-steps", type=int, default=100, help="N of --fsync every-n")
     serve.add_argument("--insecure", action="store_true",
                        help="allow a non-loopback --host/--shard-host without TLS and tokens")
     sub.add_parser("demo", help="run the end-to-end demo", add_help=False)
@@ -75,6 +89,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         from optserve.server.app import start_server
         from optserve.server.domain.config import ServerConfig
+        from optserve.server.domain.durability import DurabilityConfig, FsyncPolicy
         from optserve.server.domain.errors import InvalidArgument
     except ImportError as exc:
         print(_not_installed(exc), file=sys.stderr)
@@ -89,6 +104,10 @@ def serve(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port, metrics_host=args.metrics_host, drain_s=args.drain_s,
             health_port=args.health_port, staged_push_ttl_s=args.staged_push_ttl_s,
             session_idle_s=args.session_idle_s, log_level=args.log_level,
+            durability=None if args.checkpoint_dir is None else DurabilityConfig(
+                args.checkpoint_dir, every_steps=args.checkpoint_every_steps, every_s=args.checkpoint_every_s,
+                max_log_bytes=args.max_log_bytes, fsync=FsyncPolicy(args.fsync),
+                fsync_every_steps=args.fsync_every_steps),
         )
         from optserve.server.logs import configure_logging
 
@@ -108,8 +127,12 @@ def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"optserve listening on {running.address}", flush=True)
-    print("optserve: sessions are not durable: a shard process that dies loses the sessions it holds "
-          "(they answer DATA_LOSS), and a server restart loses every session", flush=True)
+    if config.durability is None:
+        print("optserve: sessions are not durable: a shard process that dies loses the sessions it holds "
+              "(they answer DATA_LOSS), and a server restart loses every session (see --checkpoint-dir)", flush=True)
+    else:
+        print(f"optserve: sessions are durable in {config.durability.checkpoint_dir} (step log fsync: "
+              f"{config.durability.fsync.value})", flush=True)
     if running.metrics_address:
         print(f"optserve metrics at http://{running.metrics_address}/metrics", flush=True)
     while not stop.wait(0.5):

@@ -31,9 +31,15 @@ class ShardActor:
         internal secret).
       precond_pool: the server's :class:`~optserve.server.compute.preconditioner_pool.PreconditionerPool`
         (``None``: no preconditioner workers).
+      ports: ``(data, clock)`` ports to bind if free (a restarted shard takes its predecessor's, so
+        clients and peers find it where it was); 0 or a taken port: any free one.
+      recovering: durable servers: sessions are being restored onto this shard; until
+        :meth:`recovered`, a call naming a session it does not hold yet is UNAVAILABLE (retry), not
+        NOT_FOUND.
     """
 
-    def __init__(self, index: int, config: ServerConfig, security, precond_pool=None):
+    def __init__(self, index: int, config: ServerConfig, security, precond_pool=None, ports: tuple = (0, 0),
+                 recovering: bool = False):
         import grpc
         import ray
 
@@ -53,7 +59,7 @@ class ShardActor:
         self._index = index
         self._config = config
         self._precond_pool = precond_pool.for_shard(index) if precond_pool is not None else None
-        self._registry = ShardRegistry()
+        self._registry = ShardRegistry(recovering=recovering)
         self._security = security
         self._metrics = ShardMetrics(index, lambda: session_gauges(self._registry.sessions(), str(index)))
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads),
@@ -64,11 +70,12 @@ class ShardActor:
         add_to_server(self._registry, self._server, max_open_streams=max(1, config.grpc_threads // 2),
                       tokens=security.tokens)
         host = config.data_host
-        port = security.add_port(self._server, f"{host}:0")
+        port = _bind(lambda p: security.add_port(self._server, f"{host}:{p}"), ports[0])
         self._server.start()
         advertised = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::", "[::]", "") else host
         self._address = f"{advertised}:{port}"
-        self._clocks = ClockServer(host, advertised, security.internal)  # clocks of the sessions this shard is home to
+        # clocks of the sessions this shard is home to
+        self._clocks = ClockServer(host, advertised, security.internal, port=ports[1])
         self._node_id = ray.get_runtime_context().get_node_id()
         self._health.serving()
 
@@ -79,46 +86,119 @@ class ShardActor:
         """Where the other shards of the sessions this shard is home to reach their clocks."""
         return self._clocks.address
 
-    def open_session(self, opening: ShardOpening) -> None:
+    def open_session(self, opening: ShardOpening, restore: bool = False) -> int:
         """Holds ``opening.tensor_names`` of a session: builds its optimizer (once), updater,
-        clock (home shard) or clock handle (others), and registers it on the data plane."""
+        clock (home shard) or clock handle (others), and registers it on the data plane.
+
+        Durable servers keep the session's step log and checkpoints; with ``restore`` the shard
+        first loads its latest checkpoint and replays its log (a restarted shard or server).
+        Returns the session's version on this shard.
+
+        Raises:
+          SessionLost: ``restore`` found a damaged checkpoint or log (the message names the file).
+        """
+        from optserve.server.compute.checkpoints import CorruptCheckpoint, ShardStore, read_step_log
         from optserve.server.compute.root_offload import build_shard_optimizer
         from optserve.server.compute.updater import Updater
-        from optserve.server.domain.clock import LocalClock
+        from optserve.server.domain.clock import LocalClock, Ticket
+        from optserve.server.domain.errors import SessionLost
         from optserve.server.domain.shard_session import ShardSession
         from optserve.server.wire.clock_service import PeerClock
 
         config = opening.config
         by_name = config.spec_by_name
+        durability = self._config.durability
+        home = opening.home_clock is None
+        store = None
+        if durability is not None:
+            store = ShardStore(durability.checkpoint_dir, config.name, opening.shard_index, durability, home)
         optimizer, preconditioners = build_shard_optimizer(
             config.optimizer_name, config.optimizer_args, {n: by_name[n].shape for n in opening.tensor_names},
             self._precond_pool, in_process=config.preconditioners.in_process,
             max_age=config.preconditioners.max_age)
-        if opening.home_clock is None:
-            clock = LocalClock(config, opening.participants, reduce_timeout_s=self._config.step_timeout_s)
-            if opening.participants > 1:
-                self._clocks.add(config.name, clock)
+        if home:
+            clock = LocalClock(config, opening.participants, reduce_timeout_s=self._config.step_timeout_s,
+                               checkpoints=durability.policy(config.gradient_bytes) if durability else None,
+                               journal=(lambda ticket: store.journal_ticket(ticket.to_json())) if store else None)
         else:
             clock = PeerClock(opening.home_clock, config.name, self._security.internal,
                               reduce_timeout_s=self._config.step_timeout_s)
-        self._registry.add(ShardSession(config, list(opening.tensor_names), opening.shard_index, clock,
-                                        Updater(optimizer, preconditioners), self._config.step_timeout_s,
-                                        self._config.vote_timeout_s, owner=opening.owner, creator=opening.creator,
-                                        observer=self._observer(config.name),
-                                        staged_push_ttl_s=self._config.staged_push_ttl_s))
+        specs = {n: (by_name[n].shape, by_name[n].dtype.numpy) for n in opening.tensor_names}
+        session = ShardSession(config, list(opening.tensor_names), opening.shard_index, clock,
+                               Updater(optimizer, preconditioners, specs), self._config.step_timeout_s,
+                               self._config.vote_timeout_s, owner=opening.owner, creator=opening.creator,
+                               observer=self._observer(config.name),
+                               staged_push_ttl_s=self._config.staged_push_ttl_s)
+        if store is not None:
+            try:
+                if restore:
+                    session.restore(store, read_step_log,
+                                    lambda manifest: [Ticket.from_json(t) for t in store.journal(manifest)])
+                else:
+                    store.start_logs(None)
+                    session.attach_store(store)
+            except CorruptCheckpoint as exc:
+                store.close()
+                raise SessionLost(f"session {config.name!r} cannot be restored on shard {opening.shard_index}: "
+                                  f"{exc}") from None
+        if home and opening.participants > 1:
+            self._clocks.add(config.name, clock)
+        self._registry.add(session)
+        if restore:
+            log.warning("event=session_restored session=%s shard=%d version=%d", config.name, opening.shard_index,
+                        session.version)
+        return session.version
+
+    def recovered(self) -> None:
+        """Every session this shard should hold is restored (see ``recovering``)."""
+        self._registry.recovering = False
+
+    def peer_up(self, shard_index: int, names: Sequence[str]) -> None:
+        """Shard ``shard_index`` serves those sessions again (see :meth:`peer_down`)."""
+        for session in self._sessions_named(names):
+            peer_up = getattr(session.clock, "peer_up", None)
+            if peer_up is not None:
+                peer_up(shard_index)
+
+    def _sessions_named(self, names: Sequence[str]) -> list:
+        return [s for s in map(self._registry.find, names) if s is not None]
+
+    def checkpoint_all(self) -> int:
+        """Durable servers, at shutdown: a checkpoint of every session with steps since its last
+        one, written before this returns; returns how many were written."""
+        return sum(bool(session.checkpoint_now()) for session in self._registry.sessions())
+
+    def peer_down(self, shard_index: int, names: Sequence[str]) -> None:
+        """Shard ``shard_index`` died and is being restarted: the votes this shard's clocks hold
+        for those sessions end now (UNAVAILABLE: the client retries) instead of at their timeout."""
+        from optserve.server.domain.errors import Unavailable
+
+        for session in self._sessions_named(names):
+            peer_down = getattr(session.clock, "peer_down", None)
+            if peer_down is not None:
+                peer_down(shard_index, Unavailable(f"session {session.config.name!r}: shard {shard_index} is "
+                                                   f"restarting; nothing was applied, retry"))
+
+    def set_home_clock(self, name: str, address: str) -> None:
+        """The session's home shard restarted at another clock address: peers call it there."""
+        from optserve.server.wire.clock_service import PeerClock
+
+        session = self._registry.find(name)
+        if session is not None and isinstance(session.clock, PeerClock):
+            session.clock.repoint(address)
 
     def close_session(self, name: str, reason: str = "") -> bool:
         """Drops the session's part on this shard; with a ``reason`` (the session was lost), calls
         still waiting in it fail with SessionLost(``reason``) instead of waiting out their timeouts."""
         from optserve.protos.heap import release_free_memory
-        from optserve.server.domain.errors import NotFound, SessionLost
+        from optserve.server.domain.errors import SessionLost
 
-        if reason:
-            try:
-                self._registry.get(name).abandon(SessionLost(reason))
-            except NotFound:
-                pass
+        session = self._registry.find(name)
+        if session is not None and reason:
+            session.abandon(SessionLost(reason))
         self._clocks.remove(name)
+        if session is not None:
+            session.close_store()
         removed = self._registry.remove(name)
         self._metrics.forget(name)
         if removed:  # its buffers are free: give their pages back now (the heap would keep up to 1 GiB of them)
@@ -211,19 +291,40 @@ class RayShardFleet:
                     dead.append(index)
         return dead
 
-    def restart(self, index: int) -> str:
-        """Replaces shard ``index``'s (dead) actor by a new one in the same placement bundle;
-        returns its data-plane address (the shard's sessions are not restored)."""
+    def restart(self, index: int, recovering: bool = False) -> str:
+        """Replaces shard ``index``'s (dead) actor by a new one in the same placement bundle, on
+        its predecessor's ports if they are free; returns its data-plane address. The shard's
+        sessions are not restored here (see ``Coordinator.shard_restarted``)."""
         import ray
 
         if self._start_actor is None:
             raise RuntimeError("this fleet cannot start shard actors")
         ray.kill(self.actors[index])
-        actor = self._start_actor(index)
+        ports = (_port(self.addresses[index]), _port(self.clock_addresses[index]))
+        actor = self._start_actor(index, ports, recovering)
         address, clock_address = ray.get([actor.address.remote(), actor.clock_address.remote()])
         self.actors[index] = actor
         self.addresses[index], self.clock_addresses[index] = address, clock_address
         return address
+
+    def restore_session(self, opening: ShardOpening) -> int:
+        return _ray_get(self.actors[opening.shard_index].open_session.remote(opening, True))
+
+    def peer_down(self, home_index: int, shard_index: int, names: Sequence[str]) -> None:
+        _ray_get(self.actors[home_index].peer_down.remote(shard_index, list(names)))
+
+    def peer_up(self, home_index: int, shard_index: int, names: Sequence[str]) -> None:
+        _ray_get(self.actors[home_index].peer_up.remote(shard_index, list(names)))
+
+    def set_home_clock(self, shard_index: int, name: str, address: str) -> None:
+        _ray_get(self.actors[shard_index].set_home_clock.remote(name, address))
+
+    def recovered(self, shard_index: int) -> None:
+        _ray_get(self.actors[shard_index].recovered.remote())
+
+    def checkpoint_all(self, timeout_s: float = 600.0) -> int:
+        """A final checkpoint of every durable session with new steps (server shutdown)."""
+        return sum(r or 0 for r in self.shard_reports("checkpoint_all", timeout_s=timeout_s))
 
     def pids(self) -> list[int]:
         """Each shard's process id (by index)."""
@@ -280,6 +381,20 @@ class RayShardFleet:
             except Exception:  # noqa: BLE001 - a dead shard reports as unhealthy
                 out.append(None)
         return out
+
+
+def _port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+def _bind(add_port, port: int) -> int:
+    """``add_port(port)`` (a gRPC server's), falling back to any free port if ``port`` is taken."""
+    if port:
+        try:
+            return add_port(port)
+        except RuntimeError:
+            log.warning("port %d is taken: the restarted shard listens on another one", port)
+    return add_port(0)
 
 
 def _ray_get(refs):
@@ -357,12 +472,14 @@ def start_shards(config: ServerConfig, security, precond_pool=None) -> RayShardF
         options["num_gpus"] = config.gpus_per_shard
     cls = ray.remote(ShardActor)
 
-    def start_actor(index: int):
+    def start_actor(index: int, ports: tuple = (0, 0), recovering: bool = False):
         return cls.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            group, placement_group_bundle_index=index)).remote(index, config, security, precond_pool)
+            group, placement_group_bundle_index=index)).remote(index, config, security, precond_pool, ports,
+                                                               recovering)
 
+    recovering = config.durability is not None  # sessions of the catalog are restored before clients come
     try:
-        fleet = RayShardFleet([start_actor(i) for i in range(config.shards)], start_actor)
+        fleet = RayShardFleet([start_actor(i, recovering=recovering) for i in range(config.shards)], start_actor)
     except BaseException:
         remove_placement_group(group)  # and with it the actors already started
         raise

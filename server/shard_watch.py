@@ -1,17 +1,23 @@
-"""Watches the shard actors: a shard whose process died is replaced, and its sessions are lost.
+"""Watches the shard actors: a shard whose process died is replaced within seconds.
 
-The server keeps no copy of a session's state (durability is not built yet), so a dead shard
-takes its part of every session it held with it. What the watch guarantees instead is that this
-is seen within seconds and said plainly: the coordinator marks those sessions lost (every call
-naming them is DATA_LOSS with a message naming the session and the shard, instead of minutes
-of retries and timeouts), calls waiting on the other shards of those sessions end at once, and
-a new actor takes the dead shard's place so the server goes on serving new sessions.
+On a durable server (``--checkpoint-dir``) the new actor restores the dead shard's part of every
+session from its checkpoint and step log, to exactly the version it had acknowledged; votes
+waiting for it end at once (UNAVAILABLE, the clients retry) and clients find it again through
+the coordinator's shard map.
+
+Without durability the server keeps no copy of a session's state, so a dead shard takes its
+part of every session it held with it. The watch then makes that plain: the coordinator marks
+those sessions lost (every call naming them is DATA_LOSS with a message naming the session and
+the shard, instead of minutes of retries and timeouts), calls waiting on the other shards of
+those sessions end at once, and a new actor takes the dead shard's place so the server goes on
+serving new sessions.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +48,22 @@ class ShardWatch:
         self._thread.join(timeout=10)
 
     def check_once(self) -> list[int]:
-        """One check: replaces every dead shard (after marking its sessions lost); returns their indices."""
+        """One check: replaces every dead shard (durable servers restore its sessions on the new
+        one; others mark them lost first); returns their indices."""
         dead = self._fleet.dead_shards()
         for index in dead:
             address = self._fleet.addresses[index]
+            if self._coordinator.durable:
+                started = time.monotonic()
+                sessions = self._coordinator.shard_down(index)
+                log.error("event=shard_died shard=%d address=%s restoring_sessions=%s", index, address,
+                          ",".join(sessions) or "-")
+                new_address = self._fleet.restart(index, recovering=True)
+                lost = self._coordinator.shard_restarted(index)
+                self.restarts += 1
+                log.warning("event=shard_recovered shard=%d address=%s sessions=%d lost=%s seconds=%.2f", index,
+                            new_address, len(sessions), ",".join(lost) or "-", time.monotonic() - started)
+                continue
             lost = self._coordinator.shard_lost(index, address, "its process exited")
             log.error("event=shard_died shard=%d address=%s lost_sessions=%s", index, address, ",".join(lost) or "-")
             new_address = self._fleet.restart(index)

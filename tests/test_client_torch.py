@@ -412,7 +412,7 @@ def test_step_sends_the_loss_of_its_argument_or_closure_as_telemetry(server, uni
         returned = opt.step(closure)
         with Client(server.address) as client:
             series = client.session_series(unique_name)
-        assert [p.loss for p in series.accepted] == pytest.approx([float(loss), float(returned)])
+        assert [p.loss for p in series.accepted] == pytest.approx([loss.item(), returned.item()])
         assert [p.version for p in series.accepted] == [1, 2]
     finally:
         opt.session.close()

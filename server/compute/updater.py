@@ -139,14 +139,16 @@ class Updater:
     Args:
       optimizer: the ``BuiltOptimizer`` to run (built once for this shard).
       preconditioners: Shampoo's per-shard root handling, or None.
+      param_specs: name -> (shape, dtype) of the shard's tensors (needed to restore a checkpoint).
     """
 
-    def __init__(self, optimizer, preconditioners=None):
+    def __init__(self, optimizer, preconditioners=None, param_specs: Optional[Mapping[str, tuple]] = None):
         import jax
 
         count_compiles()
         self.optimizer = optimizer
         self.preconditioners = preconditioners
+        self._param_specs = dict(param_specs or {})
         self.device = jax.devices()[0]
         self.params: Optional[dict[str, Any]] = None
         self.opt_state: Any = None
@@ -228,12 +230,27 @@ class Updater:
             return
         functions.compiled.set()
 
-    def apply(self, grads: Mapping[str, np.ndarray], scale: float, reduce: Callable[[float], float]) -> None:
+    def abstract_state(self) -> dict:
+        """``{"params", "opt_state"}`` as ``jax.ShapeDtypeStruct`` trees (what a checkpoint restores into)."""
+        import jax
+
+        params = {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in self._param_specs.items()}
+        return {"params": params, "opt_state": jax.eval_shape(self.optimizer.transformation.init, params)}
+
+    def restore(self, params: Mapping[str, np.ndarray], opt_state: Any) -> None:
+        """Installs parameters and optimizer state read back from a checkpoint (host arrays)."""
+        import jax
+
+        self.params = {name: jax.device_put(np.asarray(value), self.device) for name, value in params.items()}
+        self.opt_state = jax.tree.map(lambda x: jax.device_put(np.asarray(x), self.device), opt_state)
+
+    def apply(self, grads: Mapping[str, np.ndarray], scale: float, reduce: Callable[[float], float]) -> float:
         """One update with float32 ``grads`` (name -> array, the shard's tensors), scaled by ``scale``.
 
         ``reduce(partial) -> total``: sums this shard's partial statistic over the session's
-        shards (called only when the optimizer has one). Returns once the new parameters exist;
-        ``grads`` may be reused by the caller afterwards.
+        shards (called only when the optimizer has one; a replay passes the logged total back).
+        Returns the total used (0.0 without one) once the new parameters exist; ``grads`` may be
+        reused by the caller afterwards.
         """
         import jax
 
@@ -250,6 +267,7 @@ class Updater:
         jax.block_until_ready(self.params)
         if self.preconditioners is not None:  # sends the statistics for new roots, without waiting
             self.opt_state = self.preconditioners.after_update(self.opt_state)
+        return float(global_stat)
 
     def param_bytes(self) -> int:
         return _tree_bytes(self.params)

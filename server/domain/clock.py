@@ -19,9 +19,10 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from optserve.server.domain.config import Mode, StalenessPolicy
+from optserve.server.domain.durability import CheckpointPolicy
 from optserve.server.domain.errors import OptservError, PeerRefused, Stale, Timeout
 from optserve.server.domain.staleness import decide
 
@@ -37,6 +38,8 @@ class Ticket:
       client_id / sequence: the push.
       staleness / scale / closes_step: see :class:`optserve.server.domain.staleness.Decision`.
       target_version: the version of the step this push belongs to (after it is applied).
+      checkpoint: durable sessions: every shard checkpoints right after applying this step
+        (set on the ticket that closes a step, by the session's checkpoint policy).
     """
 
     ordinal: int
@@ -46,6 +49,16 @@ class Ticket:
     scale: float
     closes_step: bool
     target_version: int
+    checkpoint: bool = False
+
+    def to_json(self) -> list:
+        return [self.ordinal, self.client_id, self.sequence, self.staleness, self.scale, self.closes_step,
+                self.target_version, self.checkpoint]
+
+    @classmethod
+    def from_json(cls, data: list) -> "Ticket":
+        o, c, s, st, sc, cl, tv, ck = data
+        return cls(int(o), str(c), int(s), int(st), float(sc), bool(cl), int(tv), bool(ck))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +92,9 @@ class SessionClock:
     stale: int = 0
     staleness_counts: dict = dataclasses.field(default_factory=dict)  # staleness -> accepted pushes
     last_activity_unix_s: float = 0.0
+    checkpoints: Optional[CheckpointPolicy] = None  # durable sessions: when a step is checkpoint-due
+    checkpoint_version: int = 0  # the version of the latest checkpoint-due step (0: initial values)
+    checkpoint_time: float = dataclasses.field(default_factory=time.monotonic)
 
     def commit(self, client_id: str, sequence: int, base_version: int) -> Ticket:
         """Returns the push's ticket, deciding it on the first call; raises the refusal otherwise."""
@@ -101,20 +117,47 @@ class SessionClock:
             self.stale += isinstance(exc, Stale)
             self.last[client_id] = (sequence, exc)
             raise
+        checkpoint = decision.closes_step and self.checkpoints is not None and self.checkpoints.due(
+            self.version + 1 - self.checkpoint_version, time.monotonic() - self.checkpoint_time)
         ticket = Ticket(self.next_ordinal, client_id, sequence, decision.staleness, decision.scale,
-                        decision.closes_step, self.version + 1)
-        self.next_ordinal += 1
+                        decision.closes_step, self.version + 1, checkpoint)
+        self.record(ticket)
+        return ticket
+
+    def record(self, ticket: Ticket) -> None:
+        """Books a decided ticket (a fresh decision, or one replayed from the ticket journal)."""
+        self.next_ordinal = ticket.ordinal + 1
         self.accepted += 1
-        self.staleness_counts[decision.staleness] = self.staleness_counts.get(decision.staleness, 0) + 1
-        if decision.closes_step:
+        self.staleness_counts[ticket.staleness] = self.staleness_counts.get(ticket.staleness, 0) + 1
+        if ticket.closes_step:
             self.version += 1
             self.step_clients.clear()
         else:
-            self.step_clients.add(client_id)
-        self.last[client_id] = (sequence, ticket)
+            self.step_clients.add(ticket.client_id)
+        if ticket.checkpoint:
+            self.checkpoint_version, self.checkpoint_time = ticket.target_version, time.monotonic()
+        self.last[ticket.client_id] = (ticket.sequence, ticket)
         self.tickets[ticket.ordinal] = ticket
         self.tickets.pop(ticket.ordinal - _KEEP_TICKETS, None)
-        return ticket
+
+    def to_json(self) -> dict:
+        """The clock's durable state (refusals remembered for retries are left out: a retried
+        refused push is decided afresh)."""
+        return {"version": self.version, "next_ordinal": self.next_ordinal, "step_clients": sorted(self.step_clients),
+                "last": {c: t.to_json() for c, (_, t) in self.last.items() if isinstance(t, Ticket)},
+                "tickets": [t.to_json() for t in self.tickets.values()], "accepted": self.accepted,
+                "stale": self.stale, "staleness_counts": {str(k): v for k, v in self.staleness_counts.items()},
+                "checkpoint_version": self.checkpoint_version}
+
+    def restore(self, data: dict) -> None:
+        """Takes back the state of :meth:`to_json` (the checkpoint clock restarts now)."""
+        self.version, self.next_ordinal = int(data["version"]), int(data["next_ordinal"])
+        self.step_clients = set(data["step_clients"])
+        self.last = {c: (t.sequence, t) for c, t in ((c, Ticket.from_json(v)) for c, v in data["last"].items())}
+        self.tickets = {t.ordinal: t for t in map(Ticket.from_json, data["tickets"])}
+        self.accepted, self.stale = int(data["accepted"]), int(data["stale"])
+        self.staleness_counts = {int(k): int(v) for k, v in data["staleness_counts"].items()}
+        self.checkpoint_version, self.checkpoint_time = int(data["checkpoint_version"]), time.monotonic()
 
     def status(self) -> ClockStatus:
         return ClockStatus(self.version, self.accepted, self.stale, _median(self.staleness_counts),
@@ -131,8 +174,9 @@ def _median(counts: dict) -> int:
     return 0
 
 
-def new_session_clock(config) -> SessionClock:
-    return SessionClock(config.mode, config.num_workers, config.max_staleness, config.staleness_policy)
+def new_session_clock(config, checkpoints: Optional[CheckpointPolicy] = None) -> SessionClock:
+    return SessionClock(config.mode, config.num_workers, config.max_staleness, config.staleness_policy,
+                        checkpoints=checkpoints)
 
 
 class _VoteRound:
@@ -157,16 +201,22 @@ class LocalClock:
       config: the session (mode, num_workers, staleness options).
       participants: shards holding tensors of the session; votes and sums wait for all of them.
       reduce_timeout_s: longest wait for the other shards' parts of a cross-shard sum.
+      checkpoints: durable sessions: the checkpoint policy (marks checkpoint-due steps).
+      journal: durable sessions: called with each new ticket, under the clock's lock, before any
+        shard sees it (the ticket journal a restarted clock replays).
     """
 
-    def __init__(self, config, participants: int = 1, reduce_timeout_s: float = 300.0):
-        self._clock = new_session_clock(config)
+    def __init__(self, config, participants: int = 1, reduce_timeout_s: float = 300.0,
+                 checkpoints: Optional[CheckpointPolicy] = None, journal: Optional[Callable[[Ticket], None]] = None):
+        self._clock = new_session_clock(config, checkpoints)
+        self._journal = journal  # durable sessions: each new ticket is written here before it is handed out
         self._participants = participants
         self._reduce_timeout = reduce_timeout_s
         self._cond = threading.Condition()
         self._votes: dict[tuple[str, int], _VoteRound] = {}
         self._sums: dict[int, dict] = {}
         self._abandoned: Optional[OptservError] = None
+        self._down: dict[int, OptservError] = {}  # shard index -> why (restarting), see peer_down
 
     def abandon(self, error: OptservError) -> None:
         """The session ended (closed, or a shard of it died): pending and later votes and sums
@@ -184,7 +234,47 @@ class LocalClock:
 
     def commit(self, client_id: str, sequence: int, base_version: int) -> Ticket:
         with self._cond:
-            return self._clock.commit(client_id, sequence, base_version)
+            return self._commit_locked(client_id, sequence, base_version)
+
+    def _commit_locked(self, client_id: str, sequence: int, base_version: int) -> Ticket:
+        fresh_from = self._clock.next_ordinal
+        ticket = self._clock.commit(client_id, sequence, base_version)
+        if self._journal is not None and ticket.ordinal >= fresh_from:
+            self._journal(ticket)
+        return ticket
+
+    def restore(self, state: Optional[dict], journal: list[Ticket]) -> None:
+        """Durable sessions, at recovery: the clock state of the latest checkpoint (None: none),
+        then the tickets journaled after it."""
+        with self._cond:
+            if state is not None:
+                self._clock.restore(state)
+            for ticket in journal:
+                if ticket.ordinal >= self._clock.next_ordinal:
+                    self._clock.record(ticket)
+
+    def durable_state(self, rotate: Callable[[], None]) -> dict:
+        """The clock's state for a checkpoint, with ``rotate()`` (start a new journal segment)
+        run under the same lock: the state covers exactly the tickets journaled before it."""
+        with self._cond:
+            state = self._clock.to_json()
+            rotate()
+            return state
+
+    def peer_down(self, shard_index: int, error: OptservError) -> None:
+        """Shard ``shard_index`` died (and is being restarted): votes waiting for it end now with
+        ``error``, and so do later ones until :meth:`peer_up`, instead of at their timeout."""
+        with self._cond:
+            self._down[shard_index] = error
+            for round_ in self._votes.values():
+                if round_.outcome is None and shard_index not in round_.votes:
+                    round_.outcome = error
+            self._cond.notify_all()
+
+    def peer_up(self, shard_index: int) -> None:
+        """Shard ``shard_index`` serves the session again."""
+        with self._cond:
+            self._down.pop(shard_index, None)
 
     def ticket(self, ordinal: int) -> Optional[Ticket]:
         with self._cond:
@@ -213,12 +303,16 @@ class LocalClock:
                 self._forget_stale_rounds()
             round_.votes[shard_index] = staged
             if round_.outcome is None:
-                if not staged:
+                down = next((error for index, error in self._down.items() if index not in round_.votes), None)
+                if down is not None:
+                    round_.outcome = down
+                    self._cond.notify_all()
+                elif not staged:
                     round_.outcome = PeerRefused(
                         f"push {sequence} of client {client_id!r} was refused by shard {shard_index}; applied on no shard")
                 elif len(round_.votes) >= self._participants:
                     try:
-                        round_.outcome = self._clock.commit(client_id, sequence, base_version)
+                        round_.outcome = self._commit_locked(client_id, sequence, base_version)
                     except OptservError as exc:
                         round_.outcome = exc
                 if round_.outcome is not None:

@@ -12,6 +12,7 @@ import ipaddress
 import math
 from typing import Any, Optional
 
+from optserve.server.domain.durability import DurabilityConfig
 from optserve.server.domain.errors import InvalidArgument
 
 
@@ -147,6 +148,35 @@ class SessionConfig:
     def spec_by_name(self) -> dict[str, TensorSpec]:
         return {t.name: t for t in self.tensors}
 
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes of one float32 gradient of every tensor (what one step adds to the step logs)."""
+        return sum(t.size * 4 for t in self.tensors)
+
+    def to_json(self) -> dict:
+        """The session's definition as JSON-able data (durable sessions' catalog); see :meth:`from_json`."""
+        return {
+            "name": self.name,
+            "tensors": [[t.name, t.dtype.name, list(t.shape)] for t in self.tensors],
+            "optimizer_name": self.optimizer_name, "optimizer_args": self.optimizer_args,
+            "mode": self.mode.name, "num_workers": self.num_workers, "max_staleness": self.max_staleness,
+            "staleness_policy": self.staleness_policy.name, "allow_nonfinite": self.allow_nonfinite,
+            "wire_dtype": self.wire_dtype.name if self.wire_dtype is not None else None,
+            "preconditioners": dataclasses.asdict(self.preconditioners),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "SessionConfig":
+        return cls(
+            name=data["name"],
+            tensors=tuple(TensorSpec(n, DType[d], tuple(int(x) for x in shape)) for n, d, shape in data["tensors"]),
+            optimizer_name=data["optimizer_name"], optimizer_args=dict(data["optimizer_args"]),
+            mode=Mode[data["mode"]], num_workers=int(data["num_workers"]), max_staleness=data["max_staleness"],
+            staleness_policy=StalenessPolicy[data["staleness_policy"]], allow_nonfinite=bool(data["allow_nonfinite"]),
+            wire_dtype=DType[data["wire_dtype"]] if data["wire_dtype"] else None,
+            preconditioners=PreconditionerOptions(**data["preconditioners"]),
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
@@ -179,6 +209,8 @@ class ServerConfig:
       drain_s: on SIGINT / SIGTERM, how long health checks say NOT_SERVING before the server stops.
       health_port: also answer ``grpc.health.v1.Health`` (only it) in plaintext on this port of
         ``host`` (None: off; 0: a free port), for probes that cannot speak TLS (Kubernetes' gRPC probes).
+      durability: checkpoints, step logs and recovery
+        (:class:`~optserve.server.domain.durability.DurabilityConfig`; None: sessions are not durable).
       log_level: "debug", "info", "warning" or "error": the server's processes (coordinator and
         shards) log at this level to stderr (None: the host program configures logging).
       session_idle_s: a session's idle lease: one that no client pushed to, committed on, pulled
@@ -208,6 +240,7 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"
     drain_s: float = 1.0
     health_port: Optional[int] = None
+    durability: Optional[DurabilityConfig] = None
     session_idle_s: Optional[float] = None
     log_level: Optional[str] = None
 

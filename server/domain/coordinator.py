@@ -10,10 +10,17 @@ tokens). Session names are one namespace: another tenant's session is PERMISSION
 call, and its name cannot be taken while it lives (ALREADY_EXISTS). Listing shows only the
 caller's own sessions.
 
-Lost sessions: when a shard process dies (:meth:`Coordinator.shard_lost`), every session with
-tensors on it is *lost*: its parts on the other shards are dropped, and every call naming it is
-refused with :class:`~optserve.server.domain.errors.SessionLost` (the message names the session
-and the shard) until its owner closes it; it stays listed, so the owner sees what happened.
+Lost sessions: on a server without durability, when a shard process dies
+(:meth:`Coordinator.shard_lost`), every session with tensors on it is *lost*: its parts on the
+other shards are dropped, and every call naming it is refused with
+:class:`~optserve.server.domain.errors.SessionLost` (the message names the session and the shard)
+until its owner closes it; it stays listed, so the owner sees what happened.
+
+Durable sessions (a :class:`SessionCatalog`): each session's definition and shard map are saved
+at creation. A dead shard is replaced and its part of every session restored from its checkpoint
+and step log (:meth:`Coordinator.shard_down`, then :meth:`Coordinator.shard_restarted`); a
+restarted server restores every saved session (:meth:`Coordinator.restore_all`). A session whose
+part cannot be restored (a damaged checkpoint) is lost, with the reason.
 
 Idle sessions: with a lease (:meth:`Coordinator.expire_idle`), a session no client pushed to,
 committed on, pulled from or initialized for that long is closed, as its owner would close it.
@@ -32,12 +39,13 @@ from typing import Mapping, Optional, Protocol, Sequence
 
 from optserve.server.domain.clock import ClockStatus
 from optserve.server.domain.config import Mode, PreconditionerOptions, SessionConfig
-from optserve.server.domain.errors import AlreadyExists, FailedPrecondition, NotFound, PermissionDenied, SessionLost
+from optserve.server.domain.errors import (AlreadyExists, FailedPrecondition, NotFound, OptservError,
+                                           PermissionDenied, SessionLost)
 from optserve.server.domain.events import log_event
 from optserve.server.domain.placement import place_tensors
 from optserve.server.domain.shard_session import ShardSessionStatus
 
-_log = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +71,19 @@ class SessionRecord:
     assignments: tuple[Assignment, ...]
     owner: str = ""
     creator: str = ""
+
+    def to_json(self) -> dict:
+        """The catalog entry of a durable session (addresses left out: they change at restarts)."""
+        return {"config": self.config.to_json(), "owner": self.owner, "creator": self.creator,
+                "placement": {str(a.shard_index): list(a.tensor_names) for a in self.assignments}}
+
+    def on_shard(self, shard_index: int) -> bool:
+        return any(a.shard_index == shard_index for a in self.assignments)
+
+    def moved(self, shard_index: int, address: str) -> "SessionRecord":
+        """The record with shard ``shard_index`` serving at ``address``."""
+        return dataclasses.replace(self, assignments=tuple(
+            dataclasses.replace(a, address=address) if a.shard_index == shard_index else a for a in self.assignments))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +183,28 @@ class ShardFleet(Protocol):
 
     def session_activity(self) -> Mapping[str, float]: ...  # session -> latest activity on any shard (unix s)
 
+    # durable servers only
+    def restore_session(self, opening: ShardOpening) -> int: ...  # opens + restores one shard's part;
+    # returns its version; raises SessionLost (damaged checkpoint)
+
+    def peer_down(self, home_index: int, shard_index: int, names: Sequence[str]) -> None: ...
+
+    def peer_up(self, home_index: int, shard_index: int, names: Sequence[str]) -> None: ...
+
+    def set_home_clock(self, shard_index: int, name: str, address: str) -> None: ...
+
+    def recovered(self, shard_index: int) -> None: ...  # the shard answers for unknown sessions again
+
+
+class SessionCatalog(Protocol):
+    """Where a durable server keeps its sessions' definitions (one entry per session)."""
+
+    def save(self, name: str, entry: dict) -> None: ...
+
+    def remove(self, name: str) -> None: ...
+
+    def entries(self) -> list[dict]: ...
+
 
 class Coordinator:
     """Sessions on one server.
@@ -169,10 +212,12 @@ class Coordinator:
     Args:
       fleet: the shard actors.
       min_shard_bytes: see :func:`~optserve.server.domain.placement.place_tensors`.
+      catalog: durable servers: where sessions' definitions are saved (None: not durable).
     """
 
-    def __init__(self, fleet: ShardFleet, *, min_shard_bytes: int = 0):
+    def __init__(self, fleet: ShardFleet, *, min_shard_bytes: int = 0, catalog: Optional[SessionCatalog] = None):
         self._fleet = fleet
+        self._catalog = catalog
         self._min_shard_bytes = min_shard_bytes
         self._sessions: dict[str, SessionRecord] = {}
         self._closing: set[str] = set()  # names whose shards are still closing: not yet reusable
@@ -196,22 +241,125 @@ class Coordinator:
             )
             home = assignments[0].shard_index
             home_clock = self._fleet.clock_addresses[home]
+            record = SessionRecord(config, assignments, owner, creator)
             try:
                 self._fleet.open_session([
                     ShardOpening(a.shard_index, config, a.tensor_names, len(assignments),
                                  None if a.shard_index == home else home_clock, owner, creator)
                     for a in assignments
                 ])
+                if self._catalog is not None:
+                    self._catalog.save(config.name, record.to_json())
             except BaseException:
                 self._fleet.close_session(config.name)
+                if self._catalog is not None:
+                    self._catalog.remove(config.name)
                 raise
-            record = SessionRecord(config, assignments, owner, creator)
             self._sessions[config.name] = record
-        log_event(_log, logging.INFO, "session_created", session=config.name, optimizer=config.optimizer_name,
+        log_event(log, logging.INFO, "session_created", session=config.name, optimizer=config.optimizer_name,
                   mode=config.mode.name.lower(), tensors=len(config.tensors),
                   shards=",".join(str(a.shard_index) for a in assignments),
                   param_bytes=sum(a.param_bytes for a in assignments))
         return record
+
+    @property
+    def durable(self) -> bool:
+        return self._catalog is not None
+
+    def _openings(self, record: SessionRecord) -> list[ShardOpening]:
+        home = record.assignments[0].shard_index
+        home_clock = self._fleet.clock_addresses[home]
+        return [ShardOpening(a.shard_index, record.config, a.tensor_names, len(record.assignments),
+                             None if a.shard_index == home else home_clock, record.owner, record.creator)
+                for a in record.assignments]
+
+    def restore_all(self) -> list[str]:
+        """Durable servers, at start: restores every session of the catalog on the shards (its
+        checkpoint and step log); returns their names. One that cannot be restored is lost."""
+        restored = []
+        num_shards = len(self._fleet.addresses)
+        for entry in self._catalog.entries():
+            config = SessionConfig.from_json(entry["config"])
+            placement = sorted((int(i), tuple(names)) for i, names in entry["placement"].items())
+            if placement[-1][0] >= num_shards:
+                log.error("event=session_lost session=%s reason=needs_%d_shards shards=%d", config.name,
+                          placement[-1][0] + 1, num_shards)
+                continue
+            by_name = config.spec_by_name
+            record = SessionRecord(config, tuple(
+                Assignment(i, self._fleet.addresses[i], names, sum(by_name[n].nbytes for n in names))
+                for i, names in placement), entry.get("owner", ""), entry.get("creator", ""))
+            with self._lock:
+                self._sessions[config.name] = record
+            why = None
+            for opening in self._openings(record):
+                try:
+                    self._fleet.restore_session(opening)
+                except SessionLost as exc:
+                    why = str(exc)
+                except OptservError as exc:
+                    why = f"session {config.name!r} could not be restored on shard {opening.shard_index}: {exc}"
+            if why is not None:
+                self._mark_lost({config.name: why})
+                log.error("event=session_lost session=%s reason=%s", config.name, why)
+            else:
+                restored.append(config.name)
+                log.warning("event=session_restored session=%s", config.name)
+        return restored
+
+    def shard_down(self, shard_index: int) -> list[str]:
+        """Durable servers: shard ``shard_index`` died and is being restarted. Votes waiting for it
+        on its sessions' home shards end now (the clients retry); returns those sessions."""
+        by_home = self._sessions_on(shard_index)
+        for home, names in by_home.items():
+            if home != shard_index:
+                self._fleet.peer_down(home, shard_index, names)
+        return sorted(n for names in by_home.values() for n in names)
+
+    def shard_restarted(self, shard_index: int) -> list[str]:
+        """Durable servers: shard ``shard_index`` runs again (at ``fleet.addresses[shard_index]``):
+        restores its part of each of its sessions, points peers at a moved home clock, and
+        returns the sessions that could not be restored (now lost)."""
+        address = self._fleet.addresses[shard_index]
+        lost = {}
+        for home, names in self._sessions_on(shard_index).items():
+            for name in names:
+                with self._lock:
+                    record = self._sessions.get(name)
+                    if record is None:
+                        continue
+                    record = self._sessions[name] = record.moved(shard_index, address)
+                opening = next(o for o in self._openings(record) if o.shard_index == shard_index)
+                try:
+                    self._fleet.restore_session(opening)
+                except OptservError as exc:
+                    lost[name] = str(exc) if isinstance(exc, SessionLost) else (
+                        f"session {name!r} could not be restored on shard {shard_index}: {exc}")
+                    continue
+                if home == shard_index:
+                    for a in record.assignments[1:]:
+                        self._fleet.set_home_clock(a.shard_index, name, self._fleet.clock_addresses[shard_index])
+                else:
+                    self._fleet.peer_up(home, shard_index, [name])
+        self._fleet.recovered(shard_index)
+        if lost:
+            self._mark_lost(lost)
+        return sorted(lost)
+
+    def _sessions_on(self, shard_index: int) -> dict[int, list[str]]:
+        """Home shard -> names of the live sessions with tensors on shard ``shard_index``."""
+        out: dict[int, list[str]] = {}
+        with self._lock:
+            for name, record in self._sessions.items():
+                if name not in self._lost and record.on_shard(shard_index):
+                    out.setdefault(record.assignments[0].shard_index, []).append(name)
+        return out
+
+    def _mark_lost(self, lost: dict[str, str]) -> None:
+        with self._lock:
+            self._lost.update(lost)
+        for name, why in lost.items():
+            self._fleet.close_session(name, why)
 
     def _shard_loads_locked(self, num_shards: int) -> list[int]:
         """Parameter bytes each shard holds for the open sessions."""
@@ -248,14 +396,13 @@ class Coordinator:
         with self._lock:
             lost = {}
             for name, record in self._sessions.items():
-                if name not in self._lost and any(a.shard_index == shard_index for a in record.assignments):
+                if name not in self._lost and record.on_shard(shard_index):
                     lost[name] = (f"session {name!r} is lost: shard {shard_index} ({address}), which held part of "
                                   f"it, died ({cause}) and the server keeps no copy of its state; close the "
                                   f"session and create it again")
-            self._lost.update(lost)
-        for name, why in lost.items():
-            log_event(_log, logging.ERROR, "session_lost", session=name, shard=shard_index, cause=cause)
-            self._fleet.close_session(name, why)
+        for name in lost:
+            log_event(log, logging.ERROR, "session_lost", session=name, shard=shard_index, cause=cause)
+        self._mark_lost(lost)
         return sorted(lost)
 
     def expire_idle(self, idle_s: float, now: Optional[float] = None) -> list[str]:
@@ -274,14 +421,21 @@ class Coordinator:
                     self._closing.add(name)
                     expired.append((name, now - last))
         for name, idle in expired:
-            log_event(_log, logging.INFO, "session_expired", session=name, idle_s=f"{idle:.1f}",
+            log_event(log, logging.INFO, "session_expired", session=name, idle_s=f"{idle:.1f}",
                       session_idle_s=f"{idle_s:g}")
-            try:
-                self._fleet.close_session(name)
-            finally:
-                with self._lock:
-                    self._closing.discard(name)
+            self._drop(name)
         return [name for name, _ in expired]
+
+    def _drop(self, name: str) -> None:
+        """Closes a session already taken out of ``_sessions`` (its name is in ``_closing``) on
+        its shards and in the catalog; the name is free again after."""
+        try:
+            self._fleet.close_session(name)
+            if self._catalog is not None:
+                self._catalog.remove(name)
+        finally:
+            with self._lock:
+                self._closing.discard(name)
 
     def lost_sessions(self) -> dict[str, str]:
         """Lost session -> why (operators' view)."""
@@ -321,12 +475,8 @@ class Coordinator:
             del self._sessions[name]
             self._lost.pop(name, None)
             self._closing.add(name)
-        try:
-            self._fleet.close_session(name)
-        finally:
-            with self._lock:
-                self._closing.discard(name)
-        log_event(_log, logging.INFO, "session_closed", session=name)
+        self._drop(name)
+        log_event(log, logging.INFO, "session_closed", session=name)
 
     def status(self, name: str, tenant: str = "") -> SessionStatus:
         record = self._usable(name, tenant)

@@ -76,6 +76,11 @@ class SessionLost(OptservError):
     Retrying cannot help; the session must be closed (and created again)."""
 
 
+class Unavailable(OptservError):
+    """A shard of the session is restarting (durable sessions): nothing was applied; retry the same
+    push (same sequence) once the session's shard map says where the shard serves again."""
+
+
 class Timeout(OptservError):
     """A wait (sync barrier, cross-shard reduction) ran past its deadline."""
 

@@ -35,9 +35,11 @@ from optserve.server.compute.updater import Updater
 from optserve.server.domain.assembly import TensorAssembler
 from optserve.server.domain.clock import ClockStatus, Ticket
 from optserve.server.domain.config import Mode, SessionConfig, TensorSpec
+from optserve.server.domain.durability import DurabilityStatus, SessionStore, ShardProgress, StepRecord
 from optserve.server.domain.telemetry import SessionSeries, Telemetry
 from optserve.server.domain.errors import (Cancelled, FailedPrecondition, InvalidArgument, NonFinite, NotFound,
-                                           OptservError, PeerRefused, PermissionDenied, RejectReason, Stale, Timeout)
+                                           OptservError, PeerRefused, PermissionDenied, RejectReason, Stale, Timeout,
+                                           Unavailable)
 
 _log = logging.getLogger(__name__)
 
@@ -105,6 +107,7 @@ class ShardSessionStatus:
       preconditioners: Shampoo's root status on this shard (else None).
       node_id: the Ray node the shard runs on (set by the shard actor).
       state_bytes: bytes of the optimizer state this shard holds for the session.
+      durability: durable sessions: checkpoint and log status on this shard (else None).
       last_activity_unix_s: when a client last pushed, committed, pulled or sent initial values
         on this shard (else when the session was opened here).
     """
@@ -117,6 +120,7 @@ class ShardSessionStatus:
     preconditioners: Any = None
     node_id: str = ""
     state_bytes: int = 0
+    durability: Optional[DurabilityStatus] = None
     last_activity_unix_s: float = 0.0
 
 
@@ -185,11 +189,13 @@ class ShardSession:
       owner: the tenant the session belongs to ("" without tokens).
       creator: the creating client's identity; only it may send the initial values ("": anyone).
       observer: where the session reports what it does (metrics).
+      store: durable sessions: where steps are logged and checkpoints written (None: not durable).
     """
 
     def __init__(self, config: SessionConfig, tensor_names: list[str], shard_index: int, clock, updater: Updater,
                  step_timeout_s: float = 300.0, vote_timeout_s: float = 30.0, owner: str = "", creator: str = "",
-                 observer: StepObserver = StepObserver(), staged_push_ttl_s: float = 60.0):
+                 observer: StepObserver = StepObserver(), staged_push_ttl_s: float = 60.0,
+                 store: Optional[SessionStore] = None):
         if not staged_push_ttl_s > 0:
             raise InvalidArgument(f"staged_push_ttl_s must be > 0, got {staged_push_ttl_s}")
         by_name = config.spec_by_name
@@ -220,6 +226,8 @@ class ShardSession:
         self._summed = 0
         self._abandoned: Optional[OptservError] = None  # set by abandon(): every wait raises it
         self._step_clients: list[str] = []  # sync: clients whose pushes the open step holds here
+        self._step_tickets: list[tuple[int, str, int]] = []  # sync: (ordinal, client, sequence) of those pushes
+        self._store = store
         self.last_activity_unix_s = time.time()  # a client's last push, commit, pull or init here (see touch)
 
     def touch(self) -> None:
@@ -249,6 +257,8 @@ class ShardSession:
             if self.initialized:
                 raise FailedPrecondition(f"session {self.config.name!r}: parameters are already initialized")
             self.updater.initialize(values)
+            if self._store is not None:  # the initial values are durable before they are acknowledged
+                self._checkpoint(wait=True)
             self._cond.notify_all()  # pushes and pulls that arrived first (see _require_initialized)
             return self.version
 
@@ -417,7 +427,7 @@ class ShardSession:
         except Stale:
             self._drop(client_id, sequence, RejectReason.STALE)
             raise
-        except PeerRefused:
+        except (PeerRefused, Unavailable):
             self._drop(client_id, sequence, RejectReason.ABORTED)
             raise
         self._run_through(ticket, until)
@@ -497,13 +507,15 @@ class ShardSession:
             self._pool.release(grads)
             if not ticket.closes_step:
                 self._step_clients.append(ticket.client_id)
+                self._step_tickets.append((ticket.ordinal, ticket.client_id, ticket.sequence))
                 return
             grads = {name: np.divide(s, np.float32(self._summed), out=s) for name, s in self._sum.items()}
+            tickets = tuple(self._step_tickets) + ((ticket.ordinal, ticket.client_id, ticket.sequence),)
             self._sum, self._summed = None, 0
-            self._step_clients = []
-            self._update(grads, ticket)
+            self._step_clients, self._step_tickets = [], []
+            self._update(grads, ticket, tickets)
             return
-        self._update(grads, ticket)
+        self._update(grads, ticket, ((ticket.ordinal, ticket.client_id, ticket.sequence),))
         self._pool.release(grads)
 
     def _add_to_sum(self, grads: dict[str, np.ndarray]) -> None:
@@ -517,12 +529,97 @@ class ShardSession:
                 self._sum[name] += g
         self._summed += 1
 
-    def _update(self, grads: dict[str, np.ndarray], ticket: Ticket) -> None:
+    def _update(self, grads: dict[str, np.ndarray], ticket: Ticket, tickets: tuple) -> None:
+        """Applies one step; a durable session logs it before the new version shows (and so
+        before anyone is acknowledged), and checkpoints after it when the ticket says so."""
         start = time.perf_counter()
-        self.updater.apply(grads, ticket.scale, lambda partial: self._clock.reduce_sum(
+        global_stat = self.updater.apply(grads, ticket.scale, lambda partial: self._clock.reduce_sum(
             ticket.target_version, self.shard_index, partial))
+        if self._store is not None:
+            self._store.log_step(StepRecord(ticket.target_version, tickets, ticket.scale, global_stat),
+                                 [grads[name] for name in self.specs])
         self.version = ticket.target_version
         self.observer.applied(time.perf_counter() - start)
+        if ticket.checkpoint and self._store is not None:
+            self._checkpoint()
+
+    # ----------------------------------------------------------------- durability
+    def _progress(self) -> ShardProgress:
+        return ShardProgress(self.version, self._next_ordinal, dict(self._applied_sequence))
+
+    def _checkpoint(self, wait: bool = False) -> bool:
+        """Snapshots the state at the current version into the store (call with ``_cond`` held,
+        between steps). The home shard adds its clock's state."""
+        clock_state = getattr(self._clock, "durable_state", None) if self._is_home else None
+        return self._store.checkpoint(self._progress(), self.updater.params, self.updater.opt_state, clock_state,
+                                      wait=wait)
+
+    def checkpoint_now(self) -> bool:
+        """A checkpoint of the current state, written before this returns (server shutdown);
+        False when there is nothing new since the last one or nothing to save."""
+        with self._cond:
+            if self._store is None or not self.initialized or self.version <= self._store.durable_version:
+                return False
+            if self._sum is not None:  # a sync step is half gathered: its log position is not a step boundary
+                return False
+            return self._checkpoint(wait=True)
+
+    def restore(self, store, read_log, journal_tickets: Callable[[Optional[dict]], list]) -> int:
+        """Durable sessions, at recovery: loads the latest checkpoint and replays the step log.
+
+        Args:
+          store: the session's store on this shard (also where later steps are logged).
+          read_log: ``(segment_path, arrays) -> iterator of (record_json, grads)``.
+          journal_tickets: ``manifest -> [Ticket]`` journaled after the checkpoint (home shard).
+
+        Returns the version reached: exactly the last step this shard logged (acknowledged or not).
+        """
+        manifest = store.latest()
+        with self._cond:
+            if manifest is not None:
+                restored = store.restore_arrays(manifest, self.updater.abstract_state())
+                self.updater.restore(restored["params"], restored["opt_state"])
+                progress = ShardProgress.from_json(manifest["progress"])
+                for segment in store.log_segments(manifest):
+                    for header, grads in read_log(segment, self._fresh_gradient_buffers):
+                        record = StepRecord.from_json(header)
+                        if record.version <= progress.version:
+                            continue
+                        self.updater.apply(grads, record.scale, lambda _partial, s=record.global_stat: s)
+                        progress = progress.after(record)
+                self.version, self._next_ordinal = progress.version, progress.next_ordinal
+                self._applied_sequence = dict(progress.applied_sequence)
+                if self._is_home:
+                    self._clock.restore(manifest.get("clock"), journal_tickets(manifest))
+            store.start_logs(manifest)
+            store.recoveries += 1
+            self._store = store
+            self._cond.notify_all()
+            return self.version
+
+    def _durability_status(self) -> Optional[DurabilityStatus]:
+        store = self._store
+        if store is None:
+            return None
+        return DurabilityStatus(store.durable_version, store.log_records, store.log_bytes, store.recoveries,
+                                store.checkpoint_seconds)
+
+    def attach_store(self, store: SessionStore) -> None:
+        """Makes a new session durable: its steps are logged to ``store`` from now on."""
+        self._store = store
+
+    def close_store(self) -> None:
+        """Finishes a checkpoint being written and closes the log (the session is closing)."""
+        if self._store is not None:
+            self._store.close()
+
+    @property
+    def clock(self):
+        """The session's clock (a LocalClock on the home shard, a handle on it elsewhere)."""
+        return self._clock
+
+    def _fresh_gradient_buffers(self) -> dict[str, np.ndarray]:
+        return {name: aligned_empty(spec.shape, np.float32) for name, spec in self.specs.items()}
 
     # ----------------------------------------------------------------- reading
     def snapshot(self) -> tuple[int, dict[str, np.ndarray]]:
@@ -540,15 +637,17 @@ class ShardSession:
             version=self.version, initialized=self.initialized, rejected=dict(self._rejected),
             device=str(self.updater.device), clock=self._clock.status(),
             preconditioners=preconditioners.status() if preconditioners is not None else None,
-            state_bytes=self.updater.state_bytes(), last_activity_unix_s=self.last_activity_unix_s)
+            state_bytes=self.updater.state_bytes(), last_activity_unix_s=self.last_activity_unix_s,
+            durability=self._durability_status())
 
 
 class ShardRegistry:
     """The sessions one shard holds, by name (thread-safe)."""
 
-    def __init__(self):
+    def __init__(self, recovering: bool = False):
         self._sessions: dict[str, ShardSession] = {}
         self._lock = threading.Lock()
+        self.recovering = recovering  # sessions are being restored: an unknown name may come back
 
     def add(self, session: ShardSession) -> None:
         with self._lock:
@@ -563,10 +662,17 @@ class ShardRegistry:
         with self._lock:
             session = self._sessions.get(name)
         if session is None:
+            if self.recovering:
+                raise Unavailable(f"session {name!r}: this shard is restoring its sessions; retry")
             raise NotFound(f"session {name!r} not found on this shard")
         if tenant is not None and session.owner != tenant:
             raise PermissionDenied(f"session {name!r} belongs to another tenant")
         return session
+
+    def find(self, name: str) -> Optional[ShardSession]:
+        """The session, or None (callers inside the server)."""
+        with self._lock:
+            return self._sessions.get(name)
 
     def names(self) -> list[str]:
         with self._lock:

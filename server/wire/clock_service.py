@@ -24,7 +24,7 @@ import grpc
 from optserve.protos.optserve.v1 import clock_pb2, clock_pb2_grpc
 from optserve.server.domain.clock import LocalClock, Ticket
 from optserve.server.domain.errors import (FailedPrecondition, InvalidArgument, NotFound, OptservError, PeerRefused,
-                                           Stale, Timeout)
+                                           Stale, Timeout, Unavailable)
 from optserve.server.wire.security import InternalSecretInterceptor, InternalTrust
 
 _THREADS = 256  # one per vote or sum waiting for its peers
@@ -44,6 +44,7 @@ _KINDS: dict[type, int] = {
     InvalidArgument: clock_pb2.CLOCK_ERROR_KIND_INVALID_ARGUMENT,
     FailedPrecondition: clock_pb2.CLOCK_ERROR_KIND_FAILED_PRECONDITION,
     Timeout: clock_pb2.CLOCK_ERROR_KIND_TIMEOUT,
+    Unavailable: clock_pb2.CLOCK_ERROR_KIND_UNAVAILABLE,
 }
 _CLASSES = {kind: cls for cls, kind in _KINDS.items()}
 
@@ -52,11 +53,12 @@ _CLASSES = {kind: cls for cls, kind in _KINDS.items()}
 def _ticket_to_proto(ticket: Ticket) -> clock_pb2.ClockTicket:
     return clock_pb2.ClockTicket(ordinal=ticket.ordinal, client_id=ticket.client_id, sequence=ticket.sequence,
                                  staleness=ticket.staleness, scale=ticket.scale, closes_step=ticket.closes_step,
-                                 target_version=ticket.target_version)
+                                 target_version=ticket.target_version, checkpoint=ticket.checkpoint)
 
 
 def _ticket_from_proto(t: clock_pb2.ClockTicket) -> Ticket:
-    return Ticket(t.ordinal, t.client_id, t.sequence, t.staleness, t.scale, t.closes_step, t.target_version)
+    return Ticket(t.ordinal, t.client_id, t.sequence, t.staleness, t.scale, t.closes_step, t.target_version,
+                  t.checkpoint)
 
 
 def _error_to_proto(exc: OptservError) -> clock_pb2.ClockError:
@@ -117,17 +119,28 @@ class ClockServer:
       host: interface to bind (the server's data-plane host).
       advertised_host: the host peers dial (``host`` unless it is a wildcard).
       trust: the server's internal secret (and TLS identity).
+      port: the port to bind if free (a restarted shard takes its predecessor's); else any.
     """
 
-    def __init__(self, host: str, advertised_host: str, trust: InternalTrust):
+    def __init__(self, host: str, advertised_host: str, trust: InternalTrust, port: int = 0):
         self._clocks: dict[str, LocalClock] = {}
         self._lock = threading.Lock()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="optserve-clock"),
                                    interceptors=[InternalSecretInterceptor(trust.secret)])
         clock_pb2_grpc.add_SessionClockServicer_to_server(_ClockServicer(self._clock), self._server)
         credentials = trust.server_credentials()
-        port = (self._server.add_secure_port(f"{host}:0", credentials) if credentials is not None
-                else self._server.add_insecure_port(f"{host}:0"))
+
+        def add_port(number: int) -> int:
+            return (self._server.add_secure_port(f"{host}:{number}", credentials) if credentials is not None
+                    else self._server.add_insecure_port(f"{host}:{number}"))
+
+        if port:
+            try:
+                port = add_port(port)
+            except RuntimeError:
+                port = add_port(0)
+        else:
+            port = add_port(0)
         self._server.start()
         self.address = f"{advertised_host}:{port}"
 
@@ -176,15 +189,23 @@ class PeerClock:
     """
 
     def __init__(self, address: str, session: str, trust: InternalTrust, reduce_timeout_s: float = 300.0):
+        self._trust = trust
         self._stub = _Stubs.at(address, trust)
         self._metadata = trust.metadata
         self._session = session
         self._reduce_timeout = reduce_timeout_s
 
+    def repoint(self, address: str) -> None:
+        """The home shard restarted at ``address``."""
+        self._stub = _Stubs.at(address, self._trust)
+
     def _call(self, method: str, request, rpc_deadline_s: float):
         try:
             return getattr(self._stub, method)(request, timeout=rpc_deadline_s, metadata=self._metadata)
         except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.UNAVAILABLE:  # its process died (a durable one restarts)
+                raise Unavailable(f"session {self._session!r}: the clock on its home shard is unreachable "
+                                  f"({exc.details()}); nothing was applied, retry") from None
             raise Timeout(f"session {self._session!r}: the clock on its home shard did not answer {method} "
                           f"({exc.code().name}: {exc.details()})") from None
 

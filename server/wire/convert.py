@@ -149,10 +149,20 @@ def status_to_proto(status: SessionStatus) -> control_pb2.GetStatusResponse:
         shards=[
             control_pb2.ShardStatus(assignment=assignment_to_proto(a), version=s.version, initialized=s.initialized,
                                     node_id=s.node_id, device=s.device, optimizer_state_bytes=s.state_bytes,
+                                    durability=durability_to_proto(s.durability),
                                     **root_status_to_proto(s.preconditioners))
             for a, s in zip(status.record.assignments, status.shards)
         ],
     )
+
+
+def durability_to_proto(status) -> "control_pb2.DurabilityStatus | None":
+    """A shard's ``DurabilityStatus`` record -> the wire (None: not durable)."""
+    if status is None:
+        return None
+    return control_pb2.DurabilityStatus(durable_version=status.durable_version, log_records=status.log_records,
+                                        log_bytes=status.log_bytes, recoveries=status.recoveries,
+                                        checkpoint_seconds=status.checkpoint_seconds)
 
 
 def server_status_to_proto(shards) -> control_pb2.GetServerStatusResponse:

@@ -31,6 +31,7 @@ STATUS_CODES: tuple[tuple[type[errors.OptservError], grpc.StatusCode], ...] = (
     (errors.Cancelled, grpc.StatusCode.CANCELLED),
     (errors.Timeout, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.SessionLost, grpc.StatusCode.DATA_LOSS),
+    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
 )
 
 

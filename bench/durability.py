@@ -1,0 +1,109 @@
+"""What durability costs: the service step with durability off / step log only / log + checkpoints
+in progress, same run; a checkpoint's wall time and size; recovery time from a shard SIGKILL.
+
+    .venv/bin/python -m bench.durability            # ~100M float32 params (6 x 4096 x 4096), 2 shards
+    .venv/bin/python -m bench.durability --small    # 4 x 512 x 512, a quick smoke run
+
+Step times: three servers side by side (:mod:`bench._ab`, interleaved rounds). "log only" never
+checkpoints after the initial one (every step appends its gradient to the step log before it is
+acknowledged); "log + checkpoints" has a checkpoint due at every step, so one is always being
+written in the background (one due while the previous one writes waits for it).
+
+Recovery: a durable server, a session trained a few steps (a checkpoint, then log records), the
+shard holding the session's clock SIGKILLed; the time from the kill until the same client's next
+``push_pull`` returns (Ray restarts the actor, which restores the checkpoint and replays the log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import tempfile
+import time
+
+import numpy as np
+
+from bench._ab import compare
+from bench._timing import print_table
+from bench.service import OPTIMIZER, _model
+
+NEVER = 10**12
+
+
+def _folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+
+
+def recovery(small: bool, shards: int, checkpoint_dir: str) -> list:
+    """Rows: checkpoint wall time and size, and the recovery time after a shard SIGKILL."""
+    from optserve.client import Client
+    from optserve.server.app import start_server
+    from optserve.server.domain.config import ServerConfig
+    from optserve.server.domain.durability import DurabilityConfig
+
+    matrices, dim = (4, 512) if small else (6, 4096)
+    params = _model(matrices, dim)
+    grads = {k: np.random.default_rng(1).standard_normal(v.shape, dtype=np.float32) * 1e-3 for k, v in params.items()}
+    server = start_server(ServerConfig(host="127.0.0.1", port=0, shards=shards, durability=DurabilityConfig(
+        checkpoint_dir, every_steps=3, every_s=1e9, max_log_bytes=NEVER)))
+    try:
+        client = Client(server.address, timeout=600)
+        session = client.create_session("recover", params, optimizer=OPTIMIZER)
+        out = session.pull()
+        for _ in range(3):  # a checkpoint at version 3
+            session.push_pull(grads, out=out)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:  # wait until it is on disk
+            durability = [s.durability for s in session.status().shards]
+            if min(d.durable_version for d in durability) >= 3:
+                break
+            time.sleep(0.5)
+        checkpoint_s = max(d.checkpoint_seconds for d in durability)
+        checkpoint_bytes = sum(_folder_bytes(os.path.join(checkpoint_dir, "sessions", "recover", f"shard-{i}",
+                                                          "checkpoint-3")) for i in range(len(durability)))
+        for _ in range(2):  # two steps in the log only
+            session.push_pull(grads, out=out)
+        os.kill(server.fleet.pids()[0], signal.SIGKILL)
+        killed = time.monotonic()
+        session.push_pull(grads, out=out)
+        recovered_s = time.monotonic() - killed
+        status = session.status()
+        assert status.version == 6, status
+        session.close()
+        client.close()
+    finally:
+        server.stop()
+    return [["checkpoint write (background), whole session", checkpoint_s * 1e3, "",
+             f"{checkpoint_bytes / 1e6:.0f} MB on disk (orbax) for {sum(v.nbytes for v in params.values()) / 1e6:.0f}"
+             f" MB of params + the optimizer state"],
+            ["recovery: shard SIGKILL -> next push_pull served", recovered_s * 1e3, "",
+             "restart + restore checkpoint + replay 2 logged steps + the step"]]
+
+
+def main(argv=None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="4 x 512 x 512 instead of 6 x 4096 x 4096")
+    parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+    from optserve.server.domain.durability import DurabilityConfig
+
+    root = tempfile.mkdtemp(prefix="optserve-bench-durability-")
+    try:
+        log_only = DurabilityConfig(os.path.join(root, "log"), every_steps=NEVER, every_s=1e9, max_log_bytes=NEVER)
+        writing = DurabilityConfig(os.path.join(root, "ckpt"), every_steps=1, every_s=1e9, max_log_bytes=NEVER)
+        table = compare("bench.durability", {
+            "durability off": ({}, {}),
+            "log only": ({"durability": log_only}, {}),
+            "log + checkpoints": ({"durability": writing}, {}),
+        }, small=args.small, shards=args.shards, repeats=args.repeats)
+        rows = recovery(args.small, args.shards, os.path.join(root, "recovery"))
+        return table + print_table("bench.durability: checkpoint and recovery", ["what", "ms", "", "note"], rows)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

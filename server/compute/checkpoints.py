@@ -1,0 +1,497 @@
+"""Durable sessions on disk: checkpoints (orbax), the step log, the ticket journal, the session catalog.
+
+One folder per session under ``DIR/sessions/`` (the name percent-quoted)::
+
+    session.json                     the session's definition and shard map (the catalog entry)
+    shard-<i>/checkpoint-<v>/        orbax checkpoint of shard i's part at version v:
+                                     {"params": {name: array}, "opt_state": the optax state}
+    shard-<i>/checkpoint-<v>.json    its manifest, written last (the commit marker): progress,
+                                     clock state (home shard), crc32 of every array
+    shard-<i>/steps-<k>.log          step log segment k (records after the checkpoint whose
+                                     manifest names segment k, in order)
+    shard-<i>/tickets-<k>.log        ticket journal segment k (home shard: one JSON line per ticket)
+
+A checkpoint becomes visible only once its manifest is renamed into place, after orbax committed
+its folder; older checkpoints and log segments are deleted only after that. A checkpoint whose
+arrays do not match their manifest's checksums is reported (:class:`CorruptCheckpoint`), never
+loaded. A step-log record is ``"OSLR" | payload length (u64) | payload | header length (u32) |
+header JSON | crc32(header) (u32) | "OSLE"``; a record torn by a crash (no end marker) ends the
+log: it was never acknowledged.
+
+Loading a session's parameters and optimizer state into your own JAX program: see
+:func:`load_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+import re
+import shutil
+import struct
+import threading
+import time
+import urllib.parse
+import zlib
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+_REC_START, _REC_END = b"OSLR", b"OSLE"
+_PREFIX = struct.Struct("<4sQ")
+_U32 = struct.Struct("<I")
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)\.json$")
+_SEGMENT_RE = re.compile(r"^(steps|tickets)-(\d+)\.log$")
+
+
+class CorruptCheckpoint(Exception):
+    """A checkpoint or log on disk is damaged (the message names the file)."""
+
+
+def session_dir(root: str, name: str) -> str:
+    return os.path.join(root, "sessions", urllib.parse.quote(name, safe=""))
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    """Writes ``data`` to ``path`` through a temporary file, fsync and rename (never torn)."""
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------ the session catalog
+class SessionCatalog:
+    """The sessions a durable server holds: one ``session.json`` each (written at creation,
+    removed first at close, so a half-deleted session is never restored)."""
+
+    def __init__(self, root: str):
+        self.root = root
+        os.makedirs(os.path.join(root, "sessions"), exist_ok=True)
+
+    def save(self, name: str, entry: dict) -> None:
+        folder = session_dir(self.root, name)
+        os.makedirs(folder, exist_ok=True)
+        _write_atomically(os.path.join(folder, "session.json"), json.dumps(entry).encode())
+
+    def remove(self, name: str) -> None:
+        folder = session_dir(self.root, name)
+        try:
+            os.unlink(os.path.join(folder, "session.json"))
+        except FileNotFoundError:
+            pass
+        shutil.rmtree(folder, ignore_errors=True)
+
+    def entries(self) -> list[dict]:
+        """Every saved session's entry (unreadable ones are logged and skipped)."""
+        out = []
+        base = os.path.join(self.root, "sessions")
+        for folder in sorted(os.listdir(base)):
+            path = os.path.join(base, folder, "session.json")
+            if not os.path.exists(path):
+                continue
+            try:
+                with open(path, "rb") as fh:
+                    out.append(json.loads(fh.read()))
+            except (OSError, ValueError) as exc:
+                log.error("event=catalog_entry_unreadable path=%s error=%s", path, exc)
+        return out
+
+
+# ------------------------------------------------------------------ step log
+class _Segments:
+    """Numbered append-only segment files ``<kind>-<k>.log`` in one folder."""
+
+    def __init__(self, folder: str, kind: str, start: int):
+        self.folder, self.kind = folder, kind
+        self.index = start
+        self._fd = os.open(self.path(start), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def path(self, index: int) -> str:
+        return os.path.join(self.folder, f"{self.kind}-{index}.log")
+
+    def rotate(self) -> int:
+        """Closes the current segment (flushed) and opens the next; returns the new index."""
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self.index += 1
+        self._fd = os.open(self.path(self.index), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        return self.index
+
+    def write(self, parts: list) -> None:
+        os.writev(self._fd, parts)
+
+    def fsync(self) -> None:
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+
+    def drop_before(self, index: int) -> None:
+        for name in os.listdir(self.folder):
+            match = _SEGMENT_RE.match(name)
+            if match and match.group(1) == self.kind and int(match.group(2)) < index:
+                os.unlink(os.path.join(self.folder, name))
+
+
+def _segment_indices(folder: str, kind: str, start: int) -> list[int]:
+    found = []
+    for name in os.listdir(folder):
+        match = _SEGMENT_RE.match(name)
+        if match and match.group(1) == kind and int(match.group(2)) >= start:
+            found.append(int(match.group(2)))
+    return sorted(found)
+
+
+def read_step_log(path: str, arrays: Callable[[], dict]):
+    """Yields ``(record_json, grads)`` from a step-log segment; ``arrays()`` gives fresh buffers
+    (name -> array, in tensor order) to read each record's gradient into. A torn last record
+    ends the log; damage before the end raises :class:`CorruptCheckpoint`."""
+    size = os.path.getsize(path)
+    with open(path, "rb", buffering=0) as fh:
+        while True:
+            at = fh.tell()
+            prefix = fh.read(_PREFIX.size)
+            if not prefix:
+                return
+            torn = len(prefix) < _PREFIX.size
+            if not torn:
+                magic, payload_len = _PREFIX.unpack(prefix)
+                if magic != _REC_START:
+                    raise CorruptCheckpoint(f"step log {path}: no record starts at byte {at}")
+                grads = arrays()
+                expected = sum(a.nbytes for a in grads.values())
+                if payload_len != expected:
+                    raise CorruptCheckpoint(f"step log {path}: record at byte {at} holds {payload_len} gradient "
+                                            f"bytes, the shard's tensors have {expected}")
+                got = 0
+                for a in grads.values():
+                    got += fh.readinto(memoryview(a.reshape(-1)).cast("B"))
+                header_len_raw = fh.read(_U32.size)
+                torn = got < payload_len or len(header_len_raw) < _U32.size
+            if not torn:
+                (header_len,) = _U32.unpack(header_len_raw)
+                tail = fh.read(header_len + _U32.size + len(_REC_END))
+                torn = len(tail) < header_len + _U32.size + len(_REC_END)
+            if torn:
+                log.warning("event=step_log_torn_tail path=%s at=%d size=%d (an unacknowledged step)", path, at, size)
+                return
+            header, crc, end = tail[:header_len], tail[header_len:header_len + 4], tail[header_len + 4:]
+            if end != _REC_END or _U32.unpack(crc)[0] != zlib.crc32(header):
+                if fh.tell() < size:
+                    raise CorruptCheckpoint(f"step log {path}: record at byte {at} is damaged")
+                log.warning("event=step_log_torn_tail path=%s at=%d", path, at)
+                return
+            yield json.loads(header), grads
+
+
+def read_journal(path: str) -> list[list]:
+    """The tickets (JSON lists) of a ticket-journal segment; a torn last line is dropped."""
+    out = []
+    with open(path, "rb") as fh:
+        for line in fh:
+            if not line.endswith(b"\n"):
+                break
+            out.append(json.loads(line))
+    return out
+
+
+# ------------------------------------------------------------------ one shard's part of a session
+def _leaves(tree) -> list:
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def _host_tree(tree):
+    """The tree with every leaf a NumPy array (0-d for scalars): views of CPU device buffers."""
+    import jax
+
+    return jax.tree.map(lambda x: np.asarray(x), tree)
+
+
+class ShardStore:
+    """One durable session's files on one shard (implements the domain's ``SessionStore``).
+
+    Args:
+      root: the server's checkpoint folder.
+      session: the session's name.
+      shard_index: this shard.
+      config: the server's :class:`~optserve.server.domain.durability.DurabilityConfig`.
+      home: this shard keeps the session's clock (writes the ticket journal).
+    """
+
+    def __init__(self, root: str, session: str, shard_index: int, config, home: bool):
+        self.folder = os.path.join(session_dir(root, session), f"shard-{shard_index}")
+        os.makedirs(self.folder, exist_ok=True)
+        self._session, self._shard = session, shard_index
+        self._config = config
+        self._home = home
+        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="optserve-ckpt")
+        self._pending: Optional[tuple] = None  # (version, snapshot, manifest) waiting for the writer
+        self._busy = False  # the writer thread is draining _pending
+        self._done = threading.Condition()
+        self._lock = threading.Lock()  # the journal's writes vs rotations
+        self._steps: Optional[_Segments] = None
+        self._tickets: Optional[_Segments] = None
+        self._records_since_sync = 0
+        self._tickets_since_sync = 0
+        self.durable_version = -1
+        self.log_records = 0
+        self.log_bytes = 0
+        self.recoveries = 0
+        self.checkpoint_seconds = 0.0
+        self.last_error: Optional[str] = None
+
+    # ------------------------------------------------------------- opening
+    def latest(self) -> Optional[dict]:
+        """The latest committed checkpoint's manifest (None: none), after removing what a crash
+        left half-written (orbax temporary folders, checkpoints without a manifest)."""
+        manifests = {}
+        for name in os.listdir(self.folder):
+            match = _CHECKPOINT_RE.match(name)
+            if match:
+                manifests[int(match.group(1))] = name
+        for name in os.listdir(self.folder):
+            path = os.path.join(self.folder, name)
+            if os.path.isdir(path) and (".orbax-checkpoint-tmp" in name or not (
+                    name.startswith("checkpoint-") and name[len("checkpoint-"):].isdigit()
+                    and int(name[len("checkpoint-"):]) in manifests)):
+                shutil.rmtree(path, ignore_errors=True)
+        if not manifests:
+            return None
+        version = max(manifests)
+        path = os.path.join(self.folder, manifests[version])
+        try:
+            with open(path, "rb") as fh:
+                manifest = json.loads(fh.read())
+        except (OSError, ValueError) as exc:
+            raise CorruptCheckpoint(f"checkpoint manifest {path} is unreadable: {exc}") from None
+        manifest["path"] = os.path.join(self.folder, f"checkpoint-{version}")
+        return manifest
+
+    def start_logs(self, manifest: Optional[dict]) -> None:
+        """Opens fresh log segments after everything on disk (call after replaying)."""
+        steps_from = manifest["steps_from"] if manifest else 0
+        tickets_from = manifest["tickets_from"] if manifest else 0
+        next_steps = max(_segment_indices(self.folder, "steps", steps_from), default=steps_from - 1) + 1
+        next_tickets = max(_segment_indices(self.folder, "tickets", tickets_from), default=tickets_from - 1) + 1
+        self._steps = _Segments(self.folder, "steps", next_steps)
+        if self._home:
+            self._tickets = _Segments(self.folder, "tickets", next_tickets)
+        if manifest is not None:
+            self.durable_version = int(manifest["progress"]["version"])
+
+    def restore_arrays(self, manifest: dict, abstract: dict) -> dict:
+        """The checkpoint's ``{"params", "opt_state"}`` (NumPy leaves), checked against the
+        manifest's checksums. ``abstract``: the same tree of ``jax.ShapeDtypeStruct``."""
+        import orbax.checkpoint as ocp
+
+        path = manifest["path"]
+        try:
+            restored = ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(
+                path, args=ocp.args.StandardRestore(abstract))
+        except Exception as exc:  # noqa: BLE001 - orbax raises many kinds on damaged files
+            raise CorruptCheckpoint(f"checkpoint {path} cannot be read: {type(exc).__name__}: {exc}") from None
+        leaves = [np.asarray(x) for x in _leaves(restored)]
+        sums = manifest["crc32"]
+        if len(leaves) != len(sums) or any(zlib.crc32(np.ascontiguousarray(a)) != s for a, s in zip(leaves, sums)):
+            raise CorruptCheckpoint(f"checkpoint {path} does not match its checksums: its arrays are damaged")
+        return restored
+
+    def log_segments(self, manifest: Optional[dict]) -> list[str]:
+        start = manifest["steps_from"] if manifest else 0
+        return [os.path.join(self.folder, f"steps-{i}.log") for i in _segment_indices(self.folder, "steps", start)]
+
+    def journal(self, manifest: Optional[dict]) -> list[list]:
+        start = manifest["tickets_from"] if manifest else 0
+        out = []
+        for i in _segment_indices(self.folder, "tickets", start):
+            out.extend(read_journal(os.path.join(self.folder, f"tickets-{i}.log")))
+        return out
+
+    # ------------------------------------------------------------- writing
+    def journal_ticket(self, ticket_json: list) -> None:
+        """Appends one ticket to the journal (home shard; called under the clock's lock)."""
+        line = (json.dumps(ticket_json) + "\n").encode()
+        with self._lock:
+            self._tickets.write([line])
+            self._tickets_since_sync += 1
+            if self._config.fsync_due(self._tickets_since_sync):  # the step log's policy
+                self._tickets.fsync()
+                self._tickets_since_sync = 0
+
+    def log_step(self, record, grads: list) -> None:
+        header = json.dumps(record.to_json()).encode()
+        payload = [memoryview(np.ascontiguousarray(g).reshape(-1)).cast("B") for g in grads]
+        nbytes = sum(p.nbytes for p in payload)
+        self._steps.write([_PREFIX.pack(_REC_START, nbytes), *payload, _U32.pack(len(header)), header,
+                           _U32.pack(zlib.crc32(header)), _REC_END])
+        self.log_records += 1
+        self.log_bytes += nbytes
+        self._records_since_sync += 1
+        if self._config.fsync_due(self._records_since_sync):
+            self._steps.fsync()
+            self._records_since_sync = 0
+
+    def checkpoint(self, progress, params: dict, opt_state: Any, clock_state_fn: Optional[Callable] = None,
+                   wait: bool = False) -> bool:
+        """Snapshots the state at ``progress.version`` and writes it in the background (before
+        returning with ``wait``); later log records go to a fresh segment.
+
+        The snapshot holds views of the state's buffers (the next update allocates new ones
+        instead of reusing them) until written. One checkpoint is written at a time; one that is
+        due while another is being written waits for it, and a newer one supersedes it.
+        ``clock_state_fn(rotate)``: the home shard's clock state, taken with the ticket journal's
+        rotation under the clock's lock. Returns True."""
+        tree = {"params": _host_tree(params), "opt_state": _host_tree(opt_state)}
+        steps_from = self._steps.rotate()
+        self._records_since_sync = 0
+        clock_state, tickets_from = None, 0
+        if self._home and clock_state_fn is not None:
+            rotated = []
+
+            def rotate():
+                with self._lock:
+                    rotated.append(self._tickets.rotate())
+                    self._tickets_since_sync = 0
+
+            clock_state = clock_state_fn(rotate)
+            tickets_from = rotated[0]
+        self.log_records, self.log_bytes = 0, 0
+        manifest = {"progress": progress.to_json(), "clock": clock_state, "steps_from": steps_from,
+                    "tickets_from": tickets_from}
+        with self._done:
+            superseded = self._pending
+            self._pending = (progress.version, tree, manifest)
+            if not self._busy:
+                self._busy = True
+                self._writer.submit(self._drain)
+        if superseded is not None:
+            log.info("event=checkpoint_superseded session=%s shard=%d version=%d by=%d", self._session, self._shard,
+                     superseded[0], progress.version)
+        if wait:
+            self.wait()
+        return True
+
+    def _drain(self) -> None:
+        """The writer thread: writes the pending checkpoint until there is none."""
+        while True:
+            with self._done:
+                job, self._pending = self._pending, None
+                if job is None:
+                    self._busy = False
+                    self._done.notify_all()
+                    return
+            try:
+                self._write(*job)
+            except Exception:  # noqa: BLE001 - logged in _write; the log keeps every step
+                pass
+            del job  # the snapshot's views: the next updates may reuse those buffers again
+
+    def _write(self, version: int, tree: dict, manifest: dict) -> None:
+        import orbax.checkpoint as ocp
+
+        started = time.monotonic()
+        path = os.path.join(self.folder, f"checkpoint-{version}")
+        try:
+            if os.path.exists(path):  # a checkpoint of this version without a manifest, or a re-save
+                shutil.rmtree(path)
+            ocp.Checkpointer(ocp.StandardCheckpointHandler()).save(path, args=ocp.args.StandardSave(tree))
+            manifest["crc32"] = [zlib.crc32(np.ascontiguousarray(a)) for a in _leaves(tree)]
+            manifest["written_unix_s"] = time.time()
+            _write_atomically(f"{path}.json", json.dumps(manifest).encode())
+        except BaseException as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            log.exception("event=checkpoint_failed session=%s shard=%d version=%d", self._session, self._shard,
+                          version)
+            raise
+        self._drop_older_than(version, manifest)
+        self.durable_version = version
+        self.checkpoint_seconds = time.monotonic() - started
+        log.info("event=checkpoint_written session=%s shard=%d version=%d seconds=%.3f", self._session, self._shard,
+                 version, self.checkpoint_seconds)
+
+    def _drop_older_than(self, version: int, manifest: dict) -> None:
+        for name in os.listdir(self.folder):
+            match = _CHECKPOINT_RE.match(name)
+            if match and int(match.group(1)) < version:
+                os.unlink(os.path.join(self.folder, name))
+                shutil.rmtree(os.path.join(self.folder, name[:-len(".json")]), ignore_errors=True)
+        self._steps.drop_before(manifest["steps_from"])
+        if self._tickets is not None:
+            self._tickets.drop_before(manifest["tickets_from"])
+
+    def wait(self) -> None:
+        """Returns once no checkpoint is being written or waiting to be."""
+        with self._done:
+            self._done.wait_for(lambda: not self._busy)
+
+    def close(self) -> None:
+        self.wait()
+        self._writer.shutdown(wait=True)
+        for segments in (self._steps, self._tickets):
+            if segments is not None:
+                segments.close()
+
+
+# ------------------------------------------------------------------ for users
+def load_checkpoint(root: str, session: str) -> dict:
+    """A session's latest consistent checkpoint, for use in your own JAX program.
+
+    Returns ``{"version": v, "params": {name: np.ndarray}, "opt_state": [state of shard 0, ...]}``
+    where ``v`` is the newest version every shard of the session has a checkpoint of and each
+    shard's ``opt_state`` is the optimizer's state over that shard's tensors (a pytree of NumPy
+    arrays in the optimizer's own structure: rebuild it with ``optimizer.init`` on those tensors
+    and ``jax.tree.unflatten``, or read it with orbax directly from
+    ``DIR/sessions/<name>/shard-<i>/checkpoint-<v>``).
+
+    Raises:
+      FileNotFoundError: no such session, or a shard has no checkpoint.
+      CorruptCheckpoint: a checkpoint's arrays do not match their checksums.
+    """
+    import orbax.checkpoint as ocp
+
+    folder = session_dir(root, session)
+    with open(os.path.join(folder, "session.json"), "rb") as fh:
+        entry = json.loads(fh.read())
+    shards = sorted(int(s) for s in entry["placement"])
+    versions = []
+    for index in shards:
+        found = {int(m.group(1)) for m in map(_CHECKPOINT_RE.match, os.listdir(os.path.join(folder, f"shard-{index}")))
+                 if m}
+        versions.append(found)
+    common = set.intersection(*versions) if versions else set()
+    if not common:
+        raise FileNotFoundError(f"session {session!r} has no checkpoint of one version on every shard in {folder}")
+    version = max(common)
+    params, states = {}, []
+    for index in shards:
+        path = os.path.join(folder, f"shard-{index}", f"checkpoint-{version}")
+        with open(f"{path}.json", "rb") as fh:
+            manifest = json.loads(fh.read())
+        tree = ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(path)
+        sums = sorted(zlib.crc32(np.ascontiguousarray(np.asarray(x))) for x in _leaves(tree))
+        if sums != sorted(manifest["crc32"]):  # restored without the optimizer's structure: order may differ
+            raise CorruptCheckpoint(f"checkpoint {path} does not match its checksums")
+        params.update({k: np.asarray(v) for k, v in tree["params"].items()})
+        states.append(tree["opt_state"])
+    return {"version": version, "params": params, "opt_state": states}

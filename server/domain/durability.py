@@ -1,0 +1,214 @@
+"""Durable sessions: when a checkpoint is due, what the step log holds, and what a shard restores.
+
+A durable session survives the death of any of its processes with no acknowledged update lost:
+
+- **Step log.** Before a shard acknowledges a step, it appends what replaying the step needs (a
+  :class:`StepRecord`: the tickets the step applied, the scale, the cross-shard statistic, and the
+  applied gradient, i.e. the sync mean or the async push) to the session's log on this shard.
+- **Ticket journal.** The home shard's clock appends every ticket it hands out before handing it
+  out, so a restarted clock gives every retried push the ticket it had (same order on every shard).
+- **Checkpoints.** The clock marks a step *checkpoint-due* (:class:`CheckpointPolicy`) on the
+  ticket that closes it; every shard of the session snapshots its part right after applying that
+  step, so a session's checkpoints are consistent at one version across its shards. Each
+  checkpoint is written in the background, committed atomically, and truncates the log.
+- **Recovery.** A restarted shard loads its latest checkpoint and replays its log
+  (:class:`ShardRestore`): it reaches exactly the version it had acknowledged.
+
+The I/O lives in :mod:`optserve.server.compute.checkpoints`; this module holds the policy and the
+records (no files, no grpc, no ray).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Optional, Protocol
+
+from optserve.server.domain.errors import InvalidArgument
+
+
+class FsyncPolicy(enum.Enum):
+    """When the step log is flushed to the disk (``fsync``), which bounds what a machine loss loses.
+
+    A process crash never loses a written record (it is in the page cache); a machine that loses
+    power loses the records written since the last fsync:
+
+    - STEP: every record (nothing acknowledged is lost; each step waits for the disk);
+    - EVERY_N: every ``fsync_every_steps`` records (at most N - 1 acknowledged steps lost);
+    - CHECKPOINT: only at checkpoints (the steps since the last checkpoint can be lost).
+    """
+
+    STEP = "step"
+    EVERY_N = "every-n"
+    CHECKPOINT = "checkpoint"
+
+
+@dataclasses.dataclass(frozen=True)
+class DurabilityConfig:
+    """``optserve serve --checkpoint-dir DIR`` and its companions.
+
+    Attributes:
+      checkpoint_dir: where sessions' checkpoints, logs and manifests live (one folder per session).
+      every_steps: a checkpoint is due every this many steps (>= 1).
+      every_s: ... or when this many seconds passed since the last one (> 0).
+      max_log_bytes: ... or when the step log since the last checkpoint would exceed this many
+        bytes; None: the session's parameter + optimizer state bytes (estimated as
+        ``log_bytes_factor`` x its parameter bytes), so the log never outgrows a checkpoint.
+      fsync: the step log's flush policy (:class:`FsyncPolicy`).
+      fsync_every_steps: EVERY_N's N (>= 1).
+    """
+
+    checkpoint_dir: str
+    every_steps: int = 1000
+    every_s: float = 300.0
+    max_log_bytes: Optional[int] = None
+    fsync: FsyncPolicy = FsyncPolicy.CHECKPOINT
+    fsync_every_steps: int = 100
+
+    def __post_init__(self):
+        if not self.checkpoint_dir:
+            raise InvalidArgument("--checkpoint-dir must name a folder")
+        if self.every_steps < 1:
+            raise InvalidArgument(f"--checkpoint-every-steps must be >= 1, got {self.every_steps}")
+        if not self.every_s > 0:
+            raise InvalidArgument(f"--checkpoint-every-s must be > 0, got {self.every_s}")
+        if self.max_log_bytes is not None and self.max_log_bytes < 1:
+            raise InvalidArgument(f"--max-log-bytes must be >= 1, got {self.max_log_bytes}")
+        if self.fsync_every_steps < 1:
+            raise InvalidArgument(f"--fsync-every-steps must be >= 1, got {self.fsync_every_steps}")
+
+    def policy(self, session_param_bytes: int) -> "CheckpointPolicy":
+        """The checkpoint policy of a session holding ``session_param_bytes`` parameter bytes."""
+        max_log = self.max_log_bytes if self.max_log_bytes is not None else LOG_BYTES_FACTOR * session_param_bytes
+        return CheckpointPolicy(self.every_steps, self.every_s, max(1, max_log), max(1, session_param_bytes))
+
+    def fsync_due(self, records_since_sync: int) -> bool:
+        """Whether the log must be flushed after a record (``records_since_sync`` counts it)."""
+        if self.fsync is FsyncPolicy.STEP:
+            return True
+        return self.fsync is FsyncPolicy.EVERY_N and records_since_sync >= self.fsync_every_steps
+
+
+LOG_BYTES_FACTOR = 2  # the default log bound: about a session's parameters + a parameter-sized state
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointPolicy:
+    """When a session's next checkpoint is due (decided by its clock, for every shard at once).
+
+    Attributes:
+      every_steps / every_s / max_log_bytes: as :class:`DurabilityConfig` (resolved).
+      step_bytes: bytes one step adds to the session's logs (its gradients: its parameter bytes).
+    """
+
+    every_steps: int
+    every_s: float
+    max_log_bytes: int
+    step_bytes: int
+
+    def due(self, steps_since: int, seconds_since: float) -> bool:
+        """Whether a step closing now, ``steps_since`` steps and ``seconds_since`` seconds after
+        the last checkpoint (this step counted), makes a checkpoint due."""
+        if steps_since <= 0:
+            return False
+        return (steps_since >= self.every_steps or seconds_since >= self.every_s
+                or steps_since * self.step_bytes >= self.max_log_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One applied step in a shard's log (the gradient travels beside it, in tensor order).
+
+    Attributes:
+      version: the session version after the step.
+      tickets: ``(ordinal, client_id, sequence)`` of every push the step applied, in order.
+      scale: the step's scale (async staleness policy).
+      global_stat: the cross-shard statistic the update used (0 when the optimizer has none).
+    """
+
+    version: int
+    tickets: tuple[tuple[int, str, int], ...]
+    scale: float
+    global_stat: float
+
+    def to_json(self) -> dict:
+        return {"version": self.version, "tickets": [list(t) for t in self.tickets], "scale": self.scale,
+                "global_stat": self.global_stat}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "StepRecord":
+        return cls(int(data["version"]), tuple((int(o), str(c), int(s)) for o, c, s in data["tickets"]),
+                   float(data["scale"]), float(data["global_stat"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardProgress:
+    """The bookkeeping a shard session restores beside its tensors.
+
+    Attributes:
+      version: steps applied.
+      next_ordinal: the next ticket ordinal to apply.
+      applied_sequence: client id -> last applied push sequence (the idempotency table).
+    """
+
+    version: int
+    next_ordinal: int
+    applied_sequence: dict[str, int]
+
+    def to_json(self) -> dict:
+        return {"version": self.version, "next_ordinal": self.next_ordinal,
+                "applied_sequence": dict(self.applied_sequence)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ShardProgress":
+        return cls(int(data["version"]), int(data["next_ordinal"]),
+                   {str(k): int(v) for k, v in data["applied_sequence"].items()})
+
+    def after(self, record: StepRecord) -> "ShardProgress":
+        """The progress once ``record``'s step is applied."""
+        applied = dict(self.applied_sequence)
+        for _, client_id, sequence in record.tickets:
+            applied[client_id] = sequence
+        next_ordinal = record.tickets[-1][0] + 1 if record.tickets else self.next_ordinal
+        return ShardProgress(record.version, next_ordinal, applied)
+
+
+@dataclasses.dataclass(frozen=True)
+class DurabilityStatus:
+    """A durable session on one shard.
+
+    Attributes:
+      durable_version: the version of its latest committed checkpoint (-1: none yet).
+      log_records / log_bytes: steps in its log since that checkpoint, and their bytes.
+      recoveries: times this shard's part was restored after its process died or the server restarted.
+      checkpoint_seconds: wall time of the latest checkpoint write (0: none yet).
+    """
+
+    durable_version: int = -1
+    log_records: int = 0
+    log_bytes: int = 0
+    recoveries: int = 0
+    checkpoint_seconds: float = 0.0
+
+
+class SessionStore(Protocol):
+    """A durable session's storage on one shard (the compute layer implements it over files).
+
+    The shard session calls it under its own lock, in step order.
+    """
+
+    def log_step(self, record: StepRecord, grads: list) -> None:
+        """Appends ``record`` and ``grads`` (the shard's tensors' gradients, in tensor order);
+        returns once written (and flushed, per the fsync policy)."""
+
+    def checkpoint(self, progress: ShardProgress, params: dict, opt_state: Any, clock_state_fn=None,
+                   wait: bool = False) -> bool:
+        """Snapshots the state at ``progress.version`` and writes it in the background (waits with
+        ``wait``); later log records go to a fresh segment. A checkpoint due while another one is
+        being written is written after it (a newer one supersedes it)."""
+
+    durable_version: int  # the latest committed checkpoint's version (-1: none)
+    log_records: int  # records (and their gradient bytes) logged since the latest checkpoint began
+    log_bytes: int
+    recoveries: int  # times this part was restored
+    checkpoint_seconds: float  # wall time of the latest checkpoint write

@@ -1,0 +1,229 @@
+"""Durable sessions (``--checkpoint-dir``): real SIGKILLs of shard processes, no acknowledged update lost.
+
+A durable server logs every step before acknowledging it and checkpoints each session at one
+version across its shards; a shard whose process dies is replaced and restores its part from
+its latest checkpoint plus its step log. The same client object keeps calling ``push_pull``
+across the kill, and the result equals an uninterrupted in-process run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from optserve.client import Client, SessionLostError
+from tests._service_helpers import InProcess, make_grads, make_params, max_abs_diff
+
+OPTIMIZER = {"name": "adafactor_hf", "args": {"lr": 0.01, "relative_step": False, "beta1": 0.9}}
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def durable_server(ray_local, checkpoint_dir):
+    """A durable server of its own (these tests kill its shards): a checkpoint every 4 steps (and,
+    by the default log bound, every 2), one preconditioner worker for Shampoo."""
+    from optserve.server.app import start_server
+    from optserve.server.domain.config import ServerConfig
+    from optserve.server.domain.durability import DurabilityConfig
+
+    running = start_server(ServerConfig(host="127.0.0.1", port=0, shards=2, vote_timeout_s=8.0, min_shard_bytes=0,
+                                        precond_workers=1, durability=DurabilityConfig(checkpoint_dir, every_steps=4)))
+    yield running
+    running.stop()
+
+
+def _kill_shard(running, index: int) -> int:
+    pid = running.fleet.pids()[index]
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+@pytest.mark.parametrize("killed", [0, 1], ids=["home-shard", "other-shard"])
+def test_sync_session_survives_a_shard_sigkill_with_no_acknowledged_step_lost(durable_server, unique_name, killed):
+    client = Client(durable_server.address, timeout=90.0)
+    params = make_params(3)
+    session = client.create_session(unique_name, params, optimizer=OPTIMIZER)
+    assert len(session.info.shards) == 2
+    reference = InProcess(OPTIMIZER["name"], OPTIMIZER["args"], params)
+    for step in range(6):  # a checkpoint at 4, steps 5-6 only in the log
+        grads = make_grads(params, step)
+        got = session.push_pull(grads)
+        expected = reference.step(grads)
+    _kill_shard(durable_server, killed)
+    for step in range(6, 12):  # the same client object: the first of these spans the recovery
+        grads = make_grads(params, step)
+        got = session.push_pull(grads)
+        expected = reference.step(grads)
+    assert max_abs_diff(got, expected) <= 1e-6
+    status = session.status()
+    assert status.version == 12
+    durability = [s.durability for s in status.shards]
+    assert all(d is not None for d in durability)
+    assert [d.recoveries for d in durability] == [int(i == killed) for i in range(2)]
+    deadline = time.monotonic() + 30  # checkpoints are written in the background
+    while min(d.durable_version for d in durability) < 8 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        durability = [s.durability for s in session.status().shards]
+    assert min(d.durable_version for d in durability) >= 8, durability  # checkpoints go on after the recovery
+    session.close()
+    client.close()
+
+
+def test_async_two_clients_every_acknowledged_push_applies_exactly_once_across_a_shard_kill(
+        durable_server, unique_name):
+    """Two clients push concurrently (async, no staleness limit) while the home shard is killed:
+    the session's version counts every acknowledged push exactly once, and the parameters equal
+    the in-process optimizer fed the same gradients in the clock's order."""
+    owner = Client(durable_server.address, timeout=90.0)
+    params = make_params(4)
+    session = owner.create_session(unique_name, params, optimizer={"name": "sgd", "args": {"learning_rate": 0.1}},
+                                   mode="async")
+    steps_each = 10
+    acknowledged: list[int] = []
+    lock = threading.Lock()
+    killed = threading.Event()
+
+    def worker(seed: int, handle):
+        for step in range(steps_each):
+            grads = {k: np.full_like(v, float(seed)) for k, v in params.items()}  # each push moves params by -0.1*seed
+            handle.push_pull(grads)
+            with lock:
+                acknowledged.append(seed)
+            if seed == 1 and step == 3:
+                _kill_shard(durable_server, 0)
+                killed.set()
+
+    other = Client(durable_server.address, timeout=90.0)
+    threads = [threading.Thread(target=worker, args=(1, session)),
+               threading.Thread(target=worker, args=(2, other.session(unique_name)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    assert killed.is_set() and not any(t.is_alive() for t in threads)
+    assert len(acknowledged) == 2 * steps_each
+    final = session.pull()
+    assert session.status().version == 2 * steps_each  # each acknowledged push applied once, none twice
+    expected_shift = 0.1 * (1 * steps_each + 2 * steps_each)
+    for name, value in final.items():
+        np.testing.assert_allclose(value, params[name] - expected_shift, rtol=0, atol=1e-5)
+    session.close()
+    owner.close()
+    other.close()
+
+
+def _shard_folder(checkpoint_dir: str, session: str, shard: int) -> str:
+    import urllib.parse
+
+    return os.path.join(checkpoint_dir, "sessions", urllib.parse.quote(session, safe=""), f"shard-{shard}")
+
+
+def _wait_durable(session, version: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if min(s.durability.durable_version for s in session.status().shards) >= version:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no checkpoint of version {version} on every shard within {timeout_s:.0f} s")
+
+
+@pytest.mark.parametrize("damage", ["flipped-bytes", "truncated"])
+def test_a_damaged_checkpoint_is_reported_naming_it_and_never_loaded(durable_server, checkpoint_dir, unique_name,
+                                                                     damage):
+    client = Client(durable_server.address, timeout=90.0)
+    params = make_params(5)
+    session = client.create_session(unique_name, params, optimizer=OPTIMIZER)
+    for step in range(4):
+        session.push_pull(make_grads(params, step))
+    _wait_durable(session, 4)
+    folder = _shard_folder(checkpoint_dir, unique_name, 1)
+    latest = max(int(name[len("checkpoint-"):-len(".json")]) for name in os.listdir(folder)
+                 if name.startswith("checkpoint-") and name.endswith(".json"))
+    files = [os.path.join(root, f) for root, _, names in os.walk(os.path.join(folder, f"checkpoint-{latest}"))
+             for f in names]
+    target = max(files, key=os.path.getsize)  # the arrays' data file
+    size = os.path.getsize(target)
+    with open(target, "r+b") as fh:
+        if damage == "truncated":
+            fh.truncate(size // 2)
+        else:
+            fh.seek(size // 4)
+            chunk = bytearray(fh.read(size // 2))
+            fh.seek(size // 4)
+            fh.write(bytes(b ^ 0x5A for b in chunk))
+    _kill_shard(durable_server, 1)
+    with pytest.raises(SessionLostError) as lost:
+        session.push_pull(make_grads(params, 4))
+    message = str(lost.value)
+    assert unique_name in message and "shard 1" in message and f"checkpoint-{latest}" in message, message
+    session.close()
+    client.close()
+
+
+def test_a_shard_killed_while_writing_a_checkpoint_restores_the_previous_one_plus_its_log(
+        durable_server, checkpoint_dir, unique_name):
+    """A checkpoint half-written by a killed process is never used: the previous checkpoint and the
+    step log give back every acknowledged step (a larger tensor, so the write takes a while)."""
+    client = Client(durable_server.address, timeout=90.0)
+    params = make_params(6, shapes={"big/w": (1024, 1024), "small/b": (16,)})
+    reference = InProcess("sgd", {"learning_rate": 0.05}, params)
+    session = client.create_session(unique_name, params, optimizer={"name": "sgd", "args": {"learning_rate": 0.05}})
+    folder = _shard_folder(checkpoint_dir, unique_name, 0)
+    caught_mid_write = False
+    step = 0
+    while step < 40 and not caught_mid_write:
+        grads = make_grads(params, step)
+        got, expected = session.push_pull(grads), reference.step(grads)
+        step += 1
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            names = os.listdir(folder)
+            writing = [n for n in names if n.startswith("checkpoint-") and ".json" not in n
+                       and f"{n.split('.')[0]}.json" not in names]
+            if writing:
+                _kill_shard(durable_server, 0)
+                caught_mid_write = True
+                break
+            time.sleep(0.002)
+    assert caught_mid_write, "no checkpoint was ever seen being written"
+    for _ in range(3):
+        grads = make_grads(params, step)
+        got, expected = session.push_pull(grads), reference.step(grads)
+        step += 1
+    assert max_abs_diff(got, expected) <= 1e-6
+    assert session.status().version == step
+    session.close()
+    client.close()
+
+
+def test_shampoo_with_preconditioner_workers_survives_a_shard_kill_exactly(durable_server, unique_name):
+    """Age bound 0: every root comes from the worker before it is needed, so the run is
+    deterministic and a restored, replayed shard matches in-process Shampoo."""
+    args = {"learning_rate": 0.01, "block_size": 8, "start_preconditioning_step": 3}
+    shapes = {"embed": (16, 12), "hidden/w": (12, 10), "hidden/b": (10,), "out/w": (10, 6)}
+    client = Client(durable_server.address, timeout=120.0)
+    params = make_params(4, shapes=shapes)
+    reference = InProcess("shampoo", args, params)
+    session = client.create_session(unique_name, params, optimizer={"name": "shampoo", "args": args,
+                                                                    "preconditioners": {"max_age": 0}})
+    worst = 0.0
+    for step in range(12):
+        if step == 7:
+            _kill_shard(durable_server, 1)
+        grads = make_grads(params, step, seed=7)
+        worst = max(worst, max_abs_diff(session.push_pull(grads), reference.step(grads)))
+    assert worst <= 1e-5, worst
+    status = session.status()
+    assert status.version == 12 and status.shards[1].durability.recoveries == 1
+    assert all(s.root_offload.offloaded for s in status.shards)
+    session.close()
+    client.close()
