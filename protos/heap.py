@@ -55,3 +55,19 @@ def _glibc_mallopt():
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     return mallopt
+
+
+def release_free_memory() -> bool:
+    """Returns the heap's free pages to the kernel now (glibc ``malloc_trim(0)``), whatever
+    :func:`retain_freed_memory` keeps between transfers; for rare moments that free a lot at
+    once (a session closed). True if called (glibc only)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = (ctypes.c_size_t,)
+    trim.restype = ctypes.c_int
+    trim(0)
+    return True

@@ -13,6 +13,7 @@ from concurrent import futures
 from typing import Callable, Optional
 
 from optserve.server.domain.config import ServerConfig
+from optserve.server.domain.events import log_event
 
 log = logging.getLogger(__name__)
 
@@ -40,21 +41,24 @@ class RunningServer:
         self._stop()
 
 
-def _init_ray(address: str) -> bool:
-    """Connects to (or starts) Ray; returns True if this call started a local instance."""
+def _init_ray(address: str, log_to_driver: bool = False) -> bool:
+    """Connects to (or starts) Ray; returns True if this call started a local instance.
+    ``log_to_driver``: the actors' stderr (their log lines) is printed on this process's stderr."""
     import ray
 
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if log_to_driver:
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every log line as it is, not folded across shards
     if address == "local":
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(include_dashboard=False, log_to_driver=log_to_driver, configure_logging=False)
         return True
     # one namespace for optserve's drivers on a cluster: a restarted durable coordinator finds the
     # detached placement group (named in the driver's namespace) that its predecessor left
     from optserve.server.shard_actor import DETACHED_NAMESPACE
 
-    ray.init(address=address, namespace=DETACHED_NAMESPACE, include_dashboard=False, log_to_driver=False,
+    ray.init(address=address, namespace=DETACHED_NAMESPACE, include_dashboard=False, log_to_driver=log_to_driver,
              configure_logging=False)
     return False
 
@@ -81,7 +85,7 @@ def start_server(config: ServerConfig) -> RunningServer:
     security = ServerSecurity.from_config(config)
     teardown = contextlib.ExitStack()  # undone in reverse: by stop(), or at once if starting fails
     try:
-        if _init_ray(config.ray_address):
+        if _init_ray(config.ray_address, log_to_driver=config.log_level is not None):
             teardown.callback(ray.shutdown)
         pool = None
         if config.precond_workers > 0:
@@ -112,6 +116,11 @@ def start_server(config: ServerConfig) -> RunningServer:
             log.warning("event=sessions_restored count=%d lost=%d", len(restored), len(coordinator.lost_sessions()))
         watch = ShardWatch(fleet, coordinator).start()  # stopped before the fleet (teardown runs in reverse)
         teardown.callback(watch.stop)
+        if config.session_idle_s is not None:
+            from optserve.server.leases import SessionLeases
+
+            leases = SessionLeases(coordinator, config.session_idle_s).start()
+            teardown.callback(leases.stop)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads),
                              options=contract.SERVER_OPTIONS + server_options(config.limits),
                              interceptors=security.interceptors(open_services=Health.OPEN_SERVICES))
@@ -146,7 +155,7 @@ def start_server(config: ServerConfig) -> RunningServer:
     except BaseException:
         teardown.close()
         raise
-    log.info("optserve listening on %s with shards %s", address, fleet.addresses)
+    log_event(log, logging.INFO, "server_started", address=address, shards=",".join(fleet.addresses))
     if config.durability is None:
         log.warning("sessions are not durable: a shard process that dies loses the sessions it holds "
                     "(they answer DATA_LOSS), and a server restart loses every session (see --checkpoint-dir)")

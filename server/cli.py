@@ -46,6 +46,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--staged-push-ttl-s", type=float, default=60.0,
                        help="a push staged without auto-commit (the two-phase path) and not committed within this "
                             "many seconds is dropped and its buffers freed")
+    serve.add_argument("--session-idle-s", type=float, default=None,
+                       help="close a session no client pushed to or pulled from for this many seconds "
+                            "(default: never)")
+    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                       help="log one key=value line per session event, refusal and server error at this "
+                            "level and above, on stderr (default: info)")
     limits = serve.add_argument_group("limits", "exceeding one is RESOURCE_EXHAUSTED naming it (sizes in bytes)")
     limits.add_argument("--max-session-bytes", type=int, default=None,
                         help="parameter bytes of one session (default: 1/8 of this machine's memory)")
@@ -113,11 +119,15 @@ def serve(args: argparse.Namespace) -> int:
             tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens, insecure=args.insecure,
             metrics_port=args.metrics_port, metrics_host=args.metrics_host, drain_s=args.drain_s,
             health_port=args.health_port, staged_push_ttl_s=args.staged_push_ttl_s, limits=limits,
+            session_idle_s=args.session_idle_s, log_level=args.log_level,
             durability=None if args.checkpoint_dir is None else DurabilityConfig(
                 args.checkpoint_dir, every_steps=args.checkpoint_every_steps, every_s=args.checkpoint_every_s,
                 max_log_bytes=args.max_log_bytes, fsync=FsyncPolicy(args.fsync),
                 fsync_every_steps=args.fsync_every_steps),
         )
+        from optserve.server.logs import configure_logging
+
+        configure_logging(config.log_level)
         running = start_server(config)
     except InvalidArgument as exc:
         print(f"optserve serve: {exc}", file=sys.stderr)

@@ -53,6 +53,10 @@ class ShardActor:
         from optserve.server.wire.shard_servicer import add_to_server
 
         retain_freed_memory()  # received chunks reuse freed memory instead of page-faulting fresh pages
+        if config.log_level is not None:
+            from optserve.server.logs import configure_logging
+
+            configure_logging(config.log_level)
         self._index = index
         self._config = config
         self._precond_pool = precond_pool.for_shard(index) if precond_pool is not None else None
@@ -189,6 +193,7 @@ class ShardActor:
     def close_session(self, name: str, reason: str = "") -> bool:
         """Drops the session's part on this shard; with a ``reason`` (the session was lost), calls
         still waiting in it fail with SessionLost(``reason``) instead of waiting out their timeouts."""
+        from optserve.protos.heap import release_free_memory
         from optserve.server.domain.errors import SessionLost
 
         session = self._registry.find(name)
@@ -199,12 +204,21 @@ class ShardActor:
             session.close_store()
         removed = self._registry.remove(name)
         self._metrics.forget(name)
+        if removed:  # its buffers are free: give their pages back now (the heap would keep up to 1 GiB of them)
+            release_free_memory()
         return removed
 
     def internal_trust(self):
         """The internal endpoints' secret and TLS identity this shard was started with (a
         re-attaching coordinator gives the same to the shards it starts)."""
         return self._security.internal
+
+    def compile_stats(self) -> dict:
+        """This process's XLA compilations and shared compiled updates
+        (:func:`~optserve.server.compute.updater.compile_stats`)."""
+        from optserve.server.compute.updater import compile_stats
+
+        return compile_stats()
 
     def pid(self) -> int:
         """The shard's process id (operators and fault tests kill it)."""
@@ -222,6 +236,10 @@ class ShardActor:
         """The series the session's home shard keeps (``(accepted, refused)`` records)."""
         series = self._registry.get(name).series
         return series.snapshot() if series is not None else ([], [])
+
+    def session_activity(self) -> dict:
+        """Session name -> its last activity on this shard (unix seconds)."""
+        return self._registry.activity()
 
     def metrics(self) -> list:
         """This shard's metric families (prometheus ``Metric`` objects), read now."""
@@ -342,6 +360,14 @@ class RayShardFleet:
 
     def session_series(self, name: str, shard_index: int):
         return _ray_get(self.actors[shard_index].session_series.remote(name))
+
+    def session_activity(self) -> dict[str, float]:
+        """Session -> its latest activity on the shards that answer within 5 s (unix seconds)."""
+        latest: dict[str, float] = {}
+        for report in self.shard_reports("session_activity", timeout_s=5.0):
+            for name, when in (report or {}).items():
+                latest[name] = max(when, latest.get(name, 0.0))
+        return latest
 
     def shard_summaries(self) -> list[ShardSummary]:
         reports = self.shard_reports("server_status", timeout_s=5.0)

@@ -79,3 +79,58 @@ def test_more_clients_than_shard_threads_all_step_because_crowded_streams_end(fe
         owner.close_session(unique_name)
         for c in clients + [owner]:
             c.close()
+
+
+def test_idle_open_streams_never_stop_a_new_client_from_stepping(few_thread_server, unique_name):
+    # The shard has 4 threads (2 for open PushPull calls). Three SDK clients step once and keep
+    # their calls open (idle 600 s), and six raw calls open and never send a thing: together they
+    # would hold every thread until their deadlines (minutes). The shard ends idle calls past 2,
+    # so a new client creates and steps its own session within seconds, and the idle clients step
+    # again on new calls, each step applied once.
+    import threading
+
+    import grpc
+
+    from optserve.protos.optserve.v1 import data_pb2_grpc
+
+    params = make_params()
+    idle_clients = [Client(few_thread_server.address, timeout=30.0, stream_idle_s=600.0) for _ in range(3)]
+    owner = idle_clients[0]
+    owner.create_session(unique_name, params, optimizer=OPTIMIZER, mode="async")
+    sessions = [c.session(unique_name) for c in idle_clients]
+    for index, session in enumerate(sessions):
+        session.push_pull(make_grads(params, 0, seed=index + 2))
+    never = threading.Event()
+
+    def silent():
+        never.wait()
+        yield from ()
+
+    channel = grpc.insecure_channel(few_thread_server.shard_addresses[0])
+    raw_calls = [data_pb2_grpc.ShardDataStub(channel).PushPull(silent(), timeout=300) for _ in range(6)]
+    newcomer = Client(few_thread_server.address, timeout=15.0)
+    try:
+        time.sleep(1.0)  # every open call is idle by now
+        started = time.monotonic()
+        session = newcomer.create_session(f"{unique_name}-new", params, optimizer=OPTIMIZER)
+        reference = InProcess(OPTIMIZER["name"], OPTIMIZER["args"], params)
+        for step in range(3):
+            result = session.push_pull(make_grads(params, step))
+            np.testing.assert_allclose(result["dense/w"], reference.step(make_grads(params, step))["dense/w"],
+                                       rtol=0, atol=1e-6)
+        assert time.monotonic() - started < 10.0
+        session.close()
+        for index, idle in enumerate(sessions):  # their calls were ended while idle: they reopen
+            idle.push_pull(make_grads(params, 1, seed=index + 2))
+        status = sessions[0].status()
+        assert status.steps_applied == 6 and status.pushes_accepted == 6
+    finally:
+        never.set()
+        for call in raw_calls:
+            call.cancel()
+        channel.close()
+        for session in sessions[1:]:
+            session.detach()
+        owner.close_session(unique_name)
+        for c in idle_clients + [newcomer]:
+            c.close()

@@ -6,13 +6,130 @@ the optimizer needs a cross-shard sum. Shampoo sessions whose roots are offloade
 :class:`~optserve.server.compute.root_offload.ShardPreconditioners` right before and after it.
 The updater knows nothing of versions, tickets or clients: the domain's shard session decides
 *what* to apply; this module applies it.
+
+Sessions share compiled updates: the jitted step, partial-statistic and init functions live in
+one process-wide cache (:data:`COMPILED`) keyed by the optimizer (name and canonical options,
+after :func:`~optserve.server.compute.root_offload.build_shard_optimizer` decided where roots
+are computed) and the shard's tensor structure (names, shapes, dtypes). A kernel built twice from
+the same name and options is the same pure function, so the second session with the same key
+reuses the first one's compiled executables: its first step costs a dispatch, not a compile. The
+first session of a key compiles its step when it is initialized (ahead of time, for the shapes
+the step will see), so even its first step is a dispatch.
+Options that are not plain JSON (a callable passed in process) make the key None: that session
+compiles its own.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+import collections
+import dataclasses
+import json
+import threading
+from typing import Any, Callable, Hashable, Mapping, Optional
 
 import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledUpdate:
+    """The jitted functions of one (optimizer, tensor structure): ``step(params, state, grads,
+    scale, global_stat) -> (params, state)`` (donates params and state), ``partial(grads, state,
+    params) -> scalar`` (None without a cross-shard statistic) and ``init(params) -> state``."""
+
+    step: Callable
+    partial: Optional[Callable]
+    init: Callable
+    compiled: threading.Event = dataclasses.field(default_factory=threading.Event, compare=False)  # see Updater
+    compiling: threading.Lock = dataclasses.field(default_factory=threading.Lock, compare=False)
+
+
+class CompiledUpdates:
+    """A process-wide, bounded (least recently used) cache of :class:`CompiledUpdate` by key.
+
+    ``hits`` / ``misses`` count lookups (a miss builds new jitted functions, which compile on
+    their first call). Thread-safe.
+    """
+
+    def __init__(self, capacity: int = 256):
+        self.capacity = capacity
+        self.hits = 0
+        self.misses = 0
+        self._entries: collections.OrderedDict[Hashable, CompiledUpdate] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Optional[Hashable], build: Callable[[], CompiledUpdate]) -> CompiledUpdate:
+        """The entry for ``key``, built by ``build()`` on a miss (``key`` None: built, not kept)."""
+        with self._lock:
+            entry = self._entries.get(key) if key is not None else None
+            if entry is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+                return entry
+            self.misses += 1
+        entry = build()
+        if key is not None:
+            with self._lock:
+                entry = self._entries.setdefault(key, entry)  # a concurrent miss may have built one first
+                self._entries.move_to_end(key)
+                while len(self._entries) > self.capacity:
+                    self._entries.popitem(last=False)
+        return entry
+
+    def stats(self) -> dict[str, int]:
+        """``{"entries", "hits", "misses"}`` now."""
+        with self._lock:
+            return {"entries": len(self._entries), "hits": self.hits, "misses": self.misses}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+COMPILED = CompiledUpdates()
+
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per XLA compilation
+_compiles = 0
+_listening = False
+_listen_lock = threading.Lock()
+
+
+def count_compiles() -> None:
+    """Starts counting this process's XLA compilations (idempotent; see :func:`compile_stats`)."""
+    global _listening
+    import jax
+
+    with _listen_lock:
+        if _listening:
+            return
+        _listening = True
+
+    def listener(event: str, duration_s: float, **_) -> None:
+        global _compiles
+        if event == _BACKEND_COMPILE_EVENT:
+            _compiles += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+
+
+def compile_stats() -> dict[str, int]:
+    """``{"compiles"}``: XLA compilations in this process since :func:`count_compiles` (every
+    jitted function, not only updates), plus :data:`COMPILED`'s ``entries`` / ``hits`` / ``misses``."""
+    return {"compiles": _compiles, **COMPILED.stats()}
+
+
+def update_key(optimizer, offloaded: bool, params: Mapping[str, Any]) -> Optional[tuple]:
+    """The cache key of ``optimizer`` over ``params`` (name -> array), or None if its options are
+    not plain JSON (then no two sessions can be shown to run the same function).
+
+    ``offloaded``: Shampoo's roots come from the workers (the state the step sees is then fed
+    by the preconditioner object; its options already differ, keyed anyway for clarity).
+    """
+    try:
+        args = json.dumps(optimizer.args, sort_keys=True, allow_nan=True)
+    except (TypeError, ValueError):
+        return None
+    structure = tuple((name, tuple(np.shape(params[name])), str(_dtype(params[name]))) for name in sorted(params))
+    return optimizer.name, args, bool(offloaded), structure
 
 
 class Updater:
@@ -28,15 +145,25 @@ class Updater:
     def __init__(self, optimizer, preconditioners=None, param_specs: Optional[Mapping[str, tuple]] = None):
         import jax
 
+        count_compiles()
         self.optimizer = optimizer
         self.preconditioners = preconditioners
         self._param_specs = dict(param_specs or {})
         self.device = jax.devices()[0]
         self.params: Optional[dict[str, Any]] = None
         self.opt_state: Any = None
-        self._step_fn, self._partial_fn = self._compile()
+        self._compiled: Optional[CompiledUpdate] = None
 
-    def _compile(self):
+    def _functions(self, params: Optional[Mapping[str, Any]] = None) -> CompiledUpdate:
+        """The jitted functions for this optimizer over the structure of ``params`` (default: the
+        current parameters), from :data:`COMPILED`; looked up once per updater."""
+        if self._compiled is None:
+            params = self.params if params is None else params
+            key = update_key(self.optimizer, getattr(self.preconditioners, "offloaded", False), params)
+            self._compiled = COMPILED.get(key, self._build)
+        return self._compiled
+
+    def _build(self) -> CompiledUpdate:
         import jax
         import optax
 
@@ -57,7 +184,7 @@ class Updater:
         if partial is not None:
             partial_fn = jax.jit(lambda grads, state, params: partial(
                 jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), state, params))
-        return step_fn, partial_fn
+        return CompiledUpdate(step_fn, partial_fn, jax.jit(tx.init))
 
     @property
     def initialized(self) -> bool:
@@ -68,8 +195,40 @@ class Updater:
         import jax
 
         params = {name: jax.device_put(value, self.device) for name, value in values.items()}
-        self.opt_state = jax.jit(self.optimizer.transformation.init)(params)
-        self.params = params
+        functions = self._functions(params)
+        if functions.compiled.is_set():
+            self.opt_state = functions.init(params)
+            self.params = params
+            return
+        with functions.compiling:  # sessions created at once wait for one compilation, not each do their own
+            self.opt_state = functions.init(params)
+            self.params = params
+            if not functions.compiled.is_set():
+                self._compile_ahead(functions)
+
+    def _compile_ahead(self, functions: CompiledUpdate) -> None:
+        """Compiles the step (and partial statistic) for this session's shapes now, so its first
+        :meth:`apply` is a dispatch (jit's cache keeps the result). Best effort: if it fails, the
+        first step compiles as it would have."""
+        import jax
+
+        sharding = jax.sharding.SingleDeviceSharding(self.device)
+        grads = {name: jax.ShapeDtypeStruct(p.shape, np.float32, sharding=sharding) for name, p in self.params.items()}
+        scalar = jax.ShapeDtypeStruct((), np.float32)
+        params, state = self.params, self.opt_state
+        try:
+            # twice: for the state init made, then for the state a step makes (its leaves' types can
+            # differ, e.g. weakly typed counters), which every later step sees
+            for _ in range(2):
+                functions.step.lower(params, state, grads, scalar, scalar).compile()
+                if functions.partial is not None:
+                    functions.partial.lower(grads, state, params).compile()
+                params, state = jax.tree.map(
+                    lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type, sharding=sharding),
+                    jax.eval_shape(functions.step, params, state, grads, scalar, scalar))
+        except Exception:  # noqa: BLE001 - an optimization only
+            return
+        functions.compiled.set()
 
     def abstract_state(self) -> dict:
         """``{"params", "opt_state"}`` as ``jax.ShapeDtypeStruct`` trees (what a checkpoint restores into)."""
@@ -98,12 +257,13 @@ class Updater:
         # may_alias: on CPU the jitted step reads the pooled host buffers directly (no copy); they
         # return to the pool only after the step completed (block_until_ready below).
         grads = {name: jax.device_put(g, self.device, may_alias=True) for name, g in grads.items()}
+        functions = self._functions()
         global_stat = np.float32(0.0)
-        if self._partial_fn is not None:
-            global_stat = np.float32(reduce(float(self._partial_fn(grads, self.opt_state, self.params))))
+        if functions.partial is not None:
+            global_stat = np.float32(reduce(float(functions.partial(grads, self.opt_state, self.params))))
         if self.preconditioners is not None:  # installs roots that arrived; waits past the age bound
             self.opt_state = self.preconditioners.before_update(self.opt_state, grads, self.params)
-        self.params, self.opt_state = self._step_fn(self.params, self.opt_state, grads, np.float32(scale), global_stat)
+        self.params, self.opt_state = functions.step(self.params, self.opt_state, grads, np.float32(scale), global_stat)
         jax.block_until_ready(self.params)
         if self.preconditioners is not None:  # sends the statistics for new roots, without waiting
             self.opt_state = self.preconditioners.after_update(self.opt_state)
@@ -120,6 +280,10 @@ class Updater:
         """Host views of the parameters (no copy on CPU). Drop them before the next :meth:`apply`:
         a view that is still alive stops the update from donating (reusing) its buffer."""
         return {name: np.asarray(p) for name, p in self.params.items()}
+
+
+def _dtype(value):
+    return value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
 
 
 def _tree_bytes(tree) -> int:

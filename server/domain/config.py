@@ -296,6 +296,10 @@ class ServerConfig:
       durability: checkpoints, step logs and recovery
         (:class:`~optserve.server.domain.durability.DurabilityConfig`; None: sessions are not durable).
       limits: bounds on requests, sessions and tenants (:class:`Limits`).
+      log_level: "debug", "info", "warning" or "error": the server's processes (coordinator and
+        shards) log at this level to stderr (None: the host program configures logging).
+      session_idle_s: a session's idle lease: one that no client pushed to, committed on, pulled
+        from or initialized for this many seconds is closed (None: sessions never expire).
     """
 
     host: str = "127.0.0.1"
@@ -323,6 +327,8 @@ class ServerConfig:
     health_port: Optional[int] = None
     durability: Optional[DurabilityConfig] = None
     limits: Limits = dataclasses.field(default_factory=Limits)
+    session_idle_s: Optional[float] = None
+    log_level: Optional[str] = None
 
     def __post_init__(self):
         if self.shards < 1:
@@ -343,6 +349,10 @@ class ServerConfig:
             raise InvalidArgument(f"--health-port must be in [0, 65535], got {self.health_port}")
         if not self.staged_push_ttl_s > 0:
             raise InvalidArgument(f"--staged-push-ttl-s must be > 0, got {self.staged_push_ttl_s}")
+        if self.log_level is not None and self.log_level not in ("debug", "info", "warning", "error"):
+            raise InvalidArgument(f"--log-level must be one of debug, info, warning, error, got {self.log_level!r}")
+        if self.session_idle_s is not None and not self.session_idle_s > 0:
+            raise InvalidArgument(f"--session-idle-s must be > 0, got {self.session_idle_s}")
         if self.drain_s < 0:
             raise InvalidArgument(f"--drain-s must be >= 0, got {self.drain_s}")
         if bool(self.tls_cert) != bool(self.tls_key):

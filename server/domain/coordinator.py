@@ -21,6 +21,12 @@ at creation. A dead shard is replaced and its part of every session restored fro
 and step log (:meth:`Coordinator.shard_down`, then :meth:`Coordinator.shard_restarted`); a
 restarted server restores every saved session (:meth:`Coordinator.restore_all`). A session whose
 part cannot be restored (a damaged checkpoint) is lost, with the reason.
+
+Idle sessions: with a lease (:meth:`Coordinator.expire_idle`), a session no client pushed to,
+committed on, pulled from or initialized for that long is closed, as its owner would close it.
+
+Every session event is one log line (:mod:`~optserve.server.domain.events`):
+``event=session_created``, ``session_closed``, ``session_expired``, ``session_lost``.
 """
 
 from __future__ import annotations
@@ -28,12 +34,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Optional, Protocol, Sequence
+import time
+from typing import Mapping, Optional, Protocol, Sequence
 
 from optserve.server.domain.clock import ClockStatus
 from optserve.server.domain.config import Limits, Mode, PreconditionerOptions, SessionConfig, estimated_shard_bytes
 from optserve.server.domain.errors import (AlreadyExists, FailedPrecondition, NotFound, OptservError,
                                            PermissionDenied, SessionLost)
+from optserve.server.domain.events import log_event
 from optserve.server.domain.placement import place_tensors
 from optserve.server.domain.shard_session import ShardSessionStatus
 
@@ -135,6 +143,12 @@ class SessionStatus:
     clock: ClockStatus
     shards: tuple[ShardSessionStatus, ...]  # in assignment order
 
+    @property
+    def last_activity_unix_s(self) -> float:
+        """When a client last used the session: a push decided, or a push, commit, pull or
+        init on any of its shards (unix seconds)."""
+        return max([self.clock.last_activity_unix_s] + [s.last_activity_unix_s for s in self.shards])
+
 
 @dataclasses.dataclass(frozen=True)
 class ShardSummary:
@@ -166,6 +180,8 @@ class ShardFleet(Protocol):
     def shard_summaries(self) -> list[ShardSummary]: ...  # every shard, answering or not
 
     def session_series(self, name: str, shard_index: int): ...  # (accepted, refused) of the home shard
+
+    def session_activity(self) -> Mapping[str, float]: ...  # session -> latest activity on any shard (unix s)
 
     # durable servers only
     def restore_session(self, opening: ShardOpening) -> int: ...  # opens + restores one shard's part;
@@ -269,7 +285,11 @@ class Coordinator:
             with self._lock:
                 self._sessions[config.name] = record
                 self._estimated[config.name] = estimated
-            return record
+        log_event(log, logging.INFO, "session_created", session=config.name, optimizer=config.optimizer_name,
+                  mode=config.mode.name.lower(), tensors=len(config.tensors),
+                  shards=",".join(str(a.shard_index) for a in assignments),
+                  param_bytes=sum(a.param_bytes for a in assignments))
+        return record
 
     def _check_budget_locked(self, name: str, estimated: dict[int, int], num_shards: int) -> None:
         """Raises ResourceExhausted if ``estimated`` bytes would take a shard past its budget."""
@@ -430,8 +450,42 @@ class Coordinator:
                     lost[name] = (f"session {name!r} is lost: shard {shard_index} ({address}), which held part of "
                                   f"it, died ({cause}) and the server keeps no copy of its state; close the "
                                   f"session and create it again")
+        for name in lost:
+            log_event(log, logging.ERROR, "session_lost", session=name, shard=shard_index, cause=cause)
         self._mark_lost(lost)
         return sorted(lost)
+
+    def expire_idle(self, idle_s: float, now: Optional[float] = None) -> list[str]:
+        """Closes every session idle longer than ``idle_s`` seconds at unix time ``now`` (default:
+        now) and returns their names. A session's activity is the latest one any of its shards
+        saw (:meth:`ShardFleet.session_activity`); a session no shard reported on is kept."""
+        activity = self._fleet.session_activity()
+        now = time.time() if now is None else now
+        expired = []
+        with self._lock:
+            for name in list(self._sessions):
+                last = activity.get(name)
+                if last is not None and now - last > idle_s:
+                    del self._sessions[name]
+                    self._lost.pop(name, None)
+                    self._closing.add(name)
+                    expired.append((name, now - last))
+        for name, idle in expired:
+            log_event(log, logging.INFO, "session_expired", session=name, idle_s=f"{idle:.1f}",
+                      session_idle_s=f"{idle_s:g}")
+            self._drop(name)
+        return [name for name, _ in expired]
+
+    def _drop(self, name: str) -> None:
+        """Closes a session already taken out of ``_sessions`` (its name is in ``_closing``) on
+        its shards and in the catalog; the name is free again after."""
+        try:
+            self._fleet.close_session(name)
+            if self._catalog is not None:
+                self._catalog.remove(name)
+        finally:
+            with self._lock:
+                self._closing.discard(name)
 
     def lost_sessions(self) -> dict[str, str]:
         """Lost session -> why (operators' view)."""
@@ -472,13 +526,8 @@ class Coordinator:
             self._estimated.pop(name, None)
             self._lost.pop(name, None)
             self._closing.add(name)
-        try:
-            self._fleet.close_session(name)
-            if self._catalog is not None:
-                self._catalog.remove(name)
-        finally:
-            with self._lock:
-                self._closing.discard(name)
+        self._drop(name)
+        log_event(log, logging.INFO, "session_closed", session=name)
 
     def status(self, name: str, tenant: str = "") -> SessionStatus:
         record = self._usable(name, tenant)

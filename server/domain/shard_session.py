@@ -112,6 +112,8 @@ class ShardSessionStatus:
       node_id: the Ray node the shard runs on (set by the shard actor).
       state_bytes: bytes of the optimizer state this shard holds for the session.
       durability: durable sessions: checkpoint and log status on this shard (else None).
+      last_activity_unix_s: when a client last pushed, committed, pulled or sent initial values
+        on this shard (else when the session was opened here).
     """
 
     version: int
@@ -123,6 +125,7 @@ class ShardSessionStatus:
     node_id: str = ""
     state_bytes: int = 0
     durability: Optional[DurabilityStatus] = None
+    last_activity_unix_s: float = 0.0
 
 
 class StepObserver:
@@ -229,6 +232,11 @@ class ShardSession:
         self._step_clients: list[str] = []  # sync: clients whose pushes the open step holds here
         self._step_tickets: list[tuple[int, str, int]] = []  # sync: (ordinal, client, sequence) of those pushes
         self._store = store
+        self.last_activity_unix_s = time.time()  # a client's last push, commit, pull or init here (see touch)
+
+    def touch(self) -> None:
+        """A client used the session on this shard now (its idle lease starts again)."""
+        self.last_activity_unix_s = time.time()
 
     # ----------------------------------------------------------------- initial values
     @property
@@ -238,6 +246,7 @@ class ShardSession:
     def initialize(self, chunks: Iterable, client_id: str = "") -> int:
         """Installs the initial parameters from ``chunks`` (once), sent by client ``client_id``;
         returns the version (0). Only the session's creator may send them."""
+        self.touch()
         if self.creator and client_id != self.creator:
             raise PermissionDenied(f"session {self.config.name!r}: only the client that created it may send "
                                    f"its initial values")
@@ -291,6 +300,7 @@ class ShardSession:
             step's Timeout names how many of num_workers pushes arrived, and from which clients).
         """
         until = self._wait_until(wait_s)
+        self.touch()
         self._expire_staged()
         try:
             already_applied = self._receive(header, chunks, complete)
@@ -314,6 +324,7 @@ class ShardSession:
             expired: not committed within ``staged_push_ttl_s``; the message says so).
         """
         until = self._wait_until(wait_s)
+        self.touch()
         self._expire_staged()
         key = (client_id, sequence)
         with self._staged_lock:
@@ -645,6 +656,7 @@ class ShardSession:
     # ----------------------------------------------------------------- reading
     def snapshot(self) -> tuple[int, dict[str, np.ndarray]]:
         """The current version and host views of the parameters (consistent with each other)."""
+        self.touch()
         with self._cond:
             self._require_initialized()
             return self.version, self.updater.host_params()
@@ -657,7 +669,7 @@ class ShardSession:
             version=self.version, initialized=self.initialized, rejected=dict(self._rejected),
             device=str(self.updater.device), clock=self._clock.status(),
             preconditioners=preconditioners.status() if preconditioners is not None else None,
-            state_bytes=self.updater.state_bytes(),
+            state_bytes=self.updater.state_bytes(), last_activity_unix_s=self.last_activity_unix_s,
             durability=self._durability_status())
 
 
@@ -701,3 +713,8 @@ class ShardRegistry:
     def sessions(self) -> list[ShardSession]:
         with self._lock:
             return list(self._sessions.values())
+
+    def activity(self) -> dict[str, float]:
+        """Session name -> its last activity on this shard (unix seconds, see ``ShardSession.touch``)."""
+        with self._lock:
+            return {name: session.last_activity_unix_s for name, session in self._sessions.items()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import grpc
@@ -16,6 +17,8 @@ from optserve.server.wire.security import TokenTable
 
 class ControlServicer(control_pb2_grpc.ControlServicer):
     """Control on the coordinator. ``tokens``: the server's tenant tokens (None: no tenants)."""
+
+    refusal_log_level = logging.INFO  # a refused create / attach / close is one INFO line (wire.errors)
 
     def __init__(self, coordinator: Coordinator, tokens: Optional[TokenTable] = None):
         self._coordinator = coordinator

@@ -150,7 +150,7 @@ def status_to_proto(status: SessionStatus) -> control_pb2.GetStatusResponse:
         pushes_accepted=status.clock.accepted,
         staleness_p50=status.clock.staleness_p50,
         staleness_max=status.clock.staleness_max,
-        last_activity_unix_s=status.clock.last_activity_unix_s,
+        last_activity_unix_s=status.last_activity_unix_s,
         rejected=[control_pb2.RejectCount(reason=r.value, count=c)
                   for r, c in sorted(rejected.items(), key=lambda item: item[0].value)],
         shards=[

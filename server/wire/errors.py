@@ -23,6 +23,7 @@ import grpc
 
 from optserve.protos import contract
 from optserve.server.domain import errors
+from optserve.server.domain.events import log_event
 
 log = logging.getLogger(__name__)
 
@@ -107,17 +108,21 @@ def _bounded(message: str) -> str:
     return f"{message[:MAX_DETAILS_CHARS - 40]} ... [{cut} characters cut]"
 
 
-def _abort(context: grpc.ServicerContext, exc: BaseException):
+def _abort(context: grpc.ServicerContext, exc: BaseException, rpc: str = "", refusal_level: int = logging.DEBUG):
+    """Ends the RPC with the exception's status. One log line: a server fault (INTERNAL) as
+    ``event=server_error`` at ERROR with its traceback; a refusal as ``event=rpc_refused`` at
+    ``refusal_level`` (the servicer's; the shards log refused pushes themselves)."""
     if not context.is_active():  # the client went away: nobody to tell
         log.debug("RPC ended by the client: %s", exc)
         return
     inner = errors.unwrap(exc)
     code = status_code_for(inner)
     if code is grpc.StatusCode.INTERNAL:
-        log.exception("internal error in RPC", exc_info=exc)
+        log_event(log, logging.ERROR, "server_error", rpc=rpc, error=type(inner).__name__, exc_info=exc)
         message = f"internal error: {type(inner).__name__}: {inner}"
     else:
         message = str(inner)
+        log_event(log, refusal_level, "rpc_refused", rpc=rpc, code=code.name, message=message)
     if isinstance(inner, errors.Stale):
         context.set_trailing_metadata(((contract.CURRENT_VERSION_KEY, str(inner.current_version)),))
     elif isinstance(inner, errors.PeerRefused):
@@ -136,7 +141,7 @@ def grpc_errors(method):
             except Exception as exc:  # noqa: BLE001 - mapped to a status, never swallowed
                 if isinstance(exc, grpc.RpcError) and context.code() is not None:
                     raise
-                _abort(context, exc)
+                _abort(context, exc, _rpc_name(self, method), getattr(self, "refusal_log_level", logging.DEBUG))
 
         return stream_wrapper
 
@@ -147,6 +152,11 @@ def grpc_errors(method):
         except Exception as exc:  # noqa: BLE001
             if isinstance(exc, grpc.RpcError) and context.code() is not None:
                 raise
-            _abort(context, exc)
+            _abort(context, exc, _rpc_name(self, method), getattr(self, "refusal_log_level", logging.DEBUG))
 
     return wrapper
+
+
+def _rpc_name(servicer, method) -> str:
+    """``Service/Method`` for log lines (the servicer class without its ``Servicer`` suffix)."""
+    return f"{type(servicer).__name__.removesuffix('Servicer')}/{method.__name__}"

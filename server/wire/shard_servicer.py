@@ -16,6 +16,7 @@ Step framings on ``PushPull`` (repeated until the client ends the call):
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Iterator, Optional
@@ -31,6 +32,8 @@ from optserve.server.domain.shard_session import PushHeader, Receipt, ShardRegis
 from optserve.server.domain.telemetry import Telemetry
 from optserve.server.wire.errors import grpc_errors, safe_decoder
 from optserve.server.wire.security import TokenTable
+
+_log = logging.getLogger(__name__)
 
 
 def _first(requests: Iterator, field: str, what: str):
@@ -78,39 +81,109 @@ def _push_response(receipt: Receipt) -> data_pb2.PushResponse:
                                  committed=receipt.committed, staleness=receipt.staleness)
 
 
-class _StreamCount:
-    """Open PushPull calls; each holds a server thread for as long as it stays open."""
+class _OpenStream:
+    """One open PushPull call: ``idle_since`` (monotonic) while it waits for a step's first
+    message, None while a step runs; ``served``: a step ran on it; ``evicted`` once
+    :class:`_OpenStreams` ended it."""
 
-    def __init__(self, limit: int):
+    __slots__ = ("context", "idle_since", "served", "evicted")
+
+    def __init__(self, context):
+        self.context = context
+        self.idle_since: Optional[float] = time.monotonic()
+        self.served = False
+        self.evicted = False
+
+
+class _OpenStreams:
+    """The open PushPull calls; each holds a server thread for as long as it stays open.
+
+    Past ``limit`` open calls the table is *crowded*: a call ends after its current step
+    (``StepDone.stream_closing``), and calls that wait idle for their next step are ended at once,
+    the longest idle first, down to ``limit`` (the client reopens: a reused call that ended before
+    its step started is retried). A sweeper thread (while any call is open) does this every
+    ``period_s``, so a crowd of idle calls cannot hold the threads a new client needs. A call
+    idle for less than ``min_idle_s`` is left alone (its step's first message is on its way), and
+    a new call that has not served a step yet for less than ``new_idle_s`` (the SDK opens a call
+    with its step's messages, so only a call that sends nothing waits that long).
+    """
+
+    def __init__(self, limit: int, min_idle_s: float = 0.5, new_idle_s: float = 3.0, period_s: float = 0.25):
         self.limit = limit
-        self._open = 0
+        self._min_idle_s = min_idle_s
+        self._new_idle_s = new_idle_s
+        self._period_s = period_s
+        self._open: set[_OpenStream] = set()
         self._lock = threading.Lock()
+        self._sweeping = False
+        self.evictions = 0
 
-    def __enter__(self):
+    def open(self, context) -> _OpenStream:
+        stream = _OpenStream(context)
         with self._lock:
-            self._open += 1
-        return self
+            self._open.add(stream)
+            start = not self._sweeping
+            self._sweeping = True
+        if start:
+            threading.Thread(target=self._sweep, name="optserve-stream-sweeper", daemon=True).start()
+        return stream
 
-    def __exit__(self, *exc):
+    def close(self, stream: _OpenStream) -> None:
         with self._lock:
-            self._open -= 1
+            self._open.discard(stream)
+
+    def idle(self, stream: _OpenStream) -> None:
+        """The call waits for its next step's first message."""
+        with self._lock:
+            stream.idle_since = time.monotonic()
+
+    def busy(self, stream: _OpenStream) -> bool:
+        """A step's first message arrived; False if the call was ended meanwhile (drop the step:
+        the client hears CANCELLED before any answer, and retries it on a new call)."""
+        with self._lock:
+            stream.idle_since = None
+            stream.served = True
+            return not stream.evicted
 
     def crowded(self) -> bool:
-        return self._open > self.limit
+        return len(self._open) > self.limit
+
+    def _sweep(self) -> None:
+        while True:
+            time.sleep(self._period_s)
+            with self._lock:
+                if not self._open:
+                    self._sweeping = False
+                    return
+                now = time.monotonic()
+                idle = sorted((s for s in self._open if s.idle_since is not None and not s.evicted
+                               and now - s.idle_since >= (self._min_idle_s if s.served else self._new_idle_s)),
+                              key=lambda s: s.idle_since)
+                excess = len(self._open) - sum(s.evicted for s in self._open) - self.limit
+                ended = [(stream, now - stream.idle_since) for stream in idle[:max(0, excess)]]
+                for stream, _ in ended:
+                    stream.evicted = True
+                self.evictions += len(ended)
+                count = len(self._open)
+            for stream, idle_s in ended:
+                _log.info("event=stream_ended reason=idle_while_crowded peer=%s idle_s=%.1f open=%d limit=%d",
+                          stream.context.peer(), idle_s, count, self.limit)
+                stream.context.cancel()
 
 
 class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
     """ShardData on one shard actor (serve it with :func:`add_to_server`).
 
     ``max_open_streams``: PushPull calls past this many end after their current step
-    (``StepDone.stream_closing``), so idle streams never take all the server's threads.
+    (``StepDone.stream_closing``) and idle ones end at once (:class:`_OpenStreams`), so open
+    streams never take all the server's threads.
     ``tokens``: the server's tenant tokens (None: no tenants); a call reaches only its tenant's
     sessions (the interceptor already refused calls without a valid token).
     """
 
     def __init__(self, registry: ShardRegistry, max_open_streams: int = 16, tokens: Optional[TokenTable] = None):
         self._registry = registry
-        self._streams = _StreamCount(max_open_streams)
+        self._streams = _OpenStreams(max_open_streams)
         self._tokens = tokens
 
     def _session(self, name: str, context) -> ShardSession:
@@ -163,13 +236,17 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
     def PushPull(self, request_iterator, context):
         """Steps in any of the module's framings until the client ends the call (or the shard,
         when crowded, after a step's ``done``)."""
-        with self._streams:
+        stream = self._streams.open(context)
+        try:
             while True:
                 try:
                     first = next(request_iterator, None)
-                except grpc.RpcError:  # the client closed the call after its last step
+                except grpc.RpcError:  # the client closed the call after its last step (or it was ended idle)
                     return
                 if first is None:
+                    return
+                if not self._streams.busy(stream):  # ended idle just now: the client hears CANCELLED
+                    context.cancel()  # (not OK without `done`) and retries the step, which never ran here
                     return
                 kind = first.WhichOneof("item")
                 started = time.perf_counter()
@@ -183,6 +260,9 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
                     raise InvalidArgument("PushPull: each step must start with `header` or `step`")
                 if closing is not False:  # True: crowded, the client reopens; None: the call ended mid-step
                     return
+                self._streams.idle(stream)
+        finally:
+            self._streams.close(stream)
 
     # ------------------------------------------------------------- framings
     def _one_message_step(self, step: data_pb2.PushPullStep, context, started: float):

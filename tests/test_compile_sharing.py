@@ -1,0 +1,135 @@
+"""Sessions with the same tensor structure and optimizer share one compiled update.
+
+Compilations are counted with JAX's own monitoring events (one per XLA compilation), in this
+process for the updater and in the shard actor's process for a real server.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from optserve.client import Client
+from optserve.optim_kernels import build_optimizer
+from optserve.server.compute import updater as updater_module
+from optserve.server.compute.updater import Updater, compile_stats
+
+from _service_helpers import InProcess, make_grads, make_params
+
+ADAFACTOR = {"name": "adafactor_hf", "args": {"lr": 1e-2, "scale_parameter": False, "relative_step": False}}
+T5X = {"name": "adafactor", "args": {"learning_rate": 1e-2, "clipping_threshold": 1.0}}  # a cross-shard statistic
+
+
+def _compiles() -> int:
+    return compile_stats()["compiles"]
+
+
+def _run(spec: dict, params: dict, steps: int) -> dict:
+    updater = Updater(build_optimizer(spec["name"], spec["args"]))
+    updater.initialize(params)
+    for step in range(steps):
+        updater.apply(make_grads(params, step), 1.0, lambda partial: partial)
+    return {name: np.array(value) for name, value in updater.host_params().items()}
+
+
+@pytest.mark.parametrize("spec", [ADAFACTOR, T5X], ids=lambda s: s["name"])
+def test_first_updater_compiles_when_initialized_so_its_first_step_compiles_nothing(spec):
+    params = make_params(seed=6, shapes={f"{spec['name']}/ahead/w": (5, 7)})
+    updater = Updater(build_optimizer(spec["name"], spec["args"]))
+    before = _compiles()
+    updater.initialize(params)
+    assert _compiles() - before >= 2, "init and step compiled at initialization"
+    before = _compiles()
+    updater.apply(make_grads(params, 0), 1.0, lambda partial: partial)
+    updater.apply(make_grads(params, 1), 1.0, lambda partial: partial)
+    assert _compiles() - before == 0
+    reference = InProcess(spec["name"], spec["args"], params)
+    reference.step(make_grads(params, 0))
+    expected = reference.step(make_grads(params, 1))
+    np.testing.assert_allclose(updater.host_params()[f"{spec['name']}/ahead/w"], expected[f"{spec['name']}/ahead/w"],
+                               rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec", [ADAFACTOR, T5X], ids=lambda s: s["name"])
+def test_second_updater_with_same_structure_and_optimizer_compiles_nothing(spec):
+    params = make_params(seed=3, shapes={f"{spec['name']}/sharing/w": (7, 5), "b": (5,)})
+    reference = InProcess(spec["name"], spec["args"], params)
+    expected = [reference.step(make_grads(params, step)) for step in range(3)][-1]
+    Updater(build_optimizer(spec["name"], spec["args"]))  # starts the counting
+    before = _compiles()
+    first = _run(spec, params, 3)
+    compiled = _compiles() - before
+    assert compiled >= 2, "the first updater compiles its init and step"
+    before = _compiles()
+    second = _run(spec, params, 3)
+    assert _compiles() - before == 0, "the second updater reused the first one's compiled update"
+    for result in (first, second):
+        for name in params:
+            np.testing.assert_allclose(result[name], expected[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_other_options_or_shapes_get_their_own_compiled_update():
+    params = make_params(seed=4, shapes={"options/w": (6, 3)})
+    other_lr = {"name": "adafactor_hf", "args": dict(ADAFACTOR["args"], lr=5e-2)}
+    _run(ADAFACTOR, params, 1)
+    results = {}
+    for label, spec, p in [("lr", other_lr, params), ("shape", ADAFACTOR, make_params(seed=4, shapes={"options/w": (6, 4)}))]:
+        before = _compiles()
+        results[label] = _run(spec, p, 2)
+        assert _compiles() - before >= 2, label
+    expected = InProcess(other_lr["name"], other_lr["args"], params)
+    expected.step(make_grads(params, 0))
+    np.testing.assert_allclose(results["lr"]["options/w"], expected.step(make_grads(params, 1))["options/w"],
+                               rtol=0, atol=1e-6)
+
+
+def test_compiled_updates_are_bounded():
+    cache = updater_module.CompiledUpdates(capacity=2)
+    built = []
+    for key in ["a", "b", "a", "c", "b"]:
+        cache.get(key, lambda: built.append(key) or updater_module.CompiledUpdate(len, None, len))
+    assert built == ["a", "b", "c", "b"]  # "b" was the least recently used when "c" came
+    assert cache.stats() == {"entries": 2, "hits": 1, "misses": 4}
+
+
+@pytest.fixture(scope="module")
+def one_shard_server(ray_local):
+    """One shard, so every session of a structure lands on the same process."""
+    from optserve.server.app import start_server
+    from optserve.server.domain.config import ServerConfig
+
+    running = start_server(ServerConfig(host="127.0.0.1", port=0, shards=1))
+    yield running
+    running.stop()
+
+
+def _shard_compiles(server) -> dict:
+    import ray
+
+    return ray.get(server.fleet.actors[0].compile_stats.remote())
+
+
+@pytest.mark.parametrize("spec", [ADAFACTOR, T5X], ids=lambda s: s["name"])
+def test_new_session_with_same_structure_steps_without_compiling_on_the_shard(one_shard_server, unique_name, spec):
+    client = Client(one_shard_server.address)
+    params = make_params(seed=5, shapes={f"{unique_name}/w": (9, 4), "b": (4,)})  # a structure no other test has
+    reference = InProcess(spec["name"], spec["args"], params)
+    expected = [reference.step(make_grads(params, step)) for step in range(3)]
+    at_create, in_steps, trajectories = [], [], []
+    try:
+        for index in range(2):
+            before = _shard_compiles(one_shard_server)["compiles"]
+            session = client.create_session(f"{unique_name}-{index}", params, optimizer=spec)
+            created = _shard_compiles(one_shard_server)["compiles"]
+            trajectories.append([session.push_pull(make_grads(params, step)) for step in range(3)])
+            at_create.append(created - before)
+            in_steps.append(_shard_compiles(one_shard_server)["compiles"] - created)
+            session.close()
+        # the first session compiles when it is created (ahead of its first step); the second never
+        assert at_create[0] >= 2 and at_create[1] == 0 and in_steps == [0, 0], (at_create, in_steps)
+        for step in range(3):
+            for name in params:  # the shared executable gives the second session the first one's bits
+                np.testing.assert_array_equal(trajectories[1][step][name], trajectories[0][step][name], err_msg=name)
+                np.testing.assert_allclose(trajectories[1][step][name], expected[step][name], rtol=0, atol=1e-6)
+    finally:
+        client.close()

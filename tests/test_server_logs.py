@@ -1,0 +1,137 @@
+"""Logs: one ``key=value`` line per session event, refusal and server error, at ``--log-level``;
+never a tensor's values, never a token."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from optserve.client import Client
+from optserve.client.errors import AlreadyExistsError, InvalidArgumentError
+
+OPTIMIZER = {"name": "sgd", "args": {"learning_rate": 0.5}}
+MARKER = 1234.5678  # a parameter value that must never reach a log line
+
+
+def _params():
+    return {"w": np.full((3, 2), MARKER, np.float32), "b": np.zeros(2, np.float32)}
+
+
+@pytest.fixture
+def captured():
+    """The ``optserve`` logger configured as ``--log-level`` does, into a buffer (restored after)."""
+    from optserve.server import logs
+
+    logger = logging.getLogger("optserve")
+    level, handlers = logger.level, list(logger.handlers)
+    buffer = io.StringIO()
+
+    def configure(name: str) -> io.StringIO:
+        buffer.seek(0)
+        buffer.truncate()
+        logs.configure_logging(name, stream=buffer)
+        return buffer
+
+    yield configure
+    for handler in list(logger.handlers):
+        if handler not in handlers:
+            logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def _events(text: str) -> list[dict]:
+    """Each log line's ``key=value`` fields."""
+    out = []
+    for line in text.splitlines():
+        fields = dict(part.split("=", 1) for part in shlex.split(line[line.find("ts="):]) if "=" in part)
+        if "event" in fields:
+            out.append(fields)
+    return out
+
+
+def test_session_events_and_refusals_are_one_key_value_line_each_at_info(server, unique_name, captured):
+    buffer = captured("info")
+    client = Client(server.address)
+    session = client.create_session(unique_name, _params(), optimizer=OPTIMIZER)
+    with pytest.raises(AlreadyExistsError):
+        client.create_session(unique_name, _params(), optimizer=OPTIMIZER)
+    with pytest.raises(InvalidArgumentError):
+        client.create_session(f"{unique_name}-bad", _params(), optimizer={"name": "sgd", "args": {"lr_typo": 1}})
+    session.push_pull({"w": np.ones((3, 2), np.float32), "b": np.ones(2, np.float32)})
+    session.close()
+    client.close()
+    text = buffer.getvalue()
+    events = _events(text)
+    kinds = [e["event"] for e in events]
+    assert kinds == ["session_created", "rpc_refused", "rpc_refused", "session_closed"], text
+    created, exists, invalid, _ = events
+    assert created["session"] == unique_name and created["optimizer"] == "sgd" and created["tensors"] == "2"
+    assert created["level"] == "INFO" and created["logger"] == "optserve.server.domain.coordinator"
+    assert exists["code"] == "ALREADY_EXISTS" and exists["rpc"] == "Control/CreateSession"
+    assert invalid["code"] == "INVALID_ARGUMENT" and "lr_typo" in invalid["message"]
+    assert str(MARKER) not in text and "1234.56" not in text
+
+
+def test_log_level_warning_leaves_out_session_events(server, unique_name, captured):
+    buffer = captured("warning")
+    client = Client(server.address)
+    client.create_session(unique_name, _params(), optimizer=OPTIMIZER).close()
+    client.close()
+    assert "event=session_created" not in buffer.getvalue() and "event=session_closed" not in buffer.getvalue()
+
+
+def test_serve_logs_session_events_and_refused_pushes_on_stderr_without_tokens_or_values(tmp_path, unique_name):
+    token = "s3cr3t-token-never-logged"
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text(f"{token} team-a\n")
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
+    env.pop("RAY_ADDRESS", None)
+    stderr = open(tmp_path / "stderr.txt", "w+")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "optserve.server.cli", "serve", "--port", "0", "--shards", "1",
+         "--auth-tokens", str(tokens), "--log-level", "info"],
+        stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, start_new_session=True)
+    try:
+        address, deadline = None, time.monotonic() + 180
+        while address is None and time.monotonic() < deadline:
+            line = process.stdout.readline()
+            if not line:
+                break
+            if line.startswith("optserve listening on "):
+                address = line.split()[-1]
+        assert address, open(tmp_path / "stderr.txt").read()[-3000:]
+        with Client(address, token=token, timeout=60) as client:
+            session = client.create_session(unique_name, _params(), optimizer=OPTIMIZER)
+            with pytest.raises(InvalidArgumentError):
+                session.push_pull({"w": np.full((3, 2), np.nan, np.float32), "b": np.ones(2, np.float32)})
+            session.push_pull({"w": np.ones((3, 2), np.float32), "b": np.ones(2, np.float32)})
+            session.close()
+        with Client(address, token="wrong-token", timeout=10) as intruder:
+            with pytest.raises(Exception):
+                intruder.list_sessions()
+        deadline = time.monotonic() + 20  # the shard's lines reach the server's stderr through Ray
+        while "event=push_refused" not in open(tmp_path / "stderr.txt").read() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        process.stdout.close()
+    text = open(tmp_path / "stderr.txt").read()
+    events = {e["event"]: e for e in _events(text)}
+    assert {"server_started", "session_created", "push_refused", "session_closed"} <= set(events), text[-3000:]
+    assert events["push_refused"]["reason"] == "NONFINITE" and events["push_refused"]["session"] == unique_name
+    assert token not in text and "wrong-token" not in text
+    assert str(MARKER) not in text and "1234.56" not in text
+    assert "Traceback" not in text
