@@ -166,6 +166,12 @@ class ShardActor:
     def _sessions_named(self, names: Sequence[str]) -> list:
         return [s for s in map(self._registry.find, names) if s is not None]
 
+    def checkpoint_session(self, name: str) -> bool:
+        """A checkpoint of the session's part here if it has steps since its last one, written
+        before this returns (the session is about to be unloaded)."""
+        session = self._registry.find(name)
+        return bool(session is not None and session.checkpoint_now())
+
     def checkpoint_all(self) -> int:
         """Durable servers, at shutdown: a checkpoint of every session with steps since its last
         one, written before this returns; returns how many were written."""
@@ -315,6 +321,11 @@ class RayShardFleet:
         self.actors[index] = actor
         self.addresses[index], self.clock_addresses[index] = address, clock_address
         return address
+
+    def unload_session(self, name: str) -> None:
+        """A final checkpoint of the session on every shard, then they free it (durable servers)."""
+        _ray_get([a.checkpoint_session.remote(name) for a in self.actors])
+        self.close_session(name)
 
     def restore_session(self, opening: ShardOpening) -> int:
         return _ray_get(self.actors[opening.shard_index].open_session.remote(opening, True))

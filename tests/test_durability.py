@@ -267,3 +267,37 @@ def test_a_push_in_flight_during_a_shard_kill_applies_exactly_once(durable_serve
     second.detach()
     first_client.close()
     second_client.close()
+
+
+def test_a_durable_session_idle_past_its_lease_is_unloaded_and_comes_back_on_its_next_step(ray_local, tmp_path,
+                                                                                            unique_name):
+    """``--session-idle-s`` on a durable server: an idle session is checkpointed and freed on its
+    shards but stays listed; the same client's next step loads it back and trains on exactly."""
+    from optserve.server.app import start_server
+    from optserve.server.domain.config import ServerConfig
+    from optserve.server.domain.durability import DurabilityConfig
+
+    server = start_server(ServerConfig(host="127.0.0.1", port=0, shards=2, min_shard_bytes=0, session_idle_s=1.5,
+                                       durability=DurabilityConfig(str(tmp_path))))
+    try:
+        client = Client(server.address, timeout=90.0)
+        params = make_params(9)
+        reference = InProcess(OPTIMIZER["name"], OPTIMIZER["args"], params)
+        session = client.create_session(unique_name, params, optimizer=OPTIMIZER)
+        for step in range(3):
+            grads = make_grads(params, step)
+            got, expected = session.push_pull(grads), reference.step(grads)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and sum(s.sessions for s in client.server_status()) > 0:
+            time.sleep(0.25)
+        assert sum(s.sessions for s in client.server_status()) == 0  # freed on every shard
+        assert client.list_sessions() == [unique_name]  # but still the caller's session
+        for step in range(3, 6):
+            grads = make_grads(params, step)
+            got, expected = session.push_pull(grads), reference.step(grads)
+        assert max_abs_diff(got, expected) <= 1e-6
+        assert session.status().version == 6
+        session.close()
+        client.close()
+    finally:
+        server.stop()

@@ -193,6 +193,8 @@ class ShardFleet(Protocol):
 
     def set_home_clock(self, shard_index: int, name: str, address: str) -> None: ...
 
+    def unload_session(self, name: str) -> None: ...  # checkpoint, then free it on every shard
+
     def recovered(self, shard_index: int) -> None: ...  # the shard answers for unknown sessions again
 
 
@@ -231,6 +233,7 @@ class Coordinator:
         self._estimated: dict[str, dict[int, int]] = {}  # session -> shard -> estimated bytes (budget)
         self._closing: set[str] = set()  # names whose shards are still closing: not yet reusable
         self._lost: dict[str, str] = {}  # lost session -> why (see the module docstring)
+        self._unloaded: set[str] = set()  # durable sessions unloaded when idle (see expire_idle)
         self._lock = threading.Lock()
         self._membership = threading.Lock()
 
@@ -401,7 +404,7 @@ class Coordinator:
         out: dict[int, list[str]] = {}
         with self._lock:
             for name, record in self._sessions.items():
-                if name not in self._lost and record.on_shard(shard_index):
+                if name not in self._lost and name not in self._unloaded and record.on_shard(shard_index):
                     out.setdefault(record.assignments[0].shard_index, []).append(name)
         return out
 
@@ -429,9 +432,14 @@ class Coordinator:
         return record
 
     def _usable(self, name: str, tenant: str) -> SessionRecord:
-        """The session, if ``tenant`` owns it; raises SessionLost if it is lost."""
+        """The session, if ``tenant`` owns it (loaded back first if it was unloaded when idle);
+        raises SessionLost if it is lost."""
         with self._lock:
             record = self._owned_locked(name, tenant)
+            unloaded = name in self._unloaded
+        if unloaded:
+            self._reload(name)
+        with self._lock:
             why = self._lost.get(name)
         if why is not None:
             raise SessionLost(why)
@@ -446,7 +454,7 @@ class Coordinator:
         with self._membership, self._lock:
             lost = {}
             for name, record in self._sessions.items():
-                if name not in self._lost and record.on_shard(shard_index):
+                if name not in self._lost and name not in self._unloaded and record.on_shard(shard_index):
                     lost[name] = (f"session {name!r} is lost: shard {shard_index} ({address}), which held part of "
                                   f"it, died ({cause}) and the server keeps no copy of its state; close the "
                                   f"session and create it again")
@@ -456,25 +464,65 @@ class Coordinator:
         return sorted(lost)
 
     def expire_idle(self, idle_s: float, now: Optional[float] = None) -> list[str]:
-        """Closes every session idle longer than ``idle_s`` seconds at unix time ``now`` (default:
+        """Ends every session idle longer than ``idle_s`` seconds at unix time ``now`` (default:
         now) and returns their names. A session's activity is the latest one any of its shards
-        saw (:meth:`ShardFleet.session_activity`); a session no shard reported on is kept."""
+        saw (:meth:`ShardFleet.session_activity`); a session no shard reported on is kept.
+
+        Without durability an expired session is closed. A durable one is checkpointed and
+        *unloaded*: its shards free it, it stays listed and on disk, and the next call naming it
+        (attach, status, or a push whose shard no longer knows it) loads it back from its checkpoint.
+        """
         activity = self._fleet.session_activity()
         now = time.time() if now is None else now
         expired = []
         with self._lock:
             for name in list(self._sessions):
                 last = activity.get(name)
-                if last is not None and now - last > idle_s:
-                    del self._sessions[name]
-                    self._lost.pop(name, None)
-                    self._closing.add(name)
+                if last is not None and now - last > idle_s and name not in self._unloaded:
+                    if self._catalog is None:
+                        del self._sessions[name]
+                        self._lost.pop(name, None)
+                        self._closing.add(name)
                     expired.append((name, now - last))
         for name, idle in expired:
             log_event(log, logging.INFO, "session_expired", session=name, idle_s=f"{idle:.1f}",
-                      session_idle_s=f"{idle_s:g}")
-            self._drop(name)
+                      session_idle_s=f"{idle_s:g}", unloaded=self._catalog is not None)
+            if self._catalog is None:
+                self._drop(name)
+            else:
+                self._unload(name)
         return [name for name, _ in expired]
+
+    def _unload(self, name: str) -> None:
+        """Durable servers: a final checkpoint of the session, then its shards free it (its
+        catalog entry, checkpoint and log stay); :meth:`_usable` loads it back on demand."""
+        with self._membership:
+            with self._lock:
+                if name not in self._sessions or name in self._lost:
+                    return
+                self._unloaded.add(name)
+            self._fleet.unload_session(name)
+
+    def _reload(self, name: str) -> None:
+        """Loads an unloaded durable session back onto its shards (its checkpoint and step log)."""
+        with self._membership:
+            with self._lock:
+                record = self._sessions.get(name)
+                if name not in self._unloaded or record is None:
+                    return  # loaded meanwhile, or closed
+            why = None
+            for opening in self._openings(record):
+                try:
+                    self._fleet.restore_session(opening)
+                except OptservError as exc:
+                    why = str(exc) if isinstance(exc, SessionLost) else (
+                        f"session {name!r} could not be loaded back on shard {opening.shard_index}: {exc}")
+                    break
+            with self._lock:
+                self._unloaded.discard(name)
+            if why is not None:
+                self._mark_lost({name: why})
+            log_event(log, logging.INFO, "session_reloaded", session=name, lost=why is not None)
 
     def _drop(self, name: str) -> None:
         """Closes a session already taken out of ``_sessions`` (its name is in ``_closing``) on
@@ -525,6 +573,7 @@ class Coordinator:
             del self._sessions[name]
             self._estimated.pop(name, None)
             self._lost.pop(name, None)
+            self._unloaded.discard(name)
             self._closing.add(name)
         self._drop(name)
         log_event(log, logging.INFO, "session_closed", session=name)
