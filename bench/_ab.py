@@ -16,6 +16,17 @@ from bench._timing import print_table
 from bench.service import OPTIMIZER, _model, interleaved_seconds, latency_ms
 
 
+def parse_arguments(description: str, argv=None):
+    """The A/B benchmarks' flags: ``--small``, ``--shards``, ``--repeats``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--small", action="store_true", help="4 x 512 x 512 instead of 6 x 4096 x 4096")
+    parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    return parser.parse_args(argv)
+
+
 def compare(title: str, variants: Mapping[str, tuple[Mapping[str, Any], Mapping[str, Any]]], *, small: bool,
             shards: int, repeats: int) -> str:
     """``variants``: name -> (ServerConfig keyword arguments, Client keyword arguments); the first

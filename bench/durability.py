@@ -16,7 +16,6 @@ shard holding the session's clock SIGKILLed; the time from the kill until the sa
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
@@ -25,7 +24,7 @@ import time
 
 import numpy as np
 
-from bench._ab import compare
+from bench._ab import compare, parse_arguments
 from bench._timing import print_table
 from bench.service import OPTIMIZER, _model
 
@@ -83,11 +82,7 @@ def recovery(small: bool, shards: int, checkpoint_dir: str) -> list:
 
 
 def main(argv=None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", action="store_true", help="4 x 512 x 512 instead of 6 x 4096 x 4096")
-    parser.add_argument("--shards", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
-    args = parser.parse_args(argv)
+    args = parse_arguments(__doc__.splitlines()[0], argv)
     from optserve.server.domain.durability import DurabilityConfig
 
     root = tempfile.mkdtemp(prefix="optserve-bench-durability-")

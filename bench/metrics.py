@@ -9,17 +9,12 @@ the other serves /metrics (every push, pull and update is recorded); nothing scr
 
 from __future__ import annotations
 
-import argparse
 
-from bench._ab import compare
+from bench._ab import compare, parse_arguments
 
 
 def main(argv=None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", action="store_true", help="4 x 512 x 512 instead of 6 x 4096 x 4096")
-    parser.add_argument("--shards", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
-    args = parser.parse_args(argv)
+    args = parse_arguments(__doc__.splitlines()[0], argv)
     return compare("bench.metrics", {"metrics off": ({}, {}), "metrics on": ({"metrics_port": 0}, {})},
                    small=args.small, shards=args.shards, repeats=args.repeats)
 

@@ -9,21 +9,16 @@ on every call (a certificate made for the run).
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 from pathlib import Path
 
-from bench._ab import compare
+from bench._ab import compare, parse_arguments
 
 TOKEN = "bench-token"
 
 
 def main(argv=None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", action="store_true", help="4 x 512 x 512 instead of 6 x 4096 x 4096")
-    parser.add_argument("--shards", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
-    args = parser.parse_args(argv)
+    args = parse_arguments(__doc__.splitlines()[0], argv)
     from optserve.server.wire.security import self_signed
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -355,16 +355,8 @@ class RayShardFleet:
 
     def close_session(self, name: str, reason: str = "") -> None:
         """On every shard that answers; a dead shard holds nothing any more."""
-        import ray
-        from ray.exceptions import RayActorError
-
         for ref in [a.close_session.remote(name, reason) for a in self.actors]:
-            try:
-                ray.get(ref)
-            except RayActorError:
-                pass
-            except Exception as exc:  # re-raise the domain error inside a RayTaskError
-                raise unwrap(exc) from None
+            _tell(ref)
 
     def session_status(self, name: str, shard_indices: Sequence[int]) -> list[ShardSessionStatus]:
         return _ray_get([self.actors[i].session_status.remote(name) for i in shard_indices])
@@ -418,8 +410,8 @@ def _bind(add_port, port: int) -> int:
 
 
 def _tell(ref) -> None:
-    """Waits for a notice to a shard; a shard that died meanwhile misses it (it restores its sessions
-    when it is restarted, and hears of its peers then)."""
+    """Waits for a notice to a shard; a shard that died meanwhile misses it (it holds nothing any
+    more: a durable one restores its sessions when it is restarted, and hears of its peers then)."""
     import ray
     from ray.exceptions import RayActorError
 
