@@ -67,6 +67,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="nesting of a session's optimizer arguments (deeper: INVALID_ARGUMENT)")
     limits.add_argument("--max-json-bytes", type=int, default=1 << 20, help="size of a session's optimizer arguments")
     limits.add_argument("--max-sessions-per-tenant", type=int, default=1024, help="open sessions of one tenant")
+    limits.add_argument("--max-staged-bytes", type=int, default=None,
+                        help="gradient bytes one session may hold received but not yet applied on a shard "
+                             "(default: 1/8 of this machine's memory)")
+    limits.add_argument("--max-streams-per-tenant", type=int, default=256,
+                        help="PushPull calls one tenant may hold open on a shard")
     durable = serve.add_argument_group("durability (sessions survive process crashes and restarts)")
     durable.add_argument("--checkpoint-dir", default=None,
                          help="folder for checkpoints and step logs: turns durability on (a restart with the same "

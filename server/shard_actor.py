@@ -69,7 +69,7 @@ class ShardActor:
         self._health = Health(self._server, ("optserve.v1.ShardData",))
         # half the threads at most for open PushPull streams, the rest for everything else
         add_to_server(self._registry, self._server, max_open_streams=max(1, config.grpc_threads // 2),
-                      tokens=security.tokens)
+                      tokens=security.tokens, max_streams_per_tenant=config.limits.max_streams_per_tenant)
         host = config.data_host
         port = _bind(lambda p: security.add_port(self._server, f"{host}:{p}"), ports[0])
         self._server.start()
@@ -132,7 +132,7 @@ class ShardActor:
                                Updater(optimizer, preconditioners, specs), self._config.step_timeout_s,
                                self._config.vote_timeout_s, owner=opening.owner, creator=opening.creator,
                                observer=self._observer(config.name),
-                               staged_push_ttl_s=self._config.staged_push_ttl_s)
+                               staged_push_ttl_s=self._config.staged_push_ttl_s, limits=self._config.limits)
         if store is not None:
             try:
                 if restore:

@@ -134,3 +134,45 @@ def test_idle_open_streams_never_stop_a_new_client_from_stepping(few_thread_serv
         owner.close_session(unique_name)
         for c in idle_clients + [newcomer]:
             c.close()
+
+
+def test_a_tenant_past_max_streams_per_tenant_is_refused_a_new_stream_naming_the_limit(ray_local, unique_name):
+    import threading
+
+    import grpc
+
+    from optserve.client import ResourceExhaustedError
+    from optserve.protos.optserve.v1 import data_pb2_grpc
+    from optserve.server.app import start_server
+    from optserve.server.domain.config import Limits, ServerConfig
+
+    server = start_server(ServerConfig(host="127.0.0.1", port=0, shards=1, min_shard_bytes=0,
+                                       limits=Limits(max_streams_per_tenant=2)))
+    never = threading.Event()
+
+    def silent():
+        never.wait()
+        yield from ()
+
+    channel = grpc.insecure_channel(server.shard_addresses[0])
+    held = [data_pb2_grpc.ShardDataStub(channel).PushPull(silent(), timeout=60) for _ in range(2)]
+    client = Client(server.address, timeout=30.0)
+    try:
+        time.sleep(0.5)  # both calls are open on the shard
+        params = make_params()
+        session = client.create_session(unique_name, params, optimizer=OPTIMIZER)
+        with pytest.raises(ResourceExhaustedError, match=r"max_streams_per_tenant=2 \(server flag "
+                                                         r"--max-streams-per-tenant\)"):
+            session.push_pull(make_grads(params, 0))
+        never.set()
+        for call in held:
+            call.cancel()
+        time.sleep(0.5)
+        session.push_pull(make_grads(params, 0))  # the tenant's calls ended: room again
+        assert session.status().steps_applied == 1
+        session.close()
+    finally:
+        never.set()
+        channel.close()
+        client.close()
+        server.stop()

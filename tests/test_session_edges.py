@@ -111,7 +111,7 @@ def test_staged_push_never_committed_expires_and_its_commit_is_not_found_naming_
 
 
 # ------------------------------------------------------------------ in process: one shard session
-def _local_session(name="edge", ttl_s=60.0, num_workers=1):
+def _local_session(name="edge", ttl_s=60.0, num_workers=1, limits=None):
     """A one-shard session as the shard actor builds it: LocalClock, Updater, SGD; initialized to ones."""
     from optserve.server.compute.root_offload import build_shard_optimizer
     from optserve.server.compute.updater import Updater
@@ -123,7 +123,7 @@ def _local_session(name="edge", ttl_s=60.0, num_workers=1):
                            optimizer_args={"learning_rate": 0.5}, num_workers=num_workers)
     optimizer, preconditioners = build_shard_optimizer("sgd", config.optimizer_args, {"w": (4,)}, None)
     session = ShardSession(config, ["w"], 0, LocalClock(config), Updater(optimizer, preconditioners),
-                           step_timeout_s=5.0, vote_timeout_s=5.0, staged_push_ttl_s=ttl_s)
+                           step_timeout_s=5.0, vote_timeout_s=5.0, staged_push_ttl_s=ttl_s, limits=limits)
     session.initialize([_chunk("w", np.ones(4, np.float32))])
     return session
 
@@ -180,3 +180,18 @@ def test_staged_push_ttl_must_be_positive():
 
     with pytest.raises(InvalidArgument, match="--staged-push-ttl-s must be > 0"):
         ServerConfig(staged_push_ttl_s=0)
+
+
+def test_staged_pushes_past_max_staged_bytes_are_refused_before_allocating_naming_the_limit():
+    from optserve.server.domain.config import Limits
+    from optserve.server.domain.errors import RejectReason, ResourceExhausted
+
+    session = _local_session(limits=Limits(max_staged_bytes=2 * 16))  # two pushes of one float32[4] each
+    for sequence in (1, 2):
+        session.push(_header("stager", sequence, 0, auto_commit=False), [_chunk("w", np.full(4, 1.0, np.float32))])
+    with pytest.raises(ResourceExhausted, match=r"max_staged_bytes=32 \(server flag --max-staged-bytes\)"):
+        session.push(_header("stager", 3, 0, auto_commit=False), [_chunk("w", np.full(4, 1.0, np.float32))])
+    assert session.status().rejected[RejectReason.ABORTED] == 1
+    assert session.abort("stager", 1)  # room again
+    session.push(_header("stager", 3, 0, auto_commit=False), [_chunk("w", np.full(4, 1.0, np.float32))])
+    assert session.commit("stager", 3).version == 1

@@ -224,6 +224,10 @@ class Limits:
       max_json_depth: nesting depth of a session's optimizer arguments (JSON).
       max_json_bytes: size of a session's optimizer arguments (JSON).
       max_sessions_per_tenant: open sessions one tenant (the one tenant "" without tokens) may hold.
+      max_staged_bytes: gradient bytes one session may hold staged (received, not yet applied) on
+        a shard (default: 1/8 of this machine's memory); a push past it is refused before its
+        buffers are allocated.
+      max_streams_per_tenant: PushPull calls one tenant may hold open on a shard at once.
     """
 
     max_session_bytes: int = dataclasses.field(default_factory=lambda: machine_memory_bytes() // 8)
@@ -235,13 +239,16 @@ class Limits:
     max_json_depth: int = 32
     max_json_bytes: int = 1 << 20
     max_sessions_per_tenant: int = 1024
+    max_staged_bytes: int = dataclasses.field(default_factory=lambda: machine_memory_bytes() // 8)
+    max_streams_per_tenant: int = 256
 
     # the flag of each limit, for messages
     FLAGS = {"max_session_bytes": "--max-session-bytes", "shard_memory_bytes": "--shard-memory-bytes",
              "max_tensors": "--max-tensors", "max_tensor_name_bytes": "--max-tensor-name-bytes",
              "max_tensor_rank": "--max-tensor-rank", "max_metadata_bytes": "--max-metadata-bytes",
              "max_json_depth": "--max-json-depth", "max_json_bytes": "--max-json-bytes",
-             "max_sessions_per_tenant": "--max-sessions-per-tenant"}
+             "max_sessions_per_tenant": "--max-sessions-per-tenant", "max_staged_bytes": "--max-staged-bytes",
+             "max_streams_per_tenant": "--max-streams-per-tenant"}
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

@@ -34,7 +34,7 @@ from optserve.server.compute.buffers import BufferPool, aligned_empty
 from optserve.server.compute.updater import Updater
 from optserve.server.domain.assembly import TensorAssembler
 from optserve.server.domain.clock import ClockStatus, Ticket
-from optserve.server.domain.config import Mode, SessionConfig, TensorSpec
+from optserve.server.domain.config import Limits, Mode, SessionConfig, TensorSpec
 from optserve.server.domain.durability import DurabilityStatus, SessionStore, ShardProgress, StepRecord
 from optserve.server.domain.telemetry import SessionSeries, Telemetry
 from optserve.server.domain.errors import (Cancelled, FailedPrecondition, InvalidArgument, NonFinite, NotFound,
@@ -194,12 +194,13 @@ class ShardSession:
       creator: the creating client's identity; only it may send the initial values ("": anyone).
       observer: where the session reports what it does (metrics).
       store: durable sessions: where steps are logged and checkpoints written (None: not durable).
+      limits: the server's limits (``max_staged_bytes`` bounds this session's staged pushes here).
     """
 
     def __init__(self, config: SessionConfig, tensor_names: list[str], shard_index: int, clock, updater: Updater,
                  step_timeout_s: float = 300.0, vote_timeout_s: float = 30.0, owner: str = "", creator: str = "",
                  observer: StepObserver = StepObserver(), staged_push_ttl_s: float = 60.0,
-                 store: Optional[SessionStore] = None):
+                 store: Optional[SessionStore] = None, limits: Optional[Limits] = None):
         if not staged_push_ttl_s > 0:
             raise InvalidArgument(f"staged_push_ttl_s must be > 0, got {staged_push_ttl_s}")
         by_name = config.spec_by_name
@@ -232,6 +233,8 @@ class ShardSession:
         self._step_clients: list[str] = []  # sync: clients whose pushes the open step holds here
         self._step_tickets: list[tuple[int, str, int]] = []  # sync: (ordinal, client, sequence) of those pushes
         self._store = store
+        self._limits = limits or Limits()
+        self._push_bytes = sum(spec.size * 4 for spec in self.specs.values())  # one push's float32 buffers
         self.last_activity_unix_s = time.time()  # a client's last push, commit, pull or init here (see touch)
 
     def touch(self) -> None:
@@ -370,6 +373,13 @@ class ShardSession:
     def _receive(self, header: PushHeader, chunks: Iterable, complete: Callable[[], bool]) -> bool:
         """Assembles and stages the push; returns True if it had been applied (nothing staged)."""
         self._require_initialized()
+        with self._staged_lock:
+            staged = len(self._staged)
+        if (staged + 1) * self._push_bytes > self._limits.max_staged_bytes:
+            self._refuse(RejectReason.ABORTED, header.client_id, header.sequence, cause="max_staged_bytes")
+            raise self._limits.exceeded("max_staged_bytes", f"session {self.config.name!r} on shard "
+                                        f"{self.shard_index}: {staged} pushes staged and not yet applied, "
+                                        f"{self._push_bytes} bytes each")
         buffers = self._pool.acquire()
         assembler = TensorAssembler(self.specs, buffers, check_finite=not self.config.allow_nonfinite)
         try:

@@ -27,7 +27,7 @@ from optserve.protos import chunk_codec, contract
 from optserve.protos.optserve.v1 import data_pb2, data_pb2_grpc, tensor_pb2
 from optserve.server.domain.assembly import wire_dtype
 from optserve.server.domain.config import DType
-from optserve.server.domain.errors import Cancelled, InvalidArgument
+from optserve.server.domain.errors import Cancelled, InvalidArgument, ResourceExhausted
 from optserve.server.domain.shard_session import PushHeader, Receipt, ShardRegistry, ShardSession
 from optserve.server.domain.telemetry import Telemetry
 from optserve.server.wire.errors import grpc_errors, safe_decoder
@@ -86,10 +86,11 @@ class _OpenStream:
     message, None while a step runs; ``served``: a step ran on it; ``evicted`` once
     :class:`_OpenStreams` ended it."""
 
-    __slots__ = ("context", "idle_since", "served", "evicted")
+    __slots__ = ("context", "tenant", "idle_since", "served", "evicted")
 
-    def __init__(self, context):
+    def __init__(self, context, tenant: str = ""):
         self.context = context
+        self.tenant = tenant
         self.idle_since: Optional[float] = time.monotonic()
         self.served = False
         self.evicted = False
@@ -108,8 +109,10 @@ class _OpenStreams:
     with its step's messages, so only a call that sends nothing waits that long).
     """
 
-    def __init__(self, limit: int, min_idle_s: float = 0.5, new_idle_s: float = 3.0, period_s: float = 0.25):
+    def __init__(self, limit: int, min_idle_s: float = 0.5, new_idle_s: float = 3.0, period_s: float = 0.25,
+                 max_per_tenant: Optional[int] = None):
         self.limit = limit
+        self._max_per_tenant = max_per_tenant
         self._min_idle_s = min_idle_s
         self._new_idle_s = new_idle_s
         self._period_s = period_s
@@ -118,9 +121,19 @@ class _OpenStreams:
         self._sweeping = False
         self.evictions = 0
 
-    def open(self, context) -> _OpenStream:
-        stream = _OpenStream(context)
+    def open(self, context, tenant: str = "") -> _OpenStream:
+        """Registers a new call of ``tenant``.
+
+        Raises:
+          ResourceExhausted: the tenant already holds ``max_per_tenant`` open calls here.
+        """
+        stream = _OpenStream(context, tenant)
         with self._lock:
+            held = sum(1 for s in self._open if s.tenant == tenant)
+            if self._max_per_tenant is not None and held >= self._max_per_tenant:
+                raise ResourceExhausted(f"tenant {tenant!r}: {held + 1} open PushPull calls on this shard: over the "
+                                        f"limit max_streams_per_tenant={self._max_per_tenant} "
+                                        f"(server flag --max-streams-per-tenant)")
             self._open.add(stream)
             start = not self._sweeping
             self._sweeping = True
@@ -179,15 +192,21 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
     streams never take all the server's threads.
     ``tokens``: the server's tenant tokens (None: no tenants); a call reaches only its tenant's
     sessions (the interceptor already refused calls without a valid token).
+    ``max_streams_per_tenant``: PushPull calls one tenant may hold open here (None: no bound);
+    one more is RESOURCE_EXHAUSTED naming the limit.
     """
 
-    def __init__(self, registry: ShardRegistry, max_open_streams: int = 16, tokens: Optional[TokenTable] = None):
+    def __init__(self, registry: ShardRegistry, max_open_streams: int = 16, tokens: Optional[TokenTable] = None,
+                 max_streams_per_tenant: Optional[int] = None):
         self._registry = registry
-        self._streams = _OpenStreams(max_open_streams)
+        self._streams = _OpenStreams(max_open_streams, max_per_tenant=max_streams_per_tenant)
         self._tokens = tokens
 
+    def _tenant(self, context) -> str:
+        return self._tokens.tenant(context) if self._tokens is not None else ""
+
     def _session(self, name: str, context) -> ShardSession:
-        return self._registry.get(name, self._tokens.tenant(context) if self._tokens is not None else "")
+        return self._registry.get(name, self._tenant(context))
 
     @grpc_errors
     def InitTensors(self, request_iterator, context):
@@ -236,7 +255,7 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
     def PushPull(self, request_iterator, context):
         """Steps in any of the module's framings until the client ends the call (or the shard,
         when crowded, after a step's ``done``)."""
-        stream = self._streams.open(context)
+        stream = self._streams.open(context, self._tenant(context))
         try:
             while True:
                 try:
@@ -403,15 +422,16 @@ def _request_decoder(message_type):
 
 
 def add_to_server(registry: ShardRegistry, server: grpc.Server, max_open_streams: int = 16,
-                  tokens: Optional[TokenTable] = None) -> None:
+                  tokens: Optional[TokenTable] = None, max_streams_per_tenant: Optional[int] = None) -> None:
     """Serves ShardData for ``registry`` on ``server`` with the copy-saving chunk codecs.
 
     Same service name, methods and wire format as ``data_pb2_grpc.add_ShardDataServicer_to_server``;
     chunk requests are read in place and chunk responses serialized by hand
     (:mod:`optserve.protos.chunk_codec`), sparing protobuf's copies of every tensor byte.
-    ``max_open_streams`` and ``tokens``: see :class:`ShardDataServicer`.
+    ``max_open_streams``, ``tokens`` and ``max_streams_per_tenant``: see :class:`ShardDataServicer`.
     """
-    servicer = ShardDataServicer(registry, max_open_streams=max_open_streams, tokens=tokens)
+    servicer = ShardDataServicer(registry, max_open_streams=max_open_streams, tokens=tokens,
+                                 max_streams_per_tenant=max_streams_per_tenant)
     handlers = {
         "InitTensors": grpc.stream_unary_rpc_method_handler(
             servicer.InitTensors, request_deserializer=_request_decoder(data_pb2.InitTensorsRequest),
