@@ -14,6 +14,7 @@ is detached, closed or collected (or the process exits).
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from typing import Callable, Mapping, Optional, Sequence, Union
@@ -47,11 +48,12 @@ def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
 class ShardRegion:
     """One shard's data region for one session object: gradients in, parameters out."""
 
-    def __init__(self, shard_index: int, region_id: str, nonce: bytes, mapping, layout: shm.Layout):
+    def __init__(self, shard_index: int, region_id: str, nonce: bytes, mapping, fd: int, layout: shm.Layout):
         self.shard_index = shard_index
         self.region_id = region_id
         self._nonce = nonce
         self._mapping = mapping
+        self._fd = fd  # holds the shared lock that tells the shard this process uses the region
         self.lock = threading.Lock()  # one step at a time uses the region
         self.push = {slot.name: np.frombuffer(mapping, np.float32, slot.nbytes // 4, slot.offset).reshape(slot.shape)
                      for slot in layout.push}
@@ -102,6 +104,9 @@ class ShardRegion:
         self.push = {}
         self._reply = {}
         shm.close_quietly(self._mapping)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class _Calls:
@@ -148,7 +153,7 @@ def negotiate(channel: grpc.Channel, session: str, client_id: str, shard_index: 
         return None, f"the shard refused the nonce ({exc.code().name}: {exc.details()})"
     try:
         layout = shm.layout([(name, *specs[name]) for name in opened.tensor_names])
-        mapping = shm.open_existing(opened.name, layout.size) if layout.size == opened.size else None
+        mapping, fd = shm.open_existing(opened.name, layout.size, hold=True) if layout.size == opened.size else (None, -1)
     except (OSError, ValueError, KeyError) as exc:
         mapping, why = None, f"cannot map the data region ({exc})"
     else:
@@ -161,7 +166,7 @@ def negotiate(channel: grpc.Channel, session: str, client_id: str, shard_index: 
         except grpc.RpcError:
             pass
         return None, why
-    return ShardRegion(shard_index, opened.region, nonce, mapping, layout), ""
+    return ShardRegion(shard_index, opened.region, nonce, mapping, fd, layout), ""
 
 
 def _unlink_quietly(name: str) -> None:

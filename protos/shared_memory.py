@@ -23,6 +23,7 @@ reply part, one slot per tensor in the tensor's own dtype; every slot starts at 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import mmap
 import os
 import re
@@ -104,32 +105,56 @@ def layout(tensors: Sequence[tuple[str, int, Sequence[int]]]) -> Layout:
     return Layout(tuple(push), tuple(reply), max(ALIGN, _aligned(offset)))
 
 
-def create(size: int) -> tuple[str, mmap.mmap]:
+def create(size: int, keep_fd: bool = False):
     """Creates a region of ``size`` bytes (mode 0600, never an existing file); returns its name
-    and a read-write mapping. Raises OSError."""
+    and a read-write mapping (and its open descriptor with ``keep_fd``: see :func:`peer_alive`).
+    Raises OSError."""
     name = new_name()
     fd = os.open(_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, size)
-        return name, mmap.mmap(fd, size)
+        mapping = mmap.mmap(fd, size)
     except BaseException:
+        os.close(fd)
         unlink(name)
         raise
-    finally:
-        os.close(fd)
+    if keep_fd:
+        return name, mapping, fd
+    os.close(fd)
+    return name, mapping
 
 
-def open_existing(name: str, size: int, writable: bool = True) -> mmap.mmap:
-    """Maps region ``name``, which must hold exactly ``size`` bytes. Raises OSError (no such
-    region, no permission) or ValueError (another size, a foreign name)."""
+def open_existing(name: str, size: int, writable: bool = True, hold: bool = False):
+    """Maps region ``name``, which must hold exactly ``size`` bytes. With ``hold``, also takes
+    a shared lock on it and returns ``(mapping, fd)``: the lock says "this process still uses the
+    region" until the descriptor is closed or the process dies (:func:`peer_alive`).
+    Raises OSError (no such region, no permission) or ValueError (another size, a foreign name)."""
     fd = os.open(_path(name), (os.O_RDWR if writable else os.O_RDONLY) | getattr(os, "O_NOFOLLOW", 0))
     try:
         actual = os.fstat(fd).st_size
         if actual != size:
             raise ValueError(f"shared memory region {name!r} holds {actual} bytes, expected {size}")
-        return mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
-    finally:
+        mapping = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
+        if hold:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            return mapping, fd
+    except BaseException:
         os.close(fd)
+        raise
+    os.close(fd)
+    return mapping
+
+
+def peer_alive(fd: int) -> bool:
+    """Whether another process holds the region open with :func:`open_existing` ``hold`` (its
+    shared lock); False once that process closed it or died, SIGKILL included. Works across PID
+    namespaces: the lock belongs to the file, not to a process id."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
 
 
 def unlink(name: str) -> bool:

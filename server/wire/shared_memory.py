@@ -4,8 +4,9 @@ The contract (names, layout, OS calls) is :mod:`optserve.protos.shared_memory`. 
 every region it serves: it creates them, unlinks their names within ``NAME_TTL_S`` (the client
 unlinks them as soon as it has mapped them), and unmaps them when the session closes (its
 :class:`~optserve.server.domain.shard_session.ShardSession` is no longer the registry's), when
-the client closes them, or when they go unused for ``idle_s`` (the client went away). A reaper
-thread checks every ``sweep_s``.
+the client closes them, when the client process is gone (it holds a shared lock on the region
+while it lives: :func:`~optserve.protos.shared_memory.peer_alive`), or when they go unused for
+``idle_s``. A reaper thread checks every ``sweep_s``.
 
 A region is read only while serving a step message that names it with the right nonce; the
 gradients are read through the same :class:`~optserve.server.domain.assembly.TensorAssembler`
@@ -19,6 +20,7 @@ import dataclasses
 import hmac
 import logging
 import mmap
+import os
 import secrets
 import threading
 import time
@@ -50,7 +52,7 @@ class Region:
     """One client's data region of one session on this shard."""
 
     def __init__(self, session: ShardSession, client_id: str, nonce: bytes, name: str, mapping: mmap.mmap,
-                 layout: shm.Layout):
+                 fd: int, layout: shm.Layout):
         self.session = session
         self.client_id = client_id
         self.nonce = nonce
@@ -59,6 +61,8 @@ class Region:
         self.created = self.last_used = time.monotonic()
         self.name_unlinked = False
         self._mapping = mapping
+        self._fd = fd  # the client's shared lock on this file says it is alive (shm.peer_alive)
+        self.used = False
 
     def gradient_chunks(self) -> Iterator[chunk_codec.ChunkView]:
         """The push part as chunks (views into the region, read by the assembler once)."""
@@ -81,6 +85,15 @@ class Region:
             shm.unlink(self.name)
             self.name_unlinked = True
         shm.close_quietly(self._mapping)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def client_gone(self) -> bool:
+        """The client closed the region or died (it no longer holds its lock); asked only once
+        the client had time to take it (after its first step or ``NAME_TTL_S``)."""
+        settled = self.used or time.monotonic() - self.created > shm.NAME_TTL_S
+        return settled and self._fd >= 0 and not shm.peer_alive(self._fd)
 
 
 class RegionTable:
@@ -131,8 +144,8 @@ class RegionTable:
         if not hmac.compare_digest(offer.nonce, bytes(nonce)):
             raise PermissionDenied("shared memory nonce does not match the offer: the region is not used")
         layout = shm.layout([(s.name, s.dtype.value, s.shape) for s in session.specs.values()])
-        name, mapping = shm.create(layout.size)
-        region = Region(session, client_id, offer.nonce, name, mapping, layout)
+        name, mapping, fd = shm.create(layout.size, keep_fd=True)
+        region = Region(session, client_id, offer.nonce, name, mapping, fd, layout)
         with self._lock:
             self._regions[secrets.token_hex(16)] = region
         return region
@@ -162,6 +175,7 @@ class RegionTable:
         if (client_id is not None and region.client_id != client_id) or not hmac.compare_digest(region.nonce, bytes(step.nonce)):
             raise PermissionDenied("shared memory step: wrong nonce or client for the region; nothing was read")
         region.last_used = time.monotonic()
+        region.used = True
         return region
 
     def count(self) -> int:
@@ -190,7 +204,7 @@ class RegionTable:
                       if now - o.created > OFFER_TTL_S or id(o.session) not in live]
             dropped_offers = [self._offers.pop(k) for k in offers]
             gone = [k for k, r in self._regions.items()
-                    if id(r.session) not in live or now - r.last_used > self._idle_s]
+                    if id(r.session) not in live or now - r.last_used > self._idle_s or r.client_gone()]
             dropped = [self._regions.pop(k) for k in gone]
             naming = [r for r in self._regions.values() if not r.name_unlinked and now - r.created > shm.NAME_TTL_S]
         for offer in dropped_offers:
