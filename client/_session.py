@@ -110,6 +110,7 @@ class Session:
         self._shm = _shm.SessionRegions(getattr(client, "shared_memory", "auto"), client._channel, self.name,
                                         self.client_id, self.specs, client.timeout)
         self._grad_buffers: Optional[dict[str, np.ndarray]] = None
+        self._feedback = _wire.ErrorFeedback()  # int8 gradients: per-tensor residuals
 
     # ----------------------------------------------------------------- public API
     @property
@@ -126,6 +127,7 @@ class Session:
         region (no copy; valid until this session object's next step); elsewhere copies.
         """
         wire = self._wire(wire_dtype)
+        wire = None if wire == contract.INT8 else wire  # int8 encodes gradients only
         results = self._served(lambda: self._each_shard(lambda shard: self._pull_shard(shard, wire, out, views)))
         self._see_version(min(version for version, _ in results))
         return {name: value for _, arrays in results for name, value in arrays.items()}
@@ -145,8 +147,9 @@ class Session:
         """
         grads = self._check_grads(grads)
         wire = self._wire(wire_dtype)
+        grads = self._encode(grads, wire)
         header = self._header(base_version, loss, scalars)
-        if self._shm.mode is not False and all(self._shm.ensure(self._shards).values()):  # every shard's bytes in shared memory
+        if self._via_shm(wire) and all(self._shm.ensure(self._shards).values()):  # every shard's bytes in shared memory
             return self._served(lambda: self._push_pull_once(header, grads, wire, reply=False))
         return self._served(lambda: self._push_once(header, grads, wire))
 
@@ -160,8 +163,14 @@ class Session:
         """
         grads = self._check_grads(grads)
         wire = self._wire(wire_dtype)
+        grads = self._encode(grads, wire)
         header = self._header(base_version, loss, scalars)
         return self._served(lambda: self._push_pull_once(header, grads, wire, out, views=views))
+
+    def _encode(self, grads: dict[str, np.ndarray], wire: Optional[int]) -> dict:
+        """int8: the gradients quantized once per push (retries resend the same bytes), with
+        this object's error feedback; other wire dtypes are converted per chunk."""
+        return self._feedback.quantize(grads) if wire == contract.INT8 else grads
 
     def gradient_buffers(self) -> dict[str, np.ndarray]:
         """Float32 arrays, one per tensor, to write gradients into and pass to :meth:`push_pull`
@@ -238,7 +247,7 @@ class Session:
     def _wire(self, requested) -> Optional[int]:
         if isinstance(requested, str) and requested == "default":
             return self.wire_dtype
-        return _wire.dtype_enum(requested, what="wire_dtype")
+        return _wire.wire_option_enum(requested, what="wire_dtype")
 
     def _header(self, base_version: Optional[int] = None, loss: Optional[float] = None,
                 scalars: Optional[Mapping[str, float]] = None) -> data_pb2.PushHeader:
@@ -306,16 +315,21 @@ class Session:
         size = self._client.chunk_bytes
         for name in shard.names:
             array = arrays[name]
+            if isinstance(array, _wire.Int8Gradient):
+                yield from _wire.iter_int8_chunk_messages(name, array, size)
+                continue
             yield from _wire.iter_chunk_messages(name, array, wire or _wire.array_dtype_enum(array, name=name), size)
 
     def _tensor_chunks(self, shard: _Shard, arrays: Mapping[str, np.ndarray], wire: Optional[int]) -> list:
         """The shard's tensors as ``TensorChunk`` messages (to go inside one message)."""
         size = self._client.chunk_bytes
+        if wire == contract.INT8:
+            return [chunk for name in shard.names for chunk in _wire.iter_int8_chunks(name, arrays[name], size)]
         return [chunk for name in shard.names
                 for chunk in _wire.iter_chunks(name, arrays[name], wire or _wire.array_dtype_enum(arrays[name], name=name), size)]
 
     def _pull_shard(self, shard: _Shard, wire: Optional[int], out=None, views: bool = False):
-        taken = self._shm.acquire([shard])
+        taken = self._shm.acquire([shard]) if self._via_shm(wire) else {}
         if taken:  # the shard writes the parameters into this object's region
             try:
                 request = data_pb2.PullRequest(session=self.name, shared_memory=taken[shard.index].step(True))
@@ -365,6 +379,11 @@ class Session:
         self._see_version(version)
         return version
 
+    def _via_shm(self, wire: Optional[int]) -> bool:
+        """Whether a step may use shared memory: not when it asks for a narrower wire dtype
+        (bf16 / f16 round the values, which the float32 regions would not)."""
+        return self._shm.mode is not False and wire in (None, contract.FLOAT32)
+
     def _region_call(self, taken: Mapping[int, Any], call: Callable[[], Any]) -> Any:
         """Runs ``call`` (a step using the ``taken`` regions); a shard that no longer knows its
         region (expired, restarted) makes the region negotiated anew and the step retried."""
@@ -380,17 +399,18 @@ class Session:
     def _push_pull_once(self, header, grads, wire, out=None, views: bool = False, reply: bool = True):
         """One attempt: push (auto_commit) and receive the step's parameters, per shard (the
         new version alone when not ``reply``: a push through shared memory)."""
-        taken = self._shm.acquire(self._shards)
+        taken = self._shm.acquire(self._shards) if self._via_shm(wire) else {}
         try:
             return self._region_call(taken, lambda: self._push_pull_attempt(header, grads, wire, out, views, reply, taken))
         finally:
             self._shm.release(taken)
 
     def _push_pull_attempt(self, header, grads, wire, out, views, reply, taken):
-        pull = data_pb2.PullRequest(session=self.name, wire_dtype=wire or tensor_pb2.DTYPE_UNSPECIFIED,
+        pull_wire = None if wire == contract.INT8 else wire  # int8 encodes gradients only
+        pull = data_pb2.PullRequest(session=self.name, wire_dtype=pull_wire or tensor_pb2.DTYPE_UNSPECIFIED,
                                     max_chunk_bytes=self._client.chunk_bytes)
         # Small sessions leave out pull options that would only repeat the shard's defaults.
-        pull_options_needed = bool(wire) or not self._small or self._client.chunk_bytes != contract.DEFAULT_CHUNK_BYTES
+        pull_options_needed = bool(pull_wire) or not self._small or self._client.chunk_bytes != contract.DEFAULT_CHUNK_BYTES
 
         def requests(shard: _Shard):
             if shard.index in taken:  # the bytes are in the region already: the step message alone

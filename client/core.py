@@ -149,6 +149,8 @@ class Client:
         request = control_pb2.CreateSessionRequest(config=config, client_id=self.client_id)
         info = self._call(self._control.CreateSession, request).session
         session = Session(self, info)
+        if options.wire_dtype == contract.INT8_NAME:  # a client-side gradient encoding (see Session.wire_dtype)
+            session.wire_dtype = contract.INT8
         try:
             session._initialize(arrays)
         except BaseException:

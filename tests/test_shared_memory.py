@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from _service_helpers import InProcess, make_grads, make_params
+from test_overlap_and_compression import _bytes_for_steps, byte_counter  # noqa: F401 - a fixture
 from optserve.client import Client
 from optserve.client.errors import FailedPreconditionError
 from optserve.protos.optserve.v1 import data_pb2
@@ -122,6 +123,12 @@ def test_gradient_buffers_live_in_the_region_and_views_are_read_only(fast, plain
     finally:
         session.close()
         twin.close()
+
+
+def test_shared_memory_steps_send_only_step_messages_over_grpc(server, unique_name, byte_counter):
+    sent, received = _bytes_for_steps(byte_counter, server.address, unique_name, 3, shared_memory=True)
+    payload = 3 * (256 * 256 + 4096) * 4  # float32 gradient bytes of three pushes (and as many back)
+    assert sent < 0.01 * payload and received < 0.01 * payload, (sent, received, payload)
 
 
 def test_several_clients_on_one_sync_session_through_shared_memory(fast, server, unique_name):
