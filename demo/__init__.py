@@ -189,7 +189,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> DemoConfig:
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--max-staleness", type=int, default=4, help="async staleness bound (versions)")
     parser.add_argument("--staleness-policy", choices=("reject", "scale"), default="reject")
-    parser.add_argument("--wire-dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    parser.add_argument("--wire-dtype", choices=("float32", "bfloat16", "float16", "int8"), default=None,
+                        help="gradients (and, except int8, parameters) on the wire; int8: blockwise with error feedback")
     parser.add_argument("--overlap", action="store_true", help="workers overlap each push with the next gradient")
     parser.add_argument("--no-shared-memory", action="store_true",
                         help="tensor bytes over gRPC (default: through shared memory, the workers share the host)")
