@@ -206,17 +206,17 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
             raise InvalidArgument("PushPull `step`: header.auto_commit must be true (a one-message step "
                                   "commits with its peers; use header, chunks, seal for a decision)")
         session = self._session(step.header.session, context)
-        region, chunks = None, iter(step.chunks)
+        read, chunks = None, iter(step.chunks)
         if step.HasField("shared_memory"):  # the gradients are in the client's region, read once here
             if step.chunks:
                 raise InvalidArgument("PushPull `step`: chunks and shared_memory are exclusive")
-            region = self.regions.use(session, step.header.client_id, step.shared_memory)
-            chunks = region.gradient_chunks()
+            read = _RegionRead(self.regions, session, step.header.client_id, step.shared_memory)
+            chunks = read.chunks()
         receipt = session.push(_push_header(step.header), chunks, context.is_active,
                                wait_s=context.time_remaining())
         session.observer.pushed(time.perf_counter() - started)
-        if region is not None:
-            return (yield from self._answer_in_region(session, receipt, region, step.shared_memory.reply))
+        if read is not None:
+            return (yield from self._answer_in_region(session, receipt, read.region, step.shared_memory.reply))
         return (yield from self._answer(session, receipt, step.pull, one_message=True))
 
     def _answer_in_region(self, session: ShardSession, receipt: Receipt, region, reply: bool):
@@ -315,6 +315,20 @@ class _StreamedPush:
                 return
             else:
                 raise InvalidArgument(f"PushPull: unexpected `{kind}` before `seal`")
+
+
+class _RegionRead:
+    """A shared-memory step's gradients as the push's chunks: the region is looked up (session,
+    client, nonce) inside the push, so a refused lookup is a refused push that the session's
+    other shards hear of at once (their parts are dropped), as a bad chunk would be."""
+
+    def __init__(self, regions: RegionTable, session: ShardSession, client_id: str, step: data_pb2.SharedMemoryStep):
+        self._lookup = lambda: regions.use(session, client_id, step)
+        self.region = None
+
+    def chunks(self):
+        self.region = self._lookup()
+        yield from self.region.gradient_chunks()
 
 
 class _ChunkRequest:
