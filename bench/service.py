@@ -5,7 +5,9 @@
 
 Rows: the service step (push_pull) over gRPC bytes and over the same-host shared-memory path
 (``Client(shared_memory=...)``: NumPy arrays in and out, and with ``Session.gradient_buffers()``
-plus returned views), the same kernel's jitted step in process, raw TCP loopback
+plus returned views), int8 gradients over gRPC (bytes per step, loopback step time, and the step
+on a simulated 10 Gb/s link: loopback step + the bytes' time on the link), the same kernel's jitted
+step in process, raw TCP loopback
 for the same bytes (plain sockets in another process: push bytes one way, pull bytes back,
 reused buffers), a bare push and pull, the derived bytes per second, and the latency of push_pull on a
 tiny model (p50 / p99): placed by default (one shard: it is far below ``min_shard_bytes``) and
@@ -190,6 +192,12 @@ def main(argv=None) -> str:
                 "shm_push": lambda: fast.push(grads), "shm_pull": lambda: fast.pull(out=fast_out)}, rounds=repeats)
         finally:
             tcp_peer.close()
+        # int8 gradients over gRPC (the cross-host encoding): a few steps, bytes per step counted
+        int8_step = []
+        for _ in range(3):
+            start = time.perf_counter()
+            session.push_pull(grads, out=out, wire_dtype="int8")
+            int8_step.append(time.perf_counter() - start)
         session.close()
         fast.close()
         fast_client.close()
@@ -253,6 +261,17 @@ def main(argv=None) -> str:
          f"8x8 + 8 on {spread_shards} shards (min_shard_bytes=0)"],
         ["tiny push_pull, shared memory", f"p50 {p50_s:.2f} / p99 {p99_s:.2f}", "",
          f"8x8 + 8 on {tiny_shards} shard(s), default placement"],
+    ]
+    from optserve.protos import contract
+
+    int8_bytes = sum(contract.int8_payload_bytes(v.size) for v in params.values())
+    link = 10e9 / 8  # a 10 Gb/s link, bytes per second: the step's bytes cross it both ways
+    int8_median = statistics.median(int8_step)
+    rows += [
+        ["int8 gradients, gRPC loopback", int8_median * 1e3, "",
+         f"push {int8_bytes / 1e6:.1f} MB/step vs {nbytes / 1e6:.1f} MB f32 ({int8_bytes / nbytes:.3f}); median of 3"],
+        ["  simulated 10 Gb/s link", (int8_median + (int8_bytes + nbytes) / link) * 1e3, "",
+         f"f32: {(step + 2 * nbytes / link) * 1e3:.0f} ms (loopback step + wire time at 10 Gb/s)"],
     ]
     load = os.getloadavg()
     # Whether the machine, not the data plane's design, bounds the step: with every core busy,
