@@ -71,9 +71,8 @@ class ErrorFeedback:
                 if residual is not None and residual.shape == corrected.shape:
                     corrected += residual
                 with np.errstate(invalid="ignore", over="ignore"):
-                    quantized, scales = contract.quantize_int8(corrected)
-                    applied = contract.dequantize_int8(quantized, scales).reshape(corrected.shape)
-                    self.residuals[name] = np.subtract(corrected, applied, out=corrected)
+                    quantized, scales, applied = contract.quantize_int8_rounded(corrected)
+                    self.residuals[name] = np.subtract(corrected, applied.reshape(corrected.shape), out=corrected)
                 out[name] = Int8Gradient(quantized, scales, tuple(corrected.shape))
         return out
 

@@ -128,16 +128,30 @@ def quantize_int8(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """float32 values (any shape) -> (int8 values, flat; float32 scale per block of
     :data:`INT8_BLOCK`), ``value ~ int8 * scale`` with ``scale = absmax(block) / 127``; an
     all-zero block has scale 0. Non-finite values are not representable (callers refuse them)."""
+    quantized, scales, _ = quantize_int8_rounded(values)
+    return quantized, scales
+
+
+def quantize_int8_rounded(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`quantize_int8` plus the dequantized values (float32, flat), which error feedback
+    needs; a few passes over the data, no padded copy when the size is whole blocks."""
     flat = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
     blocks = -(-flat.size // INT8_BLOCK)
-    padded = np.zeros(blocks * INT8_BLOCK, np.float32)
-    padded[: flat.size] = flat
-    padded = padded.reshape(blocks, INT8_BLOCK)
-    scales = (np.abs(padded).max(axis=1) / np.float32(127)).astype(np.float32)
-    safe = np.where(scales > 0, scales, np.float32(1))
-    quantized = np.rint(padded / safe[:, None])
-    np.clip(quantized, -127, 127, out=quantized)
-    return quantized.astype(np.int8).reshape(-1)[: flat.size], scales
+    if flat.size % INT8_BLOCK:
+        padded = np.zeros(blocks * INT8_BLOCK, np.float32)
+        padded[: flat.size] = flat
+    else:
+        padded = flat
+    grid = padded.reshape(blocks, INT8_BLOCK)
+    absmax = np.maximum(grid.max(axis=1, initial=-np.inf), -grid.min(axis=1, initial=np.inf))
+    scales = (np.abs(absmax) / np.float32(127)).astype(np.float32)  # abs: -0.0 for an all-zero block
+    inverse = np.divide(np.float32(1), scales, out=np.zeros_like(scales), where=scales > 0)
+    rounded = np.multiply(grid, inverse[:, None])
+    np.rint(rounded, out=rounded)
+    np.clip(rounded, -127, 127, out=rounded)
+    quantized = rounded.astype(np.int8).reshape(-1)[: flat.size]
+    np.multiply(rounded, scales[:, None], out=rounded)
+    return quantized, scales, rounded.reshape(-1)[: flat.size]
 
 
 def dequantize_int8(quantized: np.ndarray, scales: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
