@@ -3,7 +3,11 @@
     .venv/bin/python -m bench.service            # ~100M float32 params (6 x 4096 x 4096), 2 shards
     .venv/bin/python -m bench.service --small    # 4 x 512 x 512, a quick smoke run
 
-Rows: the service step (push_pull), the same kernel's jitted step in process, raw TCP loopback
+Rows: the service step (push_pull) over gRPC bytes and over the same-host shared-memory path
+(``Client(shared_memory=...)``: NumPy arrays in and out, and with ``Session.gradient_buffers()``
+plus returned views), int8 gradients over gRPC (bytes per step, loopback step time, and the step
+on a simulated 10 Gb/s link: loopback step + the bytes' time on the link), the same kernel's jitted
+step in process, raw TCP loopback
 for the same bytes (plain sockets in another process: push bytes one way, pull bytes back,
 reused buffers), a bare push and pull, the derived bytes per second, and the latency of push_pull on a
 tiny model (p50 / p99): placed by default (one shard: it is far below ``min_shard_bytes``) and
@@ -169,17 +173,34 @@ def main(argv=None) -> str:
 
     server = start_server(ServerConfig(host="127.0.0.1", port=0, shards=args.shards))
     try:
-        client = Client(server.address, timeout=600)
+        client = Client(server.address, timeout=600, shared_memory=False)
         session = client.create_session("bench", params, optimizer=OPTIMIZER)
         out = session.pull()  # reused result buffers (fresh ones page-fault on every call)
+        fast_client = Client(server.address, timeout=600, shared_memory=True)  # fails unless proven
+        fast = fast_client.create_session("bench-shm", params, optimizer=OPTIMIZER)
+        fast_out = fast.pull()
+        in_region = fast.gradient_buffers()  # a program writing its gradients here pushes without a copy
+        for name, buffer in in_region.items():
+            buffer[...] = grads[name]
         tcp_peer = RawTcpPeer(nbytes, nbytes)
         try:
             samples, cpu = interleaved_seconds({
                 "tcp": tcp_peer.round_trip, "kernel": kernel_step, "step": lambda: session.push_pull(grads, out=out),
-                "push": lambda: session.push(grads), "pull": lambda: session.pull(out=out)}, rounds=repeats)
+                "push": lambda: session.push(grads), "pull": lambda: session.pull(out=out),
+                "shm_step": lambda: fast.push_pull(grads, out=fast_out),
+                "shm_step_views": lambda: fast.push_pull(in_region, views=True),
+                "shm_push": lambda: fast.push(grads), "shm_pull": lambda: fast.pull(out=fast_out)}, rounds=repeats)
         finally:
             tcp_peer.close()
+        # int8 gradients over gRPC (the cross-host encoding): a few steps, bytes per step counted
+        int8_step = []
+        for _ in range(3):
+            start = time.perf_counter()
+            session.push_pull(grads, out=out, wire_dtype="int8")
+            int8_step.append(time.perf_counter() - start)
         session.close()
+        fast.close()
+        fast_client.close()
         tiny_params = {"w": np.ones((8, 8), np.float32), "b": np.zeros((8,), np.float32)}
         tiny_grads = {k: np.full_like(v, 1e-3) for k, v in tiny_params.items()}
         tiny = client.create_session("bench-tiny", tiny_params, optimizer=OPTIMIZER)
@@ -187,6 +208,11 @@ def main(argv=None) -> str:
         p50_1, p99_1 = latency_ms(tiny, tiny_grads, 300)
         tiny.close()
         client.close()
+        tiny_fast_client = Client(server.address, timeout=600, shared_memory=True)
+        tiny_fast = tiny_fast_client.create_session("bench-tiny-shm", tiny_params, optimizer=OPTIMIZER)
+        p50_s, p99_s = latency_ms(tiny_fast, tiny_grads, 300)
+        tiny_fast.close()
+        tiny_fast_client.close()
         # The same tiny session forced across every shard (min_shard_bytes=0): a vote and a round
         # trip per extra shard per step.
         spread_server = start_server(ServerConfig(host="127.0.0.1", port=0, shards=args.shards, min_shard_bytes=0))
@@ -207,7 +233,19 @@ def main(argv=None) -> str:
     # The data plane's rate with the update taken out, against raw TCP's for the same bytes.
     wire_shares = [t / (s - k) for s, t, k in zip(samples["step"], samples["tcp"], samples["kernel"])]
     gb = 1e9
+    shm_step, shm_views, shm_push, shm_pull = (statistics.median(samples[k]) for k in
+                                               ("shm_step", "shm_step_views", "shm_push", "shm_pull"))
+
+    def per_round(name: str) -> str:  # median of this row's per-round ratios to the kernel step
+        ratios_k = [s / k for s, k in zip(samples[name], samples["kernel"])]
+        return f"{statistics.median(ratios_k):.2f} x kernel [{min(ratios_k):.2f}, {max(ratios_k):.2f}]"
+
     rows = [
+        ["shared memory step (push_pull, NumPy)", shm_step * 1e3, 2 * nbytes / shm_step / gb, per_round("shm_step")],
+        ["  with gradient_buffers + views", shm_views * 1e3, 2 * nbytes / shm_views / gb, per_round("shm_step_views")],
+        ["  shared memory push", shm_push * 1e3, nbytes / shm_push / gb, per_round("shm_push")],
+        ["  shared memory pull", shm_pull * 1e3, nbytes / shm_pull / gb, per_round("shm_pull")],
+        ["gRPC step vs kernel", step * 1e3, 2 * nbytes / step / gb, per_round("step")],
         ["service step (push_pull)", step * 1e3, 2 * nbytes / step / gb,
          f"{statistics.median(ratios):.2f} x (raw TCP + kernel), median of per-round ratios "
          f"[{min(ratios):.2f}, {max(ratios):.2f}]"],
@@ -221,11 +259,26 @@ def main(argv=None) -> str:
          f"8x8 + 8 on {tiny_shards} shard(s)"],
         ["tiny push_pull, spread", f"p50 {p50_2:.2f} / p99 {p99_2:.2f}", "",
          f"8x8 + 8 on {spread_shards} shards (min_shard_bytes=0)"],
+        ["tiny push_pull, shared memory", f"p50 {p50_s:.2f} / p99 {p99_s:.2f}", "",
+         f"8x8 + 8 on {tiny_shards} shard(s), default placement"],
+    ]
+    from optserve.protos import contract
+
+    int8_bytes = sum(contract.int8_payload_bytes(v.size) for v in params.values())
+    link = 10e9 / 8  # a 10 Gb/s link, bytes per second: the step's bytes cross it both ways
+    int8_median = statistics.median(int8_step)
+    rows += [
+        ["int8 gradients, gRPC loopback", int8_median * 1e3, "",
+         f"push {int8_bytes / 1e6:.1f} MB/step vs {nbytes / 1e6:.1f} MB f32 ({int8_bytes / nbytes:.3f}); median of 3"],
+        ["  simulated 10 Gb/s link", (int8_median + (int8_bytes + nbytes) / link) * 1e3, "",
+         f"f32: {(step + 2 * nbytes / link) * 1e3:.0f} ms (loopback step + wire time at 10 Gb/s)"],
     ]
     load = os.getloadavg()
     # Whether the machine, not the data plane's design, bounds the step: with every core busy,
     # overlapping work cannot shorten it, only doing less work can.
-    for name, label, own, others in (("step", "service step", "client", "shards"), ("push", "push", "client", "shards"),
+    for name, label, own, others in (("shm_step", "shared memory step", "client", "shards"),
+                                     ("shm_step_views", "shared memory step, buffers + views", "client", "shards"),
+                                     ("step", "service step", "client", "shards"), ("push", "push", "client", "shards"),
                                      ("pull", "pull", "client", "shards"), ("tcp", "raw TCP", "client", "peer"),
                                      ("kernel", "in-process kernel", "this process", "others")):
         summary = cpu[name].summary(own=own, others=others)

@@ -21,13 +21,14 @@ from typing import Any, Callable, Mapping, Optional
 import grpc
 import numpy as np
 
-from optserve.client import _retry, _wire
+from optserve.client import _retry, _shm, _wire
 from optserve.client._step_stream import StepStream, StreamBroken
 from optserve.client.errors import (InvalidArgumentError, NotFoundError, OptservError, PeerRefusedError,
                                    SessionLostError, UnavailableError, from_rpc_error)
 from optserve.client.options import SessionOptions
 from optserve.client.status import SessionStatus
 from optserve.protos import chunk_codec, contract
+from optserve.protos import shared_memory as _shm_contract
 from optserve.protos.optserve.v1 import control_pb2, data_pb2, tensor_pb2
 
 _SERVICE = "/optserve.v1.ShardData/"
@@ -103,6 +104,11 @@ class Session:
         self._version_lock = threading.Lock()
         self._fanout = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, len(self._shards)), thread_name_prefix="optserve-shard")
         self._background = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="optserve-async")
+        # same-host fast path (client/_shm.py): tensor bytes through shared memory, proven per shard
+        self._shm = _shm.SessionRegions(getattr(client, "shared_memory", "auto"), client._channel, self.name,
+                                        self.client_id, self.specs, client.timeout)
+        self._grad_buffers: Optional[dict[str, np.ndarray]] = None
+        self._feedback = _wire.ErrorFeedback()  # int8 gradients: per-tensor residuals
 
     # ----------------------------------------------------------------- public API
     @property
@@ -110,14 +116,17 @@ class Session:
         """The latest parameter version this session object has seen (pull / push results)."""
         return self._version
 
-    def pull(self, wire_dtype: _wire.DTypeLike = "default", out: Optional[Mapping[str, np.ndarray]] = None
-             ) -> dict[str, np.ndarray]:
+    def pull(self, wire_dtype: _wire.DTypeLike = "default", out: Optional[Mapping[str, np.ndarray]] = None,
+             views: bool = False) -> dict[str, np.ndarray]:
         """Current parameters from every shard (float16 tensors as float16, others float32).
 
         ``out``: arrays to write into (e.g. the previous result), avoiding fresh allocations.
+        ``views``: on shards reached through shared memory, return read-only views of the
+        region (no copy; valid until this session object's next step); elsewhere copies.
         """
         wire = self._wire(wire_dtype)
-        results = self._served(lambda: self._each_shard(lambda shard: self._pull_shard(shard, wire, out)))
+        wire = None if wire == contract.INT8 else wire  # int8 encodes gradients only
+        results = self._served(lambda: self._each_shard(lambda shard: self._pull_shard(shard, wire, out, views)))
         self._see_version(min(version for version, _ in results))
         return {name: value for _, arrays in results for name, value in arrays.items()}
 
@@ -136,21 +145,50 @@ class Session:
         """
         grads = self._check_grads(grads)
         wire = self._wire(wire_dtype)
+        grads = self._encode(grads, wire)
         header = self._header(base_version, loss, scalars)
+        if self._via_shm(wire) and all(self._shm.ensure(self._shards).values()):  # every shard's bytes in shared memory
+            return self._served(lambda: self._push_pull_once(header, grads, wire, reply=False))
         return self._served(lambda: self._push_once(header, grads, wire))
 
     def push_pull(self, grads: Mapping[str, np.ndarray], wire_dtype: _wire.DTypeLike = "default",
                   out: Optional[Mapping[str, np.ndarray]] = None,
                   base_version: Optional[int] = None, loss: Optional[float] = None,
-                  scalars: Optional[Mapping[str, float]] = None) -> dict[str, np.ndarray]:
+                  scalars: Optional[Mapping[str, float]] = None, views: bool = False) -> dict[str, np.ndarray]:
         """Pushes ``grads`` and returns the parameters of the step they joined (into ``out`` if given).
 
-        ``base_version``, ``loss``, ``scalars``: as for :meth:`push`.
+        ``base_version``, ``loss``, ``scalars``: as for :meth:`push`. ``views``: as for :meth:`pull`.
         """
         grads = self._check_grads(grads)
         wire = self._wire(wire_dtype)
+        grads = self._encode(grads, wire)
         header = self._header(base_version, loss, scalars)
-        return self._served(lambda: self._push_pull_once(header, grads, wire, out))
+        return self._served(lambda: self._push_pull_once(header, grads, wire, out, views=views))
+
+    def _encode(self, grads: dict[str, np.ndarray], wire: Optional[int]) -> dict:
+        """int8: the gradients quantized once per push (retries resend the same bytes), with
+        this object's error feedback; other wire dtypes are converted per chunk."""
+        return self._feedback.quantize(grads) if wire == contract.INT8 else grads
+
+    def gradient_buffers(self) -> dict[str, np.ndarray]:
+        """Float32 arrays, one per tensor, to write gradients into and pass to :meth:`push_pull`
+        / :meth:`push`: on shards reached through shared memory they live in the push region (no
+        copy when pushed), elsewhere they are ordinary arrays. The same arrays every call; their
+        values are this object's to overwrite after each step."""
+        if self._grad_buffers is None:
+            regions = self._shm.ensure(self._shards)
+            buffers = {}
+            for shard in self._shards:
+                region = regions.get(shard.index)
+                for name in shard.names:
+                    buffers[name] = region.push[name] if region is not None else np.zeros(self.specs[name][1], np.float32)
+            self._grad_buffers = buffers
+        return dict(self._grad_buffers)
+
+    def data_paths(self) -> dict[int, str]:
+        """Shard index -> "shared_memory" or "grpc": how this object's tensor bytes reach each shard."""
+        return {index: "shared_memory" if region is not None else "grpc"
+                for index, region in self._shm.ensure(self._shards).items()}
 
     def push_pull_async(self, grads: Mapping[str, np.ndarray], **kwargs) -> concurrent.futures.Future:
         """``push_pull`` in a background thread (one at a time per session, in call order)."""
@@ -161,7 +199,10 @@ class Session:
             lambda: self._client._control.GetStatus(control_pb2.GetStatusRequest(name=self.name), timeout=self._client.timeout),
             self._client.retry,
         )
-        return SessionStatus.from_proto(response)
+        status = SessionStatus.from_proto(response)
+        paths = self._shm.paths()
+        return dataclasses.replace(status, shards=[dataclasses.replace(s, data_path=paths.get(s.index, "grpc"))
+                                                   for s in status.shards])
 
     def close(self) -> None:
         """Closes the session on the server (for every client) and releases local threads."""
@@ -174,6 +215,8 @@ class Session:
         """Releases this object's threads and open calls without closing the server-side session."""
         for shard in self._shards:
             shard.steps.close()
+        self._grad_buffers = None
+        self._shm.close()
         self._fanout.shutdown(wait=False)
         self._background.shutdown(wait=False)
 
@@ -236,7 +279,7 @@ class Session:
     def _wire(self, requested) -> Optional[int]:
         if isinstance(requested, str) and requested == "default":
             return self.wire_dtype
-        return _wire.dtype_enum(requested, what="wire_dtype")
+        return _wire.wire_option_enum(requested, what="wire_dtype")
 
     def _header(self, base_version: Optional[int] = None, loss: Optional[float] = None,
                 scalars: Optional[Mapping[str, float]] = None) -> data_pb2.PushHeader:
@@ -304,15 +347,30 @@ class Session:
         size = self._client.chunk_bytes
         for name in shard.names:
             array = arrays[name]
+            if isinstance(array, _wire.Int8Gradient):
+                yield from _wire.iter_int8_chunk_messages(name, array, size)
+                continue
             yield from _wire.iter_chunk_messages(name, array, wire or _wire.array_dtype_enum(array, name=name), size)
 
     def _tensor_chunks(self, shard: _Shard, arrays: Mapping[str, np.ndarray], wire: Optional[int]) -> list:
         """The shard's tensors as ``TensorChunk`` messages (to go inside one message)."""
         size = self._client.chunk_bytes
+        if wire == contract.INT8:
+            return [chunk for name in shard.names for chunk in _wire.iter_int8_chunks(name, arrays[name], size)]
         return [chunk for name in shard.names
                 for chunk in _wire.iter_chunks(name, arrays[name], wire or _wire.array_dtype_enum(arrays[name], name=name), size)]
 
-    def _pull_shard(self, shard: _Shard, wire: Optional[int], out=None):
+    def _pull_shard(self, shard: _Shard, wire: Optional[int], out=None, views: bool = False):
+        taken = self._shm.acquire([shard]) if self._via_shm(wire) else {}
+        if taken:  # the shard writes the parameters into this object's region
+            try:
+                request = data_pb2.PullRequest(session=self.name, shared_memory=taken[shard.index].step(True))
+                version = self._region_call(taken, lambda: next(
+                    v for k, v in _rpc(lambda s: s.calls.pull(request, timeout=self._client.timeout), shard)
+                    if k == "version"))
+                return version, taken[shard.index].read(out, views)
+            finally:
+                self._shm.release(taken)
         request = data_pb2.PullRequest(session=self.name, wire_dtype=wire or tensor_pb2.DTYPE_UNSPECIFIED,
                                        max_chunk_bytes=self._client.chunk_bytes)
         assembler = _wire.Reassembler({n: self.specs[n] for n in shard.names}, out)
@@ -353,14 +411,44 @@ class Session:
         self._see_version(version)
         return version
 
-    def _push_pull_once(self, header, grads, wire, out=None) -> dict[str, np.ndarray]:
-        """One attempt: push (auto_commit) and receive the step's parameters, per shard."""
-        pull = data_pb2.PullRequest(session=self.name, wire_dtype=wire or tensor_pb2.DTYPE_UNSPECIFIED,
+    def _via_shm(self, wire: Optional[int]) -> bool:
+        """Whether a step may use shared memory: not when it asks for a narrower wire dtype
+        (bf16 / f16 round the values, which the float32 regions would not)."""
+        return self._shm.mode is not False and wire in (None, contract.FLOAT32)
+
+    def _region_call(self, taken: Mapping[int, Any], call: Callable[[], Any]) -> Any:
+        """Runs ``call`` (a step using the ``taken`` regions); a shard that no longer knows its
+        region (expired, restarted) makes the region negotiated anew and the step retried."""
+        try:
+            return call()
+        except NotFoundError as exc:
+            if taken and _shm_contract.REGION_UNKNOWN in str(exc):
+                self._shm.forget(list(taken))
+                self._grad_buffers = None
+                raise UnavailableError(str(exc), "UNAVAILABLE") from None
+            raise
+
+    def _push_pull_once(self, header, grads, wire, out=None, views: bool = False, reply: bool = True):
+        """One attempt: push (auto_commit) and receive the step's parameters, per shard (the
+        new version alone when not ``reply``: a push through shared memory)."""
+        taken = self._shm.acquire(self._shards) if self._via_shm(wire) else {}
+        try:
+            return self._region_call(taken, lambda: self._push_pull_attempt(header, grads, wire, out, views, reply, taken))
+        finally:
+            self._shm.release(taken)
+
+    def _push_pull_attempt(self, header, grads, wire, out, views, reply, taken):
+        pull_wire = None if wire == contract.INT8 else wire  # int8 encodes gradients only
+        pull = data_pb2.PullRequest(session=self.name, wire_dtype=pull_wire or tensor_pb2.DTYPE_UNSPECIFIED,
                                     max_chunk_bytes=self._client.chunk_bytes)
         # Small sessions leave out pull options that would only repeat the shard's defaults.
-        pull_options_needed = bool(wire) or not self._small or self._client.chunk_bytes != contract.DEFAULT_CHUNK_BYTES
+        pull_options_needed = bool(pull_wire) or not self._small or self._client.chunk_bytes != contract.DEFAULT_CHUNK_BYTES
 
         def requests(shard: _Shard):
+            if shard.index in taken:  # the bytes are in the region already: the step message alone
+                yield data_pb2.PushPullRequest(step=data_pb2.PushPullStep(
+                    header=header, shared_memory=taken[shard.index].step(reply)))
+                return
             if self._small:  # the whole step in one message, answered by one `step_result`
                 step = data_pb2.PushPullStep(header=header, chunks=self._tensor_chunks(shard, grads, wire))
                 if pull_options_needed:
@@ -375,7 +463,7 @@ class Session:
 
         def receive(shard: _Shard, handle):
             assembler = _wire.Reassembler({n: self.specs[n] for n in shard.names}, out)
-            done = []
+            done, in_region = [], []
 
             def on_response(kind, value) -> bool:
                 if kind == "chunk":
@@ -384,6 +472,8 @@ class Session:
                     done.append(value)
                     return True
                 elif kind == "step_result":
+                    if value.in_shared_memory:
+                        in_region.append(taken[shard.index].read(out, views))
                     for chunk in value.chunks:
                         assembler.add(chunk)
                     done.append(value.done)
@@ -398,11 +488,15 @@ class Session:
                 raise InvalidArgumentError(f"shard {shard.address} ended the stream without `done`")
             if done[0].stream_closing:
                 shard.steps.end_after_step()
+            if shard.index in taken:
+                return done[0], in_region[0] if in_region else {}
             return done[0], assembler.finish()
 
         def start(shard: _Shard) -> Callable[[], Any]:
             """Sends the shard's step; returns what receives its reply (or raises the failure)."""
             try:
+                if shard.index in taken:
+                    taken[shard.index].write({name: grads[name] for name in shard.names})
                 handle = _rpc(lambda s: s.steps.start(requests(s)), shard)
             except BaseException as exc:  # noqa: BLE001 - raised when its reply is asked for
                 return functools.partial(_raise, exc)
@@ -414,6 +508,8 @@ class Session:
             results = self._each_shard(lambda shard: start(shard)())
         self.last_staleness = results[0][0].staleness
         self._see_version(min(done.version for done, _ in results))
+        if not reply:
+            return max(done.version for done, _ in results)
         return {name: value for _, arrays in results for name, value in arrays.items()}
 
 

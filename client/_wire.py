@@ -7,6 +7,7 @@ option or tensor in its errors, the dtype pulled values come back in, and reasse
 
 from __future__ import annotations
 
+import threading
 from typing import Iterator, Mapping, Optional
 
 import numpy as np
@@ -28,6 +29,62 @@ def dtype_enum(dtype: DTypeLike, *, what: str) -> Optional[int]:
         return contract.dtype_enum(dtype)
     except ValueError as exc:
         raise InvalidArgumentError(f"{what}: {exc}") from None
+
+
+def wire_option_enum(dtype: DTypeLike, *, what: str) -> Optional[int]:
+    """A requested wire dtype: as :func:`dtype_enum`, plus ``"int8"`` (quantized gradients)."""
+    try:
+        return contract.wire_option_enum(dtype)
+    except ValueError as exc:
+        raise InvalidArgumentError(f"{what}: {exc} (or int8 for gradients)") from None
+
+
+def wire_option_name(wire: int) -> str:
+    return contract.INT8_NAME if wire == contract.INT8 else contract.DTYPE_NAMES[wire]
+
+
+class Int8Gradient:
+    """A gradient quantized for the wire (:func:`optserve.protos.contract.quantize_int8`)."""
+
+    __slots__ = ("quantized", "scales", "shape")
+
+    def __init__(self, quantized: np.ndarray, scales: np.ndarray, shape: tuple[int, ...]):
+        self.quantized, self.scales, self.shape = quantized, scales, shape
+
+
+class ErrorFeedback:
+    """Per-tensor residuals of int8 quantization (1-bit Adam / hivemind's 8-bit compression):
+    each push quantizes ``gradient + residual`` and keeps what the quantization lost as the next
+    residual, so the sum of what the server applies tracks the sum of the true gradients
+    (their difference is the current residual, at most half a quantization step per value)."""
+
+    def __init__(self):
+        self.residuals: dict[str, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def quantize(self, grads: Mapping[str, np.ndarray]) -> dict[str, Int8Gradient]:
+        out = {}
+        with self._lock:
+            for name, grad in grads.items():
+                corrected = np.asarray(grad, np.float32).astype(np.float32, copy=True)
+                residual = self.residuals.get(name)
+                if residual is not None and residual.shape == corrected.shape:
+                    corrected += residual
+                with np.errstate(invalid="ignore", over="ignore"):
+                    quantized, scales, applied = contract.quantize_int8_rounded(corrected)
+                    self.residuals[name] = np.subtract(corrected, applied.reshape(corrected.shape), out=corrected)
+                out[name] = Int8Gradient(quantized, scales, tuple(corrected.shape))
+        return out
+
+
+def iter_int8_chunks(name: str, grad: Int8Gradient, chunk_bytes: int) -> Iterator[tensor_pb2.TensorChunk]:
+    for offset, data in contract.int8_slices(grad.quantized, grad.scales, chunk_bytes):
+        yield tensor_pb2.TensorChunk(name=name, dtype=contract.INT8, shape=list(grad.shape), offset=offset, data=data)
+
+
+def iter_int8_chunk_messages(name: str, grad: Int8Gradient, chunk_bytes: int) -> Iterator[bytes]:
+    for offset, data in contract.int8_slices(grad.quantized, grad.scales, chunk_bytes):
+        yield chunk_codec.encode_chunk_message(name, contract.INT8, grad.shape, offset, data)
 
 
 def array_dtype_enum(array: np.ndarray, *, name: str) -> int:

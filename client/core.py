@@ -20,7 +20,7 @@ from typing import Any, Mapping, Optional
 import grpc
 import numpy as np
 
-from optserve.client import _retry, _wire
+from optserve.client import _retry, _shm, _wire
 from optserve.client._session import Session
 from optserve.client._transport import ClientCert, TLSArg, Transport
 from optserve.client.options import SessionOptions
@@ -53,6 +53,10 @@ class Client:
       retain_freed_memory: keep freed message memory in this process (glibc malloc thresholds,
         see :mod:`optserve.protos.heap`) instead of page-faulting fresh pages for every received
         chunk; process-wide, costs up to 1 GiB of free heap kept resident. False: leave malloc as is.
+      shared_memory: "auto" (default): a session moves tensor bytes to a shard through POSIX shared
+        memory when the shard proves it is on this host (a nonce this process must read from the
+        shard's region), gRPC bytes otherwise; True: fail (FailedPreconditionError) where it
+        cannot; False: always gRPC bytes. The step messages travel over gRPC either way.
 
     Attributes:
       client_id: this client's unguessable identity (``secrets.token_hex(16)``): a session it
@@ -67,7 +71,7 @@ class Client:
                  client_cert: Optional[ClientCert] = None, tls_server_name: Optional[str] = None,
                  timeout: float = 120.0, chunk_bytes: Optional[int] = None,
                  retry: _retry.RetryPolicy = _retry.RetryPolicy(), stream_idle_s: float = 10.0,
-                 retain_freed_memory: bool = True):
+                 retain_freed_memory: bool = True, shared_memory: _shm.SharedMemoryArg = "auto"):
         if not stream_idle_s > 0:
             raise ValueError(f"stream_idle_s must be > 0, got {stream_idle_s}")
         self._transport = Transport(token=token, tls=tls, client_cert=client_cert, tls_server_name=tls_server_name)
@@ -78,6 +82,7 @@ class Client:
         self.stream_idle_s = float(stream_idle_s)
         self.chunk_bytes = contract.clamp_chunk_bytes(chunk_bytes)
         self.retry = retry
+        self.shared_memory = _shm.check_mode(shared_memory)
         self.client_id = secrets.token_hex(16)
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
@@ -144,6 +149,8 @@ class Client:
         request = control_pb2.CreateSessionRequest(config=config, client_id=self.client_id)
         info = self._call(self._control.CreateSession, request).session
         session = Session(self, info)
+        if options.wire_dtype == contract.INT8_NAME:  # a client-side gradient encoding (see Session.wire_dtype)
+            session.wire_dtype = contract.INT8
         try:
             session._initialize(arrays)
         except BaseException:

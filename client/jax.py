@@ -195,7 +195,7 @@ def _client(client_or_address: Any, **security: Any) -> Any:
 
 def create_session(client: Any, name: str, params: PyTree, optimizer: Mapping[str, Any] | SessionOptions,
                    *, token: Optional[str] = None, tls: TLSArg = False, client_cert: Optional[ClientCert] = None,
-                   tls_server_name: Optional[str] = None, **kwargs: Any) -> PytreeSession:
+                   tls_server_name: Optional[str] = None, shared_memory: Any = "auto", **kwargs: Any) -> PytreeSession:
     """Creates session ``name`` holding ``params``.
 
     Args:
@@ -204,6 +204,7 @@ def create_session(client: Any, name: str, params: PyTree, optimizer: Mapping[st
         ``Client.create_session``, or a :class:`~optserve.client.SessionOptions`.
       token, tls, client_cert, tls_server_name: with an address, the security settings of the
         ``Client`` opened for it (see ``optserve.client.Client``); ignored with a ``Client``.
+      shared_memory: with an address, ``Client(shared_memory=...)`` ("auto", True, False).
       kwargs: the other options of ``Client.create_session`` (``mode``, ``num_workers``,
         ``max_staleness``, ``staleness_policy``, ``wire_dtype``, ``allow_nonfinite``); with a
         ``SessionOptions`` they replace its fields.
@@ -213,14 +214,15 @@ def create_session(client: Any, name: str, params: PyTree, optimizer: Mapping[st
     """
     options = SessionOptions.from_spec(optimizer, **kwargs)
     codec = TreeCodec(params)
-    connection = _client(client, token=token, tls=tls, client_cert=client_cert, tls_server_name=tls_server_name)
+    connection = _client(client, token=token, tls=tls, client_cert=client_cert, tls_server_name=tls_server_name,
+                         shared_memory=shared_memory)
     session = connection.create_session_with(name, codec.to_named(params), options)
     return PytreeSession(session, codec)
 
 
 def attach_session(client: Any, name: str, like: PyTree, expect: Optional[SessionOptions] = None, *,
                    token: Optional[str] = None, tls: TLSArg = False, client_cert: Optional[ClientCert] = None,
-                   tls_server_name: Optional[str] = None) -> PytreeSession:
+                   tls_server_name: Optional[str] = None, shared_memory: Any = "auto") -> PytreeSession:
     """Attaches to an existing session whose tensors come from a pytree structured like ``like``.
 
     Args:
@@ -228,7 +230,8 @@ def attach_session(client: Any, name: str, like: PyTree, expect: Optional[Sessio
       expect: the options this worker means to train with (as ``Client.session``): the attach is
         refused with ``FailedPreconditionError`` naming the difference if the session's optimizer
         or mode differs. ``None``: attach to whatever the session is.
-      token, tls, client_cert, tls_server_name: as for :func:`create_session`.
+      token, tls, client_cert, tls_server_name, shared_memory: as for :func:`create_session`.
     """
-    connection = _client(client, token=token, tls=tls, client_cert=client_cert, tls_server_name=tls_server_name)
+    connection = _client(client, token=token, tls=tls, client_cert=client_cert, tls_server_name=tls_server_name,
+                         shared_memory=shared_memory)
     return PytreeSession(connection.session(name, expect=expect), TreeCodec(like))

@@ -132,8 +132,8 @@ class SessionOptions:
             raise InvalidArgumentError(f"max_staleness must be an int >= 0 or None, got {self.max_staleness!r}")
         if not isinstance(self.staleness_policy, str) or self.staleness_policy not in _POLICIES:
             raise InvalidArgumentError(f"staleness_policy must be 'reject' or 'scale', got {self.staleness_policy!r}")
-        wire = _wire.dtype_enum(self.wire_dtype, what="wire_dtype")
-        object.__setattr__(self, "wire_dtype", None if wire is None else contract.DTYPE_NAMES[wire])
+        wire = _wire.wire_option_enum(self.wire_dtype, what="wire_dtype")
+        object.__setattr__(self, "wire_dtype", None if wire is None else _wire.wire_option_name(wire))
         if not isinstance(self.allow_nonfinite, (bool, np.bool_)):
             raise InvalidArgumentError(f"allow_nonfinite must be a bool, got {self.allow_nonfinite!r}")
         object.__setattr__(self, "allow_nonfinite", bool(self.allow_nonfinite))
@@ -182,7 +182,9 @@ class SessionOptions:
             max_staleness=-1 if self.max_staleness is None else self.max_staleness,
             staleness_policy=_POLICIES[self.staleness_policy],
             allow_nonfinite=self.allow_nonfinite,
-            wire_dtype=_wire.dtype_enum(self.wire_dtype, what="wire_dtype") or tensor_pb2.DTYPE_UNSPECIFIED,
+            # int8 is each client's gradient encoding (Session.wire_dtype), not a server-side default
+            wire_dtype=(_wire.dtype_enum(self.wire_dtype, what="wire_dtype") if self.wire_dtype != contract.INT8_NAME
+                        else None) or tensor_pb2.DTYPE_UNSPECIFIED,
         )
 
     def to_optimizer_spec(self) -> control_pb2.OptimizerSpec:

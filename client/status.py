@@ -85,6 +85,8 @@ class ShardStatus:
     """One shard's view of a session: where it is, what it holds, how far it got.
 
     ``preconditioners`` is empty and ``root_offload`` ``None`` for optimizers other than Shampoo.
+    ``data_path`` (``Session.status()`` only): how that session object's tensor bytes reach the
+    shard, "shared_memory" (same host, proven) or "grpc".
     """
 
     index: int
@@ -99,6 +101,7 @@ class ShardStatus:
     root_offload: Optional[RootOffloadStatus] = None
     optimizer_state_bytes: int = 0
     durability: Optional[DurabilityStatus] = None  # durable servers only
+    data_path: str = ""
 
     @classmethod
     def from_proto(cls, s: control_pb2.ShardStatus) -> "ShardStatus":

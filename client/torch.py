@@ -187,6 +187,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
       token, tls, client_cert, tls_server_name: with an address, the security settings of the
         ``Client`` this optimizer opens (see ``optserve.client.Client``); ignored when
         ``address`` is a ``Client`` (its own settings apply).
+      shared_memory: with an address, ``Client(shared_memory=...)``: "auto" (default) moves the
+        tensor bytes through shared memory where a shard proves it is on this host.
 
     Attributes:
       created: whether this optimizer created the session (``False``: it attached).
@@ -213,6 +215,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         tls: TLSArg = False,
         client_cert: Optional[ClientCert] = None,
         tls_server_name: Optional[str] = None,
+        shared_memory: Union[bool, str] = "auto",
     ):
         self.config = RemoteOptimizerConfig(
             optimizer=optimizer,
@@ -230,7 +233,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         super().__init__([p for _, p in self._named], defaults={})
         self._tensors_fixed = True
         self._client = address if isinstance(address, Client) else Client(
-            address, token=token, tls=tls, client_cert=client_cert, tls_server_name=tls_server_name)
+            address, token=token, tls=tls, client_cert=client_cert, tls_server_name=tls_server_name,
+            shared_memory=shared_memory)
         self._owns_client = not isinstance(address, Client)
         try:
             self._session, self.created = self._create_or_attach()
@@ -301,7 +305,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
             self._stepper.step(grads, **push)  # nothing in flight now: starts the push and returns
         else:
             try:
-                self._write(self._session.push_pull(grads, **push))
+                # views: on shared memory the parameters are copied from the region straight into
+                # the tensors (no intermediate array); they are read before the next step
+                self._write(self._session.push_pull(grads, views=True, **push))
             except StaleError:
                 self._skip_stale()
         return result

@@ -133,6 +133,9 @@ class DemoConfig:
       wire_dtype: transport dtype of gradients and parameters (None: float32).
       overlap: workers compute the next gradient while their push is in flight
         (one-step-delayed parameters, see ``optserve.client.overlap``).
+      shared_memory: workers move tensor bytes through shared memory where each shard proves it
+        is on their host (``Client(shared_memory="auto")``); False (``--no-shared-memory``):
+        gRPC bytes.
       out: directory for ``loss_curve.png`` and ``summary.json``.
       progress: draw a progress bar.
       seed: model initialisation and data order.
@@ -148,6 +151,7 @@ class DemoConfig:
     staleness_policy: str = "reject"
     wire_dtype: Optional[str] = None
     overlap: bool = False
+    shared_memory: bool = True
     out: Path = Path("demo_out")
     progress: bool = True
     seed: int = 0
@@ -185,8 +189,11 @@ def parse_args(argv: Optional[Sequence[str]]) -> DemoConfig:
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--max-staleness", type=int, default=4, help="async staleness bound (versions)")
     parser.add_argument("--staleness-policy", choices=("reject", "scale"), default="reject")
-    parser.add_argument("--wire-dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    parser.add_argument("--wire-dtype", choices=("float32", "bfloat16", "float16", "int8"), default=None,
+                        help="gradients (and, except int8, parameters) on the wire; int8: blockwise with error feedback")
     parser.add_argument("--overlap", action="store_true", help="workers overlap each push with the next gradient")
+    parser.add_argument("--no-shared-memory", action="store_true",
+                        help="tensor bytes over gRPC (default: through shared memory, the workers share the host)")
     parser.add_argument("--out", type=Path, default=Path("demo_out"), help="output directory (default ./demo_out)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--seed", type=int, default=0)
@@ -203,6 +210,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> DemoConfig:
         staleness_policy=args.staleness_policy,
         wire_dtype=None if args.wire_dtype in (None, "float32") else args.wire_dtype,
         overlap=args.overlap,
+        shared_memory=not args.no_shared_memory,
         out=args.out,
         progress=not args.no_progress,
         seed=args.seed,
@@ -247,8 +255,9 @@ def worker_main(task: WorkerTask, messages, go) -> None:
             staleness_policy=cfg.staleness_policy,
             wire_dtype=cfg.wire_dtype,
             overlap=cfg.overlap,
+            shared_memory="auto" if cfg.shared_memory else False,
         )
-        messages.put(("ready", task.rank, None))
+        messages.put(("ready", task.rank, sorted(set(optimizer.session.data_paths().values()))))
         go.wait()
         rng = np.random.default_rng(cfg.seed + 1000 * (task.rank + 1))
         x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
@@ -281,6 +290,7 @@ class RunResult:
     test_loss: float
     test_accuracy: float
     curve: list[tuple[int, float]]  # (update index, minibatch loss)
+    data_path: str = ""  # how the workers' tensor bytes reached the shards (remote runs)
 
 
 def run_remote(cfg: DemoConfig, address: str, data: DigitsSplit) -> RunResult:
@@ -298,6 +308,7 @@ def run_remote(cfg: DemoConfig, address: str, data: DigitsSplit) -> RunResult:
         max_staleness=cfg.max_staleness,
         staleness_policy=cfg.staleness_policy,
         wire_dtype=cfg.wire_dtype,
+        shared_memory="auto" if cfg.shared_memory else False,
     )
     ctx = multiprocessing.get_context("spawn")
     messages, go = ctx.Queue(), ctx.Event()
@@ -310,6 +321,7 @@ def run_remote(cfg: DemoConfig, address: str, data: DigitsSplit) -> RunResult:
     curve: list[tuple[int, float]] = []
     per_worker = [0] * cfg.workers
     ready: set[int] = set()
+    paths: set[str] = set()
     done: set[int] = set()
     dropped = 0
     bar = _NoBar()
@@ -325,7 +337,9 @@ def run_remote(cfg: DemoConfig, address: str, data: DigitsSplit) -> RunResult:
                 continue
             if kind == "ready":
                 ready.add(rank)
+                paths.update(rest[0] or ())
                 if len(ready) == cfg.workers:  # every worker has imported torch and attached: start the clock
+                    print(_data_path_line(paths, cfg), flush=True)
                     bar = _progress_bar(cfg.workers * cfg.steps, cfg.progress, f"training ({cfg.workers} workers)")
                     start = time.perf_counter()
                     go.set()
@@ -355,7 +369,18 @@ def run_remote(cfg: DemoConfig, address: str, data: DigitsSplit) -> RunResult:
     train_loss, _ = evaluate(model, data.x_train, data.y_train)
     test_loss, test_accuracy = evaluate(model, data.x_test, data.y_test)
     label = f"optserve async, {cfg.workers} worker process{'es' if cfg.workers > 1 else ''}"
-    return RunResult(label, sum(per_worker) - dropped, dropped, seconds, train_loss, test_loss, test_accuracy, curve)
+    return RunResult(label, sum(per_worker) - dropped, dropped, seconds, train_loss, test_loss, test_accuracy, curve,
+                     data_path="+".join(sorted(paths)))
+
+
+def _data_path_line(paths: set[str], cfg: DemoConfig) -> str:
+    """What the demo says about its data plane once every worker attached."""
+    if paths == {"shared_memory"}:
+        return ("data plane: shared memory (each shard proved it shares this host with the workers); gRPC carries "
+                "every step's message (--no-shared-memory: tensor bytes over gRPC)")
+    if not cfg.shared_memory:
+        return "data plane: gRPC (--no-shared-memory)"
+    return f"data plane: {' + '.join(sorted(paths)) or 'grpc'} (shared memory could not be proven for every shard)"
 
 
 def run_in_process(cfg: DemoConfig, data: DigitsSplit) -> RunResult:

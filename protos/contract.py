@@ -108,6 +108,106 @@ def bf16_bits_to_f32(bits: np.ndarray, out: Optional[np.ndarray] = None) -> np.n
     return out
 
 
+# --- int8 gradients: blockwise absmax quantization ------------------------------------------------
+
+INT8 = tensor_pb2.DTYPE_INT8
+INT8_BLOCK = 4096  # elements per quantization block (one float32 scale each: 0.1% overhead)
+INT8_NAME = "int8"
+
+
+def wire_option_enum(dtype: DTypeLike) -> Optional[int]:
+    """A requested *wire* dtype: :func:`dtype_enum`'s, or ``"int8"`` / :data:`INT8` (gradients only)."""
+    if isinstance(dtype, str) and dtype.lower() == INT8_NAME:
+        return INT8
+    if isinstance(dtype, (int, np.integer)) and not isinstance(dtype, bool) and int(dtype) == INT8:
+        return INT8
+    return dtype_enum(dtype)
+
+
+def quantize_int8(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 values (any shape) -> (int8 values, flat; float32 scale per block of
+    :data:`INT8_BLOCK`), ``value ~ int8 * scale`` with ``scale = absmax(block) / 127``; an
+    all-zero block has scale 0. Non-finite values are not representable (callers refuse them)."""
+    quantized, scales, _ = quantize_int8_rounded(values)
+    return quantized, scales
+
+
+def quantize_int8_rounded(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`quantize_int8` plus the dequantized values (float32, flat), which error feedback
+    needs; a few passes over the data, no padded copy when the size is whole blocks."""
+    flat = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    blocks = -(-flat.size // INT8_BLOCK)
+    if flat.size % INT8_BLOCK:
+        padded = np.zeros(blocks * INT8_BLOCK, np.float32)
+        padded[: flat.size] = flat
+    else:
+        padded = flat
+    grid = padded.reshape(blocks, INT8_BLOCK)
+    absmax = np.maximum(grid.max(axis=1, initial=-np.inf), -grid.min(axis=1, initial=np.inf))
+    scales = (np.abs(absmax) / np.float32(127)).astype(np.float32)  # abs: -0.0 for an all-zero block
+    inverse = np.divide(np.float32(1), scales, out=np.zeros_like(scales), where=scales > 0)
+    rounded = np.multiply(grid, inverse[:, None])
+    np.rint(rounded, out=rounded)
+    np.clip(rounded, -127, 127, out=rounded)
+    quantized = rounded.astype(np.int8).reshape(-1)[: flat.size]
+    np.multiply(rounded, scales[:, None], out=rounded)
+    return quantized, scales, rounded.reshape(-1)[: flat.size]
+
+
+def dequantize_int8(quantized: np.ndarray, scales: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """The float32 values of int8 ``quantized`` (flat, starting at a block boundary) and their
+    blocks' ``scales``; into ``out`` (flat float32 of the same size) if given."""
+    quantized = np.asarray(quantized, np.int8).reshape(-1)
+    if out is None:
+        out = np.empty(quantized.size, np.float32)
+    per_element = np.repeat(np.asarray(scales, np.float32), INT8_BLOCK)[: quantized.size]
+    np.multiply(quantized, per_element, out=out, dtype=np.float32)
+    return out
+
+
+def int8_payload_bytes(count: int) -> int:
+    """Bytes of an int8 chunk's ``data`` holding ``count`` elements (values, then scales)."""
+    return count + 4 * -(-count // INT8_BLOCK)
+
+
+def int8_count(nbytes: int) -> Optional[int]:
+    """The element count of an int8 chunk whose ``data`` has ``nbytes`` bytes; None if no count fits."""
+    full, rest = divmod(nbytes, INT8_BLOCK + 4)
+    if rest == 0:
+        return full * INT8_BLOCK
+    return full * INT8_BLOCK + rest - 4 if rest > 4 else None
+
+
+def int8_slices(quantized: np.ndarray, scales: np.ndarray, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """``(first element index, data)`` of int8 chunks of about ``chunk_bytes`` (whole blocks);
+    an empty tensor gives one empty chunk."""
+    if quantized.size == 0:
+        yield 0, b""
+        return
+    per_chunk = max(1, chunk_bytes // (INT8_BLOCK + 4)) * INT8_BLOCK
+    raw = quantized.view(np.uint8)
+    for start in range(0, quantized.size, per_chunk):
+        stop = min(start + per_chunk, quantized.size)
+        block_scales = scales[start // INT8_BLOCK: -(-stop // INT8_BLOCK)]
+        yield start, raw[start:stop].tobytes() + block_scales.astype("<f4").tobytes()
+
+
+def write_int8_values(target: np.ndarray, data: Any) -> None:
+    """Dequantizes one int8 chunk's ``data`` into ``target`` (flat float32 slice of exactly its
+    element count, starting at a block boundary).
+
+    Raises:
+      ValueError: ``data`` does not hold ``target.size`` elements and their scales.
+    """
+    if target.dtype != np.float32:
+        raise ValueError(f"int8 gradients decode into float32, not {target.dtype}")
+    count = target.size
+    if len(data) != int8_payload_bytes(count):
+        raise ValueError(f"{len(data)} bytes of int8 do not hold {count} elements and their scales")
+    raw = np.frombuffer(data, np.uint8)
+    dequantize_int8(raw[:count].view(np.int8), raw[count:].view("<f4"), out=target)
+
+
 # --- encode: arrays -> chunk bytes -------------------------------------------------------------
 
 

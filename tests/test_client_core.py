@@ -164,7 +164,7 @@ def test_session_options_from_the_spec_dict_build_the_session_config():
     ({"optimizer": "adam", "num_workers": True}, "num_workers"),
     ({"optimizer": "adam", "max_staleness": -1}, "max_staleness"),
     ({"optimizer": "adam", "staleness_policy": "drop"}, "staleness_policy"),
-    ({"optimizer": "adam", "wire_dtype": "int8"}, "wire_dtype"),
+    ({"optimizer": "adam", "wire_dtype": "int4"}, "wire_dtype"),
     ({"optimizer": "adam", "allow_nonfinite": 1}, "allow_nonfinite"),
 ])
 def test_session_options_refuse_bad_values_naming_the_option(kwargs, option):

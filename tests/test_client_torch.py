@@ -233,7 +233,7 @@ def test_bad_configuration_is_refused_before_contacting_a_server():
     with pytest.raises(ValueError, match="mode"):
         RemoteOptimizerConfig(optimizer={"name": "adam", "args": {}}, session="s", mode="bulk")
     with pytest.raises(ValueError, match="wire_dtype"):
-        RemoteOptimizerConfig(optimizer={"name": "adam", "args": {}}, session="s", wire_dtype="int8")
+        RemoteOptimizerConfig(optimizer={"name": "adam", "args": {}}, session="s", wire_dtype="int4")
     with pytest.raises(ValueError, match="optimizer"):
         RemoteOptimizerConfig(optimizer="adam", session="s")
     p = torch.nn.Parameter(torch.zeros(2))

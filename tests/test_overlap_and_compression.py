@@ -188,7 +188,9 @@ def byte_counter(monkeypatch) -> _ByteCounter:
 def _bytes_for_steps(counter: _ByteCounter, address: str, name: str, steps: int, call_kwargs=None, **session_kwargs) -> tuple[int, int]:
     rng = np.random.default_rng(0)
     params = {"w": rng.standard_normal((256, 256), np.float32), "v": rng.standard_normal((4096,), np.float32)}
-    session = Client(address).create_session(name, params, optimizer={"name": "sgd", "args": {"learning_rate": 1e-3}}, **session_kwargs)
+    # shared_memory=False: these tests count the tensor bytes gRPC carries (test_shared_memory.py
+    # counts the fast path's)
+    session = Client(address, shared_memory=session_kwargs.pop("shared_memory", False)).create_session(name, params, optimizer={"name": "sgd", "args": {"learning_rate": 1e-3}}, **session_kwargs)
     sent0, received0 = counter.sent, counter.received
     for _ in range(steps):
         session.push_pull({k: rng.standard_normal(v.shape, np.float32) for k, v in params.items()}, **(call_kwargs or {}))

@@ -270,3 +270,27 @@ def test_serve_refuses_an_unsafe_or_broken_security_setup_in_one_line(argv, frag
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0], proc.stderr
+
+
+def test_shared_memory_under_tls_and_tokens_serves_only_the_owning_tenant(secure_server, pki, alice, unique_name):
+    params = make_params()
+    session = alice.create_session(unique_name, params, optimizer=ADAM)
+    reference = InProcess("adam", ADAM["args"], params)
+    try:
+        for step in range(3):  # tensor bytes through shared memory; the step messages over TLS with the token
+            grads = make_grads(params, step)
+            assert max_abs_diff(session.push_pull(grads), reference.step(grads)) <= 1e-6
+        assert set(session.data_paths().values()) == {"shared_memory"}
+        for shard in session.info.shards:  # another tenant's token cannot even get a probe region offered
+            channel = _secure_channel(pki, shard.address)
+            offer = channel.unary_unary("/optserve.v1.ShardData/OfferSharedMemory",
+                                        request_serializer=data_pb2.OfferSharedMemoryRequest.SerializeToString,
+                                        response_deserializer=data_pb2.OfferSharedMemoryResponse.FromString)
+            for metadata, code in ((_token("tok-bob-9c2e"), grpc.StatusCode.PERMISSION_DENIED),
+                                   ((), grpc.StatusCode.UNAUTHENTICATED)):
+                with pytest.raises(grpc.RpcError) as refused:
+                    offer(data_pb2.OfferSharedMemoryRequest(session=session.name, client_id="bob"),
+                          metadata=metadata, timeout=10)
+                assert refused.value.code() == code
+    finally:
+        session.close()

@@ -53,15 +53,22 @@ class TensorAssembler:
             raise InvalidArgument(
                 f"tensor {spec.name!r}: shape {list(chunk.shape)} does not match the session's {list(spec.shape)}"
             )
-        dtype = wire_dtype(chunk.dtype, what=f"tensor {spec.name!r}")
-        item = dtype.itemsize
         data = chunk.data
-        if chunk.offset % item or len(data) % item:
-            raise InvalidArgument(
-                f"tensor {spec.name!r}: chunk at byte offset {chunk.offset} with {len(data)} bytes "
-                f"is not aligned to the {dtype.name} element size {item}"
-            )
-        start, count = chunk.offset // item, len(data) // item
+        if chunk.dtype == contract.INT8:  # quantized gradients (protos/contract.py: values, then block scales)
+            dtype, start, count = None, chunk.offset, contract.int8_count(len(data))
+            if count is None or start % contract.INT8_BLOCK or self._flat[spec.name].dtype != np.float32:
+                raise InvalidArgument(
+                    f"tensor {spec.name!r}: int8 chunk at element {start} with {len(data)} bytes is not whole "
+                    f"blocks of {contract.INT8_BLOCK} values and their scales (int8 is for gradients only)")
+        else:
+            dtype = wire_dtype(chunk.dtype, what=f"tensor {spec.name!r}")
+            item = dtype.itemsize
+            if chunk.offset % item or len(data) % item:
+                raise InvalidArgument(
+                    f"tensor {spec.name!r}: chunk at byte offset {chunk.offset} with {len(data)} bytes "
+                    f"is not aligned to the {dtype.name} element size {item}"
+                )
+            start, count = chunk.offset // item, len(data) // item
         if start < 0 or start + count > spec.size:
             raise InvalidArgument(
                 f"tensor {spec.name!r}: chunk elements [{start}, {start + count}) out of range [0, {spec.size})"
@@ -74,7 +81,10 @@ class TensorAssembler:
         if count == 0:
             return
         destination = self._flat[spec.name][start : start + count]
-        contract.write_wire_values(destination, data, dtype.value)
+        if dtype is None:
+            contract.write_int8_values(destination, data)
+        else:
+            contract.write_wire_values(destination, data, dtype.value)
         # Checked after the copy, on the destination: the pass then reads cached memory (~2x
         # cheaper than checking the message first). Casts keep NaN and Inf; a refused push
         # only wrote into its own buffers, which return to the pool.

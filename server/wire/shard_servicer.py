@@ -32,6 +32,7 @@ from optserve.server.domain.shard_session import PushHeader, Receipt, ShardRegis
 from optserve.server.domain.telemetry import Telemetry
 from optserve.server.wire.errors import grpc_errors, safe_decoder
 from optserve.server.wire.security import TokenTable
+from optserve.server.wire.shared_memory import RegionTable
 
 _log = logging.getLogger(__name__)
 
@@ -201,6 +202,7 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
         self._registry = registry
         self._streams = _OpenStreams(max_open_streams, max_per_tenant=max_streams_per_tenant)
         self._tokens = tokens
+        self.regions = RegionTable(registry)  # same-host fast path (server/wire/shared_memory.py)
 
     def _tenant(self, context) -> str:
         return self._tokens.tenant(context) if self._tokens is not None else ""
@@ -242,6 +244,14 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
     def Pull(self, request, context):
         start = time.perf_counter()
         session = self._session(request.session, context)
+        if request.HasField("shared_memory"):  # the parameters go into the client's region
+            region = self.regions.use(session, None, request.shared_memory)
+            version, params = session.snapshot()
+            sent = region.write_params(params)
+            del params
+            session.observer.sent(time.perf_counter() - start, sent)
+            yield data_pb2.PullResponse(version=version)
+            return
         dtype, chunk_bytes = _pull_options(request)
         version, params = session.snapshot()
         yield data_pb2.PullResponse(version=version)
@@ -250,6 +260,25 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
             sent += len(piece[-1])
             yield chunk_codec.encode_chunk_message(*piece)
         session.observer.sent(time.perf_counter() - start, sent)
+
+    # ------------------------------------------------------------- same-host fast path
+    @grpc_errors
+    def OfferSharedMemory(self, request, context):
+        offer, probe = self.regions.offer(self._session(request.session, context), request.client_id)
+        return data_pb2.OfferSharedMemoryResponse(offer=offer, probe=probe)
+
+    @grpc_errors
+    def OpenSharedMemory(self, request, context):
+        session = self._session(request.session, context)
+        region = self.regions.open(session, request.client_id, request.offer, request.nonce)
+        return data_pb2.OpenSharedMemoryResponse(region=self.regions.region_id(region), name=region.name,
+                                                 size=region.layout.size,
+                                                 tensor_names=[slot.name for slot in region.layout.push])
+
+    @grpc_errors
+    def CloseSharedMemory(self, request, context):
+        dropped = self.regions.close(self._session(request.session, context), request.region)
+        return data_pb2.CloseSharedMemoryResponse(dropped=dropped)
 
     @grpc_errors
     def PushPull(self, request_iterator, context):
@@ -289,11 +318,35 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
             raise InvalidArgument("PushPull `step`: header.auto_commit must be true (a one-message step "
                                   "commits with its peers; use header, chunks, seal for a decision)")
         session = self._session(step.header.session, context)
+        if step.HasField("shared_memory"):  # the gradients are in the client's region, read once here
+            if step.chunks:
+                raise InvalidArgument("PushPull `step`: chunks and shared_memory are exclusive")
+            read = _RegionRead(self.regions, session, step.header.client_id, step.shared_memory)
+            receipt = session.push(_push_header(step.header), read.chunks(), context.is_active,
+                                   wait_s=context.time_remaining())
+            session.observer.pushed(time.perf_counter() - started)
+            return (yield from self._answer_in_region(session, receipt, read.region, step.shared_memory.reply))
         framing = _OneMessagePush(step)
         receipt = session.push(_push_header(step.header), framing.chunks(), context.is_active,
                                wait_s=context.time_remaining())
         session.observer.pushed(time.perf_counter() - started)
         return (yield from self._answer(session, receipt, framing.reply, one_message=True))
+
+    def _answer_in_region(self, session: ShardSession, receipt: Receipt, region, reply: bool):
+        """A shared-memory step's answer: the parameters written once into the region (``reply``),
+        then one ``step_result`` without chunks."""
+        started = time.perf_counter()
+        closing = self._streams.crowded()
+        version = receipt.version
+        if reply:
+            version, params = session.snapshot()
+            sent = region.write_params(params)
+            del params  # as in _answer: a held view would stop the next update from donating
+            session.observer.sent(time.perf_counter() - started, sent)
+        done = data_pb2.StepDone(version=version, staleness=receipt.staleness, committed=True, stream_closing=closing)
+        receipt.durable()  # `done` acknowledges the push: its step is in the step log first
+        yield data_pb2.PushPullResponse(step_result=data_pb2.PushPullStepResult(done=done, in_shared_memory=reply))
+        return closing
 
     def _streamed_step(self, header, request_iterator, context, started: float):
         session = self._session(header.session, context)
@@ -396,6 +449,20 @@ class _StreamedPush:
                 raise InvalidArgument(f"PushPull: unexpected `{kind}` before `seal`")
 
 
+class _RegionRead:
+    """A shared-memory step's gradients as the push's chunks: the region is looked up (session,
+    client, nonce) inside the push, so a refused lookup is a refused push that the session's
+    other shards hear of at once (their parts are dropped), as a bad chunk would be."""
+
+    def __init__(self, regions: RegionTable, session: ShardSession, client_id: str, step: data_pb2.SharedMemoryStep):
+        self._lookup = lambda: regions.use(session, client_id, step)
+        self.region = None
+
+    def chunks(self):
+        self.region = self._lookup()
+        yield from self.region.gradient_chunks()
+
+
 class _ChunkRequest:
     """A request that holds one chunk, decoded without copying its bytes (:func:`add_to_server`).
 
@@ -451,5 +518,9 @@ def add_to_server(registry: ShardRegistry, server: grpc.Server, max_open_streams
         "PushPull": grpc.stream_stream_rpc_method_handler(
             servicer.PushPull, request_deserializer=_request_decoder(data_pb2.PushPullRequest),
             response_serializer=chunk_codec.serialize),
+        **{method: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method), request_deserializer=getattr(data_pb2, f"{method}Request").FromString,
+            response_serializer=getattr(data_pb2, f"{method}Response").SerializeToString)
+           for method in ("OfferSharedMemory", "OpenSharedMemory", "CloseSharedMemory")},
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("optserve.v1.ShardData", handlers),))

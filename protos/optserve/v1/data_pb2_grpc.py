@@ -64,6 +64,21 @@ class ShardDataStub:
                 request_serializer=optserve_dot_v1_dot_data__pb2.PushPullRequest.SerializeToString,
                 response_deserializer=optserve_dot_v1_dot_data__pb2.PushPullResponse.FromString,
                 _registered_method=True)
+        self.OfferSharedMemory = channel.unary_unary(
+                '/optserve.v1.ShardData/OfferSharedMemory',
+                request_serializer=optserve_dot_v1_dot_data__pb2.OfferSharedMemoryRequest.SerializeToString,
+                response_deserializer=optserve_dot_v1_dot_data__pb2.OfferSharedMemoryResponse.FromString,
+                _registered_method=True)
+        self.OpenSharedMemory = channel.unary_unary(
+                '/optserve.v1.ShardData/OpenSharedMemory',
+                request_serializer=optserve_dot_v1_dot_data__pb2.OpenSharedMemoryRequest.SerializeToString,
+                response_deserializer=optserve_dot_v1_dot_data__pb2.OpenSharedMemoryResponse.FromString,
+                _registered_method=True)
+        self.CloseSharedMemory = channel.unary_unary(
+                '/optserve.v1.ShardData/CloseSharedMemory',
+                request_serializer=optserve_dot_v1_dot_data__pb2.CloseSharedMemoryRequest.SerializeToString,
+                response_deserializer=optserve_dot_v1_dot_data__pb2.CloseSharedMemoryResponse.FromString,
+                _registered_method=True)
 
 
 class ShardDataServicer:
@@ -120,6 +135,33 @@ class ShardDataServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OfferSharedMemory(self, request, context):
+        """Same-host fast path (protos/shared_memory.py), step 1: the shard creates a small
+        shared-memory region (POSIX, mode 0600, unguessable name) holding a random nonce and names
+        it. Only a process on the shard's host (same /dev/shm, same user) can read the nonce.
+        Errors: NOT_FOUND (session), PERMISSION_DENIED (another tenant's session).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenSharedMemory(self, request, context):
+        """Step 2: the client sends the nonce back; the shard then creates this client's data region
+        (gradients in, parameters out) for the session. Errors: PERMISSION_DENIED (wrong nonce, or
+        another client's offer), NOT_FOUND (unknown or expired offer).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSharedMemory(self, request, context):
+        """Drops a client's data region (idempotent). Regions are also dropped when their session
+        closes and when unused for a while (the client then opens a new one or uses gRPC bytes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardDataServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -152,6 +194,21 @@ def add_ShardDataServicer_to_server(servicer, server):
                     servicer.PushPull,
                     request_deserializer=optserve_dot_v1_dot_data__pb2.PushPullRequest.FromString,
                     response_serializer=optserve_dot_v1_dot_data__pb2.PushPullResponse.SerializeToString,
+            ),
+            'OfferSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.OfferSharedMemory,
+                    request_deserializer=optserve_dot_v1_dot_data__pb2.OfferSharedMemoryRequest.FromString,
+                    response_serializer=optserve_dot_v1_dot_data__pb2.OfferSharedMemoryResponse.SerializeToString,
+            ),
+            'OpenSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSharedMemory,
+                    request_deserializer=optserve_dot_v1_dot_data__pb2.OpenSharedMemoryRequest.FromString,
+                    response_serializer=optserve_dot_v1_dot_data__pb2.OpenSharedMemoryResponse.SerializeToString,
+            ),
+            'CloseSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSharedMemory,
+                    request_deserializer=optserve_dot_v1_dot_data__pb2.CloseSharedMemoryRequest.FromString,
+                    response_serializer=optserve_dot_v1_dot_data__pb2.CloseSharedMemoryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -316,6 +373,87 @@ class ShardData:
             '/optserve.v1.ShardData/PushPull',
             optserve_dot_v1_dot_data__pb2.PushPullRequest.SerializeToString,
             optserve_dot_v1_dot_data__pb2.PushPullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OfferSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/optserve.v1.ShardData/OfferSharedMemory',
+            optserve_dot_v1_dot_data__pb2.OfferSharedMemoryRequest.SerializeToString,
+            optserve_dot_v1_dot_data__pb2.OfferSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/optserve.v1.ShardData/OpenSharedMemory',
+            optserve_dot_v1_dot_data__pb2.OpenSharedMemoryRequest.SerializeToString,
+            optserve_dot_v1_dot_data__pb2.OpenSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/optserve.v1.ShardData/CloseSharedMemory',
+            optserve_dot_v1_dot_data__pb2.CloseSharedMemoryRequest.SerializeToString,
+            optserve_dot_v1_dot_data__pb2.CloseSharedMemoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,262 @@
+"""The client's side of the same-host fast path: proving a shard's shared memory is reachable,
+mapping the session's data regions, and moving tensors through them.
+
+The contract (names, layout, OS calls) is :mod:`optserve.protos.shared_memory`; the handshake
+is data.proto's ``OfferSharedMemory`` / ``OpenSharedMemory``. A region is used for a shard only
+after this process read the nonce the shard wrote into its probe region and the shard accepted
+it; ``shared_memory="auto"`` falls back to gRPC bytes, silently, for a shard where any step of
+that fails (another host, another mount namespace or user, an older shard).
+
+The client creates no region: it maps what its shards made and unlinks their names at once, so
+nothing stays in ``/dev/shm`` whichever process dies; its mappings go when the session object
+is detached, closed or collected (or the process exits).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import Callable, Mapping, Optional, Sequence, Union
+
+import grpc
+import numpy as np
+
+from optserve.client import _wire
+from optserve.client.errors import FailedPreconditionError, InvalidArgumentError
+from optserve.protos import contract
+from optserve.protos import shared_memory as shm
+from optserve.protos.optserve.v1 import data_pb2
+
+SharedMemoryArg = Union[bool, str]
+_SERVICE = "/optserve.v1.ShardData/"
+_swept = False
+
+
+def check_mode(value: SharedMemoryArg) -> SharedMemoryArg:
+    """``Client(shared_memory=...)``: "auto", True or False."""
+    if value is True or value is False or value == "auto":
+        return value
+    raise InvalidArgumentError(f"shared_memory: must be 'auto', True or False, got {value!r}")
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    return (a.shape == b.shape and a.dtype == b.dtype and a.flags.c_contiguous
+            and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
+
+
+class ShardRegion:
+    """One shard's data region for one session object: gradients in, parameters out."""
+
+    def __init__(self, shard_index: int, region_id: str, nonce: bytes, mapping, fd: int, layout: shm.Layout):
+        self.shard_index = shard_index
+        self.region_id = region_id
+        self._nonce = nonce
+        self._mapping = mapping
+        self._fd = fd  # holds the shared lock that tells the shard this process uses the region
+        self.lock = threading.Lock()  # one step at a time uses the region
+        self.push = {slot.name: np.frombuffer(mapping, np.float32, slot.nbytes // 4, slot.offset).reshape(slot.shape)
+                     for slot in layout.push}
+        self._reply = {slot.name: (slot.dtype, np.frombuffer(mapping, np.uint8, slot.nbytes, slot.offset))
+                       for slot in layout.reply}
+
+    def step(self, reply: bool) -> data_pb2.SharedMemoryStep:
+        """The step message's reference to this region."""
+        return data_pb2.SharedMemoryStep(region=self.region_id, nonce=self._nonce, reply=reply)
+
+    def write(self, grads: Mapping[str, np.ndarray]) -> None:
+        """Copies the shard's gradients into the push part (skipped for arrays that already live
+        there: :meth:`Session.gradient_buffers`)."""
+        for name, target in self.push.items():
+            source = grads[name]
+            if not _same_memory(source, target):
+                np.copyto(target, source, casting="unsafe")
+
+    def read(self, out: Optional[Mapping[str, np.ndarray]] = None, views: bool = False) -> dict[str, np.ndarray]:
+        """The parameters from the reply part: read-only views (``views``; valid until this
+        region's next step; bfloat16 tensors are always converted), else copies into ``out``'s
+        arrays where they fit, else into fresh ones."""
+        out = out or {}
+        result = {}
+        for name, (dtype, raw) in self._reply.items():
+            shape = self.push[name].shape
+            if dtype == contract.BFLOAT16:
+                values = raw.view(np.uint16).reshape(shape)
+            else:
+                values = raw.view(np.float32 if dtype == contract.FLOAT32 else np.float16).reshape(shape)
+            if views and dtype != contract.BFLOAT16:
+                view = values.view()
+                view.flags.writeable = False
+                result[name] = view
+                continue
+            given = out.get(name)
+            wanted = _wire.output_dtype(dtype)
+            target = given if (given is not None and given.shape == shape and given.dtype == wanted
+                               and given.flags.c_contiguous and given.flags.writeable) else np.empty(shape, wanted)
+            if dtype == contract.BFLOAT16:
+                contract.bf16_bits_to_f32(values, out=target)
+            else:
+                np.copyto(target, values)
+            result[name] = target
+        return result
+
+    def close(self) -> None:
+        self.push = {}
+        self._reply = {}
+        shm.close_quietly(self._mapping)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class _Calls:
+    def __init__(self, channel: grpc.Channel):
+        def unary(method):
+            return channel.unary_unary(_SERVICE + method,
+                                       request_serializer=lambda m: m.SerializeToString(),
+                                       response_deserializer=getattr(data_pb2, f"{method}Response").FromString)
+
+        self.offer = unary("OfferSharedMemory")
+        self.open = unary("OpenSharedMemory")
+        self.close = unary("CloseSharedMemory")
+
+
+def negotiate(channel: grpc.Channel, session: str, client_id: str, shard_index: int, specs: Mapping,
+              timeout: float) -> tuple[Optional[ShardRegion], str]:
+    """Runs the handshake with one shard; returns ``(region, "")`` or ``(None, why not)``.
+
+    ``specs``: name -> (spec dtype value, shape) of the session's tensors.
+    """
+    global _swept
+    if not shm.available():
+        return None, f"no {shm.SHM_DIR} on this host"
+    if not _swept:
+        _swept = True
+        shm.sweep_stale()
+    calls = _Calls(channel)
+    try:
+        offer = calls.offer(data_pb2.OfferSharedMemoryRequest(session=session, client_id=client_id), timeout=timeout)
+    except grpc.RpcError as exc:
+        return None, f"the shard offers no shared memory ({exc.code().name}: {exc.details()})"
+    try:
+        probe = shm.open_existing(offer.probe, shm.NONCE_BYTES, writable=False)
+        nonce = bytes(probe[:])
+        shm.close_quietly(probe)
+    except (OSError, ValueError) as exc:
+        return None, f"cannot open the shard's probe region ({exc})"
+    finally:
+        _unlink_quietly(offer.probe)
+    try:
+        opened = calls.open(data_pb2.OpenSharedMemoryRequest(session=session, client_id=client_id, offer=offer.offer,
+                                                             nonce=nonce), timeout=timeout)
+    except grpc.RpcError as exc:
+        return None, f"the shard refused the nonce ({exc.code().name}: {exc.details()})"
+    try:
+        layout = shm.layout([(name, *specs[name]) for name in opened.tensor_names])
+        mapping, fd = shm.open_existing(opened.name, layout.size, hold=True) if layout.size == opened.size else (None, -1)
+    except (OSError, ValueError, KeyError) as exc:
+        mapping, why = None, f"cannot map the data region ({exc})"
+    else:
+        why = "" if mapping is not None else "the data region's size does not match its layout"
+    finally:
+        _unlink_quietly(opened.name)
+    if mapping is None:
+        try:
+            calls.close(data_pb2.CloseSharedMemoryRequest(session=session, region=opened.region), timeout=timeout)
+        except grpc.RpcError:
+            pass
+        return None, why
+    return ShardRegion(shard_index, opened.region, nonce, mapping, fd, layout), ""
+
+
+def _unlink_quietly(name: str) -> None:
+    try:
+        shm.unlink(name)
+    except (OSError, ValueError):
+        pass
+
+
+class SessionRegions:
+    """A session object's regions, one per shard where the handshake succeeded (lazily, on the
+    first data-plane call). ``mode``: "auto", True (fail if any shard cannot) or False."""
+
+    def __init__(self, mode: SharedMemoryArg, channel_of: Callable[[str], grpc.Channel], session: str,
+                 client_id: str, specs: Mapping, timeout: float):
+        self.mode = mode
+        self._channel_of = channel_of
+        self._session = session
+        self._client_id = client_id
+        self._specs = specs
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._regions: dict[int, Optional[ShardRegion]] = {}
+        self.reasons: dict[int, str] = {}  # shard index -> why it uses gRPC bytes
+        self._addresses: dict[int, str] = {}
+        self._finalizer = None
+
+    def ensure(self, shards: Sequence) -> dict[int, Optional[ShardRegion]]:
+        """Negotiates with every shard not tried yet; returns index -> region or None."""
+        if self.mode is False:
+            return {shard.index: None for shard in shards}
+        with self._lock:
+            for shard in shards:
+                if shard.index in self._regions:
+                    continue
+                region, why = negotiate(self._channel_of(shard.address), self._session, self._client_id, shard.index,
+                                        {n: self._specs[n] for n in shard.names}, self._timeout)
+                if region is None and self.mode is True:
+                    raise FailedPreconditionError(f"shared_memory=True: shard {shard.index} ({shard.address}): {why}",
+                                                  "FAILED_PRECONDITION")
+                self._regions[shard.index] = region
+                self._addresses[shard.index] = shard.address
+                self.reasons[shard.index] = why
+            if self._finalizer is None:
+                self._finalizer = weakref.finalize(self, _close_all, self._regions)
+            return dict(self._regions)
+
+    def acquire(self, shards: Sequence) -> dict[int, ShardRegion]:
+        """The regions free for a step (each locked: release them after it); a busy one (another
+        step of this object in flight) leaves its shard on gRPC bytes for this step."""
+        taken = {}
+        for index, region in self.ensure(shards).items():
+            if region is not None and region.lock.acquire(blocking=False):
+                taken[index] = region
+        return taken
+
+    @staticmethod
+    def release(taken: Mapping[int, ShardRegion]) -> None:
+        for region in taken.values():
+            region.lock.release()
+
+    def forget(self, indices) -> None:
+        """Drops regions the shard no longer knows (they are negotiated again on the next call)."""
+        with self._lock:
+            for index in indices:
+                region = self._regions.pop(index, None)
+                if region is not None:
+                    region.close()
+
+    def paths(self) -> dict[int, str]:
+        """Shard index -> "shared_memory" or "grpc" (shards not tried yet are left out)."""
+        with self._lock:
+            return {i: "shared_memory" if r is not None else "grpc" for i, r in self._regions.items()}
+
+    def close(self, notify: bool = True) -> None:
+        """Drops every region: tells the shards (best effort) and unmaps them here."""
+        with self._lock:
+            regions = {i: r for i, r in self._regions.items() if r is not None}
+            self._regions.clear()
+        for index, region in regions.items():
+            if notify:
+                try:
+                    _Calls(self._channel_of(self._addresses[index])).close(
+                        data_pb2.CloseSharedMemoryRequest(session=self._session, region=region.region_id), timeout=2.0)
+                except (grpc.RpcError, ValueError, RuntimeError):
+                    pass
+            region.close()
+
+
+def _close_all(regions: dict) -> None:
+    for region in list(regions.values()):
+        if region is not None:
+            region.close()
