@@ -65,12 +65,14 @@ def test_sync_session_survives_a_shard_sigkill_with_no_acknowledged_step_lost(du
         grads = make_grads(params, step)
         got = session.push_pull(grads)
         expected = reference.step(grads)
+    assert session.data_paths() == {0: "shared_memory", 1: "shared_memory"}  # same host: the fast path
     _kill_shard(durable_server, killed)
     for step in range(6, 12):  # the same client object: the first of these spans the recovery
         grads = make_grads(params, step)
         got = session.push_pull(grads)
         expected = reference.step(grads)
     assert max_abs_diff(got, expected) <= 1e-6
+    assert session.data_paths() == {0: "shared_memory", 1: "shared_memory"}  # regions made anew on the new shard
     status = session.status()
     assert status.version == 12
     durability = [s.durability for s in status.shards]
