@@ -16,14 +16,16 @@ from bench._timing import print_table
 from bench.service import OPTIMIZER, _model, interleaved_seconds, latency_ms
 
 
-def parse_arguments(description: str, argv=None):
-    """The A/B benchmarks' flags: ``--small``, ``--shards``, ``--repeats``."""
+def parse_arguments(description: str, argv=None, extra=None):
+    """The A/B benchmarks' flags: ``--small``, ``--shards``, ``--repeats`` (and ``extra(parser)``'s)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--small", action="store_true", help="4 x 512 x 512 instead of 6 x 4096 x 4096")
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
+    if extra is not None:
+        extra(parser)
     return parser.parse_args(argv)
 
 
