@@ -3,8 +3,9 @@
     .venv/bin/python -m bench.tls            # ~100M float32 params (6 x 4096 x 4096), 2 shards
     .venv/bin/python -m bench.tls --small    # 4 x 512 x 512, a quick smoke run
 
-Two servers side by side (:mod:`bench._ab`): one plaintext, one with TLS on every port and a token
-on every call (a certificate made for the run).
+Servers side by side (:mod:`bench._ab`): plaintext, and TLS on every port with a token on every
+call (a certificate made for the run); each with the default same-host path (tensor bytes through
+shared memory, the step message over gRPC) and with every byte over gRPC (as from another host).
 """
 
 from __future__ import annotations
@@ -27,10 +28,14 @@ def main(argv=None) -> str:
         cert.write_bytes(material.cert)
         key.write_bytes(material.key)
         tokens.write_text(f"{TOKEN} bench\n")
+        secure = {"tls_cert": str(cert), "tls_key": str(key), "auth_tokens": str(tokens)}
+        client = {"token": TOKEN, "tls": str(cert)}
         return compare("bench.tls", {
             "plaintext": ({}, {}),
-            "TLS + token": ({"tls_cert": str(cert), "tls_key": str(key), "auth_tokens": str(tokens)},
-                            {"token": TOKEN, "tls": str(cert)}),
+            "TLS + token": (secure, client),
+            # the bytes over gRPC (as from another host): TLS encrypts every tensor byte
+            "plaintext, gRPC bytes": ({}, {"shared_memory": False}),
+            "TLS + token, gRPC bytes": (secure, {**client, "shared_memory": False}),
         }, small=args.small, shards=args.shards, repeats=args.repeats)
 
 
