@@ -68,8 +68,9 @@ class ShardActor:
                                    interceptors=security.interceptors(open_services=Health.OPEN_SERVICES))
         self._health = Health(self._server, ("optserve.v1.ShardData",))
         # half the threads at most for open PushPull streams, the rest for everything else
-        add_to_server(self._registry, self._server, max_open_streams=max(1, config.grpc_threads // 2),
-                      tokens=security.tokens, max_streams_per_tenant=config.limits.max_streams_per_tenant)
+        self._data = add_to_server(self._registry, self._server, max_open_streams=max(1, config.grpc_threads // 2),
+                                   tokens=security.tokens,
+                                   max_streams_per_tenant=config.limits.max_streams_per_tenant)
         host = config.data_host
         port = _bind(lambda p: security.add_port(self._server, f"{host}:{p}"), ports[0])
         self._server.start()
@@ -209,6 +210,7 @@ class ShardActor:
         if session is not None:
             session.close_store()
         removed = self._registry.remove(name)
+        self._data.regions.reap()  # its shared-memory regions go now, not at the reaper's next sweep
         self._metrics.forget(name)
         if removed:  # its buffers are free: give their pages back now (the heap would keep up to 1 GiB of them)
             release_free_memory()

@@ -188,7 +188,7 @@ def test_a_shard_killed_while_writing_a_checkpoint_restores_the_previous_one_plu
     """A checkpoint half-written by a killed process is never used: the previous checkpoint and the
     step log give back every acknowledged step (a larger tensor, so the write takes a while)."""
     client = Client(durable_server.address, timeout=90.0)
-    params = make_params(6, shapes={"big/w": (1024, 1024), "small/b": (16,)})
+    params = make_params(6, shapes={"big/w": (2048, 2048), "small/b": (16,)})
     reference = InProcess("sgd", {"learning_rate": 0.05}, params)
     session = client.create_session(unique_name, params, optimizer={"name": "sgd", "args": {"learning_rate": 0.05}})
     folder = _shard_folder(checkpoint_dir, unique_name, 0)
@@ -198,7 +198,7 @@ def test_a_shard_killed_while_writing_a_checkpoint_restores_the_previous_one_plu
         grads = make_grads(params, step)
         got, expected = session.push_pull(grads), reference.step(grads)
         step += 1
-        deadline = time.monotonic() + 0.5
+        deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
             names = os.listdir(folder)
             writing = [n for n in names if n.startswith("checkpoint-") and ".json" not in n

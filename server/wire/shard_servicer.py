@@ -489,13 +489,15 @@ def _request_decoder(message_type):
 
 
 def add_to_server(registry: ShardRegistry, server: grpc.Server, max_open_streams: int = 16,
-                  tokens: Optional[TokenTable] = None, max_streams_per_tenant: Optional[int] = None) -> None:
+                  tokens: Optional[TokenTable] = None,
+                  max_streams_per_tenant: Optional[int] = None) -> "ShardDataServicer":
     """Serves ShardData for ``registry`` on ``server`` with the copy-saving chunk codecs.
 
     Same service name, methods and wire format as ``data_pb2_grpc.add_ShardDataServicer_to_server``;
     chunk requests are read in place and chunk responses serialized by hand
     (:mod:`optserve.protos.chunk_codec`), sparing protobuf's copies of every tensor byte.
     ``max_open_streams``, ``tokens`` and ``max_streams_per_tenant``: see :class:`ShardDataServicer`.
+    Returns the servicer (its ``regions``: the shared-memory regions it serves).
     """
     servicer = ShardDataServicer(registry, max_open_streams=max_open_streams, tokens=tokens,
                                  max_streams_per_tenant=max_streams_per_tenant)
@@ -524,3 +526,4 @@ def add_to_server(registry: ShardRegistry, server: grpc.Server, max_open_streams
            for method in ("OfferSharedMemory", "OpenSharedMemory", "CloseSharedMemory")},
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("optserve.v1.ShardData", handlers),))
+    return servicer
