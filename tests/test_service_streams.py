@@ -91,7 +91,6 @@ def test_idle_open_streams_never_stop_a_new_client_from_stepping(few_thread_serv
 
     import grpc
 
-    from optserve.protos.optserve.v1 import data_pb2_grpc
 
     params = make_params()
     idle_clients = [Client(few_thread_server.address, timeout=30.0, stream_idle_s=600.0) for _ in range(3)]
@@ -101,13 +100,8 @@ def test_idle_open_streams_never_stop_a_new_client_from_stepping(few_thread_serv
     for index, session in enumerate(sessions):
         session.push_pull(make_grads(params, 0, seed=index + 2))
     never = threading.Event()
-
-    def silent():
-        never.wait()
-        yield from ()
-
     channel = grpc.insecure_channel(few_thread_server.shard_addresses[0])
-    raw_calls = [data_pb2_grpc.ShardDataStub(channel).PushPull(silent(), timeout=300) for _ in range(6)]
+    raw_calls = _silent_calls(channel, 6, never, timeout_s=300)
     newcomer = Client(few_thread_server.address, timeout=15.0)
     try:
         time.sleep(1.0)  # every open call is idle by now
@@ -142,20 +136,14 @@ def test_a_tenant_past_max_streams_per_tenant_is_refused_a_new_stream_naming_the
     import grpc
 
     from optserve.client import ResourceExhaustedError
-    from optserve.protos.optserve.v1 import data_pb2_grpc
     from optserve.server.app import start_server
     from optserve.server.domain.config import Limits, ServerConfig
 
     server = start_server(ServerConfig(host="127.0.0.1", port=0, shards=1, min_shard_bytes=0,
                                        limits=Limits(max_streams_per_tenant=2)))
     never = threading.Event()
-
-    def silent():
-        never.wait()
-        yield from ()
-
     channel = grpc.insecure_channel(server.shard_addresses[0])
-    held = [data_pb2_grpc.ShardDataStub(channel).PushPull(silent(), timeout=60) for _ in range(2)]
+    held = _silent_calls(channel, 2, never, timeout_s=60)
     client = Client(server.address, timeout=30.0)
     try:
         time.sleep(0.5)  # both calls are open on the shard
@@ -176,3 +164,14 @@ def test_a_tenant_past_max_streams_per_tenant_is_refused_a_new_stream_naming_the
         channel.close()
         client.close()
         server.stop()
+
+
+def _silent_calls(channel, count: int, never, timeout_s: float) -> list:
+    """``count`` raw PushPull calls on ``channel`` that open and send nothing until ``never`` is set."""
+    from optserve.protos.optserve.v1 import data_pb2_grpc
+
+    def silent():
+        never.wait()
+        yield from ()
+
+    return [data_pb2_grpc.ShardDataStub(channel).PushPull(silent(), timeout=timeout_s) for _ in range(count)]
