@@ -122,6 +122,23 @@ def test_step_log_reads_back_every_record_and_ends_at_a_torn_tail(tmp_path):
     store.close()
 
 
+def test_step_whose_update_failed_is_skipped_on_replay_and_later_steps_still_read(tmp_path):
+    store = _store(tmp_path)
+    store.start_logs(None)
+    store.log_step(StepRecord(1, ((0, "c", 1),), 1.0, 0.0), list(_grads(0).values()))
+    store.begin_step(list(_grads(99).values()))  # its payload is written while the update runs ...
+    store.abort_step()  # ... which fails: the record is marked, not applied
+    store.begin_step(list(_grads(1).values()))
+    store.end_step(StepRecord(2, ((1, "c", 2),), 1.0, 0.0))
+    store.wait_logged(2)
+    (segment,) = store.log_segments(None)
+    records = list(read_step_log(segment, _buffers))
+    assert [StepRecord.from_json(h).version for h, _ in records] == [1, 2]
+    assert all(np.array_equal(records[1][1][k], _grads(1)[k]) for k in ("w", "b"))
+    assert store.log_records == 2
+    store.close()
+
+
 def test_step_log_damaged_before_its_end_is_reported_not_replayed(tmp_path):
     store = _store(tmp_path)
     store.start_logs(None)

@@ -16,7 +16,8 @@ its folder; older checkpoints and log segments are deleted only after that. A ch
 arrays do not match their manifest's checksums is reported (:class:`CorruptCheckpoint`), never
 loaded. A step-log record is ``"OSLR" | payload length (u64) | payload | header length (u32) |
 header JSON | crc32(header) (u32) | "OSLE"``; a record torn by a crash (no end marker) ends the
-log: it was never acknowledged.
+log: it was never acknowledged. The payload is written while the step's update runs and the header
+after it; a step whose update failed gets the header ``{"aborted": true}`` and is skipped on replay.
 
 Loading a session's parameters and optimizer state into your own JAX program: see
 :func:`load_checkpoint`.
@@ -152,6 +153,19 @@ class _Segments:
                 os.unlink(os.path.join(self.folder, name))
 
 
+def _close_segments(fds: list, flush: bool) -> None:
+    """Closes closed-off log segments' descriptors, flushing them to the disk first when they
+    still hold the only copy of their records (a checkpoint meant to replace them failed)."""
+    for fd in fds:
+        try:
+            if flush:
+                os.fsync(fd)
+        except OSError:
+            log.exception("event=step_log_flush_failed")
+        finally:
+            os.close(fd)
+
+
 def _segment_indices(folder: str, kind: str, start: int) -> list[int]:
     found = []
     for name in os.listdir(folder):
@@ -200,7 +214,9 @@ def read_step_log(path: str, arrays: Callable[[], dict]):
                     raise CorruptCheckpoint(f"step log {path}: record at byte {at} is damaged")
                 log.warning("event=step_log_torn_tail path=%s at=%d", path, at)
                 return
-            yield json.loads(header), grads
+            record = json.loads(header)
+            if not record.get("aborted"):  # a step whose update failed: never applied
+                yield record, grads
 
 
 def read_journal(path: str) -> list:
@@ -347,37 +363,65 @@ class ShardStore:
                 self._tickets_since_sync = 0
 
     def log_step(self, record, grads: list, release: Optional[Callable[[], None]] = None) -> None:
-        """Queues ``record`` and its gradient (arrays in tensor order) for the log thread, which
-        appends them in order (and flushes them per the fsync policy), then calls ``release()``
-        (the arrays may be reused from then on). :meth:`wait_logged` waits for the record."""
+        """:meth:`begin_step` and :meth:`end_step` at once (a step whose update already ran)."""
+        self.begin_step(grads)
+        self.end_step(record, release)
+
+    def begin_step(self, grads: list) -> None:
+        """Starts appending the next step's gradient (arrays in tensor order, read but not
+        changed by the update) in the background while the update runs; :meth:`end_step` or
+        :meth:`abort_step` must follow, in call order."""
         self.log_records += 1
         self.log_bytes += sum(g.nbytes for g in grads)
-        self._log_thread.submit(self._append, record, grads, release)
+        self._log_thread.submit(self._append_payload, grads)
 
-    def _append(self, record, grads: list, release: Optional[Callable[[], None]]) -> None:
+    def end_step(self, record, release: Optional[Callable[[], None]] = None) -> None:
+        """Completes the step begun last with ``record`` (flushed per the fsync policy), then calls
+        ``release()`` (the gradient arrays may be reused from then on). :meth:`wait_logged`
+        waits for it."""
+        self._log_thread.submit(self._append_header, record, release)
+
+    def abort_step(self) -> None:
+        """The step begun last was not applied (its update failed): marks its record skipped."""
+        self.log_records -= 1
+        self._log_thread.submit(self._append_header, None, None)
+
+    def _append_payload(self, grads: list) -> None:
+        if self._log_error is not None:
+            return
         try:
-            header = json.dumps(record.to_json()).encode()
             payload = [memoryview(np.ascontiguousarray(g).reshape(-1)).cast("B") for g in grads]
-            nbytes = sum(p.nbytes for p in payload)
-            self._steps.write([_PREFIX.pack(_REC_START, nbytes), *payload, _U32.pack(len(header)), header,
-                               _U32.pack(zlib.crc32(header)), _REC_END])
-            del payload
+            self._steps.write([_PREFIX.pack(_REC_START, sum(p.nbytes for p in payload)), *payload])
+        except BaseException as exc:  # noqa: BLE001 - every later wait_logged raises it
+            log.exception("event=step_log_failed session=%s shard=%d", self._session, self._shard)
+            self._fail(exc)
+
+    def _append_header(self, record, release: Optional[Callable[[], None]]) -> None:
+        try:
+            if self._log_error is not None:
+                return
+            header = json.dumps(record.to_json() if record is not None else {"aborted": True}).encode()
+            self._steps.write([_U32.pack(len(header)), header, _U32.pack(zlib.crc32(header)), _REC_END])
+            if record is None:
+                return
             self._records_since_sync += 1
             if self._config.fsync_due(self._records_since_sync):
                 self._steps.fsync()
                 self._records_since_sync = 0
         except BaseException as exc:  # noqa: BLE001 - every later wait_logged raises it
-            log.exception("event=step_log_failed session=%s shard=%d version=%d", self._session, self._shard,
-                          record.version)
-            with self._logged:
-                self._log_error = exc
-                self._logged.notify_all()
+            log.exception("event=step_log_failed session=%s shard=%d", self._session, self._shard)
+            self._fail(exc)
             return
         finally:
             if release is not None:
                 release()
         with self._logged:
             self._logged_version = max(self._logged_version, record.version)
+            self._logged.notify_all()
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._logged:
+            self._log_error = exc
             self._logged.notify_all()
 
     def wait_logged(self, version: int) -> None:
@@ -461,15 +505,14 @@ class ShardStore:
 
         started = time.monotonic()
         path = os.path.join(self.folder, f"checkpoint-{version}")
-        for fd in manifest.pop("closed_fds"):  # the segments before this checkpoint: flushed, closed
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        closed_fds = manifest.pop("closed_fds")  # the segments this checkpoint replaces
         try:
             if os.path.exists(path):  # a checkpoint of this version without a manifest, or a re-save
                 shutil.rmtree(path)
-            ocp.Checkpointer(ocp.StandardCheckpointHandler()).save(path, args=ocp.args.StandardSave(tree))
+            # Uncompressed: zstd would cost more CPU than the step itself on a busy host; the
+            # format is orbax's own (a StandardCheckpointHandler restores it).
+            ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)).save(
+                path, args=ocp.args.PyTreeSave(tree))
             manifest["crc32"] = [zlib.crc32(np.ascontiguousarray(a)) for a in _leaves(tree)]
             manifest["written_unix_s"] = time.time()
             _write_atomically(f"{path}.json", json.dumps(manifest).encode())
@@ -477,7 +520,9 @@ class ShardStore:
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.exception("event=checkpoint_failed session=%s shard=%d version=%d", self._session, self._shard,
                           version)
+            _close_segments(closed_fds, flush=True)  # they stay the only copy of their steps
             raise
+        _close_segments(closed_fds, flush=False)  # replaced by the committed checkpoint
         self._drop_older_than(version, manifest)
         self.durable_version = version
         self.checkpoint_seconds = time.monotonic() - started

@@ -200,9 +200,16 @@ class SessionStore(Protocol):
     The shard session calls it under its own lock, in step order.
     """
 
-    def log_step(self, record: StepRecord, grads: list, release=None) -> None:
-        """Appends ``record`` and ``grads`` (the shard's tensors' gradients, in tensor order) in
-        the background, in call order (flushed per the fsync policy), then calls ``release()``."""
+    def begin_step(self, grads: list) -> None:
+        """Starts appending the next step's ``grads`` (the shard's tensors' gradients, in tensor
+        order; only read) in the background, while the step's update runs."""
+
+    def end_step(self, record: StepRecord, release=None) -> None:
+        """Completes the step begun last with ``record`` in the background, in call order (flushed
+        per the fsync policy), then calls ``release()``."""
+
+    def abort_step(self) -> None:
+        """The step begun last was not applied: its record is marked skipped."""
 
     def wait_logged(self, version: int) -> None:
         """Returns once the step of ``version`` is logged (acknowledging it waits for this)."""

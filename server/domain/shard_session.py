@@ -568,11 +568,17 @@ class ShardSession:
         session also logs the step (in the background: its answers wait for it, see
         :class:`Receipt`) and checkpoints after it when the ticket says so."""
         start = time.perf_counter()
-        global_stat = self.updater.apply(grads, ticket.scale, lambda partial: self._clock.reduce_sum(
-            ticket.target_version, self.shard_index, partial))
+        if self._store is not None:  # the gradient goes to the log while the update runs
+            self._store.begin_step([grads[name] for name in self.specs])
+        try:
+            global_stat = self.updater.apply(grads, ticket.scale, lambda partial: self._clock.reduce_sum(
+                ticket.target_version, self.shard_index, partial))
+        except BaseException:
+            if self._store is not None:
+                self._store.abort_step()
+            raise
         if self._store is not None:
-            self._store.log_step(StepRecord(ticket.target_version, tickets, ticket.scale, global_stat),
-                                 [grads[name] for name in self.specs], release)
+            self._store.end_step(StepRecord(ticket.target_version, tickets, ticket.scale, global_stat), release)
         elif release is not None:
             release()
         self.version = ticket.target_version
