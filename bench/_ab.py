@@ -1,14 +1,16 @@
 """Two server configurations side by side in one run: the service step and a tiny model's latency.
 
 Both servers run on loopback in the same Ray; their large-model steps take turns within every
-round (the machine's speed drifts), and the ratio is the median of per-round ratios.
+round (the machine's speed drifts), and the ratio is the median of per-round ratios. A variant
+may be split by what its server was doing during each step (:class:`Split`): its steps are
+reported in two rows, each against the baseline's steps of the same rounds.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import numpy as np
 
@@ -29,10 +31,24 @@ def parse_arguments(description: str, argv=None, extra=None):
     return parser.parse_args(argv)
 
 
+class Split(NamedTuple):
+    """Splits a variant's steps in two by its server's state around each step.
+
+    ``probe(session)`` returns a hashable state and whether the server is busy; a step is
+    ``busy_label`` if the server was busy before or after it or its state changed across it
+    (read outside the timed step), else ``idle_label``.
+    """
+
+    probe: Callable[[Any], tuple[Any, bool]]
+    idle_label: str
+    busy_label: str
+
+
 def compare(title: str, variants: Mapping[str, tuple[Mapping[str, Any], Mapping[str, Any]]], *, small: bool,
-            shards: int, repeats: int) -> str:
+            shards: int, repeats: int, splits: Optional[Mapping[str, Split]] = None, warmup: int = 1) -> str:
     """``variants``: name -> (ServerConfig keyword arguments, Client keyword arguments); the first
-    is the baseline. Prints and returns the table."""
+    is the baseline; ``splits``: variant name -> its :class:`Split`. Prints and returns the table."""
+    splits = dict(splits or {})
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     from optserve.client import Client
@@ -51,9 +67,13 @@ def compare(title: str, variants: Mapping[str, tuple[Mapping[str, Any], Mapping[
                    for name, (_, client_kwargs) in variants.items()}
         sessions = {name: c.create_session("bench", params, optimizer=OPTIMIZER) for name, c in clients.items()}
         outs = {name: s.pull() for name, s in sessions.items()}
-        samples, _ = interleaved_seconds(
-            {name: (lambda s=s, o=outs[name]: s.push_pull(grads, out=o)) for name, s in sessions.items()},
-            rounds=repeats)
+        steps = {name: (lambda s=s, o=outs[name]: s.push_pull(grads, out=o)) for name, s in sessions.items()}
+        if splits:
+            samples, busy = _split_rounds(steps, {name: (lambda s=sessions[name], p=split.probe: p(s))
+                                                  for name, split in splits.items()}, repeats, warmup)
+        else:
+            samples, _ = interleaved_seconds(steps, rounds=repeats, warmup=warmup)
+            busy = {}
         for s in sessions.values():
             s.close()
         tiny_params = {"w": np.ones((8, 8), np.float32), "b": np.zeros((8,), np.float32)}
@@ -72,16 +92,50 @@ def compare(title: str, variants: Mapping[str, tuple[Mapping[str, Any], Mapping[
     base = names[0]
     rows = []
     for name in names:
-        step = statistics.median(samples[name])
-        note = ""
-        if name != base:
-            ratios = [a / b for a, b in zip(samples[name], samples[base])]
-            note = f"{statistics.median(ratios):.3f} x {base} (median per round) [{min(ratios):.2f}, {max(ratios):.2f}]"
-        rows.append([f"step, {name}", step * 1e3, 2 * nbytes / step / 1e9, note])
+        parts = [(name, [True] * len(samples[name]))]
+        if name in busy:
+            parts = [(f"{name}, {label}", [b == want for b in busy[name]])
+                     for label, want in ((splits[name].idle_label, False), (splits[name].busy_label, True))]
+        for label, chosen in parts:
+            mine = [x for x, keep in zip(samples[name], chosen) if keep]
+            if not mine:
+                rows.append([f"step, {label}", "-", "", "no such step in this run"])
+                continue
+            step = statistics.median(mine)
+            note = ""
+            if name != base:
+                ratios = [a / b for a, b, keep in zip(samples[name], samples[base], chosen) if keep]
+                note = (f"{statistics.median(ratios):.3f} x {base} (median per round, {len(ratios)} rounds) "
+                        f"[{min(ratios):.2f}, {max(ratios):.2f}]")
+            rows.append([f"step, {label}", step * 1e3, 2 * nbytes / step / 1e9, note])
     for name in names:
         p50, p99 = latency[name]
         note = "" if name == base else f"p50 {p50 - latency[base][0]:+.3f} ms vs {base}"
         rows.append([f"tiny push_pull, {name}", f"p50 {p50:.3f} / p99 {p99:.3f}", "", note])
     header = (f"{title}: {sum(v.size for v in params.values()) / 1e6:.1f}M f32 params ({nbytes / 1e6:.0f} MB), "
-              f"{shards} shards, adafactor, sync, 1 client; median of {repeats} interleaved rounds")
+              f"{shards} shards, adafactor, sync, 1 client; median of {repeats} interleaved rounds "
+              f"after {warmup} warm-up")
     return print_table(header, ["what", "ms", "GB/s (push+pull)", "note"], rows)
+
+
+def _split_rounds(steps: Mapping[str, Callable[[], object]], probes: Mapping[str, Callable[[], tuple]],
+                  rounds: int, warmup: int) -> tuple[dict[str, list[float]], dict[str, list[bool]]]:
+    """:func:`bench.service.interleaved_seconds` for variants some of which are probed around
+    each step (outside its timing); returns the seconds and, for probed ones, busy per step."""
+    import time
+
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    busy: dict[str, list[bool]] = {name: [] for name in probes}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            before = probes[name]() if name in probes else None
+            start = time.perf_counter()
+            step()
+            samples[name].append(time.perf_counter() - start)
+            if before is not None:
+                after = probes[name]()
+                busy[name].append(before[1] or after[1] or before[0] != after[0])
+    return samples, busy

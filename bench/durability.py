@@ -1,14 +1,16 @@
-"""What durability costs: the service step with durability off / step log only / log + checkpoints
-in progress, same run; a checkpoint's wall time and size; recovery time from a shard SIGKILL.
+"""What durability costs: the service step with durability off / the step log on / a checkpoint
+being written, same run; a checkpoint's wall time and size; recovery time from a shard SIGKILL.
 
     .venv/bin/python -m bench.durability            # ~100M float32 params (6 x 4096 x 4096), 2 shards
     .venv/bin/python -m bench.durability --small    # 4 x 512 x 512, a quick smoke run
 
-Step times: three servers side by side (:mod:`bench._ab`, interleaved rounds). "log only" never
-checkpoints after the initial one (every step appends its gradient to the step log before it is
-acknowledged, and the log only grows); "default policy" runs the defaults (a checkpoint whenever
-the log would pass 2 x the parameter bytes, i.e. every other step for this model, so one is
-nearly always being written in the background and the log is truncated behind it).
+Step times: three servers side by side (:mod:`bench._ab`, interleaved rounds, after warm-up
+rounds so that the page cache and the heaps are in their steady state). "every 8 steps" checkpoints
+every 8th step (the log holds at most 8 steps and is truncated behind each checkpoint); "default
+policy" runs the defaults (a checkpoint whenever the log would pass 2 x the parameter bytes, i.e.
+every other step for this model, so one is nearly always being written). Each durable variant's
+steps are split by what its shards were doing (read from ``Session.status()`` before and after
+each step, outside its timing): "log on" steps saw no checkpoint being written, the others did.
 ``--dir`` puts the checkpoints and logs elsewhere (e.g. ``/dev/shm`` to take the disk out and see
 the CPU cost alone).
 
@@ -27,7 +29,7 @@ import time
 
 import numpy as np
 
-from bench._ab import compare, parse_arguments
+from bench._ab import Split, compare, parse_arguments
 from bench._timing import print_table
 from bench.service import OPTIMIZER, _model
 
@@ -84,25 +86,36 @@ def recovery(small: bool, shards: int, checkpoint_dir: str) -> list:
              "restart + restore checkpoint + replay 2 logged steps + the step"]]
 
 
+def _checkpoint_probe(session) -> tuple:
+    """(checkpoints committed per shard, whether any shard is writing one now)."""
+    durability = [shard.durability for shard in session.status().shards]
+    return tuple(d.checkpoints_written for d in durability), any(d.checkpoint_writing for d in durability)
+
+
 def main(argv=None) -> str:
-    args = parse_arguments(__doc__.splitlines()[0], argv, extra=lambda p: p.add_argument(
-        "--dir", default=None, help="folder for the checkpoints and logs (default: a temporary folder)"))
+    def extra(parser):
+        parser.add_argument("--dir", default=None, help="folder for the checkpoints and logs (default: a temporary "
+                                                         "folder)")
+        parser.set_defaults(repeats=16)  # enough rounds for both kinds of durable steps
+
+    args = parse_arguments(__doc__.splitlines()[0], argv, extra=extra)
     from optserve.server.domain.durability import DurabilityConfig
 
     root = tempfile.mkdtemp(prefix="optserve-bench-durability-", dir=args.dir)
     try:
-        log_only = DurabilityConfig(os.path.join(root, "log"), every_steps=NEVER, every_s=1e9, max_log_bytes=NEVER)
+        every_8 = DurabilityConfig(os.path.join(root, "every-8"), every_steps=8, every_s=1e9, max_log_bytes=NEVER)
         default = DurabilityConfig(os.path.join(root, "default"))
+        split = Split(_checkpoint_probe, "log on", "a checkpoint being written")
         table = compare(f"bench.durability (logs and checkpoints in {root})", {
             "durability off": ({}, {}),
-            "log only": ({"durability": log_only}, {}),
+            "every 8 steps": ({"durability": every_8}, {}),
             "default policy": ({"durability": default}, {}),
-        }, small=args.small, shards=args.shards, repeats=args.repeats)
+        }, small=args.small, shards=args.shards, repeats=args.repeats, warmup=3,
+            splits={"every 8 steps": split, "default policy": split})
         rows = recovery(args.small, args.shards, os.path.join(root, "recovery"))
         return table + print_table("bench.durability: checkpoint and recovery", ["what", "ms", "", "note"], rows)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-
 
 if __name__ == "__main__":
     main()

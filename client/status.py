@@ -66,7 +66,9 @@ class DurabilityStatus:
 
     ``durable_version``: its latest committed checkpoint (-1: none yet); ``log_records`` /
     ``log_bytes``: steps logged since; ``recoveries``: times this part was restored after its
-    process died or the server restarted; ``checkpoint_seconds``: the latest checkpoint's write time.
+    process died or the server restarted; ``checkpoint_seconds``: the latest checkpoint's write time;
+    ``checkpoints_written``: checkpoints committed by the shard's current process;
+    ``checkpoint_writing``: one is being written (or waits to be) now.
     """
 
     durable_version: int
@@ -74,10 +76,13 @@ class DurabilityStatus:
     log_bytes: int
     recoveries: int
     checkpoint_seconds: float
+    checkpoints_written: int = 0
+    checkpoint_writing: bool = False
 
     @classmethod
     def from_proto(cls, d: control_pb2.DurabilityStatus) -> "DurabilityStatus":
-        return cls(d.durable_version, d.log_records, d.log_bytes, d.recoveries, d.checkpoint_seconds)
+        return cls(d.durable_version, d.log_records, d.log_bytes, d.recoveries, d.checkpoint_seconds,
+                   d.checkpoints_written, d.checkpoint_writing)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,12 @@ the pulled bytes per step, ~12% of the CPU time of a 400 MB push_pull.
 disables the adaptation of the other, which is worse than the default), so freed chunks stay
 mapped and are reused. The cost is that up to ``keep_bytes`` of free heap stay resident.
 Only glibc has ``mallopt``; elsewhere this does nothing and returns False.
+
+:func:`keep_large_buffers_on_heap` goes further for processes that own parameter-sized buffers
+(the shard actors): it stops malloc from using ``mmap`` at all, so the buffers XLA and NumPy
+allocate and free on every step (an update's outputs and temporaries, each as large as a
+tensor, above any mmap threshold) come from the heap and are reused, instead of arriving as
+fresh pages that the kernel zeroes on first touch.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import threading
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_MMAP_MAX = -4
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's maximum on 64-bit; chunks are at most contract.MAX_CHUNK_BYTES (4 MiB)
 DEFAULT_KEEP_BYTES = 1 << 30
 
@@ -42,6 +49,23 @@ def retain_freed_memory(keep_bytes: int = DEFAULT_KEEP_BYTES) -> bool:
         if not (mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) and mallopt(_M_TRIM_THRESHOLD, keep_bytes)):
             return False
         _applied["keep_bytes"] = keep_bytes
+        return True
+
+
+def keep_large_buffers_on_heap(keep_bytes: int = DEFAULT_KEEP_BYTES) -> bool:
+    """:func:`retain_freed_memory` for allocations of every size: malloc never maps memory of its
+    own (``M_MMAP_MAX = 0``), so freed tensor-sized buffers are reused by the next allocation of
+    their size. For server processes (the client leaves its host program's malloc alone); True
+    if applied (idempotent). :func:`release_free_memory` still hands free pages back."""
+    if not retain_freed_memory(keep_bytes):
+        return False
+    with _lock:
+        if _applied.get("large"):
+            return True
+        mallopt = _glibc_mallopt()
+        if mallopt is None or not mallopt(_M_MMAP_MAX, 0):
+            return False
+        _applied["large"] = 1
         return True
 
 

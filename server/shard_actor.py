@@ -44,7 +44,7 @@ class ShardActor:
         import ray
 
         from optserve.protos import contract
-        from optserve.protos.heap import retain_freed_memory
+        from optserve.protos.heap import keep_large_buffers_on_heap
         from optserve.server.domain.shard_session import ShardRegistry
         from optserve.server.metrics import ShardMetrics, session_gauges
         from optserve.server.wire.clock_service import ClockServer
@@ -52,7 +52,7 @@ class ShardActor:
         from optserve.server.wire.limits import server_options
         from optserve.server.wire.shard_servicer import add_to_server
 
-        retain_freed_memory()  # received chunks reuse freed memory instead of page-faulting fresh pages
+        keep_large_buffers_on_heap()  # received chunks and each step's tensor-sized buffers reuse freed memory
         if config.log_level is not None:
             from optserve.server.logs import configure_logging
 

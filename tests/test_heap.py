@@ -46,6 +46,37 @@ def test_retained_memory_serves_later_rounds_without_page_faults():
     assert retained * 10 < default, f"default malloc faulted {default} times, retained {retained}"
 
 
+# Rounds of tensor-sized buffers (above any mmap threshold), as an update's outputs and temporaries.
+_LARGE_ROUNDS = """
+import resource, sys
+import numpy as np
+from optserve.protos import heap
+if sys.argv[1] == "large":
+    assert heap.keep_large_buffers_on_heap()
+elif sys.argv[1] == "retain":
+    assert heap.retain_freed_memory()
+faults = []
+for _ in range(4):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    buffers = [np.ones(16 << 20, np.float32) for _ in range(3)]  # 3 x 64 MiB
+    del buffers
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(sum(faults[1:]))
+"""
+
+
+@glibc_only
+def test_buffers_above_the_mmap_threshold_are_reused_only_when_kept_on_the_heap():
+    def faults(mode: str) -> int:
+        done = subprocess.run([sys.executable, "-c", _LARGE_ROUNDS, mode], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return int(done.stdout.strip())
+
+    retained, large = faults("retain"), faults("large")
+    assert retained > 3 * 3 * (64 << 20) // (2 << 20), retained  # mmap'd afresh: faults again (huge pages at best)
+    assert large * 10 < retained, (large, retained)
+
+
 @glibc_only
 def test_retain_freed_memory_is_idempotent():
     assert heap.retain_freed_memory()

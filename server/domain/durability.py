@@ -185,6 +185,8 @@ class DurabilityStatus:
       log_records / log_bytes: steps in its log since that checkpoint, and their bytes.
       recoveries: times this shard's part was restored after its process died or the server restarted.
       checkpoint_seconds: wall time of the latest checkpoint write (0: none yet).
+      checkpoints_written: checkpoints committed by this shard process.
+      checkpoint_writing: a checkpoint is being written (or waits to be) now.
     """
 
     durable_version: int = -1
@@ -192,6 +194,8 @@ class DurabilityStatus:
     log_bytes: int = 0
     recoveries: int = 0
     checkpoint_seconds: float = 0.0
+    checkpoints_written: int = 0
+    checkpoint_writing: bool = False
 
 
 class SessionStore(Protocol):
@@ -225,3 +229,5 @@ class SessionStore(Protocol):
     log_bytes: int
     recoveries: int  # times this part was restored
     checkpoint_seconds: float  # wall time of the latest checkpoint write
+    checkpoints_written: int  # checkpoints committed by this process
+    checkpoint_writing: bool  # one is being written (or waits to be) now

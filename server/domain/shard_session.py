@@ -650,7 +650,7 @@ class ShardSession:
         if store is None:
             return None
         return DurabilityStatus(store.durable_version, store.log_records, store.log_bytes, store.recoveries,
-                                store.checkpoint_seconds)
+                                store.checkpoint_seconds, store.checkpoints_written, store.checkpoint_writing)
 
     def attach_store(self, store: SessionStore) -> None:
         """Makes a new session durable: its steps are logged to ``store`` from now on."""

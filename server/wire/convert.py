@@ -169,7 +169,9 @@ def durability_to_proto(status) -> "control_pb2.DurabilityStatus | None":
         return None
     return control_pb2.DurabilityStatus(durable_version=status.durable_version, log_records=status.log_records,
                                         log_bytes=status.log_bytes, recoveries=status.recoveries,
-                                        checkpoint_seconds=status.checkpoint_seconds)
+                                        checkpoint_seconds=status.checkpoint_seconds,
+                                        checkpoints_written=status.checkpoints_written,
+                                        checkpoint_writing=status.checkpoint_writing)
 
 
 def server_status_to_proto(shards) -> control_pb2.GetServerStatusResponse:
