@@ -63,17 +63,18 @@ class ErrorFeedback:
         self._lock = threading.Lock()
 
     def quantize(self, grads: Mapping[str, np.ndarray]) -> dict[str, Int8Gradient]:
+        """Each gradient plus its tensor's residual (none yet, or of another shape: the gradient
+        alone), quantized; the residual becomes what that quantization lost, updated in place
+        (:func:`optserve.protos.contract.quantize_int8_feedback`)."""
         out = {}
         with self._lock:
             for name, grad in grads.items():
-                corrected = np.asarray(grad, np.float32).astype(np.float32, copy=True)
+                grad = np.asarray(grad, np.float32)
                 residual = self.residuals.get(name)
-                if residual is not None and residual.shape == corrected.shape:
-                    corrected += residual
-                with np.errstate(invalid="ignore", over="ignore"):
-                    quantized, scales, applied = contract.quantize_int8_rounded(corrected)
-                    self.residuals[name] = np.subtract(corrected, applied.reshape(corrected.shape), out=corrected)
-                out[name] = Int8Gradient(quantized, scales, tuple(corrected.shape))
+                if residual is not None and residual.shape != grad.shape:
+                    residual = None
+                quantized, scales, self.residuals[name] = contract.quantize_int8_feedback(grad, residual)
+                out[name] = Int8Gradient(quantized, scales, tuple(grad.shape))
         return out
 
 
