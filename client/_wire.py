@@ -79,13 +79,16 @@ class ErrorFeedback:
 
 
 def iter_int8_chunks(name: str, grad: Int8Gradient, chunk_bytes: int) -> Iterator[tensor_pb2.TensorChunk]:
+    """``TensorChunk`` messages of an int8 gradient: whole blocks' values, then their scales."""
     for offset, data in contract.int8_slices(grad.quantized, grad.scales, chunk_bytes):
         yield tensor_pb2.TensorChunk(name=name, dtype=contract.INT8, shape=list(grad.shape), offset=offset, data=data)
 
 
 def iter_int8_chunk_messages(name: str, grad: Int8Gradient, chunk_bytes: int) -> Iterator[bytes]:
-    for offset, data in contract.int8_slices(grad.quantized, grad.scales, chunk_bytes):
-        yield chunk_codec.encode_chunk_message(name, contract.INT8, grad.shape, offset, data)
+    """As :func:`iter_int8_chunks`, each chunk serialized as a data-plane message whose values and
+    scales are copied once, straight into the message (:mod:`optserve.protos.chunk_codec`)."""
+    for offset, parts in contract.int8_chunk_parts(grad.quantized, grad.scales, chunk_bytes):
+        yield chunk_codec.encode_chunk_message_parts(name, contract.INT8, grad.shape, offset, parts)
 
 
 def array_dtype_enum(array: np.ndarray, *, name: str) -> int:

@@ -360,18 +360,29 @@ def int8_count(nbytes: int) -> Optional[int]:
     return full * INT8_BLOCK + rest - 4 if rest > 4 else None
 
 
-def int8_slices(quantized: np.ndarray, scales: np.ndarray, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
-    """``(first element index, data)`` of int8 chunks of about ``chunk_bytes`` (whole blocks);
-    an empty tensor gives one empty chunk."""
+def int8_chunk_parts(quantized: np.ndarray, scales: np.ndarray,
+                     chunk_bytes: int) -> Iterator[tuple[int, tuple[memoryview, memoryview]]]:
+    """``(first element index, (values, scales))`` of int8 chunks of about ``chunk_bytes`` (whole
+    blocks): byte memoryviews into ``quantized`` (flat int8) and ``scales`` (float32), no copies;
+    a chunk's ``data`` is the two joined. An empty tensor gives one empty chunk."""
     if quantized.size == 0:
-        yield 0, b""
+        yield 0, (memoryview(b""), memoryview(b""))
         return
     per_chunk = max(1, chunk_bytes // (INT8_BLOCK + 4)) * INT8_BLOCK
     raw = quantized.view(np.uint8)
+    scale_bytes = np.ascontiguousarray(scales, "<f4").view(np.uint8)
     for start in range(0, quantized.size, per_chunk):
         stop = min(start + per_chunk, quantized.size)
-        block_scales = scales[start // INT8_BLOCK: -(-stop // INT8_BLOCK)]
-        yield start, raw[start:stop].tobytes() + block_scales.astype("<f4").tobytes()
+        first, last = start // INT8_BLOCK, -(-stop // INT8_BLOCK)
+        yield start, (memoryview(raw[start:stop]), memoryview(scale_bytes[4 * first : 4 * last]))
+
+
+def int8_slices(quantized: np.ndarray, scales: np.ndarray, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """``(first element index, data)`` of int8 chunks of about ``chunk_bytes`` (whole blocks),
+    each ``data`` built with one copy (:func:`int8_chunk_parts` joined); an empty tensor gives
+    one empty chunk."""
+    for start, parts in int8_chunk_parts(quantized, scales, chunk_bytes):
+        yield start, b"".join(parts)
 
 
 def write_int8_values(target: np.ndarray, data: Any) -> None:
