@@ -171,10 +171,10 @@ def quantize_int8_feedback(
     out = new_residual.reshape(-1)
     previous = None if residual is None else residual.reshape(-1)
     quantized, scales = _int8_outputs(flat.size)
-    corrected, work = _int8_work(flat.size), _int8_work(flat.size)
+    work = _int8_work(flat.size)
     with _block_row_loops():
         for span in _int8_pieces(flat.size):
-            rows = _add_residual(flat, previous, span, corrected).reshape(-1, INT8_BLOCK)
+            rows = _add_residual(flat, previous, out, span).reshape(-1, INT8_BLOCK)
             with np.errstate(invalid="ignore", over="ignore"):
                 _quantize_rows(rows, _rows(quantized, span), scales[_blocks(span)], work, residual=_rows(out, span))
         tail = slice(flat.size - flat.size % INT8_BLOCK, flat.size)
@@ -214,15 +214,15 @@ def _blocks(span: slice) -> slice:
     return slice(span.start // INT8_BLOCK, -(-span.stop // INT8_BLOCK))
 
 
-def _add_residual(gradient: np.ndarray, previous: Optional[np.ndarray], span: slice,
-                  scratch: np.ndarray) -> np.ndarray:
-    """The corrected values of a span of whole blocks: ``gradient[span] + previous[span]`` (flat)
-    in the first values of ``scratch`` (float32), or ``gradient[span]`` itself (no copy) when
-    ``previous`` is None. A span of whole blocks lies in the vector body of NumPy's add loop, as
-    these values did in the whole-tensor ``corrected += previous``: the same NaN of two is kept."""
+def _add_residual(gradient: np.ndarray, previous: Optional[np.ndarray], out: np.ndarray, span: slice) -> np.ndarray:
+    """The corrected values of a span of whole blocks (flat float32 arrays): ``gradient[span] +
+    previous[span]`` written into ``out[span]`` (``out`` may be ``previous``), or
+    ``gradient[span]`` itself (no copy) when ``previous`` is None. A span of whole blocks lies in
+    the vector body of NumPy's add loop, as these values did in the whole-tensor ``corrected +=
+    previous``: the same NaN of two is kept."""
     if previous is None:
         return gradient[span]
-    return np.add(gradient[span], previous[span], out=scratch.reshape(-1)[: span.stop - span.start])
+    return np.add(gradient[span], previous[span], out=out[span])
 
 
 def _add_tail_residual(gradient: np.ndarray, previous: Optional[np.ndarray], tail: slice) -> np.ndarray:
