@@ -63,28 +63,32 @@ class ErrorFeedback:
         self._lock = threading.Lock()
 
     def quantize(self, grads: Mapping[str, np.ndarray]) -> dict[str, Int8Gradient]:
+        """Each gradient plus its tensor's residual (none yet, or of another shape: the gradient
+        alone), quantized; the residual becomes what that quantization lost, updated in place
+        (:func:`optserve.protos.contract.quantize_int8_feedback`)."""
         out = {}
         with self._lock:
             for name, grad in grads.items():
-                corrected = np.asarray(grad, np.float32).astype(np.float32, copy=True)
+                grad = np.asarray(grad, np.float32)
                 residual = self.residuals.get(name)
-                if residual is not None and residual.shape == corrected.shape:
-                    corrected += residual
-                with np.errstate(invalid="ignore", over="ignore"):
-                    quantized, scales, applied = contract.quantize_int8_rounded(corrected)
-                    self.residuals[name] = np.subtract(corrected, applied.reshape(corrected.shape), out=corrected)
-                out[name] = Int8Gradient(quantized, scales, tuple(corrected.shape))
+                if residual is not None and residual.shape != grad.shape:
+                    residual = None
+                quantized, scales, self.residuals[name] = contract.quantize_int8_feedback(grad, residual)
+                out[name] = Int8Gradient(quantized, scales, tuple(grad.shape))
         return out
 
 
 def iter_int8_chunks(name: str, grad: Int8Gradient, chunk_bytes: int) -> Iterator[tensor_pb2.TensorChunk]:
+    """``TensorChunk`` messages of an int8 gradient: whole blocks' values, then their scales."""
     for offset, data in contract.int8_slices(grad.quantized, grad.scales, chunk_bytes):
         yield tensor_pb2.TensorChunk(name=name, dtype=contract.INT8, shape=list(grad.shape), offset=offset, data=data)
 
 
 def iter_int8_chunk_messages(name: str, grad: Int8Gradient, chunk_bytes: int) -> Iterator[bytes]:
-    for offset, data in contract.int8_slices(grad.quantized, grad.scales, chunk_bytes):
-        yield chunk_codec.encode_chunk_message(name, contract.INT8, grad.shape, offset, data)
+    """As :func:`iter_int8_chunks`, each chunk serialized as a data-plane message whose values and
+    scales are copied once, straight into the message (:mod:`optserve.protos.chunk_codec`)."""
+    for offset, parts in contract.int8_chunk_parts(grad.quantized, grad.scales, chunk_bytes):
+        yield chunk_codec.encode_chunk_message_parts(name, contract.INT8, grad.shape, offset, parts)
 
 
 def array_dtype_enum(array: np.ndarray, *, name: str) -> int:

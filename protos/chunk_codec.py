@@ -49,10 +49,19 @@ def encode_chunk_message(name: str, dtype: int, shape: Sequence[int], offset: in
 
     ``data`` (any bytes-like object) is copied once, into the returned string.
     """
+    return encode_chunk_message_parts(name, dtype, shape, offset, (data,))
+
+
+def encode_chunk_message_parts(name: str, dtype: int, shape: Sequence[int], offset: int,
+                               parts: Sequence[memoryview]) -> bytes:
+    """As :func:`encode_chunk_message`, with ``data`` given as consecutive pieces (byte
+    memoryviews or other bytes-like objects of one-byte items), each copied once, straight into
+    the returned string: an int8 chunk's values and its scales need no joined copy first."""
     head = tensor_pb2.TensorChunk(name=name, dtype=dtype, shape=list(shape), offset=offset).SerializeToString()
-    data_field = _DATA_TAG + _varint(len(data))
-    body_len = len(head) + len(data_field) + len(data)
-    return b"".join((_OUTER_TAG, _varint(body_len), head, data_field, data))
+    size = sum(len(part) for part in parts)
+    data_field = _DATA_TAG + _varint(size)
+    body_len = len(head) + len(data_field) + size
+    return b"".join((_OUTER_TAG, _varint(body_len), head, data_field, *parts))
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
