@@ -23,8 +23,9 @@ import numpy as np
 
 from optserve.client import _retry, _shm, _wire
 from optserve.client._step_stream import StepStream, StreamBroken
-from optserve.client.errors import (InvalidArgumentError, NotFoundError, OptservError, PeerRefusedError,
-                                   SessionLostError, UnavailableError, from_rpc_error)
+from optserve.client.errors import (FailedPreconditionError, InvalidArgumentError, NotFoundError, OptservError,
+                                   PeerRefusedError, PermissionDeniedError, ResourceExhaustedError, SessionLostError,
+                                   StaleError, UnauthenticatedError, UnavailableError, from_rpc_error)
 from optserve.client.options import SessionOptions
 from optserve.client.status import SessionStatus
 from optserve.protos import chunk_codec, contract
@@ -47,6 +48,13 @@ def _scalar(value: Any, what: str) -> float:
         return float(value.item() if hasattr(value, "item") else value)
     except (TypeError, ValueError):
         raise InvalidArgumentError(f"{what}: must be a number, got {type(value).__name__}") from None
+
+
+# Errors that answer a step without anything left staged on the shard (the push was refused or
+# dropped there, or the shard is gone): its region may be written again.
+_ANSWERED_REFUSALS = (InvalidArgumentError, StaleError, PeerRefusedError, FailedPreconditionError, UnavailableError,
+                      UnauthenticatedError, PermissionDeniedError, ResourceExhaustedError, SessionLostError,
+                      NotFoundError)
 
 
 class _ShardCalls:
@@ -418,15 +426,27 @@ class Session:
 
     def _region_call(self, taken: Mapping[int, Any], call: Callable[[], Any]) -> Any:
         """Runs ``call`` (a step using the ``taken`` regions); a shard that no longer knows its
-        region (expired, restarted) makes the region negotiated anew and the step retried."""
+        region (expired, restarted) makes the region negotiated anew and the step retried.
+
+        The shards read the gradients where they lie in the regions until the step is answered.
+        A step that ends without its answer (a deadline, an internal error, an interruption)
+        may still be applied from them later, so those regions are never written again: the
+        next step negotiates fresh ones."""
         try:
             return call()
         except NotFoundError as exc:
             if taken and _shm_contract.REGION_UNKNOWN in str(exc):
-                self._shm.forget(list(taken))
-                self._grad_buffers = None
+                self._forget_regions(taken)
                 raise UnavailableError(str(exc), "UNAVAILABLE") from None
             raise
+        except BaseException as exc:
+            if taken and not isinstance(exc, _ANSWERED_REFUSALS):
+                self._forget_regions(taken)
+            raise
+
+    def _forget_regions(self, taken: Mapping[int, Any]) -> None:
+        self._shm.forget(list(taken))
+        self._grad_buffers = None
 
     def _push_pull_once(self, header, grads, wire, out=None, views: bool = False, reply: bool = True):
         """One attempt: push (auto_commit) and receive the step's parameters, per shard (the

@@ -10,6 +10,10 @@ another on one call, see data.proto). The call is reopened when it:
   gets at least ``timeout`` seconds);
 - failed, or the shard ended it after a step (``StepDone.stream_closing``: it holds too many).
 
+Each step still has its own deadline: a step not done within ``timeout`` cancels its call and
+raises :class:`~optserve.client.errors.DeadlineExceededError` (the call's own, longer deadline
+only ends a call that outlived its reuse).
+
 A step is atomic on the shard whatever happens to the call (a broken stream stages nothing) and
 retried steps reuse their sequence number, so reopening never applies a push twice.
 """
@@ -22,6 +26,8 @@ import time
 from typing import Callable, Iterable, Optional
 
 import grpc
+
+from optserve.client.errors import DeadlineExceededError
 
 _END = object()
 
@@ -127,6 +133,11 @@ class StepHandle:
         self._responses = responses
         self._reused = reused
         self._owns = owns  # the step runs on the stream's shared call (else on a call of its own)
+        self._expired = False  # the step's deadline passed: its call was cancelled
+
+    def _expire(self) -> None:
+        self._expired = True
+        self._responses.cancel()
 
     def finish(self, on_response: Callable[[str, object], bool]) -> bool:
         """Feeds the step's responses to ``on_response`` until it returns True (``done``);
@@ -136,6 +147,12 @@ class StepHandle:
         :class:`StreamBroken` (the step did not start: safe to retry).
         """
         started = False
+        timeout = self._stream._timeout
+        timer = None
+        if timeout is not None and hasattr(self._responses, "cancel"):
+            timer = threading.Timer(timeout, self._expire)
+            timer.daemon = True
+            timer.start()
         try:
             for kind, value in self._responses:
                 started = True
@@ -149,6 +166,9 @@ class StepHandle:
         except grpc.RpcError as exc:
             if self._owns:
                 self._stream.close()
+            if self._expired:
+                raise DeadlineExceededError(f"the step was not done within the client's timeout of {timeout:g} s",
+                                            "DEADLINE_EXCEEDED") from None
             if self._reused and not started and exc.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
                 raise StreamBroken(exc.details()) from exc
             raise
@@ -157,5 +177,7 @@ class StepHandle:
                 self._stream.close()
             raise
         finally:
+            if timer is not None:
+                timer.cancel()
             if self._owns:
                 self._stream._busy.release()

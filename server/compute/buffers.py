@@ -48,6 +48,9 @@ class BufferPool:
         return {name: aligned_empty(shape, np.float32) for name, shape in self._shapes}
 
     def release(self, buffers: dict[str, np.ndarray]) -> None:
+        """Takes back a set from :meth:`acquire` (or gradients assembled into one: their
+        ``pooled`` set)."""
+        buffers = getattr(buffers, "pooled", buffers)
         with self._lock:
             if len(self._free) < self._keep:
                 self._free.append(buffers)

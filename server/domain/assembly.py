@@ -34,11 +34,18 @@ class TensorAssembler:
       buffers: destination arrays by name, shape ``spec.shape``; dtype float32 for gradients or
         the spec's dtype for initial values.
       check_finite: reject NaN/Inf values (naming the tensor).
+      in_place: a float32 chunk covering a whole tensor whose bytes are aligned to
+        :data:`IN_PLACE_ALIGNMENT` (a shared-memory region's) is used where it lies instead of
+        being copied into its buffer: the caller guarantees the bytes stay unchanged until the
+        push is applied or dropped.
     """
 
-    def __init__(self, specs: Mapping[str, TensorSpec], buffers: Mapping[str, np.ndarray], *, check_finite: bool):
+    def __init__(self, specs: Mapping[str, TensorSpec], buffers: Mapping[str, np.ndarray], *, check_finite: bool,
+                 in_place: bool = False):
         self._specs = specs
         self._buffers = buffers
+        self._in_place = in_place
+        self._adopted: dict[str, np.ndarray] = {}  # in_place: tensors read where they lie
         self._flat = {name: buf.reshape(-1) for name, buf in buffers.items()}
         self._check_finite = check_finite
         self._ranges: dict[str, list[tuple[int, int]]] = {name: [] for name in specs}
@@ -80,6 +87,11 @@ class TensorAssembler:
         self.received_bytes += len(data)
         if count == 0:
             return
+        if self._in_place and dtype is DType.FLOAT32 and count == spec.size and _aligned(data):
+            destination = np.frombuffer(data, np.float32)
+            self._adopted[spec.name] = destination.reshape(spec.shape)
+            self._check(spec, destination, start, count)
+            return
         destination = self._flat[spec.name][start : start + count]
         if dtype is None:
             contract.write_int8_values(destination, data)
@@ -88,7 +100,10 @@ class TensorAssembler:
         # Checked after the copy, on the destination: the pass then reads cached memory (~2x
         # cheaper than checking the message first). Casts keep NaN and Inf; a refused push
         # only wrote into its own buffers, which return to the pool.
-        if self._check_finite and not np.isfinite(destination).all():
+        self._check(spec, destination, start, count)
+
+    def _check(self, spec: TensorSpec, values: np.ndarray, start: int, count: int) -> None:
+        if self._check_finite and not np.isfinite(values).all():
             raise NonFinite(
                 f"tensor {spec.name!r}: NaN or Inf in elements [{start}, {start + count}); "
                 f"the session does not allow non-finite gradients (allow_nonfinite)"
@@ -107,4 +122,20 @@ class TensorAssembler:
             covered = sum(e - s for s, e in ranges)
             if covered != spec.size:
                 raise InvalidArgument(f"tensor {name!r}: chunks cover {covered} of {spec.size} elements")
-        return dict(self._buffers)
+        return AssembledGrads({**self._buffers, **self._adopted}, pooled=self._buffers)
+
+
+IN_PLACE_ALIGNMENT = 64  # what XLA:CPU needs to read an input where it lies
+
+
+def _aligned(data) -> bool:
+    return isinstance(data, memoryview) and np.frombuffer(data, np.uint8).ctypes.data % IN_PLACE_ALIGNMENT == 0
+
+
+class AssembledGrads(dict):
+    """A push's gradients by name; ``pooled``: the buffers it was assembled into (what goes back
+    to their pool: the tensors read in place are not among them)."""
+
+    def __init__(self, grads: Mapping[str, np.ndarray], pooled: Mapping[str, np.ndarray]):
+        super().__init__(grads)
+        self.pooled = pooled

@@ -281,7 +281,7 @@ class ShardSession:
 
     # ----------------------------------------------------------------- the step
     def push(self, header: PushHeader, chunks: Iterable, complete: Callable[[], bool] = lambda: True,
-             wait_s: Optional[float] = None) -> Receipt:
+             wait_s: Optional[float] = None, in_place: bool = False) -> Receipt:
         """Receives one push and, with ``header.auto_commit``, applies it with the session's shards.
 
         Args:
@@ -292,6 +292,9 @@ class ShardSession:
           wait_s: how long the caller waits for the answer (its deadline; None: unbounded). The
             wait for the push's step ends at ``step_timeout_s`` or shortly before this, whichever
             comes first, so the caller hears the shard's Timeout rather than its own deadline.
+          in_place: the chunks' bytes stay unchanged until this push is answered (a shared-memory
+            region, which its client writes only between steps): whole float32 tensors are read
+            where they lie (see :class:`~optserve.server.domain.assembly.TensorAssembler`).
 
         Returns:
           auto_commit: the applied push's receipt; else the staged push's (``committed=False``).
@@ -306,7 +309,7 @@ class ShardSession:
         self.touch()
         self._expire_staged()
         try:
-            already_applied = self._receive(header, chunks, complete)
+            already_applied = self._receive(header, chunks, complete, in_place)
         except BaseException:
             if header.auto_commit:  # tell the peers to drop their parts
                 self._clock.vote(header.client_id, header.sequence, -1, self.shard_index, False, self._vote_timeout)
@@ -370,7 +373,8 @@ class ShardSession:
             self._refuse(RejectReason.ABORTED, client_id, sequence,
                          cause=f"not committed within staged_push_ttl_s={self._staged_ttl:g}")
 
-    def _receive(self, header: PushHeader, chunks: Iterable, complete: Callable[[], bool]) -> bool:
+    def _receive(self, header: PushHeader, chunks: Iterable, complete: Callable[[], bool],
+                 in_place: bool = False) -> bool:
         """Assembles and stages the push; returns True if it had been applied (nothing staged)."""
         self._require_initialized()
         with self._staged_lock:
@@ -381,7 +385,8 @@ class ShardSession:
                                         f"{self.shard_index}: {staged} pushes staged and not yet applied, "
                                         f"{self._push_bytes} bytes each")
         buffers = self._pool.acquire()
-        assembler = TensorAssembler(self.specs, buffers, check_finite=not self.config.allow_nonfinite)
+        assembler = TensorAssembler(self.specs, buffers, check_finite=not self.config.allow_nonfinite,
+                                    in_place=in_place and header.auto_commit)
         try:
             header.validate()
             for chunk in chunks:

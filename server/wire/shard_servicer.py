@@ -323,7 +323,7 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
                 raise InvalidArgument("PushPull `step`: chunks and shared_memory are exclusive")
             read = _RegionRead(self.regions, session, step.header.client_id, step.shared_memory)
             receipt = session.push(_push_header(step.header), read.chunks(), context.is_active,
-                                   wait_s=context.time_remaining())
+                                   wait_s=context.time_remaining(), in_place=True)
             session.observer.pushed(time.perf_counter() - started)
             return (yield from self._answer_in_region(session, receipt, read.region, step.shared_memory.reply))
         framing = _OneMessagePush(step)

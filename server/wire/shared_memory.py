@@ -17,6 +17,7 @@ step, or a client killed while writing it, applies nothing.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hmac
 import logging
 import mmap
@@ -84,7 +85,11 @@ class Region:
         if not self.name_unlinked:
             shm.unlink(self.name)
             self.name_unlinked = True
-        shm.close_quietly(self._mapping)
+        try:
+            self._mapping.close()
+        except BufferError:  # a step's gradients read in place may still be held by a reference cycle
+            gc.collect()
+            shm.close_quietly(self._mapping)  # else unmapped when the last view goes
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
