@@ -293,7 +293,7 @@ class Session:
                 scalars: Optional[Mapping[str, float]] = None) -> data_pb2.PushHeader:
         base = self._version if base_version is None else int(base_version)
         header = data_pb2.PushHeader(session=self.name, client_id=self.client_id, sequence=next(self._sequence),
-                                     base_version=base, auto_commit=True)
+                                     base_version=base, auto_commit=True, wait_s=self._client.timeout)
         if loss is not None:
             header.loss = _scalar(loss, "loss")
         for name, value in (scalars or {}).items():

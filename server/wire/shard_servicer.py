@@ -59,6 +59,15 @@ def _push_header(message: data_pb2.PushHeader) -> PushHeader:
     return PushHeader(message.client_id, message.sequence, message.base_version, message.auto_commit, telemetry)
 
 
+def _wait_s(context, header: data_pb2.PushHeader) -> Optional[float]:
+    """How long the caller waits for a push's answer: its call's deadline, or the header's own
+    (a step on a reused call) if sooner."""
+    remaining = context.time_remaining()
+    if header.HasField("wait_s") and header.wait_s > 0:
+        return header.wait_s if remaining is None else min(remaining, header.wait_s)
+    return remaining
+
+
 def _pull_options(request: data_pb2.PullRequest) -> tuple[Optional[DType], int]:
     dtype = None if request.wire_dtype == tensor_pb2.DTYPE_UNSPECIFIED else wire_dtype(request.wire_dtype, what="pull wire_dtype")
     return dtype, contract.clamp_chunk_bytes(request.max_chunk_bytes or None)
@@ -222,7 +231,7 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
         header = _first(request_iterator, "header", "Push").header
         session = self._session(header.session, context)
         receipt = session.push(_push_header(header), (r.chunk for r in request_iterator), context.is_active,
-                               wait_s=context.time_remaining())
+                               wait_s=_wait_s(context, header))
         session.observer.pushed(time.perf_counter() - start)
         receipt.durable()  # the answer acknowledges the push: its step is in the step log first
         return _push_response(receipt)
@@ -323,12 +332,12 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
                 raise InvalidArgument("PushPull `step`: chunks and shared_memory are exclusive")
             read = _RegionRead(self.regions, session, step.header.client_id, step.shared_memory)
             receipt = session.push(_push_header(step.header), read.chunks(), context.is_active,
-                                   wait_s=context.time_remaining(), in_place=True)
+                                   wait_s=_wait_s(context, step.header), in_place=True)
             session.observer.pushed(time.perf_counter() - started)
             return (yield from self._answer_in_region(session, receipt, read.region, step.shared_memory.reply))
         framing = _OneMessagePush(step)
         receipt = session.push(_push_header(step.header), framing.chunks(), context.is_active,
-                               wait_s=context.time_remaining())
+                               wait_s=_wait_s(context, step.header))
         session.observer.pushed(time.perf_counter() - started)
         return (yield from self._answer(session, receipt, framing.reply, one_message=True))
 
@@ -353,7 +362,7 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
         framing = _StreamedPush(request_iterator)
         try:
             receipt = session.push(_push_header(header), framing.chunks(),
-                                   lambda: framing.sealed and context.is_active(), wait_s=context.time_remaining())
+                                   lambda: framing.sealed and context.is_active(), wait_s=_wait_s(context, header))
         except Cancelled:
             return None
         session.observer.pushed(time.perf_counter() - started)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from optserve.protos.optserve.v1 import tensor_pb2 as optserve_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16optserve/v1/data.proto\x12\x0boptserve.v1\x1a\x18optserve/v1/tensor.proto\">\n\x18OfferSharedMemoryRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\"9\n\x19OfferSharedMemoryResponse\x12\r\n\x05offer\x18\x01 \x01(\t\x12\r\n\x05probe\x18\x02 \x01(\t\"[\n\x17OpenSharedMemoryRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\r\n\x05offer\x18\x03 \x01(\t\x12\r\n\x05nonce\x18\x04 \x01(\x0c\"\\\n\x18OpenSharedMemoryResponse\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x03\x12\x14\n\x0ctensor_names\x18\x04 \x03(\t\";\n\x18\x43loseSharedMemoryRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\",\n\x19\x43loseSharedMemoryResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\"@\n\x10SharedMemoryStep\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\r\n\x05reply\x18\x03 \x01(\x08\"\xf0\x01\n\nPushHeader\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x03\x12\x13\n\x0b\x61uto_commit\x18\x05 \x01(\x08\x12\x11\n\x04loss\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x35\n\x07scalars\x18\x07 \x03(\x0b\x32$.optserve.v1.PushHeader.ScalarsEntry\x1a.\n\x0cScalarsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_loss\"m\n\x12InitTensorsRequest\x12\x11\n\x07session\x18\x01 \x01(\tH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.optserve.v1.TensorChunkH\x00\x12\x11\n\tclient_id\x18\x03 \x01(\tB\x06\n\x04item\"&\n\x13InitTensorsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"k\n\x0bPushRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.optserve.v1.PushHeaderH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.optserve.v1.TensorChunkH\x00\x42\x06\n\x04item\"^\n\x0cPushResponse\x12\x17\n\x0f\x61lready_applied\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x11\n\tcommitted\x18\x03 \x01(\x08\x12\x11\n\tstaleness\x18\x04 \x01(\x03\"E\n\rCommitRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x03\"C\n\x0e\x43ommitResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\tstaleness\x18\x02 \x01(\x03\x12\r\n\x05scale\x18\x03 \x01(\x02\"D\n\x0c\x41\x62ortRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x03\" \n\rAbortResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\"\x95\x01\n\x0bPullRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12&\n\nwire_dtype\x18\x02 \x01(\x0e\x32\x12.optserve.v1.DType\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\x03\x12\x34\n\rshared_memory\x18\x04 \x01(\x0b\x32\x1d.optserve.v1.SharedMemoryStep\"T\n\x0cPullResponse\x12\x11\n\x07version\x18\x01 \x01(\x03H\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.optserve.v1.TensorChunkH\x00\x42\x06\n\x04item\"\x1e\n\x0cPushDecision\x12\x0e\n\x06\x63ommit\x18\x01 \x01(\x08\"\x83\x02\n\x0fPushPullRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.optserve.v1.PushHeaderH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.optserve.v1.TensorChunkH\x00\x12\x0e\n\x04seal\x18\x03 \x01(\x08H\x00\x12-\n\x08\x64\x65\x63ision\x18\x04 \x01(\x0b\x32\x19.optserve.v1.PushDecisionH\x00\x12(\n\x04pull\x18\x05 \x01(\x0b\x32\x18.optserve.v1.PullRequestH\x00\x12)\n\x04step\x18\x06 \x01(\x0b\x32\x19.optserve.v1.PushPullStepH\x00\x42\x06\n\x04item\"\xbf\x01\n\x0cPushPullStep\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.optserve.v1.PushHeader\x12&\n\x04pull\x18\x02 \x01(\x0b\x32\x18.optserve.v1.PullRequest\x12(\n\x06\x63hunks\x18\x03 \x03(\x0b\x32\x18.optserve.v1.TensorChunk\x12\x34\n\rshared_memory\x18\x04 \x01(\x0b\x32\x1d.optserve.v1.SharedMemoryStep\"}\n\x12PushPullStepResult\x12#\n\x04\x64one\x18\x01 \x01(\x0b\x32\x15.optserve.v1.StepDone\x12(\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x18.optserve.v1.TensorChunk\x12\x18\n\x10in_shared_memory\x18\x03 \x01(\x08\"Y\n\x08StepDone\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\tstaleness\x18\x02 \x01(\x03\x12\x11\n\tcommitted\x18\x03 \x01(\x08\x12\x16\n\x0estream_closing\x18\x04 \x01(\x08\"\xd1\x01\n\x10PushPullResponse\x12+\n\x06staged\x18\x01 \x01(\x0b\x32\x19.optserve.v1.PushResponseH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.optserve.v1.TensorChunkH\x00\x12%\n\x04\x64one\x18\x03 \x01(\x0b\x32\x15.optserve.v1.StepDoneH\x00\x12\x36\n\x0bstep_result\x18\x04 \x01(\x0b\x32\x1f.optserve.v1.PushPullStepResultH\x00\x42\x06\n\x04item2\xd6\x05\n\tShardData\x12R\n\x0bInitTensors\x12\x1f.optserve.v1.InitTensorsRequest\x1a .optserve.v1.InitTensorsResponse(\x01\x12=\n\x04Push\x12\x18.optserve.v1.PushRequest\x1a\x19.optserve.v1.PushResponse(\x01\x12\x41\n\x06\x43ommit\x12\x1a.optserve.v1.CommitRequest\x1a\x1b.optserve.v1.CommitResponse\x12>\n\x05\x41\x62ort\x12\x19.optserve.v1.AbortRequest\x1a\x1a.optserve.v1.AbortResponse\x12=\n\x04Pull\x12\x18.optserve.v1.PullRequest\x1a\x19.optserve.v1.PullResponse0\x01\x12K\n\x08PushPull\x12\x1c.optserve.v1.PushPullRequest\x1a\x1d.optserve.v1.PushPullResponse(\x01\x30\x01\x12\x62\n\x11OfferSharedMemory\x12%.optserve.v1.OfferSharedMemoryRequest\x1a&.optserve.v1.OfferSharedMemoryResponse\x12_\n\x10OpenSharedMemory\x12$.optserve.v1.OpenSharedMemoryRequest\x1a%.optserve.v1.OpenSharedMemoryResponse\x12\x62\n\x11\x43loseSharedMemory\x12%.optserve.v1.CloseSharedMemoryRequest\x1a&.optserve.v1.CloseSharedMemoryResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16optserve/v1/data.proto\x12\x0boptserve.v1\x1a\x18optserve/v1/tensor.proto\">\n\x18OfferSharedMemoryRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\"9\n\x19OfferSharedMemoryResponse\x12\r\n\x05offer\x18\x01 \x01(\t\x12\r\n\x05probe\x18\x02 \x01(\t\"[\n\x17OpenSharedMemoryRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\r\n\x05offer\x18\x03 \x01(\t\x12\r\n\x05nonce\x18\x04 \x01(\x0c\"\\\n\x18OpenSharedMemoryResponse\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x03\x12\x14\n\x0ctensor_names\x18\x04 \x03(\t\";\n\x18\x43loseSharedMemoryRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\",\n\x19\x43loseSharedMemoryResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\"@\n\x10SharedMemoryStep\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\r\n\x05reply\x18\x03 \x01(\x08\"\x90\x02\n\nPushHeader\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x03\x12\x13\n\x0b\x61uto_commit\x18\x05 \x01(\x08\x12\x11\n\x04loss\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x35\n\x07scalars\x18\x07 \x03(\x0b\x32$.optserve.v1.PushHeader.ScalarsEntry\x12\x13\n\x06wait_s\x18\x08 \x01(\x01H\x01\x88\x01\x01\x1a.\n\x0cScalarsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_lossB\t\n\x07_wait_s\"m\n\x12InitTensorsRequest\x12\x11\n\x07session\x18\x01 \x01(\tH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.optserve.v1.TensorChunkH\x00\x12\x11\n\tclient_id\x18\x03 \x01(\tB\x06\n\x04item\"&\n\x13InitTensorsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"k\n\x0bPushRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.optserve.v1.PushHeaderH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.optserve.v1.TensorChunkH\x00\x42\x06\n\x04item\"^\n\x0cPushResponse\x12\x17\n\x0f\x61lready_applied\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x11\n\tcommitted\x18\x03 \x01(\x08\x12\x11\n\tstaleness\x18\x04 \x01(\x03\"E\n\rCommitRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x03\"C\n\x0e\x43ommitResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\tstaleness\x18\x02 \x01(\x03\x12\r\n\x05scale\x18\x03 \x01(\x02\"D\n\x0c\x41\x62ortRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x03\" \n\rAbortResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\"\x95\x01\n\x0bPullRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12&\n\nwire_dtype\x18\x02 \x01(\x0e\x32\x12.optserve.v1.DType\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\x03\x12\x34\n\rshared_memory\x18\x04 \x01(\x0b\x32\x1d.optserve.v1.SharedMemoryStep\"T\n\x0cPullResponse\x12\x11\n\x07version\x18\x01 \x01(\x03H\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.optserve.v1.TensorChunkH\x00\x42\x06\n\x04item\"\x1e\n\x0cPushDecision\x12\x0e\n\x06\x63ommit\x18\x01 \x01(\x08\"\x83\x02\n\x0fPushPullRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.optserve.v1.PushHeaderH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.optserve.v1.TensorChunkH\x00\x12\x0e\n\x04seal\x18\x03 \x01(\x08H\x00\x12-\n\x08\x64\x65\x63ision\x18\x04 \x01(\x0b\x32\x19.optserve.v1.PushDecisionH\x00\x12(\n\x04pull\x18\x05 \x01(\x0b\x32\x18.optserve.v1.PullRequestH\x00\x12)\n\x04step\x18\x06 \x01(\x0b\x32\x19.optserve.v1.PushPullStepH\x00\x42\x06\n\x04item\"\xbf\x01\n\x0cPushPullStep\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.optserve.v1.PushHeader\x12&\n\x04pull\x18\x02 \x01(\x0b\x32\x18.optserve.v1.PullRequest\x12(\n\x06\x63hunks\x18\x03 \x03(\x0b\x32\x18.optserve.v1.TensorChunk\x12\x34\n\rshared_memory\x18\x04 \x01(\x0b\x32\x1d.optserve.v1.SharedMemoryStep\"}\n\x12PushPullStepResult\x12#\n\x04\x64one\x18\x01 \x01(\x0b\x32\x15.optserve.v1.StepDone\x12(\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x18.optserve.v1.TensorChunk\x12\x18\n\x10in_shared_memory\x18\x03 \x01(\x08\"Y\n\x08StepDone\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\tstaleness\x18\x02 \x01(\x03\x12\x11\n\tcommitted\x18\x03 \x01(\x08\x12\x16\n\x0estream_closing\x18\x04 \x01(\x08\"\xd1\x01\n\x10PushPullResponse\x12+\n\x06staged\x18\x01 \x01(\x0b\x32\x19.optserve.v1.PushResponseH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.optserve.v1.TensorChunkH\x00\x12%\n\x04\x64one\x18\x03 \x01(\x0b\x32\x15.optserve.v1.StepDoneH\x00\x12\x36\n\x0bstep_result\x18\x04 \x01(\x0b\x32\x1f.optserve.v1.PushPullStepResultH\x00\x42\x06\n\x04item2\xd6\x05\n\tShardData\x12R\n\x0bInitTensors\x12\x1f.optserve.v1.InitTensorsRequest\x1a .optserve.v1.InitTensorsResponse(\x01\x12=\n\x04Push\x12\x18.optserve.v1.PushRequest\x1a\x19.optserve.v1.PushResponse(\x01\x12\x41\n\x06\x43ommit\x12\x1a.optserve.v1.CommitRequest\x1a\x1b.optserve.v1.CommitResponse\x12>\n\x05\x41\x62ort\x12\x19.optserve.v1.AbortRequest\x1a\x1a.optserve.v1.AbortResponse\x12=\n\x04Pull\x12\x18.optserve.v1.PullRequest\x1a\x19.optserve.v1.PullResponse0\x01\x12K\n\x08PushPull\x12\x1c.optserve.v1.PushPullRequest\x1a\x1d.optserve.v1.PushPullResponse(\x01\x30\x01\x12\x62\n\x11OfferSharedMemory\x12%.optserve.v1.OfferSharedMemoryRequest\x1a&.optserve.v1.OfferSharedMemoryResponse\x12_\n\x10OpenSharedMemory\x12$.optserve.v1.OpenSharedMemoryRequest\x1a%.optserve.v1.OpenSharedMemoryResponse\x12\x62\n\x11\x43loseSharedMemory\x12%.optserve.v1.CloseSharedMemoryRequest\x1a&.optserve.v1.CloseSharedMemoryResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,41 +49,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHAREDMEMORYSTEP']._serialized_start=482
   _globals['_SHAREDMEMORYSTEP']._serialized_end=546
   _globals['_PUSHHEADER']._serialized_start=549
-  _globals['_PUSHHEADER']._serialized_end=789
-  _globals['_PUSHHEADER_SCALARSENTRY']._serialized_start=734
-  _globals['_PUSHHEADER_SCALARSENTRY']._serialized_end=780
-  _globals['_INITTENSORSREQUEST']._serialized_start=791
-  _globals['_INITTENSORSREQUEST']._serialized_end=900
-  _globals['_INITTENSORSRESPONSE']._serialized_start=902
-  _globals['_INITTENSORSRESPONSE']._serialized_end=940
-  _globals['_PUSHREQUEST']._serialized_start=942
-  _globals['_PUSHREQUEST']._serialized_end=1049
-  _globals['_PUSHRESPONSE']._serialized_start=1051
-  _globals['_PUSHRESPONSE']._serialized_end=1145
-  _globals['_COMMITREQUEST']._serialized_start=1147
-  _globals['_COMMITREQUEST']._serialized_end=1216
-  _globals['_COMMITRESPONSE']._serialized_start=1218
-  _globals['_COMMITRESPONSE']._serialized_end=1285
-  _globals['_ABORTREQUEST']._serialized_start=1287
-  _globals['_ABORTREQUEST']._serialized_end=1355
-  _globals['_ABORTRESPONSE']._serialized_start=1357
-  _globals['_ABORTRESPONSE']._serialized_end=1389
-  _globals['_PULLREQUEST']._serialized_start=1392
-  _globals['_PULLREQUEST']._serialized_end=1541
-  _globals['_PULLRESPONSE']._serialized_start=1543
-  _globals['_PULLRESPONSE']._serialized_end=1627
-  _globals['_PUSHDECISION']._serialized_start=1629
-  _globals['_PUSHDECISION']._serialized_end=1659
-  _globals['_PUSHPULLREQUEST']._serialized_start=1662
-  _globals['_PUSHPULLREQUEST']._serialized_end=1921
-  _globals['_PUSHPULLSTEP']._serialized_start=1924
-  _globals['_PUSHPULLSTEP']._serialized_end=2115
-  _globals['_PUSHPULLSTEPRESULT']._serialized_start=2117
-  _globals['_PUSHPULLSTEPRESULT']._serialized_end=2242
-  _globals['_STEPDONE']._serialized_start=2244
-  _globals['_STEPDONE']._serialized_end=2333
-  _globals['_PUSHPULLRESPONSE']._serialized_start=2336
-  _globals['_PUSHPULLRESPONSE']._serialized_end=2545
-  _globals['_SHARDDATA']._serialized_start=2548
-  _globals['_SHARDDATA']._serialized_end=3274
+  _globals['_PUSHHEADER']._serialized_end=821
+  _globals['_PUSHHEADER_SCALARSENTRY']._serialized_start=755
+  _globals['_PUSHHEADER_SCALARSENTRY']._serialized_end=801
+  _globals['_INITTENSORSREQUEST']._serialized_start=823
+  _globals['_INITTENSORSREQUEST']._serialized_end=932
+  _globals['_INITTENSORSRESPONSE']._serialized_start=934
+  _globals['_INITTENSORSRESPONSE']._serialized_end=972
+  _globals['_PUSHREQUEST']._serialized_start=974
+  _globals['_PUSHREQUEST']._serialized_end=1081
+  _globals['_PUSHRESPONSE']._serialized_start=1083
+  _globals['_PUSHRESPONSE']._serialized_end=1177
+  _globals['_COMMITREQUEST']._serialized_start=1179
+  _globals['_COMMITREQUEST']._serialized_end=1248
+  _globals['_COMMITRESPONSE']._serialized_start=1250
+  _globals['_COMMITRESPONSE']._serialized_end=1317
+  _globals['_ABORTREQUEST']._serialized_start=1319
+  _globals['_ABORTREQUEST']._serialized_end=1387
+  _globals['_ABORTRESPONSE']._serialized_start=1389
+  _globals['_ABORTRESPONSE']._serialized_end=1421
+  _globals['_PULLREQUEST']._serialized_start=1424
+  _globals['_PULLREQUEST']._serialized_end=1573
+  _globals['_PULLRESPONSE']._serialized_start=1575
+  _globals['_PULLRESPONSE']._serialized_end=1659
+  _globals['_PUSHDECISION']._serialized_start=1661
+  _globals['_PUSHDECISION']._serialized_end=1691
+  _globals['_PUSHPULLREQUEST']._serialized_start=1694
+  _globals['_PUSHPULLREQUEST']._serialized_end=1953
+  _globals['_PUSHPULLSTEP']._serialized_start=1956
+  _globals['_PUSHPULLSTEP']._serialized_end=2147
+  _globals['_PUSHPULLSTEPRESULT']._serialized_start=2149
+  _globals['_PUSHPULLSTEPRESULT']._serialized_end=2274
+  _globals['_STEPDONE']._serialized_start=2276
+  _globals['_STEPDONE']._serialized_end=2365
+  _globals['_PUSHPULLRESPONSE']._serialized_start=2368
+  _globals['_PUSHPULLRESPONSE']._serialized_end=2577
+  _globals['_SHARDDATA']._serialized_start=2580
+  _globals['_SHARDDATA']._serialized_end=3306
 # @@protoc_insertion_point(module_scope)
