@@ -99,3 +99,18 @@ def test_a_step_the_client_gave_up_on_leaves_its_regions_unwritten(server, uniqu
         creator.close()
         impatient.close()
         patient.close()
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_the_finiteness_check_finds_any_non_finite_value_and_accepts_huge_finite_ones(bad):
+    from optserve.server.domain.assembly import all_finite
+
+    values = np.ones(10_000, np.float32)
+    assert all_finite(values)
+    values[7777] = bad
+    assert not all_finite(values)
+    both = np.ones(10_000, np.float32)
+    both[[10, 20]] = [np.inf, -np.inf]  # their sum is NaN, still not finite
+    assert not all_finite(both)
+    huge = np.full(10_000, np.finfo(np.float32).max, np.float32)  # finite values whose sum overflows
+    assert all_finite(huge)
