@@ -51,7 +51,7 @@ def reference_quantize(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
     grid = padded.reshape(blocks, BLOCK)
     absmax = np.maximum(grid.max(axis=1, initial=-np.inf), -grid.min(axis=1, initial=np.inf))
     scales = (np.abs(absmax) / np.float32(127)).astype(np.float32)
-    inverse = np.divide(np.float32(1), scales, out=np.zeros_like(scales), where=scales > 0)
+    inverse = np.divide(np.float32(1), scales, out=np.zeros_like(scales), where=scales > contract.INT8_MIN_SCALE)
     rounded = np.multiply(grid, inverse[:, None])
     np.rint(rounded, out=rounded)
     np.clip(rounded, -127, 127, out=rounded)

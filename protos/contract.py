@@ -114,6 +114,10 @@ def bf16_bits_to_f32(bits: np.ndarray, out: Optional[np.ndarray] = None) -> np.n
 INT8 = tensor_pb2.DTYPE_INT8
 INT8_BLOCK = 4096  # elements per quantization block (one float32 scale each: 0.1% overhead)
 INT8_NAME = "int8"
+# The smallest scale whose float32 reciprocal is finite is just above this (a block whose absmax
+# is below ~3.7e-37): scales at or below it get the reciprocal 0, never inf (inf * 0 would make
+# NaN of the block's zeros, and error feedback would carry that NaN on forever).
+INT8_MIN_SCALE = np.float32(1) / np.finfo(np.float32).max
 
 
 def wire_option_enum(dtype: DTypeLike) -> Optional[int]:
@@ -137,7 +141,9 @@ def quantize_int8(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     all-zero block has scale 0. Non-finite values are not representable (callers refuse them).
 
     Per block: ``int8 = clip(rint(value * (1 / scale)), -127, 127)`` in float32 (the reciprocal
-    is 0 where the scale is not positive), then cast."""
+    is 0 where the scale is not above :data:`INT8_MIN_SCALE`: an all-zero block, or one so tiny
+    that its reciprocal would overflow, quantizes to zeros; error feedback keeps its values), then
+    cast."""
     flat = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
     quantized, scales = _int8_outputs(flat.size)
     work = _int8_work(flat.size)
@@ -274,7 +280,8 @@ def _times_scales(rows: np.ndarray, scales: np.ndarray, maybe_nan: bool) -> None
 
 def _block_scales(rows: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, bool]:
     """Writes each row's ``absmax / 127`` into ``scales`` (float32, ``(k,)``; ``abs`` makes an
-    all-zero row's +0.0); returns the reciprocals (0 where a scale is not positive: zero or NaN)
+    all-zero row's +0.0); returns the reciprocals (0 where a scale is not above
+    :data:`INT8_MIN_SCALE`: zero, too tiny to invert, or NaN)
     and whether every row is known to round within +-127 (then no clip is needed, and no scale
     is NaN).
 
@@ -288,7 +295,7 @@ def _block_scales(rows: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, boo
     np.maximum(absmax, low, out=absmax)
     np.abs(absmax, out=absmax)
     np.divide(absmax, np.float32(127), out=scales)
-    positive = scales > 0
+    positive = scales > INT8_MIN_SCALE
     if positive.all():
         inverse = np.divide(np.float32(1), scales)
     else:

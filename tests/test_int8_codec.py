@@ -2,7 +2,7 @@
 same blockwise absmax quantization: the codec works in cache-sized pieces, in place, with
 scratch buffers; every int8 value, scale, residual and dequantized float32 must come out bit for
 bit the same, on sizes that are not whole blocks or whole pieces, all-zero blocks, negative
-zeros and subnormal blocks (whose reciprocal overflows and needs the clip)."""
+zeros and subnormal blocks (too tiny to invert: they quantize to zeros)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ SIZES = [0, 1, 4095, 4096, 4097, 3 * BLOCK + 5, (2 * contract.INT8_PIECE_BLOCKS 
 
 def reference_quantize(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Whole tensor at once: (int8 values, scales, the rounded values times their scales)."""
-    with np.errstate(invalid="ignore", over="ignore"):  # a subnormal block's reciprocal is inf
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN and inf values in some cases
         return _reference_quantize(values)
 
 
@@ -30,7 +30,7 @@ def _reference_quantize(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     grid = grid.reshape(blocks, BLOCK)
     absmax = np.maximum(grid.max(axis=1, initial=-np.inf), -grid.min(axis=1, initial=np.inf))
     scales = (np.abs(absmax) / np.float32(127)).astype(np.float32)
-    inverse = np.divide(np.float32(1), scales, out=np.zeros_like(scales), where=scales > 0)
+    inverse = np.divide(np.float32(1), scales, out=np.zeros_like(scales), where=scales > contract.INT8_MIN_SCALE)
     rounded = np.clip(np.rint(grid * inverse[:, None]), -127, 127)
     quantized = rounded.astype(np.int8).reshape(-1)[: flat.size]
     return quantized, scales, (rounded * scales[:, None]).reshape(-1)[: flat.size]
@@ -107,3 +107,19 @@ def test_non_finite_values_quantize_as_the_whole_tensor_formulation():
     np.testing.assert_array_equal(pushed.quantized, expected_q)
     np.testing.assert_array_equal(pushed.scales, expected_scales)  # NaN where NaN
     np.testing.assert_array_equal(feedback.residuals["g"], values - applied)
+
+
+def test_a_block_too_tiny_to_invert_quantizes_to_zeros_and_its_residual_stays_finite():
+    """A block whose largest value is below ~3.7e-37 (its scale's reciprocal would overflow) used
+    to turn its exact zeros into NaN (0 * inf) in the residual, poisoning every later push."""
+    grad = np.zeros(2 * BLOCK, np.float32)
+    grad[:BLOCK:7] = np.float32(1e-38)  # tiny values and exact zeros in one block
+    grad[BLOCK:] = 1.0
+    feedback, applied = _wire.ErrorFeedback(), np.zeros_like(grad)
+    for _ in range(4):
+        pushed = feedback.quantize({"g": grad})["g"]
+        applied += contract.dequantize_int8(pushed.quantized, pushed.scales)
+        assert np.isfinite(feedback.residuals["g"]).all() and np.isfinite(pushed.scales).all()
+    assert not pushed.quantized[:BLOCK].any()  # the tiny block is sent as zeros ...
+    np.testing.assert_array_equal(feedback.residuals["g"][:BLOCK], 4 * grad[:BLOCK])  # ... and kept
+    np.testing.assert_allclose(applied[BLOCK:], 4.0, rtol=1e-6)
