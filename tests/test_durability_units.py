@@ -175,3 +175,20 @@ def test_checkpoint_round_trips_and_truncates_the_log_and_a_damaged_one_is_refus
     with pytest.raises(CorruptCheckpoint, match="checksums"):
         store.restore_arrays(manifest, abstract)
     store.close()
+
+
+def test_a_record_of_more_tensors_than_one_writev_takes_is_logged_whole(tmp_path):
+    """writev takes at most IOV_MAX (1024) buffers: a shard with thousands of tensors (and empty
+    ones among them) still logs every byte of every step."""
+    store = _store(tmp_path)
+    store.start_logs(None)
+    rng = np.random.default_rng(3)
+    grads = [rng.standard_normal(5).astype(np.float32) if i % 7 else np.zeros(0, np.float32) for i in range(3000)]
+    store.log_step(StepRecord(1, ((0, "c", 1),), 1.0, 0.0), grads)
+    store.wait_logged(1)
+    (segment,) = store.log_segments(None)
+    buffers = lambda: {str(i): np.empty(g.shape, np.float32) for i, g in enumerate(grads)}  # noqa: E731
+    ((header, read),) = list(read_step_log(segment, buffers))
+    assert StepRecord.from_json(header).version == 1
+    assert all(np.array_equal(read[str(i)], g) for i, g in enumerate(grads))
+    store.close()

@@ -47,6 +47,7 @@ _PREFIX = struct.Struct("<4sQ")
 _U32 = struct.Struct("<I")
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)\.json$")
 _SEGMENT_RE = re.compile(r"^(steps|tickets)-(\d+)\.log$")
+_IOV_MAX = 1024  # buffers per writev call (Linux's IOV_MAX)
 
 
 class CorruptCheckpoint(Exception):
@@ -135,7 +136,20 @@ class _Segments:
         return self.index, old
 
     def write(self, parts: list) -> None:
-        os.writev(self._fd, parts)
+        """Appends ``parts`` (bytes-like) whole: ``writev`` takes at most ``IOV_MAX`` buffers and
+        writes at most ~2 GiB per call, so a large record takes several calls."""
+        views = [view for view in (memoryview(p).cast("B") for p in parts) if view.nbytes]
+        first = 0  # views before it are written
+        while first < len(views):
+            written = os.writev(self._fd, views[first:first + _IOV_MAX])
+            while written:  # skip what was written; the rest of a part written partly stays
+                head = views[first]
+                if written >= head.nbytes:
+                    written -= head.nbytes
+                    first += 1
+                else:
+                    views[first] = head[written:]
+                    written = 0
 
     def fsync(self) -> None:
         os.fsync(self._fd)
