@@ -192,3 +192,29 @@ def test_a_record_of_more_tensors_than_one_writev_takes_is_logged_whole(tmp_path
     assert StepRecord.from_json(header).version == 1
     assert all(np.array_equal(read[str(i)], g) for i, g in enumerate(grads))
     store.close()
+
+
+def test_replay_reads_keep_reading_until_a_tensor_is_full():
+    """One read returns at most ~2 GiB (and a pipe less): replay reads each tensor until it is
+    full or the file ends, or a big tensor would look like a torn record."""
+    import threading
+
+    from optserve.server.compute.checkpoints import _read_fully
+
+    data = np.random.default_rng(5).standard_normal(50_000).astype(np.float32)
+    read_end, write_end = os.pipe()
+
+    def trickle():  # the bytes arrive in small pieces
+        raw = data.tobytes()
+        for start in range(0, len(raw), 4096):
+            os.write(write_end, raw[start:start + 4096])
+        os.close(write_end)
+
+    writer = threading.Thread(target=trickle)
+    writer.start()
+    target = np.empty(60_000, np.float32)
+    with open(read_end, "rb", buffering=0) as fh:
+        got = _read_fully(fh, memoryview(target).cast("B"))
+    writer.join()
+    assert got == data.nbytes  # everything there was, then the end of the file
+    assert np.array_equal(target[:50_000], data)

@@ -233,9 +233,7 @@ def read_step_log(path: str, arrays: Callable[[], dict]):
                 if payload_len != expected:
                     raise CorruptCheckpoint(f"step log {path}: record at byte {at} holds {payload_len} gradient "
                                             f"bytes, the shard's tensors have {expected}")
-                got = 0
-                for a in grads.values():
-                    got += fh.readinto(memoryview(a.reshape(-1)).cast("B"))
+                got = sum(_read_fully(fh, memoryview(a.reshape(-1)).cast("B")) for a in grads.values())
                 header_len_raw = fh.read(_U32.size)
                 torn = got < payload_len or len(header_len_raw) < _U32.size
             if not torn:
@@ -254,6 +252,18 @@ def read_step_log(path: str, arrays: Callable[[], dict]):
             record = json.loads(header)
             if not record.get("aborted"):  # a step whose update failed: never applied
                 yield record, grads
+
+
+def _read_fully(fh, target: memoryview) -> int:
+    """Fills ``target`` from ``fh`` (one read returns at most ~2 GiB); returns the bytes read,
+    fewer only at the end of the file."""
+    got = 0
+    while got < target.nbytes:
+        count = fh.readinto(target[got:])
+        if not count:
+            break
+        got += count
+    return got
 
 
 def read_journal(path: str) -> list:
