@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -218,3 +219,30 @@ def test_replay_reads_keep_reading_until_a_tensor_is_full():
     writer.join()
     assert got == data.nbytes  # everything there was, then the end of the file
     assert np.array_equal(target[:50_000], data)
+
+
+@pytest.mark.parametrize("first_failure", ["vote-timeout", "peer-down"])
+def test_a_push_whose_vote_failed_for_a_missing_shard_commits_when_retried(first_failure):
+    """A round decided without a shard's vote (it never staged in time, or it died) is one the
+    client retries: the retry's votes meet in a fresh round, whichever shard votes first. (The
+    missing shard's next vote used to take the old round's refusal while the other's opened a
+    round that waited in vain, so every retry failed the same way.)"""
+    import concurrent.futures
+
+    from optserve.server.domain.errors import PeerRefused, Unavailable
+
+    clock = LocalClock(_config(), participants=2)
+    if first_failure == "vote-timeout":
+        with pytest.raises(PeerRefused, match="did not vote"):
+            clock.vote("c", 1, 0, 1, True, timeout_s=0.2)  # shard 0 never staged this attempt
+    else:
+        clock.peer_down(0, Unavailable("shard 0 is restarting"))
+        with pytest.raises(Unavailable):
+            clock.vote("c", 1, 0, 1, True, timeout_s=5.0)
+        clock.peer_up(0)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the retry: the missing shard votes first
+        home = pool.submit(clock.vote, "c", 1, 0, 0, True, 5.0)
+        time.sleep(0.1)
+        other = pool.submit(clock.vote, "c", 1, 0, 1, True, 5.0)
+        tickets = home.result(timeout=10), other.result(timeout=10)
+    assert tickets[0] == tickets[1] and tickets[0].target_version == 1

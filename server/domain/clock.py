@@ -183,13 +183,18 @@ def new_session_clock(config, checkpoints: Optional[CheckpointPolicy] = None) ->
 class _VoteRound:
     """The votes on one push: shard index -> staged?, and the outcome once decided."""
 
-    __slots__ = ("votes", "outcome", "taken", "started")
+    __slots__ = ("votes", "outcome", "taken", "started", "retried")
 
     def __init__(self):
         self.votes: dict[int, bool] = {}
         self.outcome = None  # Ticket | OptservError
         self.taken = 0
         self.started = time.monotonic()
+        # Decided without a vote the client cannot have: a shard that never staged in time or is
+        # down. The client retries the push, and its new votes must meet in a fresh round (a
+        # missing shard's next vote would otherwise take this round's outcome, and the others'
+        # votes open yet another round that waits in vain: every retry failing the same way).
+        self.retried = False
 
 
 _STALE_ROUND_S = 600.0  # a decided round some shard never voted in is forgotten after this long
@@ -277,7 +282,7 @@ class LocalClock:
             self._down[shard_index] = error
             for round_ in self._votes.values():
                 if round_.outcome is None and shard_index not in round_.votes:
-                    round_.outcome = error
+                    round_.outcome, round_.retried = error, True
             self._cond.notify_all()
 
     def peer_up(self, shard_index: int) -> None:
@@ -314,7 +319,7 @@ class LocalClock:
             if round_.outcome is None:
                 down = next((error for index, error in self._down.items() if index not in round_.votes), None)
                 if down is not None:
-                    round_.outcome = down
+                    round_.outcome, round_.retried = down, True
                     self._cond.notify_all()
                 elif not staged:
                     round_.outcome = PeerRefused(
@@ -334,13 +339,15 @@ class LocalClock:
                     round_.outcome = PeerRefused(
                         f"push {sequence} of client {client_id!r} was not staged on every shard within "
                         f"{timeout_s:.0f} s (shards {missing} did not vote); applied on no shard")
+                    round_.retried = True
                     self._cond.notify_all()
                     break
                 self._cond.wait(remaining)
             round_.taken += 1
             # Kept until every shard voted: a refusal that arrives before a peer's vote must still
-            # answer that vote (the peer would otherwise wait for the vote timeout).
-            if round_.taken >= self._participants and self._votes.get(key) is round_:
+            # answer that vote (the peer would otherwise wait for the vote timeout). Not a round
+            # its client retries: a late vote of it starts a round of its own, and is refused there.
+            if (round_.taken >= self._participants or round_.retried) and self._votes.get(key) is round_:
                 del self._votes[key]
             outcome = round_.outcome
         if not staged:
