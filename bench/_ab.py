@@ -68,12 +68,12 @@ def compare(title: str, variants: Mapping[str, tuple[Mapping[str, Any], Mapping[
         sessions = {name: c.create_session("bench", params, optimizer=OPTIMIZER) for name, c in clients.items()}
         outs = {name: s.pull() for name, s in sessions.items()}
         steps = {name: (lambda s=s, o=outs[name]: s.push_pull(grads, out=o)) for name, s in sessions.items()}
-        if splits:
-            samples, busy = _split_rounds(steps, {name: (lambda s=sessions[name], p=split.probe: p(s))
-                                                  for name, split in splits.items()}, repeats, warmup)
-        else:
-            samples, _ = interleaved_seconds(steps, rounds=repeats, warmup=warmup)
-            busy = {}
+        probes = {name: [] for name in splits}  # (state, busy) before and after each measured step
+        samples, _ = interleaved_seconds(steps, rounds=repeats, warmup=warmup, around={
+            name: (lambda s=sessions[name], p=split.probe, seen=probes[name]: seen.append(p(s)))
+            for name, split in splits.items()})
+        busy = {name: [b[1] or a[1] or b[0] != a[0] for b, a in zip(seen[::2], seen[1::2])]
+                for name, seen in probes.items()}
         for s in sessions.values():
             s.close()
         tiny_params = {"w": np.ones((8, 8), np.float32), "b": np.zeros((8,), np.float32)}
@@ -116,26 +116,3 @@ def compare(title: str, variants: Mapping[str, tuple[Mapping[str, Any], Mapping[
               f"{shards} shards, adafactor, sync, 1 client; median of {repeats} interleaved rounds "
               f"after {warmup} warm-up")
     return print_table(header, ["what", "ms", "GB/s (push+pull)", "note"], rows)
-
-
-def _split_rounds(steps: Mapping[str, Callable[[], object]], probes: Mapping[str, Callable[[], tuple]],
-                  rounds: int, warmup: int) -> tuple[dict[str, list[float]], dict[str, list[bool]]]:
-    """:func:`bench.service.interleaved_seconds` for variants some of which are probed around
-    each step (outside its timing); returns the seconds and, for probed ones, busy per step."""
-    import time
-
-    for _ in range(warmup):
-        for step in steps.values():
-            step()
-    samples: dict[str, list[float]] = {name: [] for name in steps}
-    busy: dict[str, list[bool]] = {name: [] for name in probes}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            before = probes[name]() if name in probes else None
-            start = time.perf_counter()
-            step()
-            samples[name].append(time.perf_counter() - start)
-            if before is not None:
-                after = probes[name]()
-                busy[name].append(before[1] or after[1] or before[0] != after[0])
-    return samples, busy

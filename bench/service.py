@@ -31,7 +31,7 @@ import os
 import socket
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -118,11 +118,14 @@ def in_process_step(params: dict[str, np.ndarray], grads: dict[str, np.ndarray])
     return run
 
 
-def interleaved_seconds(fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 1
+def interleaved_seconds(fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 1,
+                        around: Optional[dict[str, Callable[[], object]]] = None
                         ) -> tuple[dict[str, list[float]], dict[str, CpuUse]]:
     """Wall seconds of each of ``fns`` per round, the functions taking turns within every round,
     so that a slow spell of a shared machine falls on ours and the baselines alike; and the CPU
-    each used (this process vs the rest of the machine: here the shard actors, or the raw TCP peer)."""
+    each used (this process vs the rest of the machine: here the shard actors, or the raw TCP peer).
+    ``around[name]()`` runs before and after each measured call of ``name``, outside its timing."""
+    around = around or {}
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -130,11 +133,15 @@ def interleaved_seconds(fns: dict[str, Callable[[], object]], rounds: int, warmu
     cpu = {name: CpuUse() for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
+            if name in around:
+                around[name]()
             before = CpuSample.now()
             start = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - start)
             cpu[name].add(before, CpuSample.now())
+            if name in around:
+                around[name]()
     return samples, cpu
 
 
