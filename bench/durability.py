@@ -8,7 +8,10 @@ Step times: three servers side by side (:mod:`bench._ab`, interleaved rounds, af
 rounds so that the page cache and the heaps are in their steady state). "every 8 steps" checkpoints
 every 8th step (the log holds at most 8 steps and is truncated behind each checkpoint); "default
 policy" runs the defaults (a checkpoint whenever the log would pass 2 x the parameter bytes, i.e.
-every other step for this model, so one is nearly always being written). Each durable variant's
+every other step for this model, so one is nearly always being written). The comparison runs
+twice, each with its own baseline: the log writing gradients through the page cache (the default)
+and with direct I/O (``log_io=LogIO.DIRECT``: by DMA from the gradients' memory, no copy on the
+shard's CPU); ``--log-io`` runs one of them. Each durable variant's
 steps are split by what its shards were doing (read from ``Session.status()`` before and after
 each step, outside its timing): "log on" steps saw no checkpoint being written, the others did.
 ``--dir`` puts the checkpoints and logs elsewhere (e.g. ``/dev/shm`` to take the disk out and see
@@ -96,22 +99,28 @@ def main(argv=None) -> str:
     def extra(parser):
         parser.add_argument("--dir", default=None, help="folder for the checkpoints and logs (default: a temporary "
                                                          "folder)")
+        parser.add_argument("--log-io", choices=["buffered", "direct"], default=None,
+                            help="run only this kind of log writes (default: both, one after the other)")
         parser.set_defaults(repeats=16)  # enough rounds for both kinds of durable steps
 
     args = parse_arguments(__doc__.splitlines()[0], argv, extra=extra)
-    from optserve.server.domain.durability import DurabilityConfig
+    from optserve.server.domain.durability import DurabilityConfig, LogIO
 
     root = tempfile.mkdtemp(prefix="optserve-bench-durability-", dir=args.dir)
     try:
-        every_8 = DurabilityConfig(os.path.join(root, "every-8"), every_steps=8, every_s=1e9, max_log_bytes=NEVER)
-        default = DurabilityConfig(os.path.join(root, "default"))
         split = Split(_checkpoint_probe, "log on", "a checkpoint being written")
-        table = compare(f"bench.durability (logs and checkpoints in {root})", {
-            "durability off": ({}, {}),
-            "every 8 steps": ({"durability": every_8}, {}),
-            "default policy": ({"durability": default}, {}),
-        }, small=args.small, shards=args.shards, repeats=args.repeats, warmup=3,
-            splits={"every 8 steps": split, "default policy": split})
+        table = ""
+        # two runs of three servers, not one of five: five 100M-parameter servers crowd 2 cores
+        for log_io in [LogIO(args.log_io)] if args.log_io else list(LogIO):
+            suffix = "" if log_io is LogIO.BUFFERED else ", direct I/O"
+            folder = os.path.join(root, log_io.value)
+            durable = {f"every 8 steps{suffix}": DurabilityConfig(os.path.join(folder, "every-8"), every_steps=8,
+                                                                  every_s=1e9, max_log_bytes=NEVER, log_io=log_io),
+                       f"default policy{suffix}": DurabilityConfig(os.path.join(folder, "default"), log_io=log_io)}
+            table += compare(f"bench.durability, log writes {log_io.value} (logs and checkpoints in {folder})", {
+                "durability off": ({}, {}), **{name: ({"durability": config}, {}) for name, config in durable.items()},
+            }, small=args.small, shards=args.shards, repeats=args.repeats, warmup=3,
+                splits={name: split for name in durable})
         rows = recovery(args.small, args.shards, os.path.join(root, "recovery"))
         return table + print_table("bench.durability: checkpoint and recovery", ["what", "ms", "", "note"], rows)
     finally:

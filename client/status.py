@@ -68,7 +68,8 @@ class DurabilityStatus:
     ``log_bytes``: steps logged since; ``recoveries``: times this part was restored after its
     process died or the server restarted; ``checkpoint_seconds``: the latest checkpoint's write time;
     ``checkpoints_written``: checkpoints committed by the shard's current process;
-    ``checkpoint_writing``: one is being written (or waits to be) now.
+    ``checkpoint_writing``: one is being written (or waits to be) now; ``log_direct``: the step
+    log writes gradients with direct I/O (``--log-io direct``, where the shard's disk allows it).
     """
 
     durable_version: int
@@ -78,11 +79,12 @@ class DurabilityStatus:
     checkpoint_seconds: float
     checkpoints_written: int = 0
     checkpoint_writing: bool = False
+    log_direct: bool = False
 
     @classmethod
     def from_proto(cls, d: control_pb2.DurabilityStatus) -> "DurabilityStatus":
         return cls(d.durable_version, d.log_records, d.log_bytes, d.recoveries, d.checkpoint_seconds,
-                   d.checkpoints_written, d.checkpoint_writing)
+                   d.checkpoints_written, d.checkpoint_writing, d.log_direct)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,9 @@ a creator that died within those seconds (run at shard and client start).
 
 Layout of a data region (:func:`layout`): the push part, one float32 slot per tensor, then the
 reply part, one slot per tensor in the tensor's own dtype; every slot starts at a multiple of
-:data:`ALIGN` bytes (64: XLA:CPU and NumPy use such host memory in place).
+:data:`ALIGN` bytes (64: XLA:CPU and NumPy use such host memory in place), and a push slot of
+:data:`PAGE_SLOT_BYTES` or more at a multiple of :data:`PAGE_ALIGN` (a durable shard's step log
+can then write it to the disk with direct I/O, straight from the region).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from typing import Optional, Sequence
 from optserve.protos import contract
 
 ALIGN = 64
+PAGE_ALIGN = 4096
+PAGE_SLOT_BYTES = 64 << 10
 NONCE_BYTES = 32
 SHM_DIR = "/dev/shm"
 PREFIX = "optserve-"
@@ -85,8 +89,8 @@ class Layout:
     size: int
 
 
-def _aligned(offset: int) -> int:
-    return -(-offset // ALIGN) * ALIGN
+def _aligned(offset: int, alignment: int = ALIGN) -> int:
+    return -(-offset // alignment) * alignment
 
 
 def layout(tensors: Sequence[tuple[str, int, Sequence[int]]]) -> Layout:
@@ -99,8 +103,9 @@ def layout(tensors: Sequence[tuple[str, int, Sequence[int]]]) -> Layout:
             count = 1
             for dim in shape:
                 count *= int(dim)
-            offset = _aligned(offset)
-            slots.append(Slot(name, wire, tuple(int(d) for d in shape), offset, count * contract.ITEMSIZE[wire]))
+            nbytes = count * contract.ITEMSIZE[wire]
+            offset = _aligned(offset, PAGE_ALIGN if part == "push" and nbytes >= PAGE_SLOT_BYTES else ALIGN)
+            slots.append(Slot(name, wire, tuple(int(d) for d in shape), offset, nbytes))
             offset += slots[-1].nbytes
     return Layout(tuple(push), tuple(reply), max(ALIGN, _aligned(offset)))
 

@@ -86,6 +86,10 @@ def _parser() -> argparse.ArgumentParser:
                          help="when the step log is flushed to disk: every step, every N steps "
                               "(--fsync-every-steps), or at checkpoints (default); bounds what a machine loss loses")
     durable.add_argument("--fsync-every-steps", type=int, default=100, help="N of --fsync every-n")
+    durable.add_argument("--log-io", choices=["buffered", "direct"], default="buffered",
+                         help="how the step log writes gradients: through the page cache (default: a copy on the "
+                              "shard's CPU) or with direct I/O from the gradient's memory (no copy, every logged "
+                              "byte crosses the disk: for fast local disks)")
     serve.add_argument("--insecure", action="store_true",
                        help="allow a non-loopback --host/--shard-host without TLS and tokens")
     sub.add_parser("demo", help="run the end-to-end demo", add_help=False)
@@ -109,7 +113,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         from optserve.server.app import start_server
         from optserve.server.domain.config import Limits, ServerConfig
-        from optserve.server.domain.durability import DurabilityConfig, FsyncPolicy
+        from optserve.server.domain.durability import DurabilityConfig, FsyncPolicy, LogIO
         from optserve.server.domain.errors import InvalidArgument
     except ImportError as exc:
         print(_not_installed(exc), file=sys.stderr)
@@ -128,7 +132,7 @@ def serve(args: argparse.Namespace) -> int:
             durability=None if args.checkpoint_dir is None else DurabilityConfig(
                 args.checkpoint_dir, every_steps=args.checkpoint_every_steps, every_s=args.checkpoint_every_s,
                 max_log_bytes=args.max_log_bytes, fsync=FsyncPolicy(args.fsync),
-                fsync_every_steps=args.fsync_every_steps),
+                fsync_every_steps=args.fsync_every_steps, log_io=LogIO(args.log_io)),
         )
         from optserve.server.logs import configure_logging
 
@@ -153,7 +157,7 @@ def serve(args: argparse.Namespace) -> int:
               "(they answer DATA_LOSS), and a server restart loses every session (see --checkpoint-dir)", flush=True)
     else:
         print(f"optserve: sessions are durable in {config.durability.checkpoint_dir} (step log fsync: "
-              f"{config.durability.fsync.value})", flush=True)
+              f"{config.durability.fsync.value}, writes: {config.durability.log_io.value})", flush=True)
     if running.metrics_address:
         print(f"optserve metrics at http://{running.metrics_address}/metrics", flush=True)
     while not stop.wait(0.5):

@@ -16,7 +16,10 @@ its folder; older checkpoints and log segments are deleted only after that. A ch
 arrays do not match their manifest's checksums is reported (:class:`CorruptCheckpoint`), never
 loaded. A step-log record is ``"OSLR" | payload length (u64) | payload | header length (u32) |
 header JSON | crc32(header) (u32) | "OSLE"``; a record torn by a crash (no end marker) ends the
-log: it was never acknowledged. The payload is written while the step's update runs and the header
+log: it was never acknowledged. With direct I/O (``LogIO.DIRECT``) the record starts ``"OSLA"``
+and its payload is block aligned: zeros after the prefix up to the next multiple of
+:data:`_BLOCK` bytes in the file, and after each tensor up to the next multiple too, so that the
+tensors' page-aligned memory goes to the disk by DMA, without a copy. The payload is written while the step's update runs and the header
 after it; a step whose update failed gets the header ``{"aborted": true}`` and is skipped on replay.
 
 Loading a session's parameters and optimizer state into your own JAX program: see
@@ -26,6 +29,7 @@ Loading a session's parameters and optimizer state into your own JAX program: se
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import json
 import logging
 import os
@@ -43,6 +47,10 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 _REC_START, _REC_END = b"OSLR", b"OSLE"
+_REC_ALIGNED = b"OSLA"  # a record written with direct I/O: its payload is block aligned
+_BLOCK = 4096  # direct I/O's unit: file offsets, lengths and memory addresses are multiples of it
+_ZEROS = memoryview(bytes(_BLOCK))
+_DIRECT_MAX = 1 << 30  # bytes per direct write call (one call writes at most ~2 GiB)
 _PREFIX = struct.Struct("<4sQ")
 _U32 = struct.Struct("<I")
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)\.json$")
@@ -117,12 +125,40 @@ class SessionCatalog:
 
 # ------------------------------------------------------------------ step log
 class _Segments:
-    """Numbered append-only segment files ``<kind>-<k>.log`` in one folder."""
+    """Numbered append-only segment files ``<kind>-<k>.log`` in one folder.
 
-    def __init__(self, folder: str, kind: str, start: int):
+    ``direct``: step payloads go to the disk with direct I/O where they can
+    (:meth:`write_payload`); the segment is then written at offsets this object tracks (direct
+    I/O does not mix with ``O_APPEND``), through two descriptors of the same file.
+    """
+
+    def __init__(self, folder: str, kind: str, start: int, direct: bool = False):
         self.folder, self.kind = folder, kind
         self.index = start
-        self._fd = os.open(self.path(start), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self.direct = direct
+        self.direct_bytes = 0  # payload bytes written with direct I/O (this object's segments)
+        self._direct_fd = -1
+        self._open(start)
+
+    def _open(self, index: int) -> None:
+        path = self.path(index)
+        if not self.direct:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            self._offset = None
+            return
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        self._offset = os.fstat(self._fd).st_size
+        try:
+            self._direct_fd = os.open(path, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
+        except OSError as exc:  # e.g. a filesystem without direct I/O
+            log.warning("event=step_log_direct_io_unavailable path=%s error=%s (writes go through the page cache)",
+                        path, exc)
+            self._direct_fd = -1
+
+    @property
+    def writes_direct(self) -> bool:
+        """Whether payloads go to the disk with direct I/O now."""
+        return self._direct_fd >= 0
 
     def path(self, index: int) -> str:
         return os.path.join(self.folder, f"{self.kind}-{index}.log")
@@ -131,9 +167,51 @@ class _Segments:
         """Opens the next segment; returns its index and the previous segment's file descriptor,
         which the caller flushes and closes (off the step path)."""
         old = self._fd
+        self._close_direct()
         self.index += 1
-        self._fd = os.open(self.path(self.index), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._open(self.index)
         return self.index, old
+
+    def _close_direct(self) -> None:
+        if self._direct_fd >= 0:
+            os.close(self._direct_fd)
+            self._direct_fd = -1
+
+    def write_payload(self, arrays: list) -> None:
+        """Appends a step record's start: its prefix and the gradient ``arrays`` (C order)."""
+        views = [memoryview(np.ascontiguousarray(a).reshape(-1)).cast("B") for a in arrays]
+        total = sum(view.nbytes for view in views)
+        if not self.direct:
+            self.write([_PREFIX.pack(_REC_START, total), *views])
+            return
+        prefix = _PREFIX.pack(_REC_ALIGNED, total)
+        self.write([prefix, _ZEROS[:_pad(self._offset + len(prefix))]])
+        for view in views:
+            bulk = view.nbytes - view.nbytes % _BLOCK
+            if bulk and self._direct_fd >= 0 and _address(view) % _BLOCK == 0:
+                done = self._write_direct(view[:bulk])
+                view = view[done:]
+            self.write([view, _ZEROS[:_pad(self._offset + view.nbytes)]])
+
+    def _write_direct(self, view: memoryview) -> int:
+        """Writes block-aligned ``view`` at the segment's end with direct I/O; returns the bytes
+        written (fewer if direct I/O failed: the rest goes through the page cache)."""
+        done = 0
+        try:
+            while done < view.nbytes:
+                count = os.pwrite(self._direct_fd, view[done:done + _DIRECT_MAX], self._offset + done)
+                done += count
+                if count <= 0 or count % _BLOCK:
+                    break
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            log.warning("event=step_log_direct_io_failed path=%s error=%s (writes go through the page cache)",
+                        self.path(self.index), exc)
+            self._close_direct()
+        self._offset += done
+        self.direct_bytes += done
+        return done
 
     def write(self, parts: list) -> None:
         """Appends ``parts`` (bytes-like) whole: ``writev`` takes at most ``IOV_MAX`` buffers and
@@ -141,7 +219,11 @@ class _Segments:
         views = [view for view in (memoryview(p).cast("B") for p in parts) if view.nbytes]
         first = 0  # views before it are written
         while first < len(views):
-            written = os.writev(self._fd, views[first:first + _IOV_MAX])
+            if self._offset is None:
+                written = os.writev(self._fd, views[first:first + _IOV_MAX])
+            else:
+                written = os.pwritev(self._fd, views[first:first + _IOV_MAX], self._offset)
+                self._offset += written
             while written:  # skip what was written; the rest of a part written partly stays
                 head = views[first]
                 if written >= head.nbytes:
@@ -155,6 +237,7 @@ class _Segments:
         os.fsync(self._fd)
 
     def close(self) -> None:
+        self._close_direct()
         try:
             os.close(self._fd)
         except OSError:
@@ -203,6 +286,15 @@ def _close_segments(fds: list, flush: bool) -> None:
             os.close(fd)
 
 
+def _pad(offset: int) -> int:
+    """Bytes from ``offset`` to the next multiple of :data:`_BLOCK`."""
+    return -offset % _BLOCK
+
+
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, np.uint8).ctypes.data if view.nbytes else 0
+
+
 def _segment_indices(folder: str, kind: str, start: int) -> list[int]:
     found = []
     for name in os.listdir(folder):
@@ -226,16 +318,16 @@ def read_step_log(path: str, arrays: Callable[[], dict]):
             torn = len(prefix) < _PREFIX.size
             if not torn:
                 magic, payload_len = _PREFIX.unpack(prefix)
-                if magic != _REC_START:
+                if magic not in (_REC_START, _REC_ALIGNED):
                     raise CorruptCheckpoint(f"step log {path}: no record starts at byte {at}")
                 grads = arrays()
                 expected = sum(a.nbytes for a in grads.values())
                 if payload_len != expected:
                     raise CorruptCheckpoint(f"step log {path}: record at byte {at} holds {payload_len} gradient "
                                             f"bytes, the shard's tensors have {expected}")
-                got = sum(_read_fully(fh, memoryview(a.reshape(-1)).cast("B")) for a in grads.values())
+                torn = not _read_payload(fh, grads.values(), aligned=magic == _REC_ALIGNED)
                 header_len_raw = fh.read(_U32.size)
-                torn = got < payload_len or len(header_len_raw) < _U32.size
+                torn = torn or len(header_len_raw) < _U32.size
             if not torn:
                 (header_len,) = _U32.unpack(header_len_raw)
                 tail = fh.read(header_len + _U32.size + len(_REC_END))
@@ -252,6 +344,22 @@ def read_step_log(path: str, arrays: Callable[[], dict]):
             record = json.loads(header)
             if not record.get("aborted"):  # a step whose update failed: never applied
                 yield record, grads
+
+
+def _read_payload(fh, arrays, aligned: bool) -> bool:
+    """Reads a record's payload into ``arrays`` (skipping an aligned record's padding); returns
+    whether it was all there."""
+    if aligned and not _skip(fh, _pad(fh.tell())):
+        return False
+    for array in arrays:
+        target = memoryview(array.reshape(-1)).cast("B")
+        if _read_fully(fh, target) < target.nbytes or (aligned and not _skip(fh, _pad(fh.tell()))):
+            return False
+    return True
+
+
+def _skip(fh, count: int) -> bool:
+    return len(fh.read(count)) == count if count else True
 
 
 def _read_fully(fh, target: memoryview) -> int:
@@ -364,7 +472,7 @@ class ShardStore:
         tickets_from = manifest["tickets_from"] if manifest else 0
         next_steps = max(_segment_indices(self.folder, "steps", steps_from), default=steps_from - 1) + 1
         next_tickets = max(_segment_indices(self.folder, "tickets", tickets_from), default=tickets_from - 1) + 1
-        self._steps = _Segments(self.folder, "steps", next_steps)
+        self._steps = _Segments(self.folder, "steps", next_steps, direct=self._config.log_io.value == "direct")
         if self._home:
             self._tickets = _Segments(self.folder, "tickets", next_tickets)
         if manifest is not None:
@@ -438,8 +546,7 @@ class ShardStore:
         if self._log_error is not None:
             return
         try:
-            payload = [memoryview(np.ascontiguousarray(g).reshape(-1)).cast("B") for g in grads]
-            self._steps.write([_PREFIX.pack(_REC_START, sum(p.nbytes for p in payload)), *payload])
+            self._steps.write_payload(grads)
         except BaseException as exc:  # noqa: BLE001 - every later wait_logged raises it
             log.exception("event=step_log_failed session=%s shard=%d", self._session, self._shard)
             self._fail(exc)
@@ -589,6 +696,16 @@ class ShardStore:
         self._steps.drop_before(manifest["steps_from"])
         if self._tickets is not None:
             self._tickets.drop_before(manifest["tickets_from"])
+
+    @property
+    def log_writes_direct(self) -> bool:
+        """The step log writes gradients with direct I/O now (``LogIO.DIRECT`` where it works)."""
+        return self._steps is not None and self._steps.writes_direct
+
+    @property
+    def log_direct_bytes(self) -> int:
+        """Gradient bytes the step log wrote with direct I/O since it was opened."""
+        return self._steps.direct_bytes if self._steps is not None else 0
 
     @property
     def checkpoint_writing(self) -> bool:

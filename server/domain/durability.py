@@ -43,6 +43,24 @@ class FsyncPolicy(enum.Enum):
     CHECKPOINT = "checkpoint"
 
 
+class LogIO(enum.Enum):
+    """How the step log writes a step's gradient (the other parts of a record always go through
+    the page cache).
+
+    - BUFFERED: through the page cache: a copy per byte on the shard's CPU; the kernel writes it
+      back later, and a log truncated by a checkpoint before that never reaches the disk.
+    - DIRECT: with direct I/O (``O_DIRECT``) from the gradient's own memory (a page-aligned
+      shared-memory slot or pooled buffer), no copy: the disk's DMA moves the bytes while the
+      update runs, and the write has reached the device when the step is acknowledged (a process
+      or kernel crash cannot lose it). Every logged byte crosses the disk: for disks that write
+      a step's gradient faster than the update runs (local NVMe). A filesystem without direct
+      I/O, or memory that is not page aligned, falls back to BUFFERED writes for those bytes.
+    """
+
+    BUFFERED = "buffered"
+    DIRECT = "direct"
+
+
 @dataclasses.dataclass(frozen=True)
 class DurabilityConfig:
     """``optserve serve --checkpoint-dir DIR`` and its companions.
@@ -57,6 +75,7 @@ class DurabilityConfig:
         checkpoint by much and a small, fast session is not checkpointed every few steps.
       fsync: the step log's flush policy (:class:`FsyncPolicy`).
       fsync_every_steps: EVERY_N's N (>= 1).
+      log_io: how the step log writes gradients (:class:`LogIO`).
     """
 
     checkpoint_dir: str
@@ -65,6 +84,7 @@ class DurabilityConfig:
     max_log_bytes: Optional[int] = None
     fsync: FsyncPolicy = FsyncPolicy.CHECKPOINT
     fsync_every_steps: int = 100
+    log_io: LogIO = LogIO.BUFFERED
 
     def __post_init__(self):
         if not self.checkpoint_dir:
@@ -187,6 +207,7 @@ class DurabilityStatus:
       checkpoint_seconds: wall time of the latest checkpoint write (0: none yet).
       checkpoints_written: checkpoints committed by this shard process.
       checkpoint_writing: a checkpoint is being written (or waits to be) now.
+      log_direct: the step log writes gradients with direct I/O now (:class:`LogIO`).
     """
 
     durable_version: int = -1
@@ -196,6 +217,7 @@ class DurabilityStatus:
     checkpoint_seconds: float = 0.0
     checkpoints_written: int = 0
     checkpoint_writing: bool = False
+    log_direct: bool = False
 
 
 class SessionStore(Protocol):
@@ -231,3 +253,4 @@ class SessionStore(Protocol):
     checkpoint_seconds: float  # wall time of the latest checkpoint write
     checkpoints_written: int  # checkpoints committed by this process
     checkpoint_writing: bool  # one is being written (or waits to be) now
+    log_writes_direct: bool  # the log writes gradients with direct I/O now

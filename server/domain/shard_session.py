@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 
 import numpy as np
 
-from optserve.server.compute.buffers import BufferPool, aligned_empty
+from optserve.server.compute.buffers import IO_ALIGNMENT, BufferPool, aligned_empty
 from optserve.server.compute.updater import Updater
 from optserve.server.domain.assembly import TensorAssembler
 from optserve.server.domain.clock import ClockStatus, Ticket
@@ -559,7 +559,7 @@ class ShardSession:
     def _add_to_sum(self, grads: dict[str, np.ndarray]) -> None:
         """Sync mode: accumulates one push of the step (the mean is taken when the step closes)."""
         if self._sum is None:
-            self._sum = {name: aligned_empty(g.shape, g.dtype) for name, g in grads.items()}
+            self._sum = {name: aligned_empty(g.shape, g.dtype, IO_ALIGNMENT) for name, g in grads.items()}
             for name, g in grads.items():
                 np.copyto(self._sum[name], g)
         else:
@@ -655,7 +655,8 @@ class ShardSession:
         if store is None:
             return None
         return DurabilityStatus(store.durable_version, store.log_records, store.log_bytes, store.recoveries,
-                                store.checkpoint_seconds, store.checkpoints_written, store.checkpoint_writing)
+                                store.checkpoint_seconds, store.checkpoints_written, store.checkpoint_writing,
+                                store.log_writes_direct)
 
     def attach_store(self, store: SessionStore) -> None:
         """Makes a new session durable: its steps are logged to ``store`` from now on."""

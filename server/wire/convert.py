@@ -171,7 +171,8 @@ def durability_to_proto(status) -> "control_pb2.DurabilityStatus | None":
                                         log_bytes=status.log_bytes, recoveries=status.recoveries,
                                         checkpoint_seconds=status.checkpoint_seconds,
                                         checkpoints_written=status.checkpoints_written,
-                                        checkpoint_writing=status.checkpoint_writing)
+                                        checkpoint_writing=status.checkpoint_writing,
+                                        log_direct=status.log_direct)
 
 
 def server_status_to_proto(shards) -> control_pb2.GetServerStatusResponse:
