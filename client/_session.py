@@ -180,18 +180,30 @@ class Session:
 
     def gradient_buffers(self) -> dict[str, np.ndarray]:
         """Float32 arrays, one per tensor, to write gradients into and pass to :meth:`push_pull`
-        / :meth:`push`: on shards reached through shared memory they live in the push region (no
-        copy when pushed), elsewhere they are ordinary arrays. The same arrays every call; their
-        values are this object's to overwrite after each step."""
+        / :meth:`push`: on shards reached through shared memory they live in a push region that
+        no step of this object is using (no copy when pushed), elsewhere they are ordinary arrays.
+
+        While this object's steps take turns, every call returns the same arrays. While a step
+        is in flight (:meth:`push_pull_async`, overlap mode) it reads its gradients where they
+        lie until it is answered, so a call then returns the other set of a double-buffered pair
+        (a second region per shard, negotiated on first need): write the next gradient there
+        while the step runs. Call it once per step in overlap mode; the values are this object's
+        to overwrite once the step that pushed them is answered."""
+        regions = self._shm.free_regions(self._shards)
+        paths = self._shm.paths()
         if self._grad_buffers is None:
-            regions = self._shm.ensure(self._shards)
-            buffers = {}
-            for shard in self._shards:
-                region = regions.get(shard.index)
-                for name in shard.names:
-                    buffers[name] = region.push[name] if region is not None else np.zeros(self.specs[name][1], np.float32)
-            self._grad_buffers = buffers
-        return dict(self._grad_buffers)
+            self._grad_buffers = {}
+        buffers = {}
+        for shard in self._shards:
+            region = regions.get(shard.index)
+            for name in shard.names:
+                if region is not None:
+                    buffers[name] = region.push[name]
+                elif paths.get(shard.index) == "shared_memory":  # both regions busy: fresh arrays, copied when pushed
+                    buffers[name] = np.zeros(self.specs[name][1], np.float32)
+                else:  # gRPC bytes: ordinary arrays, the same every call
+                    buffers[name] = self._grad_buffers.setdefault(name, np.zeros(self.specs[name][1], np.float32))
+        return buffers
 
     def data_paths(self) -> dict[int, str]:
         """Shard index -> "shared_memory" or "grpc": how this object's tensor bytes reach each shard."""
@@ -199,8 +211,19 @@ class Session:
                 for index, region in self._shm.ensure(self._shards).items()}
 
     def push_pull_async(self, grads: Mapping[str, np.ndarray], **kwargs) -> concurrent.futures.Future:
-        """``push_pull`` in a background thread (one at a time per session, in call order)."""
-        return self._background.submit(self.push_pull, grads, **kwargs)
+        """``push_pull`` in a background thread (one at a time per session, in call order).
+
+        Gradients in :meth:`gradient_buffers` stay this step's until the future is done: the next
+        :meth:`gradient_buffers` call hands out the other set of a double-buffered pair."""
+        reserved = self._shm.reserve(grads)
+
+        def step():
+            try:
+                return self.push_pull(grads, **kwargs)
+            finally:  # before the future is done: whoever waits on it finds the regions free
+                self._shm.unreserve(reserved)
+
+        return self._background.submit(step)
 
     def status(self) -> SessionStatus:
         response = _retry.call(
@@ -451,7 +474,7 @@ class Session:
     def _push_pull_once(self, header, grads, wire, out=None, views: bool = False, reply: bool = True):
         """One attempt: push (auto_commit) and receive the step's parameters, per shard (the
         new version alone when not ``reply``: a push through shared memory)."""
-        taken = self._shm.acquire(self._shards) if self._via_shm(wire) else {}
+        taken = self._shm.acquire(self._shards, grads) if self._via_shm(wire) else {}
         try:
             return self._region_call(taken, lambda: self._push_pull_attempt(header, grads, wire, out, views, reply, taken))
         finally:

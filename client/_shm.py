@@ -60,6 +60,14 @@ class ShardRegion:
         self._reply = {slot.name: (slot.dtype, np.frombuffer(mapping, np.uint8, slot.nbytes, slot.offset))
                        for slot in layout.reply}
 
+    def holds(self, grads: Optional[Mapping]) -> bool:
+        """Whether ``grads``' arrays are this region's push arrays (:meth:`Session.gradient_buffers`)."""
+        if not grads or not self.push:
+            return False
+        name, target = next(iter(self.push.items()))
+        source = grads.get(name)
+        return isinstance(source, np.ndarray) and _same_memory(source, target)
+
     def step(self, reply: bool) -> data_pb2.SharedMemoryStep:
         """The step message's reference to this region."""
         return data_pb2.SharedMemoryStep(region=self.region_id, nonce=self._nonce, reply=reply)
@@ -176,9 +184,17 @@ def _unlink_quietly(name: str) -> None:
         pass
 
 
+REGIONS_PER_SHARD = 2  # double buffering: a step in flight on one, the next gradient written into the other
+
+
 class SessionRegions:
-    """A session object's regions, one per shard where the handshake succeeded (lazily, on the
-    first data-plane call). ``mode``: "auto", True (fail if any shard cannot) or False."""
+    """A session object's regions per shard where the handshake succeeded (lazily, on the first
+    data-plane call). ``mode``: "auto", True (fail if any shard cannot) or False.
+
+    A shard has one region while this object's steps take turns; a second one is negotiated
+    when a step (or :meth:`free_regions`) finds the first busy with a step in flight (overlap
+    mode, ``push_pull_async``): the two are then double-buffered, each step on whichever is free.
+    """
 
     def __init__(self, mode: SharedMemoryArg, channel_of: Callable[[str], grpc.Channel], session: str,
                  client_id: str, specs: Mapping, timeout: float):
@@ -189,39 +205,95 @@ class SessionRegions:
         self._specs = specs
         self._timeout = timeout
         self._lock = threading.Lock()
-        self._regions: dict[int, Optional[ShardRegion]] = {}
+        self._regions: dict[int, list[ShardRegion]] = {}  # shard index -> its regions ([]: gRPC bytes)
+        self._reserved: dict[int, int] = {}  # id(region) -> queued steps whose gradients lie in it
         self.reasons: dict[int, str] = {}  # shard index -> why it uses gRPC bytes
         self._addresses: dict[int, str] = {}
         self._finalizer = None
 
     def ensure(self, shards: Sequence) -> dict[int, Optional[ShardRegion]]:
-        """Negotiates with every shard not tried yet; returns index -> region or None."""
+        """Negotiates with every shard not tried yet; returns index -> its first region or None."""
         if self.mode is False:
             return {shard.index: None for shard in shards}
         with self._lock:
             for shard in shards:
                 if shard.index in self._regions:
                     continue
-                region, why = negotiate(self._channel_of(shard.address), self._session, self._client_id, shard.index,
-                                        {n: self._specs[n] for n in shard.names}, self._timeout)
+                region, why = self._negotiate(shard)
                 if region is None and self.mode is True:
                     raise FailedPreconditionError(f"shared_memory=True: shard {shard.index} ({shard.address}): {why}",
                                                   "FAILED_PRECONDITION")
-                self._regions[shard.index] = region
+                self._regions[shard.index] = [region] if region is not None else []
                 self._addresses[shard.index] = shard.address
                 self.reasons[shard.index] = why
             if self._finalizer is None:
                 self._finalizer = weakref.finalize(self, _close_all, self._regions)
-            return dict(self._regions)
+            return {shard.index: next(iter(self._regions[shard.index]), None) for shard in shards}
 
-    def acquire(self, shards: Sequence) -> dict[int, ShardRegion]:
-        """The regions free for a step (each locked: release them after it); a busy one (another
-        step of this object in flight) leaves its shard on gRPC bytes for this step."""
+    def _negotiate(self, shard) -> tuple[Optional[ShardRegion], str]:
+        return negotiate(self._channel_of(shard.address), self._session, self._client_id, shard.index,
+                         {n: self._specs[n] for n in shard.names}, self._timeout)
+
+    def acquire(self, shards: Sequence, grads: Optional[Mapping] = None) -> dict[int, ShardRegion]:
+        """The regions for a step, each locked (release them after it): per shard the region
+        ``grads``' arrays live in if it is free, else a free one, else a second one negotiated
+        now; a shard whose regions are all busy (both double buffers in flight) or that has
+        none stays on gRPC bytes for this step."""
         taken = {}
-        for index, region in self.ensure(shards).items():
-            if region is not None and region.lock.acquire(blocking=False):
-                taken[index] = region
+        for shard in shards:
+            region = self._free_region(shard, grads, lock=True)
+            if region is not None:
+                taken[shard.index] = region
         return taken
+
+    def reserve(self, grads: Mapping) -> list[ShardRegion]:
+        """Marks the regions ``grads``' arrays live in as taken by a step queued now (it locks
+        them when it starts): no other step and no :meth:`free_regions` hands them out until
+        :meth:`unreserve`."""
+        with self._lock:
+            held = [r for regions in self._regions.values() for r in regions if r.holds(grads)]
+            for region in held:
+                self._reserved[id(region)] = self._reserved.get(id(region), 0) + 1
+        return held
+
+    def unreserve(self, regions: Sequence[ShardRegion]) -> None:
+        with self._lock:
+            for region in regions:
+                left = self._reserved.pop(id(region), 0) - 1
+                if left > 0:
+                    self._reserved[id(region)] = left
+
+    def free_regions(self, shards: Sequence) -> dict[int, Optional[ShardRegion]]:
+        """Index -> a region of the shard that no step of this object is using now (a second one
+        negotiated if the first is busy), or None (gRPC bytes, or both regions busy); not locked."""
+        return {shard.index: self._free_region(shard, None, lock=False) for shard in shards}
+
+    def _free_region(self, shard, grads: Optional[Mapping], lock: bool) -> Optional[ShardRegion]:
+        if self.ensure([shard])[shard.index] is None:
+            return None
+        with self._lock:
+            regions = sorted(self._regions.get(shard.index, []), key=lambda r: not r.holds(grads))
+            count = len(regions)
+            regions = [r for r in regions if id(r) not in self._reserved or r.holds(grads)]
+        for region in regions:
+            if lock and region.lock.acquire(blocking=False):
+                return region
+            if not lock and not region.lock.locked():
+                return region
+        if count >= REGIONS_PER_SHARD:
+            return None
+        region, _ = self._negotiate(shard)
+        if region is None:
+            return None
+        if lock:
+            region.lock.acquire()
+        with self._lock:
+            regions = self._regions.get(shard.index)
+            if regions is None or len(regions) >= REGIONS_PER_SHARD:  # forgotten, or another thread made one
+                region.close()
+                return None
+            regions.append(region)
+        return region
 
     @staticmethod
     def release(taken: Mapping[int, ShardRegion]) -> None:
@@ -232,21 +304,20 @@ class SessionRegions:
         """Drops regions the shard no longer knows (they are negotiated again on the next call)."""
         with self._lock:
             for index in indices:
-                region = self._regions.pop(index, None)
-                if region is not None:
+                for region in self._regions.pop(index, []):
                     region.close()
 
     def paths(self) -> dict[int, str]:
         """Shard index -> "shared_memory" or "grpc" (shards not tried yet are left out)."""
         with self._lock:
-            return {i: "shared_memory" if r is not None else "grpc" for i, r in self._regions.items()}
+            return {i: "shared_memory" if r else "grpc" for i, r in self._regions.items()}
 
     def close(self, notify: bool = True) -> None:
         """Drops every region: tells the shards (best effort) and unmaps them here."""
         with self._lock:
-            regions = {i: r for i, r in self._regions.items() if r is not None}
+            regions = [(i, r) for i, rs in self._regions.items() for r in rs]
             self._regions.clear()
-        for index, region in regions.items():
+        for index, region in regions:
             if notify:
                 try:
                     _Calls(self._channel_of(self._addresses[index])).close(
@@ -257,6 +328,6 @@ class SessionRegions:
 
 
 def _close_all(regions: dict) -> None:
-    for region in list(regions.values()):
-        if region is not None:
+    for shard_regions in list(regions.values()):
+        for region in shard_regions:
             region.close()

@@ -125,6 +125,37 @@ def test_gradient_buffers_live_in_the_region_and_views_are_read_only(fast, plain
         twin.close()
 
 
+def test_overlapped_steps_write_the_next_gradient_into_the_other_buffer_of_a_double_buffered_pair(
+        fast, plain, unique_name):
+    """Overlap mode with gradient_buffers(): a step in flight reads its gradients where they lie,
+    so the next gradient goes into a second region's buffers (the two alternate); every step
+    applies the gradient it was sent with, exactly as the gRPC path does."""
+    from optserve.client.overlap import DelayedStepper
+
+    params = make_params()
+    session = fast.create_session(unique_name, params, optimizer=SGD)
+    twin = plain.create_session(unique_name + "-grpc", params, optimizer=SGD)
+    stepper, twin_stepper = DelayedStepper(session), DelayedStepper(twin)
+    try:
+        used = []
+        for step in range(6):
+            buffers = session.gradient_buffers()
+            used.append(buffers["dense/w"].__array_interface__["data"][0])
+            grads = make_grads(params, step)
+            for name, buffer in buffers.items():
+                buffer[...] = grads[name]
+            got, expected = stepper.step(buffers), twin_stepper.step(grads)
+            if step:
+                assert all(np.array_equal(got[n], expected[n]) for n in params), step
+        got, expected = stepper.wait(), twin_stepper.wait()
+        assert all(np.array_equal(got[n], expected[n]) for n in params)
+        assert len(set(used)) == 2 and used[0::2] == [used[0]] * 3 and used[1::2] == [used[1]] * 3  # alternating
+        assert session.gradient_buffers()["dense/w"].__array_interface__["data"][0] == used[0]  # no step in flight
+    finally:
+        session.close()
+        twin.close()
+
+
 def test_shared_memory_steps_send_only_step_messages_over_grpc(server, unique_name, byte_counter):
     sent, received = _bytes_for_steps(byte_counter, server.address, unique_name, 3, shared_memory=True)
     payload = 3 * (256 * 256 + 4096) * 4  # float32 gradient bytes of three pushes (and as many back)
