@@ -155,6 +155,38 @@ def _wait_durable(session, version: int, timeout_s: float = 30.0) -> None:
     raise AssertionError(f"no checkpoint of version {version} on every shard within {timeout_s:.0f} s")
 
 
+def test_a_user_loads_a_sessions_checkpoint_into_their_own_jax_program(durable_server, checkpoint_dir, unique_name):
+    """The README's recipe: load_checkpoint gives the newest version every shard has, its
+    parameters equal what the session served at that version, and each shard's folder is a plain
+    orbax checkpoint that StandardCheckpointer restores into the optimizer's own state structure."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from optserve.optim_kernels import build_optimizer
+    from optserve.server.compute.checkpoints import load_checkpoint
+
+    client = Client(durable_server.address, timeout=90.0)
+    params = make_params(4)
+    session = client.create_session(unique_name, params, optimizer=OPTIMIZER)
+    for step in range(4):  # a checkpoint at 4
+        served = session.push_pull(make_grads(params, step))
+    _wait_durable(session, 4)
+    loaded = load_checkpoint(checkpoint_dir, unique_name)
+    assert loaded["version"] == 4 and len(loaded["opt_state"]) == 2
+    assert sorted(loaded["params"]) == sorted(params)
+    assert all(np.array_equal(loaded["params"][n], served[n]) for n in params)
+    shard = session.info.shards[0]
+    mine = {n: params[n] for n in shard.tensor_names}
+    tx = build_optimizer(OPTIMIZER["name"], OPTIMIZER["args"]).transformation
+    target = {"params": mine, "opt_state": tx.init(mine)}
+    restored = ocp.StandardCheckpointer().restore(os.path.join(_shard_folder(checkpoint_dir, unique_name, 0),
+                                                               "checkpoint-4"), target)
+    assert jax.tree.structure(restored["opt_state"]) == jax.tree.structure(target["opt_state"])
+    assert all(np.array_equal(np.asarray(restored["params"][n]), served[n]) for n in mine)
+    session.close()
+    client.close()
+
+
 @pytest.mark.parametrize("damage", ["flipped-bytes", "truncated"])
 def test_a_damaged_checkpoint_is_reported_naming_it_and_never_loaded(durable_server, checkpoint_dir, unique_name,
                                                                      damage):

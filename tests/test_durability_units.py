@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -172,9 +173,16 @@ def test_checkpoint_round_trips_and_truncates_the_log_and_a_damaged_one_is_refus
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), {"params": params, "opt_state": state})
     restored = store.restore_arrays(manifest, abstract)
     assert np.array_equal(restored["params"]["b"], params["b"]) and int(restored["opt_state"][1]) == 7
-    manifest["crc32"][0] ^= 1  # as if the arrays on disk had changed
+    assert "crc32c" in manifest
+    older = {k: v for k, v in manifest.items() if k != "crc32c"}  # written before CRC-32C: zlib's CRC-32
+    older["crc32"] = [zlib.crc32(np.ascontiguousarray(a)) for a in jax.tree.leaves({"params": params, "opt_state": state})]
+    assert np.array_equal(store.restore_arrays(older, abstract)["params"]["w"], params["w"])
+    manifest["crc32c"][0] ^= 1  # as if the arrays on disk had changed
     with pytest.raises(CorruptCheckpoint, match="checksums"):
         store.restore_arrays(manifest, abstract)
+    older["crc32"][1] ^= 1
+    with pytest.raises(CorruptCheckpoint, match="checksums"):
+        store.restore_arrays(older, abstract)
     store.close()
 
 

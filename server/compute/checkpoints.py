@@ -6,7 +6,7 @@ One folder per session under ``DIR/sessions/`` (the name percent-quoted)::
     shard-<i>/checkpoint-<v>/        orbax checkpoint of shard i's part at version v:
                                      {"params": {name: array}, "opt_state": the optax state}
     shard-<i>/checkpoint-<v>.json    its manifest, written last (the commit marker): progress,
-                                     clock state (home shard), crc32 of every array
+                                     clock state (home shard), CRC-32C of every array
     shard-<i>/steps-<k>.log          step log segment k (records after the checkpoint whose
                                      manifest names segment k, in order)
     shard-<i>/tickets-<k>.log        ticket journal segment k (home shard: one JSON line per ticket)
@@ -286,6 +286,29 @@ def _close_segments(fds: list, flush: bool) -> None:
             os.close(fd)
 
 
+_CHECKSUM = "crc32c"  # the manifest's key for its arrays' checksums (older manifests: "crc32", zlib's)
+
+
+def _checksum(array, kind: str = _CHECKSUM) -> int:
+    """The checksum of an array's bytes (C order): CRC-32C (google-crc32c: hardware instructions,
+    ~3x faster than zlib's CRC-32, which checkpoints written before it carry)."""
+    values = np.ascontiguousarray(np.asarray(array)).reshape(-1).view(np.uint8)
+    if kind == "crc32":
+        return zlib.crc32(values)
+    import google_crc32c
+
+    return google_crc32c.value(values)
+
+
+def _manifest_checksums(manifest: dict) -> tuple[str, list]:
+    """``(kind, checksums)`` of a manifest's arrays."""
+    for kind in (_CHECKSUM, "crc32"):
+        if kind in manifest:
+            return kind, manifest[kind]
+    raise CorruptCheckpoint(f"checkpoint manifest of version {manifest.get('progress', {}).get('version')} "
+                            f"has no checksums")
+
+
 def _pad(offset: int) -> int:
     """Bytes from ``offset`` to the next multiple of :data:`_BLOCK`."""
     return -offset % _BLOCK
@@ -490,8 +513,8 @@ class ShardStore:
         except Exception as exc:  # noqa: BLE001 - orbax raises many kinds on damaged files
             raise CorruptCheckpoint(f"checkpoint {path} cannot be read: {type(exc).__name__}: {exc}") from None
         leaves = [np.asarray(x) for x in _leaves(restored)]
-        sums = manifest["crc32"]
-        if len(leaves) != len(sums) or any(zlib.crc32(np.ascontiguousarray(a)) != s for a, s in zip(leaves, sums)):
+        kind, sums = _manifest_checksums(manifest)
+        if len(leaves) != len(sums) or any(_checksum(a, kind) != s for a, s in zip(leaves, sums)):
             raise CorruptCheckpoint(f"checkpoint {path} does not match its checksums: its arrays are damaged")
         return restored
 
@@ -670,7 +693,7 @@ class ShardStore:
             # format is orbax's own (a StandardCheckpointHandler restores it).
             ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)).save(
                 path, args=ocp.args.PyTreeSave(tree))
-            manifest["crc32"] = [zlib.crc32(np.ascontiguousarray(a)) for a in _leaves(tree)]
+            manifest[_CHECKSUM] = [_checksum(a, _CHECKSUM) for a in _leaves(tree)]
             manifest["written_unix_s"] = time.time()
             _write_atomically(f"{path}.json", json.dumps(manifest).encode())
         except BaseException as exc:
@@ -762,8 +785,9 @@ def load_checkpoint(root: str, session: str) -> dict:
         with open(f"{path}.json", "rb") as fh:
             manifest = json.loads(fh.read())
         tree = ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(path)
-        sums = sorted(zlib.crc32(np.ascontiguousarray(np.asarray(x))) for x in _leaves(tree))
-        if sums != sorted(manifest["crc32"]):  # restored without the optimizer's structure: order may differ
+        kind, expected = _manifest_checksums(manifest)
+        sums = sorted(_checksum(x, kind) for x in _leaves(tree))
+        if sums != sorted(expected):  # restored without the optimizer's structure: order may differ
             raise CorruptCheckpoint(f"checkpoint {path} does not match its checksums")
         params.update({k: np.asarray(v) for k, v in tree["params"].items()})
         states.append(tree["opt_state"])
