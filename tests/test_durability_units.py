@@ -186,6 +186,31 @@ def test_checkpoint_round_trips_and_truncates_the_log_and_a_damaged_one_is_refus
     store.close()
 
 
+def test_a_checkpoint_holds_the_state_of_its_version_while_later_steps_reuse_the_buffers(tmp_path):
+    """The snapshot is a copy: the update goes on donating (overwriting) its buffers while the
+    checkpoint is written in the background, and the checkpoint still holds its own version."""
+    import threading
+
+    import jax
+
+    store = _store(tmp_path)
+    store.start_logs(None)
+    params = {"b": np.arange(3, dtype=np.float32), "w": np.ones((4, 3), np.float32)}
+    state = ({"b": np.zeros(3, np.float32), "w": np.full((4, 3), 2.0, np.float32)}, np.array(7, np.int32))
+    expected = jax.tree.map(np.copy, {"params": params, "opt_state": state})
+    writer_free = threading.Event()
+    store._writer.submit(writer_free.wait)  # the writer is busy: the checkpoint waits its turn
+    store.checkpoint(ShardProgress(1, 1, {"c": 1}), params, state, clock_state_fn=lambda rotate: (rotate(), {})[1])
+    for leaf in jax.tree.leaves({"params": params, "opt_state": state}):  # later steps, in place
+        leaf[...] = -1
+    writer_free.set()
+    store.wait()
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), expected)
+    restored = store.restore_arrays(store.latest(), abstract)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(expected)))
+    store.close()
+
+
 def test_a_record_of_more_tensors_than_one_writev_takes_is_logged_whole(tmp_path):
     """writev takes at most IOV_MAX (1024) buffers: a shard with thousands of tensors (and empty
     ones among them) still logs every byte of every step."""
