@@ -577,7 +577,7 @@ def main(argv: list[str]) -> int:
         running = start_server(ServerConfig(host="127.0.0.1", port=0, shards=2, min_shard_bytes=0,
                                             vote_timeout_s=1.0, step_timeout_s=5.0, staged_push_ttl_s=2.0))
         address = running.address
-    from optserve.server.metrics import resident_bytes
+    from optserve.server.ops.metrics import resident_bytes
 
     try:
         healthy = HealthySession(address)

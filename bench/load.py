@@ -211,7 +211,7 @@ def main(argv=None) -> str:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     from optserve.server.app import start_server
     from optserve.server.domain.config import ServerConfig
-    from optserve.server.metrics import resident_bytes
+    from optserve.server.ops.metrics import resident_bytes
 
     server = start_server(ServerConfig(host="127.0.0.1", port=0, shards=args.shards))
     try:

@@ -13,78 +13,11 @@ from typing import Optional
 
 from optserve.protos import contract
 from optserve.protos.optserve.v1 import control_pb2
+from optserve.protos.status_records import DurabilityStatus, PreconditionerBlockStatus, RootOffloadStatus
 
-
-@dataclasses.dataclass(frozen=True)
-class PreconditionerBlockStatus:
-    """Shampoo: the preconditioner of one statistic (one dimension of one block of a tensor).
-
-    ``age``: steps between the statistics its root came from and the latest update (-1: no root
-    yet); ``error``: the latest root's residual (inf / NaN when it failed); ``failures``: roots
-    refused; ``fallback_steps``: updates that ran without a root (the grafted direction).
-    """
-
-    tensor: str
-    block: int
-    dim: int
-    size: int
-    age: int
-    error: float
-    failures: int
-    fallback_steps: int
-
-    @classmethod
-    def from_proto(cls, b: control_pb2.PreconditionerStatus) -> "PreconditionerBlockStatus":
-        return cls(tensor=b.tensor, block=b.block, dim=b.dim, size=b.size, age=b.age, error=b.error,
-                   failures=b.failures, fallback_steps=b.fallback_steps)
-
-
-@dataclasses.dataclass(frozen=True)
-class RootOffloadStatus:
-    """Shampoo: how one shard gets its inverse roots.
-
-    ``offloaded``: from preconditioner workers (else inside the update); ``max_age``: the
-    session's age bound in steps (``None`` unless offloaded); ``roots_installed``, ``waits``
-    (updates that waited for roots), ``resubmits`` (worker calls sent again): counts.
-    """
-
-    offloaded: bool
-    max_age: Optional[int]
-    roots_installed: int
-    waits: int
-    resubmits: int
-
-    @classmethod
-    def from_proto(cls, r: control_pb2.RootOffloadStatus) -> "RootOffloadStatus":
-        return cls(offloaded=r.offloaded, max_age=None if r.max_age < 0 else r.max_age,
-                   roots_installed=r.roots_installed, waits=r.waits, resubmits=r.resubmits)
-
-
-@dataclasses.dataclass(frozen=True)
-class DurabilityStatus:
-    """A durable session on one shard (servers run with ``--checkpoint-dir``).
-
-    ``durable_version``: its latest committed checkpoint (-1: none yet); ``log_records`` /
-    ``log_bytes``: steps logged since; ``recoveries``: times this part was restored after its
-    process died or the server restarted; ``checkpoint_seconds``: the latest checkpoint's write time;
-    ``checkpoints_written``: checkpoints committed by the shard's current process;
-    ``checkpoint_writing``: one is being written (or waits to be) now; ``log_direct``: the step
-    log writes gradients with direct I/O (``--log-io direct``, where the shard's disk allows it).
-    """
-
-    durable_version: int
-    log_records: int
-    log_bytes: int
-    recoveries: int
-    checkpoint_seconds: float
-    checkpoints_written: int = 0
-    checkpoint_writing: bool = False
-    log_direct: bool = False
-
-    @classmethod
-    def from_proto(cls, d: control_pb2.DurabilityStatus) -> "DurabilityStatus":
-        return cls(d.durable_version, d.log_records, d.log_bytes, d.recoveries, d.checkpoint_seconds,
-                   d.checkpoints_written, d.checkpoint_writing, d.log_direct)
+# The per-shard records are the server's own, defined once in optserve.protos.status_records.
+__all__ = ["AcceptedPush", "DurabilityStatus", "PreconditionerBlockStatus", "RefusedPush", "RootOffloadStatus",
+           "ServerShardStatus", "SessionSeries", "SessionStatus", "ShardStatus"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,9 +76,9 @@ def start_server(config: ServerConfig) -> RunningServer:
     from optserve.protos import contract
     from optserve.server.domain.coordinator import Coordinator
     from optserve.server.shard_actor import start_shards
-    from optserve.server.shard_watch import ShardWatch
+    from optserve.server.ops.shard_watch import ShardWatch
     from optserve.server.wire.control_servicer import ControlServicer, add_to_server as add_control_to_server
-    from optserve.server.wire.health import Health, enable_reflection
+    from optserve.server.ops.health import Health, enable_reflection
     from optserve.server.wire.limits import server_options
     from optserve.server.wire.security import ServerSecurity
 
@@ -103,7 +103,7 @@ def start_server(config: ServerConfig) -> RunningServer:
         teardown.callback(_stop_fleet, fleet)
         catalog = None
         if config.durability is not None:
-            from optserve.server.compute.checkpoints import SessionCatalog
+            from optserve.server.storage import SessionCatalog
 
             catalog = SessionCatalog(config.durability.checkpoint_dir)
             teardown.callback(_final_checkpoints, fleet)  # after the servers stopped, before the fleet
@@ -117,7 +117,7 @@ def start_server(config: ServerConfig) -> RunningServer:
         watch = ShardWatch(fleet, coordinator).start()  # stopped before the fleet (teardown runs in reverse)
         teardown.callback(watch.stop)
         if config.session_idle_s is not None:
-            from optserve.server.leases import SessionLeases
+            from optserve.server.ops.leases import SessionLeases
 
             leases = SessionLeases(coordinator, config.session_idle_s).start()
             teardown.callback(leases.stop)
@@ -141,7 +141,7 @@ def start_server(config: ServerConfig) -> RunningServer:
             teardown.callback(lambda: health_server.stop(grace=0.5).wait())
         metrics_address = None
         if config.metrics_port is not None:
-            from optserve.server.metrics import FleetCollector, serve_metrics
+            from optserve.server.ops.metrics import FleetCollector, serve_metrics
 
             collector = FleetCollector(lambda: [f for f in fleet.shard_reports("metrics") if f is not None],
                                        lambda: len(coordinator.list_all()))

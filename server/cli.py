@@ -12,6 +12,8 @@ import sys
 import threading
 import time
 
+from optserve.server.ops.logs import LEVELS
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="optserve", description="Optimizer-as-a-service.")
@@ -49,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--session-idle-s", type=float, default=None,
                        help="close a session no client pushed to or pulled from for this many seconds "
                             "(default: never)")
-    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+    serve.add_argument("--log-level", choices=LEVELS, default="info",
                        help="log one key=value line per session event, refusal and server error at this "
                             "level and above, on stderr (default: info)")
     limits = serve.add_argument_group("limits", "exceeding one is RESOURCE_EXHAUSTED naming it (sizes in bytes)")
@@ -134,7 +136,7 @@ def serve(args: argparse.Namespace) -> int:
                 max_log_bytes=args.max_log_bytes, fsync=FsyncPolicy(args.fsync),
                 fsync_every_steps=args.fsync_every_steps, log_io=LogIO(args.log_io)),
         )
-        from optserve.server.logs import configure_logging
+        from optserve.server.ops.logs import configure_logging
 
         configure_logging(config.log_level)
         running = start_server(config)

@@ -46,15 +46,15 @@ class ShardActor:
         from optserve.protos import contract
         from optserve.protos.heap import keep_large_buffers_on_heap
         from optserve.server.domain.shard_session import ShardRegistry
-        from optserve.server.metrics import ShardMetrics, session_gauges
+        from optserve.server.ops.metrics import ShardMetrics, session_gauges
         from optserve.server.wire.clock_service import ClockServer
-        from optserve.server.wire.health import Health
+        from optserve.server.ops.health import Health
         from optserve.server.wire.limits import server_options
         from optserve.server.wire.shard_servicer import add_to_server
 
         keep_large_buffers_on_heap()  # received chunks and each step's tensor-sized buffers reuse freed memory
         if config.log_level is not None:
-            from optserve.server.logs import configure_logging
+            from optserve.server.ops.logs import configure_logging
 
             configure_logging(config.log_level)
         self._index = index
@@ -99,7 +99,7 @@ class ShardActor:
         Raises:
           SessionLost: ``restore`` found a damaged checkpoint or log (the message names the file).
         """
-        from optserve.server.compute.checkpoints import CorruptCheckpoint, ShardStore, read_step_log
+        from optserve.server.storage import CorruptCheckpoint, ShardStore, read_step_log
         from optserve.server.compute.root_offload import build_shard_optimizer
         from optserve.server.compute.updater import Updater
         from optserve.server.domain.clock import LocalClock
@@ -255,7 +255,7 @@ class ShardActor:
 
     def server_status(self) -> dict:
         """``{"node_id", "sessions", "param_bytes", "resident_bytes"}`` of this shard, now."""
-        from optserve.server.metrics import resident_bytes
+        from optserve.server.ops.metrics import resident_bytes
 
         sessions = self._registry.sessions()
         return {"node_id": self._node_id, "sessions": len(sessions),

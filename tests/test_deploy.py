@@ -1,6 +1,6 @@
 """``deploy/`` validated offline: every manifest against the schema its consumer applies, every
 ``optserve serve`` command line against the CLI, the ServiceMonitor against the Service, and every
-PromQL expression of the Grafana dashboard against :data:`optserve.server.metrics.METRICS`.
+PromQL expression of the Grafana dashboard against :data:`optserve.server.ops.metrics.METRICS`.
 
 Each check is also run on a deliberately broken copy, which it must reject.
 
@@ -25,7 +25,7 @@ import jsonschema
 import pytest
 import yaml
 
-from optserve.server.metrics import METRICS
+from optserve.server.ops.metrics import METRICS
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 ROOT = DEPLOY.parent

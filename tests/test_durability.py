@@ -163,7 +163,7 @@ def test_a_user_loads_a_sessions_checkpoint_into_their_own_jax_program(durable_s
     import orbax.checkpoint as ocp
 
     from optserve.optim_kernels import build_optimizer
-    from optserve.server.compute.checkpoints import load_checkpoint
+    from optserve.server.storage import load_checkpoint
 
     client = Client(durable_server.address, timeout=90.0)
     params = make_params(4)

@@ -11,7 +11,8 @@ import zlib
 import numpy as np
 import pytest
 
-from optserve.server.compute.checkpoints import CorruptCheckpoint, ShardStore, read_step_log
+from optserve.server.storage import CorruptCheckpoint, ShardStore, read_step_log
+from optserve.server.storage.format import SEGMENT_HEADER
 from optserve.server.domain.clock import LocalClock, Ticket
 from optserve.server.domain.config import DType, Mode, SessionConfig, TensorSpec
 from optserve.server.domain.durability import (MIN_DEFAULT_LOG_BYTES, CheckpointPolicy, DurabilityConfig,
@@ -149,7 +150,7 @@ def test_step_log_damaged_before_its_end_is_reported_not_replayed(tmp_path):
     store.wait_logged(2)
     (segment,) = store.log_segments(None)
     with open(segment, "r+b") as fh:
-        fh.seek(4 + 8 + 60 + 4 + 5)  # inside the first record's header
+        fh.seek(SEGMENT_HEADER.size + 4 + 8 + 60 + 4 + 5)  # inside the first record's header (after the segment header)
         fh.write(b"#")
     with pytest.raises(CorruptCheckpoint, match="damaged"):
         list(read_step_log(segment, _buffers))
@@ -300,7 +301,7 @@ def test_replay_reads_keep_reading_until_a_tensor_is_full():
     full or the file ends, or a big tensor would look like a torn record."""
     import threading
 
-    from optserve.server.compute.checkpoints import _read_fully
+    from optserve.server.storage.log_reader import read_fully as _read_fully
 
     data = np.random.default_rng(5).standard_normal(50_000).astype(np.float32)
     read_end, write_end = os.pipe()

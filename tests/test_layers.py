@@ -1,6 +1,7 @@
 """The layers import one way: read every source file and fail on an import that crosses the wrong way.
 
-wire -> domain -> compute -> kernels; the process hosts (app.py, cli.py, shard_actor.py) on top;
+wire -> domain -> storage / compute -> kernels; operator parts (ops/) above them; the process hosts
+(app.py, cli.py, shard_actor.py) on top;
 client and kernels independent of the server; applications (the demo) on top of everything.
 Lazy imports inside functions count: they cross a layer all the same.
 """
@@ -18,11 +19,18 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 HOSTS = ("optserve.server.app", "optserve.server.cli", "optserve.server.shard_actor")
 
 # folder -> (forbidden module prefixes anywhere in a file, forbidden at import time only)
+_SERVER = "optserve.server"
+_APPS = ("optserve.demo", "optserve.client") + HOSTS
 RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "server/domain": (("grpc", "ray", "optserve.server.wire", "optserve.demo", "optserve.client") + HOSTS, ()),
-    "server/compute": (("grpc", "optserve.server.wire", "optserve.server.domain", "optserve.demo",
-                        "optserve.client") + HOSTS, ()),
-    "server/wire": (("ray", "optserve.demo", "optserve.client") + HOSTS, ()),
+    # wire talks to the domain only (never compute or storage directly)
+    "server/wire": (("ray", f"{_SERVER}.compute", f"{_SERVER}.storage", f"{_SERVER}.ops") + _APPS, ()),
+    # the domain names kernels but never builds them (the compute layer does)
+    "server/domain": (("grpc", "ray", "optserve.optim_kernels", f"{_SERVER}.wire", f"{_SERVER}.ops") + _APPS, ()),
+    "server/storage": (("grpc", "ray", "optserve.optim_kernels", f"{_SERVER}.wire", f"{_SERVER}.domain",
+                        f"{_SERVER}.compute", f"{_SERVER}.ops") + _APPS, ()),
+    "server/compute": (("grpc", f"{_SERVER}.wire", f"{_SERVER}.domain", f"{_SERVER}.storage", f"{_SERVER}.ops")
+                       + _APPS, ()),
+    "server/ops": (_APPS, ()),
     "server": (("optserve.demo", "optserve.client"), ()),
     "optim_kernels": (("optserve.server", "optserve.client", "optserve.protos", "optserve.demo", "grpc", "ray"), ()),
     "protos": (("optserve.server", "optserve.client", "optserve.optim_kernels", "optserve.demo", "jax", "ray"), ()),
@@ -74,6 +82,12 @@ def test_no_import_crosses_a_layer_the_wrong_way():
     ("server/domain", "import grpc\n", "grpc"),
     ("server/domain", "def f():\n    import ray\n", "ray"),
     ("server/compute", "from optserve.server.wire import errors\n", "optserve.server.wire"),
+    ("server/wire", "from optserve.server.compute.root_offload import RootStatus\n", "optserve.server.compute"),
+    ("server/domain", "def f():\n    from optserve.optim_kernels import build_optimizer\n", "optserve.optim_kernels"),
+    ("server/storage", "import grpc\n", "grpc"),
+    ("server/storage", "from optserve.server.domain import durability\n", "optserve.server.domain"),
+    ("server/compute", "from optserve.server.storage import ShardStore\n", "optserve.server.storage"),
+    ("server/domain", "from optserve.server.ops import metrics\n", "optserve.server.ops"),
     ("optim_kernels", "from optserve.protos import contract\n", "optserve.protos"),
     ("client", "import jax\n", "jax"),
     ("server", "from optserve import demo\n", "optserve.demo"),

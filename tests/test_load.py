@@ -95,7 +95,7 @@ def test_memory_of_a_closed_session_goes_back_to_the_shards(load_server, unique_
     # stepped and closed twice. The first round warms what stays (compiled update, thread stacks);
     # the shards' freed heap would then stay resident (malloc keeps up to 1 GiB free for the next
     # transfer) unless closing a session hands it back.
-    from optserve.server.metrics import resident_bytes
+    from optserve.server.ops.metrics import resident_bytes
 
     pids = load_server.fleet.pids()
     rss = lambda: sum(resident_bytes(pid) for pid in pids)  # noqa: E731

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from _service_helpers import make_grads, make_params
 from optserve.client import Client, InvalidArgumentError
-from optserve.server.metrics import METRICS
+from optserve.server.ops.metrics import METRICS
 
 ADAM = {"name": "adam", "args": {"learning_rate": 0.01}}
 SHAMPOO = {"name": "shampoo", "args": {"learning_rate": 0.01, "block_size": 4, "start_preconditioning_step": 1}}

@@ -29,7 +29,7 @@ def _params():
 @pytest.fixture
 def captured():
     """The ``optserve`` logger configured as ``--log-level`` does, into a buffer (restored after)."""
-    from optserve.server import logs
+    from optserve.server.ops import logs
 
     logger = logging.getLogger("optserve")
     level, handlers = logger.level, list(logger.handlers)

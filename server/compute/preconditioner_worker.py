@@ -59,7 +59,6 @@ class PreconditionerWorker:
         if f64:
             jax.config.update("jax_enable_x64", True)
         self._index = index
-        self._f64 = f64
         self._fns: dict[RootComputation, Any] = {}
         self._batches = 0
 

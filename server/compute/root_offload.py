@@ -33,61 +33,17 @@ its age then grows past the bound, which only counts exports, not their outcome.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
 from optserve.optim_kernels import OPTIMIZERS, BuiltOptimizer, build_optimizer
+from optserve.protos.status_records import PreconditionerBlockStatus, RootOffloadStatus, RootStatus
 from optserve.server.compute.preconditioner_pool import PreconditionerPool, RootJob
 from optserve.server.compute.preconditioner_worker import RootComputation
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockRootStatus:
-    """One statistic's root on a shard, as of the latest update.
-
-    Attributes:
-      tensor / block / dim / size: which statistic (the kernel's block label).
-      age: steps between the statistics of the root the latest update used and that update
-        (-1: no root yet).
-      error: error of the latest root offered.
-      failures: roots rejected (error NaN or over the kernel's threshold).
-      fallback_steps: updates that ran the block without a root (the grafted direction).
-    """
-
-    tensor: str
-    block: int
-    dim: int
-    size: int
-    age: int
-    error: float
-    failures: int
-    fallback_steps: int
-
-
-@dataclasses.dataclass(frozen=True)
-class RootStatus:
-    """Where a session's roots come from on one shard, and how they fare.
-
-    Attributes:
-      offloaded: computed by the preconditioner workers (else in the update).
-      max_age: the age bound in steps (None in process).
-      roots_installed: exports whose roots were installed.
-      waits: updates that waited for roots (the bound was reached).
-      resubmits: worker calls sent again after a worker error.
-      blocks: one entry per statistic, in export order.
-    """
-
-    offloaded: bool
-    max_age: Optional[int]
-    roots_installed: int
-    waits: int
-    resubmits: int
-    blocks: tuple[BlockRootStatus, ...]
 
 
 def required_source_step(step: int, every: int, max_age: int) -> int:
@@ -147,12 +103,13 @@ class ShardPreconditioners:
         """As of the latest update (a snapshot: safe to call from any thread)."""
         count, source, failures, errors, fallback = self._snapshot
         blocks = tuple(
-            BlockRootStatus(label.tensor, label.block, label.dim, label.size,
+            PreconditionerBlockStatus(label.tensor, label.block, label.dim, label.size,
                             (count - 1) - int(source[i]) if source[i] >= 0 and count > 0 else -1,
                             float(errors[i]), int(failures[i]), int(fallback[i]))
             for i, label in enumerate(self.labels))
-        return RootStatus(self.offloaded, getattr(self, "max_age", None), self.roots_installed, self.waits,
-                          self._resubmits(), blocks)
+        offload = RootOffloadStatus(self.offloaded, getattr(self, "max_age", None), self.roots_installed, self.waits,
+                                    self._resubmits())
+        return RootStatus(offload, blocks)
 
 
 class OffloadedPreconditioners(ShardPreconditioners):

@@ -115,8 +115,7 @@ class TensorAssembler:
             ranges = sorted(self._ranges[name])
             if not ranges and spec.size:
                 raise InvalidArgument(f"missing tensor {name!r}: no chunks received")
-            covered = 0
-            for (s0, e0), (s1, _) in zip(ranges, ranges[1:]):
+            for (_, e0), (s1, _) in zip(ranges, ranges[1:]):
                 if s1 < e0:
                     raise InvalidArgument(f"tensor {name!r}: chunks overlap at element {s1}")
             covered = sum(e - s for s, e in ranges)

@@ -105,7 +105,8 @@ class SessionConfig:
       name: unique session name (1-200 characters).
       tensors: the model's tensors, names unique.
       optimizer_name / optimizer_args: a registry entry of ``optserve.optim_kernels`` and its
-        keyword arguments (validated by :meth:`validate_optimizer`).
+        keyword arguments (the coordinator checks them with the compute layer's
+        :func:`~optserve.server.compute.kernels.check_optimizer`).
       mode: SYNC (a step = mean of ``num_workers`` pushes against one version) or ASYNC.
       num_workers: pushes per sync step, >= 1.
       max_staleness: async: the largest accepted staleness, >= 0; None means unlimited.
@@ -140,17 +141,6 @@ class SessionConfig:
             raise InvalidArgument(f"num_workers must be >= 1, got {self.num_workers}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise InvalidArgument(f"max_staleness must be >= 0, got {self.max_staleness}")
-
-    def validate_optimizer(self):
-        """Builds the optimizer once to check the spec; returns the ``BuiltOptimizer``."""
-        from optserve.optim_kernels import build_optimizer
-
-        try:
-            return build_optimizer(self.optimizer_name, self.optimizer_args)
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from None
-        except ImportError as exc:
-            raise InvalidArgument(f"optimizer {self.optimizer_name!r} is not available: {exc}") from None
 
     @property
     def spec_by_name(self) -> dict[str, TensorSpec]:

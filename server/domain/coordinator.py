@@ -37,10 +37,11 @@ import threading
 import time
 from typing import Mapping, Optional, Protocol, Sequence
 
+from optserve.server.compute.kernels import check_optimizer
 from optserve.server.domain.clock import ClockStatus
 from optserve.server.domain.config import Limits, Mode, PreconditionerOptions, SessionConfig, estimated_shard_bytes
-from optserve.server.domain.errors import (AlreadyExists, FailedPrecondition, NotFound, OptservError,
-                                           PermissionDenied, SessionLost)
+from optserve.server.domain.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound,
+                                           OptservError, PermissionDenied, SessionLost)
 from optserve.server.domain.events import log_event
 from optserve.server.domain.placement import place_tensors
 from optserve.server.domain.shard_session import ShardSessionStatus
@@ -249,7 +250,10 @@ class Coordinator:
         session_bytes = sum(t.nbytes for t in config.tensors)
         if session_bytes > limits.max_session_bytes:
             raise limits.exceeded("max_session_bytes", f"session {config.name!r}: {session_bytes} parameter bytes")
-        config.validate_optimizer()
+        try:
+            check_optimizer(config.optimizer_name, config.optimizer_args)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
         with self._membership:  # one create at a time; listing and status go on meanwhile
             with self._lock:
                 if config.name in self._sessions or config.name in self._closing:

@@ -14,7 +14,7 @@ A durable session survives the death of any of its processes with no acknowledge
 - **Recovery.** A restarted shard loads its latest checkpoint and replays its log
   (:class:`ShardRestore`): it reaches exactly the version it had acknowledged.
 
-The I/O lives in :mod:`optserve.server.compute.checkpoints`; this module holds the policy and the
+The I/O lives in :mod:`optserve.server.storage`; this module holds the policy and the
 records (no files, no grpc, no ray).
 """
 
@@ -24,6 +24,7 @@ import dataclasses
 import enum
 from typing import Any, Optional, Protocol
 
+from optserve.protos.status_records import DurabilityStatus  # noqa: F401 - the shard's durability record
 from optserve.server.domain.errors import InvalidArgument
 
 
@@ -194,30 +195,6 @@ class ShardProgress:
             applied[client_id] = sequence
         next_ordinal = record.tickets[-1][0] + 1 if record.tickets else self.next_ordinal
         return ShardProgress(record.version, next_ordinal, applied)
-
-
-@dataclasses.dataclass(frozen=True)
-class DurabilityStatus:
-    """A durable session on one shard.
-
-    Attributes:
-      durable_version: the version of its latest committed checkpoint (-1: none yet).
-      log_records / log_bytes: steps in its log since that checkpoint, and their bytes.
-      recoveries: times this shard's part was restored after its process died or the server restarted.
-      checkpoint_seconds: wall time of the latest checkpoint write (0: none yet).
-      checkpoints_written: checkpoints committed by this shard process.
-      checkpoint_writing: a checkpoint is being written (or waits to be) now.
-      log_direct: the step log writes gradients with direct I/O now (:class:`LogIO`).
-    """
-
-    durable_version: int = -1
-    log_records: int = 0
-    log_bytes: int = 0
-    recoveries: int = 0
-    checkpoint_seconds: float = 0.0
-    checkpoints_written: int = 0
-    checkpoint_writing: bool = False
-    log_direct: bool = False
 
 
 class SessionStore(Protocol):

@@ -10,7 +10,7 @@ import json
 from typing import Optional
 
 from optserve.protos.optserve.v1 import control_pb2, tensor_pb2
-from optserve.server.compute.root_offload import RootStatus
+from optserve.protos.status_records import RootStatus
 from optserve.server.domain.assembly import wire_dtype
 from optserve.server.domain.config import (Limits, Mode, PreconditionerOptions, SessionConfig, StalenessPolicy,
                                            TensorSpec)
@@ -115,13 +115,7 @@ def root_status_to_proto(status: RootStatus | None) -> dict:
     """The ShardStatus fields for a shard's root status (``{}`` for kernels without roots)."""
     if status is None:
         return {}
-    offload = control_pb2.RootOffloadStatus(
-        offloaded=status.offloaded, max_age=-1 if status.max_age is None else status.max_age,
-        roots_installed=status.roots_installed, waits=status.waits, resubmits=status.resubmits)
-    blocks = [control_pb2.PreconditionerStatus(tensor=b.tensor, block=b.block, dim=b.dim, size=b.size, age=b.age,
-                                               error=b.error, failures=b.failures, fallback_steps=b.fallback_steps)
-              for b in status.blocks]
-    return {"preconditioners": blocks, "root_offload": offload}
+    return {"preconditioners": [b.to_proto() for b in status.blocks], "root_offload": status.offload.to_proto()}
 
 
 def assignment_to_proto(a) -> control_pb2.ShardAssignment:
@@ -165,14 +159,7 @@ def status_to_proto(status: SessionStatus) -> control_pb2.GetStatusResponse:
 
 def durability_to_proto(status) -> "control_pb2.DurabilityStatus | None":
     """A shard's ``DurabilityStatus`` record -> the wire (None: not durable)."""
-    if status is None:
-        return None
-    return control_pb2.DurabilityStatus(durable_version=status.durable_version, log_records=status.log_records,
-                                        log_bytes=status.log_bytes, recoveries=status.recoveries,
-                                        checkpoint_seconds=status.checkpoint_seconds,
-                                        checkpoints_written=status.checkpoints_written,
-                                        checkpoint_writing=status.checkpoint_writing,
-                                        log_direct=status.log_direct)
+    return status.to_proto() if status is not None else None
 
 
 def server_status_to_proto(shards) -> control_pb2.GetServerStatusResponse:

@@ -129,7 +129,6 @@ class _OpenStreams:
         self._open: set[_OpenStream] = set()
         self._lock = threading.Lock()
         self._sweeping = False
-        self.evictions = 0
 
     def open(self, context, tenant: str = "") -> _OpenStream:
         """Registers a new call of ``tenant``.
@@ -186,7 +185,6 @@ class _OpenStreams:
                 ended = [(stream, now - stream.idle_since) for stream in idle[:max(0, excess)]]
                 for stream, _ in ended:
                     stream.evicted = True
-                self.evictions += len(ended)
                 count = len(self._open)
             for stream, idle_s in ended:
                 _log.info("event=stream_ended reason=idle_while_crowded peer=%s idle_s=%.1f open=%d limit=%d",

@@ -16,13 +16,14 @@ serving new sessions.
 from __future__ import annotations
 
 import logging
-import threading
 import time
+
+from optserve.server.ops.periodic import Periodic
 
 log = logging.getLogger(__name__)
 
 
-class ShardWatch:
+class ShardWatch(Periodic):
     """A daemon thread that checks the fleet every ``period_s`` seconds (see the module docstring).
 
     Args:
@@ -31,21 +32,12 @@ class ShardWatch:
       period_s: seconds between checks.
     """
 
+    failure_event = "shard_watch_failed"
+
     def __init__(self, fleet, coordinator, period_s: float = 1.0):
+        super().__init__("optserve-shard-watch", period_s)
         self._fleet = fleet
         self._coordinator = coordinator
-        self._period_s = period_s
-        self._stop = threading.Event()
-        self.restarts = 0  # shards replaced so far
-        self._thread = threading.Thread(target=self._run, name="optserve-shard-watch", daemon=True)
-
-    def start(self) -> "ShardWatch":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
 
     def check_once(self) -> list[int]:
         """One check: replaces every dead shard (durable servers restore its sessions on the new
@@ -60,20 +52,11 @@ class ShardWatch:
                           ",".join(sessions) or "-")
                 new_address = self._fleet.restart(index, recovering=True)
                 lost = self._coordinator.shard_restarted(index)
-                self.restarts += 1
                 log.warning("event=shard_recovered shard=%d address=%s sessions=%d lost=%s seconds=%.2f", index,
                             new_address, len(sessions), ",".join(lost) or "-", time.monotonic() - started)
                 continue
             lost = self._coordinator.shard_lost(index, address, "its process exited")
             log.error("event=shard_died shard=%d address=%s lost_sessions=%s", index, address, ",".join(lost) or "-")
             new_address = self._fleet.restart(index)
-            self.restarts += 1
             log.warning("event=shard_restarted shard=%d address=%s", index, new_address)
         return dead
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._period_s):
-            try:
-                self.check_once()
-            except Exception:  # noqa: BLE001 - the watch must outlive one failed check
-                log.exception("event=shard_watch_failed")

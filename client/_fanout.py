@@ -1,0 +1,166 @@
+"""A session's shards as the client reaches them: one connection per shard, calls on every
+shard in parallel, and retries that ride out a shard's recovery.
+
+A session's tensors are spread over its shards (the coordinator's shard map: shard index,
+address, tensor names). Every data-plane call goes to each shard that holds a part of the
+session; a call succeeds only if every shard's part did, and otherwise raises the failure that
+explains most (a refusing shard's own error, not its peers' :class:`PeerRefusedError`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import itertools
+import random
+import time
+from typing import Callable, Sequence, TypeVar
+
+import grpc
+
+from optserve.client._step_stream import StepStream
+from optserve.client.errors import (NotFoundError, OptservError, PeerRefusedError, SessionLostError, UnavailableError,
+                                   from_rpc_error)
+from optserve.protos import chunk_codec
+from optserve.protos.optserve.v1 import control_pb2, data_pb2
+
+T = TypeVar("T")
+
+_SERVICE = "/optserve.v1.ShardData/"
+
+
+class ShardCalls:
+    """The chunk-carrying ShardData methods on one channel, with the copy-saving codecs of
+    :mod:`optserve.protos.chunk_codec`: requests may be pre-encoded chunk messages (bytes) and
+    responses arrive as ``(kind, value)`` pairs whose chunks are views, not copies."""
+
+    def __init__(self, channel: grpc.Channel):
+        send = chunk_codec.serialize
+        self.init_tensors = channel.stream_unary(_SERVICE + "InitTensors", request_serializer=send,
+                                                 response_deserializer=data_pb2.InitTensorsResponse.FromString)
+        self.push = channel.stream_unary(_SERVICE + "Push", request_serializer=send,
+                                         response_deserializer=data_pb2.PushResponse.FromString)
+        self.pull = channel.unary_stream(_SERVICE + "Pull", request_serializer=send,
+                                         response_deserializer=chunk_codec.chunk_or_message(data_pb2.PullResponse))
+        self.push_pull = channel.stream_stream(
+            _SERVICE + "PushPull", request_serializer=send,
+            response_deserializer=chunk_codec.chunk_or_message(data_pb2.PushPullResponse))
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """One entry of the session's shard map, connected."""
+
+    index: int
+    address: str
+    names: tuple[str, ...]  # the session's tensors this shard holds, in the shard map's order
+    calls: ShardCalls
+    steps: StepStream  # the shard's open PushPull call, reused by consecutive push_pull steps
+
+
+def connect(client, info: control_pb2.SessionInfo) -> list[Shard]:
+    """One :class:`Shard` per entry of the session's shard map (channels from ``client``)."""
+    shards = []
+    for s in info.shards:
+        calls = ShardCalls(client._channel(s.address))
+        shards.append(Shard(s.shard_index, s.address, tuple(s.tensor_names), calls,
+                            StepStream(calls.push_pull, client.timeout, idle_s=client.stream_idle_s)))
+    return shards
+
+
+def call_shard(fn: Callable[[Shard], T], shard: Shard) -> T:
+    """``fn(shard)``, its gRPC errors converted to client errors (retries happen above)."""
+    try:
+        return fn(shard)
+    except grpc.RpcError as exc:
+        raise from_rpc_error(exc) from None
+
+
+def all_or_first_error(calls: Sequence[Callable[[], T]]) -> list[T]:
+    """Every call's result, in order; runs all of them even when one fails, then raises the most
+    telling failure: the first that is not a :class:`PeerRefusedError`, else the first."""
+    results, errors = [], []
+    for call in calls:
+        try:
+            results.append(call())
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+    if errors:  # the refusing shard's own error explains more than its peers' PeerRefused
+        raise next((e for e in errors if not isinstance(e, PeerRefusedError)), errors[0])
+    return results
+
+
+class ShardFanout:
+    """The shards of one session object, and threads to call them in parallel.
+
+    ``shards`` is the current shard map, connected; :meth:`refresh` replaces it when the
+    coordinator moved a shard (a restart serves at a new address).
+    """
+
+    def __init__(self, client, info: control_pb2.SessionInfo):
+        self._client = client
+        self._session = info.config.name
+        self.shards: list[Shard] = connect(client, info)
+        self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, len(self.shards)),
+                                                              thread_name_prefix="optserve-shard")
+
+    def each(self, fn: Callable[[Shard], T]) -> list[T]:
+        """``fn`` on every shard concurrently, results in shard-map order (see :func:`all_or_first_error`)."""
+        shards = self.shards
+        if len(shards) == 1:
+            return [fn(shards[0])]
+        futures = [self._threads.submit(fn, shard) for shard in shards[1:]]
+        # the first shard in the calling thread: one thread hand-off less per call
+        return all_or_first_error([functools.partial(fn, shards[0])] + [future.result for future in futures])
+
+    def served(self, attempt: Callable[[], T]) -> T:
+        """Runs a data-plane ``attempt``, riding out a shard's recovery.
+
+        A failure that may mean a shard died or restarted (UNAVAILABLE, or a shard that does not
+        know the session) sends the client to the coordinator: a lost session raises
+        :class:`SessionLostError` at once; otherwise the shard map is read again (a restarted
+        shard or server serves at new addresses) and the attempt is retried with the same push
+        identity (applied at most once), with backoff, for up to the client's ``timeout``.
+        """
+        policy = self._client.retry
+        deadline = time.monotonic() + self._client.timeout
+        for attempt_number in itertools.count():
+            try:
+                return attempt()
+            except grpc.RpcError as rpc_error:
+                error: OptservError = from_rpc_error(rpc_error)
+            except (UnavailableError, NotFoundError) as exc:
+                error = exc
+            if not isinstance(error, (UnavailableError, NotFoundError)):
+                raise error
+            self.refresh()  # raises SessionLostError, or NotFoundError if the session is gone
+            retryable = isinstance(error, UnavailableError) or attempt_number == 0
+            if not retryable or time.monotonic() >= deadline:
+                raise error
+            backoff = min(policy.max_backoff_s, policy.initial_backoff_s * 2 ** attempt_number)
+            time.sleep(min(backoff * random.uniform(0.8, 1.2), max(0.0, deadline - time.monotonic())))
+        raise AssertionError("unreachable")
+
+    def refresh(self) -> None:
+        """Asks the coordinator for the session: raises SessionLostError (or NotFoundError) if it
+        is lost (or gone); reconnects to shards whose address changed. A coordinator that does not
+        answer (restarting) changes nothing."""
+        request = control_pb2.GetSessionRequest(name=self._session)
+        try:
+            info = self._client._control.GetSession(request, timeout=min(5.0, self._client.timeout)).session
+        except grpc.RpcError as exc:
+            error: OptservError = from_rpc_error(exc)
+            if isinstance(error, (SessionLostError, NotFoundError)):
+                raise error from None
+            return
+        if [(s.shard_index, s.address) for s in info.shards] != [(s.index, s.address) for s in self.shards]:
+            old, self.shards = self.shards, connect(self._client, info)
+            for shard in old:
+                shard.steps.close()
+
+    def close(self) -> None:
+        """Ends the shards' open PushPull calls and lets the threads go (the session stays open)."""
+        for shard in self.shards:
+            shard.steps.close()
+        self._threads.shutdown(wait=False)

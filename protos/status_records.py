@@ -1,0 +1,111 @@
+"""Status records that both sides use, each defined once with its conversion to and from the wire.
+
+The server's shards build these records (``compute`` for roots, ``domain`` for durability); the
+server's wire edge turns them into ``control.proto`` messages with ``to_proto`` and the client
+turns the messages back into the same records with ``from_proto``. Each field's meaning is the
+comment on the same field in ``control.proto``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from optserve.protos.optserve.v1 import control_pb2
+
+
+@dataclasses.dataclass(frozen=True)
+class PreconditionerBlockStatus:
+    """Shampoo: the preconditioner of one statistic (one dimension of one block of a tensor).
+
+    ``age``: steps between the statistics its root came from and the latest update (-1: no root
+    yet); ``error``: the latest root's residual (inf / NaN when it failed); ``failures``: roots
+    refused; ``fallback_steps``: updates that ran without a root (the grafted direction).
+    """
+
+    tensor: str
+    block: int
+    dim: int
+    size: int
+    age: int
+    error: float
+    failures: int
+    fallback_steps: int
+
+    def to_proto(self) -> control_pb2.PreconditionerStatus:
+        return control_pb2.PreconditionerStatus(**dataclasses.asdict(self))
+
+    @classmethod
+    def from_proto(cls, b: control_pb2.PreconditionerStatus) -> "PreconditionerBlockStatus":
+        return cls(tensor=b.tensor, block=b.block, dim=b.dim, size=b.size, age=b.age, error=b.error,
+                   failures=b.failures, fallback_steps=b.fallback_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class RootOffloadStatus:
+    """Shampoo: how one shard gets its inverse roots.
+
+    ``offloaded``: from preconditioner workers (else inside the update); ``max_age``: the
+    session's age bound in steps (``None`` unless offloaded); ``roots_installed``, ``waits``
+    (updates that waited for roots), ``resubmits`` (worker calls sent again): counts.
+    """
+
+    offloaded: bool
+    max_age: Optional[int]
+    roots_installed: int
+    waits: int
+    resubmits: int
+
+    def to_proto(self) -> control_pb2.RootOffloadStatus:
+        return control_pb2.RootOffloadStatus(
+            offloaded=self.offloaded, max_age=-1 if self.max_age is None else self.max_age,
+            roots_installed=self.roots_installed, waits=self.waits, resubmits=self.resubmits)
+
+    @classmethod
+    def from_proto(cls, r: control_pb2.RootOffloadStatus) -> "RootOffloadStatus":
+        return cls(offloaded=r.offloaded, max_age=None if r.max_age < 0 else r.max_age,
+                   roots_installed=r.roots_installed, waits=r.waits, resubmits=r.resubmits)
+
+
+@dataclasses.dataclass(frozen=True)
+class RootStatus:
+    """Shampoo on one shard: where its roots come from, and one entry per statistic (export order)."""
+
+    offload: RootOffloadStatus
+    blocks: tuple[PreconditionerBlockStatus, ...]
+
+    def __getattr__(self, name: str):
+        """The offload record's fields read through (``status.max_age``, ``status.waits``, ...)."""
+        if name in RootOffloadStatus.__dataclass_fields__:
+            return getattr(self.offload, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DurabilityStatus:
+    """A durable session on one shard (servers run with ``--checkpoint-dir``).
+
+    ``durable_version``: its latest committed checkpoint (-1: none yet); ``log_records`` /
+    ``log_bytes``: steps logged since; ``recoveries``: times this part was restored after its
+    process died or the server restarted; ``checkpoint_seconds``: the latest checkpoint's write time;
+    ``checkpoints_written``: checkpoints committed by the shard's current process;
+    ``checkpoint_writing``: one is being written (or waits to be) now; ``log_direct``: the step
+    log writes gradients with direct I/O (``--log-io direct``, where the shard's disk allows it).
+    """
+
+    durable_version: int = -1
+    log_records: int = 0
+    log_bytes: int = 0
+    recoveries: int = 0
+    checkpoint_seconds: float = 0.0
+    checkpoints_written: int = 0
+    checkpoint_writing: bool = False
+    log_direct: bool = False
+
+    def to_proto(self) -> control_pb2.DurabilityStatus:
+        return control_pb2.DurabilityStatus(**dataclasses.asdict(self))
+
+    @classmethod
+    def from_proto(cls, d: control_pb2.DurabilityStatus) -> "DurabilityStatus":
+        return cls(d.durable_version, d.log_records, d.log_bytes, d.recoveries, d.checkpoint_seconds,
+                   d.checkpoints_written, d.checkpoint_writing, d.log_direct)

@@ -1,0 +1,20 @@
+"""The compute side's door to the kernel registry for the layers above, which only name kernels."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+
+def check_optimizer(name: str, args: Mapping[str, Any]) -> None:
+    """Builds optimizer ``name`` with ``args`` once, to check both before a session is placed.
+
+    Raises:
+      ValueError: an unknown name or a bad argument (the message names it), or the optimizer's
+        library is not installed.
+    """
+    from optserve.optim_kernels import build_optimizer
+
+    try:
+        build_optimizer(name, dict(args))
+    except ImportError as exc:
+        raise ValueError(f"optimizer {name!r} is not available: {exc}") from None

@@ -1,0 +1,186 @@
+"""Ticket order on one shard: which push applies next, which applied already, what a sync step holds.
+
+The session clock hands out tickets with ordinals 0, 1, 2, ...; every shard applies them strictly
+in that order, so all shards apply the same pushes in the same order. A ticket may reach a shard
+before the tickets ahead of it (another client's call carries those); it waits in
+:attr:`Sequencer.arrived` until its turn. A ticket the shard never hears of is fetched from the
+clock (:meth:`Sequencer.poll_missing`, every gap poll).
+
+Idempotency: :attr:`Sequencer.applied_sequence` holds each client's last applied push; a retry of
+an applied push finds it there and applies nothing twice.
+
+Sync mode with ``num_workers > 1``: the pushes of one step are summed as they apply
+(:meth:`Sequencer.add`); the ticket that closes the step turns the sum into the mean that the
+update runs with (:meth:`Sequencer.hold_or_close`).
+
+Every attribute and method here is guarded by the shard session's condition (call with it held),
+except :meth:`Sequencer.already_applied`, a single dictionary read as in the session's receive path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+from optserve.server.compute.buffers import IO_ALIGNMENT, aligned_empty
+from optserve.server.domain.clock import Ticket
+from optserve.server.domain.config import Mode, SessionConfig
+from optserve.server.domain.durability import ShardProgress
+from optserve.server.domain.errors import Timeout
+
+TicketEntry = tuple[int, str, int]  # (ordinal, client_id, sequence): one push of a step, as logged
+
+
+@dataclasses.dataclass
+class GatheredStep:
+    """Sync mode: the open step's pushes applied on this shard so far.
+
+    Attributes:
+      total: tensor name -> the sum of their gradients (None until the first push, and again once
+        the step closes: the shard is then at a step boundary).
+      count: how many pushes ``total`` sums.
+      clients: the clients whose pushes it holds, in ticket order (for a timeout's message).
+      tickets: those pushes' entries (the closing push's entry is added when the step is logged).
+    """
+
+    total: Optional[dict[str, np.ndarray]] = None
+    count: int = 0
+    clients: list[str] = dataclasses.field(default_factory=list)
+    tickets: list[TicketEntry] = dataclasses.field(default_factory=list)
+
+
+def entry(ticket: Ticket) -> TicketEntry:
+    """The ticket's push as a step's log names it."""
+    return ticket.ordinal, ticket.client_id, ticket.sequence
+
+
+class Sequencer:
+    """Ticket order, idempotency and sync averaging of one session on one shard.
+
+    Args:
+      config: the session (its name for messages, its mode and ``num_workers``).
+      shard_index: this shard's index (in messages).
+      step_timeout_s: the session's ``step_timeout_s`` (named in a sync step's timeout message).
+
+    Attributes:
+      next_ordinal: the ordinal of the next ticket to apply here (every lower one is applied).
+      arrived: tickets at or past ``next_ordinal`` that reached this shard, by ordinal.
+      applied_sequence: client id -> the sequence of its last push applied here.
+      sync: pushes are summed into steps of ``num_workers`` (sync mode, more than one worker).
+      step: sync: the open step's gathered pushes.
+    """
+
+    def __init__(self, config: SessionConfig, shard_index: int, step_timeout_s: float):
+        self.next_ordinal = 0
+        self.arrived: dict[int, Ticket] = {}
+        self.applied_sequence: dict[str, int] = {}
+        self.sync = config.mode is Mode.SYNC and config.num_workers > 1
+        self.step = GatheredStep()
+        self._config = config
+        self._shard_index = shard_index
+        self._step_timeout_s = step_timeout_s
+
+    # ----------------------------------------------------------------- idempotency
+    def already_applied(self, client_id: str, sequence: int) -> bool:
+        """Whether this shard applied the client's push ``sequence`` (or a later one)."""
+        last = self.applied_sequence.get(client_id)
+        return last is not None and last >= sequence
+
+    # ----------------------------------------------------------------- order
+    def arrive(self, ticket: Ticket) -> bool:
+        """Files a ticket that reached this shard; False (nothing filed) for a ticket applied
+        already (a retry). The caller wakes the waiters when True."""
+        if ticket.ordinal < self.next_ordinal:
+            return False
+        self.arrived[ticket.ordinal] = ticket
+        return True
+
+    def reached(self, ticket: Ticket) -> bool:
+        """Whether ``ticket`` and every ticket before it are applied here."""
+        return self.next_ordinal > ticket.ordinal
+
+    def next_ready(self, awaits_resend) -> Optional[Ticket]:
+        """Takes the ticket whose turn it is, if it arrived and ``awaits_resend(ticket)`` is False
+        (else it stays filed, to be applied once its push is staged again); None: none to apply."""
+        pending = self.arrived.pop(self.next_ordinal, None)
+        if pending is not None and awaits_resend(pending):
+            self.arrived[pending.ordinal] = pending
+            return None
+        return pending
+
+    def poll_missing(self, clock) -> None:
+        """Asks the clock for the ticket whose turn it is (its carrier may be slow or gone)."""
+        missing = clock.ticket(self.next_ordinal)
+        if missing is not None:
+            self.arrived.setdefault(missing.ordinal, missing)
+
+    def gap_timeout(self) -> Timeout:
+        """The error when the ticket whose turn it is did not become applicable in time."""
+        waiting = self.arrived.get(self.next_ordinal)  # arrived, but its push is not staged here
+        what = (f"ticket {self.next_ordinal} never arrived on shard {self._shard_index}" if waiting is None else
+                f"push {waiting.sequence} of client {waiting.client_id!r} (ticket {waiting.ordinal}) was decided "
+                f"before shard {self._shard_index} restarted and its client has not sent it again")
+        return Timeout(f"session {self._config.name!r}: {what}")
+
+    def advance(self, ticket: Ticket) -> None:
+        """``ticket`` is taken for applying: the next one's turn comes."""
+        self.next_ordinal = ticket.ordinal + 1
+
+    def applied(self, ticket: Ticket) -> None:
+        """``ticket``'s push is applied here (a retry of it applies nothing)."""
+        self.applied_sequence[ticket.client_id] = ticket.sequence
+
+    # ----------------------------------------------------------------- sync steps
+    def add(self, grads: dict[str, np.ndarray]) -> None:
+        """Sync: adds one push of the open step to its sum (``grads`` are only read)."""
+        step = self.step
+        if step.total is None:
+            step.total = {name: aligned_empty(g.shape, g.dtype, IO_ALIGNMENT) for name, g in grads.items()}
+            for name, g in grads.items():
+                np.copyto(step.total[name], g)
+        else:
+            for name, g in grads.items():
+                step.total[name] += g
+        step.count += 1
+
+    def hold_or_close(self, ticket: Ticket) -> Optional[tuple[dict[str, np.ndarray], tuple[TicketEntry, ...]]]:
+        """Sync, after :meth:`add` of ``ticket``'s push: None while the step stays open (the push is
+        held); else the step's mean gradient and its pushes' entries, and the next step opens."""
+        step = self.step
+        if not ticket.closes_step:
+            step.clients.append(ticket.client_id)
+            step.tickets.append(entry(ticket))
+            return None
+        mean = {name: np.divide(s, np.float32(step.count), out=s) for name, s in step.total.items()}
+        self.step = GatheredStep()
+        return mean, tuple(step.tickets) + (entry(ticket),)
+
+    @property
+    def half_gathered(self) -> bool:
+        """A sync step holds some of its pushes (the shard is not at a step boundary)."""
+        return self.step.total is not None
+
+    def step_timeout_message(self, ticket: Ticket, waited_s: float) -> str:
+        """Why ``ticket``'s step did not complete: in sync mode, which pushes of it arrived (this
+        shard applied every ticket up to ``ticket``, so it knows them)."""
+        message = (f"session {self._config.name!r}: step {ticket.target_version} did not complete within "
+                   f"{waited_s:.1f} s")
+        if not self.sync:
+            return message
+        workers = self._config.num_workers
+        arrived = self.step.clients
+        return (f"{message}: {len(arrived)} of num_workers={workers} pushes arrived for the step (from clients "
+                f"{', '.join(repr(c) for c in arrived)}); waiting for {workers - len(arrived)} more "
+                f"(step_timeout_s={self._step_timeout_s:g})")
+
+    # ----------------------------------------------------------------- durability
+    def progress(self, version: int) -> ShardProgress:
+        """The bookkeeping a checkpoint at ``version`` saves beside the tensors."""
+        return ShardProgress(version, self.next_ordinal, dict(self.applied_sequence))
+
+    def restore(self, progress: ShardProgress) -> None:
+        """Recovery: continues from ``progress`` (a checkpoint's, after its log's replay)."""
+        self.next_ordinal = progress.next_ordinal
+        self.applied_sequence = dict(progress.applied_sequence)

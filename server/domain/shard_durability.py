@@ -1,0 +1,116 @@
+"""Durability bookkeeping of one session on one shard: the step log around each update,
+checkpoints, recovery, status.
+
+:class:`ShardDurability` wraps the session's optional store (:class:`SessionStore`; None: the
+session is not durable, and every call here is then a no-op or answers "nothing"). The shard
+session calls it with its condition held, in step order, as the store requires; see
+:mod:`optserve.server.domain.durability` for what is logged and when a checkpoint is due.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+import numpy as np
+
+from optserve.server.compute.buffers import aligned_empty
+from optserve.server.compute.updater import Updater
+from optserve.server.domain.config import TensorSpec
+from optserve.server.domain.durability import DurabilityStatus, SessionStore, ShardProgress, StepRecord
+
+
+class ShardDurability:
+    """A session's store on one shard, if it is durable.
+
+    Args:
+      store: where steps are logged and checkpoints written (None: not durable yet; see
+        :meth:`attach`).
+
+    Attributes:
+      store: as given, or as attached since (read afresh by every call).
+    """
+
+    def __init__(self, store: Optional[SessionStore] = None):
+        self.store = store
+
+    @property
+    def enabled(self) -> bool:
+        """The session is durable on this shard."""
+        return self.store is not None
+
+    def attach(self, store: SessionStore) -> None:
+        """Makes the session durable: later steps are logged to ``store``."""
+        self.store = store
+
+    def close(self) -> None:
+        """Finishes a checkpoint being written and closes the log (the session is closing)."""
+        if self.store is not None:
+            self.store.close()
+
+    # ----------------------------------------------------------------- around one update
+    def begin_step(self, grads: Mapping[str, np.ndarray], order: Iterable[str]) -> None:
+        """The update is about to run with ``grads``: they go to the log meanwhile (in ``order``,
+        the shard's tensor order)."""
+        if self.store is not None:
+            self.store.begin_step([grads[name] for name in order])
+
+    def abort_step(self) -> None:
+        """The update begun last failed: its log record is marked skipped."""
+        if self.store is not None:
+            self.store.abort_step()
+
+    def end_step(self, record: StepRecord, release: Optional[Callable[[], None]]) -> None:
+        """The update ran: completes its log record, then ``release()`` (at once when not durable)."""
+        if self.store is not None:
+            self.store.end_step(record, release)
+        elif release is not None:
+            release()
+
+    def waiter(self, version: int) -> Callable[[], None]:
+        """What waits for step ``version`` to be logged (nothing when not durable)."""
+        store = self.store
+        return (lambda: store.wait_logged(version)) if store is not None else (lambda: None)
+
+    # ----------------------------------------------------------------- checkpoints
+    def has_checkpoint_of(self, version: int) -> bool:
+        """The latest committed checkpoint is at ``version`` or later (call only when enabled)."""
+        return version <= self.store.durable_version
+
+    def checkpoint(self, progress: ShardProgress, params: dict, opt_state: Any, clock_state_fn=None,
+                   wait: bool = False) -> bool:
+        """Snapshots the state at ``progress.version`` into the store (call only when enabled,
+        between steps); see :meth:`SessionStore.checkpoint`."""
+        return self.store.checkpoint(progress, params, opt_state, clock_state_fn, wait=wait)
+
+    def status(self) -> Optional[DurabilityStatus]:
+        """The store's checkpoint and log status (None: not durable)."""
+        store = self.store
+        if store is None:
+            return None
+        return DurabilityStatus(store.durable_version, store.log_records, store.log_bytes, store.recoveries,
+                                store.checkpoint_seconds, store.checkpoints_written, store.checkpoint_writing,
+                                store.log_writes_direct)
+
+
+def replay(store, manifest: dict, updater: Updater, specs: Mapping[str, TensorSpec], read_log) -> ShardProgress:
+    """Recovery: loads checkpoint ``manifest`` of ``store`` into ``updater``, then applies the
+    steps its log holds past the checkpoint; returns the progress reached (the last logged step).
+
+    ``read_log``: ``(segment_path, fresh_buffers) -> iterator of (record_json, grads)``; each
+    step's gradient is read into buffers from ``fresh_buffers()``, and each step reuses the
+    cross-shard statistic logged with it (no peer is asked).
+    """
+    def fresh_buffers() -> dict[str, np.ndarray]:
+        return {name: aligned_empty(spec.shape, np.float32) for name, spec in specs.items()}
+
+    restored = store.restore_arrays(manifest, updater.abstract_state())
+    updater.restore(restored["params"], restored["opt_state"])
+    progress = ShardProgress.from_json(manifest["progress"])
+    for segment in store.log_segments(manifest):
+        for header, grads in read_log(segment, fresh_buffers):
+            record = StepRecord.from_json(header)
+            if record.version <= progress.version:
+                continue
+            updater.apply(grads, record.scale, lambda _partial, s=record.global_stat: s)
+            progress = progress.after(record)
+    return progress

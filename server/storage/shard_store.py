@@ -1,0 +1,236 @@
+"""One durable session's files on one shard: its checkpoints and its step log.
+
+A checkpoint is a host copy of the shard's state (:class:`~.snapshots.Snapshots`) written in the
+background by one writer thread with orbax, then committed by its manifest
+(:mod:`~.manifests`); the log segments it replaces are deleted only after that. The step log and
+ticket journal are :class:`~.step_log.StepLog`'s.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import shutil
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from optserve.server.storage.files import session_dir
+from optserve.server.storage.format import CorruptCheckpoint
+from optserve.server.storage.manifests import (checksums_match, commit_manifest, drop_checkpoints_older_than,
+                                               latest_manifest)
+from optserve.server.storage.segments import close_segments
+from optserve.server.storage.snapshots import Snapshots, leaves, yield_cpu_to_steps
+from optserve.server.storage.step_log import StepLog
+
+log = logging.getLogger(__name__)
+
+
+class ShardStore:
+    """One durable session's files on one shard (implements the domain's ``SessionStore``).
+
+    Args:
+      root: the server's checkpoint folder.
+      session: the session's name.
+      shard_index: this shard.
+      config: the server's :class:`~optserve.server.domain.durability.DurabilityConfig`.
+      home: this shard keeps the session's clock (writes the ticket journal).
+    """
+
+    def __init__(self, root: str, session: str, shard_index: int, config, home: bool):
+        self.folder = os.path.join(session_dir(root, session), f"shard-{shard_index}")
+        os.makedirs(self.folder, exist_ok=True)
+        self._session, self._shard = session, shard_index
+        self._log = StepLog(self.folder, session, shard_index, config, home)
+        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="optserve-ckpt")
+        self._snapshots = Snapshots()
+        self._pending: Optional[tuple] = None  # (version, snapshot, manifest) waiting for the writer
+        self._busy = False  # the writer thread is draining _pending
+        self._done = threading.Condition()
+        self.durable_version = -1
+        self.recoveries = 0
+        self.checkpoint_seconds = 0.0
+        self.checkpoints_written = 0
+        self.last_error: Optional[str] = None
+
+    # ------------------------------------------------------------- opening
+    def latest(self) -> Optional[dict]:
+        """The latest committed checkpoint's manifest (None: none), after removing what a crash
+        left half-written.
+
+        Raises:
+          CorruptCheckpoint: the manifest is unreadable; UnsupportedFormat: a newer optserve's.
+        """
+        return latest_manifest(self.folder)
+
+    def start_logs(self, manifest: Optional[dict], version: int = 0) -> None:
+        """Opens fresh log segments after everything on disk (call after replaying, which reached
+        ``version``: every step up to it is in the log)."""
+        self._log.open(manifest, version)
+        if manifest is not None:
+            self.durable_version = int(manifest["progress"]["version"])
+
+    def restore_arrays(self, manifest: dict, abstract: dict) -> dict:
+        """The checkpoint's ``{"params", "opt_state"}`` (NumPy leaves), checked against the
+        manifest's checksums. ``abstract``: the same tree of ``jax.ShapeDtypeStruct``."""
+        import orbax.checkpoint as ocp
+
+        path = manifest["path"]
+        try:
+            restored = ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(
+                path, args=ocp.args.StandardRestore(abstract))
+        except Exception as exc:  # noqa: BLE001 - orbax raises many kinds on damaged files
+            raise CorruptCheckpoint(f"checkpoint {path} cannot be read: {type(exc).__name__}: {exc}") from None
+        if not checksums_match(manifest, [np.asarray(x) for x in leaves(restored)]):
+            raise CorruptCheckpoint(f"checkpoint {path} does not match its checksums: its arrays are damaged")
+        return restored
+
+    def log_segments(self, manifest: Optional[dict]) -> list[str]:
+        """The step-log segments to replay after ``manifest``'s checkpoint, in order."""
+        return self._log.segments(manifest)
+
+    def journal(self, manifest: Optional[dict]) -> list:
+        """The clock journal's entries after ``manifest``'s checkpoint (home shard)."""
+        return self._log.journal(manifest)
+
+    # ------------------------------------------------------------- the step log
+    def journal_entry(self, entry) -> None:
+        """Appends one clock entry to the ticket journal (home shard; under the clock's lock)."""
+        self._log.journal_entry(entry)
+
+    def log_step(self, record, grads: list, release: Optional[Callable[[], None]] = None) -> None:
+        """:meth:`begin_step` and :meth:`end_step` at once (a step whose update already ran)."""
+        self.begin_step(grads)
+        self.end_step(record, release)
+
+    def begin_step(self, grads: list) -> None:
+        """See :meth:`StepLog.begin_step`."""
+        self._log.begin_step(grads)
+
+    def end_step(self, record, release: Optional[Callable[[], None]] = None) -> None:
+        """See :meth:`StepLog.end_step`; :meth:`wait_logged` waits for it."""
+        self._log.end_step(record, release)
+
+    def abort_step(self) -> None:
+        """See :meth:`StepLog.abort_step`."""
+        self._log.abort_step()
+
+    def wait_logged(self, version: int) -> None:
+        """See :meth:`StepLog.wait_logged` (what acknowledging step ``version`` waits for)."""
+        self._log.wait_logged(version)
+
+    @property
+    def log_records(self) -> int:
+        """Step records logged since the last checkpoint."""
+        return self._log.records
+
+    @property
+    def log_bytes(self) -> int:
+        """Their gradient bytes."""
+        return self._log.bytes
+
+    @property
+    def log_writes_direct(self) -> bool:
+        """The step log writes gradients with direct I/O now (``LogIO.DIRECT`` where it works)."""
+        return self._log.writes_direct
+
+    @property
+    def log_direct_bytes(self) -> int:
+        """Gradient bytes the step log wrote with direct I/O since it was opened."""
+        return self._log.direct_bytes
+
+    # ------------------------------------------------------------- checkpoints
+    def checkpoint(self, progress, params: dict, opt_state: Any, clock_state_fn: Optional[Callable] = None,
+                   wait: bool = False) -> bool:
+        """Snapshots the state at ``progress.version`` and writes it in the background (before
+        returning with ``wait``); later log records go to a fresh segment.
+
+        One checkpoint is written at a time; one that is due while another is being written
+        waits for it, and a newer one supersedes it. ``clock_state_fn(rotate)``: the home
+        shard's clock state, taken with the ticket journal's rotation under the clock's lock.
+        Returns True."""
+        tree = self._snapshots.take({"params": params, "opt_state": opt_state})
+        steps_from, tickets_from, closed_fds, clock_state = self._log.rotate(clock_state_fn)
+        manifest = {"progress": progress.to_json(), "clock": clock_state, "steps_from": steps_from,
+                    "tickets_from": tickets_from, "closed_fds": closed_fds}
+        with self._done:
+            superseded = self._pending
+            if superseded is not None:  # its segments are flushed and closed with this one's
+                manifest["closed_fds"] = superseded[2]["closed_fds"] + manifest["closed_fds"]
+            self._pending = (progress.version, tree, manifest)
+            if not self._busy:
+                self._busy = True
+                self._writer.submit(self._drain)
+        if superseded is not None:
+            self._snapshots.give_back(superseded[1])
+            log.info("event=checkpoint_superseded session=%s shard=%d version=%d by=%d", self._session, self._shard,
+                     superseded[0], progress.version)
+        if wait:
+            self.wait()
+        return True
+
+    def _drain(self) -> None:
+        """The writer thread: writes the pending checkpoint until there is none."""
+        yield_cpu_to_steps()
+        while True:
+            with self._done:
+                job, self._pending = self._pending, None
+                if job is None:
+                    self._busy = False
+                    self._done.notify_all()
+                    return
+            try:
+                self._write(*job)
+            except Exception:  # noqa: BLE001 - logged in _write; the log keeps every step
+                pass
+            yield_cpu_to_steps()  # tensorstore's threads exist from the first write on
+            self._snapshots.give_back(job[1])
+            del job
+
+    def _write(self, version: int, tree: dict, manifest: dict) -> None:
+        import orbax.checkpoint as ocp
+
+        started = time.monotonic()
+        path = os.path.join(self.folder, f"checkpoint-{version}")
+        closed_fds = manifest.pop("closed_fds")  # the segments this checkpoint replaces
+        try:
+            if os.path.exists(path):  # a checkpoint of this version without a manifest, or a re-save
+                shutil.rmtree(path)
+            # Uncompressed: zstd would cost more CPU than the step itself on a busy host; the
+            # format is orbax's own (a StandardCheckpointHandler restores it).
+            ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)).save(
+                path, args=ocp.args.PyTreeSave(tree))
+            commit_manifest(path, manifest, leaves(tree), time.time())
+        except BaseException as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            log.exception("event=checkpoint_failed session=%s shard=%d version=%d", self._session, self._shard,
+                          version)
+            close_segments(closed_fds, flush=True)  # they stay the only copy of their steps
+            raise
+        close_segments(closed_fds, flush=False)  # replaced by the committed checkpoint
+        drop_checkpoints_older_than(self.folder, version)
+        self._log.drop_before(manifest)
+        self.durable_version = version
+        self.checkpoint_seconds = time.monotonic() - started
+        self.checkpoints_written += 1
+        log.info("event=checkpoint_written session=%s shard=%d version=%d seconds=%.3f", self._session, self._shard,
+                 version, self.checkpoint_seconds)
+
+    @property
+    def checkpoint_writing(self) -> bool:
+        """A checkpoint is being written or waits to be."""
+        return self._busy
+
+    def wait(self) -> None:
+        """Returns once no checkpoint is being written or waiting to be."""
+        with self._done:
+            self._done.wait_for(lambda: not self._busy)
+
+    def close(self) -> None:
+        """Writes what the log has queued and the checkpoint pending, then closes the files."""
+        self._log.close()
+        self.wait()
+        self._writer.shutdown(wait=True)

@@ -1,0 +1,195 @@
+"""One shard's step log and (home shard) ticket journal, appended by one background thread.
+
+A step's gradient is appended while its update runs (:meth:`StepLog.begin_step`), its header
+after it (:meth:`StepLog.end_step`), so the log costs the step no wait; the answer that
+acknowledges the step waits for its record (:meth:`StepLog.wait_logged`). A failed write fails
+that wait and every later one: nothing unlogged is acknowledged.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+import threading
+from typing import Callable, Optional
+
+from optserve.server.storage.log_reader import read_journal
+from optserve.server.storage.segments import STEPS, TICKETS, Segments, segment_indices
+
+log = logging.getLogger(__name__)
+
+
+class StepLog:
+    """The log files of one durable session on one shard.
+
+    Args:
+      folder: the shard's folder of the session.
+      session / shard: names for messages and log lines.
+      config: the server's ``DurabilityConfig`` (fsync policy, log I/O mode).
+      home: this shard keeps the session's clock (writes the ticket journal).
+    """
+
+    def __init__(self, folder: str, session: str, shard: int, config, home: bool):
+        self.folder, self._session, self._shard = folder, session, shard
+        self._config, self._home = config, home
+        self._steps: Optional[Segments] = None
+        self._tickets: Optional[Segments] = None
+        self._journal_lock = threading.Lock()  # the journal's writes vs rotations
+        self._records_since_sync = 0
+        self._tickets_since_sync = 0
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="optserve-log")
+        self._logged = threading.Condition()  # guards _logged_version / _error
+        self._logged_version = 0
+        self._error: Optional[BaseException] = None
+        self.records = 0  # step records since the last checkpoint
+        self.bytes = 0  # their gradient bytes
+
+    # ------------------------------------------------------------- reading
+    def segments(self, manifest: Optional[dict]) -> list[str]:
+        """The step-log segments after ``manifest``'s checkpoint (all: None), in order."""
+        start = manifest["steps_from"] if manifest else 0
+        return [os.path.join(self.folder, f"{STEPS}-{i}.log") for i in segment_indices(self.folder, STEPS, start)]
+
+    def journal(self, manifest: Optional[dict]) -> list:
+        """The clock's journal entries after ``manifest``'s checkpoint (all: None), in order."""
+        start = manifest["tickets_from"] if manifest else 0
+        out = []
+        for i in segment_indices(self.folder, TICKETS, start):
+            out.extend(read_journal(os.path.join(self.folder, f"{TICKETS}-{i}.log")))
+        return out
+
+    # ------------------------------------------------------------- writing
+    def open(self, manifest: Optional[dict], version: int) -> None:
+        """Opens fresh segments after everything on disk (the log reached ``version``)."""
+        self._logged_version = version
+        steps_from = manifest["steps_from"] if manifest else 0
+        tickets_from = manifest["tickets_from"] if manifest else 0
+        next_steps = max(segment_indices(self.folder, STEPS, steps_from), default=steps_from - 1) + 1
+        next_tickets = max(segment_indices(self.folder, TICKETS, tickets_from), default=tickets_from - 1) + 1
+        self._steps = Segments(self.folder, STEPS, next_steps, direct=self._config.log_io.value == "direct")
+        if self._home:
+            self._tickets = Segments(self.folder, TICKETS, next_tickets)
+
+    def journal_entry(self, entry) -> None:
+        """Appends one clock entry (a ticket's or a sum's JSON) to the journal (home shard; called
+        under the clock's lock)."""
+        line = (json.dumps(entry) + "\n").encode()
+        with self._journal_lock:
+            self._tickets.write([line])
+            self._tickets_since_sync += 1
+            if self._config.fsync_due(self._tickets_since_sync):  # the step log's policy
+                self._tickets.fsync()
+                self._tickets_since_sync = 0
+
+    def begin_step(self, grads: list) -> None:
+        """Starts appending the next step's gradient (arrays in tensor order, read but not
+        changed by the update); :meth:`end_step` or :meth:`abort_step` must follow, in order."""
+        self.records += 1
+        self.bytes += sum(g.nbytes for g in grads)
+        self._thread.submit(self._append_payload, grads)
+
+    def end_step(self, record, release: Optional[Callable[[], None]] = None) -> None:
+        """Completes the step begun last with ``record`` (flushed per the fsync policy), then
+        calls ``release()`` (the gradient arrays may be reused from then on)."""
+        self._thread.submit(self._append_header, record, release)
+
+    def abort_step(self) -> None:
+        """The step begun last was not applied (its update failed): marks its record skipped."""
+        self.records -= 1
+        self._thread.submit(self._append_header, None, None)
+
+    def _append_payload(self, grads: list) -> None:
+        if self._error is not None:
+            return
+        try:
+            self._steps.write_payload(grads)
+        except BaseException as exc:  # noqa: BLE001 - every later wait_logged raises it
+            log.exception("event=step_log_failed session=%s shard=%d", self._session, self._shard)
+            self._fail(exc)
+
+    def _append_header(self, record, release: Optional[Callable[[], None]]) -> None:
+        try:
+            if self._error is not None:
+                return
+            header = json.dumps(record.to_json() if record is not None else {"aborted": True}).encode()
+            self._steps.write_record_end(header)
+            if record is None:
+                return
+            self._records_since_sync += 1
+            if self._config.fsync_due(self._records_since_sync):
+                self._steps.fsync()
+                self._records_since_sync = 0
+        except BaseException as exc:  # noqa: BLE001 - every later wait_logged raises it
+            log.exception("event=step_log_failed session=%s shard=%d", self._session, self._shard)
+            self._fail(exc)
+            return
+        finally:
+            if release is not None:
+                release()
+        with self._logged:
+            self._logged_version = max(self._logged_version, record.version)
+            self._logged.notify_all()
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._logged:
+            self._error = exc
+            self._logged.notify_all()
+
+    def wait_logged(self, version: int) -> None:
+        """Returns once the step of ``version`` is in the log.
+
+        Raises:
+          OSError: the log could not be written (disk full, ...): the step cannot be acknowledged.
+        """
+        with self._logged:
+            self._logged.wait_for(lambda: self._logged_version >= version or self._error is not None)
+            if self._logged_version < version:
+                raise OSError(f"session {self._session!r}: the step log on shard {self._shard} could not be "
+                              f"written ({self._error}); step {version} is not durable")
+
+    def rotate(self, clock_state_fn: Optional[Callable]) -> tuple[int, int, list, object]:
+        """Starts fresh segments for the steps after a checkpoint, once every queued record is
+        written. ``clock_state_fn(rotate)`` (home shard): the clock's state, taken with the
+        journal's rotation under the clock's lock. Returns ``(steps_from, tickets_from,
+        closed descriptors, clock state)``."""
+        self._thread.submit(lambda: None).result()
+        steps_from, closed = self._steps.rotate()
+        closed_fds = [closed]
+        self._records_since_sync = 0
+        clock_state, tickets_from = None, 0
+        if self._home and clock_state_fn is not None:
+            rotated = []
+
+            def rotate():
+                with self._journal_lock:
+                    rotated.append(self._tickets.rotate())
+                    self._tickets_since_sync = 0
+
+            clock_state = clock_state_fn(rotate)
+            tickets_from, closed = rotated[0]
+            closed_fds.append(closed)
+        self.records, self.bytes = 0, 0
+        return steps_from, tickets_from, closed_fds, clock_state
+
+    def drop_before(self, manifest: dict) -> None:
+        """Deletes the segments a committed checkpoint replaced."""
+        self._steps.drop_before(manifest["steps_from"])
+        if self._tickets is not None:
+            self._tickets.drop_before(manifest["tickets_from"])
+
+    @property
+    def writes_direct(self) -> bool:
+        return self._steps is not None and self._steps.writes_direct
+
+    @property
+    def direct_bytes(self) -> int:
+        return self._steps.direct_bytes if self._steps is not None else 0
+
+    def close(self) -> None:
+        """Writes what is queued and closes the files."""
+        self._thread.shutdown(wait=True)
+        for segments in (self._steps, self._tickets):
+            if segments is not None:
+                segments.close()
