@@ -61,7 +61,9 @@ class SessionStatus:
     ``rejected``: refused pushes by reason ("invalid", "nonfinite", "stale", "aborted"; reasons
     never seen are absent); ``shards``: one :class:`ShardStatus` per shard; ``staleness_p50`` /
     ``staleness_max``: of the accepted pushes, in versions; ``last_activity_unix_s``: when the
-    session last decided a push (0: never)."""
+    session last decided a push (0: never); ``rolled_back_from``: when the server's last restart
+    brought every shard back to ``version``, below the version a shard had logged, that version
+    (0: never; see the README's durability section for when this can happen)."""
 
     name: str
     version: int
@@ -72,6 +74,7 @@ class SessionStatus:
     staleness_p50: int = 0
     staleness_max: int = 0
     last_activity_unix_s: float = 0.0
+    rolled_back_from: int = 0
 
     @classmethod
     def from_proto(cls, response: control_pb2.GetStatusResponse) -> "SessionStatus":
@@ -86,6 +89,7 @@ class SessionStatus:
             staleness_p50=response.staleness_p50,
             staleness_max=response.staleness_max,
             last_activity_unix_s=response.last_activity_unix_s,
+            rolled_back_from=response.rolled_back_from,
         )
 
 

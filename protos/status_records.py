@@ -90,7 +90,9 @@ class DurabilityStatus:
     process died or the server restarted; ``checkpoint_seconds``: the latest checkpoint's write time;
     ``checkpoints_written``: checkpoints committed by the shard's current process;
     ``checkpoint_writing``: one is being written (or waits to be) now; ``log_direct``: the step
-    log writes gradients with direct I/O (``--log-io direct``, where the shard's disk allows it).
+    log writes gradients with direct I/O (``--log-io direct``, where the shard's disk allows it);
+    ``degraded``: empty while the step log can be written, else why not ("disk: ..."): the shard
+    refuses steps with UNAVAILABLE, applying nothing, until a write succeeds again.
     """
 
     durable_version: int = -1
@@ -101,6 +103,7 @@ class DurabilityStatus:
     checkpoints_written: int = 0
     checkpoint_writing: bool = False
     log_direct: bool = False
+    degraded: str = ""
 
     def to_proto(self) -> control_pb2.DurabilityStatus:
         return control_pb2.DurabilityStatus(**dataclasses.asdict(self))
@@ -108,4 +111,4 @@ class DurabilityStatus:
     @classmethod
     def from_proto(cls, d: control_pb2.DurabilityStatus) -> "DurabilityStatus":
         return cls(d.durable_version, d.log_records, d.log_bytes, d.recoveries, d.checkpoint_seconds,
-                   d.checkpoints_written, d.checkpoint_writing, d.log_direct)
+                   d.checkpoints_written, d.checkpoint_writing, d.log_direct, d.degraded)

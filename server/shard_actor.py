@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 from concurrent import futures
-from typing import Sequence
+from typing import Optional, Sequence
+
+import numpy as np
 
 from optserve.server.domain.config import ServerConfig
 from optserve.server.domain.coordinator import ShardOpening, ShardSummary
@@ -88,18 +90,48 @@ class ShardActor:
         """Where the other shards of the sessions this shard is home to reach their clocks."""
         return self._clocks.address
 
-    def open_session(self, opening: ShardOpening, restore: bool = False) -> int:
+    def reachable(self, opening: ShardOpening) -> tuple[int, int, str]:
+        """Durable servers: how far this shard's part of a session can be restored, read from disk
+        without loading it: ``(checkpoint version, last logged version, checkpoint path)`` (a
+        session this shard still holds in memory: its version, twice).
+
+        Raises:
+          SessionLost: a damaged manifest or log record (the message names the file).
+        """
+        from optserve.server.compute.buffers import aligned_empty
+        from optserve.server.domain.errors import SessionLost
+        from optserve.server.storage import CorruptCheckpoint, ShardStore
+
+        config = opening.config
+        held = self._registry.find(config.name)
+        if held is not None:
+            return held.version, held.version, ""
+        by_name = config.spec_by_name
+        durability = self._config.durability
+        store = ShardStore(durability.checkpoint_dir, config.name, opening.shard_index, durability, False)
+        try:
+            reach = store.reachable(lambda: {n: aligned_empty(by_name[n].shape, np.float32)
+                                             for n in opening.tensor_names})
+        except CorruptCheckpoint as exc:
+            raise SessionLost(f"session {config.name!r} cannot be restored on shard {opening.shard_index}: "
+                              f"{exc}") from None
+        finally:
+            store.close()
+        return tuple(reach)
+
+    def open_session(self, opening: ShardOpening, restore: bool = False, upto: Optional[int] = None) -> int:
         """Holds ``opening.tensor_names`` of a session: builds its optimizer (once), updater,
         clock (home shard) or clock handle (others), and registers it on the data plane.
 
         Durable servers keep the session's step log and checkpoints; with ``restore`` the shard
-        first loads its latest checkpoint and replays its log (a restarted shard or server).
+        first loads its latest checkpoint and replays its log (a restarted shard or server), up to
+        version ``upto`` (None: all of it).
         Returns the session's version on this shard.
 
         Raises:
           SessionLost: ``restore`` found a damaged checkpoint or log (the message names the file).
         """
-        from optserve.server.storage import CorruptCheckpoint, ShardStore, read_step_log
+        from optserve.server.storage import CorruptCheckpoint, ShardStore, StepLogReader
         from optserve.server.compute.root_offload import build_shard_optimizer
         from optserve.server.compute.updater import Updater
         from optserve.server.domain.clock import LocalClock
@@ -137,7 +169,7 @@ class ShardActor:
         if store is not None:
             try:
                 if restore:
-                    session.restore(store, read_step_log, store.journal)
+                    session.restore(store, StepLogReader, store.journal, upto=upto)
                 else:
                     store.start_logs(None)
                     session.attach_store(store)
@@ -329,8 +361,11 @@ class RayShardFleet:
         _ray_get([a.checkpoint_session.remote(name) for a in self.actors])
         self.close_session(name)
 
-    def restore_session(self, opening: ShardOpening) -> int:
-        return _ray_get(self.actors[opening.shard_index].open_session.remote(opening, True))
+    def restore_session(self, opening: ShardOpening, upto: Optional[int] = None) -> int:
+        return _ray_get(self.actors[opening.shard_index].open_session.remote(opening, True, upto))
+
+    def reachable(self, opening: ShardOpening) -> tuple[int, int, str]:
+        return _ray_get(self.actors[opening.shard_index].reachable.remote(opening))
 
     def peer_down(self, home_index: int, shard_index: int, names: Sequence[str]) -> None:
         _tell(self.actors[home_index].peer_down.remote(shard_index, list(names)))

@@ -17,14 +17,17 @@ multi-shard session costs each non-home shard one short round trip.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from optserve.server.domain.config import Mode, StalenessPolicy
 from optserve.server.domain.durability import CheckpointPolicy
-from optserve.server.domain.errors import OptservError, PeerRefused, Stale, Timeout
+from optserve.server.domain.errors import OptservError, PeerRefused, Stale, Timeout, Unavailable
 from optserve.server.domain.staleness import decide
+
+_log = logging.getLogger(__name__)
 
 _KEEP_TICKETS = 4096
 _KEEP_SUMS = 64  # durable sessions: cross-shard sums remembered (by step) for shards that ask again
@@ -141,6 +144,27 @@ class SessionClock:
         self.tickets[ticket.ordinal] = ticket
         self.tickets.pop(ticket.ordinal - _KEEP_TICKETS, None)
 
+    def truncate(self, version: int, next_ordinal: int) -> int:
+        """Forgets every ticket deciding a version after ``version`` (a restore brought the shards
+        back to it) and continues at ``next_ordinal``; returns how many tickets were forgotten.
+        A client whose latest ticket is forgotten is answered from its previous one still kept
+        (or decided afresh)."""
+        dropped = [t for t in self.tickets.values() if t.target_version > version]
+        for ticket in dropped:
+            del self.tickets[ticket.ordinal]
+        self.accepted -= len(dropped)
+        self.version, self.next_ordinal = min(self.version, version), next_ordinal
+        self.step_clients = set()  # the open step was after ``version``: its tickets are gone
+        for client, (_, latest) in list(self.last.items()):
+            if isinstance(latest, Ticket) and latest.target_version > version:
+                kept = [t for t in self.tickets.values() if t.client_id == client]
+                if kept:
+                    newest = max(kept, key=lambda t: t.ordinal)
+                    self.last[client] = (newest.sequence, newest)
+                else:
+                    del self.last[client]
+        return len(dropped)
+
     def to_json(self) -> dict:
         """The clock's durable state (refusals remembered for retries are left out: a retried
         refused push is decided afresh)."""
@@ -248,23 +272,39 @@ class LocalClock:
         fresh_from = self._clock.next_ordinal
         ticket = self._clock.commit(client_id, sequence, base_version)
         if self._journal is not None and ticket.ordinal >= fresh_from:
-            self._journal(ticket.to_json())
+            try:
+                self._journal(ticket.to_json())
+            except OSError as exc:  # decided all the same: a restore rebuilds it from the shards' step logs
+                raise Unavailable(f"push {sequence} of client {client_id!r}: the ticket journal could not be "
+                                  f"written ({exc}); retry") from None
         return ticket
 
-    def restore(self, state: Optional[dict], journal: list) -> None:
+    def restore(self, state: Optional[dict], journal: list, replayed: Sequence[Ticket] = (),
+                settle_at: Optional[tuple[int, int]] = None) -> None:
         """Durable sessions, at recovery: the clock state of the latest checkpoint (None: none),
-        then the journal entries written after it."""
+        then the journal entries written after it, with ``replayed`` (the tickets of the steps the
+        home shard's log replayed) filling what the journal lacks (a journal segment lost or cut).
+        ``settle_at=(version, next_ordinal)``: every shard of the session was restored to
+        ``version``, so tickets deciding later versions are forgotten (their pushes were never
+        acknowledged: the clients' retries are decided afresh)."""
         with self._cond:
             if state is not None:
                 self._clock.restore(state)
                 self._totals.update({int(k): float(v) for k, v in state.get("sums", {}).items()})
+            tickets = {}
             for entry in journal:
                 if isinstance(entry, dict):
                     self._totals[int(entry["sum"])] = float(entry["total"])
                     continue
                 ticket = Ticket.from_json(entry)
-                if ticket.ordinal >= self._clock.next_ordinal:
-                    self._clock.record(ticket)
+                tickets[ticket.ordinal] = ticket
+            for ticket in replayed:
+                tickets.setdefault(ticket.ordinal, ticket)
+            for ordinal in sorted(tickets):
+                if ordinal >= self._clock.next_ordinal:
+                    self._clock.record(tickets[ordinal])
+            if settle_at is not None:
+                self._clock.truncate(*settle_at)
 
     def durable_state(self, rotate: Callable[[], None]) -> dict:
         """The clock's state for a checkpoint, with ``rotate()`` (start a new journal segment)
@@ -394,7 +434,10 @@ class LocalClock:
             for index in sorted(entry["values"]):
                 total += entry["values"][index]
             if self._journal is not None and key not in self._totals:
-                self._journal({"sum": key, "total": total})
+                try:
+                    self._journal({"sum": key, "total": total})
+                except OSError as exc:  # each shard logs the total with its step: a restore needs no journal
+                    _log.error("event=sum_not_journaled version=%d error=%s", key, exc)
                 self._totals[key] = total
                 for old in [k for k in self._totals if k <= key - _KEEP_SUMS]:
                     del self._totals[old]

@@ -143,6 +143,7 @@ class SessionStatus:
     record: SessionRecord
     clock: ClockStatus
     shards: tuple[ShardSessionStatus, ...]  # in assignment order
+    rolled_back_from: int = 0  # the last restore brought the shards back below this logged version (0: no)
 
     @property
     def last_activity_unix_s(self) -> float:
@@ -185,8 +186,10 @@ class ShardFleet(Protocol):
     def session_activity(self) -> Mapping[str, float]: ...  # session -> latest activity on any shard (unix s)
 
     # durable servers only
-    def restore_session(self, opening: ShardOpening) -> int: ...  # opens + restores one shard's part;
-    # returns its version; raises SessionLost (damaged checkpoint)
+    def restore_session(self, opening: ShardOpening, upto: Optional[int] = None) -> int: ...  # opens + restores
+    # one shard's part (to version ``upto``; None: all it logged); returns its version; raises SessionLost
+    def reachable(self, opening: ShardOpening) -> tuple[int, int, str]: ...  # one shard's part on disk:
+    # (checkpoint version, last logged version, checkpoint path), nothing loaded; raises SessionLost
 
     def peer_down(self, home_index: int, shard_index: int, names: Sequence[str]) -> None: ...
 
@@ -234,6 +237,7 @@ class Coordinator:
         self._estimated: dict[str, dict[int, int]] = {}  # session -> shard -> estimated bytes (budget)
         self._closing: set[str] = set()  # names whose shards are still closing: not yet reusable
         self._lost: dict[str, str] = {}  # lost session -> why (see the module docstring)
+        self._rolled_back: dict[str, int] = {}  # session -> the version its last restore rolled back from
         self._unloaded: set[str] = set()  # durable sessions unloaded when idle (see expire_idle)
         self._lock = threading.Lock()
         self._membership = threading.Lock()
@@ -343,14 +347,7 @@ class Coordinator:
                 self._sessions[config.name] = record
                 self._estimated[config.name] = {a.shard_index: estimated_shard_bytes(by_name[n] for n in a.tensor_names)
                                                 for a in record.assignments}
-            why = None
-            for opening in self._openings(record):
-                try:
-                    self._fleet.restore_session(opening)
-                except SessionLost as exc:
-                    why = str(exc)
-                except OptservError as exc:
-                    why = f"session {config.name!r} could not be restored on shard {opening.shard_index}: {exc}"
+            why = self._restore_consistently(record)
             if why is not None:
                 self._mark_lost({config.name: why})
                 log.error("event=session_lost session=%s reason=%s", config.name, why)
@@ -358,6 +355,48 @@ class Coordinator:
                 restored.append(config.name)
                 log.warning("event=session_restored session=%s", config.name)
         return restored
+
+    def _restore_consistently(self, record: SessionRecord) -> Optional[str]:
+        """Restores a durable session on all its shards at one version: the highest version every
+        shard reaches exactly (its checkpoint plus its log). Steps some shard logged past it were
+        never acknowledged by every shard: they are rolled back (logged as ``session_rolled_back``).
+        Returns why the session is lost (a damaged file, a shard whose checkpoint is past that
+        version), or None once restored."""
+        name = record.config.name
+        openings = self._openings(record)
+        reaches = {}
+        for opening in openings:
+            try:
+                reaches[opening.shard_index] = self._fleet.reachable(opening)
+            except SessionLost as exc:
+                return str(exc)
+            except OptservError as exc:
+                return f"session {name!r} could not be restored on shard {opening.shard_index}: {exc}"
+        common = min(logged for _, logged, _ in reaches.values())
+        logged = max(logged for _, logged, _ in reaches.values())
+        for index, (checkpoint, _, path) in sorted(reaches.items()):
+            if checkpoint < 0 and logged >= 0:
+                return (f"session {name!r} cannot be restored: shard {index} has no checkpoint in {path} (its "
+                        f"manifest is missing) while its other shards have one")
+        for index, (checkpoint, _, path) in sorted(reaches.items()):
+            if checkpoint > common:
+                shortest = min(reaches, key=lambda i: reaches[i][1])
+                return (f"session {name!r} cannot be restored at one version on all its shards: shard {index}'s "
+                        f"checkpoint {path} is at version {checkpoint}, but shard {shortest}'s checkpoint and log "
+                        f"reach only version {common}")
+        if logged > common:
+            log_event(log, logging.WARNING, "session_rolled_back", session=name, version=common, logged=logged,
+                      shards=",".join(f"{i}:{r[1]}" for i, r in sorted(reaches.items())))
+            with self._lock:
+                self._rolled_back[name] = logged
+        for opening in openings:
+            try:
+                self._fleet.restore_session(opening, upto=common)
+            except SessionLost as exc:
+                return str(exc)
+            except OptservError as exc:
+                return f"session {name!r} could not be restored on shard {opening.shard_index}: {exc}"
+        return None
 
     def shard_down(self, shard_index: int) -> list[str]:
         """Durable servers: shard ``shard_index`` died and is being restarted. Votes waiting for it
@@ -514,14 +553,7 @@ class Coordinator:
                 record = self._sessions.get(name)
                 if name not in self._unloaded or record is None:
                     return  # loaded meanwhile, or closed
-            why = None
-            for opening in self._openings(record):
-                try:
-                    self._fleet.restore_session(opening)
-                except OptservError as exc:
-                    why = str(exc) if isinstance(exc, SessionLost) else (
-                        f"session {name!r} could not be loaded back on shard {opening.shard_index}: {exc}")
-                    break
+            why = self._restore_consistently(record)
             with self._lock:
                 self._unloaded.discard(name)
             if why is not None:
@@ -585,4 +617,7 @@ class Coordinator:
     def status(self, name: str, tenant: str = "") -> SessionStatus:
         record = self._usable(name, tenant)
         shards = self._fleet.session_status(name, [a.shard_index for a in record.assignments])
-        return SessionStatus(record, shards[0].clock, tuple(shards))  # the home shard keeps the clock
+        with self._lock:
+            rolled_back_from = self._rolled_back.get(record.config.name, 0)
+        # the home shard keeps the clock
+        return SessionStatus(record, shards[0].clock, tuple(shards), rolled_back_from)

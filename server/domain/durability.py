@@ -203,6 +203,10 @@ class SessionStore(Protocol):
     The shard session calls it under its own lock, in step order.
     """
 
+    def reserve_step(self, payload_bytes: int, tensors: int, steps: int = 1) -> None:
+        """Before a push is staged or its step applied: reserves room on the disk for ``steps``
+        step records (raises OSError if there is none: nothing is then applied)."""
+
     def begin_step(self, grads: list) -> None:
         """Starts appending the next step's ``grads`` (the shard's tensors' gradients, in tensor
         order; only read) in the background, while the step's update runs."""
@@ -231,3 +235,4 @@ class SessionStore(Protocol):
     checkpoints_written: int  # checkpoints committed by this process
     checkpoint_writing: bool  # one is being written (or waits to be) now
     log_writes_direct: bool  # the log writes gradients with direct I/O now
+    degraded: str  # why the log cannot take a step now ("": it can)

@@ -15,8 +15,10 @@ import numpy as np
 
 from optserve.server.compute.buffers import aligned_empty
 from optserve.server.compute.updater import Updater
+from optserve.server.domain.clock import Ticket
 from optserve.server.domain.config import TensorSpec
 from optserve.server.domain.durability import DurabilityStatus, SessionStore, ShardProgress, StepRecord
+from optserve.server.domain.errors import Unavailable
 
 
 class ShardDurability:
@@ -48,6 +50,21 @@ class ShardDurability:
             self.store.close()
 
     # ----------------------------------------------------------------- around one update
+    def reserve(self, what: str, payload_bytes: int, tensors: int, steps: int = 1) -> None:
+        """Before a push is staged or its step applied: makes sure the log has room on the disk for
+        ``steps`` step records (``payload_bytes`` of gradient in ``tensors`` tensors each).
+
+        Raises:
+          Unavailable: no room (or a failing disk): nothing is applied; the store reports itself
+            degraded until a later reservation succeeds (the client's retry tries again).
+        """
+        if self.store is None:
+            return
+        try:
+            self.store.reserve_step(payload_bytes, tensors, steps)
+        except OSError as exc:
+            raise Unavailable(f"{what}: {exc}; nothing was applied, retry once the disk has room") from None
+
     def begin_step(self, grads: Mapping[str, np.ndarray], order: Iterable[str]) -> None:
         """The update is about to run with ``grads``: they go to the log meanwhile (in ``order``,
         the shard's tensor order)."""
@@ -89,16 +106,29 @@ class ShardDurability:
             return None
         return DurabilityStatus(store.durable_version, store.log_records, store.log_bytes, store.recoveries,
                                 store.checkpoint_seconds, store.checkpoints_written, store.checkpoint_writing,
-                                store.log_writes_direct)
+                                store.log_writes_direct, store.degraded)
 
 
-def replay(store, manifest: dict, updater: Updater, specs: Mapping[str, TensorSpec], read_log) -> ShardProgress:
+def step_tickets(record: StepRecord) -> list[Ticket]:
+    """The tickets of a logged step, as its clock decided them (their staleness is not logged:
+    0); the last one closes the step."""
+    last = len(record.tickets) - 1
+    return [Ticket(ordinal, client, sequence, 0, record.scale, i == last, record.version, False)
+            for i, (ordinal, client, sequence) in enumerate(record.tickets)]
+
+
+def replay(store, manifest: dict, updater: Updater, specs: Mapping[str, TensorSpec], read_log,
+           upto: Optional[int] = None) -> tuple[ShardProgress, list[StepRecord]]:
     """Recovery: loads checkpoint ``manifest`` of ``store`` into ``updater``, then applies the
-    steps its log holds past the checkpoint; returns the progress reached (the last logged step).
+    steps its log holds past the checkpoint (up to version ``upto``; None: all); returns the
+    progress reached and the records applied.
 
-    ``read_log``: ``(segment_path, fresh_buffers) -> iterator of (record_json, grads)``; each
-    step's gradient is read into buffers from ``fresh_buffers()``, and each step reuses the
-    cross-shard statistic logged with it (no peer is asked).
+    ``read_log``: ``(segment_path, fresh_buffers) -> reader``, iterating ``(record_json, grads)``
+    with each step's gradient read into buffers from ``fresh_buffers()``; the reader tells the
+    byte offset of the record it gave last (``last_at``) and of a torn tail (``torn_at``). Each
+    step reuses the cross-shard statistic logged with it (no peer is asked). A torn tail is cut
+    off its segment; with ``upto``, the log is cut before the first step after it (those steps
+    are rolled back, on every shard alike).
     """
     def fresh_buffers() -> dict[str, np.ndarray]:
         return {name: aligned_empty(spec.shape, np.float32) for name, spec in specs.items()}
@@ -106,11 +136,19 @@ def replay(store, manifest: dict, updater: Updater, specs: Mapping[str, TensorSp
     restored = store.restore_arrays(manifest, updater.abstract_state())
     updater.restore(restored["params"], restored["opt_state"])
     progress = ShardProgress.from_json(manifest["progress"])
+    applied: list[StepRecord] = []
     for segment in store.log_segments(manifest):
-        for header, grads in read_log(segment, fresh_buffers):
+        reader = read_log(segment, fresh_buffers)
+        for header, grads in reader:
             record = StepRecord.from_json(header)
             if record.version <= progress.version:
                 continue
+            if upto is not None and record.version > upto:
+                store.cut_log(segment, reader.last_at, drop_later=True)
+                return progress, applied
             updater.apply(grads, record.scale, lambda _partial, s=record.global_stat: s)
             progress = progress.after(record)
-    return progress
+            applied.append(record)
+        if reader.torn_at is not None:
+            store.cut_log(segment, reader.torn_at, drop_later=False)
+    return progress, applied

@@ -39,7 +39,7 @@ from optserve.server.domain.errors import (FailedPrecondition, InvalidArgument, 
                                            PermissionDenied, RejectReason, Stale, Timeout, Unavailable)
 from optserve.server.domain.refusals import Refusals
 from optserve.server.domain.sequencer import Sequencer, entry
-from optserve.server.domain.shard_durability import ShardDurability, replay
+from optserve.server.domain.shard_durability import ShardDurability, replay, step_tickets
 from optserve.server.domain.shard_records import PushHeader, Receipt, ShardSessionStatus, StepObserver
 from optserve.server.domain.shard_registry import ShardRegistry
 from optserve.server.domain.staging import StagingArea
@@ -102,6 +102,7 @@ class ShardSession:
         self._sequencer = Sequencer(config, shard_index, step_timeout_s)
         self._abandoned: Optional[OptservError] = None  # set by abandon(): every wait raises it
         self._durability = ShardDurability(store)
+        self._step_bytes = sum(spec.size * 4 for spec in self.specs.values())  # one step's float32 gradient
         self.last_activity_unix_s = time.time()  # a client's last push, commit, pull or init here (see touch)
 
     def touch(self) -> None:
@@ -224,6 +225,12 @@ class ShardSession:
         """Assembles and stages the push; returns True if it had been applied (nothing staged)."""
         self._require_initialized()
         self._staging.check_room(header.client_id, header.sequence)
+        try:  # durable: the step log has room for this push's step (and those staged before it) on the disk
+            self._durability.reserve(f"session {self.config.name!r} on shard {self.shard_index}",
+                                     self._step_bytes, len(self.specs), steps=self._staging.count + 1)
+        except Unavailable:
+            self._refusals.refuse(RejectReason.ABORTED, header.client_id, header.sequence, cause="disk")
+            raise
         grads, received_bytes = self._staging.assemble(header, chunks, complete,
                                                        check_finite=not self.config.allow_nonfinite,
                                                        in_place=in_place and header.auto_commit)
@@ -286,6 +293,14 @@ class ShardSession:
         """Applies the ticket whose turn it is (call with ``_cond`` held): async, its push runs the
         update; sync, it joins the open step, and the push that closes the step runs the update
         with the step's mean."""
+        if not self._sequencer.sync or ticket.closes_step:  # its step is logged: room first (reserved when
+            # staged; a checkpoint since may have started a fresh log segment)
+            try:
+                self._durability.reserve(f"session {self.config.name!r} on shard {self.shard_index}",
+                                         self._step_bytes, len(self.specs))
+            except Unavailable:
+                self._sequencer.arrive(ticket)  # still its turn: applied by the retry once there is room
+                raise
         staged = self._staging.take((ticket.client_id, ticket.sequence))
         self._sequencer.advance(ticket)
         if staged is None:
@@ -360,24 +375,30 @@ class ShardSession:
                 return False
             return self._checkpoint(wait=True)
 
-    def restore(self, store, read_log, journal_tickets: Callable[[Optional[dict]], list]) -> int:
+    def restore(self, store, read_log, journal_tickets: Callable[[Optional[dict]], list],
+                upto: Optional[int] = None) -> int:
         """Durable sessions, at recovery: loads the latest checkpoint and replays the step log.
 
         Args:
           store: the session's store on this shard (also where later steps are logged).
-          read_log: ``(segment_path, arrays) -> iterator of (record_json, grads)``.
+          read_log: ``(segment_path, arrays) -> reader`` (see :func:`~.shard_durability.replay`).
           journal_tickets: ``manifest -> [entry]``: the clock journal after the checkpoint (home shard).
+          upto: the version every shard of the session is restored to (a whole server's restore:
+            later logged steps are rolled back, and the home clock forgets their tickets); None:
+            the last step this shard logged (one shard restarted among running ones).
 
-        Returns the version reached: exactly the last step this shard logged (acknowledged or not).
+        Returns the version reached.
         """
         manifest = store.latest()
         with self._cond:
             if manifest is not None:
-                progress = replay(store, manifest, self.updater, self.specs, read_log)
+                progress, records = replay(store, manifest, self.updater, self.specs, read_log, upto)
                 self.version = progress.version
                 self._sequencer.restore(progress)
                 if self._is_home:
-                    self._clock.restore(manifest.get("clock"), journal_tickets(manifest))
+                    settle_at = (progress.version, progress.next_ordinal) if upto is not None else None
+                    self._clock.restore(manifest.get("clock"), journal_tickets(manifest),
+                                        replayed=[t for r in records for t in step_tickets(r)], settle_at=settle_at)
             store.start_logs(manifest, self.version)
             store.recoveries += 1
             self._durability.attach(store)

@@ -116,6 +116,12 @@ class StagingArea:
         self._pool.release(grads)
 
     # ----------------------------------------------------------------- admission and expiry
+    @property
+    def count(self) -> int:
+        """Pushes staged now."""
+        with self.lock:
+            return len(self._entries)
+
     def check_room(self, client_id: str, sequence: int) -> None:
         """Refuses (counted ABORTED, then raises ResourceExhausted) a push that would take this
         session's staged pushes past ``max_staged_bytes``; checked before any buffer is taken."""

@@ -40,6 +40,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "optserve_root_failures_total": ("counter", ("session", "shard"), "Roots rejected (error too large or NaN)."),
     "optserve_sessions": ("gauge", (), "Open sessions."),
     "optserve_loss": ("gauge", ("session",), "The latest loss a client attached to an accepted push."),
+    "optserve_storage_degraded": ("gauge", ("session", "shard"),
+                                  "1 while a durable session's step log on a shard has no room (steps refused, "
+                                  "UNAVAILABLE), else 0."),
 }
 
 
@@ -221,6 +224,8 @@ def session_gauges(sessions: Iterable, shard: str) -> list[Metric]:
     failures = CounterMetricFamily("optserve_root_failures", _help("optserve_root_failures_total"),
                                    labels=("session", "shard"))
     loss = GaugeMetricFamily("optserve_loss", _help("optserve_loss"), labels=("session",))
+    degraded = GaugeMetricFamily("optserve_storage_degraded", _help("optserve_storage_degraded"),
+                                 labels=("session", "shard"))
     for session in sessions:
         name = session.config.name
         status = session.status()
@@ -230,10 +235,11 @@ def session_gauges(sessions: Iterable, shard: str) -> list[Metric]:
             loss.add_metric([name], session.series.last_loss)
         params.add_metric([name, shard], session.updater.param_bytes())
         state.add_metric([name, shard], status.state_bytes)
+        degraded.add_metric([name, shard], float(status.durability is not None and bool(status.durability.degraded)))
         roots = status.preconditioners
         if roots is not None and roots.blocks:
             age.add_metric([name, shard], max(b.age for b in roots.blocks))
             error.add_metric([name, shard], max(b.error for b in roots.blocks))
             fallbacks.add_metric([name, shard], sum(b.fallback_steps for b in roots.blocks))
             failures.add_metric([name, shard], sum(b.failures for b in roots.blocks))
-    return [version, params, state, age, error, fallbacks, failures, loss]
+    return [version, params, state, age, error, fallbacks, failures, loss, degraded]

@@ -13,8 +13,8 @@ from optserve.server.storage.catalog import SessionCatalog
 from optserve.server.storage.export import load_checkpoint
 from optserve.server.storage.files import session_dir
 from optserve.server.storage.format import FORMAT_VERSION, CorruptCheckpoint, UnsupportedFormat
-from optserve.server.storage.log_reader import read_journal, read_step_log
+from optserve.server.storage.log_reader import StepLogReader, read_journal, read_step_log
 from optserve.server.storage.shard_store import ShardStore
 
-__all__ = ["FORMAT_VERSION", "CorruptCheckpoint", "SessionCatalog", "ShardStore", "UnsupportedFormat",
+__all__ = ["FORMAT_VERSION", "CorruptCheckpoint", "SessionCatalog", "ShardStore", "StepLogReader", "UnsupportedFormat",
            "load_checkpoint", "read_journal", "read_step_log", "session_dir"]

@@ -49,6 +49,7 @@ class StepLogReader:
         self.path = path
         self._arrays = arrays
         self.torn_at: Optional[int] = None
+        self.last_at = 0  # byte offset of the record yielded last
         self.records = 0  # records read (applied and aborted)
 
     def __iter__(self) -> Iterator[tuple[dict, dict]]:
@@ -65,6 +66,7 @@ class StepLogReader:
                 record, grads = read
                 self.records += 1
                 if not record.get("aborted"):  # a step whose update failed: never applied
+                    self.last_at = at
                     yield record, grads
 
     def _record(self, fh, at: int, size: int) -> Optional[tuple[dict, dict]]:
@@ -158,6 +160,7 @@ def read_journal(path: str) -> list:
     """The entries (tickets' and sums' JSON) of a journal segment; a torn last line is dropped.
 
     Raises:
+      CorruptCheckpoint: a damaged line before the last.
       UnsupportedFormat: the segment was written in a newer format.
     """
     out = []
@@ -165,7 +168,10 @@ def read_journal(path: str) -> list:
         for number, line in enumerate(fh):
             if not line.endswith(b"\n"):
                 break
-            entry = json.loads(line)
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                raise CorruptCheckpoint(f"ticket journal {path}: line {number + 1} is damaged") from None
             if number == 0 and isinstance(entry, dict) and FORMAT_KEY in entry:
                 check_format(path, entry[FORMAT_KEY])
                 continue

@@ -19,6 +19,8 @@ first line naming its format.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import json
 import logging
@@ -65,6 +67,37 @@ def segment_indices(folder: str, kind: str, start: int) -> list[int]:
     return sorted(found)
 
 
+_KEEP_SIZE = 1  # fallocate's FALLOC_FL_KEEP_SIZE: reserve blocks past the end without growing the file
+_fallocate = None
+
+
+def _reserve(fd: int, offset: int, length: int) -> bool:
+    """Reserves the file's blocks ``[offset, offset + length)`` without changing its size, so
+    that writing them cannot fail for want of space; False where the filesystem (or the C
+    library) cannot reserve. Raises OSError (ENOSPC, EDQUOT, EIO) when the space is not there."""
+    global _fallocate
+    if _fallocate is None:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            _fallocate = libc.fallocate
+            _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+        except (OSError, AttributeError):
+            _fallocate = False
+    if _fallocate is False:
+        return False
+    if _fallocate(fd, _KEEP_SIZE, offset, length) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(code, os.strerror(code))
+
+
+def segment_number(path: str) -> int:
+    """The index ``k`` of a segment file ``<kind>-<k>.log``."""
+    return int(_SEGMENT_RE.match(os.path.basename(path)).group(2))
+
+
 def _format_header(kind: str) -> bytes:
     if kind == TICKETS:
         return (json.dumps({FORMAT_KEY: FORMAT_VERSION}) + "\n").encode()
@@ -85,6 +118,7 @@ class Segments:
         self.direct = direct
         self.direct_bytes = 0  # payload bytes written with direct I/O (this object's segments)
         self._crc = 0  # CRC-32C of the record begun last, so far
+        self._reservable = True  # the filesystem reserves blocks (see reserve)
         self._direct_fd = -1
         self._open(start)
 
@@ -104,6 +138,18 @@ class Segments:
                 self._direct_fd = -1
         if os.fstat(self._fd).st_size == 0:
             self.write([_format_header(self.kind)])
+
+    def reserve(self, nbytes: int) -> None:
+        """Makes sure the next ``nbytes`` bytes appended to the current segment (and what may be
+        queued before them: up to ``nbytes`` more) can be written: their blocks are reserved on
+        the disk now. A no-op where the filesystem cannot reserve (a write may then fail later).
+
+        Raises:
+          OSError: the disk has no room (ENOSPC, EDQUOT) or failed (EIO).
+        """
+        end = os.fstat(self._fd).st_size if self._offset is None else self._offset
+        if self._reservable:
+            self._reservable = _reserve(self._fd, end, 2 * nbytes)
 
     @property
     def writes_direct(self) -> bool:

@@ -14,7 +14,7 @@ import os
 import shutil
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -22,11 +22,23 @@ from optserve.server.storage.files import session_dir
 from optserve.server.storage.format import CorruptCheckpoint
 from optserve.server.storage.manifests import (checksums_match, commit_manifest, drop_checkpoints_older_than,
                                                latest_manifest)
-from optserve.server.storage.segments import close_segments
+from optserve.server.storage.log_reader import StepLogReader
+from optserve.server.storage.segments import close_segments, segment_number
 from optserve.server.storage.snapshots import Snapshots, leaves, yield_cpu_to_steps
 from optserve.server.storage.step_log import StepLog
 
 log = logging.getLogger(__name__)
+
+
+class LogReach(NamedTuple):
+    """How far a shard's part of a session can be restored: ``checkpoint_version`` (its latest
+    checkpoint; 0: the initial values') and ``logged_version`` (the last step its log holds after
+    it), with ``checkpoint_path`` for messages; both -1 when the shard has no checkpoint (its
+    folder then)."""
+
+    checkpoint_version: int
+    logged_version: int
+    checkpoint_path: str
 
 
 class ShardStore:
@@ -88,6 +100,38 @@ class ShardStore:
             raise CorruptCheckpoint(f"checkpoint {path} does not match its checksums: its arrays are damaged")
         return restored
 
+    def reachable(self, arrays: Callable[[], dict]) -> LogReach:
+        """How far this shard's part can be restored exactly, read without loading anything: the
+        latest checkpoint's version and the last version its step log reaches after it (every
+        record is read into ``arrays()``'s buffers, one set reused, and its checksum checked).
+
+        Raises:
+          CorruptCheckpoint: a manifest or a record before a log's end is damaged.
+        """
+        manifest = self.latest()
+        if manifest is None:  # nothing to replay a log onto
+            return LogReach(-1, -1, self.folder)
+        checkpoint = int(manifest["progress"]["version"])
+        buffers = arrays()
+        last = checkpoint
+        for segment in self.log_segments(manifest):
+            for header, _ in StepLogReader(segment, lambda: buffers):
+                last = max(last, int(header["version"]))
+        return LogReach(checkpoint, last, manifest["path"])
+
+    def cut_log(self, segment: str, at: int, drop_later: bool) -> None:
+        """Drops the step log from byte ``at`` of ``segment`` on: a torn record (``drop_later``
+        False), or the steps after a version every shard of the session reaches, which a restore
+        rolls back (``drop_later``: every later segment too)."""
+        os.truncate(segment, at)
+        later = []
+        if drop_later:
+            later = [path for path in self.log_segments(None) if segment_number(path) > segment_number(segment)]
+        for path in later:
+            os.unlink(path)
+        log.warning("event=step_log_cut session=%s shard=%d path=%s at=%d later_segments_dropped=%d", self._session,
+                    self._shard, segment, at, len(later))
+
     def log_segments(self, manifest: Optional[dict]) -> list[str]:
         """The step-log segments to replay after ``manifest``'s checkpoint, in order."""
         return self._log.segments(manifest)
@@ -105,6 +149,15 @@ class ShardStore:
         """:meth:`begin_step` and :meth:`end_step` at once (a step whose update already ran)."""
         self.begin_step(grads)
         self.end_step(record, release)
+
+    def reserve_step(self, payload_bytes: int, tensors: int, steps: int = 1) -> None:
+        """See :meth:`StepLog.reserve` (raises OSError when the disk has no room)."""
+        self._log.reserve(payload_bytes, tensors, steps)
+
+    @property
+    def degraded(self) -> str:
+        """Why the step log cannot take a step now ("": it can)."""
+        return self._log.degraded
 
     def begin_step(self, grads: list) -> None:
         """See :meth:`StepLog.begin_step`."""

@@ -16,9 +16,11 @@ import threading
 from typing import Callable, Optional
 
 from optserve.server.storage.log_reader import read_journal
-from optserve.server.storage.segments import STEPS, TICKETS, Segments, segment_indices
+from optserve.server.storage.segments import BLOCK, PREFIX, STEPS, TICKETS, Segments, segment_indices
 
 log = logging.getLogger(__name__)
+
+_HEADER_ROOM = 64 << 10  # bytes reserved for a record's header (its tickets: one per pushing worker)
 
 
 class StepLog:
@@ -45,6 +47,7 @@ class StepLog:
         self._error: Optional[BaseException] = None
         self.records = 0  # step records since the last checkpoint
         self.bytes = 0  # their gradient bytes
+        self.degraded = ""  # why the log cannot take a step now ("": it can), see reserve
 
     # ------------------------------------------------------------- reading
     def segments(self, manifest: Optional[dict]) -> list[str]:
@@ -77,11 +80,35 @@ class StepLog:
         under the clock's lock)."""
         line = (json.dumps(entry) + "\n").encode()
         with self._journal_lock:
+            self._tickets.reserve(len(line))
             self._tickets.write([line])
             self._tickets_since_sync += 1
             if self._config.fsync_due(self._tickets_since_sync):  # the step log's policy
                 self._tickets.fsync()
                 self._tickets_since_sync = 0
+
+    def reserve(self, payload_bytes: int, tensors: int, steps: int = 1) -> None:
+        """Reserves the disk space of the next ``steps`` step records (``payload_bytes`` of
+        gradient in ``tensors`` tensors each) before they are applied: a full disk refuses a push
+        when it is staged, it does not fail the write of a step already applied. Sets or clears
+        :attr:`degraded`.
+
+        Raises:
+          OSError: no room (ENOSPC, EDQUOT) or a failing disk (EIO); the message names the folder.
+        """
+        record = PREFIX.size + payload_bytes + (tensors + 1) * BLOCK + _HEADER_ROOM
+        try:
+            self._steps.reserve(steps * record)
+        except OSError as exc:
+            self.degraded = f"disk: {exc.strerror or exc} ({self.folder})"
+            log.error("event=step_log_degraded session=%s shard=%d folder=%s error=%s", self._session, self._shard,
+                      self.folder, exc.strerror or exc)
+            raise OSError(exc.errno, f"the step log in {self.folder} has no room for the next step: "
+                                     f"{exc.strerror or exc}") from None
+        if self.degraded:
+            log.warning("event=step_log_recovered session=%s shard=%d folder=%s", self._session, self._shard,
+                        self.folder)
+            self.degraded = ""
 
     def begin_step(self, grads: list) -> None:
         """Starts appending the next step's gradient (arrays in tensor order, read but not

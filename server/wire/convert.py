@@ -145,6 +145,7 @@ def status_to_proto(status: SessionStatus) -> control_pb2.GetStatusResponse:
         staleness_p50=status.clock.staleness_p50,
         staleness_max=status.clock.staleness_max,
         last_activity_unix_s=status.last_activity_unix_s,
+        rolled_back_from=status.rolled_back_from,
         rejected=[control_pb2.RejectCount(reason=r.value, count=c)
                   for r, c in sorted(rejected.items(), key=lambda item: item[0].value)],
         shards=[

@@ -1,0 +1,69 @@
+"""``optserve serve`` as a real process of its own (its own process group), for the tests that
+kill a whole server or start one on files they prepared."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """Starts ``optserve serve --shards 2 --min-shard-bytes 0`` plus ``extra`` arguments on a free
+    port; ``wait_listening()`` returns once it serves (or fails with its output)."""
+
+    def __init__(self, *extra: str, port: int = 0):
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
+        env.pop("RAY_ADDRESS", None)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "optserve.server.cli", "serve", "--port", str(self.port), "--shards", "2",
+             "--min-shard-bytes", "0", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        self.lines: list[str] = []
+
+    def wait_listening(self, timeout_s: float = 180.0) -> "ServerProcess":
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.process.stdout.readline()
+            if not line:
+                break
+            self.lines.append(line)
+            if line.startswith("optserve listening on "):
+                threading.Thread(target=self._drain, daemon=True).start()
+                return self
+        raise AssertionError("server did not start:\n" + "".join(self.lines[-40:]))
+
+    def _drain(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line)
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def kill_group(self) -> None:
+        """SIGKILL of the server and everything it started (its Ray, its shard actors)."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=60)
+
+    def stop(self) -> int:
+        """SIGTERM, waiting for a clean exit (SIGKILL after two minutes)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                return self.process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.kill_group()
+        return self.process.wait()
