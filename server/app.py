@@ -1,6 +1,9 @@
 """Server startup as a function: Ray, the shard actors, and the Control gRPC server.
 
-``start_server(config)`` works in-thread (tests, benchmarks) and under the CLI alike.
+``start_server(config)`` works in-thread (tests, benchmarks) and under the CLI alike. What can be
+checked without starting anything is checked first, in about a second: the checkpoint folder's
+lock (one server per folder), the ports to listen on, and the Ray cluster to join
+(:class:`~optserve.server.preflight.StartError`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Callable, Optional
 
 from optserve.server.domain.config import ServerConfig
 from optserve.server.domain.events import log_event
+from optserve.server.preflight import StartError, check_ports, probe_ray_address  # noqa: F401 - StartError: what start_server raises
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +47,16 @@ class RunningServer:
 
 def _init_ray(address: str, log_to_driver: bool = False) -> bool:
     """Connects to (or starts) Ray; returns True if this call started a local instance.
-    ``log_to_driver``: the actors' stderr (their log lines) is printed on this process's stderr."""
+    ``log_to_driver``: the actors' stderr (their log lines) is printed on this process's stderr.
+
+    Raises:
+      StartError: the cluster to join does not answer (:func:`probe_ray_address`).
+    """
     import ray
 
     if ray.is_initialized():
         return False
+    probe_ray_address(address)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if log_to_driver:
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every log line as it is, not folded across shards
@@ -66,9 +75,14 @@ def _init_ray(address: str, log_to_driver: bool = False) -> bool:
 def start_server(config: ServerConfig) -> RunningServer:
     """Starts the coordinator and ``config.shards`` shard actors; returns once all serve.
 
+    Before Ray starts or anything is written, a durable server locks its checkpoint folder for its
+    lifetime (released by ``stop()``), and the ports and the Ray cluster are checked.
+
     Raises:
       InvalidArgument: a TLS or token file cannot be read (naming the flag), before anything starts.
-      Any error starting a part (a port in use, Ray unreachable): what was started is stopped first.
+      DirectoryLocked: another live server holds ``--checkpoint-dir`` (naming its pid and host).
+      StartError: a port cannot be listened on, or the Ray cluster to join does not answer.
+      Any other error starting a part: what was started is stopped first.
     """
     import grpc
     import ray
@@ -85,6 +99,11 @@ def start_server(config: ServerConfig) -> RunningServer:
     security = ServerSecurity.from_config(config)
     teardown = contextlib.ExitStack()  # undone in reverse: by stop(), or at once if starting fails
     try:
+        if config.durability is not None:  # first, and released last: after the final checkpoints
+            from optserve.server.storage.dir_lock import DirLock
+
+            teardown.callback(DirLock.acquire(config.durability.checkpoint_dir).release)
+        check_ports(config)
         if _init_ray(config.ray_address, log_to_driver=config.log_level is not None):
             teardown.callback(ray.shutdown)
         pool = None

@@ -7,6 +7,10 @@ Other subcommands (``optserve demo``) are applications on top of optserve, found
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import logging
+import os
 import signal
 import sys
 import threading
@@ -15,8 +19,17 @@ import time
 from optserve.server.ops.logs import LEVELS
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Usage errors are one line on stderr (``optserve serve: argument --port: invalid int value:
+    'x'``) and exit status 2, not argparse's usage block first. Subcommands' parsers are of this
+    class too (argparse makes them of their parent's)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="optserve", description="Optimizer-as-a-service.")
+    parser = _OneLineParser(prog="optserve", description="Optimizer-as-a-service.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the coordinator and its shard actors")
     serve.add_argument("--host", default="127.0.0.1", help="interface to listen on")
@@ -54,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", choices=LEVELS, default="info",
                        help="log one key=value line per session event, refusal and server error at this "
                             "level and above, on stderr (default: info)")
+    serve.add_argument("--verbose", action="store_true",
+                       help="let Ray and gRPC print their own messages while the server starts (and gRPC's "
+                            "afterwards); by default a failed start is one line on stderr, exit status 2")
     limits = serve.add_argument_group("limits", "exceeding one is RESOURCE_EXHAUSTED naming it (sizes in bytes)")
     limits.add_argument("--max-session-bytes", type=int, default=None,
                         help="parameter bytes of one session (default: 1/8 of this machine's memory)")
@@ -88,12 +104,19 @@ def _parser() -> argparse.ArgumentParser:
                          help="when the step log is flushed to disk: every step, every N steps "
                               "(--fsync-every-steps), or at checkpoints (default); bounds what a machine loss loses")
     durable.add_argument("--fsync-every-steps", type=int, default=100, help="N of --fsync every-n")
-    durable.add_argument("--log-io", choices=["buffered", "direct"], default="buffered",
-                         help="how the step log writes gradients: through the page cache (default: a copy on the "
-                              "shard's CPU) or with direct I/O from the gradient's memory (no copy, every logged "
-                              "byte crosses the disk: for fast local disks)")
+    durable.add_argument("--log-io", choices=["auto", "buffered", "direct"], default="auto",
+                         help="how the step log writes gradients: with direct I/O from the gradient's memory "
+                              "where the filesystem takes it (auto, the default: no copy on the shard's CPU), "
+                              "always so (direct: every logged byte crosses the disk, for fast local disks), or "
+                              "through the page cache (buffered: for network volumes)")
     serve.add_argument("--insecure", action="store_true",
                        help="allow a non-loopback --host/--shard-host without TLS and tokens")
+    checkpoint = sub.add_parser("checkpoint", help="offline tools for a --checkpoint-dir")
+    tools = checkpoint.add_subparsers(dest="tool", required=True)
+    verify = tools.add_parser("verify", help="check every checkpoint and step-log record of a --checkpoint-dir "
+                                             "(no server needed); exit status 0: intact, 1: torn tails only "
+                                             "(a restore cuts them), 3: corrupt")
+    verify.add_argument("directory", help="the server's --checkpoint-dir")
     sub.add_parser("demo", help="run the end-to-end demo", add_help=False)
     sub.add_parser("status", help="sessions and shards of a running server", add_help=False)
     sub.add_parser("report", help="plots and CSV of a session's loss and staleness", add_help=False)
@@ -108,15 +131,60 @@ def _not_installed(exc: ImportError) -> str:
     return f"optserve serve: the server is not installed ({SERVER_EXTRA}): {exc}"
 
 
+def _quiet_grpc() -> None:
+    """gRPC's C core logs nothing (it reads GRPC_VERBOSITY once, when grpc is first imported, so
+    this runs before that; a GRPC_VERBOSITY already in the environment wins). Inherited by a local
+    Ray's processes, the shard actors included."""
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+
+
+@contextlib.contextmanager
+def _quiet_start():
+    """While the server starts: Ray's Python log records below ERROR (its token-authentication
+    notice, ...) are dropped, and what is printed through ``sys.stdout`` / ``sys.stderr`` (the
+    actors' output Ray forwards, warnings) is held, then printed if the start succeeds and dropped
+    if it fails (the failure is then one line). optserve's own log handler writes to the real
+    stderr throughout."""
+    import faulthandler
+
+    import ray  # noqa: F401 - importing ray sets its logger up (and its level), so import it first
+
+    if not faulthandler.is_enabled():  # what ray.init does, which it cannot with sys.stderr held
+        faulthandler.enable(all_threads=False)
+    logger = logging.getLogger("ray")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    real = sys.stdout, sys.stderr
+    held = io.StringIO(), io.StringIO()
+    sys.stdout, sys.stderr = held
+    started = False
+    try:
+        yield
+        started = True
+    finally:
+        sys.stdout, sys.stderr = real
+        logger.setLevel(level)
+        if started:
+            for stream, text in zip(real, (h.getvalue() for h in held)):
+                stream.write(text)
+                stream.flush()
+
+
 def serve(args: argparse.Namespace) -> int:
     """Runs the server until SIGINT / SIGTERM; returns the exit status. A missing server install, a
-    bad flag value or a failed start (port in use, Ray unreachable, resources Ray lacks) is one line
-    on stderr and status 2."""
+    bad flag value or a failed start (port in use, Ray unreachable, resources Ray lacks, a
+    checkpoint folder another server holds) is one line on stderr and status 2, and unless
+    ``--verbose`` nothing else is printed: the ports, the folder and the Ray cluster are checked
+    in a few seconds at most, before Ray starts."""
+    if not args.verbose:
+        _quiet_grpc()
     try:
         from optserve.server.app import start_server
+        from optserve.server.preflight import StartError
         from optserve.server.domain.config import Limits, ServerConfig
         from optserve.server.domain.durability import DurabilityConfig, FsyncPolicy, LogIO
         from optserve.server.domain.errors import InvalidArgument
+        from optserve.server.storage.dir_lock import DirectoryLocked
     except ImportError as exc:
         print(_not_installed(exc), file=sys.stderr)
         return 2
@@ -139,16 +207,21 @@ def serve(args: argparse.Namespace) -> int:
         from optserve.server.ops.logs import configure_logging
 
         configure_logging(config.log_level)
-        running = start_server(config)
+        with contextlib.nullcontext() if args.verbose else _quiet_start():
+            running = start_server(config)
     except InvalidArgument as exc:
         print(f"optserve serve: {exc}", file=sys.stderr)
+        return 2
+    except (StartError, DirectoryLocked) as exc:  # found before Ray started: the message says it all
+        print(f"optserve serve: could not start: {exc}", file=sys.stderr)
         return 2
     except ImportError as exc:  # jax / ray / ... imported lazily while starting
         print(_not_installed(exc), file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - a port in use, Ray unreachable, ...: one line, not a traceback
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        print(f"optserve serve: could not start: {type(exc).__name__}: {detail}", file=sys.stderr)
+        more = "" if args.verbose else " (--verbose shows Ray's and gRPC's own messages)"
+        print(f"optserve serve: could not start: {type(exc).__name__}: {detail}{more}", file=sys.stderr)
         return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -206,7 +279,29 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "checkpoint":
+        return verify_checkpoints(args.directory)
     return 2
+
+
+def verify_checkpoints(directory: str) -> int:
+    """``optserve checkpoint verify DIR``: one line per file (its state, its path, what was found)
+    and a summary; returns the report's exit status (2: not a checkpoint directory)."""
+    try:
+        from optserve.server.storage.verify import verify_directory
+    except ImportError as exc:
+        print(f"optserve checkpoint: the server is not installed ({SERVER_EXTRA}): {exc}", file=sys.stderr)
+        return 2
+    try:
+        report = verify_directory(directory)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        print(f"optserve checkpoint verify: {exc}", file=sys.stderr)
+        return 2
+    for verdict in report.files:
+        print(f"{verdict.state:8} {verdict.path}" + (f"  ({verdict.detail})" if verdict.detail else ""))
+    counts = report.counts()
+    print(f"{counts['intact']} intact, {counts['torn']} torn, {counts['corrupt']} corrupt")
+    return report.exit_status
 
 
 if __name__ == "__main__":

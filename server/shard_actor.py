@@ -17,7 +17,7 @@ import numpy as np
 
 from optserve.server.domain.config import ServerConfig
 from optserve.server.domain.coordinator import ShardOpening, ShardSummary
-from optserve.server.domain.errors import unwrap
+from optserve.server.domain.errors import Unavailable, unwrap
 from optserve.server.domain.shard_session import ShardSessionStatus
 
 log = logging.getLogger(__name__)
@@ -461,10 +461,15 @@ def _tell(ref) -> None:
 
 
 def _ray_get(refs):
+    """``ray.get(refs)``, with what Ray raises turned into what the layers below speak: the domain
+    error inside a task's error, and a dead or restarting shard actor as Unavailable (the client
+    retries)."""
     import ray
 
     try:
         return ray.get(refs)
+    except ray.exceptions.RayActorError as exc:  # ActorDiedError, ActorUnavailableError: a shard restarting
+        raise Unavailable(f"a shard of this server is restarting ({type(exc).__name__}); retry") from None
     except Exception as exc:  # re-raise the domain error inside a RayTaskError
         raise unwrap(exc) from None
 

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-HOSTS = ("optserve.server.app", "optserve.server.cli", "optserve.server.shard_actor")
+HOSTS = ("optserve.server.app", "optserve.server.cli", "optserve.server.shard_actor", "optserve.server.preflight")
 
 # folder -> (forbidden module prefixes anywhere in a file, forbidden at import time only)
 _SERVER = "optserve.server"

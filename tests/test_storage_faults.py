@@ -24,7 +24,7 @@ OPTIMIZER = {"name": "adam", "args": {"learning_rate": 0.01}}
 STEPS = 4
 CALL_BOUND_S = 20.0  # every call after the restart answers within this (no vote or step timeout)
 SCENARIOS = ("healthy", "payload-mid", "header-mid", "payload-last", "torn-tail", "journal-gone",
-             "manifest-gone", "checkpoint-array")
+             "manifest-gone", "checkpoint-array", "definition-gone")
 
 
 def _shard_dir(root: str, session: str, shard: int) -> str:
@@ -41,6 +41,23 @@ def _record_offsets(segment: str, params: dict) -> list[int]:
     for _ in reader:
         offsets.append(reader.last_at)
     return offsets
+
+
+def _payload_start(segment: str, at: int) -> int:
+    """Where the gradient bytes of the record at ``at`` start (after its prefix, and after the
+    padding of a record written with direct I/O)."""
+    with open(segment, "rb") as fh:
+        fh.seek(at)
+        magic = fh.read(4)
+    start = at + 12
+    return start + (-start % 4096) if magic == b"OSLD" else start
+
+
+def _header_start(segment: str, at: int) -> int:
+    """Where the JSON header of the record at ``at`` starts."""
+    with open(segment, "rb") as fh:
+        data = fh.read()
+    return data.index(b'{"version"', at)
 
 
 def _flip(path: str, at: int, count: int = 3) -> None:
@@ -88,14 +105,13 @@ def damaged(tmp_path_factory):
         return segment, _record_offsets(segment, notes[name][shard])[record]
 
     segment, at = payload_at("payload-mid", 1, 1)
-    _flip(segment, at + 12 + 5)  # inside record 2's gradient (after its 12-byte prefix)
+    _flip(segment, _payload_start(segment, at) + 5)  # inside record 2's gradient
     notes["payload-mid"] = segment
     segment, at = payload_at("header-mid", 0, 1)
-    nbytes = sum(p.nbytes for p in notes["header-mid"][0].values())
-    _flip(segment, at + 12 + nbytes + 4 + 3)  # inside record 2's header JSON
+    _flip(segment, _header_start(segment, at) + 3)  # inside record 2's header JSON
     notes["header-mid"] = segment
     segment, at = payload_at("payload-last", 1, STEPS - 1)
-    _flip(segment, at + 12 + 1)  # the last record's gradient: a torn tail, cut
+    _flip(segment, _payload_start(segment, at) + 1)  # the last record's gradient: a torn tail, cut
     segment = _one_segment(root, "torn-tail", 1)
     os.truncate(segment, os.path.getsize(segment) - 7)  # 7 bytes cut from one shard's log
     for path in glob.glob(os.path.join(root, "sessions", "journal-gone", "shard-*", "tickets-*.log")):
@@ -108,6 +124,8 @@ def damaged(tmp_path_factory):
     for path in arrays:  # orbax's data files (the arrays' bytes; OCDBT keeps them in more than one)
         _flip(path, os.path.getsize(path) // 2, 4)
     notes["checkpoint-array"] = os.path.join(_shard_dir(root, "checkpoint-array", 0), "checkpoint-0")
+
+    os.unlink(os.path.join(root, "sessions", "definition-gone", "session.json"))
 
     second = ServerProcess("--checkpoint-dir", root, "--checkpoint-every-steps", "100").wait_listening()
     try:
@@ -165,3 +183,15 @@ def test_the_rollback_to_the_common_version_is_logged(damaged):
     lines = [line for line in server.output().splitlines() if "event=session_rolled_back" in line]
     assert any("session=torn-tail" in line and f"version={STEPS - 1}" in line and f"logged={STEPS}" in line
                for line in lines), lines
+
+
+def test_a_session_folder_without_its_definition_is_set_aside_and_its_name_starts_fresh(damaged):
+    address, root, _, _, params, server = damaged
+    assert "event=session_files_set_aside" in server.output()
+    assert any(name.startswith("definition-gone-") for name in os.listdir(os.path.join(root, "orphaned")))
+    with Client(address, timeout=CALL_BOUND_S) as client:
+        assert "definition-gone" not in client.list_sessions()
+        fresh = make_params(12)
+        session = client.create_session("definition-gone", fresh, optimizer=OPTIMIZER)
+        assert session.version == 0 and max_abs_diff(session.pull(), fresh) == 0.0
+        session.close()

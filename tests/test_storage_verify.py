@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from optserve.server.domain.durability import DurabilityConfig, ShardProgress, StepRecord
+from optserve.server.domain.durability import DurabilityConfig, LogIO, ShardProgress, StepRecord
 from optserve.server.storage import SessionCatalog, ShardStore
 from optserve.server.storage.verify import CORRUPT, INTACT, TORN, verify_directory
 
@@ -21,7 +23,7 @@ def _write_session(root: str) -> ShardStore:
     """A one-shard session with a checkpoint at 0 and three logged steps (the store is closed)."""
     SessionCatalog(root).save("s", {"config": {"tensors": [[n, "FLOAT32", list(s)] for n, s in SHAPES.items()]},
                                     "placement": {"0": list(SHAPES)}})
-    store = ShardStore(root, "s", 0, DurabilityConfig(root), home=True)
+    store = ShardStore(root, "s", 0, DurabilityConfig(root, log_io=LogIO.BUFFERED), home=True)  # plain offsets
     store.start_logs(None)
     params = {n: np.ones(s, np.float32) for n, s in SHAPES.items()}
     store.checkpoint(ShardProgress(0, 0, {}), params, (), clock_state_fn=lambda rotate: (rotate(), {})[1], wait=True)
@@ -86,3 +88,23 @@ def test_a_damaged_checkpoint_array_and_a_missing_definition_are_corrupt(tmp_pat
 def test_a_folder_that_is_not_a_checkpoint_directory_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="not an optserve checkpoint directory"):
         verify_directory(str(tmp_path))
+
+
+def _verify_cli(directory: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "optserve.server.cli", "checkpoint", "verify", directory],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_verify_command_prints_each_file_and_exits_with_what_it_found(tmp_path):
+    store = _write_session(str(tmp_path))
+    intact = _verify_cli(str(tmp_path))
+    assert intact.returncode == 0, intact.stderr
+    assert all(line.split()[0] == "intact" for line in intact.stdout.splitlines()[:-1])
+    (segment,) = store.log_segments(None)
+    os.truncate(segment, os.path.getsize(segment) - 7)
+    torn = _verify_cli(str(tmp_path))
+    assert torn.returncode == 1 and f"torn     {segment}" in torn.stdout, torn.stdout
+    assert torn.stdout.splitlines()[-1].endswith("1 torn, 0 corrupt")
+    refused = _verify_cli(str(tmp_path / "nowhere"))
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert len(refused.stderr.strip().splitlines()) == 1 and "not an optserve checkpoint directory" in refused.stderr

@@ -58,8 +58,16 @@ class LogIO(enum.Enum):
       I/O, or memory that is not page aligned, falls back to BUFFERED writes for those bytes.
     """
 
+    AUTO = "auto"
     BUFFERED = "buffered"
     DIRECT = "direct"
+
+    @property
+    def tries_direct(self) -> bool:
+        """AUTO (the default) is DIRECT wherever the log's filesystem takes direct I/O (local
+        disks: the cheapest way to log, see ``bench.durability``), BUFFERED elsewhere (tmpfs,
+        some network filesystems), decided per segment when it is opened."""
+        return self is not LogIO.BUFFERED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +93,7 @@ class DurabilityConfig:
     max_log_bytes: Optional[int] = None
     fsync: FsyncPolicy = FsyncPolicy.CHECKPOINT
     fsync_every_steps: int = 100
-    log_io: LogIO = LogIO.BUFFERED
+    log_io: LogIO = LogIO.AUTO
 
     def __post_init__(self):
         if not self.checkpoint_dir:

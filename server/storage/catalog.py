@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import shutil
+import time
 
 from optserve.server.storage.files import session_dir, write_atomically
 from optserve.server.storage.format import FORMAT_KEY, FORMAT_VERSION, UnsupportedFormat, format_of
@@ -27,6 +28,12 @@ class SessionCatalog:
         os.makedirs(folder, exist_ok=True)
         write_atomically(os.path.join(folder, "session.json"), json.dumps({**entry, FORMAT_KEY: FORMAT_VERSION}).encode())
 
+    def _set_aside(self, folder: str) -> None:
+        target = os.path.join(self.root, "orphaned", f"{os.path.basename(folder)}-{int(time.time())}")
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.replace(folder, target)
+        log.error("event=session_files_set_aside folder=%s moved_to=%s reason=no_session_json", folder, target)
+
     def remove(self, name: str) -> None:
         """Forgets session ``name`` and deletes its files (the entry first)."""
         folder = session_dir(self.root, name)
@@ -38,7 +45,10 @@ class SessionCatalog:
 
     def entries(self) -> list[dict]:
         """Every saved session's entry, without the format key (unreadable ones are logged and
-        skipped).
+        skipped). A session folder without its entry (``session.json`` deleted, or a close cut
+        short) is moved to ``DIR/orphaned/`` and logged (``event=session_files_set_aside``): its
+        checkpoints and logs are kept for inspection, never restored nor mixed into a new
+        session of the same name.
 
         Raises:
           UnsupportedFormat: an entry was written by a newer optserve (nothing is restored: a
@@ -49,6 +59,7 @@ class SessionCatalog:
         for folder in sorted(os.listdir(base)):
             path = os.path.join(base, folder, "session.json")
             if not os.path.exists(path):
+                self._set_aside(os.path.join(base, folder))
                 continue
             try:
                 with open(path, "rb") as fh:

@@ -30,7 +30,7 @@ def load_checkpoint(root: str, session: str) -> dict:
     """
     import orbax.checkpoint as ocp
 
-    folder = session_dir(root, session)
+    folder = session_dir(os.path.abspath(root), session)  # orbax reads absolute paths only
     entry_path = os.path.join(folder, "session.json")
     with open(entry_path, "rb") as fh:
         entry = json.loads(fh.read())

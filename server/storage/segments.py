@@ -109,11 +109,14 @@ class Segments:
 
     ``direct``: step payloads go to the disk with direct I/O where they can
     (:meth:`write_payload`); the segment is then written at offsets this object tracks (direct
-    I/O does not mix with ``O_APPEND``), through two descriptors of the same file.
+    I/O does not mix with ``O_APPEND``), through two descriptors of the same file. Where the
+    filesystem refuses direct I/O it is written through the page cache (logged at INFO with
+    ``quiet_fallback``, the automatic mode's expected case, else WARNING).
     """
 
-    def __init__(self, folder: str, kind: str, start: int, direct: bool = False):
+    def __init__(self, folder: str, kind: str, start: int, direct: bool = False, quiet_fallback: bool = False):
         self.folder, self.kind = folder, kind
+        self._fallback_level = logging.INFO if quiet_fallback else logging.WARNING  # no direct I/O here
         self.index = start
         self.direct = direct
         self.direct_bytes = 0  # payload bytes written with direct I/O (this object's segments)
@@ -133,8 +136,8 @@ class Segments:
             try:
                 self._direct_fd = os.open(path, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
             except OSError as exc:  # e.g. a filesystem without direct I/O
-                log.warning("event=step_log_direct_io_unavailable path=%s error=%s (writes go through the page "
-                            "cache)", path, exc)
+                log.log(self._fallback_level, "event=step_log_direct_io_unavailable path=%s error=%s (writes go "
+                        "through the page cache)", path, exc)
                 self._direct_fd = -1
         if os.fstat(self._fd).st_size == 0:
             self.write([_format_header(self.kind)])

@@ -71,7 +71,8 @@ class StepLog:
         tickets_from = manifest["tickets_from"] if manifest else 0
         next_steps = max(segment_indices(self.folder, STEPS, steps_from), default=steps_from - 1) + 1
         next_tickets = max(segment_indices(self.folder, TICKETS, tickets_from), default=tickets_from - 1) + 1
-        self._steps = Segments(self.folder, STEPS, next_steps, direct=self._config.log_io.value == "direct")
+        self._steps = Segments(self.folder, STEPS, next_steps, direct=self._config.log_io.tries_direct,
+                               quiet_fallback=self._config.log_io.value == "auto")
         if self._home:
             self._tickets = Segments(self.folder, TICKETS, next_tickets)
 

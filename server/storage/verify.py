@@ -57,6 +57,7 @@ def verify_directory(root: str) -> VerifyReport:
     Raises:
       FileNotFoundError: ``root`` holds no ``sessions`` folder.
     """
+    root = os.path.abspath(root)  # orbax reads absolute paths only
     base = os.path.join(root, "sessions")
     if not os.path.isdir(base):
         raise FileNotFoundError(f"{root} is not an optserve checkpoint directory (no sessions/ folder in it)")

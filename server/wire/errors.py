@@ -17,6 +17,8 @@ import collections.abc
 import functools
 import inspect
 import logging
+import re
+import uuid
 from typing import Any, Callable
 
 import grpc
@@ -101,6 +103,22 @@ def status_code_for(exc: BaseException) -> grpc.StatusCode:
 MAX_DETAILS_CHARS = 2048
 
 
+_ESCAPES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+_TRACEBACK = "Traceback (most recent call last)"
+
+
+def clean_message(message: str) -> str:
+    """A status message fit for a client: terminal escape codes removed, and a traceback carried
+    inside it (a Ray error's text) cut off, keeping the lines before it and the error's last
+    line (the traceback itself goes to the server log)."""
+    message = _ESCAPES.sub("", message)
+    if _TRACEBACK not in message:
+        return message
+    head, _, trace = message.partition(_TRACEBACK)
+    last = next((line.strip() for line in reversed(trace.splitlines()) if line.strip()), "")
+    return " ".join(part for part in (head.strip().rstrip(":"), last) if part)
+
+
 def _bounded(message: str) -> str:
     if len(message) <= MAX_DETAILS_CHARS:
         return message
@@ -118,10 +136,13 @@ def _abort(context: grpc.ServicerContext, exc: BaseException, rpc: str = "", ref
     inner = errors.unwrap(exc)
     code = status_code_for(inner)
     if code is grpc.StatusCode.INTERNAL:
-        log_event(log, logging.ERROR, "server_error", rpc=rpc, error=type(inner).__name__, exc_info=exc)
-        message = f"internal error: {type(inner).__name__}: {inner}"
+        request_id = uuid.uuid4().hex[:12]
+        log_event(log, logging.ERROR, "server_error", rpc=rpc, request_id=request_id, error=type(inner).__name__,
+                  exc_info=exc)
+        message = (f"internal error: {type(inner).__name__}: {clean_message(str(inner))} "
+                   f"(the server log has the details under request_id={request_id})")
     else:
-        message = str(inner)
+        message = clean_message(str(inner))
         log_event(log, refusal_level, "rpc_refused", rpc=rpc, code=code.name, message=message)
     if isinstance(inner, errors.Stale):
         context.set_trailing_metadata(((contract.CURRENT_VERSION_KEY, str(inner.current_version)),))
