@@ -9,9 +9,9 @@ rounds so that the page cache and the heaps are in their steady state). "every 8
 every 8th step (the log holds at most 8 steps and is truncated behind each checkpoint); "default
 policy" runs the defaults (a checkpoint whenever the log would pass 2 x the parameter bytes, i.e.
 every other step for this model, so one is nearly always being written). The comparison runs
-twice, each with its own baseline: the log writing gradients through the page cache (the default)
-and with direct I/O (``log_io=LogIO.DIRECT``: by DMA from the gradients' memory, no copy on the
-shard's CPU); ``--log-io`` runs one of them. Each durable variant's
+once per log mode, each with its own baseline: ``auto`` (the default: direct I/O where the
+filesystem takes it), through the page cache (``buffered``) and with direct I/O (``direct``: by DMA
+from the gradients' memory, no copy on the shard's CPU); ``--log-io`` runs one of them. Each durable variant's
 steps are split by what its shards were doing (read from ``Session.status()`` before and after
 each step, outside its timing): "log on" steps saw no checkpoint being written, the others did.
 ``--dir`` puts the checkpoints and logs elsewhere (e.g. ``/dev/shm`` to take the disk out and see
@@ -99,8 +99,8 @@ def main(argv=None) -> str:
     def extra(parser):
         parser.add_argument("--dir", default=None, help="folder for the checkpoints and logs (default: a temporary "
                                                          "folder)")
-        parser.add_argument("--log-io", choices=["buffered", "direct"], default=None,
-                            help="run only this kind of log writes (default: both, one after the other)")
+        parser.add_argument("--log-io", choices=["auto", "buffered", "direct"], default=None,
+                            help="run only this kind of log writes (default: each, one after the other)")
         parser.set_defaults(repeats=16)  # enough rounds for both kinds of durable steps
 
     args = parse_arguments(__doc__.splitlines()[0], argv, extra=extra)
@@ -112,7 +112,7 @@ def main(argv=None) -> str:
         table = ""
         # two runs of three servers, not one of five: five 100M-parameter servers crowd 2 cores
         for log_io in [LogIO(args.log_io)] if args.log_io else list(LogIO):
-            suffix = "" if log_io is LogIO.BUFFERED else ", direct I/O"
+            suffix = {LogIO.AUTO: " (defaults)", LogIO.BUFFERED: ", buffered", LogIO.DIRECT: ", direct I/O"}[log_io]
             folder = os.path.join(root, log_io.value)
             durable = {f"every 8 steps{suffix}": DurabilityConfig(os.path.join(folder, "every-8"), every_steps=8,
                                                                   every_s=1e9, max_log_bytes=NEVER, log_io=log_io),

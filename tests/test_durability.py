@@ -30,8 +30,8 @@ def checkpoint_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def durable_server(ray_local, checkpoint_dir):
     """A durable server of its own (these tests kill its shards): a checkpoint every 4 steps, one
-    preconditioner worker for Shampoo, the step log written with direct I/O (the default, through
-    the page cache, is what test_durability_restart.py's servers run)."""
+    preconditioner worker for Shampoo, the step log written with direct I/O (always; the default,
+    auto, does so where the filesystem takes it)."""
     from optserve.server.app import start_server
     from optserve.server.domain.config import ServerConfig
     from optserve.server.domain.durability import DurabilityConfig, LogIO

@@ -24,7 +24,7 @@ from optserve.client._retry import RetryPolicy
 from optserve.protos.optserve.v1 import clock_pb2, clock_pb2_grpc, control_pb2, data_pb2, data_pb2_grpc, tensor_pb2
 
 ADAM = {"name": "adam", "args": {"learning_rate": 0.01}}
-TOKENS = "tok-alice-5b1f alice\ntok-bob-9c2e bob\n"
+TOKENS = "tok-alice-5b1f alice\ntok-bob-9c2e bob\ntok-ops-77aa admin\n"
 ONCE = RetryPolicy(attempts=1)
 
 
@@ -160,6 +160,23 @@ def test_another_tenant_can_neither_see_nor_touch_a_session(secure_server, pki, 
         twin.close()
 
 
+def test_server_status_shows_a_tenant_its_own_sessions_only_and_the_admin_all(secure_server, pki, alice, bob,
+                                                                             unique_name):
+    session = alice.create_session(unique_name, make_params(), optimizer=ADAM)
+    try:
+        mine, theirs = alice.server_status(), bob.server_status()
+        assert sum(s.sessions for s in mine) >= 1 and sum(s.param_bytes for s in mine) > 0
+        assert all(s.healthy for s in theirs) and {s.address for s in theirs} == {s.address for s in mine}
+        assert not bob.list_sessions()
+        assert [(s.sessions, s.param_bytes, s.resident_bytes) for s in theirs] == [(0, 0, 0)] * len(theirs)
+        with _client(secure_server, pki, "tok-ops-77aa") as admin:
+            everyone = admin.server_status()
+        assert all(s.resident_bytes > 0 for s in everyone)
+        assert sum(s.sessions for s in everyone) >= sum(s.sessions for s in mine)
+    finally:
+        session.close()
+
+
 def test_only_the_creating_client_may_initialize_a_session(server, unique_name):
     # The race: between CreateSession and the creator's InitTensors, a third party sends values.
     params = make_params()
@@ -260,6 +277,7 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(ray_local, pki, uniqu
 @pytest.mark.parametrize("argv, fragment", [
     (["--host", "0.0.0.0"], "--insecure"),
     (["--host", "127.0.0.1", "--shard-host", "0.0.0.0"], "--insecure"),
+    (["--metrics-port", "0", "--metrics-host", "0.0.0.0"], "--insecure"),
     (["--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.key"], "--tls-cert"),
     (["--tls-cert", "x.pem"], "--tls-key"),
     (["--auth-tokens", "/nonexistent-tokens"], "--auth-tokens"),

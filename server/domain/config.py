@@ -356,7 +356,8 @@ class ServerConfig:
             raise InvalidArgument("--tls-cert and --tls-key go together: give both or neither")
         if self.tls_client_ca and not self.tls_cert:
             raise InvalidArgument("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS)")
-        exposed = [h for h in (self.host, self.data_host) if not is_loopback(h)]
+        metrics_host = self.metrics_host if self.metrics_port is not None else "127.0.0.1"
+        exposed = [h for h in (self.host, self.data_host, metrics_host) if not is_loopback(h)]
         if exposed and not (self.tls_cert and self.auth_tokens) and not self.insecure:
             raise InvalidArgument(
                 f"binding {exposed[0]!r} exposes optserve to the network: give --tls-cert/--tls-key and "

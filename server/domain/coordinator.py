@@ -48,6 +48,9 @@ from optserve.server.domain.shard_session import ShardSessionStatus
 
 log = logging.getLogger(__name__)
 
+_CLOSING_WAIT_S = 10.0  # how long a create waits for a closing session of its name to be gone
+ADMIN_TENANT = "admin"  # the tenant whose token sees every tenant's figures in the server's status
+
 
 @dataclasses.dataclass(frozen=True)
 class Assignment:
@@ -240,6 +243,7 @@ class Coordinator:
         self._rolled_back: dict[str, int] = {}  # session -> the version its last restore rolled back from
         self._unloaded: set[str] = set()  # durable sessions unloaded when idle (see expire_idle)
         self._lock = threading.Lock()
+        self._closed = threading.Condition(self._lock)  # notified when a name leaves _closing
         self._membership = threading.Lock()
 
     def create_session(self, config: SessionConfig, owner: str = "", creator: str = "") -> SessionRecord:
@@ -260,6 +264,8 @@ class Coordinator:
             raise InvalidArgument(str(exc)) from None
         with self._membership:  # one create at a time; listing and status go on meanwhile
             with self._lock:
+                # a name whose shards are still closing is free in a moment: wait for it, briefly
+                self._closed.wait_for(lambda: config.name not in self._closing, timeout=_CLOSING_WAIT_S)
                 if config.name in self._sessions or config.name in self._closing:
                     raise AlreadyExists(f"session {config.name!r} already exists")
                 owned = sum(1 for record in self._sessions.values() if record.owner == owner)
@@ -570,6 +576,7 @@ class Coordinator:
         finally:
             with self._lock:
                 self._closing.discard(name)
+                self._closed.notify_all()
 
     def lost_sessions(self) -> dict[str, str]:
         """Lost session -> why (operators' view)."""
@@ -599,8 +606,21 @@ class Coordinator:
         record = self._usable(name, tenant)
         return self._fleet.session_series(name, record.assignments[0].shard_index)
 
-    def shards(self) -> list[ShardSummary]:
-        return self._fleet.shard_summaries()
+    def shards(self, tenant: Optional[str] = None) -> list[ShardSummary]:
+        """Every shard actor, as tenant ``tenant`` may see it: its own sessions' count and bytes
+        only, and no process memory (shared with the other tenants). None (a server without
+        tenants, or its admin tenant :data:`ADMIN_TENANT`): everything."""
+        summaries = self._fleet.shard_summaries()
+        if tenant is None or tenant == ADMIN_TENANT:
+            return summaries
+        with self._lock:
+            owned = [r for r in self._sessions.values() if r.owner == tenant]
+        scoped = []
+        for summary in summaries:
+            mine = [a for r in owned for a in r.assignments if a.shard_index == summary.index]
+            scoped.append(dataclasses.replace(summary, sessions=len(mine), param_bytes=sum(a.param_bytes for a in mine),
+                                              resident_bytes=0))
+        return scoped
 
     def close_session(self, name: str, tenant: str = "") -> None:
         """Closes ``tenant``'s session; its name is free again once every shard dropped it."""

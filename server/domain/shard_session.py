@@ -50,6 +50,7 @@ __all__ = ["PushHeader", "Receipt", "ShardRegistry", "ShardSession", "ShardSessi
 _log = logging.getLogger(__name__)
 
 _GAP_POLL_S = 0.25
+_INIT_WAIT_S = 1.0  # longest in-thread wait for a new session's initial values (then UNAVAILABLE: retry)
 _ANSWER_MARGIN_S = 1.0  # a wait bounded by the caller's deadline ends this much earlier, to answer in time
 
 
@@ -64,8 +65,7 @@ class ShardSession:
         shard, a remote handle with the same methods elsewhere).
       updater: the compute side (parameters, optimizer state, the jitted step).
       step_timeout_s: longest wait for a sync barrier, a missing ticket or a reduction.
-      vote_timeout_s: auto-commit: longest wait for the peer shards to stage a push; also how
-        long a push waits for the creator's initial values.
+      vote_timeout_s: auto-commit: longest wait for the peer shards to stage a push.
       staged_push_ttl_s: two-phase path: a push staged without ``auto_commit`` and neither
         committed nor aborted within this long is dropped (rejection reason ABORTED).
       owner: the tenant the session belongs to ("" without tokens).
@@ -143,13 +143,15 @@ class ShardSession:
             return self.version
 
     def _require_initialized(self) -> None:
-        """Waits up to ``vote_timeout_s`` for the initial values: a client that attaches right after
-        the session was created may pull before its creator has sent them."""
+        """Waits a moment (at most :data:`_INIT_WAIT_S`) for the initial values, then refuses with
+        Unavailable, which clients retry: a client that attaches right after the session was
+        created may pull before its creator has sent them, and a wait here would hold one of the
+        shard's threads that other sessions' calls need."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self.initialized or self._abandoned, timeout=self._vote_timeout):
-                raise FailedPrecondition(
-                    f"session {self.config.name!r}: initial values were not sent to shard {self.shard_index} "
-                    f"(waited {self._vote_timeout:g} s for the creating client)")
+            if not self._cond.wait_for(lambda: self.initialized or self._abandoned,
+                                       timeout=min(self._vote_timeout, _INIT_WAIT_S)):
+                raise Unavailable(f"session {self.config.name!r}: its initial values have not reached shard "
+                                  f"{self.shard_index} yet (its creating client sends them); retry")
             self._raise_if_abandoned()
 
     # ----------------------------------------------------------------- the step

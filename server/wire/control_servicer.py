@@ -59,7 +59,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     @grpc_errors
     def GetServerStatus(self, request, context):
-        return server_status_to_proto(self._coordinator.shards())
+        return server_status_to_proto(self._coordinator.shards(
+            self._tokens.tenant(context) if self._tokens is not None else None))
 
     @grpc_errors
     def GetSeries(self, request, context):

@@ -528,7 +528,7 @@ def add_to_server(registry: ShardRegistry, server: grpc.Server, max_open_streams
             servicer.PushPull, request_deserializer=_request_decoder(data_pb2.PushPullRequest),
             response_serializer=chunk_codec.serialize),
         **{method: grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, method), request_deserializer=getattr(data_pb2, f"{method}Request").FromString,
+            getattr(servicer, method), request_deserializer=safe_decoder(getattr(data_pb2, f"{method}Request").FromString),
             response_serializer=getattr(data_pb2, f"{method}Response").SerializeToString)
            for method in ("OfferSharedMemory", "OpenSharedMemory", "CloseSharedMemory")},
     }
