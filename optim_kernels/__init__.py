@@ -3,7 +3,8 @@
 No I/O, no Ray, no gRPC: the server imports this package, never the other way round.
 
 Families live in subpackages (:mod:`.adafactor`, :mod:`.shampoo`, :mod:`.scaled_adam`), the
-dense linear algebra they share in :mod:`.linalg`, and :mod:`.registry` maps names to them. The
+dense linear algebra they share in :mod:`.linalg`, and :mod:`.registry` maps names to them; each
+family declares the value rules of its options (:mod:`.arg_rules`) next to its constructors. The
 constructors are bound here after the subpackages load, so ``optim_kernels.shampoo`` is the
 function even though a subpackage of the same name defines it (import the subpackage's other
 names with ``from optserve.optim_kernels.shampoo import ...``).

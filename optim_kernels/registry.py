@@ -2,8 +2,10 @@
 
 A spec is ``{"name": "adafactor_hf", "args": {...}}``. :func:`build_optimizer` resolves the
 name, checks every argument against the constructor's signature (names, and the types its
-annotations admit) and calls it, so a bad spec fails with a ``ValueError`` that names the
-optimizer and the option before any state exists.
+annotations admit), then each given value against the entry's value rules (shape, finiteness,
+range: :mod:`optserve.optim_kernels.arg_rules`, declared by each family next to its constructor)
+and calls it, so a bad spec fails with a ``ValueError`` that names the optimizer and the option
+before any state exists.
 
 An entry (:class:`KernelEntry`) holds the constructor itself and what a server needs beyond the
 transformation, each optional:
@@ -42,11 +44,20 @@ import jax
 import numpy as np
 import optax
 
+from optserve.optim_kernels import arg_rules as rules
 from optserve.optim_kernels.adafactor import adafactor, adafactor_hf, adafactor_partial_statistic, adafactor_t2t
+from optserve.optim_kernels.adafactor.kernel import (
+    ADAFACTOR_ARG_RULES,
+    ADAFACTOR_HF_ARG_RULES,
+    ADAFACTOR_T2T_ARG_RULES,
+)
+from optserve.optim_kernels.arg_rules import ArgRules
 from optserve.optim_kernels.linalg import inverse_pth_roots
 from optserve.optim_kernels.scaled_adam import scaled_adam, scaled_adam_partial_statistic
+from optserve.optim_kernels.scaled_adam.config import SCALED_ADAM_ARG_RULES
 from optserve.optim_kernels.shampoo import seam as shampoo_seam
 from optserve.optim_kernels.shampoo import shampoo, shampoo_config
+from optserve.optim_kernels.shampoo.config import SHAMPOO_ARG_RULES
 
 __all__ = [
     "GLOBAL_STATISTIC_ARG",
@@ -110,11 +121,14 @@ class KernelEntry:
         ``partial(grads, state, params) -> f32 scalar`` or ``None`` (see the module docstring);
         ``None`` when the optimizer never needs a cross-tensor quantity.
       root_offload: the kernel's root offload seam, or ``None``.
+      arg_rules: the value rule of each constructor option (one per option; the registry's
+        tests keep the names equal to the signature's).
     """
 
     constructor: Callable[..., optax.GradientTransformation]
     partial_statistic: Optional[Callable[..., Optional[Callable]]] = None
     root_offload: Optional[RootOffloadSeam] = None
+    arg_rules: ArgRules = ArgRules()
 
 
 _SHAMPOO_ROOT_OFFLOAD = RootOffloadSeam(
@@ -129,16 +143,40 @@ _SHAMPOO_ROOT_OFFLOAD = RootOffloadSeam(
     progress=shampoo_seam.progress,
 )
 
+# Value rules of the optax baselines (their own constructors check none of these). eps = 0 is
+# admitted, as in optax and PyTorch: eps_root may keep the denominator away from 0 instead.
+_ADAM_ARG_RULES = (
+    rules.positive("learning_rate", schedule=True),
+    rules.unit_interval("b1"),
+    rules.unit_interval("b2"),
+    rules.non_negative("eps"),
+    rules.non_negative("eps_root"),
+    rules.dtype("mu_dtype", none=True),
+    rules.flag("nesterov"),
+)
+ADAM_ARG_RULES = ArgRules(*_ADAM_ARG_RULES)
+ADAMW_ARG_RULES = ArgRules(
+    *_ADAM_ARG_RULES,
+    rules.non_negative("weight_decay", schedule=True),
+    rules.delegated("mask", "None, a pytree of bools like the params, or a callable returning one"),
+)
+SGD_ARG_RULES = ArgRules(
+    rules.positive("learning_rate", schedule=True),
+    rules.unit_interval("momentum", none=True),
+    rules.flag("nesterov"),
+    rules.dtype("accumulator_dtype", none=True),
+)
+
 OPTIMIZERS: dict[str, KernelEntry] = {
-    "adafactor": KernelEntry(adafactor, adafactor_partial_statistic),
-    "adafactor_hf": KernelEntry(adafactor_hf),
-    "adafactor_t2t": KernelEntry(adafactor_t2t),
-    "shampoo": KernelEntry(shampoo, root_offload=_SHAMPOO_ROOT_OFFLOAD),
-    "scaled_adam": KernelEntry(scaled_adam, scaled_adam_partial_statistic),
+    "adafactor": KernelEntry(adafactor, adafactor_partial_statistic, arg_rules=ADAFACTOR_ARG_RULES),
+    "adafactor_hf": KernelEntry(adafactor_hf, arg_rules=ADAFACTOR_HF_ARG_RULES),
+    "adafactor_t2t": KernelEntry(adafactor_t2t, arg_rules=ADAFACTOR_T2T_ARG_RULES),
+    "shampoo": KernelEntry(shampoo, root_offload=_SHAMPOO_ROOT_OFFLOAD, arg_rules=SHAMPOO_ARG_RULES),
+    "scaled_adam": KernelEntry(scaled_adam, scaled_adam_partial_statistic, arg_rules=SCALED_ADAM_ARG_RULES),
     # Baselines, straight from optax.
-    "adam": KernelEntry(optax.adam),
-    "adamw": KernelEntry(optax.adamw),
-    "sgd": KernelEntry(optax.sgd),
+    "adam": KernelEntry(optax.adam, arg_rules=ADAM_ARG_RULES),
+    "adamw": KernelEntry(optax.adamw, arg_rules=ADAMW_ARG_RULES),
+    "sgd": KernelEntry(optax.sgd, arg_rules=SGD_ARG_RULES),
 }
 
 
@@ -175,8 +213,10 @@ def build_optimizer(name: str, args: Optional[Mapping[str, Any]] = None) -> Buil
 
     Raises:
       ValueError: unknown optimizer, unknown or missing argument, a value of a type the option
-        does not admit, or a value the constructor rejects; the message names the optimizer and
-        the option.
+        does not admit, a value that breaks the option's rule (an
+        :class:`~optserve.optim_kernels.arg_rules.ArgumentRuleError` naming the optimizer, the
+        option, the value and the rule), or a value the constructor rejects; the message names
+        the optimizer and the option.
     """
     args = dict(args or {})
     entry = _entry(name)
@@ -195,6 +235,7 @@ def build_optimizer(name: str, args: Optional[Mapping[str, Any]] = None) -> Buil
     except TypeError as exc:
         raise ValueError(f"optimizer {name!r}: {exc}") from exc
     _check_value_types(name, constructor, args)
+    entry.arg_rules.check(name, args)
     try:
         transformation = constructor(**args)
         partial = entry.partial_statistic(**args) if entry.partial_statistic is not None else None

@@ -9,16 +9,38 @@ endpoint). The coordinator reaches the actors over Ray; clients reach them over 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
+import os
+import time
 from concurrent import futures
 from typing import Optional, Sequence
 
+import grpc
 import numpy as np
+import ray
+from ray.exceptions import RayActorError
+from ray.util import get_placement_group
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from optserve.protos import contract
+from optserve.protos.heap import keep_large_buffers_on_heap, release_free_memory
+from optserve.server.compute.buffers import aligned_empty
+from optserve.server.compute.preconditioner_pool import check_gpus
+from optserve.server.compute.updater import compile_stats, Updater
+from optserve.server.domain.clock import LocalClock
 from optserve.server.domain.config import ServerConfig
 from optserve.server.domain.coordinator import ShardOpening, ShardSummary
-from optserve.server.domain.errors import Unavailable, unwrap
-from optserve.server.domain.shard_session import ShardSessionStatus
+from optserve.server.domain.errors import unwrap, SessionLost, Unavailable
+from optserve.server.domain.shard_session import ShardRegistry, ShardSession, ShardSessionStatus, StepObserver
+from optserve.server.ops.health import Health
+from optserve.server.ops.logs import configure_logging
+from optserve.server.ops.metrics import resident_bytes, session_gauges, ShardMetrics
+from optserve.server.storage import CorruptCheckpoint, ShardStore, StepLogReader
+from optserve.server.wire.clock_service import ClockServer, PeerClock
+from optserve.server.wire.limits import server_options
+from optserve.server.wire.shard_servicer import add_to_server
 
 log = logging.getLogger(__name__)
 
@@ -42,21 +64,10 @@ class ShardActor:
 
     def __init__(self, index: int, config: ServerConfig, security, precond_pool=None, ports: tuple = (0, 0),
                  recovering: bool = False):
-        import grpc
-        import ray
 
-        from optserve.protos import contract
-        from optserve.protos.heap import keep_large_buffers_on_heap
-        from optserve.server.domain.shard_session import ShardRegistry
-        from optserve.server.ops.metrics import ShardMetrics, session_gauges
-        from optserve.server.wire.clock_service import ClockServer
-        from optserve.server.ops.health import Health
-        from optserve.server.wire.limits import server_options
-        from optserve.server.wire.shard_servicer import add_to_server
 
         keep_large_buffers_on_heap()  # received chunks and each step's tensor-sized buffers reuse freed memory
         if config.log_level is not None:
-            from optserve.server.ops.logs import configure_logging
 
             configure_logging(config.log_level)
         self._index = index
@@ -98,9 +109,6 @@ class ShardActor:
         Raises:
           SessionLost: a damaged manifest or log record (the message names the file).
         """
-        from optserve.server.compute.buffers import aligned_empty
-        from optserve.server.domain.errors import SessionLost
-        from optserve.server.storage import CorruptCheckpoint, ShardStore
 
         config = opening.config
         held = self._registry.find(config.name)
@@ -131,13 +139,7 @@ class ShardActor:
         Raises:
           SessionLost: ``restore`` found a damaged checkpoint or log (the message names the file).
         """
-        from optserve.server.storage import CorruptCheckpoint, ShardStore, StepLogReader
         from optserve.server.compute.root_offload import build_shard_optimizer
-        from optserve.server.compute.updater import Updater
-        from optserve.server.domain.clock import LocalClock
-        from optserve.server.domain.errors import SessionLost
-        from optserve.server.domain.shard_session import ShardSession
-        from optserve.server.wire.clock_service import PeerClock
 
         config = opening.config
         held = self._registry.find(config.name)
@@ -213,7 +215,6 @@ class ShardActor:
     def peer_down(self, shard_index: int, names: Sequence[str]) -> None:
         """Shard ``shard_index`` died and is being restarted: the votes this shard's clocks hold
         for those sessions end now (UNAVAILABLE: the client retries) instead of at their timeout."""
-        from optserve.server.domain.errors import Unavailable
 
         for session in self._sessions_named(names):
             peer_down = getattr(session.clock, "peer_down", None)
@@ -223,7 +224,6 @@ class ShardActor:
 
     def set_home_clock(self, name: str, address: str) -> None:
         """The session's home shard restarted at another clock address: peers call it there."""
-        from optserve.server.wire.clock_service import PeerClock
 
         session = self._registry.find(name)
         if session is not None and isinstance(session.clock, PeerClock):
@@ -232,8 +232,6 @@ class ShardActor:
     def close_session(self, name: str, reason: str = "") -> bool:
         """Drops the session's part on this shard; with a ``reason`` (the session was lost), calls
         still waiting in it fail with SessionLost(``reason``) instead of waiting out their timeouts."""
-        from optserve.protos.heap import release_free_memory
-        from optserve.server.domain.errors import SessionLost
 
         session = self._registry.find(name)
         if session is not None and reason:
@@ -256,19 +254,16 @@ class ShardActor:
     def compile_stats(self) -> dict:
         """This process's XLA compilations and shared compiled updates
         (:func:`~optserve.server.compute.updater.compile_stats`)."""
-        from optserve.server.compute.updater import compile_stats
 
         return compile_stats()
 
     def pid(self) -> int:
         """The shard's process id (operators and fault tests kill it)."""
-        import os
 
         return os.getpid()
 
     def _observer(self, session: str):
         """The session's metrics observer; a no-op one when the server exports no metrics."""
-        from optserve.server.domain.shard_session import StepObserver
 
         return self._metrics.observer(session) if self._config.metrics_port is not None else StepObserver()
 
@@ -287,7 +282,6 @@ class ShardActor:
 
     def server_status(self) -> dict:
         """``{"node_id", "sessions", "param_bytes", "resident_bytes"}`` of this shard, now."""
-        from optserve.server.ops.metrics import resident_bytes
 
         sessions = self._registry.sessions()
         return {"node_id": self._node_id, "sessions": len(sessions),
@@ -317,7 +311,6 @@ class RayShardFleet:
     reattached: list = []  # set by start_shards: shards a previous coordinator left running
 
     def __init__(self, actors: list, start_actor=None):
-        import ray
 
         self.actors = actors
         self.addresses = ray.get([a.address.remote() for a in actors])
@@ -326,8 +319,6 @@ class RayShardFleet:
 
     def dead_shards(self, timeout_s: float = 5.0) -> list[int]:
         """Indices of the shards whose actor died (a shard that is only slow to answer is alive)."""
-        import ray
-        from ray.exceptions import RayActorError
 
         refs = [actor.pid.remote() for actor in self.actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
@@ -344,7 +335,6 @@ class RayShardFleet:
         """Replaces shard ``index``'s (dead) actor by a new one in the same placement bundle, on
         its predecessor's ports if they are free; returns its data-plane address. The shard's
         sessions are not restored here (see ``Coordinator.shard_restarted``)."""
-        import ray
 
         if self._start_actor is None:
             raise RuntimeError("this fleet cannot start shard actors")
@@ -418,7 +408,6 @@ class RayShardFleet:
 
     def shard_reports(self, method: str, timeout_s: float = 10.0) -> list:
         """``actor.<method>()`` of every shard, or None for a shard that did not answer in time."""
-        import ray
 
         refs = [getattr(actor, method).remote() for actor in self.actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
@@ -449,8 +438,6 @@ def _bind(add_port, port: int) -> int:
 def _tell(ref) -> None:
     """Waits for a notice to a shard; a shard that died meanwhile misses it (it holds nothing any
     more: a durable one restores its sessions when it is restarted, and hears of its peers then)."""
-    import ray
-    from ray.exceptions import RayActorError
 
     try:
         ray.get(ref)
@@ -464,7 +451,6 @@ def _ray_get(refs):
     """``ray.get(refs)``, with what Ray raises turned into what the layers below speak: the domain
     error inside a task's error, and a dead or restarting shard actor as Unavailable (the client
     retries)."""
-    import ray
 
     try:
         return ray.get(refs)
@@ -498,12 +484,8 @@ def _spread_placement_group(config: ServerConfig, timeout_s: float = PLACEMENT_T
       RuntimeError: the embedded Ray has too few GPUs (at once), or Ray could not reserve the
         bundles within ``timeout_s`` (the group is removed).
     """
-    import time
 
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
 
-    from optserve.server.compute.preconditioner_pool import check_gpus
 
     check_gpus("--gpus-per-shard", config.gpus_per_shard, config.shards, "shards")
     bundles = shard_bundles(config)
@@ -533,8 +515,6 @@ def detached_names(config: ServerConfig) -> tuple[str, list[str]]:
 
 def detached_prefix(config: ServerConfig) -> str:
     """The name prefix of a durable server's detached actors on a cluster (see :func:`detached_names`)."""
-    import hashlib
-    import os
 
     return "optserve-" + hashlib.sha1(os.path.abspath(config.durability.checkpoint_dir).encode()).hexdigest()[:12]
 
@@ -542,8 +522,6 @@ def detached_prefix(config: ServerConfig) -> str:
 def _find_detached(group_name: str, actor_names: list[str]):
     """The placement group and the live shard actors a previous coordinator left (None for an
     actor that is gone), or None when there is no such group."""
-    import ray
-    from ray.util import get_placement_group
 
     try:
         group = get_placement_group(group_name)
@@ -575,11 +553,7 @@ def start_shards(config: ServerConfig, security, precond_pool=None) -> RayShardF
     re-attaches to them (``fleet.reattached`` lists the shards it found alive, which keep their
     sessions in memory and their security; the others are started anew and restore theirs).
     """
-    import dataclasses
 
-    import ray
-    from ray.util.placement_group import remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     detached = config.durability is not None and config.ray_address != "local"
     group_name, actor_names = detached_names(config) if detached else (None, None)
@@ -607,7 +581,6 @@ def start_shards(config: ServerConfig, security, precond_pool=None) -> RayShardF
             except ValueError:
                 if not named or attempt == 49:
                     raise
-                import time
 
                 time.sleep(0.2)
 

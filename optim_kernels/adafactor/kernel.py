@@ -30,16 +30,50 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 import jax.numpy as jnp
 import optax
 
+from optserve.optim_kernels import arg_rules as rules
 from optserve.optim_kernels.adafactor import links
 from optserve.optim_kernels.adafactor import factoring as fct
 from optserve.optim_kernels.adafactor import schedules
 
-__all__ = ["adafactor", "adafactor_hf", "adafactor_t2t", "adafactor_partial_statistic"]
+__all__ = [
+    "ADAFACTOR_ARG_RULES",
+    "ADAFACTOR_HF_ARG_RULES",
+    "ADAFACTOR_T2T_ARG_RULES",
+    "adafactor",
+    "adafactor_hf",
+    "adafactor_t2t",
+    "adafactor_partial_statistic",
+]
 
 RuleSource = Callable[[str], Any]
 
 
 # --------------------------------------------------------------------------- T5X
+
+# The value of each option of :func:`adafactor` (the registry checks them, and so does the
+# constructor). Decay exponent >= 0 keeps the second-moment decay 1 - t**-decay_rate in [0, 1);
+# epsilon1 > 0 keeps an all-zero gradient from dividing 0 by 0.
+ADAFACTOR_ARG_RULES = rules.ArgRules(
+    rules.positive("learning_rate", none=True, schedule=True),  # None: refused below as required
+    rules.flag("factored"),
+    rules.delegated("multiply_by_parameter_scale", "a bool, or a {regex: bool} map searched in order"),
+    rules.unit_interval("beta1", none=True),
+    rules.non_negative("decay_rate"),
+    rules.integer("step_offset", 0),
+    rules.positive("clipping_threshold", none=True),
+    rules.non_negative("weight_decay_rate", none=True),
+    rules.integer("min_dim_size_to_factor", 0),
+    rules.positive("epsilon1"),
+    rules.non_negative("epsilon2"),
+    rules.dtype("dtype_momentum"),
+    rules.delegated("factor_map", "a {regex: factor rule} map, or None"),
+    rules.delegated("logical_factor_rules", "a {logical axis: factor rule} map, or None"),
+    rules.real("weight_decay_rate_lr_exponent", none=True),
+    rules.positive("global_norm_clip_threshold", none=True),
+    rules.positive("max_parameter_scale", none=True),
+    rules.flag("skip_nan_updates"),
+    rules.delegated("param_logical_axes", "a {path: axis names} map (nested allowed), or None"),
+)
 
 
 def adafactor(
@@ -91,6 +125,7 @@ def adafactor(
       global_grad_sq_norm=None)``.
     """
     name = "adafactor"
+    ADAFACTOR_ARG_RULES.check(name, locals())
     if learning_rate is None:
         raise ValueError(f"{name}: option `learning_rate` is required (T5X has no default)")
     if not factored and (factor_map is not None or logical_factor_rules is not None):
@@ -98,10 +133,6 @@ def adafactor(
             f"{name}: option `factored` is False but factorization rules were given "
             "(`factor_map` / `logical_factor_rules`)"
         )
-    _check_beta(name, "beta1", beta1)
-    _check_positive(name, "clipping_threshold", clipping_threshold)
-    _check_positive(name, "global_norm_clip_threshold", global_norm_clip_threshold)
-    _check_positive(name, "max_parameter_scale", max_parameter_scale)
     if logical_factor_rules is not None and param_logical_axes is None:
         raise ValueError(
             f"{name}: option `logical_factor_rules` needs `param_logical_axes` "
@@ -220,6 +251,20 @@ def _flatten_paths(tree, option: str, prefix: str = "") -> dict:
 
 # --------------------------------------------------------------------------- HuggingFace
 
+# The value of each option of :func:`adafactor_hf`. HF's beta2 at step t is 1 - t**decay_rate,
+# in [0, 1) only for decay_rate <= 0; eps[0] > 0 keeps an all-zero gradient from dividing 0 by 0.
+ADAFACTOR_HF_ARG_RULES = rules.ArgRules(
+    rules.positive("lr", none=True, schedule=True),
+    rules.pair("eps", rules.positive("eps[0]"), rules.non_negative("eps[1]")),
+    rules.positive("clip_threshold"),
+    rules.real("decay_rate", high=0),
+    rules.unit_interval("beta1", none=True),
+    rules.non_negative("weight_decay"),
+    rules.flag("scale_parameter"),
+    rules.flag("relative_step"),
+    rules.flag("warmup_init"),
+)
+
 
 def adafactor_hf(
     lr: Optional[schedules.ScalarOrSchedule] = None,
@@ -242,6 +287,7 @@ def adafactor_hf(
     ``param -= weight_decay * effective_lr * param``.
     """
     name = "adafactor_hf"
+    ADAFACTOR_HF_ARG_RULES.check(name, locals())
     if lr is not None and relative_step:
         raise ValueError(f"{name}: cannot combine manual `lr` and `relative_step=True` options")
     if warmup_init and not relative_step:
@@ -252,8 +298,6 @@ def adafactor_hf(
         eps1, eps2 = (float(e) for e in eps)
     except (TypeError, ValueError):
         raise ValueError(f"{name}: option `eps` must be a pair of floats, got {eps!r}") from None
-    _check_beta(name, "beta1", beta1)
-    _check_positive(name, "clip_threshold", clip_threshold)
 
     step_size = schedules.relative_step_hf(warmup_init) if relative_step else lr
     chain = [
@@ -283,6 +327,22 @@ def adafactor_hf(
 
 # --------------------------------------------------------------------------- tensor2tensor
 
+# The value of each option of :func:`adafactor_t2t`. A constant decay_rate is the second-moment
+# decay itself, in [0, 1) like beta2; memory_exponent >= 0 keeps 1 - t**-memory_exponent there.
+ADAFACTOR_T2T_ARG_RULES = rules.ArgRules(
+    rules.flag("multiply_by_parameter_scale"),
+    rules.positive("learning_rate", none=True, schedule=True),
+    rules.unit_interval("decay_rate", none=True, schedule=True),
+    rules.unit_interval("beta1"),
+    rules.positive("clipping_threshold", none=True),
+    rules.flag("factored"),
+    rules.choice("decay_type", "pow", "adam"),
+    rules.unit_interval("beta2"),
+    rules.non_negative("memory_exponent"),
+    rules.flag("stochastic_rounding"),
+    rules.integer("rounding_seed", 0, 2**63, high_inclusive=False, none=True),
+)
+
 
 def adafactor_t2t(
     multiply_by_parameter_scale: bool = True,
@@ -308,16 +368,12 @@ def adafactor_t2t(
     Not implemented: ``simulated_quantize_bits``.
     """
     name = "adafactor_t2t"
+    ADAFACTOR_T2T_ARG_RULES.check(name, locals())
     if decay_rate is None:
-        if not isinstance(decay_type, str) or decay_type.lower() not in ("pow", "adam"):
-            raise ValueError(f"{name}: option `decay_type` must be 'pow' or 'adam', got {decay_type!r}")
         if decay_type.lower() == "adam":
-            _check_beta(name, "beta2", beta2)
             decay_rate = schedules.decay_rate_adam(beta2)
         else:
             decay_rate = schedules.decay_rate_pow(memory_exponent)
-    _check_beta(name, "beta1", beta1)
-    _check_positive(name, "clipping_threshold", clipping_threshold)
     if learning_rate is None:
         learning_rate = schedules.relative_step_t2t(multiply_by_parameter_scale)
 
@@ -336,16 +392,3 @@ def adafactor_t2t(
         chain.append(links.round_to_bfloat16_unbiased(rounding_seed))
     chain.append(links.cast_to_param_dtype())
     return optax.chain(*chain)
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def _check_beta(name: str, option: str, value: Optional[float]) -> None:
-    if value is not None and not 0.0 <= float(value) < 1.0:
-        raise ValueError(f"{name}: option `{option}` must be in [0, 1), got {value!r}")
-
-
-def _check_positive(name: str, option: str, value: Optional[float]) -> None:
-    if value is not None and not float(value) > 0.0:
-        raise ValueError(f"{name}: option `{option}` must be > 0, got {value!r}")

@@ -8,13 +8,28 @@ factory both build one, so the checks and their messages exist once.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from typing import Optional, Sequence
 
+from optserve.optim_kernels import arg_rules as rules
 from optserve.optim_kernels.scaled_adam.update import ScalarOrSchedule
 
-__all__ = ["ScaledAdamConfig"]
+__all__ = ["SCALED_ADAM_ARG_RULES", "ScaledAdamConfig"]
+
+# The value of each option (each field of ScaledAdamConfig, each keyword of ``scaled_adam``): the
+# registry checks the given ones, ScaledAdamConfig all of them (and param_max_rms >= param_min_rms).
+SCALED_ADAM_ARG_RULES = rules.ArgRules(
+    rules.positive("lr", schedule=True),
+    rules.positive("clipping_scale", none=True),
+    rules.pair("betas", rules.unit_interval("betas[0]"), rules.unit_interval("betas[1]")),
+    rules.non_negative("scalar_lr_scale"),
+    rules.positive("eps"),
+    rules.non_negative("param_min_rms"),
+    rules.non_negative("param_max_rms"),
+    rules.positive("scalar_max"),
+    rules.integer("size_update_period", 1),
+    rules.integer("clipping_update_period", 1),
+    rules.flag("show_dominant_parameters"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,31 +57,13 @@ class ScaledAdamConfig:
     show_dominant_parameters: bool = True
 
     def __post_init__(self):
-        if not callable(self.lr) and _real("lr", self.lr) < 0:
-            _fail("lr", "must be >= 0", self.lr)
-        if self.clipping_scale is not None and _real("clipping_scale", self.clipping_scale) <= 0:
-            _fail("clipping_scale", "must be > 0 or None", self.clipping_scale)
-        betas = self.betas
-        if isinstance(betas, (str, bytes)) or not isinstance(betas, Sequence) or len(betas) != 2:
-            _fail("betas", "must be a pair (beta1, beta2)", betas)
-        b1, b2 = _real("betas", betas[0]), _real("betas", betas[1])
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            _fail("betas", "must lie in [0, 1)", tuple(betas))
-        object.__setattr__(self, "betas", (b1, b2))
-        if _real("scalar_lr_scale", self.scalar_lr_scale) < 0:
-            _fail("scalar_lr_scale", "must be >= 0", self.scalar_lr_scale)
-        if _real("eps", self.eps) <= 0:
-            _fail("eps", "must be > 0", self.eps)
-        if _real("param_min_rms", self.param_min_rms) < 0:
-            _fail("param_min_rms", "must be >= 0", self.param_min_rms)
-        if _real("param_max_rms", self.param_max_rms) < self.param_min_rms:
+        for rule in SCALED_ADAM_ARG_RULES:
+            value = getattr(self, rule.name)
+            if rule.violation(value) is not None:
+                _fail(rule.name, f"must satisfy {rule.describe()}", value)
+        if self.param_max_rms < self.param_min_rms:
             _fail("param_max_rms", f"must be >= param_min_rms ({self.param_min_rms!r})", self.param_max_rms)
-        if _real("scalar_max", self.scalar_max) <= 0:
-            _fail("scalar_max", "must be > 0", self.scalar_max)
-        _period("size_update_period", self.size_update_period)
-        _period("clipping_update_period", self.clipping_update_period)
-        if not isinstance(self.show_dominant_parameters, bool):
-            _fail("show_dominant_parameters", "must be a bool", self.show_dominant_parameters)
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
 
     @property
     def beta1(self) -> float:
@@ -79,14 +76,3 @@ class ScaledAdamConfig:
 
 def _fail(name: str, rule: str, value) -> None:
     raise ValueError(f"scaled_adam option {name!r} {rule}, got {value!r}")
-
-
-def _real(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        _fail(name, "must be a finite number", value)
-    return float(value)
-
-
-def _period(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        _fail(name, "must be an integer >= 1", value)

@@ -21,6 +21,7 @@ from typing import Callable, Optional, Union
 
 import jax
 
+from optserve.optim_kernels import arg_rules as rules
 from optserve.optim_kernels.linalg.root_config import (
     ROOT_METHOD_NAMES,
     AutoRootConfig,
@@ -32,9 +33,41 @@ from optserve.optim_kernels.shampoo.blocking import BlockLayout
 from optserve.optim_kernels.shampoo.grafting import GraftingType, parse_graft_type
 from optserve.optim_kernels.shampoo.statistics import block_exponent
 
-__all__ = ["ScalarOrSchedule", "ShampooConfig", "shampoo_config"]
+__all__ = ["SHAMPOO_ARG_RULES", "ScalarOrSchedule", "ShampooConfig", "shampoo_config"]
 
 ScalarOrSchedule = Union[float, Callable[[jax.Array], jax.Array]]
+
+# The value of each option (each field of ShampooConfig, each keyword of ``shampoo``): the registry
+# checks the given ones, ShampooConfig all of them. beta2 = 1 is the seed's plain sum (AdaGrad);
+# block_size 0 means no blocking; exponent_override 0 means the default root.
+SHAMPOO_ARG_RULES = rules.ArgRules(
+    rules.positive("learning_rate", schedule=True),
+    rules.integer("block_size", 0),
+    rules.unit_interval("beta1"),
+    rules.real("beta2", 0, 1, low_inclusive=False),
+    rules.non_negative("diagonal_epsilon"),
+    rules.non_negative("matrix_epsilon"),
+    rules.non_negative("weight_decay"),
+    rules.integer("start_preconditioning_step", 0),
+    rules.integer("preconditioning_compute_steps", 1),
+    rules.integer("statistics_compute_steps", 1),
+    rules.flag("best_effort_shape_interpretation"),
+    rules.delegated("graft_type", "a GraftingType, its int value or its name"),
+    rules.flag("nesterov"),
+    rules.integer("exponent_override", 0),
+    rules.flag("best_effort_memory_usage_reduction"),
+    rules.positive("inverse_failure_threshold"),
+    rules.flag("moving_average_for_momentum"),
+    rules.integer("skip_preconditioning_dim_size_gt", 1),
+    rules.positive("clip_by_scaled_gradient_norm", none=True),
+    rules.flag("relative_matrix_epsilon"),
+    rules.integer("merge_small_dims_block_size", 1, none=True),
+    rules.flag("decoupled_learning_rate"),
+    rules.flag("decoupled_weight_decay"),
+    rules.delegated("root_method", f"one of {ROOT_METHOD_NAMES} or a typed root method"),
+    rules.integer("root_num_iters", 1),
+    rules.flag("inline_preconditioners"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,33 +112,13 @@ class ShampooConfig:
             if not ok:
                 raise ValueError(f"shampoo: option {name!r} {rule}, got {getattr(self, name)!r}")
 
-        need(callable(self.learning_rate) or _is_num(self.learning_rate), "learning_rate",
-             "must be a number or a schedule")
-        for name in ("block_size", "start_preconditioning_step", "exponent_override"):
-            need(_is_int(getattr(self, name)) and getattr(self, name) >= 0, name, "must be an integer >= 0")
-        for name in ("preconditioning_compute_steps", "statistics_compute_steps",
-                     "skip_preconditioning_dim_size_gt", "root_num_iters"):
-            need(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "must be an integer >= 1")
-        merge = self.merge_small_dims_block_size
-        need(merge is None or (_is_int(merge) and merge >= 1), "merge_small_dims_block_size",
-             "must be None (= block_size) or an integer >= 1")
-        need(_is_num(self.beta1) and 0.0 <= self.beta1 < 1.0, "beta1", "must be in [0, 1)")
-        need(_is_num(self.beta2) and 0.0 < self.beta2 <= 1.0, "beta2", "must be in (0, 1]")
-        for name in ("diagonal_epsilon", "matrix_epsilon", "weight_decay"):
-            need(_is_num(getattr(self, name)) and getattr(self, name) >= 0.0, name, "must be a number >= 0")
-        need(_is_num(self.inverse_failure_threshold) and self.inverse_failure_threshold > 0,
-             "inverse_failure_threshold", "must be a number > 0")
-        clip = self.clip_by_scaled_gradient_norm
-        need(clip is None or (_is_num(clip) and clip > 0), "clip_by_scaled_gradient_norm", "must be None or > 0")
+        for rule in SHAMPOO_ARG_RULES:
+            need(rule.violation(getattr(self, rule.name)) is None, rule.name, f"must satisfy {rule.describe()}")
         try:
             root_method_config(self.root_method, self.root_num_iters)
         except (ValueError, TypeError):
             need(False, "root_method", f"must be one of {ROOT_METHOD_NAMES} or a typed root method")
         object.__setattr__(self, "graft_type", parse_graft_type(self.graft_type))
-        for name in ("best_effort_shape_interpretation", "nesterov", "best_effort_memory_usage_reduction",
-                     "moving_average_for_momentum", "relative_matrix_epsilon", "decoupled_learning_rate",
-                     "decoupled_weight_decay", "inline_preconditioners"):
-            need(isinstance(getattr(self, name), bool), name, "must be a bool")
 
     @property
     def root_method_config(self) -> RootMethodConfig:
@@ -144,11 +157,3 @@ def shampoo_config(learning_rate: ScalarOrSchedule, **kwargs) -> ShampooConfig:
     """The :class:`ShampooConfig` for the same keyword arguments as
     :func:`~optserve.optim_kernels.shampoo.kernel.shampoo`."""
     return ShampooConfig(learning_rate, **kwargs)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)

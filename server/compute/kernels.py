@@ -9,8 +9,10 @@ def check_optimizer(name: str, args: Mapping[str, Any]) -> None:
     """Builds optimizer ``name`` with ``args`` once, to check both before a session is placed.
 
     Raises:
-      ValueError: an unknown name or a bad argument (the message names it), or the optimizer's
-        library is not installed.
+      ValueError: an unknown name, an unknown argument, or an argument whose type or value breaks
+        the kernel's rule (shape, finiteness, range, declared with the kernel in
+        :mod:`optserve.optim_kernels`; the message names the optimizer, the argument, the value and
+        the rule), or the optimizer's library is not installed.
     """
     from optserve.optim_kernels import build_optimizer
 

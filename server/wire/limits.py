@@ -44,7 +44,11 @@ def json_depth(text: str, stop_above: int) -> int:
 
 def check_optimizer_args(spec: control_pb2.OptimizerSpec, limits: Limits) -> None:
     """The optimizer arguments' JSON is small and shallow enough to parse (INVALID_ARGUMENT naming
-    the limit otherwise: deep nesting would exhaust the parser's recursion)."""
+    the limit otherwise: deep nesting would exhaust the parser's recursion).
+
+    Only the request's size is bounded here. Each argument's type and value (shape, finiteness,
+    range) are the kernel's rules, checked once, by the coordinator, when it builds the optimizer
+    (:func:`~optserve.server.compute.kernels.check_optimizer`)."""
     size = len(spec.args_json.encode("utf-8", "surrogatepass"))
     if size > limits.max_json_bytes:
         raise limits.exceeded("max_json_bytes", f"optimizer {spec.name[:200]!r}: args_json of {size} bytes")
