@@ -4,75 +4,29 @@ happened (the existing session object retries its step; a fresh client attaches)
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
 
 import pytest
 
 from optserve.client import Client
+from tests._server_process import ServerProcess, free_port
 from tests._service_helpers import InProcess, make_grads, make_params, max_abs_diff
 
 OPTIMIZER = {"name": "adafactor_hf", "args": {"lr": 0.01, "relative_step": False, "beta1": 0.9}}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Server:
-    """``optserve serve`` in its own process group."""
-
-    def __init__(self, port: int, checkpoint_dir: str):
-        env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
-        env.pop("RAY_ADDRESS", None)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "optserve.server.cli", "serve", "--port", str(port), "--shards", "2",
-             "--min-shard-bytes", "0", "--checkpoint-dir", checkpoint_dir, "--checkpoint-every-steps", "3"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-        self.lines: list[str] = []
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = self.process.stdout.readline()
-            if not line:
-                break
-            self.lines.append(line)
-            if line.startswith("optserve listening on "):
-                threading.Thread(target=self._drain, daemon=True).start()
-                return
-        raise AssertionError("server did not start:\n" + "".join(self.lines[-30:]))
-
-    def _drain(self):
-        for line in self.process.stdout:
-            self.lines.append(line)
-
-    def kill_group(self):
-        os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(timeout=30)
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                return self.process.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-        return self.process.wait()
+def _server(port: int, checkpoint_dir: str) -> ServerProcess:
+    """``optserve serve`` in its own process group, on ``port``, waited for."""
+    return ServerProcess("--checkpoint-dir", checkpoint_dir, "--checkpoint-every-steps", "3", port=port).wait_listening()
 
 
 @pytest.mark.slow
 def test_whole_server_sigkill_and_restart_restores_sessions_and_clients_resume_exactly(tmp_path):
-    port, checkpoint_dir = _free_port(), str(tmp_path / "ckpt")
+    port, checkpoint_dir = free_port(), str(tmp_path / "ckpt")
     address = f"127.0.0.1:{port}"
     params = make_params(7)
     reference = InProcess(OPTIMIZER["name"], OPTIMIZER["args"], params)
-    first = _Server(port, checkpoint_dir)
+    first = _server(port, checkpoint_dir)
     second = None
     try:
         client = Client(address, timeout=150.0)
@@ -89,7 +43,7 @@ def test_whole_server_sigkill_and_restart_restores_sessions_and_clients_resume_e
         grads = make_grads(params, 5)
         stepping = threading.Thread(target=lambda: result.update(params=session.push_pull(grads)))
         stepping.start()
-        second = _Server(port, checkpoint_dir)
+        second = _server(port, checkpoint_dir)
         stepping.join(timeout=150)
         assert not stepping.is_alive() and "params" in result, "".join(second.lines[-30:])
         assert max_abs_diff(result["params"], reference.step(grads)) <= 1e-6
