@@ -102,7 +102,6 @@ class ShardSession:
         self._sequencer = Sequencer(config, shard_index, step_timeout_s)
         self._abandoned: Optional[OptservError] = None  # set by abandon(): every wait raises it
         self._durability = ShardDurability(store)
-        self._step_bytes = sum(spec.size * 4 for spec in self.specs.values())  # one step's float32 gradient
         self.last_activity_unix_s = time.time()  # a client's last push, commit, pull or init here (see touch)
 
     def touch(self) -> None:
@@ -228,8 +227,7 @@ class ShardSession:
         self._require_initialized()
         self._staging.check_room(header.client_id, header.sequence)
         try:  # durable: the step log has room for this push's step (and those staged before it) on the disk
-            self._durability.reserve(f"session {self.config.name!r} on shard {self.shard_index}",
-                                     self._step_bytes, len(self.specs), steps=self._staging.count + 1)
+            self._reserve_log(steps=self._staging.count + 1)
         except Unavailable:
             self._refusals.refuse(RejectReason.ABORTED, header.client_id, header.sequence, cause="disk")
             raise
@@ -243,6 +241,12 @@ class ShardSession:
         self._staging.stage((header.client_id, header.sequence), header.base_version, grads, header.telemetry,
                             header.auto_commit)  # a retry replaces what an earlier attempt staged
         return False
+
+    def _reserve_log(self, steps: int) -> None:
+        """Durable sessions: room on the disk for ``steps`` step records of this shard (raises
+        Unavailable, naming the session, shard and directory, when there is none)."""
+        self._durability.reserve(f"session {self.config.name!r} on shard {self.shard_index}",
+                                 self._staging.push_bytes, len(self.specs), steps=steps)
 
     def _decide(self, client_id: str, sequence: int, ask: Callable[[int], Ticket],
                 until: Optional[float] = None) -> Ticket:
@@ -298,8 +302,7 @@ class ShardSession:
         if not self._sequencer.sync or ticket.closes_step:  # its step is logged: room first (reserved when
             # staged; a checkpoint since may have started a fresh log segment)
             try:
-                self._durability.reserve(f"session {self.config.name!r} on shard {self.shard_index}",
-                                         self._step_bytes, len(self.specs))
+                self._reserve_log(steps=1)
             except Unavailable:
                 self._sequencer.arrive(ticket)  # still its turn: applied by the retry once there is room
                 raise

@@ -80,7 +80,7 @@ class StagingArea:
         self._shard_index = shard_index
         self._specs = specs
         self._pool = BufferPool([(s.name, s.shape) for s in specs.values()])
-        self._push_bytes = sum(spec.size * 4 for spec in specs.values())  # one push's float32 buffers
+        self.push_bytes = sum(spec.size * 4 for spec in specs.values())  # one push's float32 buffers
         self._limits = limits
         self._refusals = refusals
         self._entries: dict[PushKey, StagedPush] = {}  # guarded by lock
@@ -127,11 +127,11 @@ class StagingArea:
         session's staged pushes past ``max_staged_bytes``; checked before any buffer is taken."""
         with self.lock:
             staged = len(self._entries)
-        if (staged + 1) * self._push_bytes > self._limits.max_staged_bytes:
+        if (staged + 1) * self.push_bytes > self._limits.max_staged_bytes:
             self._refusals.refuse(RejectReason.ABORTED, client_id, sequence, cause="max_staged_bytes")
             raise self._limits.exceeded("max_staged_bytes", f"session {self._session!r} on shard "
                                         f"{self._shard_index}: {staged} pushes staged and not yet applied, "
-                                        f"{self._push_bytes} bytes each")
+                                        f"{self.push_bytes} bytes each")
 
     def expire(self) -> None:
         """Drops two-phase pushes staged longer than ``ttl_s`` without a Commit or Abort: their

@@ -101,9 +101,10 @@ class StepLog:
         try:
             self._steps.reserve(steps * record)
         except OSError as exc:
+            if not self.degraded:  # logged once per episode, not at every refused retry
+                log.error("event=step_log_degraded session=%s shard=%d folder=%s error=%s", self._session,
+                          self._shard, self.folder, exc.strerror or exc)
             self.degraded = f"disk: {exc.strerror or exc} ({self.folder})"
-            log.error("event=step_log_degraded session=%s shard=%d folder=%s error=%s", self._session, self._shard,
-                      self.folder, exc.strerror or exc)
             raise OSError(exc.errno, f"the step log in {self.folder} has no room for the next step: "
                                      f"{exc.strerror or exc}") from None
         if self.degraded:
