@@ -36,7 +36,7 @@ def durable_server(ray_local, checkpoint_dir):
     from optserve.server.domain.config import ServerConfig
     from optserve.server.domain.durability import DurabilityConfig, LogIO
 
-    running = start_server(ServerConfig(host="127.0.0.1", port=0, shards=2, vote_timeout_s=8.0, min_shard_bytes=0,
+    running = start_server(ServerConfig(host="127.0.0.1", port=0, shards=2, vote_timeout_s=20.0, min_shard_bytes=0,
                                         precond_workers=1, durability=DurabilityConfig(checkpoint_dir, every_steps=4,
                                                                                        log_io=LogIO.DIRECT)))
     yield running
