@@ -19,12 +19,13 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """Starts ``optserve serve --shards 2 --min-shard-bytes 0`` plus ``extra`` arguments on a free
-    port; ``wait_listening()`` returns once it serves (or fails with its output)."""
+    """Starts ``optserve serve --shards 2 --min-shard-bytes 0`` plus ``extra`` arguments on ``port``
+    (0: one the server picks); ``wait_listening()`` returns once it serves, with ``address`` set
+    (or fails with its output)."""
 
     def __init__(self, *extra: str, port: int = 0):
-        self.port = port or free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        self.port = port  # 0: the server picks a free one (a port probed here could be taken by Ray meanwhile)
+        self.address = f"127.0.0.1:{port}"
         env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
         env.pop("RAY_ADDRESS", None)
         self.process = subprocess.Popen(
@@ -41,6 +42,8 @@ class ServerProcess:
                 break
             self.lines.append(line)
             if line.startswith("optserve listening on "):
+                self.address = line.split()[3]
+                self.port = int(self.address.rsplit(":", 1)[1])
                 threading.Thread(target=self._drain, daemon=True).start()
                 return self
         raise AssertionError("server did not start:\n" + "".join(self.lines[-40:]))
