@@ -8,7 +8,6 @@ import json
 import os
 import pathlib
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -27,29 +26,24 @@ FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "format1"
 NEWER = FORMAT_VERSION + 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve(checkpoint_dir: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+def _serve(checkpoint_dir: str) -> subprocess.Popen:
+    """``optserve serve`` on a port it picks (``_wait_listening`` tells which)."""
+    port = 0
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
     env.pop("RAY_ADDRESS", None)
     process = subprocess.Popen(
         [sys.executable, "-m", "optserve.server.cli", "serve", "--port", str(port), "--shards", "2",
          "--min-shard-bytes", "0", "--checkpoint-dir", checkpoint_dir, "--checkpoint-every-steps", "3"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    return process, f"127.0.0.1:{port}"
+    return process
 
 
-def _wait_listening(process: subprocess.Popen) -> None:
+def _wait_listening(process: subprocess.Popen) -> str:
     lines = []
     for line in process.stdout:
         lines.append(line)
         if line.startswith("optserve listening on "):
-            return
+            return line.split()[3]
     raise AssertionError("server did not start:\n" + "".join(lines[-30:]) + process.stderr.read()[-3000:])
 
 
@@ -77,9 +71,9 @@ def test_a_session_written_in_format_1_restores_exactly_and_trains_on(format1_di
     reference = InProcess("adam", {"learning_rate": 0.01}, initial)
     for step in range(5):
         reference.step(make_grads(initial, step))
-    process, address = _serve(format1_dir)
+    process = _serve(format1_dir)
     try:
-        _wait_listening(process)
+        address = _wait_listening(process)
         with Client(address, timeout=60.0) as client:
             session = client.session("old-format")
             assert session.version == 5
@@ -179,7 +173,7 @@ def test_a_manifest_written_now_carries_the_format(tmp_path):
 def test_a_server_on_a_folder_of_a_newer_format_exits_2_with_one_line_naming_the_file(format1_dir):
     entry = os.path.join(format1_dir, "sessions", "old-format", "session.json")
     _rewrite_json(entry, format=NEWER)
-    process, _ = _serve(format1_dir)
+    process = _serve(format1_dir)
     started = time.monotonic()
     try:
         process.wait(timeout=180)
