@@ -27,12 +27,18 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from optserve.client import _fanout, _paths, _retry, _shm, _wire
-from optserve.client.errors import InvalidArgumentError
+from optserve.client import _fanout, _membership, _paths, _retry, _shm, _wire
+from optserve.client.errors import InvalidArgumentError, LateError
 from optserve.client.options import SessionOptions
-from optserve.client.status import SessionStatus
+from optserve.client.status import RoundRecord, SessionStatus, StepOutcome
 from optserve.protos import contract
 from optserve.protos.optserve.v1 import control_pb2, data_pb2
+
+
+def check_worker_id(worker_id: Any) -> str:
+    if not isinstance(worker_id, str) or not 1 <= len(worker_id) <= 64 or "/" in worker_id:
+        raise InvalidArgumentError(f"worker_id must be a string of 1-64 characters without '/', got {worker_id!r}")
+    return worker_id
 
 
 def _scalar(value: Any, what: str) -> float:
@@ -49,9 +55,15 @@ class Session:
     Arrays are NumPy, keyed by tensor name; gradients must have every tensor, in its shape.
     ``wire_dtype`` (None, "float32", "bfloat16", "float16") compresses gradients and pulled
     parameters on the wire; the server keeps the math in float32.
+
+    ``worker_id``: who this object pushes as (1-64 characters, no '/'; default: generated). In an
+    elastic sync session (``SessionOptions.elastic``) it is the member id: the object joins at its
+    first push or pull (or :meth:`join`), keeps its lease alive in the background and leaves at
+    :meth:`leave`, :meth:`close` or :meth:`detach`. ``last_step`` tells what became of the latest
+    push (:class:`~optserve.client.status.StepOutcome`: its version, or dropped as late).
     """
 
-    def __init__(self, client, info: control_pb2.SessionInfo, version: int = 0):
+    def __init__(self, client, info: control_pb2.SessionInfo, version: int = 0, worker_id: Optional[str] = None):
         self._client = client
         self.name = info.config.name
         self.info = info
@@ -63,7 +75,12 @@ class Session:
         self.optimizer = {"name": self.options.optimizer, "args": dict(self.options.optimizer_args)}
         self.wire_dtype: Optional[int] = info.config.wire_dtype or None
         self._fanout = _fanout.ShardFanout(client, info)
-        self.client_id = uuid.uuid4().hex  # this object's push identity (PushHeader); not Client.client_id
+        self.worker_id = check_worker_id(worker_id) if worker_id is not None else uuid.uuid4().hex[:16]
+        # this object's push identity (PushHeader; its worker, then this object); not Client.client_id
+        self.client_id = f"{self.worker_id}/{uuid.uuid4().hex}"
+        self.last_step: Optional[StepOutcome] = None
+        self._member = (_membership.Membership(client, self.name, self.worker_id, lambda: self._shards[0].address,
+                                               self.options.lease_s) if self.options.elastic else None)
         self._sequence = itertools.count(1)
         self._version = version
         self.last_staleness = 0  # staleness the server assigned to this object's latest push (async)
@@ -95,6 +112,8 @@ class Session:
         """
         wire = self._wire(wire_dtype)
         wire = None if wire == contract.INT8 else wire  # int8 encodes gradients only
+        if self._member is not None:
+            self._member.keep_alive()
         results = self._fanout.served(lambda: self._paths.pull(wire, out, views))
         self._see_version(min(version for version, _ in results))
         return {name: value for _, arrays in results for name, value in arrays.items()}
@@ -116,9 +135,17 @@ class Session:
         wire = self._wire(wire_dtype)
         grads = self._encode(grads, wire)
         header = self._header(base_version, loss, scalars)
-        if self._paths.all_via_shm(wire):  # every shard's bytes in shared memory: a step that returns the version
-            return self._fanout.served(lambda: self._push_pull_once(header, grads, wire, reply=False))
-        return self._fanout.served(lambda: self._push_once(header, grads, wire))
+        try:
+            if self._paths.all_via_shm(wire):  # every shard's bytes in shared memory: a step that returns the version
+                version = self._fanout.served(lambda: self._push_pull_once(header, grads, wire, reply=False))
+            else:
+                version = self._fanout.served(lambda: self._push_once(header, grads, wire))
+        except LateError as late:
+            self._dropped_late(late)
+            self.pull()
+            return self._version
+        self.last_step = StepOutcome(version, None, version)
+        return version
 
     def push_pull(self, grads: Mapping[str, np.ndarray], wire_dtype: _wire.DTypeLike = "default",
                   out: Optional[Mapping[str, np.ndarray]] = None,
@@ -132,7 +159,13 @@ class Session:
         wire = self._wire(wire_dtype)
         grads = self._encode(grads, wire)
         header = self._header(base_version, loss, scalars)
-        return self._fanout.served(lambda: self._push_pull_once(header, grads, wire, out, views=views))
+        try:
+            params = self._fanout.served(lambda: self._push_pull_once(header, grads, wire, out, views=views))
+        except LateError as late:
+            self._dropped_late(late)
+            return self.pull(out=out, views=views)
+        self.last_step = StepOutcome(self._version, None, self._version)
+        return params
 
     def gradient_buffers(self) -> dict[str, np.ndarray]:
         """Float32 arrays, one per tensor, to write gradients into and pass to :meth:`push_pull`
@@ -179,15 +212,55 @@ class Session:
         return dataclasses.replace(status, shards=[dataclasses.replace(s, data_path=paths.get(s.index, "grpc"))
                                                    for s in status.shards])
 
+    # ----------------------------------------------------------------- elastic membership
+    def join(self) -> tuple[str, ...]:
+        """Elastic sync: becomes a member now (else at the first push or pull) and keeps the lease
+        alive in the background; returns the members. Takes part from the next round.
+
+        Raises:
+          ResourceExhaustedError: the session has ``max_workers`` members.
+          FailedPreconditionError: not an elastic session.
+        """
+        if self._member is None:
+            raise InvalidArgumentError(f"session {self.name!r} is not elastic (min_workers < num_workers or "
+                                       f"max_workers > num_workers): it has no membership to join")
+        return self._member.join()
+
+    def leave(self) -> None:
+        """Elastic sync: stops being a member now (the open round stops waiting for this worker)."""
+        if self._member is not None:
+            self._member.leave()
+
+    def history(self, since: int = 0) -> list[RoundRecord]:
+        """Elastic sync: the record of each committed version after ``since`` (participants, their
+        scales, late gradients dropped, duration, why it committed), from the session's home shard."""
+        request = data_pb2.HistoryRequest(session=self.name, since=int(since))
+
+        def ask_home() -> data_pb2.HistoryResponse:  # the home shard's address may change (a restart)
+            method = self._client._channel(self._shards[0].address).unary_unary(
+                "/optserve.v1.ShardData/History", request_serializer=data_pb2.HistoryRequest.SerializeToString,
+                response_deserializer=data_pb2.HistoryResponse.FromString)
+            return method(request, timeout=self._client.timeout)
+
+        return [RoundRecord.from_proto(r) for r in self._fanout.served(ask_home).records]
+
+    def _dropped_late(self, late: LateError) -> None:
+        current = late.current_version if late.current_version is not None else self._version
+        self._see_version(current)
+        self.last_step = StepOutcome(None, "late", current)
+
     def close(self) -> None:
         """Closes the session on the server (for every client) and releases local threads."""
         try:
+            self.leave()
             self._client.close_session(self.name)
         finally:
             self.detach()
 
     def detach(self) -> None:
-        """Releases this object's threads and open calls without closing the server-side session."""
+        """Releases this object's threads and open calls without closing the server-side session
+        (an elastic session's member leaves)."""
+        self.leave()
         self._fanout.close()
         self._paths.close()
         self._background.shutdown(wait=False)

@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 
 from optserve.client import _retry, _shm, _wire
-from optserve.client._session import Session
+from optserve.client._session import Session, check_worker_id
 from optserve.client._transport import ClientCert, TLSArg, Transport
 from optserve.client.options import SessionOptions
 from optserve.client.status import ServerShardStatus, SessionSeries, SessionStatus
@@ -112,6 +112,13 @@ class Client:
         staleness_policy: str = "reject",
         wire_dtype: _wire.DTypeLike = None,
         allow_nonfinite: bool = False,
+        *,
+        min_workers: Optional[int] = None,
+        max_workers: Optional[int] = None,
+        lease_s: float = 5.0,
+        straggler_s: Optional[float] = None,
+        late: str = "drop",
+        worker_id: Optional[str] = None,
     ) -> Session:
         """Creates a session holding ``params`` (name -> array; float32/bfloat16/float16).
 
@@ -126,16 +133,22 @@ class Client:
           staleness_policy: async: "reject" (ABORTED) or "scale" (step * 1 / (1 + staleness)).
           wire_dtype: default wire dtype for gradients and pulls (None: each tensor's own).
           allow_nonfinite: pass NaN/Inf gradients to the optimizer instead of refusing them.
+          min_workers, max_workers, lease_s, straggler_s, late: elastic sync (see
+            :class:`~optserve.client.SessionOptions`).
+          worker_id: the returned object's worker id (see :class:`Session`). Creating a session does
+            not make the creating object a member of an elastic session: its first push does.
 
         Raises:
           AlreadyExistsError, InvalidArgumentError (naming the option or tensor).
         """
         options = SessionOptions.from_spec(
             optimizer, mode=mode, num_workers=num_workers, max_staleness=max_staleness,
-            staleness_policy=staleness_policy, wire_dtype=wire_dtype, allow_nonfinite=allow_nonfinite)
-        return self.create_session_with(name, params, options)
+            staleness_policy=staleness_policy, wire_dtype=wire_dtype, allow_nonfinite=allow_nonfinite,
+            min_workers=min_workers, max_workers=max_workers, lease_s=lease_s, straggler_s=straggler_s, late=late)
+        return self.create_session_with(name, params, options, worker_id=worker_id)
 
-    def create_session_with(self, name: str, params: Mapping[str, np.ndarray], options: SessionOptions) -> Session:
+    def create_session_with(self, name: str, params: Mapping[str, np.ndarray], options: SessionOptions,
+                            worker_id: Optional[str] = None) -> Session:
         """Creates session ``name`` holding ``params`` (name -> array; float32/bfloat16/float16),
         configured by ``options``, and sends the initial values to its shards.
 
@@ -148,7 +161,7 @@ class Client:
         config = options.to_config(name, arrays)
         request = control_pb2.CreateSessionRequest(config=config, client_id=self.client_id)
         info = self._call(self._control.CreateSession, request).session
-        session = Session(self, info)
+        session = Session(self, info, worker_id=worker_id)
         if options.wire_dtype == contract.INT8_NAME:  # a client-side gradient encoding (see Session.wire_dtype)
             session.wire_dtype = contract.INT8
         try:
@@ -159,17 +172,20 @@ class Client:
             raise
         return session
 
-    def session(self, name: str, expect: Optional[SessionOptions] = None) -> Session:
+    def session(self, name: str, expect: Optional[SessionOptions] = None, worker_id: Optional[str] = None) -> Session:
         """Attaches to an existing session (e.g. after a client restart); version = the server's.
 
         Args:
           expect: the options this client means to train with; the server refuses the attach if
             the session's optimizer (name, args, preconditioner options) or mode differs.
             ``None``: attach to whatever the session is.
+          worker_id: attach as this worker (see :class:`Session`; default: a generated id).
 
         Raises:
           NotFoundError; FailedPreconditionError (``expect`` given): the message names the difference.
         """
+        if worker_id is not None:
+            check_worker_id(worker_id)
         request = control_pb2.GetSessionRequest(name=name)
         if expect is not None:
             if not isinstance(expect, SessionOptions):
@@ -178,7 +194,7 @@ class Client:
             request.expect_mode = expect.to_mode()
         info = self._call(self._control.GetSession, request).session
         status = self._call(self._control.GetStatus, control_pb2.GetStatusRequest(name=name))
-        return Session(self, info, version=status.version)
+        return Session(self, info, version=status.version, worker_id=worker_id)
 
     def list_sessions(self) -> list[str]:
         return list(self._call(self._control.ListSessions, control_pb2.ListSessionsRequest()).names)

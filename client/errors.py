@@ -48,6 +48,12 @@ class StaleError(OptservError):
         self.current_version = current_version
 
 
+class LateError(StaleError):
+    """Elastic sync: the push's round had already committed; the server dropped the gradient
+    (``late="drop"``). ``Session.push_pull`` / ``push`` do not raise it: they pull the current
+    version and report the drop in ``Session.last_step``."""
+
+
 class PeerRefusedError(OptservError):
     """ABORTED on a shard because ANOTHER shard refused its part of the push: applied nowhere.
 
@@ -126,5 +132,6 @@ def from_rpc_error(error: grpc.RpcError) -> OptservError:
         return PeerRefusedError(details, code.name)
     if cls is StaleError:
         version = metadata.get(contract.CURRENT_VERSION_KEY)
-        return StaleError(details, code.name, current_version=None if version is None else int(version))
+        stale = LateError if contract.LATE_KEY in metadata else StaleError
+        return stale(details, code.name, current_version=None if version is None else int(version))
     return cls(details, code.name)

@@ -22,6 +22,7 @@ from optserve.protos.optserve.v1 import control_pb2, tensor_pb2
 
 _MODES = {"sync": control_pb2.MODE_SYNC, "async": control_pb2.MODE_ASYNC}
 _POLICIES = {"reject": control_pb2.STALENESS_POLICY_REJECT, "scale": control_pb2.STALENESS_POLICY_SCALE}
+_LATE = {"drop": control_pb2.LATE_POLICY_DROP, "next": control_pb2.LATE_POLICY_NEXT}
 _SPEC_KEYS = ("name", "args", "preconditioners")
 _INT32_MAX = (1 << 31) - 1
 
@@ -92,6 +93,17 @@ class SessionOptions:
         ``"bfloat16"``/``"bf16"``, ``"float16"``/``"f16"``, a NumPy dtype or an enum value; stored
         as its canonical name); ``None``: each tensor's own dtype.
       allow_nonfinite: pass NaN / Inf gradients to the optimizer instead of refusing them.
+      min_workers / max_workers: elastic sync: a round may commit with ``min_workers`` pushes (once
+        every current member pushed, or at the straggler deadline), and at most ``max_workers``
+        workers are members at once; ``None``: ``num_workers`` (strict rounds: exactly
+        ``num_workers`` pushes, no membership).
+      lease_s: elastic sync: a member not heard of this long leaves (the SDK renews its lease in
+        the background while user code computes).
+      straggler_s: elastic sync: a round commits this long after its first push with whoever
+        pushed (at least ``min_workers``); ``None``: adaptive (half the median period of the
+        recent rounds, at least 50 ms).
+      late: elastic sync: a gradient whose round already committed is ``"drop"``-ped (the worker
+        is told in ``Session.last_step``) or folded into the ``"next"`` round under the staleness policy.
 
     Raises (on construction):
       InvalidArgumentError: naming the option that is wrong.
@@ -106,6 +118,17 @@ class SessionOptions:
     staleness_policy: str = "reject"
     wire_dtype: Optional[str] = None
     allow_nonfinite: bool = False
+    min_workers: Optional[int] = None
+    max_workers: Optional[int] = None
+    lease_s: float = 5.0
+    straggler_s: Optional[float] = None
+    late: str = "drop"
+
+    @property
+    def elastic(self) -> bool:
+        """Sync rounds with membership (``min_workers < num_workers`` or ``max_workers > num_workers``)."""
+        return self.mode == "sync" and ((self.min_workers or self.num_workers) < self.num_workers
+                                        or (self.max_workers or self.num_workers) > self.num_workers)
 
     def __post_init__(self) -> None:
         if not isinstance(self.optimizer, str) or not self.optimizer:
@@ -140,6 +163,25 @@ class SessionOptions:
         object.__setattr__(self, "num_workers", int(self.num_workers))
         if self.max_staleness is not None:
             object.__setattr__(self, "max_staleness", int(self.max_staleness))
+        self._check_elastic()
+
+    def _check_elastic(self) -> None:
+        for name in ("min_workers", "max_workers"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 1 <= value <= _INT32_MAX):
+                raise InvalidArgumentError(f"{name} must be an int >= 1 or None, got {value!r}")
+        low, high = self.min_workers or self.num_workers, self.max_workers or self.num_workers
+        if not low <= self.num_workers <= high:
+            raise InvalidArgumentError(f"min_workers <= num_workers <= max_workers must hold, got {low}, "
+                                       f"{self.num_workers}, {high}")
+        for name in ("lease_s", "straggler_s"):
+            value = getattr(self, name)
+            if value is None and name == "straggler_s":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise InvalidArgumentError(f"{name} must be a number of seconds > 0, got {value!r}")
+        if self.late not in _LATE:
+            raise InvalidArgumentError(f"late must be 'drop' or 'next', got {self.late!r}")
 
     @classmethod
     def from_spec(cls, optimizer: Union[Mapping[str, Any], "SessionOptions"], **options: Any) -> "SessionOptions":
@@ -182,6 +224,8 @@ class SessionOptions:
             max_staleness=-1 if self.max_staleness is None else self.max_staleness,
             staleness_policy=_POLICIES[self.staleness_policy],
             allow_nonfinite=self.allow_nonfinite,
+            min_workers=self.min_workers or 0, max_workers=self.max_workers or 0, lease_s=float(self.lease_s),
+            straggler_s=float(self.straggler_s or 0.0), late=_LATE[self.late],
             # int8 is each client's gradient encoding (Session.wire_dtype), not a server-side default
             wire_dtype=(_wire.dtype_enum(self.wire_dtype, what="wire_dtype") if self.wire_dtype != contract.INT8_NAME
                         else None) or tensor_pb2.DTYPE_UNSPECIFIED,
@@ -215,4 +259,9 @@ class SessionOptions:
             staleness_policy=policies.get(config.staleness_policy, "reject"),
             wire_dtype=config.wire_dtype or None,
             allow_nonfinite=config.allow_nonfinite,
+            min_workers=config.min_workers or None,
+            max_workers=config.max_workers or None,
+            lease_s=config.lease_s or 5.0,
+            straggler_s=config.straggler_s or None,
+            late={v: k for k, v in _LATE.items()}.get(config.late, "drop"),
         )

@@ -13,11 +13,26 @@ from typing import Optional
 
 from optserve.protos import contract
 from optserve.protos.optserve.v1 import control_pb2
-from optserve.protos.status_records import DurabilityStatus, PreconditionerBlockStatus, RootOffloadStatus
+from optserve.protos.status_records import (DurabilityStatus, ElasticStatus, PreconditionerBlockStatus,
+                                           RootOffloadStatus, RoundRecord)
 
 # The per-shard records are the server's own, defined once in optserve.protos.status_records.
-__all__ = ["AcceptedPush", "DurabilityStatus", "PreconditionerBlockStatus", "RefusedPush", "RootOffloadStatus",
-           "ServerShardStatus", "SessionSeries", "SessionStatus", "ShardStatus"]
+__all__ = ["AcceptedPush", "DurabilityStatus", "ElasticStatus", "PreconditionerBlockStatus", "RefusedPush",
+           "RootOffloadStatus", "RoundRecord", "ServerShardStatus", "SessionSeries", "SessionStatus", "ShardStatus",
+           "StepOutcome"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutcome:
+    """What became of a session object's latest push (``Session.last_step``).
+
+    ``version``: the version its gradient went into (None when dropped); ``dropped``: None, or
+    ``"late"`` (an elastic session's round had committed without it: ``late="drop"``);
+    ``current_version``: the session's version when the push was answered."""
+
+    version: Optional[int]
+    dropped: Optional[str]
+    current_version: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +90,7 @@ class SessionStatus:
     staleness_max: int = 0
     last_activity_unix_s: float = 0.0
     rolled_back_from: int = 0
+    elastic: Optional[ElasticStatus] = None
 
     @classmethod
     def from_proto(cls, response: control_pb2.GetStatusResponse) -> "SessionStatus":
@@ -90,6 +106,7 @@ class SessionStatus:
             staleness_max=response.staleness_max,
             last_activity_unix_s=response.last_activity_unix_s,
             rolled_back_from=response.rolled_back_from,
+            elastic=ElasticStatus.from_proto(response.elastic) if response.HasField("elastic") else None,
         )
 
 

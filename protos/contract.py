@@ -514,6 +514,8 @@ MAX_CLIENT_ID_CHARS = 256
 CURRENT_VERSION_KEY = "optserve-current-version"
 # ... or "1" when another shard refused its part of the push (applied nowhere).
 PEER_REFUSED_KEY = "optserve-peer-refused"
+# ... or "1" beside the current version when an elastic session dropped a late gradient.
+LATE_KEY = "optserve-late"
 
 # How status reports and clients name each RejectReason.
 REJECT_REASON_NAMES: dict[int, str] = {

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from optserve.protos.optserve.v1 import control_pb2
+from optserve.protos.optserve.v1 import control_pb2, data_pb2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,3 +112,72 @@ class DurabilityStatus:
     def from_proto(cls, d: control_pb2.DurabilityStatus) -> "DurabilityStatus":
         return cls(d.durable_version, d.log_records, d.log_bytes, d.recoveries, d.checkpoint_seconds,
                    d.checkpoints_written, d.checkpoint_writing, d.log_direct, d.degraded)
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticStatus:
+    """An elastic sync session's membership and rounds (its clock's view).
+
+    Attributes:
+      members / stragglers: worker ids, sorted (stragglers: missed the last round they were waited for).
+      lease_expiries / disconnects: members that left by a lapsed lease / a dropped connection.
+      rounds_short: rounds committed with fewer than ``num_workers`` pushes.
+      late_dropped: late gradients dropped (``late="drop"``).
+      round_p50_s: median round duration (first push to commit) over the recent rounds.
+      straggler_s: the straggler deadline in force (seconds after a round's first push; 0: none yet).
+    """
+
+    members: tuple[str, ...] = ()
+    stragglers: tuple[str, ...] = ()
+    lease_expiries: int = 0
+    disconnects: int = 0
+    rounds_short: int = 0
+    late_dropped: int = 0
+    round_p50_s: float = 0.0
+    straggler_s: float = 0.0
+
+    def to_proto(self) -> control_pb2.ElasticStatus:
+        return control_pb2.ElasticStatus(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    @classmethod
+    def from_proto(cls, e: control_pb2.ElasticStatus) -> "ElasticStatus":
+        return cls(tuple(e.members), tuple(e.stragglers), e.lease_expiries, e.disconnects, e.rounds_short,
+                   e.late_dropped, e.round_p50_s, e.straggler_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundRecord:
+    """One committed version of an elastic sync session.
+
+    Attributes:
+      version: the version the round produced.
+      participants: worker ids whose gradients the update averaged, in ticket order.
+      scales: each participant's gradient scale in the mean (1 unless folded in late under SCALE).
+      late: workers whose late gradients were dropped while the round was open.
+      duration_s: first push to commit.
+      closed_by: "num_workers", "members", "deadline" or "left".
+    """
+
+    version: int
+    participants: tuple[str, ...]
+    scales: tuple[float, ...]
+    late: tuple[str, ...]
+    duration_s: float
+    closed_by: str
+
+    def to_json(self) -> dict:
+        return {"version": self.version, "participants": list(self.participants), "scales": list(self.scales),
+                "late": list(self.late), "duration_s": self.duration_s, "closed_by": self.closed_by}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "RoundRecord":
+        return cls(int(data["version"]), tuple(data["participants"]), tuple(float(s) for s in data["scales"]),
+                   tuple(data["late"]), float(data["duration_s"]), str(data["closed_by"]))
+
+    def to_proto(self) -> data_pb2.RoundRecord:
+        return data_pb2.RoundRecord(version=self.version, participants=self.participants, scales=self.scales,
+                                    late=self.late, duration_s=self.duration_s, closed_by=self.closed_by)
+
+    @classmethod
+    def from_proto(cls, r: data_pb2.RoundRecord) -> "RoundRecord":
+        return cls(r.version, tuple(r.participants), tuple(r.scales), tuple(r.late), r.duration_s, r.closed_by)

@@ -22,15 +22,18 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from optserve.server.domain.config import Mode, StalenessPolicy
+from optserve.protos.status_records import ElasticStatus, RoundRecord
+from optserve.server.domain.config import LatePolicy, Mode, StalenessPolicy, worker_of
 from optserve.server.domain.durability import CheckpointPolicy
-from optserve.server.domain.errors import OptservError, PeerRefused, Stale, Timeout, Unavailable
-from optserve.server.domain.staleness import decide
+from optserve.server.domain.errors import InvalidArgument, Late, OptservError, PeerRefused, Stale, Timeout, Unavailable
+from optserve.server.domain.rounds import Rounds
+from optserve.server.domain.staleness import Decision, decide
 
 _log = logging.getLogger(__name__)
 
 _KEEP_TICKETS = 4096
 _KEEP_SUMS = 64  # durable sessions: cross-shard sums remembered (by step) for shards that ask again
+ROUND_CLOSER = ""  # client_id of a ticket that commits an elastic round without a push (see Rounds.due)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +45,8 @@ class Ticket:
       client_id / sequence: the push.
       staleness / scale / closes_step: see :class:`optserve.server.domain.staleness.Decision`.
       target_version: the version of the step this push belongs to (after it is applied).
+        A ticket whose ``client_id`` is :data:`ROUND_CLOSER` carries no push: it commits an
+        elastic round with the pushes decided into it so far.
       checkpoint: durable sessions: every shard checkpoints right after applying this step
         (set on the ticket that closes a step, by the session's checkpoint policy).
     """
@@ -64,6 +69,11 @@ class Ticket:
         o, c, s, st, sc, cl, tv, ck = data
         return cls(int(o), str(c), int(s), int(st), float(sc), bool(cl), int(tv), bool(ck))
 
+    @property
+    def closes_round(self) -> bool:
+        """A push-less ticket that commits an elastic round."""
+        return self.client_id == ROUND_CLOSER
+
 
 @dataclasses.dataclass(frozen=True)
 class ClockStatus:
@@ -77,6 +87,7 @@ class ClockStatus:
     staleness_p50: int = 0
     staleness_max: int = 0
     last_activity_unix_s: float = 0.0
+    elastic: Optional[ElasticStatus] = None
 
 
 @dataclasses.dataclass
@@ -99,6 +110,8 @@ class SessionClock:
     checkpoints: Optional[CheckpointPolicy] = None  # durable sessions: when a step is checkpoint-due
     checkpoint_version: int = 0  # the version of the latest checkpoint-due step (0: initial values)
     checkpoint_time: float = dataclasses.field(default_factory=time.monotonic)
+    rounds: Optional[Rounds] = None  # elastic sync sessions: membership, round rules and history
+    late: LatePolicy = LatePolicy.DROP
 
     def commit(self, client_id: str, sequence: int, base_version: int) -> Ticket:
         """Returns the push's ticket, deciding it on the first call; raises the refusal otherwise."""
@@ -111,26 +124,82 @@ class SessionClock:
             raise Stale(f"push {sequence} of client {client_id!r} is older than its push {previous[0]}; "
                         f"current version is {self.version}", self.version)
         self.last_activity_unix_s = time.time()
+        closed_by = "num_workers"
         try:
-            decision = decide(
-                mode=self.mode, version=self.version, base_version=base_version, num_workers=self.num_workers,
-                pushes_in_step=len(self.step_clients), client_in_step=client_id in self.step_clients,
-                max_staleness=self.max_staleness, policy=self.policy, client_id=client_id,
-            )
+            if self.rounds is not None:
+                decision, closed_by = self._decide_elastic(client_id, base_version)
+            else:
+                decision = decide(
+                    mode=self.mode, version=self.version, base_version=base_version, num_workers=self.num_workers,
+                    pushes_in_step=len(self.step_clients), client_in_step=client_id in self.step_clients,
+                    max_staleness=self.max_staleness, policy=self.policy, client_id=client_id,
+                )
         except OptservError as exc:
-            self.stale += isinstance(exc, Stale)
+            self.stale += isinstance(exc, Stale) and not isinstance(exc, Late)
             self.last[client_id] = (sequence, exc)
             raise
-        checkpoint = decision.closes_step and self.checkpoints is not None and self.checkpoints.due(
-            self.version + 1 - self.checkpoint_version, time.monotonic() - self.checkpoint_time)
         ticket = Ticket(self.next_ordinal, client_id, sequence, decision.staleness, decision.scale,
-                        decision.closes_step, self.version + 1, checkpoint)
-        self.record(ticket)
+                        decision.closes_step, self.version + 1, decision.closes_step and self._checkpoint_due())
+        self.record(ticket, closed_by)
         return ticket
 
-    def record(self, ticket: Ticket) -> None:
+    def _checkpoint_due(self) -> bool:
+        """Durable sessions: the step being closed now is due for a checkpoint."""
+        return self.checkpoints is not None and self.checkpoints.due(
+            self.version + 1 - self.checkpoint_version, time.monotonic() - self.checkpoint_time)
+
+    def _decide_elastic(self, client_id: str, base_version: int) -> tuple[Decision, Optional[str]]:
+        """Elastic sync: decides a push into the open round (see :mod:`~optserve.server.domain.rounds`);
+        returns the decision and why it commits the round (None: it stays open)."""
+        worker, rounds, now = worker_of(client_id), self.rounds, time.monotonic()
+        if base_version > self.version:
+            raise InvalidArgument(f"push from worker {worker!r} has base_version {base_version} > current version "
+                                  f"{self.version}")
+        rounds.expire(now)
+        rounds.touch(worker, now)
+        staleness = self.version - base_version
+        if staleness and self.late is LatePolicy.DROP:
+            rounds.dropped_late(worker)
+            raise Late(f"late gradient: worker {worker!r} computed it from version {base_version}, whose round "
+                       f"already committed (current version {self.version}); dropped (late='drop'): pull the current "
+                       f"parameters and go on", self.version)
+        if staleness and self.max_staleness is not None and staleness > self.max_staleness:
+            raise Stale(f"late gradient of worker {worker!r} has staleness {staleness} > max_staleness "
+                        f"{self.max_staleness}; current version is {self.version}", self.version)
+        if rounds.in_round(worker):
+            raise InvalidArgument(f"worker {worker!r} already pushed for version {self.version}")
+        scale = 1.0 / (1.0 + staleness) if staleness and self.policy is StalenessPolicy.SCALE else 1.0
+        closed_by = rounds.closes_with(worker)
+        return Decision(staleness, scale, closed_by is not None), closed_by
+
+    def close_due(self, now: float) -> Optional[Ticket]:
+        """Elastic sync: a push-less ticket committing the open round, when it is due now (its
+        straggler deadline passed, or members left and everyone expected pushed); else None."""
+        if self.rounds is None:
+            return None
+        self.rounds.expire(now)
+        closed_by = self.rounds.due(now)
+        if closed_by is None:
+            return None
+        ticket = Ticket(self.next_ordinal, ROUND_CLOSER, 0, 0, 1.0, True, self.version + 1, self._checkpoint_due())
+        self.record(ticket, closed_by)
+        return ticket
+
+    def record(self, ticket: Ticket, closed_by: str = "replayed") -> None:
         """Books a decided ticket (a fresh decision, or one replayed from the ticket journal)."""
         self.next_ordinal = ticket.ordinal + 1
+        self.tickets[ticket.ordinal] = ticket
+        self.tickets.pop(ticket.ordinal - _KEEP_TICKETS, None)
+        if self.rounds is not None:
+            if not ticket.closes_round:
+                self.rounds.add(worker_of(ticket.client_id), ticket.scale, time.monotonic())
+            if ticket.closes_step:
+                self.rounds.commit(ticket.target_version, closed_by, time.monotonic())
+        if ticket.checkpoint:
+            self.checkpoint_version, self.checkpoint_time = ticket.target_version, time.monotonic()
+        if ticket.closes_round:
+            self.version += 1
+            return
         self.accepted += 1
         self.staleness_counts[ticket.staleness] = self.staleness_counts.get(ticket.staleness, 0) + 1
         if ticket.closes_step:
@@ -138,11 +207,7 @@ class SessionClock:
             self.step_clients.clear()
         else:
             self.step_clients.add(ticket.client_id)
-        if ticket.checkpoint:
-            self.checkpoint_version, self.checkpoint_time = ticket.target_version, time.monotonic()
         self.last[ticket.client_id] = (ticket.sequence, ticket)
-        self.tickets[ticket.ordinal] = ticket
-        self.tickets.pop(ticket.ordinal - _KEEP_TICKETS, None)
 
     def truncate(self, version: int, next_ordinal: int) -> int:
         """Forgets every ticket deciding a version after ``version`` (a restore brought the shards
@@ -152,9 +217,11 @@ class SessionClock:
         dropped = [t for t in self.tickets.values() if t.target_version > version]
         for ticket in dropped:
             del self.tickets[ticket.ordinal]
-        self.accepted -= len(dropped)
+        self.accepted -= sum(not t.closes_round for t in dropped)
         self.version, self.next_ordinal = min(self.version, version), next_ordinal
         self.step_clients = set()  # the open step was after ``version``: its tickets are gone
+        if self.rounds is not None:
+            self.rounds.forget_after(version)
         for client, (_, latest) in list(self.last.items()):
             if isinstance(latest, Ticket) and latest.target_version > version:
                 kept = [t for t in self.tickets.values() if t.client_id == client]
@@ -172,7 +239,8 @@ class SessionClock:
                 "last": {c: t.to_json() for c, (_, t) in self.last.items() if isinstance(t, Ticket)},
                 "tickets": [t.to_json() for t in self.tickets.values()], "accepted": self.accepted,
                 "stale": self.stale, "staleness_counts": {str(k): v for k, v in self.staleness_counts.items()},
-                "checkpoint_version": self.checkpoint_version}
+                "checkpoint_version": self.checkpoint_version,
+                "rounds": [r.to_json() for r in self.rounds.history] if self.rounds is not None else []}
 
     def restore(self, data: dict) -> None:
         """Takes back the state of :meth:`to_json` (the checkpoint clock restarts now)."""
@@ -183,10 +251,13 @@ class SessionClock:
         self.accepted, self.stale = int(data["accepted"]), int(data["stale"])
         self.staleness_counts = {int(k): int(v) for k, v in data["staleness_counts"].items()}
         self.checkpoint_version, self.checkpoint_time = int(data["checkpoint_version"]), time.monotonic()
+        if self.rounds is not None:
+            self.rounds.history = [RoundRecord.from_json(r) for r in data.get("rounds", [])]
 
     def status(self) -> ClockStatus:
         return ClockStatus(self.version, self.accepted, self.stale, _median(self.staleness_counts),
-                           max(self.staleness_counts, default=0), self.last_activity_unix_s)
+                           max(self.staleness_counts, default=0), self.last_activity_unix_s,
+                           self.rounds.status() if self.rounds is not None else None)
 
 
 def _median(counts: dict) -> int:
@@ -201,7 +272,8 @@ def _median(counts: dict) -> int:
 
 def new_session_clock(config, checkpoints: Optional[CheckpointPolicy] = None) -> SessionClock:
     return SessionClock(config.mode, config.num_workers, config.max_staleness, config.staleness_policy,
-                        checkpoints=checkpoints)
+                        checkpoints=checkpoints, rounds=Rounds(config) if config.is_elastic else None,
+                        late=config.elastic.late)
 
 
 class _VoteRound:
@@ -271,13 +343,67 @@ class LocalClock:
     def _commit_locked(self, client_id: str, sequence: int, base_version: int) -> Ticket:
         fresh_from = self._clock.next_ordinal
         ticket = self._clock.commit(client_id, sequence, base_version)
-        if self._journal is not None and ticket.ordinal >= fresh_from:
+        if ticket.ordinal >= fresh_from:
             try:
-                self._journal(ticket.to_json())
+                self._write_journal(ticket)
             except OSError as exc:  # decided all the same: a restore rebuilds it from the shards' step logs
                 raise Unavailable(f"push {sequence} of client {client_id!r}: the ticket journal could not be "
                                   f"written ({exc}); retry") from None
         return ticket
+
+    def _write_journal(self, ticket: Ticket) -> None:
+        """Journals a fresh ticket, and the record of the elastic round it commits (lock held)."""
+        if self._journal is None:
+            return
+        self._journal(ticket.to_json())
+        if ticket.closes_step and self._clock.rounds is not None:
+            self._journal({"round": self._clock.rounds.history[-1].to_json()})
+
+    def _close_round_if_due(self) -> None:
+        """Elastic sync: commits the open round without a push when it is due (lock held); the
+        shards find the closing ticket when they next ask for the ticket whose turn it is."""
+        ticket = self._clock.close_due(time.monotonic())
+        if ticket is None:
+            return
+        try:
+            self._write_journal(ticket)
+        except OSError as exc:  # a restore rebuilds it from the shards' step logs
+            _log.error("event=round_not_journaled version=%d error=%s", ticket.target_version, exc)
+        self._cond.notify_all()
+
+    def membership(self, worker: str, action: str) -> tuple[int, list[str], float]:
+        """Elastic sync: ``action`` "join" / "renew" / "leave" for ``worker``; returns the version,
+        the members and the lease (seconds).
+
+        Raises:
+          FailedPrecondition-like InvalidArgument: the session is not elastic.
+          ResourceExhausted: joining past ``max_workers``.
+        """
+        with self._cond:
+            rounds = self._clock.rounds
+            if rounds is None:
+                raise InvalidArgument("membership is for elastic sync sessions (min_workers < num_workers or "
+                                      "max_workers > num_workers)")
+            if action == "leave":
+                rounds.leave(worker)
+            else:
+                rounds.expire(time.monotonic())
+                rounds.touch(worker, time.monotonic())
+            self._close_round_if_due()
+            return self._clock.version, rounds.members(), rounds.lease_s
+
+    def disconnected(self, worker: str) -> None:
+        """Elastic sync: ``worker``'s connection to the home shard dropped: it leaves now."""
+        with self._cond:
+            if self._clock.rounds is not None and self._clock.rounds.leave(worker, disconnected=True):
+                _log.info("event=member_disconnected worker=%s", worker)
+                self._close_round_if_due()
+
+    def history(self, since: int) -> list[RoundRecord]:
+        """Elastic sync: the records of the versions after ``since`` (empty for other sessions)."""
+        with self._cond:
+            rounds = self._clock.rounds
+            return rounds.since(since) if rounds is not None else []
 
     def restore(self, state: Optional[dict], journal: list, replayed: Sequence[Ticket] = (),
                 settle_at: Optional[tuple[int, int]] = None) -> None:
@@ -291,8 +417,11 @@ class LocalClock:
             if state is not None:
                 self._clock.restore(state)
                 self._totals.update({int(k): float(v) for k, v in state.get("sums", {}).items()})
-            tickets = {}
+            tickets, records = {}, []
             for entry in journal:
+                if isinstance(entry, dict) and "round" in entry:
+                    records.append(RoundRecord.from_json(entry["round"]))
+                    continue
                 if isinstance(entry, dict):
                     self._totals[int(entry["sum"])] = float(entry["total"])
                     continue
@@ -303,6 +432,10 @@ class LocalClock:
             for ordinal in sorted(tickets):
                 if ordinal >= self._clock.next_ordinal:
                     self._clock.record(tickets[ordinal])
+            if self._clock.rounds is not None:  # the journal's records are exact (replayed ones lack timings)
+                for record in records:
+                    if record.version <= self._clock.version:
+                        self._clock.rounds.keep(record)
             if settle_at is not None:
                 self._clock.truncate(*settle_at)
 
@@ -331,7 +464,10 @@ class LocalClock:
             self._down.pop(shard_index, None)
 
     def ticket(self, ordinal: int) -> Optional[Ticket]:
+        """The decided ticket ``ordinal`` (None: not decided yet). Shards waiting in an elastic
+        round ask for its next ticket while they wait: the round commits here when due."""
         with self._cond:
+            self._close_round_if_due()
             return self._clock.tickets.get(ordinal)
 
     def vote(self, client_id: str, sequence: int, base_version: int, shard_index: int, staged: bool,
@@ -448,4 +584,5 @@ class LocalClock:
 
     def status(self) -> ClockStatus:
         with self._cond:
+            self._close_round_if_due()  # lapsed leases are counted (and may commit the open round)
             return self._clock.status()

@@ -51,6 +51,67 @@ class StalenessPolicy(enum.Enum):
     SCALE = 2
 
 
+class LatePolicy(enum.Enum):
+    """Elastic sync: a gradient computed from a version whose round already closed is dropped
+    (counted, and its worker told) or folded into the open round (NEXT) under the staleness policy."""
+
+    DROP = 1
+    NEXT = 2
+
+
+DEFAULT_LEASE_S = 5.0
+MAX_WORKER_ID = 64
+WORKER_SEPARATOR = "/"  # a push's client_id is "<worker_id>/<instance>" (a bare client_id is its own worker)
+
+
+def worker_of(client_id: str) -> str:
+    """The worker a push's ``client_id`` belongs to (its part before the first '/')."""
+    return client_id.split(WORKER_SEPARATOR, 1)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticOptions:
+    """Sync sessions whose workers come and go (see :mod:`optserve.server.domain.rounds`).
+
+    Attributes:
+      min_workers: a round may commit with this many pushes (at the straggler deadline, or once
+        every current member pushed); None: ``num_workers`` (strict rounds).
+      max_workers: most members at once; None: ``num_workers``.
+      lease_s: a member not heard of (push, pull, renewal) for this long leaves.
+      straggler_s: seconds after a round's first push at which it commits with whoever pushed (at
+        least ``min_workers``); None: adaptive, half the median of the last 16 round periods
+        (commit to commit), at least 50 ms, and none before two rounds committed.
+      late: what happens to a gradient whose round already closed.
+    """
+
+    min_workers: Optional[int] = None
+    max_workers: Optional[int] = None
+    lease_s: float = DEFAULT_LEASE_S
+    straggler_s: Optional[float] = None
+    late: LatePolicy = LatePolicy.DROP
+
+    def __post_init__(self):
+        for name in ("min_workers", "max_workers"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise InvalidArgument(f"{name} must be >= 1, got {value}")
+        if not (math.isfinite(self.lease_s) and self.lease_s > 0):
+            raise InvalidArgument(f"lease_s must be a finite number > 0, got {self.lease_s}")
+        if self.straggler_s is not None and not (math.isfinite(self.straggler_s) and self.straggler_s > 0):
+            raise InvalidArgument(f"straggler_s must be a finite number > 0 (or unset: adaptive), got {self.straggler_s}")
+
+    def to_json(self) -> dict:
+        return {"min_workers": self.min_workers, "max_workers": self.max_workers, "lease_s": self.lease_s,
+                "straggler_s": self.straggler_s, "late": self.late.name}
+
+    @classmethod
+    def from_json(cls, data: Optional[dict]) -> "ElasticOptions":
+        if not data:
+            return cls()
+        return cls(data["min_workers"], data["max_workers"], float(data["lease_s"]), data["straggler_s"],
+                   LatePolicy[data["late"]])
+
+
 MAX_TENSOR_BYTES = (1 << 63) - 1  # chunk offsets and byte counts are int64 on the wire
 
 
@@ -114,6 +175,7 @@ class SessionConfig:
       allow_nonfinite: pass NaN/Inf gradients to the optimizer instead of rejecting them.
       wire_dtype: default wire dtype advertised to clients (None: each tensor's own).
       preconditioners: Shampoo only: where its inverse roots are computed, and their age bound.
+      elastic: sync: membership and rounds (``min_workers``, ``max_workers``, leases, stragglers).
     """
 
     name: str
@@ -127,6 +189,7 @@ class SessionConfig:
     allow_nonfinite: bool = False
     wire_dtype: Optional[DType] = None
     preconditioners: PreconditionerOptions = dataclasses.field(default_factory=PreconditionerOptions)
+    elastic: ElasticOptions = dataclasses.field(default_factory=ElasticOptions)
 
     def __post_init__(self):
         if not 1 <= len(self.name) <= 200:
@@ -141,6 +204,23 @@ class SessionConfig:
             raise InvalidArgument(f"num_workers must be >= 1, got {self.num_workers}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise InvalidArgument(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if not self.min_workers <= self.num_workers <= self.max_workers:
+            raise InvalidArgument(f"min_workers <= num_workers <= max_workers must hold, got {self.min_workers}, "
+                                  f"{self.num_workers}, {self.max_workers}")
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers if self.elastic.min_workers is None else self.elastic.min_workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers if self.elastic.max_workers is None else self.elastic.max_workers
+
+    @property
+    def is_elastic(self) -> bool:
+        """Sync rounds with membership: ``min_workers < num_workers`` or ``max_workers > num_workers``
+        (otherwise a round is exactly ``num_workers`` pushes, from any clients)."""
+        return self.mode is Mode.SYNC and (self.min_workers < self.num_workers or self.max_workers > self.num_workers)
 
     @property
     def spec_by_name(self) -> dict[str, TensorSpec]:
@@ -161,6 +241,7 @@ class SessionConfig:
             "staleness_policy": self.staleness_policy.name, "allow_nonfinite": self.allow_nonfinite,
             "wire_dtype": self.wire_dtype.name if self.wire_dtype is not None else None,
             "preconditioners": dataclasses.asdict(self.preconditioners),
+            "elastic": self.elastic.to_json(),
         }
 
     @classmethod
@@ -173,6 +254,7 @@ class SessionConfig:
             staleness_policy=StalenessPolicy[data["staleness_policy"]], allow_nonfinite=bool(data["allow_nonfinite"]),
             wire_dtype=DType[data["wire_dtype"]] if data["wire_dtype"] else None,
             preconditioners=PreconditionerOptions(**data["preconditioners"]),
+            elastic=ElasticOptions.from_json(data.get("elastic")),
         )
 
 

@@ -54,6 +54,14 @@ class Stale(OptservError):
         return (Stale, (str(self), self.current_version))
 
 
+class Late(Stale):
+    """Elastic sync (late = drop): the push's round already closed; it was counted and dropped.
+    Not a failure of the worker: it pulls the current version and goes on."""
+
+    def __reduce__(self):
+        return (Late, (str(self), self.current_version))
+
+
 class PeerRefused(OptservError):
     """Another shard refused its part of a push (or never staged it): applied nowhere."""
 

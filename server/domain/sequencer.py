@@ -26,7 +26,7 @@ import numpy as np
 
 from optserve.server.compute.buffers import IO_ALIGNMENT, aligned_empty
 from optserve.server.domain.clock import Ticket
-from optserve.server.domain.config import Mode, SessionConfig
+from optserve.server.domain.config import Mode, SessionConfig, worker_of
 from optserve.server.domain.durability import ShardProgress
 from optserve.server.domain.errors import Timeout
 
@@ -42,12 +42,14 @@ class GatheredStep:
         the step closes: the shard is then at a step boundary).
       count: how many pushes ``total`` sums.
       clients: the clients whose pushes it holds, in ticket order (for a timeout's message).
+      workers: their workers (see :func:`~optserve.server.domain.config.worker_of`).
       tickets: those pushes' entries (the closing push's entry is added when the step is logged).
     """
 
     total: Optional[dict[str, np.ndarray]] = None
     count: int = 0
     clients: list[str] = dataclasses.field(default_factory=list)
+    workers: list[str] = dataclasses.field(default_factory=list)
     tickets: list[TicketEntry] = dataclasses.field(default_factory=list)
 
 
@@ -130,19 +132,24 @@ class Sequencer:
 
     def applied(self, ticket: Ticket) -> None:
         """``ticket``'s push is applied here (a retry of it applies nothing)."""
-        self.applied_sequence[ticket.client_id] = ticket.sequence
+        if not ticket.closes_round:
+            self.applied_sequence[ticket.client_id] = ticket.sequence
 
     # ----------------------------------------------------------------- sync steps
-    def add(self, grads: dict[str, np.ndarray]) -> None:
-        """Sync: adds one push of the open step to its sum (``grads`` are only read)."""
+    def add(self, grads: dict[str, np.ndarray], ticket: Ticket) -> None:
+        """Sync: adds ``ticket``'s push to the open step's sum, times the ticket's scale (1 but for
+        a late gradient folded in under the SCALE policy); ``grads`` are only read."""
         step = self.step
+        scale = None if ticket.scale == 1.0 else np.float32(ticket.scale)
         if step.total is None:
             step.total = {name: aligned_empty(g.shape, g.dtype, IO_ALIGNMENT) for name, g in grads.items()}
             for name, g in grads.items():
                 np.copyto(step.total[name], g)
+                if scale is not None:
+                    step.total[name] *= scale
         else:
             for name, g in grads.items():
-                step.total[name] += g
+                step.total[name] += g if scale is None else g * scale
         step.count += 1
 
     def hold_or_close(self, ticket: Ticket) -> Optional[tuple[dict[str, np.ndarray], tuple[TicketEntry, ...]]]:
@@ -151,6 +158,7 @@ class Sequencer:
         step = self.step
         if not ticket.closes_step:
             step.clients.append(ticket.client_id)
+            step.workers.append(worker_of(ticket.client_id))
             step.tickets.append(entry(ticket))
             return None
         mean = {name: np.divide(s, np.float32(step.count), out=s) for name, s in step.total.items()}

@@ -33,7 +33,7 @@ import numpy as np
 from optserve.server.compute.updater import Updater
 from optserve.server.domain.assembly import TensorAssembler
 from optserve.server.domain.clock import Ticket
-from optserve.server.domain.config import Limits, SessionConfig, TensorSpec
+from optserve.server.domain.config import Limits, SessionConfig, TensorSpec, worker_of
 from optserve.server.domain.durability import SessionStore, StepRecord
 from optserve.server.domain.errors import (FailedPrecondition, InvalidArgument, OptservError, PeerRefused,
                                            PermissionDenied, RejectReason, Stale, Timeout, Unavailable)
@@ -100,6 +100,7 @@ class ShardSession:
                                     self._refusals)
         self._cond = threading.Condition()  # guards version, _sequencer and the updater's state
         self._sequencer = Sequencer(config, shard_index, step_timeout_s)
+        self._elastic = config.is_elastic
         self._abandoned: Optional[OptservError] = None  # set by abandon(): every wait raises it
         self._durability = ShardDurability(store)
         self.last_activity_unix_s = time.time()  # a client's last push, commit, pull or init here (see touch)
@@ -286,14 +287,37 @@ class ShardSession:
                     raise sequencer.gap_timeout()
             while self.version < ticket.target_version:
                 self._raise_if_abandoned()
-                if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    raise Timeout(sequencer.step_timeout_message(ticket, time.monotonic() - started))
+                if self._elastic:  # the round may commit without a push: ask the clock for its next ticket
+                    pending = sequencer.next_ready(self._awaits_resend)
+                    if pending is not None:
+                        self._apply_ticket(pending)
+                        self._cond.notify_all()
+                        continue
+                    if not self._cond.wait(timeout=max(0.0, min(_GAP_POLL_S, deadline - time.monotonic()))):
+                        sequencer.poll_missing(self._clock)
+                    if time.monotonic() <= deadline:
+                        continue
+                elif self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    continue
+                raise Timeout(self._step_timeout_message(ticket, time.monotonic() - started))
+
+    def _step_timeout_message(self, ticket: Ticket, waited_s: float) -> str:
+        """Why ``ticket``'s step did not complete (an elastic session's home shard names the members
+        that did not push)."""
+        message = self._sequencer.step_timeout_message(ticket, waited_s)
+        status = self._clock.status() if self._elastic else None
+        if status is None or status.elastic is None:
+            return message
+        missing = sorted(set(status.elastic.members) - set(self._sequencer.step.workers))
+        return (f"{message}; min_workers={self.config.min_workers}, members now: "
+                f"{', '.join(status.elastic.members) or 'none'}; not pushed: {', '.join(missing) or 'none'}")
 
     def _awaits_resend(self, ticket: Ticket) -> bool:
         """A durable session's ticket whose push is not staged here: it was decided before this
         shard restarted (its staged copy died with the process) and is applied once its client,
         retrying, sends it again. (Without durability such a ticket is a fault: see _apply_ticket.)"""
-        return self._durability.enabled and not self._staging.holds((ticket.client_id, ticket.sequence))
+        return (self._durability.enabled and not ticket.closes_round
+                and not self._staging.holds((ticket.client_id, ticket.sequence)))
 
     def _apply_ticket(self, ticket: Ticket) -> None:
         """Applies the ticket whose turn it is (call with ``_cond`` held): async, its push runs the
@@ -306,6 +330,11 @@ class ShardSession:
             except Unavailable:
                 self._sequencer.arrive(ticket)  # still its turn: applied by the retry once there is room
                 raise
+        if ticket.closes_round:  # an elastic round committed without a further push
+            self._sequencer.advance(ticket)
+            mean, tickets = self._sequencer.hold_or_close(ticket)
+            self._update(mean, ticket, tickets, scale=1.0)
+            return
         staged = self._staging.take((ticket.client_id, ticket.sequence))
         self._sequencer.advance(ticket)
         if staged is None:
@@ -319,29 +348,30 @@ class ShardSession:
             self.series.accepted(ticket.target_version, ticket.staleness, staged.telemetry)
         grads = staged.grads
         if self._sequencer.sync:
-            self._sequencer.add(grads)
+            self._sequencer.add(grads, ticket)
             self._staging.release(grads)
             closed = self._sequencer.hold_or_close(ticket)
-            if closed is not None:
+            if closed is not None:  # each push's scale is in the mean already
                 mean, tickets = closed
-                self._update(mean, ticket, tickets)
+                self._update(mean, ticket, tickets, scale=1.0)
             return
         self._update(grads, ticket, (entry(ticket),), release=lambda: self._staging.release(grads))
 
     def _update(self, grads: dict[str, np.ndarray], ticket: Ticket, tickets: tuple,
-                release: Optional[Callable[[], None]] = None) -> None:
-        """Applies one step, then ``release()`` (the gradient buffers may be reused). A durable
-        session also logs the step (in the background: its answers wait for it, see
-        :class:`Receipt`) and checkpoints after it when the ticket says so."""
+                release: Optional[Callable[[], None]] = None, scale: Optional[float] = None) -> None:
+        """Applies one step scaled by ``scale`` (None: the ticket's), then ``release()`` (the
+        gradient buffers may be reused). A durable session also logs the step (in the background:
+        its answers wait for it, see :class:`Receipt`) and checkpoints after it when the ticket says so."""
+        scale = ticket.scale if scale is None else scale
         start = time.perf_counter()
         self._durability.begin_step(grads, self.specs)  # the gradient goes to the log while the update runs
         try:
-            global_stat = self.updater.apply(grads, ticket.scale, lambda partial: self._clock.reduce_sum(
+            global_stat = self.updater.apply(grads, scale, lambda partial: self._clock.reduce_sum(
                 ticket.target_version, self.shard_index, partial))
         except BaseException:
             self._durability.abort_step()
             raise
-        self._durability.end_step(StepRecord(ticket.target_version, tickets, ticket.scale, global_stat), release)
+        self._durability.end_step(StepRecord(ticket.target_version, tickets, scale, global_stat), release)
         self.version = ticket.target_version
         self.observer.applied(time.perf_counter() - start)
         if ticket.checkpoint and self._durability.enabled:
@@ -417,6 +447,29 @@ class ShardSession:
     def close_store(self) -> None:
         """Finishes a checkpoint being written and closes the log (the session is closing)."""
         self._durability.close()
+
+    # ----------------------------------------------------------------- elastic membership (home shard)
+    def membership(self, worker: str, action: str) -> tuple[int, list[str], float]:
+        """Elastic sync: ``worker`` joins, renews its lease or leaves ("join" / "renew" / "leave");
+        returns the version, the members and the lease in seconds."""
+        self.touch()
+        return self._home_clock("membership").membership(worker, action)
+
+    def history(self, since: int) -> list:
+        """Elastic sync: the :class:`~optserve.server.domain.rounds.RoundRecord` of each version after ``since``."""
+        return self._home_clock("history").history(since)
+
+    def disconnected(self, client_id: str) -> None:
+        """The connection that carried ``client_id``'s pushes dropped: in an elastic session its
+        worker leaves now (the home shard keeps the membership; elsewhere nothing to do)."""
+        if self._elastic and self._is_home:
+            self._clock.disconnected(worker_of(client_id))
+
+    def _home_clock(self, what: str):
+        if not self._is_home:
+            raise FailedPrecondition(f"session {self.config.name!r}: {what} is kept by its home shard (the first "
+                                     f"shard of its shard map), not shard {self.shard_index}")
+        return self._clock
 
     # ----------------------------------------------------------------- reading
     def snapshot(self) -> tuple[int, dict[str, np.ndarray]]:

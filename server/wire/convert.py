@@ -12,8 +12,8 @@ from typing import Optional
 from optserve.protos.optserve.v1 import control_pb2, tensor_pb2
 from optserve.protos.status_records import RootStatus
 from optserve.server.domain.assembly import wire_dtype
-from optserve.server.domain.config import (Limits, Mode, PreconditionerOptions, SessionConfig, StalenessPolicy,
-                                           TensorSpec)
+from optserve.server.domain.config import (DEFAULT_LEASE_S, ElasticOptions, LatePolicy, Limits, Mode,
+                                           PreconditionerOptions, SessionConfig, StalenessPolicy, TensorSpec)
 from optserve.server.domain.coordinator import AttachExpectation, SessionRecord, SessionStatus
 from optserve.server.domain.errors import InvalidArgument, RejectReason
 from optserve.server.wire.limits import check_optimizer_args, check_session_request
@@ -49,7 +49,21 @@ def session_config_from_proto(message: control_pb2.SessionConfig, limits: Option
         staleness_policy=policy,
         allow_nonfinite=message.allow_nonfinite,
         wire_dtype=wire,
+        elastic=_elastic_options(message),
     )
+
+
+def _elastic_options(message: control_pb2.SessionConfig) -> ElasticOptions:
+    try:
+        late = LatePolicy(message.late or LatePolicy.DROP.value)
+    except ValueError:
+        raise InvalidArgument(f"late must be LATE_POLICY_DROP or LATE_POLICY_NEXT, got {message.late}") from None
+    for name in ("min_workers", "max_workers"):
+        if getattr(message, name) < 0:
+            raise InvalidArgument(f"{name} must be >= 1 (0: num_workers), got {getattr(message, name)}")
+    return ElasticOptions(min_workers=message.min_workers or None, max_workers=message.max_workers or None,
+                          lease_s=message.lease_s or DEFAULT_LEASE_S, straggler_s=message.straggler_s or None,
+                          late=late)
 
 
 def _optimizer_args(spec: control_pb2.OptimizerSpec, limits: Limits) -> dict:
@@ -96,6 +110,8 @@ def session_config_to_proto(config: SessionConfig) -> control_pb2.SessionConfig:
         staleness_policy=config.staleness_policy.value,
         allow_nonfinite=config.allow_nonfinite,
         wire_dtype=config.wire_dtype.value if config.wire_dtype else tensor_pb2.DTYPE_UNSPECIFIED,
+        min_workers=config.elastic.min_workers or 0, max_workers=config.elastic.max_workers or 0,
+        lease_s=config.elastic.lease_s, straggler_s=config.elastic.straggler_s or 0.0, late=config.elastic.late.value,
     )
 
 
@@ -146,6 +162,7 @@ def status_to_proto(status: SessionStatus) -> control_pb2.GetStatusResponse:
         staleness_max=status.clock.staleness_max,
         last_activity_unix_s=status.last_activity_unix_s,
         rolled_back_from=status.rolled_back_from,
+        elastic=status.clock.elastic.to_proto() if status.clock.elastic is not None else None,
         rejected=[control_pb2.RejectCount(reason=r.value, count=c)
                   for r, c in sorted(rejected.items(), key=lambda item: item[0].value)],
         shards=[

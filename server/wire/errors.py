@@ -145,7 +145,8 @@ def _abort(context: grpc.ServicerContext, exc: BaseException, rpc: str = "", ref
         message = clean_message(str(inner))
         log_event(log, refusal_level, "rpc_refused", rpc=rpc, code=code.name, message=message)
     if isinstance(inner, errors.Stale):
-        context.set_trailing_metadata(((contract.CURRENT_VERSION_KEY, str(inner.current_version)),))
+        late = ((contract.LATE_KEY, "1"),) if isinstance(inner, errors.Late) else ()
+        context.set_trailing_metadata(((contract.CURRENT_VERSION_KEY, str(inner.current_version)),) + late)
     elif isinstance(inner, errors.PeerRefused):
         context.set_trailing_metadata(((contract.PEER_REFUSED_KEY, "1"),))
     context.abort(code, _bounded(message))

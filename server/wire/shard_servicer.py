@@ -26,8 +26,8 @@ import grpc
 from optserve.protos import chunk_codec, contract
 from optserve.protos.optserve.v1 import data_pb2, data_pb2_grpc, tensor_pb2
 from optserve.server.domain.assembly import wire_dtype
-from optserve.server.domain.config import DType
-from optserve.server.domain.errors import Cancelled, InvalidArgument, ResourceExhausted
+from optserve.server.domain.config import MAX_WORKER_ID, WORKER_SEPARATOR, DType
+from optserve.server.domain.errors import Cancelled, InvalidArgument, OptservError, ResourceExhausted
 from optserve.server.domain.shard_session import PushHeader, Receipt, ShardRegistry, ShardSession
 from optserve.server.domain.telemetry import Telemetry
 from optserve.server.wire.errors import grpc_errors, safe_decoder
@@ -45,8 +45,22 @@ def _first(requests: Iterator, field: str, what: str):
     return request
 
 
+_MEMBERSHIP_ACTIONS = {data_pb2.MEMBERSHIP_JOIN: "join", data_pb2.MEMBERSHIP_RENEW: "renew",
+                       data_pb2.MEMBERSHIP_LEAVE: "leave"}
+
+
+def _worker_id(worker_id: str) -> str:
+    """A Membership request's worker id: 1-64 characters without '/'."""
+    if not 1 <= len(worker_id) <= MAX_WORKER_ID or WORKER_SEPARATOR in worker_id:
+        raise InvalidArgument(f"Membership: worker_id must have 1-{MAX_WORKER_ID} characters and no "
+                              f"{WORKER_SEPARATOR!r}, got {worker_id[:80]!r}")
+    return worker_id
+
+
 def _client_id(client_id: str, what: str) -> str:
     """``client_id``, if it is at most :data:`~optserve.protos.contract.MAX_CLIENT_ID_CHARS` long."""
+    if not client_id:
+        raise InvalidArgument(f"{what}: client_id must be non-empty")
     if len(client_id) > contract.MAX_CLIENT_ID_CHARS:
         raise InvalidArgument(f"{what}: client_id has {len(client_id)} characters, more than "
                               f"{contract.MAX_CLIENT_ID_CHARS}")
@@ -96,11 +110,12 @@ class _OpenStream:
     message, None while a step runs; ``served``: a step ran on it; ``evicted`` once
     :class:`_OpenStreams` ended it."""
 
-    __slots__ = ("context", "tenant", "idle_since", "served", "evicted")
+    __slots__ = ("context", "tenant", "idle_since", "served", "evicted", "pushers")
 
     def __init__(self, context, tenant: str = ""):
         self.context = context
         self.tenant = tenant
+        self.pushers: dict[tuple[int, str], ShardSession] = {}  # elastic sessions' pushers on this call
         self.idle_since: Optional[float] = time.monotonic()
         self.served = False
         self.evicted = False
@@ -305,6 +320,7 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
                     return
                 kind = first.WhichOneof("item")
                 started = time.perf_counter()
+                self._note_pusher(stream, first, context)
                 if kind == "step":
                     closing = yield from self._one_message_step(first.step, context, started)
                 elif kind == "header" and first.header.auto_commit:
@@ -318,6 +334,36 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
                 self._streams.idle(stream)
         finally:
             self._streams.close(stream)
+            if stream.pushers and not stream.evicted and not context.is_active():
+                for (_, client_id), session in stream.pushers.items():  # the client vanished: see _note_pusher
+                    session.disconnected(client_id)
+
+    def _note_pusher(self, stream: _OpenStream, first, context) -> None:
+        """Elastic sessions: remembers who pushes on this call, so that a call ended by its client
+        going away (not by this shard) makes that worker leave at once (no lease to wait out)."""
+        header = first.step.header if first.WhichOneof("item") == "step" else first.header
+        if not header.session or not header.client_id:
+            return
+        try:
+            session = self._session(header.session, context)
+        except OptservError:
+            return  # the step itself reports it
+        if session.config.is_elastic:
+            stream.pushers[(id(session), header.client_id)] = session
+
+    @grpc_errors
+    def Membership(self, request, context):
+        session = self._session(request.session, context)
+        action = _MEMBERSHIP_ACTIONS.get(request.action)
+        if action is None:
+            raise InvalidArgument(f"Membership: action must be JOIN, RENEW or LEAVE, got {request.action}")
+        version, members, lease_s = session.membership(_worker_id(request.worker_id), action)
+        return data_pb2.MembershipResponse(version=version, members=members, lease_s=lease_s)
+
+    @grpc_errors
+    def History(self, request, context):
+        records = self._session(request.session, context).history(request.since)
+        return data_pb2.HistoryResponse(records=[r.to_proto() for r in records])
 
     # ------------------------------------------------------------- framings
     def _one_message_step(self, step: data_pb2.PushPullStep, context, started: float):
@@ -530,7 +576,7 @@ def add_to_server(registry: ShardRegistry, server: grpc.Server, max_open_streams
         **{method: grpc.unary_unary_rpc_method_handler(
             getattr(servicer, method), request_deserializer=safe_decoder(getattr(data_pb2, f"{method}Request").FromString),
             response_serializer=getattr(data_pb2, f"{method}Response").SerializeToString)
-           for method in ("OfferSharedMemory", "OpenSharedMemory", "CloseSharedMemory")},
+           for method in ("OfferSharedMemory", "OpenSharedMemory", "CloseSharedMemory", "Membership", "History")},
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("optserve.v1.ShardData", handlers),))
     return servicer

@@ -79,6 +79,16 @@ class ShardDataStub:
                 request_serializer=optserve_dot_v1_dot_data__pb2.CloseSharedMemoryRequest.SerializeToString,
                 response_deserializer=optserve_dot_v1_dot_data__pb2.CloseSharedMemoryResponse.FromString,
                 _registered_method=True)
+        self.Membership = channel.unary_unary(
+                '/optserve.v1.ShardData/Membership',
+                request_serializer=optserve_dot_v1_dot_data__pb2.MembershipRequest.SerializeToString,
+                response_deserializer=optserve_dot_v1_dot_data__pb2.MembershipResponse.FromString,
+                _registered_method=True)
+        self.History = channel.unary_unary(
+                '/optserve.v1.ShardData/History',
+                request_serializer=optserve_dot_v1_dot_data__pb2.HistoryRequest.SerializeToString,
+                response_deserializer=optserve_dot_v1_dot_data__pb2.HistoryResponse.FromString,
+                _registered_method=True)
 
 
 class ShardDataServicer:
@@ -162,6 +172,21 @@ class ShardDataServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Membership(self, request, context):
+        """Elastic sync sessions, on the session's home shard (the first of its shard map): joins,
+        renews the lease of, or removes a worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def History(self, request, context):
+        """Elastic sync sessions, on the home shard: the record of each committed version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardDataServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -209,6 +234,16 @@ def add_ShardDataServicer_to_server(servicer, server):
                     servicer.CloseSharedMemory,
                     request_deserializer=optserve_dot_v1_dot_data__pb2.CloseSharedMemoryRequest.FromString,
                     response_serializer=optserve_dot_v1_dot_data__pb2.CloseSharedMemoryResponse.SerializeToString,
+            ),
+            'Membership': grpc.unary_unary_rpc_method_handler(
+                    servicer.Membership,
+                    request_deserializer=optserve_dot_v1_dot_data__pb2.MembershipRequest.FromString,
+                    response_serializer=optserve_dot_v1_dot_data__pb2.MembershipResponse.SerializeToString,
+            ),
+            'History': grpc.unary_unary_rpc_method_handler(
+                    servicer.History,
+                    request_deserializer=optserve_dot_v1_dot_data__pb2.HistoryRequest.FromString,
+                    response_serializer=optserve_dot_v1_dot_data__pb2.HistoryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -454,6 +489,60 @@ class ShardData:
             '/optserve.v1.ShardData/CloseSharedMemory',
             optserve_dot_v1_dot_data__pb2.CloseSharedMemoryRequest.SerializeToString,
             optserve_dot_v1_dot_data__pb2.CloseSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Membership(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/optserve.v1.ShardData/Membership',
+            optserve_dot_v1_dot_data__pb2.MembershipRequest.SerializeToString,
+            optserve_dot_v1_dot_data__pb2.MembershipResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def History(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/optserve.v1.ShardData/History',
+            optserve_dot_v1_dot_data__pb2.HistoryRequest.SerializeToString,
+            optserve_dot_v1_dot_data__pb2.HistoryResponse.FromString,
             options,
             channel_credentials,
             insecure,
