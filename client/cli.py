@@ -79,14 +79,25 @@ def collect(client) -> dict:
             "durable_version": (min(s.durability.durable_version for s in status.shards)
                                 if all(s.durability is not None for s in status.shards) else None),
             "recoveries": sum(s.durability.recoveries for s in status.shards if s.durability is not None),
+            # elastic sync sessions: membership and rounds (None for the others)
+            "elastic": dataclasses.asdict(status.elastic) if status.elastic is not None else None,
         })
     shards = [dataclasses.asdict(s) for s in client.server_status()]
     return {"sessions": sessions, "lost_sessions": lost, "shards": shards}
 
 
+def _mode(session: dict) -> str:
+    """The mode cell: an elastic session adds its members and stragglers."""
+    elastic = session.get("elastic")
+    if not elastic:
+        return session["mode"]
+    stragglers = f", {len(elastic['stragglers'])} straggling" if elastic["stragglers"] else ""
+    return f"{session['mode']} elastic ({len(elastic['members'])} members{stragglers})"
+
+
 def render(report: dict, now: Optional[float] = None) -> str:
     now = time.time() if now is None else now
-    sessions = [[s["name"], s["mode"], s["optimizer"], s["version"], s["steps_applied"],
+    sessions = [[s["name"], _mode(s), s["optimizer"], s["version"], s["steps_applied"],
                  sum(s["rejected"].values()), f"{s['staleness_p50']}/{s['staleness_max']}", s["shards"],
                  _mib(s["param_bytes"] + s["optimizer_state_bytes"]), _ago(s["last_activity_unix_s"], now),
                  "-" if s.get("durable_version") is None else s["durable_version"]]

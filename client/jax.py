@@ -156,6 +156,21 @@ class PytreeSession:
     def status(self):
         return self.raw.status()
 
+    @property
+    def last_step(self):
+        """What became of the latest push (see ``Session.last_step``)."""
+        return self.raw.last_step
+
+    def history(self, since: int = 0):
+        """Elastic sync: the record of each committed version (see ``Session.history``)."""
+        return self.raw.history(since)
+
+    def join(self):
+        return self.raw.join()
+
+    def leave(self) -> None:
+        self.raw.leave()
+
     def close(self) -> None:
         self.raw.close()
 
@@ -195,7 +210,8 @@ def _client(client_or_address: Any, **security: Any) -> Any:
 
 def create_session(client: Any, name: str, params: PyTree, optimizer: Mapping[str, Any] | SessionOptions,
                    *, token: Optional[str] = None, tls: TLSArg = False, client_cert: Optional[ClientCert] = None,
-                   tls_server_name: Optional[str] = None, shared_memory: Any = "auto", **kwargs: Any) -> PytreeSession:
+                   tls_server_name: Optional[str] = None, shared_memory: Any = "auto", worker_id: Optional[str] = None,
+                   **kwargs: Any) -> PytreeSession:
     """Creates session ``name`` holding ``params``.
 
     Args:
@@ -206,8 +222,10 @@ def create_session(client: Any, name: str, params: PyTree, optimizer: Mapping[st
         ``Client`` opened for it (see ``optserve.client.Client``); ignored with a ``Client``.
       shared_memory: with an address, ``Client(shared_memory=...)`` ("auto", True, False).
       kwargs: the other options of ``Client.create_session`` (``mode``, ``num_workers``,
-        ``max_staleness``, ``staleness_policy``, ``wire_dtype``, ``allow_nonfinite``); with a
+        ``max_staleness``, ``staleness_policy``, ``wire_dtype``, ``allow_nonfinite``, and the
+        elastic ``min_workers``, ``max_workers``, ``lease_s``, ``straggler_s``, ``late``); with a
         ``SessionOptions`` they replace its fields.
+      worker_id: the session object's worker id (see ``optserve.client.Session``).
 
     Raises:
       InvalidArgumentError: naming the option, before the server is contacted.
@@ -216,13 +234,14 @@ def create_session(client: Any, name: str, params: PyTree, optimizer: Mapping[st
     codec = TreeCodec(params)
     connection = _client(client, token=token, tls=tls, client_cert=client_cert, tls_server_name=tls_server_name,
                          shared_memory=shared_memory)
-    session = connection.create_session_with(name, codec.to_named(params), options)
+    session = connection.create_session_with(name, codec.to_named(params), options, worker_id=worker_id)
     return PytreeSession(session, codec)
 
 
 def attach_session(client: Any, name: str, like: PyTree, expect: Optional[SessionOptions] = None, *,
                    token: Optional[str] = None, tls: TLSArg = False, client_cert: Optional[ClientCert] = None,
-                   tls_server_name: Optional[str] = None, shared_memory: Any = "auto") -> PytreeSession:
+                   tls_server_name: Optional[str] = None, shared_memory: Any = "auto",
+                   worker_id: Optional[str] = None) -> PytreeSession:
     """Attaches to an existing session whose tensors come from a pytree structured like ``like``.
 
     Args:
@@ -230,8 +249,8 @@ def attach_session(client: Any, name: str, like: PyTree, expect: Optional[Sessio
       expect: the options this worker means to train with (as ``Client.session``): the attach is
         refused with ``FailedPreconditionError`` naming the difference if the session's optimizer
         or mode differs. ``None``: attach to whatever the session is.
-      token, tls, client_cert, tls_server_name, shared_memory: as for :func:`create_session`.
+      token, tls, client_cert, tls_server_name, shared_memory, worker_id: as for :func:`create_session`.
     """
     connection = _client(client, token=token, tls=tls, client_cert=client_cert, tls_server_name=tls_server_name,
                          shared_memory=shared_memory)
-    return PytreeSession(connection.session(name, expect=expect), TreeCodec(like))
+    return PytreeSession(connection.session(name, expect=expect, worker_id=worker_id), TreeCodec(like))

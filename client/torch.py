@@ -68,6 +68,8 @@ class RemoteOptimizerConfig:
       allow_nonfinite: pass NaN / Inf gradients to the optimizer instead of rejecting them.
       overlap: one-step-delayed updates (see ``optserve.client.overlap``): ``step()`` returns
         while its push is in flight and writes the previous step's parameters.
+      min_workers, max_workers, lease_s, straggler_s, late: elastic sync rounds (see
+        :class:`~optserve.client.SessionOptions`).
       options: (derived) the :class:`~optserve.client.SessionOptions` a created session gets.
 
     Raises:
@@ -83,6 +85,11 @@ class RemoteOptimizerConfig:
     wire_dtype: Optional[str] = None
     allow_nonfinite: bool = False
     overlap: bool = False
+    min_workers: Optional[int] = None
+    max_workers: Optional[int] = None
+    lease_s: float = 5.0
+    straggler_s: Optional[float] = None
+    late: str = "drop"
     options: SessionOptions = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -93,7 +100,9 @@ class RemoteOptimizerConfig:
         # session's default for other clients.
         options = SessionOptions.from_spec(
             self.optimizer, mode=self.mode, num_workers=self.num_workers, max_staleness=self.max_staleness,
-            staleness_policy=self.staleness_policy, wire_dtype=self.wire_dtype, allow_nonfinite=self.allow_nonfinite)
+            staleness_policy=self.staleness_policy, wire_dtype=self.wire_dtype, allow_nonfinite=self.allow_nonfinite,
+            min_workers=self.min_workers, max_workers=self.max_workers, lease_s=self.lease_s,
+            straggler_s=self.straggler_s, late=self.late)
         if options.wire_dtype == "float32":
             options = dataclasses.replace(options, wire_dtype=None)
         object.__setattr__(self, "options", options)
@@ -182,8 +191,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         attaches to it (its tensor names must match) and loads its current parameters into the
         model; the attach is refused with ``FailedPreconditionError`` (naming the difference) if
         the session's optimizer (name, args, preconditioners) or mode differs from this one's.
-      mode, num_workers, max_staleness, staleness_policy, wire_dtype, allow_nonfinite, overlap:
-        see :class:`RemoteOptimizerConfig`.
+      mode, num_workers, max_staleness, staleness_policy, wire_dtype, allow_nonfinite, overlap,
+      min_workers, max_workers, lease_s, straggler_s, late: see :class:`RemoteOptimizerConfig`.
+      worker_id: the worker this optimizer pushes as (elastic sessions' member id; default generated).
       token, tls, client_cert, tls_server_name: with an address, the security settings of the
         ``Client`` this optimizer opens (see ``optserve.client.Client``); ignored when
         ``address`` is a ``Client`` (its own settings apply).
@@ -211,6 +221,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
         wire_dtype: Optional[str] = None,
         allow_nonfinite: bool = False,
         overlap: bool = False,
+        min_workers: Optional[int] = None,
+        max_workers: Optional[int] = None,
+        lease_s: float = 5.0,
+        straggler_s: Optional[float] = None,
+        late: str = "drop",
+        worker_id: Optional[str] = None,
         token: Optional[str] = None,
         tls: TLSArg = False,
         client_cert: Optional[ClientCert] = None,
@@ -227,7 +243,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
             wire_dtype=wire_dtype,
             allow_nonfinite=allow_nonfinite,
             overlap=overlap,
+            min_workers=min_workers,
+            max_workers=max_workers,
+            lease_s=lease_s,
+            straggler_s=straggler_s,
+            late=late,
         )
+        self._worker_id = worker_id
         self._named = _checked_named_parameters(named_parameters)
         self._tensors_fixed = False
         super().__init__([p for _, p in self._named], defaults={})
@@ -385,10 +407,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def _create_or_attach(self):
         initial = {name: tensor_to_numpy(p) for name, p in self._named}
         try:
-            session = self._client.create_session_with(self.config.session, initial, self.config.options)
+            session = self._client.create_session_with(self.config.session, initial, self.config.options,
+                                                       worker_id=self._worker_id)
             return session, True
         except AlreadyExistsError:  # another worker created it first: attach, if it is what we asked for
-            return self._client.session(self.config.session, expect=self.config.options), False
+            return self._client.session(self.config.session, expect=self.config.options, worker_id=self._worker_id), False
 
     def _write_in_flight(self) -> None:
         try:

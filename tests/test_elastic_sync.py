@@ -224,3 +224,37 @@ def test_elastic_options_are_checked_at_the_edge(client, unique_name):
         client.create_session(unique_name, params, SGD, num_workers=2, min_workers=1, late="later")
     with pytest.raises(InvalidArgumentError, match="worker_id"):
         client.session("any", worker_id="a/b")
+
+
+def test_cli_status_shows_an_elastic_sessions_members(server, client, unique_name):
+    from optserve.client.cli import collect, render
+
+    params = make_params(11)
+    owner = _create(client, unique_name, params, num_workers=3, min_workers=2)
+    a = client.session(unique_name, worker_id="a")
+    try:
+        a.join()
+        report = collect(client)
+        (mine,) = [s for s in report["sessions"] if s["name"] == unique_name]
+        assert mine["elastic"]["members"] == ("a",) or mine["elastic"]["members"] == ["a"]
+        assert "sync elastic (1 members)" in render(report)
+    finally:
+        a.detach()
+        owner.close()
+
+
+def test_torch_remote_optimizer_takes_elastic_options_and_a_worker_id(server, unique_name):
+    torch = pytest.importorskip("torch")
+    from optserve.client.torch import RemoteOptimizer
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = RemoteOptimizer(model.named_parameters(), server.address, SGD, session=unique_name, num_workers=2,
+                                min_workers=1, lease_s=2.0, worker_id="torch-0")
+    try:
+        assert optimizer.session.worker_id == "torch-0" and optimizer.session.options.elastic
+        model(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+        assert optimizer.session.status().elastic.members == ("torch-0",)
+        assert optimizer.session.history()[0].participants == ("torch-0",)
+    finally:
+        optimizer.session.close()
