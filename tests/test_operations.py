@@ -47,7 +47,15 @@ def observed(ray_local):
     bad["dense/w"][0, 0] = np.nan
     with pytest.raises(InvalidArgumentError):
         adam.push(bad)
+    # an elastic session: two members, a round committed at its straggler deadline, a late gradient
+    elastic = client.create_session("ops-elastic", params, optimizer=ADAM, num_workers=3, min_workers=1,
+                                    straggler_s=0.3)
+    a, b = client.session("ops-elastic", worker_id="a"), client.session("ops-elastic", worker_id="b")
+    b.join()
+    a.push_pull(make_grads(params, 0))  # b never pushes: committed at the deadline, short
+    b.push_pull(make_grads(params, 0), base_version=0)  # late: dropped
     yield running, client, params
+    a.detach(), b.detach(), elastic.detach()
     client.close()
     running.stop()
 
@@ -76,6 +84,16 @@ def test_every_metric_is_exported(observed):
         assert exported in samples, name
 
 
+def test_elastic_metrics_report_members_short_rounds_and_late_gradients(observed):
+    samples = _scrape(observed[0])
+    assert _total(samples, "optserve_elastic_members", session="ops-elastic") == 2
+    assert _total(samples, "optserve_elastic_stragglers", session="ops-elastic") == 1
+    assert _total(samples, "optserve_elastic_rounds_short_total", session="ops-elastic") == 1
+    assert _total(samples, "optserve_elastic_late_dropped_total", session="ops-elastic") == 1
+    assert _total(samples, "optserve_elastic_departures_total", session="ops-elastic") == 0
+    assert _total(samples, "optserve_elastic_round_seconds", session="ops-elastic") >= 0.3
+
+
 def test_metrics_move_with_the_steps(observed):
     running, client, params = observed
     samples = _scrape(running)
@@ -102,7 +120,7 @@ def test_metrics_move_with_the_steps(observed):
     assert "ops-shampoo" not in {s.labels.get("session") for s in samples["optserve_loss"]}
     processes = {s.labels["process"] for s in samples["optserve_process_resident_bytes"] if s.value > 0}
     assert processes == {"coordinator", "shard-0", "shard-1"}
-    assert _total(samples, "optserve_sessions") == 2
+    assert _total(samples, "optserve_sessions") == 3
     adam = client.session("ops-adam")
     adam.push_pull(make_grads(params, 7))
     adam.detach()
@@ -136,7 +154,7 @@ def test_status_lists_sessions_and_shards_as_a_table_and_as_json(observed):
     assert by_name["ops-adam"]["version"] >= STEPS and by_name["ops-adam"]["rejected"]["nonfinite"] == 1
     assert by_name["ops-shampoo"]["mode"] == "async" and by_name["ops-shampoo"]["optimizer"] == "shampoo"
     assert [s["healthy"] for s in report["shards"]] == [True, True]
-    assert all(s["node_id"] and s["sessions"] == 2 for s in report["shards"])
+    assert all(s["node_id"] and s["sessions"] == 3 for s in report["shards"])
     table = subprocess.run(_optserve("status", "--address", running.address), capture_output=True, text=True,
                            timeout=120)
     assert table.returncode == 0 and "ops-adam" in table.stdout and "healthy" in table.stdout

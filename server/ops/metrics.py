@@ -43,6 +43,16 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "optserve_storage_degraded": ("gauge", ("session", "shard"),
                                   "1 while a durable session's step log on a shard has no room (steps refused, "
                                   "UNAVAILABLE), else 0."),
+    "optserve_elastic_members": ("gauge", ("session",), "Members of an elastic sync session."),
+    "optserve_elastic_stragglers": ("gauge", ("session",), "Members of an elastic session not waited for (straggling)."),
+    "optserve_elastic_departures_total": ("counter", ("session", "cause"),
+                                          "Members that left an elastic session by a lapsed lease or a dropped "
+                                          "connection."),
+    "optserve_elastic_rounds_short_total": ("counter", ("session",),
+                                            "Elastic rounds committed with fewer than num_workers pushes."),
+    "optserve_elastic_late_dropped_total": ("counter", ("session",), "Late gradients an elastic session dropped."),
+    "optserve_elastic_round_seconds": ("gauge", ("session",),
+                                       "Median elastic round duration (first push to commit), recent rounds."),
 }
 
 
@@ -226,11 +236,14 @@ def session_gauges(sessions: Iterable, shard: str) -> list[Metric]:
     loss = GaugeMetricFamily("optserve_loss", _help("optserve_loss"), labels=("session",))
     degraded = GaugeMetricFamily("optserve_storage_degraded", _help("optserve_storage_degraded"),
                                  labels=("session", "shard"))
+    elastic = _ElasticFamilies()
     for session in sessions:
         name = session.config.name
         status = session.status()
         if status.clock is not None:
             version.add_metric([name], status.clock.version)
+            if status.clock.elastic is not None:
+                elastic.add(name, status.clock.elastic)
         if session.series is not None and session.series.last_loss is not None:
             loss.add_metric([name], session.series.last_loss)
         params.add_metric([name, shard], session.updater.param_bytes())
@@ -242,4 +255,30 @@ def session_gauges(sessions: Iterable, shard: str) -> list[Metric]:
             error.add_metric([name, shard], max(b.error for b in roots.blocks))
             fallbacks.add_metric([name, shard], sum(b.fallback_steps for b in roots.blocks))
             failures.add_metric([name, shard], sum(b.failures for b in roots.blocks))
-    return [version, params, state, age, error, fallbacks, failures, loss, degraded]
+    return [version, params, state, age, error, fallbacks, failures, loss, degraded, *elastic.families]
+
+
+class _ElasticFamilies:
+    """The elastic sessions' gauges and counters (reported by each session's home shard)."""
+
+    def __init__(self):
+        def family(kind, name, labels=("session",)):
+            exposed = name[:-len("_total")] if name.endswith("_total") else name  # the client adds _total back
+            return kind(exposed, _help(name), labels=labels)
+
+        self.members = family(GaugeMetricFamily, "optserve_elastic_members")
+        self.stragglers = family(GaugeMetricFamily, "optserve_elastic_stragglers")
+        self.departures = family(CounterMetricFamily, "optserve_elastic_departures_total", ("session", "cause"))
+        self.short = family(CounterMetricFamily, "optserve_elastic_rounds_short_total")
+        self.late = family(CounterMetricFamily, "optserve_elastic_late_dropped_total")
+        self.round_seconds = family(GaugeMetricFamily, "optserve_elastic_round_seconds")
+        self.families = [self.members, self.stragglers, self.departures, self.short, self.late, self.round_seconds]
+
+    def add(self, name: str, status) -> None:
+        self.members.add_metric([name], len(status.members))
+        self.stragglers.add_metric([name], len(status.stragglers))
+        self.departures.add_metric([name, "lease"], status.lease_expiries)
+        self.departures.add_metric([name, "disconnect"], status.disconnects)
+        self.short.add_metric([name], status.rounds_short)
+        self.late.add_metric([name], status.late_dropped)
+        self.round_seconds.add_metric([name], status.round_p50_s)
