@@ -254,3 +254,72 @@ def attach_session(client: Any, name: str, like: PyTree, expect: Optional[Sessio
     connection = _client(client, token=token, tls=tls, client_cert=client_cert, tls_server_name=tls_server_name,
                          shared_memory=shared_memory)
     return PytreeSession(connection.session(name, expect=expect, worker_id=worker_id), TreeCodec(like))
+
+
+class DiLoCo:
+    """DiLoCo for JAX loops over a params pytree with an optax inner optimizer (the outer loop:
+    :mod:`optserve.client._diloco`; the same options as ``optserve.client.torch.DiLoCo``).
+
+    ``params = diloco.step(grads)`` runs one inner step (``inner.update`` then the update added to
+    the params) and, every ``sync_every``-th call per fragment, the exchange with the session:
+    the pseudo-gradient (round-start shared params minus params now) goes out, the new shared
+    params come back and replace (or, with ``overlap_steps``, merge into) the params. ``params``
+    and ``inner_state`` are the current values; the inner state stays local across rounds.
+    """
+
+    def __init__(self, params: PyTree, inner, address: Any, *, session: str, sync_every: int = 500,
+                 outer: Optional[Mapping[str, Any]] = None, num_workers: int = 1, mode: str = "sync",
+                 worker_id: Optional[str] = None, wire_dtype: Optional[str] = None, fragments: int = 1,
+                 overlap_steps: int = 0, merge_alpha: float = 0.5, token: Optional[str] = None, tls: TLSArg = False,
+                 client_cert: Optional[ClientCert] = None, tls_server_name: Optional[str] = None,
+                 shared_memory: Any = "auto", **elastic: Any):
+        from optserve.client._diloco import DiLoCoCore
+
+        self._codec = TreeCodec(params)
+        self._owns_client = not isinstance(address, Client)
+        self._client = _client(address, token=token, tls=tls, client_cert=client_cert,
+                               tls_server_name=tls_server_name, shared_memory=shared_memory)
+        named = {n: np.array(v, dtype=np.float32) for n, v in self._codec.to_named(params).items()}
+        self._core = DiLoCoCore(self._client, session, named, sync_every=sync_every, outer=outer,
+                                fragments=fragments, overlap_steps=overlap_steps, merge_alpha=merge_alpha,
+                                wire_dtype=wire_dtype, worker_id=worker_id, num_workers=num_workers, mode=mode,
+                                **elastic)
+        self.created = self._core.created
+        self.params = params if self.created else self._codec.from_named(self._core.shared())
+        self.inner = inner
+        self.inner_state = inner.init(self.params)
+        self.inner_steps = 0
+
+    @property
+    def sessions(self) -> list:
+        return self._core.sessions
+
+    @property
+    def rounds(self) -> list[int]:
+        return list(self._core.rounds)
+
+    def step(self, grads: PyTree) -> PyTree:
+        updates, self.inner_state = self.inner.update(grads, self.inner_state, self.params)
+        self.params = jax.tree_util.tree_map(lambda p, u: p + u.astype(p.dtype), self.params, updates)
+        self.inner_steps += 1
+        core = self._core
+        landing, due = core.landing(self.inner_steps), core.due(self.inner_steps)
+        if landing or due:
+            named = {n: np.array(v, dtype=np.float32) for n, v in self._codec.to_named(self.params).items()}
+            for index in landing:
+                named.update(core.receive(index, named))
+            for index in due:
+                core.send(index, named, self.inner_steps)
+                if not core.overlap_steps:
+                    named.update(core.receive(index, named))
+            self.params = self._codec.from_named(named)
+        return self.params
+
+    def close(self) -> None:
+        """Merges exchanges in flight into ``params``, then leaves the sessions (they stay)."""
+        named = {n: np.array(v, dtype=np.float32) for n, v in self._codec.to_named(self.params).items()}
+        named.update(self._core.flush(lambda names: {n: named[n] for n in names}))
+        self.params = self._codec.from_named(named)
+        self._core.close()
+        if self._owns_client:
+            self._client.close()

@@ -474,3 +474,6 @@ def _checked_named_parameters(named_parameters) -> list[tuple[str, torch.nn.Para
             raise TypeError(f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters train")
     return named
 
+
+
+from optserve.client._diloco_torch import DiLoCo  # noqa: E402, F401  (re-exported; it builds on this module's conversions)

@@ -1,0 +1,166 @@
+"""DiLoCo without a framework: the outer loop of low-communication training on optserve sessions.
+
+DiLoCo (Douillard et al., 2023): each worker runs ``sync_every`` (H) inner steps with its own
+optimizer, then sends its *pseudo-gradient* ``snapshot - current`` (the start-of-round shared
+parameters minus its parameters now); the server averages the workers' pseudo-gradients and the
+session's (outer) optimizer updates the shared parameters, which every worker loads and takes as
+its next snapshot. Inner optimizer state stays with the worker across rounds.
+
+Streaming DiLoCo (Douillard et al., 2025) splits the parameters into F *fragments* (contiguous
+groups of tensors in model order, balanced by size), each its own session with its own outer
+state, synced at staggered inner steps: fragment f at the steps ``t`` with ``t % H == f * H // F``
+(``t`` counts inner steps from 1, so fragment 0 syncs at H, 2H, ...). With ``overlap_steps`` (tau)
+a fragment's exchange runs in the background while the next tau inner steps compute; when its
+answer lands the fragment's parameters are merged as the paper does,
+``local <- alpha * local + (1 - alpha) * shared`` (``merge_alpha``, 0.5 by default; tau = 0 loads
+the shared parameters as they are), and the shared parameters become the fragment's new snapshot.
+
+This module holds the NumPy state and schedule; the torch and JAX adapters
+(:class:`optserve.client.torch.DiLoCo`, :class:`optserve.client.jax.DiLoCo`) read and write their
+framework's parameters through it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from typing import Any, Mapping, Optional
+
+import numpy as np
+
+from optserve.client.errors import AlreadyExistsError, InvalidArgumentError
+from optserve.client.options import SessionOptions
+
+DEFAULT_OUTER = {"name": "sgd", "args": {"learning_rate": 0.7, "momentum": 0.9, "nesterov": True}}
+
+
+def fragment_names(names_and_sizes: list[tuple[str, int]], fragments: int) -> list[list[str]]:
+    """Splits tensors (in model order) into ``fragments`` contiguous groups of similar element counts."""
+    if not isinstance(fragments, int) or isinstance(fragments, bool) or not 1 <= fragments <= len(names_and_sizes):
+        raise InvalidArgumentError(f"fragments must be an int from 1 to the number of tensors "
+                                   f"({len(names_and_sizes)}), got {fragments!r}")
+    total = sum(size for _, size in names_and_sizes)
+    groups: list[list[str]] = [[] for _ in range(fragments)]
+    group, seen = 0, 0
+    for index, (name, size) in enumerate(names_and_sizes):
+        groups[group].append(name)
+        seen += size
+        left, empty = len(names_and_sizes) - index - 1, fragments - 1 - group  # tensors / groups still to fill
+        if group < fragments - 1 and (left == empty or seen * fragments >= (group + 1) * total):
+            group += 1
+    return groups
+
+
+@dataclasses.dataclass
+class _Fragment:
+    session: Any  # optserve.client.Session
+    names: list[str]
+    offset: int
+    snapshot: dict[str, np.ndarray]
+    in_flight: Optional[concurrent.futures.Future] = None
+    lands_at: int = 0
+
+
+class DiLoCoCore:
+    """The outer loop's state for one worker (see the module docstring).
+
+    Args:
+      client: an ``optserve.client.Client``.
+      session: the session's name (fragment f of F > 1 is session ``"{session}.f{f}"``).
+      initial: tensor name -> float32 values, in model order (the worker's parameters now).
+      sync_every: H, inner steps per round (>= 1).
+      outer: the outer optimizer spec (any registry optimizer); default Nesterov SGD, lr 0.7, momentum 0.9.
+      fragments, overlap_steps, merge_alpha: streaming (see the module docstring).
+      wire_dtype: the pseudo-gradients' wire dtype (None, "bf16", "f16", "int8" with error feedback).
+      worker_id: this worker's id in the sessions (elastic ones: its member id).
+      options: the other session options (mode, num_workers, elastic options, ...).
+
+    Attributes:
+      created: whether this worker created the sessions (False: it attached).
+      rounds: exchanges completed per fragment.
+    """
+
+    def __init__(self, client, session: str, initial: Mapping[str, np.ndarray], *, sync_every: int,
+                 outer: Optional[Mapping[str, Any]] = None, fragments: int = 1, overlap_steps: int = 0,
+                 merge_alpha: float = 0.5, wire_dtype: Optional[str] = None, worker_id: Optional[str] = None,
+                 **options: Any):
+        if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
+            raise InvalidArgumentError(f"sync_every must be an int >= 1, got {sync_every!r}")
+        if not isinstance(overlap_steps, int) or isinstance(overlap_steps, bool) or not 0 <= overlap_steps < sync_every:
+            raise InvalidArgumentError(f"overlap_steps must be an int from 0 to sync_every - 1, got {overlap_steps!r}")
+        if not 0.0 <= merge_alpha <= 1.0:
+            raise InvalidArgumentError(f"merge_alpha must be in [0, 1], got {merge_alpha!r}")
+        self.sync_every, self.overlap_steps, self.merge_alpha = sync_every, overlap_steps, float(merge_alpha)
+        self.wire_dtype = wire_dtype
+        session_options = SessionOptions.from_spec(dict(outer or DEFAULT_OUTER), wire_dtype=wire_dtype, **options)
+        groups = fragment_names([(n, int(np.asarray(v).size)) for n, v in initial.items()], fragments)
+        self.created = True
+        self.fragments: list[_Fragment] = []
+        for index, names in enumerate(groups):
+            name = session if len(groups) == 1 else f"{session}.f{index}"
+            values = {n: np.array(initial[n], dtype=np.float32) for n in names}
+            try:
+                handle = client.create_session_with(name, values, session_options, worker_id=worker_id)
+                shared = values
+            except AlreadyExistsError:  # another worker created it: attach and start from the shared values
+                handle = client.session(name, expect=session_options, worker_id=worker_id)
+                shared = handle.pull(wire_dtype=None)
+                self.created = False
+            self.fragments.append(_Fragment(handle, names, index * sync_every // len(groups),
+                                            {n: np.array(shared[n], dtype=np.float32) for n in names}))
+        self.rounds = [0] * len(self.fragments)
+
+    @property
+    def sessions(self) -> list:
+        return [f.session for f in self.fragments]
+
+    def shared(self) -> dict[str, np.ndarray]:
+        """The shared parameters as this worker last received them (its snapshots)."""
+        return {n: v for f in self.fragments for n, v in f.snapshot.items()}
+
+    def due(self, step: int) -> list[int]:
+        """Fragments whose exchange starts after inner step ``step`` (counted from 1)."""
+        return [i for i, f in enumerate(self.fragments) if step % self.sync_every == f.offset % self.sync_every]
+
+    def send(self, index: int, current: Mapping[str, np.ndarray], step: int) -> None:
+        """Starts fragment ``index``'s exchange: pushes ``snapshot - current`` (``current``: its
+        tensors' float32 values now); with ``overlap_steps`` it runs in the background."""
+        fragment = self.fragments[index]
+        delta = {n: fragment.snapshot[n] - np.asarray(current[n], dtype=np.float32) for n in fragment.names}
+        kwargs = {"wire_dtype": self.wire_dtype} if self.wire_dtype is not None else {}
+        if self.overlap_steps:
+            fragment.in_flight = fragment.session.push_pull_async(delta, **kwargs)
+        else:
+            fragment.in_flight = concurrent.futures.Future()
+            fragment.in_flight.set_result(fragment.session.push_pull(delta, **kwargs))
+        fragment.lands_at = step + self.overlap_steps
+
+    def landing(self, step: int) -> list[int]:
+        """Fragments whose exchange is due to be merged after inner step ``step``."""
+        return [i for i, f in enumerate(self.fragments) if f.in_flight is not None and step >= f.lands_at]
+
+    def receive(self, index: int, current: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Waits for fragment ``index``'s exchange and returns the values its tensors take now: the
+        shared parameters (no overlap), or their merge with ``current`` (overlap)."""
+        fragment = self.fragments[index]
+        shared = fragment.in_flight.result()
+        fragment.in_flight = None
+        fragment.snapshot = {n: np.array(shared[n], dtype=np.float32) for n in fragment.names}
+        self.rounds[index] += 1
+        if not self.overlap_steps:
+            return fragment.snapshot
+        alpha = np.float32(self.merge_alpha)
+        return {n: alpha * np.asarray(current[n], dtype=np.float32) + (np.float32(1) - alpha) * fragment.snapshot[n]
+                for n in fragment.names}
+
+    def flush(self, current_of) -> dict[str, np.ndarray]:
+        """Waits for every exchange in flight; returns the values to load (``current_of(names)``
+        gives the current values of those tensors)."""
+        loaded = {}
+        for index in [i for i, f in enumerate(self.fragments) if f.in_flight is not None]:
+            loaded.update(self.receive(index, current_of(self.fragments[index].names)))
+        return loaded
+
+    def close(self) -> None:
+        for fragment in self.fragments:
+            fragment.session.detach()
