@@ -59,21 +59,22 @@ def _reference(fragments=None):
 
 def _run_workers(address, session, fragments=1, **kwargs):
     results, errors = [None] * WORKERS, []
+    models = [_model() for _ in range(WORKERS)]  # here: torch's seed is global, threads would interleave it
 
     def work(i):
         try:
-            model = _model()
+            model = models[i]
             opt = torch.optim.AdamW(model.parameters(), lr=0.01)
             diloco = DiLoCo(model, opt, address, session=session, sync_every=H, num_workers=WORKERS,
                             worker_id=f"w{i}", fragments=fragments, **kwargs)
             for batch in _batches(i, H * ROUNDS):
                 _inner_step(model, opt, batch)
                 diloco.step()
+            diloco.close()  # lands exchanges still in flight (overlap)
             assert diloco.rounds == [ROUNDS] * fragments
             # the shared parameters as this worker last received them (fragments synced before the
             # last inner steps differ from the model's own by those steps)
             results[i] = {n: v.copy() for n, v in diloco._core.shared().items()}
-            diloco.close()
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -209,6 +210,48 @@ def test_jax_diloco_equals_an_optax_reference(server, unique_name):
             t.join(timeout=300)
         if errors:
             raise errors[0]
+        for got in results:
+            assert _rel(got, want) < 1e-5
+    finally:
+        _close_all(server, unique_name)
+
+
+def _reference_overlap(tau: int, alpha: float = 0.5):
+    """As :func:`_reference` with Streaming DiLoCo's overlap: the exchange started after inner
+    step t lands after step t + tau, and then ``local = alpha * local + (1 - alpha) * shared``."""
+    shared = _model()
+    outer = torch.optim.SGD(shared.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    workers = [copy.deepcopy(shared) for _ in range(WORKERS)]
+    snapshots = [copy.deepcopy(shared) for _ in range(WORKERS)]
+    inner = [torch.optim.AdamW(w.parameters(), lr=0.01) for w in workers]
+    data = [_batches(i, H * ROUNDS) for i in range(WORKERS)]
+    lands_at = None
+    for t in range(1, H * ROUNDS + 1):
+        for i, (w, opt) in enumerate(zip(workers, inner)):
+            _inner_step(w, opt, data[i][t - 1])
+            opt.step()
+        if lands_at == t:
+            with torch.no_grad():
+                for w, snap in zip(workers, snapshots):
+                    snap.load_state_dict(shared.state_dict())
+                    for p, s in zip(w.parameters(), snap.parameters()):
+                        p.copy_(alpha * p + (1 - alpha) * s)
+            lands_at = None
+        if t % H == 0:
+            outer.zero_grad()
+            for name, p_shared in shared.named_parameters():
+                p_shared.grad = sum(dict(s.named_parameters())[name].detach() - dict(w.named_parameters())[name].detach()
+                                    for s, w in zip(snapshots, workers)) / WORKERS
+            outer.step()
+            lands_at = t + tau
+    return {n: p.detach().numpy().copy() for n, p in shared.named_parameters()}
+
+
+def test_overlapped_exchanges_merge_as_streaming_diloco_does(server, unique_name):
+    try:
+        results = _run_workers(server.address, unique_name, overlap_steps=2)
+        want = _reference_overlap(2)
+        assert _rel(want, _reference()) > 1e-3  # the overlap and the merge matter
         for got in results:
             assert _rel(got, want) < 1e-5
     finally:
