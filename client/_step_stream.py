@@ -28,8 +28,10 @@ from typing import Callable, Iterable, Optional
 import grpc
 
 from optserve.client.errors import DeadlineExceededError
+from optserve.protos.optserve.v1 import data_pb2
 
 _END = object()
+_GOODBYE = data_pb2.PushPullRequest(goodbye=True)  # the call ends on purpose: this client is alive
 
 
 class StreamBroken(Exception):
@@ -118,9 +120,11 @@ class StepStream:
                     if requests.empty():  # idle: end the call (a step that starts now opens anew)
                         if self._requests is requests:
                             self._requests, self._responses = None, None
+                        yield _GOODBYE
                         return
                 continue
             if item is _END:
+                yield _GOODBYE
                 return
             yield from item
 

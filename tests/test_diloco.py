@@ -256,3 +256,43 @@ def test_overlapped_exchanges_merge_as_streaming_diloco_does(server, unique_name
             assert _rel(got, want) < 1e-5
     finally:
         _close_all(server, unique_name)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_round_is_left_out_and_the_others_go_on(server, unique_name):
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from optserve.client import Client
+
+    root = Path(__file__).resolve().parent.parent
+    procs = {w: subprocess.Popen([sys.executable, "-m", "tests._diloco_worker", server.address, unique_name, w, "8",
+                                  "5"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for w in ("d0", "d1", "d2")}
+    try:
+        with Client(server.address, timeout=60) as client:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:  # the first worker creates the session; wait for 2 rounds
+                if unique_name in client.list_sessions() and client.session_status(unique_name).version >= 2:
+                    break
+                time.sleep(0.1)
+            procs["d2"].send_signal(signal.SIGKILL)
+            killed_at = client.session_status(unique_name).version
+            outputs = {w: procs[w].communicate(timeout=180)[0] for w in ("d0", "d1")}
+            for w, out in outputs.items():
+                assert procs[w].returncode == 0 and out.strip().endswith("done"), out
+            observer = client.session(unique_name)
+            history = observer.history()
+            assert [r.version for r in history] == list(range(1, len(history) + 1))
+            assert any("d2" in r.participants for r in history if r.version <= killed_at)  # it took part
+            after = [r for r in history if r.version > killed_at + 1]
+            assert after and all(sorted(r.participants) == ["d0", "d1"] for r in after)
+            observer.detach()
+            client.close_session(unique_name)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()

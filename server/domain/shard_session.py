@@ -50,6 +50,9 @@ __all__ = ["PushHeader", "Receipt", "ShardRegistry", "ShardSession", "ShardSessi
 _log = logging.getLogger(__name__)
 
 _GAP_POLL_S = 0.25
+# Elastic rounds may commit without a push (straggler deadline, a member gone): a shard waiting in
+# one asks the clock this often (one waiting thread per shard asks; the others wait on its answer).
+_ROUND_POLL_S = 0.02
 _INIT_WAIT_S = 1.0  # longest in-thread wait for a new session's initial values (then UNAVAILABLE: retry)
 _ANSWER_MARGIN_S = 1.0  # a wait bounded by the caller's deadline ends this much earlier, to answer in time
 
@@ -101,6 +104,7 @@ class ShardSession:
         self._cond = threading.Condition()  # guards version, _sequencer and the updater's state
         self._sequencer = Sequencer(config, shard_index, step_timeout_s)
         self._elastic = config.is_elastic
+        self._round_polled_at = 0.0  # elastic: when a waiting thread last asked the clock (under _cond)
         self._abandoned: Optional[OptservError] = None  # set by abandon(): every wait raises it
         self._durability = ShardDurability(store)
         self.last_activity_unix_s = time.time()  # a client's last push, commit, pull or init here (see touch)
@@ -293,7 +297,9 @@ class ShardSession:
                         self._apply_ticket(pending)
                         self._cond.notify_all()
                         continue
-                    if not self._cond.wait(timeout=max(0.0, min(_GAP_POLL_S, deadline - time.monotonic()))):
+                    self._cond.wait(timeout=max(0.0, min(_ROUND_POLL_S, deadline - time.monotonic())))
+                    if time.monotonic() - self._round_polled_at >= _ROUND_POLL_S:
+                        self._round_polled_at = time.monotonic()
                         sequencer.poll_missing(self._clock)
                     if time.monotonic() <= deadline:
                         continue

@@ -110,12 +110,13 @@ class _OpenStream:
     message, None while a step runs; ``served``: a step ran on it; ``evicted`` once
     :class:`_OpenStreams` ended it."""
 
-    __slots__ = ("context", "tenant", "idle_since", "served", "evicted", "pushers")
+    __slots__ = ("context", "tenant", "idle_since", "served", "evicted", "pushers", "goodbye")
 
     def __init__(self, context, tenant: str = ""):
         self.context = context
         self.tenant = tenant
         self.pushers: dict[tuple[int, str], ShardSession] = {}  # elastic sessions' pushers on this call
+        self.goodbye = False  # the client ended the call on purpose (see PushPullRequest.goodbye)
         self.idle_since: Optional[float] = time.monotonic()
         self.served = False
         self.evicted = False
@@ -307,6 +308,7 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
         """Steps in any of the module's framings until the client ends the call (or the shard,
         when crowded, after a step's ``done``)."""
         stream = self._streams.open(context, self._tenant(context))
+        ended_by_shard = False  # after a step's `stream_closing`: the client is alive and reopens
         try:
             while True:
                 try:
@@ -319,6 +321,9 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
                     context.cancel()  # (not OK without `done`) and retries the step, which never ran here
                     return
                 kind = first.WhichOneof("item")
+                if kind == "goodbye":
+                    stream.goodbye = True
+                    return
                 started = time.perf_counter()
                 self._note_pusher(stream, first, context)
                 if kind == "step":
@@ -330,17 +335,19 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
                 else:
                     raise InvalidArgument("PushPull: each step must start with `header` or `step`")
                 if closing is not False:  # True: crowded, the client reopens; None: the call ended mid-step
+                    ended_by_shard = closing is True
                     return
                 self._streams.idle(stream)
         finally:
             self._streams.close(stream)
-            if stream.pushers and not stream.evicted and not context.is_active():
+            if stream.pushers and not stream.evicted and not stream.goodbye and not ended_by_shard:
                 for (_, client_id), session in stream.pushers.items():  # the client vanished: see _note_pusher
                     session.disconnected(client_id)
 
     def _note_pusher(self, stream: _OpenStream, first, context) -> None:
-        """Elastic sessions: remembers who pushes on this call, so that a call ended by its client
-        going away (not by this shard) makes that worker leave at once (no lease to wait out)."""
+        """Elastic sessions: remembers who pushes on this call, so that a call that ends without
+        the client's ``goodbye`` (its process died) and not by this shard makes that worker leave
+        at once (no lease to wait out)."""
         header = first.step.header if first.WhichOneof("item") == "step" else first.header
         if not header.session or not header.client_id:
             return
