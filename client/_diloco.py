@@ -15,6 +15,13 @@ answer lands the fragment's parameters are merged as the paper does,
 ``local <- alpha * local + (1 - alpha) * shared`` (``merge_alpha``, 0.5 by default; tau = 0 loads
 the shared parameters as they are), and the shared parameters become the fragment's new snapshot.
 
+Dynamic Local Updates (after Liu et al., 2024): with ``sync_every="auto"`` each worker picks its
+own H every round from its measured inner-step time, ``H = max(1, round(sync_seconds / step_s))``
+(``step_s``: an exponential average of its inner steps' wall time, 0.5 per round), so fast and
+slow workers reach the server at a similar cadence (every ``sync_seconds``); the first round
+exchanges after ``sync_seconds`` of wall time. Each exchange's H is in :attr:`DiLoCoCore.exchanges`
+(and travels with the push as the scalar ``diloco_h``). Fragments need a fixed H.
+
 This module holds the NumPy state and schedule; the torch and JAX adapters
 (:class:`optserve.client.torch.DiLoCo`, :class:`optserve.client.jax.DiLoCo`) read and write their
 framework's parameters through it.
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import time
 from typing import Any, Mapping, Optional
 
 import numpy as np
@@ -51,6 +59,19 @@ def fragment_names(names_and_sizes: list[tuple[str, int]], fragments: int) -> li
     return groups
 
 
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """One completed exchange of a worker: ``fragment``, the inner step it was sent after, the H
+    of its round, the session version its pseudo-gradient went into (None: dropped as late by an
+    elastic session) and the version of the parameters it got back."""
+
+    fragment: int
+    inner_step: int
+    sync_every: int
+    version: Optional[int]
+    received_version: int
+
+
 @dataclasses.dataclass
 class _Fragment:
     session: Any  # optserve.client.Session
@@ -59,6 +80,8 @@ class _Fragment:
     snapshot: dict[str, np.ndarray]
     in_flight: Optional[concurrent.futures.Future] = None
     lands_at: int = 0
+    sent_after: int = 0
+    sent_h: int = 0
 
 
 class DiLoCoCore:
@@ -68,7 +91,8 @@ class DiLoCoCore:
       client: an ``optserve.client.Client``.
       session: the session's name (fragment f of F > 1 is session ``"{session}.f{f}"``).
       initial: tensor name -> float32 values, in model order (the worker's parameters now).
-      sync_every: H, inner steps per round (>= 1).
+      sync_every: H, inner steps per round (>= 1), or "auto" (Dynamic Local Updates, see the
+        module docstring; then ``sync_seconds`` is the target round time).
       outer: the outer optimizer spec (any registry optimizer); default Nesterov SGD, lr 0.7, momentum 0.9.
       fragments, overlap_steps, merge_alpha: streaming (see the module docstring).
       wire_dtype: the pseudo-gradients' wire dtype (None, "bf16", "f16", "int8" with error feedback).
@@ -80,14 +104,28 @@ class DiLoCoCore:
       rounds: exchanges completed per fragment.
     """
 
-    def __init__(self, client, session: str, initial: Mapping[str, np.ndarray], *, sync_every: int,
+    def __init__(self, client, session: str, initial: Mapping[str, np.ndarray], *, sync_every: Any,
                  outer: Optional[Mapping[str, Any]] = None, fragments: int = 1, overlap_steps: int = 0,
                  merge_alpha: float = 0.5, wire_dtype: Optional[str] = None, worker_id: Optional[str] = None,
-                 **options: Any):
-        if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
-            raise InvalidArgumentError(f"sync_every must be an int >= 1, got {sync_every!r}")
+                 sync_seconds: Optional[float] = None, **options: Any):
+        self.auto = sync_every == "auto"
+        if self.auto:
+            if sync_seconds is None or not 0 < float(sync_seconds) < float("inf"):
+                raise InvalidArgumentError(f'sync_every="auto" needs sync_seconds > 0 (the target round time), '
+                                           f"got {sync_seconds!r}")
+            if fragments != 1 or overlap_steps:
+                raise InvalidArgumentError('sync_every="auto" works with fragments=1 and overlap_steps=0')
+            sync_every = 1 << 30  # not used: rounds end by wall time, then by the measured H
+        elif not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
+            raise InvalidArgumentError(f'sync_every must be an int >= 1 or "auto", got {sync_every!r}')
         if not isinstance(overlap_steps, int) or isinstance(overlap_steps, bool) or not 0 <= overlap_steps < sync_every:
             raise InvalidArgumentError(f"overlap_steps must be an int from 0 to sync_every - 1, got {overlap_steps!r}")
+        self.sync_seconds = None if sync_seconds is None else float(sync_seconds)
+        self._step_s: Optional[float] = None  # auto: average inner-step wall time
+        self._round_started = time.monotonic()
+        self._round_start_step = 0
+        self._auto_h: Optional[int] = None  # auto: this round's H (None: the first round, timed)
+        self.exchanges: list[Exchange] = []
         if not 0.0 <= merge_alpha <= 1.0:
             raise InvalidArgumentError(f"merge_alpha must be in [0, 1], got {merge_alpha!r}")
         self.sync_every, self.overlap_steps, self.merge_alpha = sync_every, overlap_steps, float(merge_alpha)
@@ -120,14 +158,35 @@ class DiLoCoCore:
 
     def due(self, step: int) -> list[int]:
         """Fragments whose exchange starts after inner step ``step`` (counted from 1)."""
+        if self.auto:
+            return [0] if self._auto_round_over(step) else []
         return [i for i, f in enumerate(self.fragments) if step % self.sync_every == f.offset % self.sync_every]
+
+    def _auto_round_over(self, step: int) -> bool:
+        steps = step - self._round_start_step
+        if self._auto_h is None:  # the first round: by wall time
+            return time.monotonic() - self._round_started >= self.sync_seconds
+        return steps >= self._auto_h
+
+    def _next_auto_round(self, step: int) -> None:
+        """Dynamic Local Updates: the next round's H from this round's inner-step time."""
+        steps = max(1, step - self._round_start_step)
+        step_s = (time.monotonic() - self._round_started) / steps
+        self._step_s = step_s if self._step_s is None else 0.5 * self._step_s + 0.5 * step_s
+        self._auto_h = max(1, round(self.sync_seconds / self._step_s))
+        self._round_started, self._round_start_step = time.monotonic(), step
 
     def send(self, index: int, current: Mapping[str, np.ndarray], step: int) -> None:
         """Starts fragment ``index``'s exchange: pushes ``snapshot - current`` (``current``: its
         tensors' float32 values now); with ``overlap_steps`` it runs in the background."""
         fragment = self.fragments[index]
         delta = {n: fragment.snapshot[n] - np.asarray(current[n], dtype=np.float32) for n in fragment.names}
-        kwargs = {"wire_dtype": self.wire_dtype} if self.wire_dtype is not None else {}
+        kwargs: dict[str, Any] = {"wire_dtype": self.wire_dtype} if self.wire_dtype is not None else {}
+        fragment.sent_after = step
+        fragment.sent_h = (step - self._round_start_step) if self.auto else self.sync_every
+        kwargs["scalars"] = {"diloco_h": float(fragment.sent_h)}
+        if self.auto:
+            self._next_auto_round(step)
         if self.overlap_steps:
             fragment.in_flight = fragment.session.push_pull_async(delta, **kwargs)
         else:
@@ -147,6 +206,10 @@ class DiLoCoCore:
         fragment.in_flight = None
         fragment.snapshot = {n: np.array(shared[n], dtype=np.float32) for n in fragment.names}
         self.rounds[index] += 1
+        outcome = fragment.session.last_step
+        self.exchanges.append(Exchange(index, fragment.sent_after, fragment.sent_h,
+                                       outcome.version if outcome is not None else None,
+                                       outcome.current_version if outcome is not None else fragment.session.version))
         if not self.overlap_steps:
             return fragment.snapshot
         alpha = np.float32(self.merge_alpha)

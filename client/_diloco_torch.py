@@ -28,7 +28,9 @@ class DiLoCo:
       inner_optimizer: the worker's own torch optimizer over the same parameters.
       address: ``host:port`` of the server, or a ``Client``.
       session: the session's name (fragments: ``"{session}.f{i}"``).
-      sync_every: H, inner steps per round.
+      sync_every: H, inner steps per round; or ``"auto"`` with ``sync_seconds=T``: Dynamic Local
+        Updates (each round's H from this worker's measured inner-step time, so workers of
+        different speeds arrive every T seconds; see :mod:`optserve.client._diloco`).
       outer: the outer optimizer spec (default: SGD, lr 0.7, momentum 0.9, Nesterov).
       num_workers, mode, and the elastic options (min_workers, max_workers, lease_s, straggler_s,
         late): the session's (see ``optserve.client.SessionOptions``); ``mode="async"`` applies each
@@ -41,6 +43,7 @@ class DiLoCo:
     Attributes:
       inner_steps: ``step()`` calls so far. ``created``: this worker created the session(s).
       sessions: the ``Session`` objects (one per fragment).
+      exchanges: one ``Exchange`` per completed exchange (fragment, inner step, H, versions).
     """
 
     def __init__(self, model: Union[torch.nn.Module, Any], inner_optimizer: torch.optim.Optimizer,
@@ -79,6 +82,10 @@ class DiLoCo:
     def rounds(self) -> list[int]:
         """Exchanges completed, per fragment."""
         return list(self._core.rounds)
+
+    @property
+    def exchanges(self) -> list:
+        return list(self._core.exchanges)
 
     def step(self, closure=None):
         """One inner step, then the exchanges due at it (see the class docstring); returns the

@@ -298,6 +298,11 @@ class DiLoCo:
     def rounds(self) -> list[int]:
         return list(self._core.rounds)
 
+    @property
+    def exchanges(self) -> list:
+        """One ``Exchange`` per completed exchange (fragment, inner step, H, versions)."""
+        return list(self._core.exchanges)
+
     def step(self, grads: PyTree) -> PyTree:
         updates, self.inner_state = self.inner.update(grads, self.inner_state, self.params)
         self.params = jax.tree_util.tree_map(lambda p, u: p + u.astype(p.dtype), self.params, updates)

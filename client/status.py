@@ -26,7 +26,8 @@ __all__ = ["AcceptedPush", "DurabilityStatus", "ElasticStatus", "PreconditionerB
 class StepOutcome:
     """What became of a session object's latest push (``Session.last_step``).
 
-    ``version``: the version its gradient went into (None when dropped); ``dropped``: None, or
+    ``version``: the version its gradient went into (None when dropped; for ``push_pull`` the
+    version of the parameters returned, which in async mode may include later pushes); ``dropped``: None, or
     ``"late"`` (an elastic session's round had committed without it: ``late="drop"``);
     ``current_version``: the session's version when the push was answered."""
 

@@ -296,3 +296,47 @@ def test_a_worker_killed_mid_round_is_left_out_and_the_others_go_on(server, uniq
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
+
+
+def test_dynamic_local_updates_give_a_slow_worker_a_smaller_h(server, unique_name):
+    import time
+
+    models = [_model() for _ in range(WORKERS)]
+    inner = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in models]
+    paces = [0.005, 0.02]  # seconds per inner step: worker 1 is 4x slower
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            diloco = DiLoCo(models[i], inner[i], server.address, session=unique_name, sync_every="auto",
+                            sync_seconds=0.3, mode="async", worker_id=f"dlu{i}")
+            deadline = time.monotonic() + 3.0
+            batches = iter(_batches(i, 10_000))
+            while time.monotonic() < deadline:
+                _inner_step(models[i], inner[i], next(batches))
+                time.sleep(paces[i])
+                diloco.step()
+            results[i] = diloco.exchanges
+            diloco.close()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(WORKERS)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        if errors:
+            raise errors[0]
+        fast, slow = ([e.sync_every for e in results[i][1:]] for i in range(WORKERS))  # after the timed first round
+        assert fast and slow
+        assert np.median(fast) > 2 * np.median(slow)  # similar cadence: H scales with speed
+        assert abs(len(results[0]) - len(results[1])) <= 2
+        from optserve.client import Client
+
+        with Client(server.address) as client:  # each push carried its H
+            series = client.session_series(unique_name)
+            assert {a.scalars.get("diloco_h") for a in series.accepted} >= {float(h) for h in fast[-1:] + slow[-1:]}
+    finally:
+        _close_all(server, unique_name)
