@@ -299,6 +299,8 @@ class Session:
         checked = {}
         for name, value in grads.items():
             array = np.asarray(value)
+            if array.dtype == np.float64:  # NumPy's default: the server's math is float32 anyway
+                array = array.astype(np.float32)
             if tuple(array.shape) != self.specs[name][1]:
                 raise InvalidArgumentError(
                     f"tensor {name!r}: shape {list(array.shape)} does not match the session's {list(self.specs[name][1])}")

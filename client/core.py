@@ -120,7 +120,7 @@ class Client:
         late: str = "drop",
         worker_id: Optional[str] = None,
     ) -> Session:
-        """Creates a session holding ``params`` (name -> array; float32/bfloat16/float16).
+        """Creates a session holding ``params`` (name -> array; float32/bfloat16/float16; float64 is kept as float32).
 
         The keyword form of :meth:`create_session_with` (see :class:`~optserve.client.SessionOptions`).
 
@@ -149,7 +149,7 @@ class Client:
 
     def create_session_with(self, name: str, params: Mapping[str, np.ndarray], options: SessionOptions,
                             worker_id: Optional[str] = None) -> Session:
-        """Creates session ``name`` holding ``params`` (name -> array; float32/bfloat16/float16),
+        """Creates session ``name`` holding ``params`` (name -> array; float32/bfloat16/float16; float64 as float32),
         configured by ``options``, and sends the initial values to its shards.
 
         Raises:
@@ -157,7 +157,9 @@ class Client:
         """
         if not isinstance(options, SessionOptions):
             raise TypeError(f"options must be a SessionOptions, got {type(options).__name__}")
-        arrays = {n: np.asarray(v) for n, v in params.items()}
+        # float64 (NumPy's default) is kept as float32: the server's math is float32
+        arrays = {n: np.asarray(v, dtype=np.float32) if np.asarray(v).dtype == np.float64 else np.asarray(v)
+                  for n, v in params.items()}
         config = options.to_config(name, arrays)
         request = control_pb2.CreateSessionRequest(config=config, client_id=self.client_id)
         info = self._call(self._control.CreateSession, request).session

@@ -127,6 +127,9 @@ def from_rpc_error(error: grpc.RpcError) -> OptservError:
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else None) or str(error)
     cls = _BY_CODE.get(code, InternalError)
+    if code == grpc.StatusCode.UNIMPLEMENTED:  # e.g. the health or metrics port, or another gRPC server
+        details = (f"{details} (UNIMPLEMENTED: the server at this address does not serve optserve's method: is it "
+                   f"the address `optserve serve` printed, and is the server of this client's version?)")
     metadata = dict((error.trailing_metadata() or ()) if hasattr(error, "trailing_metadata") else ())
     if cls is StaleError and contract.PEER_REFUSED_KEY in metadata:
         return PeerRefusedError(details, code.name)

@@ -272,6 +272,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
             self.version = self._session.version
         else:
             self._pull_into_model()
+            if self.version > 0:  # a rerun of a script attaches to the session its last run trained
+                warnings.warn(
+                    f"optserve: session {self.config.session!r} already existed at version {self.version}: this "
+                    f"optimizer attached to it and loaded its parameters into the model (the freshly initialised "
+                    f"values were replaced). To start fresh, close it first (optserve.client.Client(address)"
+                    f".close_session({self.config.session!r})) or pick another session name.",
+                    stacklevel=2)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only during construction: a session's tensors are fixed when it is created."""
@@ -462,7 +469,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
 
 def _checked_named_parameters(named_parameters) -> list[tuple[str, torch.nn.Parameter]]:
-    named = [(str(n), p) for n, p in named_parameters if p.requires_grad]
+    named = []
+    for item in named_parameters:
+        if isinstance(item, torch.Tensor) or not (isinstance(item, tuple) and len(item) == 2):
+            raise TypeError("RemoteOptimizer needs (name, parameter) pairs: pass model.named_parameters(), not "
+                            "model.parameters() (the session's tensors are named)")
+        if item[1].requires_grad:
+            named.append((str(item[0]), item[1]))
     if not named:
         raise ValueError("RemoteOptimizer got no parameters that require grad")
     seen: set[str] = set()

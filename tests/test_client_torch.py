@@ -417,3 +417,29 @@ def test_step_sends_the_loss_of_its_argument_or_closure_as_telemetry(server, uni
     finally:
         opt.session.close()
         opt.close()
+
+
+def test_parameters_instead_of_named_parameters_is_a_clear_type_error(server):
+    import torch
+
+    from optserve.client.torch import RemoteOptimizer
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="pass model.named_parameters"):
+        RemoteOptimizer(model.parameters(), server.address, {"name": "sgd", "args": {"learning_rate": 0.1}})
+
+
+def test_rerun_attaching_to_a_trained_session_warns_that_the_model_was_replaced(server, unique_name):
+    import torch
+
+    from optserve.client.torch import RemoteOptimizer
+
+    spec = {"name": "sgd", "args": {"learning_rate": 0.1}}
+    first_model = torch.nn.Linear(2, 2)
+    first = RemoteOptimizer(first_model.named_parameters(), server.address, spec, session=unique_name)
+    first_model(torch.ones(1, 2)).sum().backward()
+    first.step()
+    first.close()
+    with pytest.warns(UserWarning, match="already existed at version 1"):
+        second = RemoteOptimizer(torch.nn.Linear(2, 2).named_parameters(), server.address, spec, session=unique_name)
+    second.session.close()

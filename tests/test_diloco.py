@@ -298,6 +298,53 @@ def test_a_worker_killed_mid_round_is_left_out_and_the_others_go_on(server, uniq
                 p.kill()
 
 
+def test_async_diloco_with_delayed_nesterov_equals_a_reference_in_arrival_order(server, unique_name):
+    """Two workers in an async session, taking turns (worker 1's pseudo-gradient is one arrival
+    stale): the server applies each on arrival with the delayed_nesterov kernel; an in-process
+    replay of the same arrivals, in the order of the versions the server gave them, agrees."""
+    from tests._service_helpers import InProcess
+
+    outer = {"name": "delayed_nesterov", "args": {"learning_rate": 0.7, "momentum": 0.9, "delay": 2}}
+    models = [_model() for _ in range(WORKERS)]
+    inner = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in models]
+    data = [_batches(i, H * ROUNDS) for i in range(WORKERS)]
+    workers = [DiLoCo(m, opt, server.address, session=unique_name, sync_every=H, mode="async", outer=outer,
+                      worker_id=f"a{i}") for i, (m, opt) in enumerate(zip(models, inner))]
+    try:
+        for r in range(ROUNDS):
+            for i in range(WORKERS):
+                for step in range(H):
+                    _inner_step(models[i], inner[i], data[i][r * H + step])
+                    workers[i].step()
+        arrivals = sorted(((e.version, i, k) for i, w in enumerate(workers) for k, e in enumerate(w.exchanges)))
+        assert [v for v, _, _ in arrivals] == list(range(1, WORKERS * ROUNDS + 1))
+
+        # the replay: each worker's round k starts from the params it received at its round k - 1
+        start = _model()
+        init = {n: p.detach().numpy().copy() for n, p in start.named_parameters()}
+        outer_ref = InProcess(outer["name"], outer["args"], init)
+        shared = init
+        received = {i: init for i in range(WORKERS)}
+        ref_models = [_model() for _ in range(WORKERS)]
+        ref_inner = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in ref_models]
+        for _, i, k in arrivals:
+            with torch.no_grad():
+                for n, p in ref_models[i].named_parameters():
+                    p.copy_(torch.from_numpy(np.array(received[i][n])))
+            for step in range(H):
+                _inner_step(ref_models[i], ref_inner[i], data[i][k * H + step])
+                ref_inner[i].step()
+            delta = {n: received[i][n] - p.detach().numpy() for n, p in ref_models[i].named_parameters()}
+            shared = outer_ref.step(delta)
+            received[i] = shared
+        got = {n: p.detach().numpy() for n, p in workers[-1]._named.items()}
+        assert _rel(got, shared) < 1e-5
+    finally:
+        for w in workers:
+            w.close()
+        _close_all(server, unique_name)
+
+
 def test_dynamic_local_updates_give_a_slow_worker_a_smaller_h(server, unique_name):
     import time
 
@@ -338,5 +385,16 @@ def test_dynamic_local_updates_give_a_slow_worker_a_smaller_h(server, unique_nam
         with Client(server.address) as client:  # each push carried its H
             series = client.session_series(unique_name)
             assert {a.scalars.get("diloco_h") for a in series.accepted} >= {float(h) for h in fast[-1:] + slow[-1:]}
+    finally:
+        _close_all(server, unique_name)
+
+
+@pytest.mark.parametrize("wire_dtype", ["bf16", "int8"])
+def test_compressed_pseudo_gradients_stay_close_to_the_float32_run(server, unique_name, wire_dtype):
+    try:
+        results = _run_workers(server.address, unique_name, wire_dtype=wire_dtype)
+        want = _reference()
+        for got in results:
+            assert 0 < _rel(got, want) < 2e-2  # rounded on the wire (int8: with error feedback), not exact
     finally:
         _close_all(server, unique_name)

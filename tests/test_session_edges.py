@@ -195,3 +195,32 @@ def test_staged_pushes_past_max_staged_bytes_are_refused_before_allocating_namin
     assert session.abort("stager", 1)  # room again
     session.push(_header("stager", 3, 0, auto_commit=False), [_chunk("w", np.full(4, 1.0, np.float32))])
     assert session.commit("stager", 3).version == 1
+
+
+def test_float64_params_and_gradients_are_kept_as_float32(server, unique_name):
+    params = {"w": np.arange(6, dtype=np.float64).reshape(2, 3)}  # NumPy's default dtype
+    with Client(server.address) as client:
+        session = client.create_session(unique_name, params, {"name": "sgd", "args": {"learning_rate": 0.5}})
+        try:
+            assert session.specs["w"][1] == (2, 3)
+            got = session.push_pull({"w": np.ones((2, 3))})  # float64 gradient
+            assert got["w"].dtype == np.float32
+            np.testing.assert_allclose(got["w"], params["w"] - 0.5)
+        finally:
+            session.close()
+
+
+def test_a_non_optserve_port_says_so():
+    from concurrent import futures
+
+    from optserve.client.errors import OptservError
+
+    other = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    port = other.add_insecure_port("127.0.0.1:0")
+    other.start()
+    try:
+        with Client(f"127.0.0.1:{port}", timeout=5) as client:
+            with pytest.raises(OptservError, match="is it the address `optserve serve` printed"):
+                client.list_sessions()
+    finally:
+        other.stop(None)
