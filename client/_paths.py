@@ -246,7 +246,21 @@ class _Step:
             handle = call_shard(lambda s: s.steps.start(self._requests(s)), shard)
         except BaseException as exc:  # noqa: BLE001 - raised when its reply is asked for
             return functools.partial(_raise, exc)
-        return lambda: call_shard(lambda s: self._receive(s, handle), shard)
+        return lambda: call_shard(lambda s: self._receive_or_resend(s, handle), shard)
+
+    def _receive_or_resend(self, shard: Shard, handle: StepHandle) -> StepReply:
+        """:meth:`_receive`; a reused call the shard had ended (it was idle while the shard was
+        crowded) never started the step, so it is sent again at once on a fresh call: the other
+        shards, which staged their parts, are waiting for this one's vote (a retry of the whole
+        step would come only after their vote timed out)."""
+        try:
+            return self._receive(shard, handle)
+        except StreamBroken:
+            handle = shard.steps.start(self._requests(shard))
+        try:
+            return self._receive(shard, handle)
+        except StreamBroken as exc:  # twice: retried with the whole step (the fanout's retries)
+            raise UnavailableError(f"shard {shard.address}: {exc}", "UNAVAILABLE") from None
 
     def _requests(self, shard: Shard) -> Iterator:
         """The shard's ``PushPullRequest`` messages (chunks pre-serialized) for this step."""
@@ -287,10 +301,7 @@ class _Step:
                 return True
             return False
 
-        try:
-            finished = handle.finish(on_response)
-        except StreamBroken as exc:  # the reused call had ended: the step never started; retried
-            raise UnavailableError(f"shard {shard.address}: {exc}", "UNAVAILABLE") from None
+        finished = handle.finish(on_response)  # StreamBroken: the reused call had ended, the step never started
         if not finished:
             raise InvalidArgumentError(f"shard {shard.address} ended the stream without `done`")
         if done[0].stream_closing:

@@ -175,3 +175,47 @@ def _silent_calls(channel, count: int, never, timeout_s: float) -> list:
         yield from ()
 
     return [data_pb2_grpc.ShardDataStub(channel).PushPull(silent(), timeout=timeout_s) for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def crowded_pair(ray_local):
+    """Two shards whose data planes have 4 threads each (2 open PushPull calls), and the default
+    30 s vote timeout: a step stuck on one shard's vote would show as a 30 s stall."""
+    from optserve.server.app import start_server
+    from optserve.server.domain.config import ServerConfig
+
+    running = start_server(ServerConfig(host="127.0.0.1", port=0, shards=2, grpc_threads=4, min_shard_bytes=0))
+    yield running
+    running.stop()
+
+
+def test_a_step_whose_idle_call_a_crowded_shard_ended_does_not_wait_for_the_vote_timeout(crowded_pair, unique_name):
+    # The client's open calls idle on both shards; a crowd on shard 0 makes it end the client's
+    # call there. The next step finds that call ended (the step never started on shard 0) while
+    # shard 1 staged its part and waits for shard 0's vote: the SDK sends shard 0's part again at
+    # once instead of retrying the whole step after shard 1's vote timed out (30 s).
+    import threading
+
+    import grpc
+
+    params = make_params()
+    client = Client(crowded_pair.address, timeout=60.0, stream_idle_s=600.0)
+    session = client.create_session(unique_name, params, optimizer=OPTIMIZER, mode="async")
+    assert len(session.status().shards) == 2
+    session.push_pull(make_grads(params, 0))  # both calls open, then idle
+    never = threading.Event()
+    channel = grpc.insecure_channel(crowded_pair.shard_addresses[0])
+    raw_calls = _silent_calls(channel, 2, never, timeout_s=120)
+    try:
+        time.sleep(1.5)  # shard 0 is crowded: it ends the client's idle call (served, idle > 0.5 s)
+        started = time.monotonic()
+        session.push_pull(make_grads(params, 1))
+        assert time.monotonic() - started < 10.0
+        assert session.status().steps_applied == 2
+    finally:
+        never.set()
+        for call in raw_calls:
+            call.cancel()
+        channel.close()
+        session.close()
+        client.close()
