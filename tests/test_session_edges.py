@@ -8,6 +8,7 @@ timeouts, sharing the run's Ray: ``step_timeout_s`` far below the client's deadl
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import grpc
@@ -224,3 +225,38 @@ def test_a_non_optserve_port_says_so():
                 client.list_sessions()
     finally:
         other.stop(None)
+
+
+def test_expired_staged_pushes_give_their_memory_back_without_further_calls():
+    """Two-phase pushes nobody commits expire on their own (no call needs to come) and the freed
+    buffers' pages go back to the kernel (the heap would otherwise keep up to 1 GiB of them)."""
+    from optserve.protos.heap import keep_large_buffers_on_heap
+    from optserve.server.compute.root_offload import build_shard_optimizer
+    from optserve.server.compute.updater import Updater
+    from optserve.server.domain.clock import LocalClock
+    from optserve.server.domain.config import DType, SessionConfig, TensorSpec
+    from optserve.server.domain.errors import RejectReason
+    from optserve.server.domain.shard_session import ShardSession
+
+    def rss_mib() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    if not keep_large_buffers_on_heap():  # as the shard processes run
+        pytest.skip("glibc's mallopt is needed")
+    n = 4 << 20  # 16 MiB of float32 per push
+    config = SessionConfig(name="expiring", tensors=(TensorSpec("w", DType.FLOAT32, (n,)),), optimizer_name="sgd",
+                           optimizer_args={"learning_rate": 0.5})
+    optimizer, preconditioners = build_shard_optimizer("sgd", config.optimizer_args, {"w": (n,)}, None)
+    session = ShardSession(config, ["w"], 0, LocalClock(config), Updater(optimizer, preconditioners),
+                           staged_push_ttl_s=0.3)
+    session.initialize([_chunk("w", np.ones(n, np.float32))])
+    before = rss_mib()
+    for sequence in range(1, 13):
+        session.push(_header("stager", sequence, 0, auto_commit=False), [_chunk("w", np.full(n, 1.0, np.float32))])
+    staged = rss_mib()
+    assert staged - before > 100
+    time.sleep(1.5)  # no call: the staging area's own sweep expires them
+    assert session._staging.count == 0
+    assert session._refusals.counts[RejectReason.ABORTED] == 12
+    assert staged - rss_mib() > 0.5 * (staged - before)  # 8 of the 12 sets freed (the pool keeps 4)

@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Mapping, Optional
 
 import numpy as np
 
+from optserve.protos.heap import release_free_memory
 from optserve.server.compute.buffers import BufferPool
 from optserve.server.domain.assembly import TensorAssembler
 from optserve.server.domain.config import Limits, TensorSpec
@@ -32,6 +33,7 @@ from optserve.server.domain.telemetry import Telemetry
 PushKey = tuple[str, int]  # a push's identity: (client_id, sequence)
 
 KEEP_EXPIRED = 1024  # expired staged pushes remembered (for a later Commit's message)
+_RETURN_PAGES_BYTES = 64 << 20  # an expiry freeing this much gives the heap's free pages back to the kernel
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -84,6 +86,7 @@ class StagingArea:
         self._limits = limits
         self._refusals = refusals
         self._entries: dict[PushKey, StagedPush] = {}  # guarded by lock
+        self._sweep: Optional[threading.Timer] = None  # expires two-phase pushes nobody asks about; guarded by lock
         self._expired: dict[PushKey, float] = {}  # identity -> when it expired (time.time()); guarded by lock
 
     # ----------------------------------------------------------------- receiving
@@ -145,10 +148,34 @@ class StagingArea:
                 self._expired[key] = time.time()
             while len(self._expired) > KEEP_EXPIRED:
                 del self._expired[next(iter(self._expired))]
-        for (client_id, sequence), entry in expired:
+        freed = len(expired) * self.push_bytes
+        while expired:
+            (client_id, sequence), entry = expired.pop()
             self._pool.release(entry.grads)
             self._refusals.refuse(RejectReason.ABORTED, client_id, sequence,
                                   cause=f"not committed within staged_push_ttl_s={self.ttl_s:g}")
+        entry = None  # the last one's buffers are free too
+        if freed >= _RETURN_PAGES_BYTES:  # the heap would keep their pages (up to 1 GiB)
+            release_free_memory()
+
+    def _arm_sweep(self) -> None:
+        """Makes sure expired two-phase pushes go (and their memory with them) even when no call
+        comes to run :meth:`expire` (lock held)."""
+        if self._sweep is not None:
+            return
+        deadlines = [e.expires_at for e in self._entries.values() if e.expires_at is not None and not e.committing]
+        if not deadlines:
+            return
+        self._sweep = threading.Timer(max(0.0, min(deadlines) - time.monotonic()) + 0.05, self._swept)
+        self._sweep.daemon = True
+        self._sweep.start()
+
+    def _swept(self) -> None:
+        with self.lock:
+            self._sweep = None
+        self.expire()
+        with self.lock:
+            self._arm_sweep()
 
     # ----------------------------------------------------------------- the staged pushes
     def stage(self, key: PushKey, base_version: int, grads: dict[str, np.ndarray], telemetry: Telemetry,
@@ -160,6 +187,8 @@ class StagingArea:
             old = self._entries.pop(key, None)
             self._entries[key] = StagedPush(base_version, grads, telemetry, expires_at)
             self._expired.pop(key, None)
+            if expires_at is not None:
+                self._arm_sweep()
         if old is not None:
             self._pool.release(old.grads)
 
