@@ -15,12 +15,17 @@ through the ``optserve.commands`` entry point; the server never imports it.
 5. prints a table of final loss / accuracy for both, writes ``loss_curve.png`` and
    ``summary.json`` under ``--out`` (default ``./demo_out``).
 
+``optserve demo --diloco H`` instead compares DiLoCo (H inner AdamW steps per round, then one
+pseudo-gradient exchange) with per-step synchronous data parallelism on the same worker
+processes and the same minibatches (:mod:`optserve.demo.diloco`).
+
 The model and data helpers (:func:`load_digits_split`, :func:`make_model`, :func:`evaluate`)
 are also used by the compression test.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -139,6 +144,8 @@ class DemoConfig:
       out: directory for ``loss_curve.png`` and ``summary.json``.
       progress: draw a progress bar.
       seed: model initialisation and data order.
+      diloco: H: compare DiLoCo with H inner steps per round against per-step synchronous data
+        parallelism instead (:mod:`optserve.demo.diloco`); None: the asynchronous demo.
     """
 
     steps: int = 150
@@ -155,6 +162,7 @@ class DemoConfig:
     out: Path = Path("demo_out")
     progress: bool = True
     seed: int = 0
+    diloco: Optional[int] = None
 
     def __post_init__(self):
         for field in ("steps", "workers", "shards", "batch_size"):
@@ -165,6 +173,14 @@ class DemoConfig:
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         optimizer_spec(self.optimizer, self.lr)  # validates the name
+        if self.diloco is not None:
+            if self.diloco < 1:
+                raise ValueError(f"--diloco must be >= 1 (inner steps per round), got {self.diloco}")
+            if self.optimizer != "adam":
+                raise ValueError(f"--diloco compares AdamW workers with per-step adam: --optimizer must be adam, "
+                                 f"got {self.optimizer!r}")
+            if self.overlap:
+                raise ValueError("--diloco runs without --overlap (both of its runs exchange synchronously)")
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> DemoConfig:
@@ -197,6 +213,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> DemoConfig:
     parser.add_argument("--out", type=Path, default=Path("demo_out"), help="output directory (default ./demo_out)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--diloco", type=int, default=None, metavar="H",
+                        help="compare DiLoCo (H inner AdamW steps per round, --lr) with per-step sync data parallel "
+                             "adam at equal samples, instead of the async demo")
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (30 if args.quick else 150)
     return DemoConfig(
@@ -214,6 +233,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> DemoConfig:
         out=args.out,
         progress=not args.no_progress,
         seed=args.seed,
+        diloco=args.diloco,
     )
 
 
@@ -310,58 +330,16 @@ def run_remote(cfg: DemoConfig, address: str, data: DigitsSplit) -> RunResult:
         wire_dtype=cfg.wire_dtype,
         shared_memory="auto" if cfg.shared_memory else False,
     )
-    ctx = multiprocessing.get_context("spawn")
-    messages, go = ctx.Queue(), ctx.Event()
-    procs = [
-        ctx.Process(target=worker_main, args=(WorkerTask(r, address, session_name, cfg), messages, go), daemon=True)
-        for r in range(cfg.workers)
-    ]
-    for p in procs:
-        p.start()
-    curve: list[tuple[int, float]] = []
-    per_worker = [0] * cfg.workers
-    ready: set[int] = set()
-    paths: set[str] = set()
-    done: set[int] = set()
-    dropped = 0
-    bar = _NoBar()
-    start = time.perf_counter()
+    procs, (messages,), (go,) = start_workers(worker_main, [WorkerTask(r, address, session_name, cfg)
+                                                            for r in range(cfg.workers)], phases=1)
+    finished = False
     try:
-        while len(done) < cfg.workers:
-            try:
-                kind, rank, *rest = messages.get(timeout=5.0)
-            except queue_module.Empty:
-                dead = [p for i, p in enumerate(procs) if i not in done and not p.is_alive()]
-                if dead:
-                    raise RuntimeError(f"demo worker(s) exited without finishing (exit codes {[p.exitcode for p in dead]})")
-                continue
-            if kind == "ready":
-                ready.add(rank)
-                paths.update(rest[0] or ())
-                if len(ready) == cfg.workers:  # every worker has imported torch and attached: start the clock
-                    print(_data_path_line(paths, cfg), flush=True)
-                    bar = _progress_bar(cfg.workers * cfg.steps, cfg.progress, f"training ({cfg.workers} workers)")
-                    start = time.perf_counter()
-                    go.set()
-            elif kind == "step":
-                step, loss, version = rest
-                per_worker[rank] = step + 1
-                curve.append((len(curve), loss))
-                bar.update(1)
-                bar.set_postfix_str(f"version {version}, loss {loss:.3f}")
-            elif kind == "done":
-                done.add(rank)
-                dropped += rest[0]
-            else:
-                raise RuntimeError(f"demo worker {rank} failed:\n{rest[0]}")
-        seconds = time.perf_counter() - start
+        seen = drive_workers(procs, messages, go, cfg.steps, cfg.progress, f"training ({cfg.workers} workers)",
+                             on_ready=lambda paths: print(_data_path_line(paths, cfg), flush=True))
+        finished = True
     finally:
-        bar.close()
-        finished = len(done) == cfg.workers
-        for p in procs:
-            p.join(timeout=30 if finished else 0)
-            if p.is_alive():
-                p.terminate()
+        stop_workers(procs, finished)
+    dropped = sum(stale for stale, in seen.done.values())
     owner.pull()  # the session's final parameters into `model`
     _write_report(address, session_name, cfg.out)
     owner.session.close()
@@ -369,8 +347,92 @@ def run_remote(cfg: DemoConfig, address: str, data: DigitsSplit) -> RunResult:
     train_loss, _ = evaluate(model, data.x_train, data.y_train)
     test_loss, test_accuracy = evaluate(model, data.x_test, data.y_test)
     label = f"optserve async, {cfg.workers} worker process{'es' if cfg.workers > 1 else ''}"
-    return RunResult(label, sum(per_worker) - dropped, dropped, seconds, train_loss, test_loss, test_accuracy, curve,
-                     data_path="+".join(sorted(paths)))
+    curve = [(index, loss) for index, (_, _, loss) in enumerate(seen.losses)]
+    return RunResult(label, sum(seen.steps) - dropped, dropped, seen.seconds, train_loss, test_loss, test_accuracy,
+                     curve, data_path="+".join(sorted(seen.paths)))
+
+
+# --- worker processes, driven from the parent ----------------------------------------------------
+
+
+def start_workers(target, tasks: Sequence[Any], phases: int) -> tuple[list, list, list]:
+    """Spawns one process per task running ``target(task, queues, gos)`` (with ``phases == 1``:
+    ``target(task, queue, go)``); returns ``(processes, queues, gos)``, one queue and one
+    ``multiprocessing.Event`` per phase (a run of the workers that :func:`drive_workers` follows)."""
+    ctx = multiprocessing.get_context("spawn")
+    queues, gos = [ctx.Queue() for _ in range(phases)], [ctx.Event() for _ in range(phases)]
+    args = (queues[0], gos[0]) if phases == 1 else (queues, gos)
+    procs = [ctx.Process(target=target, args=(task, *args), daemon=True) for task in tasks]
+    for p in procs:
+        p.start()
+    return procs, queues, gos
+
+
+@dataclasses.dataclass
+class WorkersSeen:
+    """What the parent saw of one phase of the worker processes."""
+
+    seconds: float  # from ``go`` (every worker ready) to the last ``done``
+    steps: list[int]  # steps each worker reported
+    losses: list[tuple[int, int, float]]  # (rank, step, minibatch loss) in arrival order
+    done: dict[int, tuple]  # rank -> the rest of its ``("done", rank, ...)`` message
+    paths: set[str]  # data paths the workers reported when ready
+
+
+def drive_workers(procs: Sequence, messages, go, steps: int, progress: bool, description: str,
+                  on_ready=lambda paths: None) -> WorkersSeen:
+    """Follows one phase of the worker processes through ``messages``: waits for every
+    ``("ready", rank, paths)``, calls ``on_ready(paths)``, sets ``go`` (the clock starts), counts
+    ``("step", rank, step, loss, version)`` on a progress bar of ``len(procs) * steps`` until every
+    worker sent ``("done", rank, ...)``.
+
+    Raises:
+      RuntimeError: a worker sent ``("error", rank, traceback)`` or exited without finishing.
+    """
+    workers = len(procs)
+    seen = WorkersSeen(0.0, [0] * workers, [], {}, set())
+    ready: set[int] = set()
+    bar = _NoBar()
+    start = time.perf_counter()
+    try:
+        while len(seen.done) < workers:
+            try:
+                kind, rank, *rest = messages.get(timeout=5.0)
+            except queue_module.Empty:
+                dead = [p for i, p in enumerate(procs) if i not in seen.done and not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"demo worker(s) exited without finishing (exit codes {[p.exitcode for p in dead]})")
+                continue
+            if kind == "ready":
+                ready.add(rank)
+                seen.paths.update(rest[0] or ())
+                if len(ready) == workers:  # every worker has imported torch and attached: start the clock
+                    on_ready(seen.paths)
+                    bar = _progress_bar(workers * steps, progress, description)
+                    start = time.perf_counter()
+                    go.set()
+            elif kind == "step":
+                step, loss, version = rest
+                seen.steps[rank] = step + 1
+                seen.losses.append((rank, step, loss))
+                bar.update(1)
+                bar.set_postfix_str(f"version {version}, loss {loss:.3f}")
+            elif kind == "done":
+                seen.done[rank] = tuple(rest)
+            else:
+                raise RuntimeError(f"demo worker {rank} failed:\n{rest[0]}")
+        seen.seconds = time.perf_counter() - start
+    finally:
+        bar.close()
+    return seen
+
+
+def stop_workers(procs: Sequence, finished: bool) -> None:
+    """Joins the worker processes (up to 30 s each when they ``finished``), terminating any left."""
+    for p in procs:
+        p.join(timeout=30 if finished else 0)
+        if p.is_alive():
+            p.terminate()
 
 
 def _data_path_line(paths: set[str], cfg: DemoConfig) -> str:
@@ -426,21 +488,27 @@ def _progress_bar(total: int, enabled: bool, description: str):
     return tqdm(total=total, desc=description, unit="step", dynamic_ncols=True)
 
 
-def print_table(cfg: DemoConfig, initial: tuple[float, float], results: Sequence[RunResult]) -> None:
-    """Prints the runs side by side, one column per run and one row per measure, as wide as the
-    terminal (:func:`terminal_columns`): two runs fit 80 columns; a narrower terminal wraps the
-    labels at words and folds numbers onto a second line (never an ellipsis)."""
+# The asynchronous demo's rows: (measure, its cell for a run).
+TABLE_ROWS = (("updates", lambda r: str(r.updates)), ("stale dropped", lambda r: str(r.dropped_stale)),
+              ("wall s", lambda r: f"{r.seconds:.1f}"), ("final train loss", lambda r: f"{r.train_loss:.4f}"),
+              ("test loss", lambda r: f"{r.test_loss:.4f}"), ("test accuracy", lambda r: f"{r.test_accuracy:.3f}"))
+
+
+def print_table(cfg: DemoConfig, initial: tuple[float, float], results: Sequence[RunResult],
+                rows: Sequence[tuple[str, Any]] = TABLE_ROWS, title: Optional[str] = None) -> None:
+    """Prints the runs side by side, one column per run and one row per measure (``rows``:
+    (name, cell function of a run)), as wide as the terminal (:func:`terminal_columns`): two runs
+    fit 80 columns; a narrower terminal wraps the labels at words and folds numbers onto a second
+    line (never an ellipsis). ``title``: the default names the optimizer, lr and batch size."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"digits MLP, {cfg.optimizer} lr={cfg.lr}, batch {cfg.batch_size} "
-                        f"(initial test loss {initial[0]:.3f})")
+    if title is None:
+        title = f"digits MLP, {cfg.optimizer} lr={cfg.lr}, batch {cfg.batch_size}"
+    table = Table(title=f"{title} (initial test loss {initial[0]:.3f})")
     table.add_column("", justify="left", overflow="fold")
     for r in results:
         table.add_column(r.label, justify="right", overflow="fold")
-    rows = (("updates", lambda r: str(r.updates)), ("stale dropped", lambda r: str(r.dropped_stale)),
-            ("wall s", lambda r: f"{r.seconds:.1f}"), ("final train loss", lambda r: f"{r.train_loss:.4f}"),
-            ("test loss", lambda r: f"{r.test_loss:.4f}"), ("test accuracy", lambda r: f"{r.test_accuracy:.3f}"))
     for name, cell in rows:
         table.add_row(name, *(cell(r) for r in results))
     Console(width=terminal_columns()).print(table)
@@ -452,8 +520,11 @@ def terminal_columns() -> int:
     return shutil.get_terminal_size(fallback=(80, 24)).columns
 
 
-def write_plot(path: Path, results: Sequence[RunResult]) -> None:
-    """Minibatch loss (moving average over 10 updates) against the update index, one line per run."""
+def write_plot(path: Path, results: Sequence[RunResult],
+               title: str = "optserve demo: digits MLP, same optimizer, same number of updates",
+               xlabel: str = "update") -> None:
+    """Minibatch loss (moving average over 10 points) against each run's ``curve`` x values
+    (the update index by default), one line per run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -466,8 +537,8 @@ def write_plot(path: Path, results: Sequence[RunResult]) -> None:
         window = min(10, len(losses))
         smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
         ax.plot(steps[window - 1 :], smooth, label=r.label)
-    ax.set_title("optserve demo: digits MLP, same optimizer, same number of updates")
-    ax.set_xlabel("update")
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("minibatch cross-entropy (moving average)")
     ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
@@ -501,7 +572,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.set_num_threads(1)
     data = load_digits_split(seed=cfg.seed)
     initial = evaluate(make_model(cfg.seed), data.x_test, data.y_test)
+    if cfg.diloco is not None:
+        from optserve.demo.diloco import run_diloco_demo
 
+        return run_diloco_demo(cfg, data, initial)
+
+    with embedded_server(cfg) as address:
+        print(f"server listening on {address}; {cfg.workers} workers x {cfg.steps} steps", flush=True)
+        remote = run_remote(cfg, address, data)
+    baseline = run_in_process(cfg, data)
+    results = [remote, baseline]
+    print_table(cfg, initial, results)
+    plot = cfg.out / "loss_curve.png"
+    write_plot(plot, results)
+    write_summary(cfg, initial, results)
+    print(f"wrote {plot} and {cfg.out / 'summary.json'}", flush=True)
+    return 0
+
+
+@contextlib.contextmanager
+def embedded_server(cfg: DemoConfig):
+    """An optserve server on a free loopback port with ``cfg.shards`` shards on a local Ray (shut
+    down afterwards unless Ray was running already); yields its address."""
     print(f"optserve demo: starting an embedded server (local Ray, {cfg.shards} shards) ...", flush=True)
     from optserve.server.app import start_server
     from optserve.server.domain.config import ServerConfig
@@ -512,25 +604,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     server = start_server(ServerConfig(host="127.0.0.1", port=0, shards=cfg.shards, ray_address="local",
                                        min_shard_bytes=0))
     try:
-        print(f"server listening on {server.address}; {cfg.workers} workers x {cfg.steps} steps", flush=True)
-        remote = run_remote(cfg, server.address, data)
+        yield server.address
     finally:
         server.stop()
         if not ray_was_running:
             _shutdown_ray()
-    baseline = run_in_process(cfg, data)
-    results = [remote, baseline]
-    print_table(cfg, initial, results)
-    plot = cfg.out / "loss_curve.png"
-    write_plot(plot, results)
+
+
+def write_summary(cfg: DemoConfig, initial: tuple[float, float], results: Sequence[RunResult],
+                  **extra: Any) -> None:
+    """``summary.json``: the flags, the initial model's test loss / accuracy, each run without its
+    curve, and ``extra`` keys (the asynchronous demo's config has no ``diloco`` key)."""
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()}
+    if cfg.diloco is None:
+        del config["diloco"]
     summary = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()},
+        "config": config,
         "initial": {"test_loss": initial[0], "test_accuracy": initial[1]},
         "runs": [{k: v for k, v in dataclasses.asdict(r).items() if k != "curve"} for r in results],
+        **extra,
     }
     (cfg.out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"wrote {plot} and {cfg.out / 'summary.json'}", flush=True)
-    return 0
 
 
 def _missing(modules: Sequence[str]) -> list[str]:

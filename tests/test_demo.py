@@ -82,3 +82,39 @@ def test_demo_table_width_falls_back_to_80_columns_without_a_terminal():
     width = subprocess.run([sys.executable, "-c", "from optserve.demo import terminal_columns; print(terminal_columns())"],
                            capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
     assert width.stdout.strip() == "80", width.stderr
+
+
+@pytest.mark.slow
+def test_demo_diloco_compares_with_per_step_sync_at_a_fifth_of_the_payload(tmp_path):
+    out = tmp_path / "demo_out"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(
+        _optserve_command() + ["demo", "--quick", "--no-progress", "--diloco", "5", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "DiLoCo, H=5" in proc.stdout and "sync DP, every step" in proc.stdout
+    assert "Payload bytes" in proc.stdout and "payload bytes / worker" in proc.stdout
+
+    png = (out / "loss_curve.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5_000
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["diloco"] == 5
+    diloco, sync = summary["runs"]
+    assert (diloco["label"], sync["label"]) == ("DiLoCo, H=5", "sync DP, every step")
+    steps = summary["steps_per_worker"]
+    assert diloco["steps_per_worker"] == sync["steps_per_worker"] == steps  # equal samples
+    assert (diloco["exchanges_per_worker"], sync["exchanges_per_worker"]) == (steps // 5, steps)
+    # every worker pushed the whole model's float32 (pseudo-)gradient per exchange: 1/H of the bytes
+    for worker_bytes in (diloco["payload_bytes_per_worker"], sync["payload_bytes_per_worker"]):
+        assert len(worker_bytes) == 2 and len(set(worker_bytes)) == 1
+    assert diloco["payload_bytes_per_worker"][0] == pytest.approx(sync["payload_bytes_per_worker"][0] / 5, rel=0.01)
+    assert f"{sync['payload_bytes_per_worker'][0]:,}" in proc.stdout
+
+    initial = summary["initial"]["test_loss"]
+    for run in (diloco, sync):  # both learn
+        assert run["test_loss"] < 0.5 * initial and run["test_accuracy"] > 0.7, run
