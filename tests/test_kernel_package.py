@@ -32,7 +32,8 @@ def test_every_registry_entry_builds_and_its_built_optimizer_carries_the_entry_s
 
     from optserve.optim_kernels import OPTIMIZERS, build_optimizer
 
-    minimal = {"adafactor_hf": {"lr": 0.01, "relative_step": False}, "scaled_adam": {}}
+    minimal = {"adafactor_hf": {"lr": 0.01, "relative_step": False}, "scaled_adam": {},
+               "delayed_nesterov": {"learning_rate": 0.01, "delay": 2}}
     for name, entry in OPTIMIZERS.items():
         built = build_optimizer(name, minimal.get(name, {"learning_rate": 0.01}))
         assert isinstance(built.transformation, optax.GradientTransformation), name

@@ -30,6 +30,7 @@ BASE = {
     "adafactor_t2t": {},
     "shampoo": {"learning_rate": 0.1},
     "scaled_adam": {},
+    "delayed_nesterov": {"learning_rate": 0.1, "delay": 1},
 }
 
 TINY = 1e-30  # accepted where the rule is "> 0": the boundary itself (0) is refused
@@ -113,6 +114,12 @@ BOUNDARIES = [
     ("scaled_adam", "scalar_max", TINY, 0.0, "scalar_max > 0"),
     ("scaled_adam", "size_update_period", 1, 0, "size_update_period >= 1"),
     ("scaled_adam", "clipping_update_period", 1, 0, "clipping_update_period >= 1"),
+    # delayed_nesterov (BASE has delay 1, so momentum_activation's own upper end, 1, is also 1 / delay)
+    ("delayed_nesterov", "learning_rate", TINY, 0.0, "learning_rate > 0"),
+    ("delayed_nesterov", "momentum", 0.0, 1.0, "0 <= momentum < 1"),
+    ("delayed_nesterov", "delay", 1, 0, "delay >= 1"),
+    ("delayed_nesterov", "momentum_activation", 0.0, -0.1, "0 <= momentum_activation <= 1"),
+    ("delayed_nesterov", "momentum_activation", 1.0, 1.5, "0 <= momentum_activation <= 1"),
 ]
 
 
