@@ -20,6 +20,7 @@ from optserve.optim_kernels.registry import (
 )
 from optserve.optim_kernels.adafactor import adafactor, adafactor_hf, adafactor_t2t  # noqa: E402
 from optserve.optim_kernels.linalg import matrix_inverse_pth_root  # noqa: E402
+from optserve.optim_kernels.muon import muon  # noqa: E402
 from optserve.optim_kernels.scaled_adam import scaled_adam  # noqa: E402
 from optserve.optim_kernels.shampoo import compute_preconditioners, shampoo  # noqa: E402
 
@@ -35,6 +36,7 @@ __all__ = [
     "adafactor_t2t",
     "compute_preconditioners",
     "matrix_inverse_pth_root",
+    "muon",
     "scaled_adam",
     "shampoo",
 ]

@@ -54,6 +54,8 @@ from optserve.optim_kernels.adafactor.kernel import (
 from optserve.optim_kernels.arg_rules import ArgRules
 from optserve.optim_kernels.delayed_nesterov import DELAYED_NESTEROV_ARG_RULES, delayed_nesterov
 from optserve.optim_kernels.linalg import inverse_pth_roots
+from optserve.optim_kernels.muon import muon
+from optserve.optim_kernels.muon.config import MUON_ARG_RULES
 from optserve.optim_kernels.scaled_adam import scaled_adam, scaled_adam_partial_statistic
 from optserve.optim_kernels.scaled_adam.config import SCALED_ADAM_ARG_RULES
 from optserve.optim_kernels.shampoo import seam as shampoo_seam
@@ -174,6 +176,7 @@ OPTIMIZERS: dict[str, KernelEntry] = {
     "adafactor_t2t": KernelEntry(adafactor_t2t, arg_rules=ADAFACTOR_T2T_ARG_RULES),
     "shampoo": KernelEntry(shampoo, root_offload=_SHAMPOO_ROOT_OFFLOAD, arg_rules=SHAMPOO_ARG_RULES),
     "scaled_adam": KernelEntry(scaled_adam, scaled_adam_partial_statistic, arg_rules=SCALED_ADAM_ARG_RULES),
+    "muon": KernelEntry(muon, arg_rules=MUON_ARG_RULES),
     "delayed_nesterov": KernelEntry(delayed_nesterov, arg_rules=DELAYED_NESTEROV_ARG_RULES),
     # Baselines, straight from optax.
     "adam": KernelEntry(optax.adam, arg_rules=ADAM_ARG_RULES),

@@ -30,6 +30,7 @@ BASE = {
     "adafactor_t2t": {},
     "shampoo": {"learning_rate": 0.1},
     "scaled_adam": {},
+    "muon": {"learning_rate": 0.1},
     "delayed_nesterov": {"learning_rate": 0.1, "delay": 1},
 }
 
@@ -114,6 +115,19 @@ BOUNDARIES = [
     ("scaled_adam", "scalar_max", TINY, 0.0, "scalar_max > 0"),
     ("scaled_adam", "size_update_period", 1, 0, "size_update_period >= 1"),
     ("scaled_adam", "clipping_update_period", 1, 0, "clipping_update_period >= 1"),
+    # muon
+    ("muon", "learning_rate", TINY, 0.0, "learning_rate > 0"),
+    ("muon", "ns_steps", 1, 0, "ns_steps >= 1"),
+    ("muon", "beta", 0.0, 1.0, "0 <= beta < 1"),
+    ("muon", "eps", 0.0, -1e-8, "eps >= 0"),
+    ("muon", "weight_decay", 0.0, -0.1, "weight_decay >= 0"),
+    ("muon", "adam_b1", 0.0, 1.0, "0 <= adam_b1 < 1"),
+    ("muon", "adam_b2", 0.0, 1.0, "0 <= adam_b2 < 1"),
+    ("muon", "adam_eps_root", 0.0, -1e-8, "adam_eps_root >= 0"),
+    ("muon", "adam_weight_decay", 0.0, -0.1, "adam_weight_decay >= 0"),
+    ("muon", "adam_learning_rate", TINY, 0.0, "adam_learning_rate > 0"),
+    ("muon", "adam_learning_rate", None, -0.1, "adam_learning_rate > 0"),
+    ("muon", "consistent_rms", TINY, 0.0, "consistent_rms > 0"),
     # delayed_nesterov (BASE has delay 1, so momentum_activation's own upper end, 1, is also 1 / delay)
     ("delayed_nesterov", "learning_rate", TINY, 0.0, "learning_rate > 0"),
     ("delayed_nesterov", "momentum", 0.0, 1.0, "0 <= momentum < 1"),

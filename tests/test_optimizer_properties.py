@@ -40,6 +40,7 @@ ARGS = {
     "sgd": dict(learning_rate=0.1, momentum=0.9),
     "scaled_adam": dict(lr=0.05, clipping_scale=2.0, clipping_update_period=20),
     "delayed_nesterov": dict(learning_rate=0.2, delay=3),
+    "muon": dict(learning_rate=0.02),
     "adafactor": dict(learning_rate=0.05),
     "adafactor_hf": dict(lr=0.05, relative_step=False),
     "adafactor_t2t": dict(learning_rate=0.05),
