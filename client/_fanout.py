@@ -79,7 +79,9 @@ def call_shard(fn: Callable[[Shard], T], shard: Shard) -> T:
 
 def all_or_first_error(calls: Sequence[Callable[[], T]]) -> list[T]:
     """Every call's result, in order; runs all of them even when one fails, then raises the most
-    telling failure: the first that is not a :class:`PeerRefusedError`, else the first."""
+    telling failure: the first that is not a :class:`PeerRefusedError`; when all are, an
+    :class:`UnavailableError` (the refusing shard's own answer came to no call of this attempt,
+    e.g. it was restarting: the push applied nowhere and is retried with the same sequence)."""
     results, errors = [], []
     for call in calls:
         try:
@@ -87,7 +89,11 @@ def all_or_first_error(calls: Sequence[Callable[[], T]]) -> list[T]:
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             errors.append(exc)
     if errors:  # the refusing shard's own error explains more than its peers' PeerRefused
-        raise next((e for e in errors if not isinstance(e, PeerRefusedError)), errors[0])
+        own = next((e for e in errors if not isinstance(e, PeerRefusedError)), None)
+        if own is None:  # the refusing shard's own answer is not among these (it was restarting): applied
+            # nowhere, so the same push (same sequence) may be sent again
+            raise UnavailableError(f"{errors[0].details}; retrying", "UNAVAILABLE")
+        raise own
     return results
 
 

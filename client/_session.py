@@ -112,8 +112,7 @@ class Session:
         """
         wire = self._wire(wire_dtype)
         wire = None if wire == contract.INT8 else wire  # int8 encodes gradients only
-        if self._member is not None:
-            self._member.keep_alive()
+        self._keep_membership()
         results = self._fanout.served(lambda: self._paths.pull(wire, out, views))
         self._see_version(min(version for version, _ in results))
         return {name: value for _, arrays in results for name, value in arrays.items()}
@@ -135,6 +134,7 @@ class Session:
         wire = self._wire(wire_dtype)
         grads = self._encode(grads, wire)
         header = self._header(base_version, loss, scalars)
+        self._keep_membership()
         try:
             if self._paths.all_via_shm(wire):  # every shard's bytes in shared memory: a step that returns the version
                 version = self._fanout.served(lambda: self._push_pull_once(header, grads, wire, reply=False))
@@ -159,6 +159,7 @@ class Session:
         wire = self._wire(wire_dtype)
         grads = self._encode(grads, wire)
         header = self._header(base_version, loss, scalars)
+        self._keep_membership()
         try:
             params = self._fanout.served(lambda: self._push_pull_once(header, grads, wire, out, views=views))
         except LateError as late:
@@ -243,6 +244,12 @@ class Session:
             return method(request, timeout=self._client.timeout)
 
         return [RoundRecord.from_proto(r) for r in self._fanout.served(ask_home).records]
+
+    def _keep_membership(self) -> None:
+        """Elastic sessions: the first push or pull joins; from then on the lease is renewed in
+        the background (a member computing longer than ``lease_s`` between steps stays one)."""
+        if self._member is not None:
+            self._member.keep_alive()
 
     def _dropped_late(self, late: LateError) -> None:
         current = late.current_version if late.current_version is not None else self._version

@@ -3,7 +3,8 @@
     python -m tests._diloco_worker ADDRESS SESSION WORKER_ID ROUNDS H
 
 Trains the test model with AdamW for ROUNDS x H inner steps on its own data through
-``optserve.client.torch.DiLoCo`` (an elastic session of 3 workers, min_workers 2) and prints
+``optserve.client.torch.DiLoCo`` (an elastic session of 3 workers, min_workers 1: a worker that
+joined late finishes its rounds after the others left) and prints
 ``round <n> <version>`` after each exchange, ``done`` at the end.
 """
 
@@ -21,7 +22,7 @@ def main(address: str, session: str, worker_id: str, rounds: int, h: int) -> Non
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
     inner = torch.optim.AdamW(model.parameters(), lr=0.01)
-    diloco = DiLoCo(model, inner, address, session=session, sync_every=h, num_workers=3, min_workers=2,
+    diloco = DiLoCo(model, inner, address, session=session, sync_every=h, num_workers=3, min_workers=1,
                     worker_id=worker_id)
     g = torch.Generator().manual_seed(sum(map(ord, worker_id)))
     for step in range(rounds * h):

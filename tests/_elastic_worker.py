@@ -3,12 +3,14 @@
     python -m tests._elastic_worker ADDRESS SESSION WORKER_ID UNTIL [PACE_S]
 
 Joins as WORKER_ID, then pushes the gradient :func:`worker_grads` gives for the version it last
-saw (sleeping PACE_S before each push) until it saw version UNTIL, and prints one line per answer:
+saw (sleeping PACE_S before each push) until it saw version UNTIL (a number) or until the file
+UNTIL exists (a path), and prints one line per answer:
 ``acked <version>`` or ``late <version>``; ``done`` at the end. Gradients depend only on (worker, version), so a run replays from its history.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -23,13 +25,16 @@ def worker_grads(shapes: dict, worker: str, version: int) -> dict[str, np.ndarra
     return {n: rng.standard_normal(shape).astype(np.float32) for n, shape in sorted(shapes.items())}
 
 
-def main(address: str, session: str, worker_id: str, until: int, pace_s: float) -> None:
+def main(address: str, session: str, worker_id: str, until: str, pace_s: float) -> None:
+    def going_on(version: int) -> bool:
+        return version < int(until) if until.isdigit() else not os.path.exists(until)
+
     with Client(address, timeout=60.0) as client:
         s = client.session(session, worker_id=worker_id)
         s.join()
         s.pull()
         shapes = {n: shape for n, (_, shape) in s.specs.items()}
-        while s.version < until:
+        while going_on(s.version):
             time.sleep(pace_s)
             s.push_pull(worker_grads(shapes, worker_id, s.version))
             step = s.last_step
@@ -39,4 +44,4 @@ def main(address: str, session: str, worker_id: str, until: int, pace_s: float) 
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]) if len(sys.argv) > 5 else 0.0)
+    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5]) if len(sys.argv) > 5 else 0.0)

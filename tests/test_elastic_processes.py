@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 class Worker:
     """``python -m tests._elastic_worker`` as a process; ``lines`` collects what it prints."""
 
-    def __init__(self, address: str, session: str, worker_id: str, until: int, pace_s: float = 0.0):
+    def __init__(self, address: str, session: str, worker_id: str, until, pace_s: float = 0.0):
         self.worker_id = worker_id
         self.process = subprocess.Popen([sys.executable, "-m", "tests._elastic_worker", address, session, worker_id,
                                          str(until), str(pace_s)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -136,13 +136,17 @@ def test_a_stopped_worker_is_dropped_when_its_lease_lapses_and_rejoins_after_sig
         owner.close()
 
 
-def test_a_worker_joining_at_round_ten_takes_part_from_then_on(server, client, unique_name):
+def test_a_worker_joining_at_round_ten_takes_part_from_then_on(server, client, unique_name, tmp_path):
     params = make_params(23)
-    owner = client.create_session(unique_name, params, SGD, num_workers=3, min_workers=2)
+    # min_workers=1: whoever is left when the stop file appears finishes its round alone
+    owner = client.create_session(unique_name, params, SGD, num_workers=3, min_workers=1)
+    stop = str(tmp_path / "stop")  # the workers go on until this file exists
     try:
-        first = [Worker(server.address, unique_name, f"j{i}", 40, pace_s=0.03) for i in range(2)]
+        first = [Worker(server.address, unique_name, f"j{i}", stop, pace_s=0.03) for i in range(2)]
         _wait_for(lambda: owner.status().version >= 10, 90, "ten rounds")
-        late = Worker(server.address, unique_name, "j2", 40, pace_s=0.03)
+        late = Worker(server.address, unique_name, "j2", stop, pace_s=0.03)
+        _wait_for(lambda: sum("j2" in r.participants for r in owner.history()) >= 5, 90, "five rounds with j2")
+        open(stop, "w").close()
         late.wait()
         for worker in first:
             worker.wait()

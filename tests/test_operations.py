@@ -86,7 +86,7 @@ def test_every_metric_is_exported(observed):
 
 def test_elastic_metrics_report_members_short_rounds_and_late_gradients(observed):
     samples = _scrape(observed[0])
-    assert _total(samples, "optserve_elastic_members", session="ops-elastic") == 2
+    assert _total(samples, "optserve_elastic_members", session="ops-elastic") == 2, observed[1].session_status("ops-elastic").elastic
     assert _total(samples, "optserve_elastic_stragglers", session="ops-elastic") == 1
     assert _total(samples, "optserve_elastic_rounds_short_total", session="ops-elastic") == 1
     assert _total(samples, "optserve_elastic_late_dropped_total", session="ops-elastic") == 1

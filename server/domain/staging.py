@@ -33,7 +33,7 @@ from optserve.server.domain.telemetry import Telemetry
 PushKey = tuple[str, int]  # a push's identity: (client_id, sequence)
 
 KEEP_EXPIRED = 1024  # expired staged pushes remembered (for a later Commit's message)
-_RETURN_PAGES_BYTES = 64 << 20  # an expiry freeing this much gives the heap's free pages back to the kernel
+_RETURN_PAGES_BYTES = 64 << 20  # expiries freeing this much (in all) give the heap's free pages back to the kernel
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -87,6 +87,7 @@ class StagingArea:
         self._refusals = refusals
         self._entries: dict[PushKey, StagedPush] = {}  # guarded by lock
         self._sweep: Optional[threading.Timer] = None  # expires two-phase pushes nobody asks about; guarded by lock
+        self._freed_since_trim = 0  # bytes of expired pushes freed since the heap last gave pages back; guarded by lock
         self._expired: dict[PushKey, float] = {}  # identity -> when it expired (time.time()); guarded by lock
 
     # ----------------------------------------------------------------- receiving
@@ -155,7 +156,12 @@ class StagingArea:
             self._refusals.refuse(RejectReason.ABORTED, client_id, sequence,
                                   cause=f"not committed within staged_push_ttl_s={self.ttl_s:g}")
         entry = None  # the last one's buffers are free too
-        if freed >= _RETURN_PAGES_BYTES:  # the heap would keep their pages (up to 1 GiB)
+        with self.lock:
+            self._freed_since_trim += freed
+            trim = self._freed_since_trim >= _RETURN_PAGES_BYTES
+            if trim:
+                self._freed_since_trim = 0
+        if trim:  # the heap would keep their pages (up to 1 GiB)
             release_free_memory()
 
     def _arm_sweep(self) -> None:

@@ -338,6 +338,9 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
                     ended_by_shard = closing is True
                     return
                 self._streams.idle(stream)
+        except Exception:  # a refusal ends the call with its status: the shard ended it, not a client gone
+            ended_by_shard = True
+            raise
         finally:
             self._streams.close(stream)
             if stream.pushers and not stream.evicted and not stream.goodbye and not ended_by_shard:
