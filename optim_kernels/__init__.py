@@ -23,6 +23,7 @@ from optserve.optim_kernels.linalg import matrix_inverse_pth_root  # noqa: E402
 from optserve.optim_kernels.muon import muon  # noqa: E402
 from optserve.optim_kernels.scaled_adam import scaled_adam  # noqa: E402
 from optserve.optim_kernels.shampoo import compute_preconditioners, shampoo  # noqa: E402
+from optserve.optim_kernels.soap import soap  # noqa: E402
 
 __all__ = [
     "GLOBAL_STATISTIC_ARG",
@@ -39,4 +40,5 @@ __all__ = [
     "muon",
     "scaled_adam",
     "shampoo",
+    "soap",
 ]

@@ -27,7 +27,9 @@ Root offload
 A kernel whose update computes matrix inverse roots that may instead be computed elsewhere
 (by preconditioner workers) declares a :class:`RootOffloadSeam`: everything a server needs to
 export its statistics, compute the roots in another process and install them, without knowing
-which optimizer it runs. Shampoo has one; no other kernel does.
+which optimizer it runs. Shampoo has one (inverse roots), and so has SOAP (its eigenbases: the
+export carries the bases in use as a second stacked input, and the install re-projects Adam's
+first moment into the new ones).
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ from optserve.optim_kernels.scaled_adam.config import SCALED_ADAM_ARG_RULES
 from optserve.optim_kernels.shampoo import seam as shampoo_seam
 from optserve.optim_kernels.shampoo import shampoo, shampoo_config
 from optserve.optim_kernels.shampoo.config import SHAMPOO_ARG_RULES
+from optserve.optim_kernels.soap import compute_bases, soap, soap_config
+from optserve.optim_kernels.soap import seam as soap_seam
+from optserve.optim_kernels.soap.config import SOAP_ARG_RULES
 
 __all__ = [
     "GLOBAL_STATISTIC_ARG",
@@ -90,17 +95,25 @@ class RootOffloadSeam:
         (name -> shape of a dict pytree, whose tensors flatten in sorted-name order).
       export: ``(state, config, grads=None) -> StatisticsExport(statistics [B, n, n],
         exponents [B], sizes [B], step)``; jit-able. With the pending ``grads`` of the next update
-        it exports the statistics that update will hold.
+        it exports the statistics that update will hold. ``exponents`` is a per-block int the
+        computation reads (Shampoo: the root ``p``; SOAP: the refresh kind). An export may also
+        have a field ``previous`` ([B, n, n], the results in use, identity-padded), which is
+        then passed on to ``compute_roots``.
       install: ``(state, config, roots, errors, step) -> state``; jit-able. Rejected roots (error
         NaN or over the kernel's threshold) keep the previous ones and count a failure.
       root_config: ``config -> RootConfig``, the typed, hashable, picklable description of the
         root computation, sent unchanged to the workers.
-      compute_roots: ``(statistics, exponents, sizes, root_config) -> (roots [B, n, n],
+      compute_roots: ``(statistics, exponents, sizes, root_config[, previous]) -> (roots [B, n, n],
         errors [B])``, pure; ``root_config`` is static, so a closure or ``functools.partial`` over
         it jits once per batch shape. A module-level function, so it pickles by reference.
+        ``previous`` is given exactly when the export has it.
       compute_steps: ``config -> int``, updates between two root computations.
       progress: ``state -> (count, source_step [B], failures [B], last_error [B])`` as arrays,
         for status reports (``source_step`` -1: no root installed yet).
+      lag: in the in-process kernel, the updates between the last gradient a computation's
+        statistics hold and the first update using its result: 0 for Shampoo (its update folds
+        the gradient in, then computes and uses the roots), 1 for SOAP (its update uses the
+        basis, then folds the gradient in and refreshes).
     """
 
     config: Callable[..., Any]
@@ -112,6 +125,7 @@ class RootOffloadSeam:
     compute_roots: Callable[..., tuple]
     compute_steps: Callable[[Any], int]
     progress: Callable[[Any], tuple]
+    lag: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +160,19 @@ _SHAMPOO_ROOT_OFFLOAD = RootOffloadSeam(
     progress=shampoo_seam.progress,
 )
 
+_SOAP_ROOT_OFFLOAD = RootOffloadSeam(
+    config=soap_config,
+    without_inline_roots=soap_seam.without_inline_bases,
+    block_labels=soap_seam.block_labels,
+    export=soap_seam.export_bases,
+    install=soap_seam.install_bases,
+    root_config=soap_seam.basis_config,
+    compute_roots=compute_bases,
+    compute_steps=soap_seam.compute_steps,
+    progress=soap_seam.progress,
+    lag=soap_seam.LAG,
+)
+
 # Value rules of the optax baselines (their own constructors check none of these). eps = 0 is
 # admitted, as in optax and PyTorch: eps_root may keep the denominator away from 0 instead.
 _ADAM_ARG_RULES = (
@@ -177,6 +204,7 @@ OPTIMIZERS: dict[str, KernelEntry] = {
     "shampoo": KernelEntry(shampoo, root_offload=_SHAMPOO_ROOT_OFFLOAD, arg_rules=SHAMPOO_ARG_RULES),
     "scaled_adam": KernelEntry(scaled_adam, scaled_adam_partial_statistic, arg_rules=SCALED_ADAM_ARG_RULES),
     "muon": KernelEntry(muon, arg_rules=MUON_ARG_RULES),
+    "soap": KernelEntry(soap, root_offload=_SOAP_ROOT_OFFLOAD, arg_rules=SOAP_ARG_RULES),
     "delayed_nesterov": KernelEntry(delayed_nesterov, arg_rules=DELAYED_NESTEROV_ARG_RULES),
     # Baselines, straight from optax.
     "adam": KernelEntry(optax.adam, arg_rules=ADAM_ARG_RULES),

@@ -42,11 +42,11 @@ def test_every_registry_entry_builds_and_its_built_optimizer_carries_the_entry_s
         built.transformation.init(params)
 
 
-def test_only_shampoo_declares_a_root_offload_seam():
+def test_only_shampoo_and_soap_declare_a_root_offload_seam():
     from optserve.optim_kernels import OPTIMIZERS
 
     with_seam = sorted(name for name, entry in OPTIMIZERS.items() if entry.root_offload is not None)
-    assert with_seam == ["shampoo"]
+    assert with_seam == ["shampoo", "soap"]
 
 
 def test_partial_statistic_factories_are_built_with_the_optimizer_options():

@@ -31,6 +31,7 @@ BASE = {
     "shampoo": {"learning_rate": 0.1},
     "scaled_adam": {},
     "muon": {"learning_rate": 0.1},
+    "soap": {},
     "delayed_nesterov": {"learning_rate": 0.1, "delay": 1},
 }
 
@@ -128,6 +129,16 @@ BOUNDARIES = [
     ("muon", "adam_learning_rate", TINY, 0.0, "adam_learning_rate > 0"),
     ("muon", "adam_learning_rate", None, -0.1, "adam_learning_rate > 0"),
     ("muon", "consistent_rms", TINY, 0.0, "consistent_rms > 0"),
+    # soap
+    ("soap", "learning_rate", TINY, 0.0, "learning_rate > 0"),
+    ("soap", "betas", [0.0, 0.0], [0.95, 1.0], "0 <= betas[0] < 1 and 0 <= betas[1] < 1"),
+    ("soap", "betas", (0.999, 0.999), [-0.1, 0.95], "0 <= betas[0] < 1 and 0 <= betas[1] < 1"),
+    ("soap", "shampoo_beta", 0.0, 1.0, "0 <= shampoo_beta < 1"),
+    ("soap", "shampoo_beta", None, -0.1, "0 <= shampoo_beta < 1"),
+    ("soap", "weight_decay", 0.0, -0.01, "weight_decay >= 0"),
+    ("soap", "precondition_frequency", 1, 0, "precondition_frequency >= 1"),
+    ("soap", "max_precondition_dim", 1, 0, "max_precondition_dim >= 1"),
+    ("soap", "eps", 0.0, -1e-8, "eps >= 0"),
     # delayed_nesterov (BASE has delay 1, so momentum_activation's own upper end, 1, is also 1 / delay)
     ("delayed_nesterov", "learning_rate", TINY, 0.0, "learning_rate > 0"),
     ("delayed_nesterov", "momentum", 0.0, 1.0, "0 <= momentum < 1"),

@@ -1,6 +1,7 @@
 """Compute layer: the pool of preconditioner workers and the root jobs shards send to it.
 
-A shard hands the pool one export (``[B, n, n]`` identity-padded statistics of its whole tree);
+A shard hands the pool one export (``[B, n, n]`` identity-padded statistics of its whole tree, and
+the results in use in the same layout when the kernel's export carries them);
 the pool cuts it into batches of a fixed size ``b`` (``min(batch_blocks, next power of two >= B)``,
 the last one padded with identity matrices, so a worker compiles once per shape), deals the
 batches round-robin over the workers (each shard starts at its own offset, so shards sharing a
@@ -162,6 +163,7 @@ class RootJob:
     sizes: np.ndarray = dataclasses.field(repr=False)
     computation: RootComputation = dataclasses.field(repr=False)
     resubmits: int = 0
+    previous: np.ndarray | None = dataclasses.field(default=None, repr=False)
 
     @property
     def done(self) -> bool:
@@ -196,7 +198,7 @@ class PreconditionerPool:
 
     # ---------------------------------------------------------------- submit
     def submit(self, statistics: np.ndarray, exponents: np.ndarray, sizes: np.ndarray, step: int,
-               computation: RootComputation) -> RootJob:
+               computation: RootComputation, previous: np.ndarray | None = None) -> RootJob:
         """Sends one export's batches to the workers; returns immediately.
 
         Args:
@@ -204,13 +206,17 @@ class PreconditionerPool:
           exponents, sizes: int32 [B].
           step: the export's step (kept on the job).
           computation: the session's root computation.
+          previous: f32 [B, n, n] identity-padded results in use, passed on to the computation
+            (None: the kernel's export has none).
         """
         statistics = np.ascontiguousarray(statistics, dtype=np.float32)
+        if previous is not None:
+            previous = np.ascontiguousarray(previous, dtype=np.float32)
         exponents = np.asarray(exponents, np.int32)
         sizes = np.asarray(sizes, np.int32)
         blocks = statistics.shape[0]
         b = batch_size(blocks, self.config.batch_blocks)
-        job = RootJob(int(step), blocks, [], statistics, exponents, sizes, computation)
+        job = RootJob(int(step), blocks, [], statistics, exponents, sizes, computation, previous=previous)
         for start in range(0, blocks, b):
             batch = _Batch(start, min(start + b, blocks), -1, None)
             self._send(job, batch, b)
@@ -230,21 +236,24 @@ class PreconditionerPool:
         self._next = (self._next + 1) % len(self.workers)
         batch.ref = self._call(job, batch.start, b, batch.worker)
 
-    def _batch_arrays(self, job: RootJob, start: int, b: int):
-        """The batch at ``start``, padded to ``b`` matrices with identities (size n, p = 2)."""
+    def _batch_arrays(self, job: RootJob, start: int, b: int) -> tuple:
+        """The batch at ``start``, padded to ``b`` matrices with identities (size n, p = 2):
+        ``(statistics, exponents, sizes)``, then ``previous`` when the job has it."""
         stop = min(start + b, job.blocks)
-        stats, exps, sizes = job.statistics[start:stop], job.exponents[start:stop], job.sizes[start:stop]
+        arrays = [job.statistics[start:stop], job.exponents[start:stop], job.sizes[start:stop]]
+        if job.previous is not None:
+            arrays.append(job.previous[start:stop])
         missing = b - (stop - start)
         if missing:
             n = job.statistics.shape[1]
-            stats = np.concatenate([stats, np.broadcast_to(np.eye(n, dtype=np.float32), (missing, n, n))])
-            exps = np.concatenate([exps, np.full((missing,), 2, np.int32)])
-            sizes = np.concatenate([sizes, np.full((missing,), n, np.int32)])
-        return stats, exps, sizes
+            identities = np.broadcast_to(np.eye(n, dtype=np.float32), (missing, n, n))
+            pads = [identities, np.full((missing,), 2, np.int32), np.full((missing,), n, np.int32), identities]
+            arrays = [np.concatenate([a, pad]) for a, pad in zip(arrays, pads)]
+        return tuple(arrays)
 
     def _call(self, job: RootJob, start: int, b: int, worker: int):
-        stats, exps, sizes = self._batch_arrays(job, start, b)
-        return self.workers[worker].compute.remote(stats, exps, sizes, job.computation)
+        stats, exps, sizes, *previous = self._batch_arrays(job, start, b)
+        return self.workers[worker].compute.remote(stats, exps, sizes, job.computation, *previous)
 
     # ---------------------------------------------------------------- collect
     def poll(self, job: RootJob) -> bool:
@@ -334,6 +343,5 @@ class PreconditionerPool:
         fn = self._local_fns.get(job.computation)
         if fn is None:
             fn = self._local_fns[job.computation] = compute_roots_fn(job.computation)
-        stats, exps, sizes = self._batch_arrays(job, start, b)
-        roots, errors = fn(stats, exps, sizes)
+        roots, errors = fn(*self._batch_arrays(job, start, b))
         return np.asarray(roots, np.float32), np.asarray(errors, np.float32)

@@ -1,10 +1,12 @@
-"""Compute layer: a preconditioner worker, the Ray actor that computes Shampoo's inverse roots.
+"""Compute layer: a preconditioner worker, the Ray actor that computes Shampoo's inverse roots
+(and SOAP's eigenbases).
 
 A worker runs the root function a kernel's offload seam names (:class:`RootComputation`),
 jitted once per (batch shape, root config), on batches of identity-padded statistics
-sent by the shards (see :mod:`optserve.server.compute.preconditioner_pool`). With ``f64`` the worker turns
-on ``jax_enable_x64`` in its own process before any computation, so the roots are computed in
-float64 (and returned in float32, the input's dtype); shards are unaffected.
+sent by the shards (see :mod:`optserve.server.compute.preconditioner_pool`), with the results in
+use as a second stacked input when the kernel's export carries them (SOAP's bases). With ``f64``
+the worker turns on ``jax_enable_x64`` in its own process before any computation, so the roots
+are computed in float64 (and returned in float32, the input's dtype); shards are unaffected.
 
 Workers hold no session state: a restarted worker (Ray's ``max_restarts``) serves the next batch
 as if nothing happened, and any batch can go to any worker.
@@ -24,8 +26,8 @@ class RootComputation:
     """What a worker runs on a batch, as a kernel's offload seam declares it.
 
     Attributes:
-      compute: the kernel's pure ``(statistics [b, n, n], exponents [b], sizes [b], config) ->
-        (roots [b, n, n], errors [b])``.
+      compute: the kernel's pure ``(statistics [b, n, n], exponents [b], sizes [b], config[,
+        previous [b, n, n]]) -> (roots [b, n, n], errors [b])``.
       config: its typed root configuration (method, ridge), sent unchanged from the session's
         kernel config; hashable, so each worker compiles once per (batch shape, config).
     """
@@ -35,14 +37,14 @@ class RootComputation:
 
 
 def compute_roots_fn(computation: RootComputation):
-    """A jitted ``(statistics, exponents, sizes) -> (roots, errors)`` for ``computation``.
+    """A jitted ``(statistics, exponents, sizes[, previous]) -> (roots, errors)`` for ``computation``.
 
     Used by the workers and by a shard's local fallback (when no worker can be reached).
     """
     import jax
 
-    return jax.jit(lambda statistics, exponents, sizes: computation.compute(
-        statistics, exponents, sizes, computation.config))
+    return jax.jit(lambda statistics, exponents, sizes, *previous: computation.compute(
+        statistics, exponents, sizes, computation.config, *previous))
 
 
 class PreconditionerWorker:
@@ -63,7 +65,8 @@ class PreconditionerWorker:
         self._batches = 0
 
     def compute(self, statistics: np.ndarray, exponents: np.ndarray, sizes: np.ndarray,
-                computation: RootComputation) -> tuple[np.ndarray, np.ndarray]:
+                computation: RootComputation, previous: np.ndarray | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
         """Inverse roots of one batch.
 
         Args:
@@ -71,6 +74,8 @@ class PreconditionerWorker:
           exponents: int32 [b], the root ``p`` of each matrix.
           sizes: int32 [b], real sizes.
           computation: the session's root computation.
+          previous: f32 [b, n, n], the results in use (identity-padded), for a kernel whose export
+            carries them; else None.
 
         Returns:
           ``(roots f32 [b, n, n], errors f32 [b])``; ``errors[i]`` is ``inf`` for non-finite input.
@@ -78,7 +83,7 @@ class PreconditionerWorker:
         fn = self._fns.get(computation)
         if fn is None:
             fn = self._fns[computation] = compute_roots_fn(computation)
-        roots, errors = fn(statistics, exponents, sizes)
+        roots, errors = fn(statistics, exponents, sizes, *(() if previous is None else (previous,)))
         self._batches += 1
         return np.asarray(roots, dtype=np.float32), np.asarray(errors, dtype=np.float32)
 

@@ -2,7 +2,8 @@
 
 This module is the one place that decides where a session's inverse roots are computed and when
 a shard waits for them (:func:`build_shard_optimizer`), for any kernel that declares a root
-offload seam in the registry (``RootOffloadSeam``; Shampoo does):
+offload seam in the registry (``RootOffloadSeam``; Shampoo does for its inverse roots, SOAP for
+its eigenbases, whose exports also carry the bases in use):
 
 * no seam: nothing to do (no preconditioner object);
 * a seam, on a server without preconditioner workers, or with ``in_process`` set: the kernel
@@ -12,22 +13,26 @@ offload seam in the registry (``RootOffloadSeam``; Shampoo does):
   (``seam.without_inline_roots``) and the roots come from the workers through the seam
   (``export`` -> ``compute_roots`` on a worker -> ``install``).
 
-Schedule of an offloaded session (``P = preconditioning_compute_steps``, ``A = max_age``):
+Schedule of an offloaded session (``P = seam.compute_steps``, Shampoo's
+``preconditioning_compute_steps``; ``A = max_age``; ``L = seam.lag``, 0 for Shampoo, 1 for SOAP):
 
 * after update ``t`` with ``t % P == 0`` the shard exports the statistics (step ``t``), submits
   them and goes on without waiting;
 * before every update it installs the newest finished export (older unfinished ones are
   dropped) and then enforces the bound: update ``t`` must use roots of step
-  ``>= required_source_step(t, P, A) = min(t - t % P, t - A)``. If the installed ones are older, it
-  waits for the first export in flight that is recent enough or, when none is, exports with the
-  update's pending gradients (step ``t``, the statistics the update will hold) and waits for it.
+  ``>= required_source_step(t, P, A, L) = min(s - s % P, t - A)`` with ``s = t - L``. If the
+  installed ones are older, it waits for the first export in flight that is recent enough or, when
+  none is, exports (with ``L = 0`` with the update's pending gradients: step ``t``, the statistics
+  the update will hold; else the state as it is, step ``t - 1``) and waits for it.
 
-So ``A = 0`` reproduces in-process Shampoo (roots of step ``t - t % P``, as the kernel computes
-them); with ``A >= P`` an update uses roots at most ``max(A, P - 1)`` steps old and waits only
-when the workers fall behind; the default ``A = 2 P`` leaves the workers up to ``P`` steps to
-answer. A failed root (error NaN or ``>= inverse_failure_threshold``) keeps the block's previous
-preconditioner (identity until the first root, i.e. the grafted direction) and counts a failure;
-its age then grows past the bound, which only counts exports, not their outcome.
+So ``A = 0`` reproduces the in-process kernel (Shampoo's roots of step ``t - t % P``, SOAP's bases
+of step ``s - s % P``, as the kernels compute them); with ``A >= P`` an update uses roots at most
+``max(A, P - 1 + L)`` steps old and waits only when the workers fall behind; the default
+``A = 2 P`` leaves the workers up to ``P`` steps to answer. A failed root (error NaN or
+``>= inverse_failure_threshold``; for SOAP a non-finite or non-orthogonal basis) keeps the block's
+previous preconditioner (identity until the first root, i.e. the grafted direction, or plain Adam
+for SOAP) and counts a failure; its age then grows past the bound, which only counts exports, not
+their outcome.
 """
 
 from __future__ import annotations
@@ -46,9 +51,11 @@ from optserve.server.compute.preconditioner_worker import RootComputation
 log = logging.getLogger(__name__)
 
 
-def required_source_step(step: int, every: int, max_age: int) -> int:
-    """The oldest statistics step update ``step`` may use: ``min(step - step % every, step - max_age)``."""
-    return min(step - step % every, step - max_age)
+def required_source_step(step: int, every: int, max_age: int, lag: int = 0) -> int:
+    """The oldest statistics step update ``step`` may use: ``min(s - s % every, step - max_age)``
+    with ``s = step - lag`` (the seam's ``lag``)."""
+    scheduled = step - lag
+    return min(scheduled - scheduled % every, step - max_age)
 
 
 def default_max_age(every: int) -> int:
@@ -134,6 +141,7 @@ class OffloadedPreconditioners(ShardPreconditioners):
         self.pool = pool
         self.max_age = max_age
         self._every = seam.compute_steps(config)
+        self._lag = seam.lag
         self._wait_timeout_s = wait_timeout_s
         self._computation = RootComputation(seam.compute_roots, seam.root_config(config))
         self._export_pending = jax.jit(lambda state, grads: seam.export(state, config, grads))
@@ -151,7 +159,7 @@ class OffloadedPreconditioners(ShardPreconditioners):
             return state
         step = int(self.seam.progress(state)[0])
         state = self._install_newest_done(state)
-        need = required_source_step(step, self._every, self.max_age)
+        need = required_source_step(step, self._every, self.max_age, self._lag)
         if self._offered >= need:
             return state
         self.waits += 1
@@ -159,8 +167,11 @@ class OffloadedPreconditioners(ShardPreconditioners):
             if job.step >= need:
                 self._finish(job)
                 return self._install_job(state, i)
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-        self._submit(self._export_pending(state, grads))
+        if self._lag:  # the state already holds the statistics the bound asks for (step t - 1)
+            self._submit(self._export_current(state))
+        else:
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+            self._submit(self._export_pending(state, grads))
         self._finish(self._jobs[-1])
         return self._install_job(state, len(self._jobs) - 1)
 
@@ -180,8 +191,10 @@ class OffloadedPreconditioners(ShardPreconditioners):
     # ---------------------------------------------------------------- jobs
     def _submit(self, exported) -> None:
         step = int(exported.step)
+        previous = getattr(exported, "previous", None)  # a second stacked input (SOAP's bases in use)
         job = self.pool.submit(np.asarray(exported.statistics), np.asarray(exported.exponents),
-                               np.asarray(exported.sizes), step, self._computation)
+                               np.asarray(exported.sizes), step, self._computation,
+                               previous=None if previous is None else np.asarray(previous))
         self._jobs.append(job)
         self._exported = step
 
