@@ -11,7 +11,7 @@ through the ``optserve.commands`` entry point; the server never imports it.
    :class:`optserve.client.torch.RemoteOptimizer` on its own minibatches, with a progress bar;
 4. trains the same model (same initial weights, same number of updates, same batch size) in
    process with the same optimizer (``torch.optim.Adam`` for ``adam``, ``transformers.Adafactor``
-   for ``adafactor_hf``);
+   for ``adafactor_hf``, the server's own kernel run in process for ``muon`` and ``soap``);
 5. prints a table of final loss / accuracy for both, writes ``loss_curve.png`` and
    ``summary.json`` under ``--out`` (default ``./demo_out``).
 
@@ -97,13 +97,20 @@ def evaluate(model, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
 # --- optimizers: the server's spec and the in-process twin --------------------------------------
 
 
+DEMO_OPTIMIZERS = ("adam", "adafactor_hf", "muon", "soap")
+
+
 def optimizer_spec(name: str, lr: float) -> dict[str, Any]:
     """The server-side optimizer for ``name`` (see :func:`in_process_optimizer` for its twin)."""
     if name == "adam":
         return {"name": "adam", "args": {"learning_rate": lr}}
     if name == "adafactor_hf":
         return {"name": "adafactor_hf", "args": {"lr": lr, "relative_step": False, "scale_parameter": False}}
-    raise ValueError(f"demo optimizer must be 'adam' or 'adafactor_hf', got {name!r}")
+    if name == "muon":
+        return {"name": "muon", "args": {"learning_rate": lr}}
+    if name == "soap":
+        return {"name": "soap", "args": {"learning_rate": lr, "precondition_frequency": 10}}
+    raise ValueError(f"demo optimizer must be one of {', '.join(DEMO_OPTIMIZERS)}, got {name!r}")
 
 
 def in_process_optimizer(name: str, lr: float, params):
@@ -116,7 +123,45 @@ def in_process_optimizer(name: str, lr: float, params):
         from transformers.optimization import Adafactor
 
         return Adafactor(params, lr=lr, relative_step=False, scale_parameter=False)
-    raise ValueError(f"demo optimizer must be 'adam' or 'adafactor_hf', got {name!r}")
+    if name in ("muon", "soap"):  # no torch twin with the same semantics: the server's own kernel, here
+        return KernelInProcess(params, optimizer_spec(name, lr))
+    raise ValueError(f"demo optimizer must be one of {', '.join(DEMO_OPTIMIZERS)}, got {name!r}")
+
+
+class KernelInProcess:
+    """A registry kernel (``optserve.optim_kernels``) stepping torch parameters in this process:
+    the in-process twin of optimizers without a torch implementation of the same semantics."""
+
+    def __init__(self, params, spec: dict[str, Any]):
+        import jax
+        import optax
+
+        from optserve.optim_kernels import build_optimizer
+
+        self._params = list(params)
+        self.name = spec["name"]
+        tx = build_optimizer(spec["name"], spec["args"]).transformation
+        self._values = {f"p{i}": jax.numpy.asarray(p.detach().numpy()) for i, p in enumerate(self._params)}
+        self._state = tx.init(self._values)
+
+        def step(values, state, grads):
+            updates, state = tx.update(grads, state, values)
+            return optax.apply_updates(values, updates), state
+
+        self._step = jax.jit(step)
+
+    def zero_grad(self) -> None:
+        for p in self._params:
+            p.grad = None
+
+    def step(self) -> None:
+        import torch
+
+        grads = {f"p{i}": p.grad.detach().numpy() for i, p in enumerate(self._params)}
+        self._values, self._state = self._step(self._values, self._state, grads)
+        with torch.no_grad():
+            for i, p in enumerate(self._params):
+                p.copy_(torch.from_numpy(np.array(self._values[f"p{i}"])))
 
 
 # --- configuration ------------------------------------------------------------------------------
@@ -201,7 +246,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> DemoConfig:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--optimizer", choices=("adam", "adafactor_hf"), default="adam")
+    parser.add_argument("--optimizer", choices=DEMO_OPTIMIZERS, default="adam")
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--max-staleness", type=int, default=4, help="async staleness bound (versions)")
     parser.add_argument("--staleness-policy", choices=("reject", "scale"), default="reject")
@@ -466,7 +511,8 @@ def run_in_process(cfg: DemoConfig, data: DigitsSplit) -> RunResult:
     seconds = time.perf_counter() - start
     train_loss, _ = evaluate(model, data.x_train, data.y_train)
     test_loss, test_accuracy = evaluate(model, data.x_test, data.y_test)
-    return RunResult(f"in process ({type(optimizer).__name__})", updates, 0, seconds, train_loss, test_loss, test_accuracy, curve)
+    label = optimizer.name if isinstance(optimizer, KernelInProcess) else type(optimizer).__name__
+    return RunResult(f"in process ({label})", updates, 0, seconds, train_loss, test_loss, test_accuracy, curve)
 
 
 # --- reporting ----------------------------------------------------------------------------------

@@ -118,3 +118,18 @@ def test_demo_diloco_compares_with_per_step_sync_at_a_fifth_of_the_payload(tmp_p
     initial = summary["initial"]["test_loss"]
     for run in (diloco, sync):  # both learn
         assert run["test_loss"] < 0.5 * initial and run["test_accuracy"] > 0.7, run
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "soap"])
+def test_demo_trains_with_muon_and_soap(tmp_path, optimizer):
+    out = tmp_path / "demo_out"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(
+        _optserve_command() + ["demo", "--quick", "--no-progress", "--optimizer", optimizer, "--out", str(out)],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert f"in process ({optimizer})" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    remote, local = summary["runs"]
+    initial = summary["initial"]["test_loss"]
+    assert remote["test_loss"] < 0.7 * initial and local["test_loss"] < 0.7 * initial, (remote, local, initial)
