@@ -84,6 +84,27 @@ class _Fragment:
     sent_h: int = 0
 
 
+class DiLoCoViews:
+    """What the torch and JAX adapters show of their :class:`DiLoCoCore` (``self._core``)."""
+
+    _core: "DiLoCoCore"
+
+    @property
+    def sessions(self) -> list:
+        """The ``Session`` objects, one per fragment."""
+        return self._core.sessions
+
+    @property
+    def rounds(self) -> list[int]:
+        """Exchanges completed, per fragment."""
+        return list(self._core.rounds)
+
+    @property
+    def exchanges(self) -> list:
+        """One :class:`Exchange` per completed exchange (fragment, inner step, H, versions)."""
+        return list(self._core.exchanges)
+
+
 class DiLoCoCore:
     """The outer loop's state for one worker (see the module docstring).
 
@@ -193,6 +214,19 @@ class DiLoCoCore:
             fragment.in_flight = concurrent.futures.Future()
             fragment.in_flight.set_result(fragment.session.push_pull(delta, **kwargs))
         fragment.lands_at = step + self.overlap_steps
+
+    def after_inner_step(self, step: int, current_of) -> dict[str, np.ndarray]:
+        """The exchanges due after inner step ``step``: merges those landing now, starts those
+        due now (no overlap: and waits for them); returns the values the adapter loads
+        (``current_of(names)``: the current float32 values of those tensors)."""
+        loaded: dict[str, np.ndarray] = {}
+        for index in self.landing(step):
+            loaded.update(self.receive(index, current_of(self.fragments[index].names)))
+        for index in self.due(step):  # fragments are disjoint: a landing one is never due at once
+            self.send(index, current_of(self.fragments[index].names), step)
+            if not self.overlap_steps:
+                loaded.update(self.receive(index, {}))
+        return loaded
 
     def landing(self, step: int) -> list[int]:
         """Fragments whose exchange is due to be merged after inner step ``step``."""

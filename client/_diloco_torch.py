@@ -8,12 +8,12 @@ import numpy as np
 import torch
 
 from optserve.client import Client
-from optserve.client._diloco import DEFAULT_OUTER, DiLoCoCore
+from optserve.client._diloco import DEFAULT_OUTER, DiLoCoCore, DiLoCoViews
 from optserve.client._transport import ClientCert, TLSArg
 from optserve.client.torch import _checked_named_parameters, tensor_to_numpy, write_numpy_
 
 
-class DiLoCo:
+class DiLoCo(DiLoCoViews):
     """Low-communication data parallelism: ``diloco.step()`` replaces ``inner_optimizer.step()``.
 
     Every ``sync_every``-th call (per fragment, see :mod:`optserve.client._diloco`) pushes the
@@ -74,31 +74,12 @@ class DiLoCo:
             self._load(self._core.shared())
         self.inner_steps = 0
 
-    @property
-    def sessions(self) -> list:
-        return self._core.sessions
-
-    @property
-    def rounds(self) -> list[int]:
-        """Exchanges completed, per fragment."""
-        return list(self._core.rounds)
-
-    @property
-    def exchanges(self) -> list:
-        return list(self._core.exchanges)
-
     def step(self, closure=None):
         """One inner step, then the exchanges due at it (see the class docstring); returns the
         inner optimizer's result (the closure's loss, if given)."""
         result = self.inner_optimizer.step(closure)
         self.inner_steps += 1
-        core = self._core
-        for index in core.landing(self.inner_steps):
-            self._load(core.receive(index, self._current(core.fragments[index].names)))
-        for index in core.due(self.inner_steps):
-            core.send(index, self._current(core.fragments[index].names), self.inner_steps)
-            if not core.overlap_steps:
-                self._load(core.receive(index, {}))
+        self._load(self._core.after_inner_step(self.inner_steps, self._current))
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:

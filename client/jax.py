@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optserve.client import Client
+from optserve.client._diloco import DiLoCoViews as _DiLoCoViews
 from optserve.client._transport import ClientCert, TLSArg
 from optserve.client.options import SessionOptions
 from optserve.client.overlap import DelayedStepper
@@ -256,7 +257,7 @@ def attach_session(client: Any, name: str, like: PyTree, expect: Optional[Sessio
     return PytreeSession(connection.session(name, expect=expect, worker_id=worker_id), TreeCodec(like))
 
 
-class DiLoCo:
+class DiLoCo(_DiLoCoViews):
     """DiLoCo for JAX loops over a params pytree with an optax inner optimizer (the outer loop:
     :mod:`optserve.client._diloco`; the same options as ``optserve.client.torch.DiLoCo``).
 
@@ -290,33 +291,21 @@ class DiLoCo:
         self.inner_state = inner.init(self.params)
         self.inner_steps = 0
 
-    @property
-    def sessions(self) -> list:
-        return self._core.sessions
-
-    @property
-    def rounds(self) -> list[int]:
-        return list(self._core.rounds)
-
-    @property
-    def exchanges(self) -> list:
-        """One ``Exchange`` per completed exchange (fragment, inner step, H, versions)."""
-        return list(self._core.exchanges)
-
     def step(self, grads: PyTree) -> PyTree:
         updates, self.inner_state = self.inner.update(grads, self.inner_state, self.params)
         self.params = jax.tree_util.tree_map(lambda p, u: p + u.astype(p.dtype), self.params, updates)
         self.inner_steps += 1
-        core = self._core
-        landing, due = core.landing(self.inner_steps), core.due(self.inner_steps)
-        if landing or due:
-            named = {n: np.array(v, dtype=np.float32) for n, v in self._codec.to_named(self.params).items()}
-            for index in landing:
-                named.update(core.receive(index, named))
-            for index in due:
-                core.send(index, named, self.inner_steps)
-                if not core.overlap_steps:
-                    named.update(core.receive(index, named))
+        named: dict[str, np.ndarray] = {}
+
+        def current_of(names) -> dict[str, np.ndarray]:
+            if not named:  # the host copy, made only at a step with an exchange
+                named.update({n: np.array(v, dtype=np.float32) for n, v in self._codec.to_named(self.params).items()})
+            return {n: named[n] for n in names}
+
+        loaded = self._core.after_inner_step(self.inner_steps, current_of)
+        if loaded:
+            current_of(())
+            named.update(loaded)
             self.params = self._codec.from_named(named)
         return self.params
 
