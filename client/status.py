@@ -40,7 +40,7 @@ class StepOutcome:
 class ShardStatus:
     """One shard's view of a session: where it is, what it holds, how far it got.
 
-    ``preconditioners`` is empty and ``root_offload`` ``None`` for optimizers other than Shampoo.
+    ``preconditioners`` is empty and ``root_offload`` ``None`` for optimizers without a root-offload seam (all but Shampoo: roots, and SOAP: eigenbases).
     ``data_path`` (``Session.status()`` only): how that session object's tensor bytes reach the
     shard, "shared_memory" (same host, proven) or "grpc".
     """

@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="'local' (start an embedded Ray), 'auto' (join a running cluster) or an address")
     serve.add_argument("--gpus-per-shard", type=float, default=0.0, help="GPUs each shard actor requests")
     serve.add_argument("--shard-host", default=None, help="interface the shards bind (default: --host)")
-    serve.add_argument("--precond-workers", type=int, default=0, help="Shampoo preconditioner workers")
+    serve.add_argument("--precond-workers", type=int, default=0, help="preconditioner workers (Shampoo roots, SOAP eigenbases)")
     serve.add_argument("--gpus-per-precond-worker", type=float, default=0.0, help="GPUs per preconditioner worker")
     serve.add_argument("--precond-f64", action="store_true", help="compute preconditioner roots in float64")
     serve.add_argument("--min-shard-bytes", type=int, default=4 << 20,

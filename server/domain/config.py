@@ -174,7 +174,7 @@ class SessionConfig:
       staleness_policy: async: REJECT stale pushes, or SCALE steps by 1 / (1 + staleness).
       allow_nonfinite: pass NaN/Inf gradients to the optimizer instead of rejecting them.
       wire_dtype: default wire dtype advertised to clients (None: each tensor's own).
-      preconditioners: Shampoo only: where its inverse roots are computed, and their age bound.
+      preconditioners: Shampoo and SOAP: where their roots (SOAP: eigenbases) are computed, and their age bound.
       elastic: sync: membership and rounds (``min_workers``, ``max_workers``, leases, stragglers).
     """
 
