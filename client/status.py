@@ -150,10 +150,12 @@ class RefusedPush:
 
 @dataclasses.dataclass(frozen=True)
 class SessionSeries:
-    """A session's pushes, oldest first (``Client.session_series``)."""
+    """A session's pushes, oldest first (``Client.session_series``); ``rounds``: an elastic
+    session's :class:`RoundRecord` per committed version (as ``Session.history``)."""
 
     accepted: tuple[AcceptedPush, ...]
     rejected: tuple[RefusedPush, ...]
+    rounds: tuple[RoundRecord, ...] = ()
 
     @classmethod
     def from_proto(cls, response: control_pb2.GetSeriesResponse) -> "SessionSeries":
@@ -162,4 +164,5 @@ class SessionSeries:
             accepted=tuple(AcceptedPush(p.version, p.staleness, p.loss if p.HasField("loss") else None,
                                         dict(p.scalars), p.unix_s) for p in response.accepted),
             rejected=tuple(RefusedPush(r.unix_s, names.get(r.reason, "unknown")) for r in response.refused),
+            rounds=tuple(RoundRecord.from_proto(r) for r in response.rounds),
         )

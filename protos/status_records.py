@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from optserve.protos.optserve.v1 import control_pb2, data_pb2
+from optserve.protos.optserve.v1 import control_pb2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,10 +174,10 @@ class RoundRecord:
         return cls(int(data["version"]), tuple(data["participants"]), tuple(float(s) for s in data["scales"]),
                    tuple(data["late"]), float(data["duration_s"]), str(data["closed_by"]))
 
-    def to_proto(self) -> data_pb2.RoundRecord:
-        return data_pb2.RoundRecord(version=self.version, participants=self.participants, scales=self.scales,
+    def to_proto(self) -> control_pb2.RoundRecord:
+        return control_pb2.RoundRecord(version=self.version, participants=self.participants, scales=self.scales,
                                     late=self.late, duration_s=self.duration_s, closed_by=self.closed_by)
 
     @classmethod
-    def from_proto(cls, r: data_pb2.RoundRecord) -> "RoundRecord":
+    def from_proto(cls, r: control_pb2.RoundRecord) -> "RoundRecord":
         return cls(r.version, tuple(r.participants), tuple(r.scales), tuple(r.late), r.duration_s, r.closed_by)

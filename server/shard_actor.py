@@ -268,9 +268,12 @@ class ShardActor:
         return self._metrics.observer(session) if self._config.metrics_port is not None else StepObserver()
 
     def session_series(self, name: str):
-        """The series the session's home shard keeps (``(accepted, refused)`` records)."""
-        series = self._registry.get(name).series
-        return series.snapshot() if series is not None else ([], [])
+        """The series the session's home shard keeps: ``(accepted, refused, rounds)`` records
+        (rounds: an elastic session's ``RoundRecord`` per version, else empty)."""
+        session = self._registry.get(name)
+        accepted, refused = session.series.snapshot() if session.series is not None else ([], [])
+        rounds = session.history(0) if session.config.is_elastic and session.series is not None else []
+        return accepted, refused, rounds
 
     def session_activity(self) -> dict:
         """Session name -> its last activity on this shard (unix seconds)."""

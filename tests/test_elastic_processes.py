@@ -3,7 +3,6 @@ a worker SIGKILLed mid-run, a worker SIGSTOPped past its lease, a worker joining
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

@@ -68,6 +68,7 @@ def test_round_commits_once_every_member_pushed(client, unique_name):
         got = a.pull()
         want = replay(params, history)
         assert max(float(np.max(np.abs(got[n] - want[n]))) for n in params) < 1e-6
+        assert client.session_series(unique_name).rounds == tuple(history)  # the series carries them too
         status = a.status()
         assert status.elastic is not None and status.elastic.members == ("a", "b")
         assert status.elastic.rounds_short == 3
@@ -185,7 +186,7 @@ def test_late_gradient_folds_into_the_next_round_when_asked(client, unique_name)
 def test_too_few_members_ends_in_deadline_exceeded_naming_who_is_missing(server, unique_name):
     params = make_params(8)
     with Client(server.address, timeout=20.0) as setup:
-        owner = _create(setup, unique_name, params, num_workers=3, min_workers=2)
+        _create(setup, unique_name, params, num_workers=3, min_workers=2)
     with Client(server.address, timeout=3.0) as short:
         a = short.session(unique_name, worker_id="a")
         b = short.session(unique_name, worker_id="b")

@@ -8,7 +8,6 @@ timeouts, sharing the run's Ray: ``step_timeout_s`` far below the client's deadl
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import grpc

@@ -602,7 +602,7 @@ class Coordinator:
             return sorted(self._sessions)
 
     def series(self, name: str, tenant: str = ""):
-        """The session's ``(accepted, refused)`` push records, kept by its home shard."""
+        """The session's ``(accepted, refused, rounds)`` records, kept by its home shard."""
         record = self._usable(name, tenant)
         return self._fleet.session_series(name, record.assignments[0].shard_index)
 

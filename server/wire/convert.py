@@ -189,8 +189,9 @@ def server_status_to_proto(shards) -> control_pb2.GetServerStatusResponse:
 
 
 def series_to_proto(series) -> control_pb2.GetSeriesResponse:
-    """``(accepted, refused)`` records of :mod:`~optserve.server.domain.telemetry` -> the wire."""
-    accepted, refused = series
+    """``(accepted, refused, rounds)`` records of :mod:`~optserve.server.domain.telemetry` and
+    :mod:`~optserve.server.domain.rounds` -> the wire."""
+    accepted, refused, rounds = series
     response = control_pb2.GetSeriesResponse()
     for push in accepted:
         point = response.accepted.add(version=push.version, staleness=push.staleness, unix_s=push.unix_s)
@@ -198,4 +199,5 @@ def series_to_proto(series) -> control_pb2.GetSeriesResponse:
             point.loss = push.telemetry.loss
         point.scalars.update(push.telemetry.scalars)
     response.refused.extend(control_pb2.RefusedPush(unix_s=r.unix_s, reason=r.reason.value) for r in refused)
+    response.rounds.extend(r.to_proto() for r in rounds)
     return response
