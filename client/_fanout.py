@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import itertools
+import logging
 import random
 import time
 from typing import Callable, Sequence, TypeVar
@@ -26,6 +27,7 @@ from optserve.protos import chunk_codec
 from optserve.protos.optserve.v1 import control_pb2, data_pb2
 
 T = TypeVar("T")
+_log = logging.getLogger(__name__)
 
 _SERVICE = "/optserve.v1.ShardData/"
 
@@ -130,7 +132,8 @@ class ShardFanout:
         identity (applied at most once), with backoff, for up to the client's ``timeout``.
         """
         policy = self._client.retry
-        deadline = time.monotonic() + self._client.timeout
+        started = time.monotonic()
+        deadline = started + self._client.timeout
         for attempt_number in itertools.count():
             try:
                 return attempt()
@@ -143,7 +146,14 @@ class ShardFanout:
             self.refresh()  # raises SessionLostError, or NotFoundError if the session is gone
             retryable = isinstance(error, UnavailableError) or attempt_number == 0
             if not retryable or time.monotonic() >= deadline:
+                if attempt_number and isinstance(error, UnavailableError):  # name what the user gave, not a shard's port
+                    raise UnavailableError(f"server {self._client.address}: session {self._session!r} was not served "
+                                           f"within {time.monotonic() - started:.0f} s of retries (the client's "
+                                           f"timeout); last error: {error.details}", "UNAVAILABLE") from None
                 raise error
+            if attempt_number == 2:  # a blip is retried silently; a longer outage is said once
+                _log.warning("optserve: server %s does not serve session %r now (%s); retrying for up to %.0f s more",
+                             self._client.address, self._session, error.details, max(0.0, deadline - time.monotonic()))
             backoff = min(policy.max_backoff_s, policy.initial_backoff_s * 2 ** attempt_number)
             time.sleep(min(backoff * random.uniform(0.8, 1.2), max(0.0, deadline - time.monotonic())))
         raise AssertionError("unreachable")
