@@ -57,35 +57,44 @@ def _reference(fragments=None):
     return {n: p.detach().numpy().copy() for n, p in shared.named_parameters()}
 
 
-def _run_workers(address, session, fragments=1, **kwargs):
+def _in_threads(work, timeout_s: float = 300.0) -> list:
+    """``work(i)`` for each worker, in threads at once; their results, or the first error raised."""
     results, errors = [None] * WORKERS, []
-    models = [_model() for _ in range(WORKERS)]  # here: torch's seed is global, threads would interleave it
 
-    def work(i):
+    def run(i):
         try:
-            model = models[i]
-            opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-            diloco = DiLoCo(model, opt, address, session=session, sync_every=H, num_workers=WORKERS,
-                            worker_id=f"w{i}", fragments=fragments, **kwargs)
-            for batch in _batches(i, H * ROUNDS):
-                _inner_step(model, opt, batch)
-                diloco.step()
-            diloco.close()  # lands exchanges still in flight (overlap)
-            assert diloco.rounds == [ROUNDS] * fragments
-            # the shared parameters as this worker last received them (fragments synced before the
-            # last inner steps differ from the model's own by those steps)
-            results[i] = {n: v.copy() for n, v in diloco._core.shared().items()}
-        except BaseException as exc:  # noqa: BLE001 - reported below
+            results[i] = work(i)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(WORKERS)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(WORKERS)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=300)
+        t.join(timeout=timeout_s)
     if errors:
         raise errors[0]
     return results
+
+
+def _run_workers(address, session, fragments=1, **kwargs):
+    models = [_model() for _ in range(WORKERS)]  # here: torch's seed is global, threads would interleave it
+
+    def work(i):
+        model = models[i]
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        diloco = DiLoCo(model, opt, address, session=session, sync_every=H, num_workers=WORKERS,
+                        worker_id=f"w{i}", fragments=fragments, **kwargs)
+        for batch in _batches(i, H * ROUNDS):
+            _inner_step(model, opt, batch)
+            diloco.step()
+        diloco.close()  # lands exchanges still in flight (overlap)
+        assert diloco.rounds == [ROUNDS] * fragments
+        # the shared parameters as this worker last received them (fragments synced before the
+        # last inner steps differ from the model's own by those steps)
+        return {n: v.copy() for n, v in diloco._core.shared().items()}
+
+    return _in_threads(work)
 
 
 def _close_all(server, *names):
@@ -189,28 +198,16 @@ def test_jax_diloco_equals_an_optax_reference(server, unique_name):
         local = [shared] * WORKERS
     want = {k: np.asarray(v) for k, v in shared.items()}
 
-    results, errors = [None] * WORKERS, []
-
     def work(i):
-        try:
-            diloco = JaxDiLoCo(init, optax.adamw(0.01), server.address, session=unique_name, sync_every=H,
-                               num_workers=WORKERS, worker_id=f"j{i}")
-            for batch in data[i]:
-                diloco.step(grad(diloco.params, *batch))
-            results[i] = {k: np.asarray(v) for k, v in diloco.params.items()}
-            diloco.close()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        diloco = JaxDiLoCo(init, optax.adamw(0.01), server.address, session=unique_name, sync_every=H,
+                           num_workers=WORKERS, worker_id=f"j{i}")
+        for batch in data[i]:
+            diloco.step(grad(diloco.params, *batch))
+        diloco.close()
+        return {k: np.asarray(v) for k, v in diloco.params.items()}
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(WORKERS)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-        if errors:
-            raise errors[0]
-        for got in results:
+        for got in _in_threads(work):
             assert _rel(got, want) < 1e-5
     finally:
         _close_all(server, unique_name)
@@ -352,31 +349,20 @@ def test_dynamic_local_updates_give_a_slow_worker_a_smaller_h(server, unique_nam
     models = [_model() for _ in range(WORKERS)]
     inner = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in models]
     paces = [0.005, 0.02]  # seconds per inner step: worker 1 is 4x slower
-    results, errors = {}, []
-
     def work(i):
-        try:
-            diloco = DiLoCo(models[i], inner[i], server.address, session=unique_name, sync_every="auto",
-                            sync_seconds=0.3, mode="async", worker_id=f"dlu{i}")
-            deadline = time.monotonic() + 3.0
-            batches = iter(_batches(i, 10_000))
-            while time.monotonic() < deadline:
-                _inner_step(models[i], inner[i], next(batches))
-                time.sleep(paces[i])
-                diloco.step()
-            results[i] = diloco.exchanges
-            diloco.close()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        diloco = DiLoCo(models[i], inner[i], server.address, session=unique_name, sync_every="auto",
+                        sync_seconds=0.3, mode="async", worker_id=f"dlu{i}")
+        deadline = time.monotonic() + 3.0
+        batches = iter(_batches(i, 10_000))
+        while time.monotonic() < deadline:
+            _inner_step(models[i], inner[i], next(batches))
+            time.sleep(paces[i])
+            diloco.step()
+        diloco.close()
+        return diloco.exchanges
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(WORKERS)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        if errors:
-            raise errors[0]
+        results = _in_threads(work, timeout_s=120)
         fast, slow = ([e.sync_every for e in results[i][1:]] for i in range(WORKERS))  # after the timed first round
         assert fast and slow
         assert np.median(fast) > 2 * np.median(slow)  # similar cadence: H scales with speed
