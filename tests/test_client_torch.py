@@ -222,7 +222,9 @@ def test_second_optimizer_naming_a_session_attaches_and_starts_from_its_paramete
     first = RemoteOptimizer(first_model.named_parameters(), server.address, spec, session=unique_name, mode="async", max_staleness=4)
     _train(first_model, first, steps=2)
     second_model = _model(seed=5)
-    second = RemoteOptimizer(second_model.named_parameters(), server.address, spec, session=unique_name, mode="async", max_staleness=4)
+    with pytest.warns(UserWarning, match="already existed at version 2"):  # the model's values are replaced
+        second = RemoteOptimizer(second_model.named_parameters(), server.address, spec, session=unique_name,
+                                 mode="async", max_staleness=4)
     assert first.created and not second.created
     for (n, p), (_, q) in zip(first_model.named_parameters(), second_model.named_parameters()):
         assert torch.equal(p, q), n
