@@ -55,7 +55,8 @@ SHAPES = {"a/w": (8, 6), "a/b": (6,), "b/w": (6, 4), "b/b": (4,)}
 # (service, method, arity): arity is "uu", "us", "su" or "ss" (request / response streaming)
 CONTROL = [(m.name, "uu") for m in control_pb2.DESCRIPTOR.services_by_name["Control"].methods]
 DATA = [("InitTensors", "su"), ("Push", "su"), ("Commit", "uu"), ("Abort", "uu"), ("Pull", "us"), ("PushPull", "ss"),
-        ("OfferSharedMemory", "uu"), ("OpenSharedMemory", "uu"), ("CloseSharedMemory", "uu")]
+        ("OfferSharedMemory", "uu"), ("OpenSharedMemory", "uu"), ("CloseSharedMemory", "uu"), ("Membership", "uu"),
+        ("History", "uu")]
 INITIALISING = "its initial values have not reached shard"  # the UNAVAILABLE of a session not yet initialised
 RPCS = [("Control", m, a) for m, a in CONTROL] + [("ShardData", m, a) for m, a in DATA]
 
@@ -201,6 +202,11 @@ class Generator:
                                                      nonce=os.urandom(r.choice([0, 16, 32])))]
         if method == "CloseSharedMemory":
             return [data_pb2.CloseSharedMemoryRequest(session=self._name(), region=r.choice(["", "r1", "x" * 300]))]
+        if method == "Membership":
+            return [data_pb2.MembershipRequest(session=self._name(), worker_id=r.choice(["w1", "", "a/b", "w" * 80]),
+                                               action=r.choice([0, 1, 2, 3, 9]))]
+        if method == "History":
+            return [data_pb2.HistoryRequest(session=self._name(), since=r.choice([0, -5, 1 << 40]))]
         # PushPull: one-message step, streamed, or two-phase
         framing = r.choice(["step", "streamed", "two_phase"])
         if framing == "step":
