@@ -287,7 +287,9 @@ def test_a_worker_killed_mid_round_is_left_out_and_the_others_go_on(server, uniq
             assert any("d2" in r.participants for r in history if r.version <= killed_at)  # it took part
             after = [r for r in history if r.version > killed_at + 1]
             assert after and all("d2" not in r.participants for r in after)
-            assert any(sorted(r.participants) == ["d0", "d1"] for r in after)  # the others went on together
+            # both others went on (a round may hold one of them: the adaptive straggler deadline does
+            # not wait for a worker that missed one on a loaded machine)
+            assert {w for r in after for w in r.participants} == {"d0", "d1"}
             observer.detach()
             client.close_session(unique_name)
     finally:
