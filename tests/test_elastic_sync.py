@@ -56,7 +56,8 @@ def replay(params: dict, records, grads_of=worker_grads) -> dict[str, np.ndarray
 
 def test_round_commits_once_every_member_pushed(client, unique_name):
     params = make_params(3)
-    owner = _create(client, unique_name, params, num_workers=3, min_workers=2)
+    # straggler_s: no adaptive deadline cuts a round whose second push a loaded machine delays
+    owner = _create(client, unique_name, params, num_workers=3, min_workers=2, straggler_s=30.0)
     a, b = (client.session(unique_name, worker_id=w) for w in ("a", "b"))
     try:
         a.join(), b.join()
