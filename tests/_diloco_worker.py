@@ -4,7 +4,8 @@
 
 Trains the test model with AdamW for ROUNDS x H inner steps on its own data through
 ``optserve.client.torch.DiLoCo`` (an elastic session of 3 workers, min_workers 1: a worker that
-joined late finishes its rounds after the others left) and prints
+joined late finishes its rounds after the others left; a long straggler deadline: rounds wait for
+every live member, so the test's rounds do not depend on the machine's load) and prints
 ``round <n> <version>`` after each exchange, ``done`` at the end.
 """
 
@@ -23,6 +24,7 @@ def main(address: str, session: str, worker_id: str, rounds: int, h: int) -> Non
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
     inner = torch.optim.AdamW(model.parameters(), lr=0.01)
     diloco = DiLoCo(model, inner, address, session=session, sync_every=h, num_workers=3, min_workers=1,
+                    straggler_s=60.0,
                     worker_id=worker_id)
     g = torch.Generator().manual_seed(sum(map(ord, worker_id)))
     for step in range(rounds * h):
