@@ -272,8 +272,9 @@ def test_a_worker_killed_mid_round_is_left_out_and_the_others_go_on(server, uniq
     try:
         with Client(server.address, timeout=60) as client:
             deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:  # the first worker creates the session; wait for 2 rounds
-                if unique_name in client.list_sessions() and client.session_status(unique_name).version >= 2:
+            while time.monotonic() < deadline:  # the first worker creates the session; wait until d2 took part
+                if (unique_name in client.list_sessions()
+                        and any("d2" in r.participants for r in client.session_series(unique_name).rounds)):
                     break
                 time.sleep(0.1)
             procs["d2"].send_signal(signal.SIGKILL)
