@@ -241,7 +241,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> DemoConfig:
         prog="optserve demo",
         description="Embedded server + 2 worker processes training an MLP on the digits data asynchronously.",
     )
-    parser.add_argument("--steps", type=int, default=None, help="updates per worker (default 150; 30 with --quick)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="updates per worker (default 150, with --diloco H 20 rounds of H; 30 with --quick)")
     parser.add_argument("--quick", action="store_true", help="reduced size for tests: 30 steps per worker")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--shards", type=int, default=2)
@@ -262,7 +263,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> DemoConfig:
                         help="compare DiLoCo (H inner AdamW steps per round, --lr) with per-step sync data parallel "
                              "adam at equal samples, instead of the async demo")
     args = parser.parse_args(argv)
-    steps = args.steps if args.steps is not None else (30 if args.quick else 150)
+    steps = args.steps if args.steps is not None else (30 if args.quick else default_steps(args.diloco))
     return DemoConfig(
         steps=steps,
         workers=args.workers,
@@ -280,6 +281,18 @@ def parse_args(argv: Optional[Sequence[str]]) -> DemoConfig:
         seed=args.seed,
         diloco=args.diloco,
     )
+
+
+def default_steps(diloco: Optional[int]) -> int:
+    """Steps per worker without ``--steps``: 150, or with ``--diloco H`` 20 outer rounds of H.
+
+    DiLoCo's outer Nesterov momentum (0.9) needs about ten rounds to build up; over fewer rounds
+    its shared parameters lag behind per-step sync (the comparison would measure the warm-up).
+    """
+    return 150 if diloco is None else DILOCO_DEFAULT_ROUNDS * diloco
+
+
+DILOCO_DEFAULT_ROUNDS = 20  # outer rounds of ``optserve demo --diloco H`` without --steps
 
 
 # --- the worker process -------------------------------------------------------------------------

@@ -27,6 +27,14 @@ def test_demo_argument_errors_name_the_flag():
     assert parse_args(["--quick"]).steps < parse_args([]).steps
 
 
+def test_demo_diloco_runs_twenty_outer_rounds_unless_steps_are_given():
+    from optserve.demo import parse_args
+
+    assert parse_args(["--diloco", "20"]).steps == 400
+    assert parse_args(["--diloco", "20", "--steps", "160"]).steps == 160
+    assert parse_args(["--diloco", "5", "--quick"]).steps == 30
+
+
 @pytest.mark.slow
 def test_demo_trains_two_worker_processes_and_reports_table_plot_and_summary(tmp_path):
     out = tmp_path / "demo_out"
