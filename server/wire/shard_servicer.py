@@ -110,13 +110,14 @@ class _OpenStream:
     message, None while a step runs; ``served``: a step ran on it; ``evicted`` once
     :class:`_OpenStreams` ended it."""
 
-    __slots__ = ("context", "tenant", "idle_since", "served", "evicted", "pushers", "goodbye")
+    __slots__ = ("context", "tenant", "idle_since", "served", "evicted", "pushers", "goodbye", "noted")
 
     def __init__(self, context, tenant: str = ""):
         self.context = context
         self.tenant = tenant
         self.pushers: dict[tuple[int, str], ShardSession] = {}  # elastic sessions' pushers on this call
         self.goodbye = False  # the client ended the call on purpose (see PushPullRequest.goodbye)
+        self.noted: Optional[tuple[str, str]] = None  # (session, client_id) of the last step looked at
         self.idle_since: Optional[float] = time.monotonic()
         self.served = False
         self.evicted = False
@@ -354,10 +355,14 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
         header = first.step.header if first.WhichOneof("item") == "step" else first.header
         if not header.session or not header.client_id:
             return
+        noted = (header.session, header.client_id)
+        if stream.noted == noted:  # a client's later steps on its call: already looked at
+            return
         try:
             session = self._session(header.session, context)
         except OptservError:
             return  # the step itself reports it
+        stream.noted = noted
         if session.config.is_elastic:
             stream.pushers[(id(session), header.client_id)] = session
 
