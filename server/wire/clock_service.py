@@ -11,10 +11,16 @@ every shard of the push voted, and those waits must never starve the data plane 
 It listens on its own port, apart from the client-facing ones, and answers only the server's own
 processes (:class:`~optserve.server.wire.security.InternalTrust`: a secret made at start, and TLS
 with a certificate made at start when the server runs with TLS).
+
+Every request is checked before any clock is touched: one that does not decode, or whose numbers
+no server process sends (a negative shard index, ordinal or sum key; a wait that is negative, not
+finite or longer than a thread can wait), is refused INVALID_ARGUMENT naming the field. Domain
+refusals travel in the replies; any other exception is a server fault (INTERNAL, logged).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from concurrent import futures
@@ -26,6 +32,7 @@ from optserve.protos.optserve.v1 import clock_pb2, clock_pb2_grpc
 from optserve.server.domain.clock import LocalClock, Ticket
 from optserve.server.domain.errors import (FailedPrecondition, InvalidArgument, NotFound, OptservError, PeerRefused,
                                            Stale, Timeout, Unavailable)
+from optserve.server.wire.errors import grpc_errors, safe_decoder
 from optserve.server.wire.security import InternalSecretInterceptor, InternalTrust
 
 _THREADS = 256  # one per vote or sum waiting for its peers
@@ -89,28 +96,66 @@ def _ticket_outcome(reply: clock_pb2.ClockTicketReply) -> Optional[Ticket]:
 
 
 # ------------------------------------------------------------------ home side
+def _check_not_negative(method: str, field: str, value: int) -> None:
+    """Shard indices, ordinals and sum keys (session versions) start at 0."""
+    if value < 0:
+        raise InvalidArgument(f"{method}: {field} must be >= 0, not {value}")
+
+
+def _check_wait(method: str, field: str, seconds: float) -> None:
+    """A wait in seconds: finite, >= 0, and no longer than a thread can wait (``threading.TIMEOUT_MAX``)."""
+    if not (math.isfinite(seconds) and 0.0 <= seconds <= threading.TIMEOUT_MAX):
+        raise InvalidArgument(f"{method}: {field} must be a number of seconds in [0, {threading.TIMEOUT_MAX:.0f}], "
+                              f"not {seconds!r}")
+
+
 class _ClockServicer(clock_pb2_grpc.SessionClockServicer):
+    """Each method checks its request (INVALID_ARGUMENT) before it asks the session's clock."""
+
     def __init__(self, clock_for: Callable[[str], LocalClock]):
         self._clock_for = clock_for
 
+    @grpc_errors
     def Vote(self, request, context):
+        _check_not_negative("Vote", "shard_index", request.shard_index)
+        _check_wait("Vote", "timeout_s", request.timeout_s)
         return _ticket_reply(lambda: self._clock_for(request.session).vote(
             request.client_id, request.sequence, request.base_version, request.shard_index, request.staged,
             request.timeout_s))
 
+    @grpc_errors
     def Commit(self, request, context):
         return _ticket_reply(lambda: self._clock_for(request.session).commit(
             request.client_id, request.sequence, request.base_version))
 
+    @grpc_errors
     def GetTicket(self, request, context):
+        _check_not_negative("GetTicket", "ordinal", request.ordinal)
         return _ticket_reply(lambda: self._clock_for(request.session).ticket(request.ordinal))
 
+    @grpc_errors
     def ReduceSum(self, request, context):
+        _check_not_negative("ReduceSum", "key", request.key)
+        _check_not_negative("ReduceSum", "shard_index", request.shard_index)
         try:
             total = self._clock_for(request.session).reduce_sum(request.key, request.shard_index, request.value)
         except OptservError as exc:
             return clock_pb2.ClockSumReply(error=_error_to_proto(exc))
         return clock_pb2.ClockSumReply(total=total)
+
+
+def _add_to_server(servicer: _ClockServicer, server: grpc.Server) -> None:
+    """Serves SessionClock like ``clock_pb2_grpc.add_SessionClockServicer_to_server``, with
+    deserializers that hand undecodable requests to the servicer, which refuses them
+    INVALID_ARGUMENT (:func:`~optserve.server.wire.errors.safe_decoder`; gRPC's own answer is INTERNAL)."""
+    service = clock_pb2.DESCRIPTOR.services_by_name["SessionClock"]
+    handlers = {}
+    for method in service.methods:
+        request, response = (getattr(clock_pb2, t.name) for t in (method.input_type, method.output_type))
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name), request_deserializer=safe_decoder(request.FromString),
+            response_serializer=response.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
 class ClockServer:
@@ -128,7 +173,7 @@ class ClockServer:
         self._lock = threading.Lock()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="optserve-clock"),
                                    interceptors=[InternalSecretInterceptor(trust.secret)])
-        clock_pb2_grpc.add_SessionClockServicer_to_server(_ClockServicer(self._clock), self._server)
+        _add_to_server(_ClockServicer(self._clock), self._server)
         credentials = trust.server_credentials()
 
         def add_port(number: int) -> int:
