@@ -40,7 +40,7 @@ from typing import Mapping, Optional, Protocol, Sequence
 from optserve.server.compute.kernels import check_optimizer
 from optserve.server.domain.clock import ClockStatus
 from optserve.server.domain.config import Limits, Mode, PreconditionerOptions, SessionConfig, estimated_shard_bytes
-from optserve.server.domain.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound,
+from optserve.server.domain.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable,
                                            OptservError, PermissionDenied, SessionLost)
 from optserve.server.domain.events import log_event
 from optserve.server.domain.placement import place_tensors
@@ -293,11 +293,18 @@ class Coordinator:
                     for a in assignments
                 ])
                 if self._catalog is not None:
-                    self._catalog.save(config.name, record.to_json())
+                    try:
+                        self._catalog.save(config.name, record.to_json())
+                    except OSError as exc:
+                        raise Unavailable(f"session {config.name!r}: {exc.strerror}; nothing was created, retry "
+                                          f"once the disk takes writes again") from None
             except BaseException:
                 self._fleet.close_session(config.name)
                 if self._catalog is not None:
-                    self._catalog.remove(config.name)
+                    try:
+                        self._catalog.remove(config.name)
+                    except OSError:  # the disk that refused the entry: the next start sets the folder aside
+                        log.exception("event=catalog_remove_failed session=%s", config.name)
                 raise
             with self._lock:
                 self._sessions[config.name] = record

@@ -235,6 +235,12 @@ class SessionStore(Protocol):
         ``wait``); later log records go to a fresh segment. A checkpoint due while another one is
         being written is written after it (a newer one supersedes it)."""
 
+    log_failed: bool  # a log write failed: nothing is logged until log_recovered
+    degraded: str  # why the log cannot take a step now ("disk: <cause> (<folder>)"; "": it can)
+
+    def log_recovered(self, version: int) -> None:
+        """A checkpoint at ``version`` taken after the failure was committed: the log goes on."""
+
     durable_version: int  # the latest committed checkpoint's version (-1: none)
     log_records: int  # records (and their gradient bytes) logged since the latest checkpoint began
     log_bytes: int

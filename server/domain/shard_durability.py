@@ -63,7 +63,8 @@ class ShardDurability:
         try:
             self.store.reserve_step(payload_bytes, tensors, steps)
         except OSError as exc:
-            raise Unavailable(f"{what}: {exc}; nothing was applied, retry once the disk has room") from None
+            raise Unavailable(f"{what}: {exc}; nothing was applied, retry once the disk takes writes "
+                              f"again") from None
 
     def begin_step(self, grads: Mapping[str, np.ndarray], order: Iterable[str]) -> None:
         """The update is about to run with ``grads``: they go to the log meanwhile (in ``order``,
@@ -83,10 +84,61 @@ class ShardDurability:
         elif release is not None:
             release()
 
-    def waiter(self, version: int) -> Callable[[], None]:
-        """What waits for step ``version`` to be logged (nothing when not durable)."""
+    def waiter(self, version: int, recover: Callable[[], bool], what: str) -> Callable[[], None]:
+        """What waits for step ``version`` to be logged (nothing when not durable).
+
+        When the log failed, it calls ``recover()`` (the session's :meth:`recover`: True once a
+        checkpoint holds every applied step) and waits again.
+
+        Raises (when called):
+          Unavailable: the log failed and cannot recover yet (naming ``what``, the folder and the
+            cause): the step is applied on this shard but not acknowledged; a retry of the same
+            push is not applied again, and is answered once the log recovers.
+        """
         store = self.store
-        return (lambda: store.wait_logged(version)) if store is not None else (lambda: None)
+        if store is None:
+            return lambda: None
+
+        def wait() -> None:
+            try:
+                store.wait_logged(version)
+                return
+            except OSError as exc:
+                failure = exc
+            if recover():
+                store.wait_logged(version)
+                return
+            raise Unavailable(f"{what}: {failure}; retry this push (it is not applied twice): it is "
+                              f"answered once the disk takes writes again") from None
+
+        return wait
+
+    @property
+    def degraded(self) -> str:
+        """Why the log cannot take a step now (``"disk: <cause> (<folder>)"``; "": it can)."""
+        return self.store.degraded if self.store is not None else ""
+
+    @property
+    def log_failed(self) -> bool:
+        """A write of the step log failed and no checkpoint has recovered it yet."""
+        return self.store is not None and self.store.log_failed
+
+    def recover(self, version: int, checkpoint: Callable[[], Any]) -> bool:
+        """After a failed log write: ``checkpoint()`` writes the state at ``version`` (everything
+        applied) and waits for it; once committed, the log goes on from it. Call with the
+        session's condition held, between steps. Returns whether the log works again (False:
+        the disk still fails; the log stays failed and reservations keep refusing)."""
+        store = self.store
+        if store is None or not store.log_failed:
+            return True
+        try:
+            checkpoint()
+        except OSError:
+            return False
+        if store.durable_version < version:
+            return False
+        store.log_recovered(version)
+        return True
 
     # ----------------------------------------------------------------- checkpoints
     def has_checkpoint_of(self, version: int) -> bool:

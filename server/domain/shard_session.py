@@ -198,7 +198,7 @@ class ShardSession:
         ticket = self._decide(header.client_id, header.sequence, lambda base: self._clock.vote(
             header.client_id, header.sequence, base, self.shard_index, True, self._vote_timeout), until)
         return Receipt(ticket.target_version, already_applied, True, ticket.staleness, ticket.scale,
-                       self._durability.waiter(ticket.target_version))
+                       self._log_waiter(ticket.target_version))
 
     def commit(self, client_id: str, sequence: int, wait_s: Optional[float] = None) -> Receipt:
         """Two-phase path: applies a push staged without ``auto_commit``; returns once its step is
@@ -216,7 +216,7 @@ class ShardSession:
             raise self._staging.missing((client_id, sequence), expired_at)
         ticket = self._decide(client_id, sequence, lambda base: self._clock.commit(client_id, sequence, base), until)
         return Receipt(ticket.target_version, staged is None, True, ticket.staleness, ticket.scale,
-                       self._durability.waiter(ticket.target_version))
+                       self._log_waiter(ticket.target_version))
 
     def abort(self, client_id: str, sequence: int) -> bool:
         """Two-phase path: drops a staged push (idempotent); returns whether one was dropped."""
@@ -232,7 +232,8 @@ class ShardSession:
         self._require_initialized()
         self._staging.check_room(header.client_id, header.sequence)
         try:  # durable: the step log has room for this push's step (and those staged before it) on the disk
-            self._reserve_log(steps=self._staging.count + 1)
+            if not self._sequencer.already_applied(header.client_id, header.sequence):  # a retry logs nothing
+                self._reserve_log(steps=self._staging.count + 1)
         except Unavailable:
             self._refusals.refuse(RejectReason.ABORTED, header.client_id, header.sequence, cause="disk")
             raise
@@ -247,11 +248,36 @@ class ShardSession:
                             header.auto_commit)  # a retry replaces what an earlier attempt staged
         return False
 
+    def _log_waiter(self, version: int) -> Callable[[], None]:
+        """What acknowledging step ``version`` waits for: its log record (see ShardDurability.waiter)."""
+        return self._durability.waiter(version, self.recover_log,
+                                       f"session {self.config.name!r} on shard {self.shard_index}")
+
+    def recover_log(self) -> bool:
+        """A durable session whose step log failed: once the disk takes writes again, writes a
+        checkpoint of the state now (every step applied, those whose records were lost included)
+        and goes on logging after it. Returns whether the log works (False: the disk still fails,
+        or a sync step is half gathered here; a later call tries again)."""
+        with self._cond:
+            if not self._durability.log_failed:
+                return True
+            if self._sequencer.half_gathered or not self.initialized:
+                return False
+            recovered = self._durability.recover(self.version, lambda: self._checkpoint(wait=True))
+            if recovered:
+                _log.warning("event=session_log_recovered session=%s shard=%d version=%d", self.config.name,
+                             self.shard_index, self.version)
+            return recovered
+
     def _reserve_log(self, steps: int) -> None:
         """Durable sessions: room on the disk for ``steps`` step records of this shard (raises
-        Unavailable, naming the session, shard and directory, when there is none)."""
-        self._durability.reserve(f"session {self.config.name!r} on shard {self.shard_index}",
-                                 self._staging.push_bytes, len(self.specs), steps=steps)
+        Unavailable, naming the session, shard and directory, when there is none). After a
+        failed log write nothing is applied until the log recovered (:meth:`recover_log`)."""
+        what = f"session {self.config.name!r} on shard {self.shard_index}"
+        self._durability.reserve(what, self._staging.push_bytes, len(self.specs), steps=steps)
+        if self._durability.log_failed and not self.recover_log():
+            raise Unavailable(f"{what}: the step log failed ({self._durability.degraded}) and cannot recover "
+                              f"yet; nothing was applied, retry once the disk takes writes again")
 
     def _decide(self, client_id: str, sequence: int, ask: Callable[[int], Ticket],
                 until: Optional[float] = None) -> Ticket:

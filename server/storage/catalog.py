@@ -23,10 +23,19 @@ class SessionCatalog:
         os.makedirs(os.path.join(root, "sessions"), exist_ok=True)
 
     def save(self, name: str, entry: dict) -> None:
-        """Saves session ``name``'s entry (its definition and shard map) in the current format."""
+        """Saves session ``name``'s entry (its definition and shard map) in the current format.
+
+        Raises:
+          OSError: the disk refused the write; the message names the folder and the cause.
+        """
         folder = session_dir(self.root, name)
-        os.makedirs(folder, exist_ok=True)
-        write_atomically(os.path.join(folder, "session.json"), json.dumps({**entry, FORMAT_KEY: FORMAT_VERSION}).encode())
+        try:
+            os.makedirs(folder, exist_ok=True)
+            write_atomically(os.path.join(folder, "session.json"),
+                             json.dumps({**entry, FORMAT_KEY: FORMAT_VERSION}).encode())
+        except OSError as exc:
+            raise OSError(exc.errno, f"the session catalog in {folder} cannot be written: "
+                                     f"{exc.strerror or exc}") from None
 
     def _set_aside(self, folder: str) -> None:
         target = os.path.join(self.root, "orphaned", f"{os.path.basename(folder)}-{int(time.time())}")

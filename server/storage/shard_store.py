@@ -159,6 +159,15 @@ class ShardStore:
         """Why the step log cannot take a step now ("": it can)."""
         return self._log.degraded
 
+    @property
+    def log_failed(self) -> bool:
+        """See :attr:`StepLog.failed` (a checkpoint of everything applied recovers it)."""
+        return self._log.failed
+
+    def log_recovered(self, version: int) -> None:
+        """See :meth:`StepLog.recovered`."""
+        self._log.recovered(version)
+
     def begin_step(self, grads: list) -> None:
         """See :meth:`StepLog.begin_step`."""
         self._log.begin_step(grads)

@@ -4,6 +4,11 @@ A step's gradient is appended while its update runs (:meth:`StepLog.begin_step`)
 after it (:meth:`StepLog.end_step`), so the log costs the step no wait; the answer that
 acknowledges the step waits for its record (:meth:`StepLog.wait_logged`). A failed write fails
 that wait and every later one: nothing unlogged is acknowledged.
+
+After a failed write the log is *failed*: each reservation first probes the disk (a small write
+and fsync in the folder) and refuses while that fails, so no further step is applied; once the
+disk takes writes again the session writes a checkpoint of everything it applied (the steps whose
+records were lost included) and :meth:`StepLog.recovered` starts the log afresh.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from optserve.server.storage.segments import BLOCK, PREFIX, STEPS, TICKETS, Segm
 log = logging.getLogger(__name__)
 
 _HEADER_ROOM = 64 << 10  # bytes reserved for a record's header (its tickets: one per pushing worker)
+PROBE_NAME = ".write-probe"  # the file a failed log writes, fsyncs and deletes to see the disk work again
+_PROBE_BYTES = b"\0" * 4096
 
 
 class StepLog:
@@ -98,19 +105,64 @@ class StepLog:
           OSError: no room (ENOSPC, EDQUOT) or a failing disk (EIO); the message names the folder.
         """
         record = PREFIX.size + payload_bytes + (tensors + 1) * BLOCK + _HEADER_ROOM
+        if self._error is not None:
+            self._probe()
         try:
             self._steps.reserve(steps * record)
         except OSError as exc:
-            if not self.degraded:  # logged once per episode, not at every refused retry
-                log.error("event=step_log_degraded session=%s shard=%d folder=%s error=%s", self._session,
-                          self._shard, self.folder, exc.strerror or exc)
-            self.degraded = f"disk: {exc.strerror or exc} ({self.folder})"
+            self._degrade(exc)
             raise OSError(exc.errno, f"the step log in {self.folder} has no room for the next step: "
                                      f"{exc.strerror or exc}") from None
-        if self.degraded:
+        if self.degraded and self._error is None:
             log.warning("event=step_log_recovered session=%s shard=%d folder=%s", self._session, self._shard,
                         self.folder)
             self.degraded = ""
+
+    def _degrade(self, exc: BaseException) -> None:
+        """Marks the log degraded by ``exc`` (logged once per episode, not at every refused retry)."""
+        cause = getattr(exc, "strerror", None) or exc
+        if not self.degraded:
+            log.error("event=step_log_degraded session=%s shard=%d folder=%s error=%s", self._session,
+                      self._shard, self.folder, cause)
+        self.degraded = f"disk: {cause} ({self.folder})"
+
+    def _probe(self) -> None:
+        """The log failed: checks that the disk takes a write again (written, fsynced, deleted).
+
+        Raises:
+          OSError: it does not; the message names the folder and the cause.
+        """
+        path = os.path.join(self.folder, PROBE_NAME)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, _PROBE_BYTES)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.unlink(path)
+        except OSError as exc:
+            self._degrade(exc)
+            raise OSError(exc.errno, f"the step log in {self.folder} cannot be written: "
+                                     f"{exc.strerror or exc}") from None
+
+    @property
+    def failed(self) -> bool:
+        """A write failed since the log was (re)started: records are not written until
+        :meth:`recovered`."""
+        return self._error is not None
+
+    def recovered(self, version: int) -> None:
+        """A checkpoint at ``version`` (taken under the session's lock after the failure, so it
+        holds every step applied, those whose records were lost included) was committed: the log
+        goes on in the fresh segment the checkpoint started, and the waits up to ``version`` end."""
+        with self._logged:
+            self._error = None
+            self.degraded = ""
+            self._logged_version = max(self._logged_version, version)
+            self._logged.notify_all()
+        log.warning("event=step_log_recovered session=%s shard=%d folder=%s version=%d", self._session,
+                    self._shard, self.folder, version)
 
     def begin_step(self, grads: list) -> None:
         """Starts appending the next step's gradient (arrays in tensor order, read but not
@@ -164,6 +216,7 @@ class StepLog:
     def _fail(self, exc: BaseException) -> None:
         with self._logged:
             self._error = exc
+            self._degrade(exc)
             self._logged.notify_all()
 
     def wait_logged(self, version: int) -> None:
@@ -175,8 +228,9 @@ class StepLog:
         with self._logged:
             self._logged.wait_for(lambda: self._logged_version >= version or self._error is not None)
             if self._logged_version < version:
-                raise OSError(f"session {self._session!r}: the step log on shard {self._shard} could not be "
-                              f"written ({self._error}); step {version} is not durable")
+                cause = getattr(self._error, "strerror", None) or self._error
+                raise OSError(f"the step log in {self.folder} could not be written ({cause}); step {version} "
+                              f"is applied on shard {self._shard} but not durable")
 
     def rotate(self, clock_state_fn: Optional[Callable]) -> tuple[int, int, list, object]:
         """Starts fresh segments for the steps after a checkpoint, once every queued record is
