@@ -4,7 +4,8 @@
 
 A client-side command (it needs only ``optserve[client]``), found by ``optserve`` through the
 ``optserve.commands`` entry point. Lists the caller's sessions (name, mode, optimizer, version,
-steps, pushes rejected, staleness p50/max, shards, bytes, last activity, durable version) and the server's shards
+steps, pushes rejected, staleness p50/max, shards, bytes, last activity, workers that pushed in the last
+minute of all that pushed, durable version) and the server's shards
 (address, Ray node, sessions, bytes, memory, healthy). Errors are one line, exit status 2.
 """
 
@@ -75,6 +76,7 @@ def collect(client) -> dict:
             "shards": len(status.shards), "param_bytes": sum(s.param_bytes for s in status.shards),
             "optimizer_state_bytes": sum(s.optimizer_state_bytes for s in status.shards),
             "last_activity_unix_s": status.last_activity_unix_s,
+            "workers": dict(status.workers),  # worker id -> its last push (unix s), most recent first
             # durable servers: the newest version every shard has a checkpoint of, and restores so far
             "durable_version": (min(s.durability.durable_version for s in status.shards)
                                 if all(s.durability is not None for s in status.shards) else None),
@@ -95,18 +97,29 @@ def _mode(session: dict) -> str:
     return f"{session['mode']} elastic ({len(elastic['members'])} members{stragglers})"
 
 
+ACTIVE_WORKER_S = 60.0  # `optserve status` counts a worker as attached if it pushed this recently
+
+
+def _workers(session: dict, now: float) -> str:
+    """The workers cell: those that pushed within ACTIVE_WORKER_S, of all that ever pushed."""
+    pushes = session.get("workers") or {}
+    active = sum(1 for unix_s in pushes.values() if now - unix_s <= ACTIVE_WORKER_S)
+    return f"{active}/{len(pushes)}"
+
+
 def render(report: dict, now: Optional[float] = None) -> str:
     now = time.time() if now is None else now
     sessions = [[s["name"], _mode(s), s["optimizer"], s["version"], s["steps_applied"],
                  sum(s["rejected"].values()), f"{s['staleness_p50']}/{s['staleness_max']}", s["shards"],
                  _mib(s["param_bytes"] + s["optimizer_state_bytes"]), _ago(s["last_activity_unix_s"], now),
-                 "-" if s.get("durable_version") is None else s["durable_version"]]
+                 _workers(s, now), "-" if s.get("durable_version") is None else s["durable_version"]]
                 for s in report["sessions"]]
     shards = [[s["index"], s["address"], (s["node_id"] or "?")[:12], s["sessions"], _mib(s["param_bytes"]),
                _mib(s["resident_bytes"]), "yes" if s["healthy"] else "NO"] for s in report["shards"]]
     return "\n\n".join([
         _table(["session", "mode", "optimizer", "version", "steps", "rejected", "staleness p50/max", "shards",
-                "bytes", "last activity", "durable"], sessions) if sessions else "no sessions",
+                "bytes", "last activity", f"workers ({ACTIVE_WORKER_S:.0f}s/all)", "durable"], sessions)
+        if sessions else "no sessions",
         *([_table(["lost session", "why"], [[s["name"], s["why"]] for s in report["lost_sessions"]])]
           if report.get("lost_sessions") else []),
         _table(["shard", "address", "ray node", "sessions", "param bytes", "memory", "healthy"], shards),

@@ -79,7 +79,9 @@ class SessionStatus:
     ``staleness_max``: of the accepted pushes, in versions; ``last_activity_unix_s``: when the
     session last decided a push (0: never); ``rolled_back_from``: when the server's last restart
     brought every shard back to ``version``, below the version a shard had logged, that version
-    (0: never; see the README's durability section for when this can happen)."""
+    (0: never; see the README's durability section for when this can happen); ``workers``: worker
+    id -> when it last pushed (unix s), the most recent first (at most 256; a worker is a client
+    id's part before "/", see ``Session.worker_id``)."""
 
     name: str
     version: int
@@ -92,6 +94,7 @@ class SessionStatus:
     last_activity_unix_s: float = 0.0
     rolled_back_from: int = 0
     elastic: Optional[ElasticStatus] = None
+    workers: dict[str, float] = dataclasses.field(default_factory=dict, hash=False)
 
     @classmethod
     def from_proto(cls, response: control_pb2.GetStatusResponse) -> "SessionStatus":
@@ -108,6 +111,7 @@ class SessionStatus:
             last_activity_unix_s=response.last_activity_unix_s,
             rolled_back_from=response.rolled_back_from,
             elastic=ElasticStatus.from_proto(response.elastic) if response.HasField("elastic") else None,
+            workers={w.worker_id: w.last_push_unix_s for w in response.workers},
         )
 
 

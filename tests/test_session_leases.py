@@ -1,5 +1,5 @@
 """Idle sessions: a lease per session (``--session-idle-s``); pulls and pushes keep it alive, and
-status shows each session's last activity."""
+status shows each session's last activity and the workers that push to it."""
 
 from __future__ import annotations
 
@@ -57,6 +57,31 @@ def test_status_shows_last_activity_of_pulls_and_pushes(server, unique_name):
         assert session.status().last_activity_unix_s == last, "reading status is not activity"
     finally:
         session.close()
+        client.close()
+
+
+def test_status_and_the_cli_show_which_workers_push_most_recent_first(server, unique_name):
+    from optserve.client.cli import collect, render
+
+    client = Client(server.address)
+    params = make_params()
+    alice = client.create_session(unique_name, params, optimizer=OPTIMIZER, mode="async", worker_id="alice")
+    bob = client.session(unique_name, worker_id="bob")
+    try:
+        assert alice.status().workers == {}
+        before = time.time()
+        alice.push(make_grads(params, 0))
+        bob.push(make_grads(params, 1))
+        workers = alice.status().workers
+        assert list(workers) == ["bob", "alice"], workers  # the most recent first
+        assert all(t >= before for t in workers.values())
+        report = collect(client)
+        row = next(line for line in render(report).splitlines() if line.startswith(unique_name))
+        assert " 2/2 " in row, row
+        later = render(report, now=time.time() + 3600)  # an hour on, neither pushed in the last minute
+        assert " 0/2 " in next(line for line in later.splitlines() if line.startswith(unique_name))
+    finally:
+        alice.close()
         client.close()
 
 

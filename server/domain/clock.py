@@ -79,7 +79,8 @@ class Ticket:
 class ClockStatus:
     """A session clock's counters: ``version`` (steps decided), ``accepted`` pushes, ``stale``
     refusals; the accepted pushes' staleness (median and largest, versions); and when the clock
-    last decided a push (``last_activity_unix_s``, 0: never)."""
+    last decided a push (``last_activity_unix_s``, 0: never); ``workers``: (worker id, when it
+    last pushed), the most recent first, at most :data:`MAX_WORKERS_REPORTED`."""
 
     version: int
     accepted: int
@@ -88,6 +89,11 @@ class ClockStatus:
     staleness_max: int = 0
     last_activity_unix_s: float = 0.0
     elastic: Optional[ElasticStatus] = None
+    workers: tuple = ()
+
+
+MAX_WORKERS_REPORTED = 256  # workers a session's status lists (the most recent pushers)
+_MAX_WORKERS_KEPT = 4096  # workers whose last push a clock remembers (the oldest are forgotten)
 
 
 @dataclasses.dataclass
@@ -107,6 +113,7 @@ class SessionClock:
     stale: int = 0
     staleness_counts: dict = dataclasses.field(default_factory=dict)  # staleness -> accepted pushes
     last_activity_unix_s: float = 0.0
+    worker_pushes: dict = dataclasses.field(default_factory=dict)  # worker id -> its last push (unix s), oldest first
     checkpoints: Optional[CheckpointPolicy] = None  # durable sessions: when a step is checkpoint-due
     checkpoint_version: int = 0  # the version of the latest checkpoint-due step (0: initial values)
     checkpoint_time: float = dataclasses.field(default_factory=time.monotonic)
@@ -124,6 +131,7 @@ class SessionClock:
             raise Stale(f"push {sequence} of client {client_id!r} is older than its push {previous[0]}; "
                         f"current version is {self.version}", self.version)
         self.last_activity_unix_s = time.time()
+        self._note_worker(worker_of(client_id), self.last_activity_unix_s)
         closed_by = "num_workers"
         try:
             if self.rounds is not None:
@@ -142,6 +150,13 @@ class SessionClock:
                         decision.closes_step, self.version + 1, decision.closes_step and self._checkpoint_due())
         self.record(ticket, closed_by)
         return ticket
+
+    def _note_worker(self, worker: str, unix_s: float) -> None:
+        """Remembers ``worker``'s latest push (the oldest of too many workers is forgotten)."""
+        self.worker_pushes.pop(worker, None)
+        self.worker_pushes[worker] = unix_s
+        if len(self.worker_pushes) > _MAX_WORKERS_KEPT:
+            del self.worker_pushes[next(iter(self.worker_pushes))]
 
     def _checkpoint_due(self) -> bool:
         """Durable sessions: the step being closed now is due for a checkpoint."""
@@ -257,7 +272,8 @@ class SessionClock:
     def status(self) -> ClockStatus:
         return ClockStatus(self.version, self.accepted, self.stale, _median(self.staleness_counts),
                            max(self.staleness_counts, default=0), self.last_activity_unix_s,
-                           self.rounds.status() if self.rounds is not None else None)
+                           self.rounds.status() if self.rounds is not None else None,
+                           tuple(reversed(list(self.worker_pushes.items())[-MAX_WORKERS_REPORTED:])))
 
 
 def _median(counts: dict) -> int:

@@ -163,6 +163,7 @@ def status_to_proto(status: SessionStatus) -> control_pb2.GetStatusResponse:
         last_activity_unix_s=status.last_activity_unix_s,
         rolled_back_from=status.rolled_back_from,
         elastic=status.clock.elastic.to_proto() if status.clock.elastic is not None else None,
+        workers=[control_pb2.WorkerActivity(worker_id=w, last_push_unix_s=t) for w, t in status.clock.workers],
         rejected=[control_pb2.RejectCount(reason=r.value, count=c)
                   for r, c in sorted(rejected.items(), key=lambda item: item[0].value)],
         shards=[
