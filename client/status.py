@@ -1,7 +1,7 @@
 """A session's live status as typed records, decoded from ``GetStatusResponse`` in one place.
 
 ``Session.status()`` returns a :class:`SessionStatus`; its ``shards`` are :class:`ShardStatus`
-records, and Shampoo sessions add :class:`PreconditionerBlockStatus` and
+records, and Shampoo and SOAP sessions add :class:`PreconditionerBlockStatus` and
 :class:`RootOffloadStatus` per shard (see ``GetStatusResponse`` in control.proto for what each
 count means).
 """

@@ -143,7 +143,8 @@ class TensorSpec:
 
 @dataclasses.dataclass(frozen=True)
 class PreconditionerOptions:
-    """Shampoo sessions: where inverse roots are computed (see :mod:`optserve.server.compute.root_offload`).
+    """Shampoo and SOAP sessions: where inverse roots (SOAP: eigenbases) are computed (see
+    :mod:`optserve.server.compute.root_offload`).
 
     Attributes:
       in_process: compute roots inside the shards' update even when the server has workers.
