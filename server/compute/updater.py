@@ -165,26 +165,14 @@ class Updater:
 
     def _build(self) -> CompiledUpdate:
         import jax
-        import optax
 
-        tx = self.optimizer.transformation
         partial = self.optimizer.partial_statistic
-
-        def step(params, state, grads, scale, global_stat):
-            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-            if partial is None:
-                updates, state = tx.update(grads, state, params)
-            else:
-                updates, state = tx.update(grads, state, params, global_grad_sq_norm=global_stat)
-            updates = jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates)
-            return optax.apply_updates(params, updates), state
-
-        step_fn = jax.jit(step, donate_argnums=(0, 1))
+        step_fn = jax.jit(_step_function(self.optimizer), donate_argnums=(0, 1))
         partial_fn = None
         if partial is not None:
             partial_fn = jax.jit(lambda grads, state, params: partial(
                 jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), state, params))
-        return CompiledUpdate(step_fn, partial_fn, jax.jit(tx.init))
+        return CompiledUpdate(step_fn, partial_fn, jax.jit(self.optimizer.transformation.init))
 
     @property
     def initialized(self) -> bool:
@@ -229,6 +217,58 @@ class Updater:
         except Exception:  # noqa: BLE001 - an optimization only
             return
         functions.compiled.set()
+
+    def step_problem(self) -> Optional[str]:
+        """Why the optimizer's step cannot run on this shard's tensors, or None when it can.
+
+        Some kernels accept their options and build their state, yet raise while their update is
+        traced for a tensor they cannot handle (Muon's shape factor of a matrix with a zero-length
+        axis: ``ZeroDivisionError``). Such a failure is a property of the optimizer and the tensors,
+        not of a gradient: this traces the step abstractly (nothing compiled or run; free when the
+        step compiled ahead), so a caller can refuse a push before its step is decided. Call it
+        between steps (it reads the state's structure).
+
+        Returns:
+          None, or a phrase naming the optimizer, the tensors that fail alone (shape, dtype) and
+          the kernel's error, e.g. ``optimizer 'muon' cannot update tensor 'e' (shape [0, 4],
+          float32): ZeroDivisionError: division by zero``.
+        """
+        import jax
+
+        functions = self._functions()
+        if functions.compiled.is_set():  # this optimizer compiled for these tensors: it runs
+            return None
+        grads, scalar = _abstract_grads(self.params), jax.ShapeDtypeStruct((), np.float32)
+        try:
+            jax.eval_shape(functions.step, self.params, self.opt_state, grads, scalar, scalar)
+            if functions.partial is not None:
+                jax.eval_shape(functions.partial, grads, self.opt_state, self.params)
+        except Exception as exc:  # noqa: BLE001 - any failure to trace the step is the kernel's refusal
+            return f"optimizer {self.optimizer.name!r} cannot update {self._failing_tensors()}: {error_line(exc)}"
+        return None
+
+    def _failing_tensors(self) -> str:
+        """The shard's tensors whose step fails when traced alone, in words (all of them together
+        when none fails alone: the kernel fails on their combination)."""
+        import jax
+
+        tx, step = self.optimizer.transformation, _step_function(self.optimizer)
+        scalar = jax.ShapeDtypeStruct((), np.float32)
+
+        def describe(name: str) -> str:
+            p = self.params[name]
+            return f"{name!r} (shape {list(p.shape)}, {p.dtype})"
+
+        failing = []
+        for name, value in self.params.items():
+            alone = {name: jax.ShapeDtypeStruct(value.shape, value.dtype)}
+            try:
+                jax.eval_shape(step, alone, jax.eval_shape(tx.init, alone), _abstract_grads(alone), scalar, scalar)
+            except Exception:  # noqa: BLE001 - this tensor is one the kernel cannot update
+                failing.append(name)
+        if not failing:
+            return f"the tensors {', '.join(describe(n) for n in self.params)} together"
+        return f"tensor{'s' if len(failing) > 1 else ''} {', '.join(describe(n) for n in failing)}"
 
     def abstract_state(self) -> dict:
         """``{"params", "opt_state"}`` as ``jax.ShapeDtypeStruct`` trees (what a checkpoint restores into)."""
@@ -280,6 +320,46 @@ class Updater:
         """Host views of the parameters (no copy on CPU). Drop them before the next :meth:`apply`:
         a view that is still alive stops the update from donating (reusing) its buffer."""
         return {name: np.asarray(p) for name, p in self.params.items()}
+
+
+def _step_function(optimizer) -> Callable:
+    """``step(params, state, grads, scale, global_stat) -> (params, state)`` of ``optimizer``,
+    not jitted: float32 ``grads`` cast to the parameters' dtypes, the update scaled by ``scale``."""
+    import jax
+    import optax
+
+    tx = optimizer.transformation
+    partial = optimizer.partial_statistic
+
+    def step(params, state, grads, scale, global_stat):
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        if partial is None:
+            updates, state = tx.update(grads, state, params)
+        else:
+            updates, state = tx.update(grads, state, params, global_grad_sq_norm=global_stat)
+        updates = jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def _abstract_grads(params: Mapping[str, Any]) -> dict:
+    """Float32 ``jax.ShapeDtypeStruct`` gradients for ``params`` (what a step receives)."""
+    import jax
+
+    return {name: jax.ShapeDtypeStruct(tuple(np.shape(p)), np.float32) for name, p in params.items()}
+
+
+def error_line(exc: BaseException, limit: int = 300) -> str:
+    """``Type: message`` of ``exc`` on one line of at most ``limit`` characters (for a status): a
+    traceback inside the message (an XLA error carrying a host callback's) is cut to its last line."""
+    head, traceback, trace = str(exc).strip().partition("Traceback (most recent call last)")
+    lines = head.strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}".strip().rstrip(":")
+    if traceback:
+        last = next((line.strip() for line in reversed(trace.splitlines()) if line.strip()), "")
+        text = f"{text}: {last}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _dtype(value):

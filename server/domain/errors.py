@@ -80,8 +80,9 @@ class Cancelled(OptservError):
 
 
 class SessionLost(OptservError):
-    """A session's state is gone: a shard holding part of it died and the server cannot restore it.
-    Retrying cannot help; the session must be closed (and created again)."""
+    """A session's state is gone: a shard holding part of it died and the server cannot restore it,
+    or its optimizer failed while running a step already decided (the shard's state can no longer
+    follow the session's version). Retrying cannot help; the session must be closed (and created again)."""
 
 
 class Unavailable(OptservError):

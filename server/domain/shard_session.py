@@ -11,6 +11,11 @@ buffers, stages them under the push's identity ``(client_id, sequence)`` and, wi
 Idempotency: a shard remembers each client's last applied sequence; a retry of an applied push
 is answered from the clock's ticket and applies nothing twice.
 
+Kernel failures: an optimizer whose step cannot run on a shard's tensors (it raises while traced)
+is found before the push is staged, so it is refused (INVALID_ARGUMENT) before any vote: applied
+on no shard, the clock unmoved. A failure only the run shows comes after the clock decided the
+step (and the update donated the state): the session ends with one SessionLost naming it.
+
 :class:`ShardSession` is the facade the wire layer and the shard actor call. It holds the step
 path and hands each job to a collaborator: :mod:`~optserve.server.domain.staging` (staged pushes,
 their expiry after ``staged_push_ttl_s``, ``max_staged_bytes``), :mod:`~optserve.server.domain.sequencer`
@@ -30,14 +35,14 @@ from typing import Callable, Iterable, Optional
 
 import numpy as np
 
-from optserve.server.compute.updater import Updater
+from optserve.server.compute.updater import Updater, error_line
 from optserve.server.domain.assembly import TensorAssembler
 from optserve.server.domain.clock import Ticket
 from optserve.server.domain.config import Limits, SessionConfig, TensorSpec, worker_of
 from optserve.server.domain.durability import SessionStore, StepRecord
 from optserve.server.domain.errors import (FailedPrecondition, InvalidArgument, OptservError, PeerRefused,
-                                           PermissionDenied, RejectReason, Stale, Timeout, Unavailable)
-from optserve.server.domain.refusals import Refusals
+                                           PermissionDenied, RejectReason, SessionLost, Stale, Timeout, Unavailable)
+from optserve.server.domain.refusals import Refusals, log_value
 from optserve.server.domain.sequencer import Sequencer, entry
 from optserve.server.domain.shard_durability import ShardDurability, replay, step_tickets
 from optserve.server.domain.shard_records import PushHeader, Receipt, ShardSessionStatus, StepObserver
@@ -55,6 +60,7 @@ _GAP_POLL_S = 0.25
 _ROUND_POLL_S = 0.02
 _INIT_WAIT_S = 1.0  # longest in-thread wait for a new session's initial values (then UNAVAILABLE: retry)
 _ANSWER_MARGIN_S = 1.0  # a wait bounded by the caller's deadline ends this much earlier, to answer in time
+_UNCHECKED = object()  # ShardSession._step_problem before the step was traced once
 
 
 class ShardSession:
@@ -106,6 +112,7 @@ class ShardSession:
         self._elastic = config.is_elastic
         self._round_polled_at = 0.0  # elastic: when a waiting thread last asked the clock (under _cond)
         self._abandoned: Optional[OptservError] = None  # set by abandon(): every wait raises it
+        self._step_problem = _UNCHECKED  # why the optimizer's step cannot run here (None: it can); see _receive
         self._durability = ShardDurability(store)
         self.last_activity_unix_s = time.time()  # a client's last push, commit, pull or init here (see touch)
 
@@ -230,6 +237,7 @@ class ShardSession:
                  in_place: bool = False) -> bool:
         """Assembles and stages the push; returns True if it had been applied (nothing staged)."""
         self._require_initialized()
+        self._require_runnable_step(header.client_id, header.sequence)
         self._staging.check_room(header.client_id, header.sequence)
         try:  # durable: the step log has room for this push's step (and those staged before it) on the disk
             if not self._sequencer.already_applied(header.client_id, header.sequence):  # a retry logs nothing
@@ -247,6 +255,29 @@ class ShardSession:
         self._staging.stage((header.client_id, header.sequence), header.base_version, grads, header.telemetry,
                             header.auto_commit)  # a retry replaces what an earlier attempt staged
         return False
+
+    def _require_runnable_step(self, client_id: str, sequence: int) -> None:
+        """Refuses the push before it is staged (so before any shard votes and the clock decides a
+        version) when the optimizer's step cannot run on this shard's tensors: a kernel that raises
+        while its update is traced does so for every push, and a step that failed after its ticket
+        was decided would leave the clock ahead of this shard and its peers with the step applied.
+        The step is traced once (see :meth:`Updater.step_problem`); the answer is kept.
+
+        Raises:
+          InvalidArgument: naming the session, the shard, the optimizer and the tensors.
+        """
+        if self._step_problem is _UNCHECKED:
+            with self._cond:  # tracing reads the state's structure, which changes only under the lock
+                if self._step_problem is _UNCHECKED:
+                    self._step_problem = self.updater.step_problem()
+                    if self._step_problem is not None:
+                        _log.warning("event=kernel_refused session=%s shard=%d problem=%s",
+                                     log_value(self.config.name), self.shard_index, log_value(self._step_problem))
+        if self._step_problem is not None:
+            self._refusals.refuse(RejectReason.INVALID, client_id, sequence, cause="kernel")
+            raise InvalidArgument(f"session {self.config.name!r} on shard {self.shard_index}: {self._step_problem}; "
+                                  f"the push was applied nowhere and the version did not change (every push of "
+                                  f"this session is refused so: its tensors and optimizer do not go together)")
 
     def _log_waiter(self, version: int) -> Callable[[], None]:
         """What acknowledging step ``version`` waits for: its log record (see ShardDurability.waiter)."""
@@ -400,14 +431,32 @@ class ShardSession:
         try:
             global_stat = self.updater.apply(grads, scale, lambda partial: self._clock.reduce_sum(
                 ticket.target_version, self.shard_index, partial))
-        except BaseException:
+        except BaseException as exc:
             self._durability.abort_step()
-            raise
+            if isinstance(exc, OptservError) or not isinstance(exc, Exception):  # e.g. the cross-shard sum's Timeout
+                raise
+            raise self._step_failed(ticket, exc) from None  # the kernel's own failure
         self._durability.end_step(StepRecord(ticket.target_version, tickets, scale, global_stat), release)
         self.version = ticket.target_version
         self.observer.applied(time.perf_counter() - start)
         if ticket.checkpoint and self._durability.enabled:
             self._checkpoint()
+
+    def _step_failed(self, ticket: Ticket, exc: Exception) -> SessionLost:
+        """The kernel raised while running the step of ``ticket`` (call with ``_cond`` held), after
+        the clock decided its version and maybe after the peer shards applied it: a failure that
+        tracing does not show (see :meth:`_require_runnable_step`), such as an XLA error at run time.
+        The update donates the parameters and optimizer state, so they may be gone, and this shard
+        can no longer follow the clock: the session ends here (every call, here and through its
+        clock, raises the error returned), loudly rather than with shards that silently disagree."""
+        _log.error("event=step_failed session=%s shard=%d version=%d optimizer=%s", log_value(self.config.name),
+                   self.shard_index, ticket.target_version, log_value(self.config.optimizer_name), exc_info=exc)
+        error = SessionLost(
+            f"session {self.config.name!r}: optimizer {self.config.optimizer_name!r} failed in step "
+            f"{ticket.target_version} on shard {self.shard_index} ({error_line(exc)}) after the step was decided; "
+            f"its state on this shard can no longer follow the session's version, so the session ended: close it")
+        self.abandon(error)
+        return error
 
     def abandon(self, error: OptservError) -> None:
         """Ends the session on this shard (it was closed, or lost a peer shard): every call
