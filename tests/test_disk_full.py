@@ -17,6 +17,7 @@ import pytest
 
 from optserve.client import Client
 from optserve.client.errors import UnavailableError
+from tests._filesystems import fill
 from tests._server_process import ServerProcess
 from tests._service_helpers import InProcess, make_grads, max_abs_diff
 
@@ -38,21 +39,6 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
-def _fill(folder: str, leave_bytes: int) -> str:
-    """Writes a filler file until the filesystem is full, then gives back ``leave_bytes``."""
-    path = os.path.join(folder, "filler")
-    chunk = b"\0" * (64 << 10)
-    with open(path, "wb") as fh:
-        try:
-            while True:
-                fh.write(chunk)
-                fh.flush()
-        except OSError:
-            pass
-    os.truncate(path, max(0, os.path.getsize(path) - leave_bytes))
-    return path
-
-
 def test_a_full_disk_refuses_steps_applies_nothing_and_recovers_by_itself(small_disk):
     root = os.path.join(small_disk, "ckpt")
     rng = np.random.default_rng(4)
@@ -67,7 +53,7 @@ def test_a_full_disk_refuses_steps_applies_nothing_and_recovers_by_itself(small_
                 expected = reference.step(make_grads(params, step))
                 session.push_pull(make_grads(params, step))
 
-            filler = _fill(small_disk, leave_bytes=96 << 10)  # less than one step's record of w
+            filler = fill(small_disk, leave_bytes=96 << 10)  # less than one step's record of w
             with Client(server.address, timeout=4.0) as impatient:  # the SDK retries UNAVAILABLE this long
                 started = time.monotonic()
                 with pytest.raises(UnavailableError) as refused:

@@ -23,6 +23,7 @@ import pytest
 
 from optserve.client import Client
 from optserve.client.errors import UnavailableError
+from tests._filesystems import fill
 from tests._server_process import ServerProcess
 from tests._service_helpers import InProcess, make_grads, max_abs_diff
 
@@ -68,21 +69,6 @@ def thin_disk(tmp_path):
             _run(*undo)
 
 
-def _fill(folder: str, leave_bytes: int) -> str:
-    """Writes a filler file until the filesystem is full, then gives back ``leave_bytes``."""
-    path = os.path.join(folder, "filler")
-    chunk = b"\0" * (64 << 10)
-    with open(path, "wb") as fh:
-        try:
-            while True:
-                fh.write(chunk)
-                fh.flush()
-        except OSError:
-            pass
-    os.truncate(path, max(0, os.path.getsize(path) - leave_bytes))
-    return path
-
-
 def test_a_write_failing_mid_step_is_not_acknowledged_applies_nothing_more_and_recovers_by_itself(thin_disk):
     mount, backing = thin_disk
     root = os.path.join(mount, "ckpt")
@@ -100,7 +86,7 @@ def test_a_write_failing_mid_step_is_not_acknowledged_applies_nothing_more_and_r
                 expected = reference.step(make_grads(params, step))
                 session.push_pull(make_grads(params, step))
 
-            filler = _fill(backing, leave_bytes=64 << 10)  # less than w's record: its write fails
+            filler = fill(backing, leave_bytes=64 << 10)  # less than w's record: its write fails
             with Client(server.address, timeout=4.0) as impatient:  # the SDK retries UNAVAILABLE this long
                 started = time.monotonic()
                 with pytest.raises(UnavailableError) as failed:
