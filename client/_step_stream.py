@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Optional
 
 import grpc
 
+from optserve.client._deadlines import DEADLINES
 from optserve.client.errors import DeadlineExceededError
 from optserve.protos.optserve.v1 import data_pb2
 
@@ -154,9 +155,7 @@ class StepHandle:
         timeout = self._stream._timeout
         timer = None
         if timeout is not None and hasattr(self._responses, "cancel"):
-            timer = threading.Timer(timeout, self._expire)
-            timer.daemon = True
-            timer.start()
+            timer = DEADLINES.call_later(timeout, self._expire)
         try:
             for kind, value in self._responses:
                 started = True
@@ -182,6 +181,6 @@ class StepHandle:
             raise
         finally:
             if timer is not None:
-                timer.cancel()
+                DEADLINES.cancel(timer)
             if self._owns:
                 self._stream._busy.release()

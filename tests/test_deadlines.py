@@ -1,0 +1,40 @@
+"""The client's shared watchdog thread: callbacks run at their deadlines, in order; cancelled
+ones never run; the heap does not keep every cancelled watchdog."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from optserve.client._deadlines import Deadlines
+
+
+def test_callbacks_run_in_deadline_order_on_one_thread_and_cancelled_ones_never():
+    deadlines = Deadlines()
+    ran: list = []
+    done = threading.Event()
+    deadlines.call_later(0.20, lambda: (ran.append(("late", threading.current_thread().name)), done.set()))
+    deadlines.call_later(0.05, lambda: ran.append(("early", threading.current_thread().name)))
+    cancelled = deadlines.call_later(0.10, lambda: ran.append(("cancelled", "")))
+    deadlines.cancel(cancelled)
+    assert done.wait(5)
+    assert [what for what, _ in ran] == ["early", "late"]
+    assert {thread for _, thread in ran} == {"optserve-deadlines"}
+    assert threading.active_count() < 50
+
+
+def test_a_sooner_deadline_wakes_the_thread_waiting_for_a_later_one():
+    deadlines = Deadlines()
+    deadlines.call_later(60.0, lambda: None)
+    time.sleep(0.05)  # the thread now waits for the 60 s one
+    fired = threading.Event()
+    started = time.monotonic()
+    deadlines.call_later(0.05, fired.set)
+    assert fired.wait(5) and time.monotonic() - started < 2
+
+
+def test_cancelled_watchdogs_do_not_pile_up():
+    deadlines = Deadlines()
+    for _ in range(10_000):  # a step's watchdog: set, then cancelled when the step is answered
+        deadlines.cancel(deadlines.call_later(120.0, lambda: None))
+    assert len(deadlines._heap) < 200
