@@ -186,10 +186,12 @@ def test_unknown_session_is_not_found(client, twins):
     assert_state_intact(victim, twin, params)
 
 
-def test_duplicate_session_name_is_already_exists_and_keeps_the_first(client, twins):
+def test_duplicate_session_name_is_already_exists_names_the_way_on_and_keeps_the_first(client, twins):
     victim, twin, params = twins
-    with pytest.raises(AlreadyExistsError, match=repr(victim.name)):
+    with pytest.raises(AlreadyExistsError, match=repr(victim.name)) as refused:
         client.create_session(victim.name, {"other": np.zeros(3, np.float32)}, optimizer=ADAM)
+    message = str(refused.value)  # a rerun of a script: how to go on
+    assert f"client.session({victim.name!r})" in message and f"client.close_session({victim.name!r})" in message
     assert_state_intact(victim, twin, params)
 
 

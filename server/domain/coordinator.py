@@ -267,7 +267,9 @@ class Coordinator:
                 # a name whose shards are still closing is free in a moment: wait for it, briefly
                 self._closed.wait_for(lambda: config.name not in self._closing, timeout=_CLOSING_WAIT_S)
                 if config.name in self._sessions or config.name in self._closing:
-                    raise AlreadyExists(f"session {config.name!r} already exists")
+                    raise AlreadyExists(f"session {config.name!r} already exists: attach to it with "
+                                        f"client.session({config.name!r}) to go on training it, or end it with "
+                                        f"client.close_session({config.name!r}) to create it afresh")
                 owned = sum(1 for record in self._sessions.values() if record.owner == owner)
                 if owned >= limits.max_sessions_per_tenant:
                     raise limits.exceeded("max_sessions_per_tenant", f"tenant {owner!r}: {owned + 1} open sessions")
