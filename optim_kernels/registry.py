@@ -30,6 +30,14 @@ export its statistics, compute the roots in another process and install them, wi
 which optimizer it runs. Shampoo has one (inverse roots), and so has SOAP (its eigenbases: the
 export carries the bases in use as a second stacked input, and the install re-projects Adam's
 first moment into the new ones).
+
+Options given per tensor
+------------------------
+Some options are a pytree like the params (optax's ``mask``): over the wire, a map from tensor
+name to value. A shard holds only part of a session's tensors, so its optimizer is built with the
+part of such a map that names its own tensors (:func:`args_for_tensors`); a map that does not
+name exactly the session's tensors is refused, naming the ones missing or unknown. An entry lists
+these options in ``tensor_tree_args``.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ import inspect
 import numbers
 import types
 import typing
-from typing import Any, Callable, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import numpy as np
@@ -73,6 +81,7 @@ __all__ = [
     "BuiltOptimizer",
     "KernelEntry",
     "RootOffloadSeam",
+    "args_for_tensors",
     "build_optimizer",
     "optimizer_names",
     "optimizer_parameters",
@@ -140,12 +149,15 @@ class KernelEntry:
       root_offload: the kernel's root offload seam, or ``None``.
       arg_rules: the value rule of each constructor option (one per option; the registry's
         tests keep the names equal to the signature's).
+      tensor_tree_args: the options whose value may be a pytree like the params, i.e. a
+        ``{tensor name: value}`` map (see :func:`args_for_tensors`).
     """
 
     constructor: Callable[..., optax.GradientTransformation]
     partial_statistic: Optional[Callable[..., Optional[Callable]]] = None
     root_offload: Optional[RootOffloadSeam] = None
     arg_rules: ArgRules = ArgRules()
+    tensor_tree_args: tuple[str, ...] = ()
 
 
 _SHAMPOO_ROOT_OFFLOAD = RootOffloadSeam(
@@ -188,7 +200,8 @@ ADAM_ARG_RULES = ArgRules(*_ADAM_ARG_RULES)
 ADAMW_ARG_RULES = ArgRules(
     *_ADAM_ARG_RULES,
     rules.non_negative("weight_decay", schedule=True),
-    rules.delegated("mask", "None, a pytree of bools like the params, or a callable returning one"),
+    rules.delegated("mask", "None, a pytree of bools like the params ({tensor name: bool}), or a callable "
+                            "returning one"),
 )
 SGD_ARG_RULES = ArgRules(
     rules.positive("learning_rate", schedule=True),
@@ -208,7 +221,7 @@ OPTIMIZERS: dict[str, KernelEntry] = {
     "delayed_nesterov": KernelEntry(delayed_nesterov, arg_rules=DELAYED_NESTEROV_ARG_RULES),
     # Baselines, straight from optax.
     "adam": KernelEntry(optax.adam, arg_rules=ADAM_ARG_RULES),
-    "adamw": KernelEntry(optax.adamw, arg_rules=ADAMW_ARG_RULES),
+    "adamw": KernelEntry(optax.adamw, arg_rules=ADAMW_ARG_RULES, tensor_tree_args=("mask",)),
     "sgd": KernelEntry(optax.sgd, arg_rules=SGD_ARG_RULES),
 }
 
@@ -277,6 +290,45 @@ def build_optimizer(name: str, args: Optional[Mapping[str, Any]] = None) -> Buil
     except TypeError as exc:
         raise ValueError(f"optimizer {name!r}: bad option value: {exc}") from exc
     return BuiltOptimizer(name, args, transformation, partial, entry.root_offload)
+
+
+def args_for_tensors(name: str, args: Mapping[str, Any], session_tensors: Sequence[str],
+                     tensors: Sequence[str]) -> dict[str, Any]:
+    """``args`` of optimizer ``name`` for the part of a session that holds ``tensors``.
+
+    Each option of the entry's ``tensor_tree_args`` given as a map (``{tensor name: value}``, a
+    pytree like the session's params ``{name: array}``) must name exactly ``session_tensors``;
+    it is restricted to ``tensors`` (a shard's). Other values (None, a bool, a callable) and other
+    options are kept as they are.
+
+    Raises:
+      ValueError: such a map names a tensor the session does not have, or lacks one it has (the
+        message names the optimizer, the option and the tensors).
+    """
+    args = dict(args)
+    for option in _entry(name).tensor_tree_args:
+        value = args.get(option)
+        if not isinstance(value, Mapping):
+            continue
+        keys = set(value)
+        unknown = sorted(map(str, keys - set(session_tensors)))
+        missing = sorted(set(session_tensors) - keys)
+        if unknown or missing:
+            problems = []
+            if unknown:
+                problems.append(f"names {_few(unknown)} that the session does not have")
+            if missing:
+                problems.append(f"lacks {_few(missing)}")
+            raise ValueError(f"optimizer {name!r}: option {option!r} must map each of the session's tensors "
+                             f"(and no other name) to a value, but it {' and '.join(problems)}")
+        args[option] = {tensor: value[tensor] for tensor in tensors}
+    return args
+
+
+def _few(names: Sequence[str], limit: int = 5) -> str:
+    """``'a', 'b'`` (``'a', ..., 'e' and N more`` past ``limit`` names)."""
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
 
 
 def _entry(name: str) -> KernelEntry:

@@ -32,7 +32,8 @@ from optserve.server.compute.updater import compile_stats, Updater
 from optserve.server.domain.clock import LocalClock
 from optserve.server.domain.config import ServerConfig
 from optserve.server.domain.coordinator import ShardOpening, ShardSummary
-from optserve.server.domain.errors import unwrap, SessionLost, Unavailable
+from optserve.server.domain.errors import unwrap, InvalidArgument, OptservError, SessionLost, Unavailable
+from optserve.server.domain.refusals import log_value
 from optserve.server.domain.shard_session import ShardRegistry, ShardSession, ShardSessionStatus, StepObserver
 from optserve.server.ops.health import Health
 from optserve.server.ops.logs import configure_logging
@@ -136,9 +137,18 @@ class ShardActor:
         version ``upto`` (None: all of it).
         Returns the session's version on this shard.
 
+        A new session's optimizer is checked first: its per-tensor options (``{tensor name: value}``
+        maps such as adamw's ``mask``) are restricted to this shard's tensors, and its ``init`` is
+        traced abstractly over them (``Updater.init_problem``), so a state the kernel cannot build
+        is refused before this shard holds anything of the session.
+
         Raises:
           SessionLost: ``restore`` found a damaged checkpoint or log (the message names the file).
+          InvalidArgument: a per-tensor option that does not name exactly the session's tensors, or
+            an optimizer that cannot build its state for this shard's tensors (the message names
+            the session, the optimizer, the tensors and the kernel's error, on one line).
         """
+        from optserve.optim_kernels import args_for_tensors
         from optserve.server.compute.root_offload import build_shard_optimizer
 
         config = opening.config
@@ -148,13 +158,26 @@ class ShardActor:
         by_name = config.spec_by_name
         durability = self._config.durability
         home = opening.home_clock is None
+        try:  # per-tensor options ({tensor name: value}, e.g. adamw's mask) restricted to this shard's tensors
+            args = args_for_tensors(config.optimizer_name, config.optimizer_args, [t.name for t in config.tensors],
+                                    opening.tensor_names)
+        except ValueError as exc:
+            raise InvalidArgument(f"session {config.name!r}: {exc}") from None
+        optimizer, preconditioners = build_shard_optimizer(
+            config.optimizer_name, args, {n: by_name[n].shape for n in opening.tensor_names},
+            self._precond_pool, in_process=config.preconditioners.in_process,
+            max_age=config.preconditioners.max_age)
+        specs = {n: (by_name[n].shape, by_name[n].dtype.numpy) for n in opening.tensor_names}
+        updater = Updater(optimizer, preconditioners, specs)
+        if not restore:  # a state the kernel cannot build is refused before this shard holds anything
+            problem = updater.init_problem()
+            if problem is not None:
+                log.info("event=session_refused session=%s shard=%d reason=%s", log_value(config.name),
+                         opening.shard_index, log_value(problem))
+                raise InvalidArgument(f"session {config.name!r}: {problem}")
         store = None
         if durability is not None:
             store = ShardStore(durability.checkpoint_dir, config.name, opening.shard_index, durability, home)
-        optimizer, preconditioners = build_shard_optimizer(
-            config.optimizer_name, config.optimizer_args, {n: by_name[n].shape for n in opening.tensor_names},
-            self._precond_pool, in_process=config.preconditioners.in_process,
-            max_age=config.preconditioners.max_age)
         if home:
             clock = LocalClock(config, opening.participants, reduce_timeout_s=self._config.step_timeout_s,
                                checkpoints=durability.policy(config.gradient_bytes) if durability else None,
@@ -162,9 +185,8 @@ class ShardActor:
         else:
             clock = PeerClock(opening.home_clock, config.name, self._security.internal,
                               reduce_timeout_s=self._config.step_timeout_s)
-        specs = {n: (by_name[n].shape, by_name[n].dtype.numpy) for n in opening.tensor_names}
         session = ShardSession(config, list(opening.tensor_names), opening.shard_index, clock,
-                               Updater(optimizer, preconditioners, specs), self._config.step_timeout_s,
+                               updater, self._config.step_timeout_s,
                                self._config.vote_timeout_s, owner=opening.owner, creator=opening.creator,
                                observer=self._observer(config.name),
                                staged_push_ttl_s=self._config.staged_push_ttl_s, limits=self._config.limits)
@@ -381,7 +403,28 @@ class RayShardFleet:
         return _ray_get([actor.pid.remote() for actor in self.actors])
 
     def open_session(self, openings: Sequence[ShardOpening]) -> None:
-        _ray_get([self.actors[o.shard_index].open_session.remote(o) for o in openings])
+        """Opens the session on every shard of ``openings`` at once and returns once each answered,
+        also when one refused (so a close that follows a refusal finds every part a shard opened).
+
+        Raises:
+          the first shard's error (in ``openings`` order); when several refused with
+          InvalidArgument (e.g. each holds a tensor the optimizer cannot build a state for), one
+          InvalidArgument with their distinct messages (the first three).
+        """
+        refs = [self.actors[o.shard_index].open_session.remote(o) for o in openings]
+        errors = []
+        for ref in refs:
+            try:
+                _ray_get(ref)
+            except Exception as exc:  # noqa: BLE001 - raised below, once every shard answered
+                errors.append(exc)
+        if not errors:
+            return
+        if len(errors) > 1 and all(isinstance(e, InvalidArgument) for e in errors):
+            messages = list(dict.fromkeys(str(e) for e in errors))
+            more = f" (and {len(messages) - 3} more shards refused likewise)" if len(messages) > 3 else ""
+            raise InvalidArgument("; ".join(messages[:3]) + more)
+        raise errors[0]
 
     def close_session(self, name: str, reason: str = "") -> None:
         """On every shard that answers; a dead shard holds nothing any more."""
@@ -447,7 +490,18 @@ def _tell(ref) -> None:
     except RayActorError:
         pass
     except Exception as exc:  # re-raise the domain error inside a RayTaskError
-        raise unwrap(exc) from None
+        raise _domain_error(exc) from None
+
+
+def _domain_error(exc: BaseException) -> BaseException:
+    """The domain error a shard raised, as it raised it, from what ``ray.get`` raised: Ray hands
+    back a ``RayTaskError(<the error's class>)`` whose text is the remote traceback; its
+    ``cause`` is the error itself, whose message is what a client reads."""
+    exc = unwrap(exc)
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(cause, OptservError):
+        return cause
+    return exc
 
 
 def _ray_get(refs):
@@ -460,7 +514,7 @@ def _ray_get(refs):
     except ray.exceptions.RayActorError as exc:  # ActorDiedError, ActorUnavailableError: a shard restarting
         raise Unavailable(f"a shard of this server is restarting ({type(exc).__name__}); retry") from None
     except Exception as exc:  # re-raise the domain error inside a RayTaskError
-        raise unwrap(exc) from None
+        raise _domain_error(exc) from None
 
 
 BUNDLE_CPUS = 0.01  # what each shard's bundle reserves: enough to be placed, nothing a task misses

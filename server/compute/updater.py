@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import re
 import threading
 from typing import Any, Callable, Hashable, Mapping, Optional
 
@@ -218,6 +219,47 @@ class Updater:
             return
         functions.compiled.set()
 
+    def init_problem(self) -> Optional[str]:
+        """Why the optimizer cannot build its state for this shard's tensors (``param_specs``), or
+        None when it can.
+
+        Some kernels accept their options yet raise while building their state for a tensor they
+        cannot handle (T5X Adafactor on a tensor of rank > 2 with no factor rule: ``ValueError``).
+        Such a failure is a property of the optimizer and the tensors: this traces ``init``
+        abstractly (nothing allocated, compiled or run), so a shard can refuse a session before it
+        holds anything. The jitted ``init`` traced is the one :meth:`initialize` runs later.
+
+        Returns:
+          None, or a phrase naming the optimizer, the tensors that fail alone (shape, dtype) and
+          the kernel's error, e.g. ``optimizer 'adafactor' cannot build its state for tensor 'w'
+          (shape [2, 3, 4], float32): ValueError: parameter 'w' of shape (2, 3, 4) has rank > 2 ...``.
+        """
+        import jax
+
+        if not self._param_specs:  # nothing to check against (an updater built without its tensors' specs)
+            return None
+        params = _abstract_params(self._param_specs)
+        try:
+            jax.eval_shape(self._functions(params).init, params)
+        except Exception as exc:  # noqa: BLE001 - any failure to trace init is the kernel's refusal
+            return (f"optimizer {self.optimizer.name!r} cannot build its state for "
+                    f"{self._failing_init_tensors(params)}: {error_line(exc)}")
+        return None
+
+    def _failing_init_tensors(self, params: Mapping[str, Any]) -> str:
+        """The tensors of ``params`` (abstract) whose state fails to build alone, in words (all of
+        them together when none fails alone: the kernel fails on their combination)."""
+        import jax
+
+        init = self.optimizer.transformation.init
+        failing = []
+        for name, value in params.items():
+            try:
+                jax.eval_shape(init, {name: value})
+            except Exception:  # noqa: BLE001 - this tensor is one the kernel cannot build a state for
+                failing.append(name)
+        return tensors_in_words(_specs_of(params), failing)
+
     def step_problem(self) -> Optional[str]:
         """Why the optimizer's step cannot run on this shard's tensors, or None when it can.
 
@@ -255,10 +297,6 @@ class Updater:
         tx, step = self.optimizer.transformation, _step_function(self.optimizer)
         scalar = jax.ShapeDtypeStruct((), np.float32)
 
-        def describe(name: str) -> str:
-            p = self.params[name]
-            return f"{name!r} (shape {list(p.shape)}, {p.dtype})"
-
         failing = []
         for name, value in self.params.items():
             alone = {name: jax.ShapeDtypeStruct(value.shape, value.dtype)}
@@ -266,15 +304,13 @@ class Updater:
                 jax.eval_shape(step, alone, jax.eval_shape(tx.init, alone), _abstract_grads(alone), scalar, scalar)
             except Exception:  # noqa: BLE001 - this tensor is one the kernel cannot update
                 failing.append(name)
-        if not failing:
-            return f"the tensors {', '.join(describe(n) for n in self.params)} together"
-        return f"tensor{'s' if len(failing) > 1 else ''} {', '.join(describe(n) for n in failing)}"
+        return tensors_in_words(_specs_of(self.params), failing)
 
     def abstract_state(self) -> dict:
         """``{"params", "opt_state"}`` as ``jax.ShapeDtypeStruct`` trees (what a checkpoint restores into)."""
         import jax
 
-        params = {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in self._param_specs.items()}
+        params = _abstract_params(self._param_specs)
         return {"params": params, "opt_state": jax.eval_shape(self.optimizer.transformation.init, params)}
 
     def restore(self, params: Mapping[str, np.ndarray], opt_state: Any) -> None:
@@ -343,6 +379,36 @@ def _step_function(optimizer) -> Callable:
     return step
 
 
+_NAMED_TENSORS = 8  # a message names at most this many tensors (then "and N more")
+
+
+def tensors_in_words(specs: Mapping[str, tuple], failing: list[str]) -> str:
+    """``tensor 'w' (shape [2, 3], float32)`` / ``tensors ...`` for the names in ``failing``, or
+    ``the tensors ... together`` for all of ``specs`` (name -> (shape, dtype)) when ``failing``
+    is empty; at most :data:`_NAMED_TENSORS` named (then ``and N more``)."""
+
+    def describe(names: list[str]) -> str:
+        shown = ", ".join(f"{n!r} (shape {list(specs[n][0])}, {np.dtype(specs[n][1]).name})"
+                          for n in names[:_NAMED_TENSORS])
+        return shown if len(names) <= _NAMED_TENSORS else f"{shown} and {len(names) - _NAMED_TENSORS} more"
+
+    if not failing:
+        return f"the tensors {describe(list(specs))} together"
+    return f"tensor{'s' if len(failing) > 1 else ''} {describe(failing)}"
+
+
+def _specs_of(params: Mapping[str, Any]) -> dict[str, tuple]:
+    """name -> (shape, dtype) of arrays or ``jax.ShapeDtypeStruct``s."""
+    return {name: (tuple(np.shape(p)), _dtype(p)) for name, p in params.items()}
+
+
+def _abstract_params(specs: Mapping[str, tuple]) -> dict:
+    """``jax.ShapeDtypeStruct`` parameters for ``specs`` (name -> (shape, dtype))."""
+    import jax
+
+    return {name: jax.ShapeDtypeStruct(tuple(shape), dtype) for name, (shape, dtype) in specs.items()}
+
+
 def _abstract_grads(params: Mapping[str, Any]) -> dict:
     """Float32 ``jax.ShapeDtypeStruct`` gradients for ``params`` (what a step receives)."""
     import jax
@@ -350,10 +416,14 @@ def _abstract_grads(params: Mapping[str, Any]) -> dict:
     return {name: jax.ShapeDtypeStruct(tuple(np.shape(p)), np.float32) for name, p in params.items()}
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")  # terminal control sequences (colours) some errors carry
+
+
 def error_line(exc: BaseException, limit: int = 300) -> str:
     """``Type: message`` of ``exc`` on one line of at most ``limit`` characters (for a status): a
-    traceback inside the message (an XLA error carrying a host callback's) is cut to its last line."""
-    head, traceback, trace = str(exc).strip().partition("Traceback (most recent call last)")
+    traceback inside the message (an XLA error carrying a host callback's) is cut to its last line,
+    terminal colour codes are dropped."""
+    head, traceback, trace = _ANSI.sub("", str(exc)).strip().partition("Traceback (most recent call last)")
     lines = head.strip().splitlines()
     text = f"{type(exc).__name__}: {lines[0] if lines else ''}".strip().rstrip(":")
     if traceback:

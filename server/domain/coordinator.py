@@ -253,6 +253,10 @@ class Coordinator:
           ResourceExhausted: the session is larger than ``max_session_bytes``, its tensors would
             take a shard past its memory budget, or ``owner`` holds ``max_sessions_per_tenant``
             sessions (checked before any shard allocates anything).
+          InvalidArgument: a bad optimizer option, or a shard refused to open its part: the
+            optimizer cannot build its state for the shard's tensors (checked abstractly, before
+            the shard holds anything). Either way nothing is left: no shard holds the session and
+            its name is free.
         """
         limits = self.limits
         session_bytes = sum(t.nbytes for t in config.tensors)

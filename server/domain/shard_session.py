@@ -15,6 +15,9 @@ Kernel failures: an optimizer whose step cannot run on a shard's tensors (it rai
 is found before the push is staged, so it is refused (INVALID_ARGUMENT) before any vote: applied
 on no shard, the clock unmoved. A failure only the run shows comes after the clock decided the
 step (and the update donated the state): the session ends with one SessionLost naming it.
+An optimizer that cannot build its state for the shard's tensors is refused when the session is
+opened (its ``init`` traced abstractly: see ``ShardActor.open_session``); one whose real ``init``
+still fails when the initial values arrive is answered INVALID_ARGUMENT, and nothing is installed.
 
 :class:`ShardSession` is the facade the wire layer and the shard actor call. It holds the step
 path and hands each job to a collaborator: :mod:`~optserve.server.domain.staging` (staged pushes,
@@ -35,13 +38,14 @@ from typing import Callable, Iterable, Optional
 
 import numpy as np
 
-from optserve.server.compute.updater import Updater, error_line
+from optserve.server.compute.updater import Updater, error_line, tensors_in_words
 from optserve.server.domain.assembly import TensorAssembler
 from optserve.server.domain.clock import Ticket
 from optserve.server.domain.config import Limits, SessionConfig, TensorSpec, worker_of
 from optserve.server.domain.durability import SessionStore, StepRecord
 from optserve.server.domain.errors import (FailedPrecondition, InvalidArgument, OptservError, PeerRefused,
-                                           PermissionDenied, RejectReason, SessionLost, Stale, Timeout, Unavailable)
+                                           PermissionDenied, RejectReason, ResourceExhausted, SessionLost, Stale,
+                                           Timeout, Unavailable)
 from optserve.server.domain.refusals import Refusals, log_value
 from optserve.server.domain.sequencer import Sequencer, entry
 from optserve.server.domain.shard_durability import ShardDurability, replay, step_tickets
@@ -147,11 +151,32 @@ class ShardSession:
         with self._cond:
             if self.initialized:
                 raise FailedPrecondition(f"session {self.config.name!r}: parameters are already initialized")
-            self.updater.initialize(values)
+            try:
+                self.updater.initialize(values)
+            except Exception as exc:  # noqa: BLE001 - OptservError passes through; the kernel's own failure
+                raise self._init_failed(exc) from None
             if self._durability.enabled:  # the initial values are durable before they are acknowledged
                 self._checkpoint(wait=True)
             self._cond.notify_all()  # pushes and pulls that arrived first (see _require_initialized)
             return self.version
+
+    def _init_failed(self, exc: Exception) -> OptservError:
+        """The optimizer raised while building its state from the initial values: a failure its
+        abstract trace at open time did not show (see ``Updater.init_problem``). Nothing was
+        installed (the session stays uninitialized; the creating client closes it). Logged with
+        its traceback here; the caller hears one line: INVALID_ARGUMENT, or RESOURCE_EXHAUSTED
+        when the device ran out of memory."""
+        if isinstance(exc, OptservError):
+            return exc
+        _log.error("event=init_failed session=%s shard=%d optimizer=%s", log_value(self.config.name),
+                   self.shard_index, log_value(self.config.optimizer_name), exc_info=exc)
+        tensors = tensors_in_words({n: (s.shape, s.dtype.numpy) for n, s in self.specs.items()},
+                                   list(self.specs))
+        what = (f"session {self.config.name!r}: optimizer {self.config.optimizer_name!r} could not build its state "
+                f"for {tensors} on shard {self.shard_index}: {error_line(exc)}")
+        if "RESOURCE_EXHAUSTED" in str(exc):
+            return ResourceExhausted(what)
+        return InvalidArgument(what)
 
     def _require_initialized(self) -> None:
         """Waits a moment (at most :data:`_INIT_WAIT_S`) for the initial values, then refuses with
