@@ -82,6 +82,17 @@ class _Fragment:
     lands_at: int = 0
     sent_after: int = 0
     sent_h: int = 0
+    deltas: dict = dataclasses.field(default_factory=dict)  # pseudo-gradient buffers, reused by each send
+
+    def pseudo_gradient(self, current: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``snapshot - current`` per tensor, into this fragment's reused buffers (an exchange
+        reads them until it lands, and a fragment has one exchange in flight at a time)."""
+        for name in self.names:
+            out = self.deltas.get(name)
+            if out is None:
+                out = self.deltas[name] = np.empty_like(self.snapshot[name])
+            np.subtract(self.snapshot[name], np.asarray(current[name], dtype=np.float32), out=out)
+        return {name: self.deltas[name] for name in self.names}
 
 
 class DiLoCoViews:
@@ -201,7 +212,7 @@ class DiLoCoCore:
         """Starts fragment ``index``'s exchange: pushes ``snapshot - current`` (``current``: its
         tensors' float32 values now); with ``overlap_steps`` it runs in the background."""
         fragment = self.fragments[index]
-        delta = {n: fragment.snapshot[n] - np.asarray(current[n], dtype=np.float32) for n in fragment.names}
+        delta = fragment.pseudo_gradient(current)
         kwargs: dict[str, Any] = {"wire_dtype": self.wire_dtype} if self.wire_dtype is not None else {}
         fragment.sent_after = step
         fragment.sent_h = (step - self._round_start_step) if self.auto else self.sync_every
@@ -238,7 +249,8 @@ class DiLoCoCore:
         fragment = self.fragments[index]
         shared = fragment.in_flight.result()
         fragment.in_flight = None
-        fragment.snapshot = {n: np.array(shared[n], dtype=np.float32) for n in fragment.names}
+        # push_pull hands back fresh arrays (no views): they become the snapshot without a copy
+        fragment.snapshot = {n: np.asarray(shared[n], dtype=np.float32) for n in fragment.names}
         self.rounds[index] += 1
         outcome = fragment.session.last_step
         self.exchanges.append(Exchange(index, fragment.sent_after, fragment.sent_h,
