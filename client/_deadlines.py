@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import os
 import threading
 import time
 from typing import Callable, Optional
@@ -31,6 +32,11 @@ class Deadlines:
     """One thread running each callback ``delay_s`` after it was scheduled (monotonic clock)."""
 
     def __init__(self):
+        self._reset()
+        if hasattr(os, "register_at_fork"):  # a forked child has no thread: it starts its own
+            os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
         self._heap: list = []  # (at, order, Deadline)
         self._order = itertools.count()
         self._cond = threading.Condition()

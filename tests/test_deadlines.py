@@ -38,3 +38,25 @@ def test_cancelled_watchdogs_do_not_pile_up():
     for _ in range(10_000):  # a step's watchdog: set, then cancelled when the step is answered
         deadlines.cancel(deadlines.call_later(120.0, lambda: None))
     assert len(deadlines._heap) < 200
+
+
+_FORK_CHECK = """
+import os, threading
+from optserve.client._deadlines import DEADLINES
+DEADLINES.cancel(DEADLINES.call_later(60.0, lambda: None))  # the parent's thread is running
+pid = os.fork()
+if pid == 0:
+    done = threading.Event()
+    DEADLINES.call_later(0.05, done.set)
+    os._exit(0 if done.wait(10) else 1)
+_, status = os.waitpid(pid, 0)
+raise SystemExit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_child_runs_its_own_watchdogs():
+    # in a fresh interpreter: this one runs JAX's and Ray's threads, which a fork must not copy
+    import subprocess
+    import sys
+
+    assert subprocess.run([sys.executable, "-c", _FORK_CHECK], timeout=60).returncode == 0
