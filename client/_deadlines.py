@@ -87,7 +87,7 @@ class Deadlines:
                     self._cond.wait(wait)
             try:
                 due.fn()
-            except Exception:  # noqa: BLE001 - one failing callback must not stop the others
+            except BaseException:  # noqa: BLE001 - one failing callback must not stop the others
                 pass
 
 

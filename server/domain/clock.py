@@ -131,7 +131,6 @@ class SessionClock:
             raise Stale(f"push {sequence} of client {client_id!r} is older than its push {previous[0]}; "
                         f"current version is {self.version}", self.version)
         self.last_activity_unix_s = time.time()
-        self._note_worker(worker_of(client_id), self.last_activity_unix_s)
         closed_by = "num_workers"
         try:
             if self.rounds is not None:
@@ -149,6 +148,7 @@ class SessionClock:
         ticket = Ticket(self.next_ordinal, client_id, sequence, decision.staleness, decision.scale,
                         decision.closes_step, self.version + 1, decision.closes_step and self._checkpoint_due())
         self.record(ticket, closed_by)
+        self._note_worker(worker_of(client_id), self.last_activity_unix_s)  # an accepted push
         return ticket
 
     def _note_worker(self, worker: str, unix_s: float) -> None:

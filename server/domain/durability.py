@@ -238,6 +238,9 @@ class SessionStore(Protocol):
     log_failed: bool  # a log write failed: nothing is logged until log_recovered
     degraded: str  # why the log cannot take a step now ("disk: <cause> (<folder>)"; "": it can)
 
+    def log_probe(self) -> None:
+        """Raises OSError while the disk does not take a small write (after a failed log write)."""
+
     def log_recovered(self, version: int) -> None:
         """A checkpoint at ``version`` taken after the failure was committed: the log goes on."""
 

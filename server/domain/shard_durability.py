@@ -131,7 +131,11 @@ class ShardDurability:
         store = self.store
         if store is None or not store.log_failed:
             return True
+        if store.durable_version >= version:  # a checkpoint committed since holds every step applied
+            store.log_recovered(version)  # (its rotation drained the failed writes: the log is fresh)
+            return True
         try:
+            store.log_probe()  # cheap: a disk that still fails is not asked for a whole checkpoint
             checkpoint()
         except OSError:
             return False

@@ -313,8 +313,9 @@ class ShardSession:
         """A durable session whose step log failed: once the disk takes writes again, writes a
         checkpoint of the state now (every step applied, those whose records were lost included)
         and goes on logging after it. Returns whether the log works (False: the disk still fails,
-        or a sync step is half gathered here; a later call tries again)."""
+        or a sync step is half gathered here: the step that closes it recovers, see _update)."""
         with self._cond:
+            self._raise_if_abandoned()
             if not self._durability.log_failed:
                 return True
             if self._sequencer.half_gathered or not self.initialized:
@@ -331,9 +332,15 @@ class ShardSession:
         failed log write nothing is applied until the log recovered (:meth:`recover_log`)."""
         what = f"session {self.config.name!r} on shard {self.shard_index}"
         self._durability.reserve(what, self._staging.push_bytes, len(self.specs), steps=steps)
-        if self._durability.log_failed and not self.recover_log():
+        if not self._durability.log_failed:
+            return
+        if self.recover_log():  # the checkpoint started a fresh segment: reserve there
+            self._durability.reserve(what, self._staging.push_bytes, len(self.specs), steps=steps)
+        elif not self._sequencer.half_gathered:
             raise Unavailable(f"{what}: the step log failed ({self._durability.degraded}) and cannot recover "
                               f"yet; nothing was applied, retry once the disk takes writes again")
+        # else: the disk takes writes (the reservation probed it) but a sync step is half gathered
+        # here: its pushes go on, and the update that closes it recovers the log (see _update)
 
     def _decide(self, client_id: str, sequence: int, ask: Callable[[int], Ticket],
                 until: Optional[float] = None) -> Ticket:
@@ -464,7 +471,9 @@ class ShardSession:
         self._durability.end_step(StepRecord(ticket.target_version, tickets, scale, global_stat), release)
         self.version = ticket.target_version
         self.observer.applied(time.perf_counter() - start)
-        if ticket.checkpoint and self._durability.enabled:
+        if self._durability.log_failed:  # a step boundary: its waiters find the log recovered, or not
+            self.recover_log()
+        elif ticket.checkpoint and self._durability.enabled:
             self._checkpoint()
 
     def _step_failed(self, ticket: Ticket, exc: Exception) -> SessionLost:

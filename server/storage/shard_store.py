@@ -164,6 +164,10 @@ class ShardStore:
         """See :attr:`StepLog.failed` (a checkpoint of everything applied recovers it)."""
         return self._log.failed
 
+    def log_probe(self) -> None:
+        """See :meth:`StepLog.probe` (raises OSError while the disk fails)."""
+        self._log.probe()
+
     def log_recovered(self, version: int) -> None:
         """See :meth:`StepLog.recovered`."""
         self._log.recovered(version)

@@ -55,6 +55,7 @@ class StepLog:
         self.records = 0  # step records since the last checkpoint
         self.bytes = 0  # their gradient bytes
         self.degraded = ""  # why the log cannot take a step now ("": it can), see reserve
+        self._probe_lock = threading.Lock()  # concurrent pushes probe the disk one after another
 
     # ------------------------------------------------------------- reading
     def segments(self, manifest: Optional[dict]) -> list[str]:
@@ -106,7 +107,7 @@ class StepLog:
         """
         record = PREFIX.size + payload_bytes + (tensors + 1) * BLOCK + _HEADER_ROOM
         if self._error is not None:
-            self._probe()
+            self.probe()
         try:
             self._steps.reserve(steps * record)
         except OSError as exc:
@@ -126,13 +127,18 @@ class StepLog:
                       self._shard, self.folder, cause)
         self.degraded = f"disk: {cause} ({self.folder})"
 
-    def _probe(self) -> None:
-        """The log failed: checks that the disk takes a write again (written, fsynced, deleted).
+    def probe(self) -> None:
+        """The log failed: checks that the disk takes a write again (written, fsynced, deleted;
+        one probe at a time).
 
         Raises:
           OSError: it does not; the message names the folder and the cause.
         """
         path = os.path.join(self.folder, PROBE_NAME)
+        with self._probe_lock:
+            self._probe_once(path)
+
+    def _probe_once(self, path: str) -> None:
         try:
             fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
             try:
