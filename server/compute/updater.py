@@ -247,18 +247,11 @@ class Updater:
         return None
 
     def _failing_init_tensors(self, params: Mapping[str, Any]) -> str:
-        """The tensors of ``params`` (abstract) whose state fails to build alone, in words (all of
-        them together when none fails alone: the kernel fails on their combination)."""
+        """The tensors of ``params`` (abstract) whose state fails to build alone, in words."""
         import jax
 
         init = self.optimizer.transformation.init
-        failing = []
-        for name, value in params.items():
-            try:
-                jax.eval_shape(init, {name: value})
-            except Exception:  # noqa: BLE001 - this tensor is one the kernel cannot build a state for
-                failing.append(name)
-        return tensors_in_words(_specs_of(params), failing)
+        return _failing_alone(params, lambda alone: jax.eval_shape(init, alone))
 
     def step_problem(self) -> Optional[str]:
         """Why the optimizer's step cannot run on this shard's tensors, or None when it can.
@@ -290,21 +283,14 @@ class Updater:
         return None
 
     def _failing_tensors(self) -> str:
-        """The shard's tensors whose step fails when traced alone, in words (all of them together
-        when none fails alone: the kernel fails on their combination)."""
+        """The shard's tensors whose step fails when traced alone, in words."""
         import jax
 
         tx, step = self.optimizer.transformation, _step_function(self.optimizer)
         scalar = jax.ShapeDtypeStruct((), np.float32)
-
-        failing = []
-        for name, value in self.params.items():
-            alone = {name: jax.ShapeDtypeStruct(value.shape, value.dtype)}
-            try:
-                jax.eval_shape(step, alone, jax.eval_shape(tx.init, alone), _abstract_grads(alone), scalar, scalar)
-            except Exception:  # noqa: BLE001 - this tensor is one the kernel cannot update
-                failing.append(name)
-        return tensors_in_words(_specs_of(self.params), failing)
+        params = {name: jax.ShapeDtypeStruct(value.shape, value.dtype) for name, value in self.params.items()}
+        return _failing_alone(params, lambda alone: jax.eval_shape(
+            step, alone, jax.eval_shape(tx.init, alone), _abstract_grads(alone), scalar, scalar))
 
     def abstract_state(self) -> dict:
         """``{"params", "opt_state"}`` as ``jax.ShapeDtypeStruct`` trees (what a checkpoint restores into)."""
@@ -395,6 +381,18 @@ def tensors_in_words(specs: Mapping[str, tuple], failing: list[str]) -> str:
     if not failing:
         return f"the tensors {describe(list(specs))} together"
     return f"tensor{'s' if len(failing) > 1 else ''} {describe(failing)}"
+
+
+def _failing_alone(params: Mapping[str, Any], trace: Callable[[dict], Any]) -> str:
+    """The tensors of ``params`` for which ``trace({name: tensor})`` raises, in words (all of them
+    together when none fails alone: the kernel fails on their combination)."""
+    failing = []
+    for name, value in params.items():
+        try:
+            trace({name: value})
+        except Exception:  # noqa: BLE001 - a tensor the kernel cannot handle
+            failing.append(name)
+    return tensors_in_words(_specs_of(params), failing)
 
 
 def _specs_of(params: Mapping[str, Any]) -> dict[str, tuple]:

@@ -135,18 +135,15 @@ class StepLog:
           OSError: it does not; the message names the folder and the cause.
         """
         path = os.path.join(self.folder, PROBE_NAME)
-        with self._probe_lock:
-            self._probe_once(path)
-
-    def _probe_once(self, path: str) -> None:
         try:
-            fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-            try:
-                os.write(fd, _PROBE_BYTES)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.unlink(path)
+            with self._probe_lock:
+                fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+                try:
+                    os.write(fd, _PROBE_BYTES)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.unlink(path)
         except OSError as exc:
             self._degrade(exc)
             raise OSError(exc.errno, f"the step log in {self.folder} cannot be written: "

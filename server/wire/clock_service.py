@@ -32,7 +32,7 @@ from optserve.protos.optserve.v1 import clock_pb2, clock_pb2_grpc
 from optserve.server.domain.clock import LocalClock, Ticket
 from optserve.server.domain.errors import (FailedPrecondition, InvalidArgument, NotFound, OptservError, PeerRefused,
                                            Stale, Timeout, Unavailable)
-from optserve.server.wire.errors import grpc_errors, safe_decoder
+from optserve.server.wire.errors import add_unary_service, grpc_errors
 from optserve.server.wire.security import InternalSecretInterceptor, InternalTrust
 
 _THREADS = 256  # one per vote or sum waiting for its peers
@@ -145,17 +145,9 @@ class _ClockServicer(clock_pb2_grpc.SessionClockServicer):
 
 
 def _add_to_server(servicer: _ClockServicer, server: grpc.Server) -> None:
-    """Serves SessionClock like ``clock_pb2_grpc.add_SessionClockServicer_to_server``, with
-    deserializers that hand undecodable requests to the servicer, which refuses them
-    INVALID_ARGUMENT (:func:`~optserve.server.wire.errors.safe_decoder`; gRPC's own answer is INTERNAL)."""
-    service = clock_pb2.DESCRIPTOR.services_by_name["SessionClock"]
-    handlers = {}
-    for method in service.methods:
-        request, response = (getattr(clock_pb2, t.name) for t in (method.input_type, method.output_type))
-        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, method.name), request_deserializer=safe_decoder(request.FromString),
-            response_serializer=response.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    """Serves SessionClock (undecodable requests refused INVALID_ARGUMENT, see
+    :func:`~optserve.server.wire.errors.add_unary_service`)."""
+    add_unary_service(server, clock_pb2, "SessionClock", servicer)
 
 
 class ClockServer:

@@ -11,7 +11,7 @@ from optserve.protos.optserve.v1 import control_pb2, control_pb2_grpc
 from optserve.server.domain.coordinator import Coordinator
 from optserve.server.wire.convert import (attach_expectation_from_proto, series_to_proto, server_status_to_proto,
                                           session_config_from_proto, session_info_to_proto, status_to_proto)
-from optserve.server.wire.errors import grpc_errors, safe_decoder
+from optserve.server.wire.errors import add_unary_service, grpc_errors
 from optserve.server.wire.security import TokenTable
 
 
@@ -68,12 +68,5 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
 
 def add_to_server(servicer: ControlServicer, server: grpc.Server) -> None:
-    """Serves Control like ``control_pb2_grpc.add_ControlServicer_to_server``, with deserializers
-    that hand undecodable requests to the servicer as INVALID_ARGUMENT (:func:`safe_decoder`)."""
-    handlers = {}
-    for method in control_pb2.DESCRIPTOR.services_by_name["Control"].methods:
-        request, response = (getattr(control_pb2, t.name) for t in (method.input_type, method.output_type))
-        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, method.name), request_deserializer=safe_decoder(request.FromString),
-            response_serializer=response.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("optserve.v1.Control", handlers),))
+    """Serves Control (undecodable requests refused INVALID_ARGUMENT, see :func:`add_unary_service`)."""
+    add_unary_service(server, control_pb2, "Control", servicer)

@@ -67,6 +67,23 @@ def safe_decoder(decode: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     return deserialize
 
 
+def add_unary_service(server, pb2_module, service: str, servicer) -> None:
+    """Serves ``service`` (every method unary, described in ``pb2_module``) by ``servicer``'s
+    methods of the same names, like the generated ``add_<Service>Servicer_to_server`` but with
+    deserializers that hand undecodable requests to the servicer (:func:`safe_decoder`), which
+    refuses them INVALID_ARGUMENT (gRPC's own answer would be INTERNAL)."""
+    import grpc
+
+    descriptor = pb2_module.DESCRIPTOR.services_by_name[service]
+    handlers = {}
+    for method in descriptor.methods:
+        request, response = (getattr(pb2_module, t.name) for t in (method.input_type, method.output_type))
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name), request_deserializer=safe_decoder(request.FromString),
+            response_serializer=response.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
+
+
 def _refuse_malformed(request: Malformed, method: str):
     raise errors.InvalidArgument(f"{method}: the request could not be parsed ({request.reason})")
 
