@@ -109,6 +109,10 @@ def _parser() -> argparse.ArgumentParser:
                               "where the filesystem takes it (auto, the default: no copy on the shard's CPU), "
                               "always so (direct: every logged byte crosses the disk, for fast local disks), or "
                               "through the page cache (buffered: for network volumes)")
+    durable.add_argument("--write-ahead", action="store_true",
+                         help="write each step's log record before its update runs, so a step whose write fails "
+                              "(EIO) is applied nowhere on its shard; costs the write's time on every step (by "
+                              "default the record is written while the update runs)")
     serve.add_argument("--insecure", action="store_true",
                        help="allow a non-loopback --host/--shard-host without TLS and tokens")
     checkpoint = sub.add_parser("checkpoint", help="offline tools for a --checkpoint-dir")
@@ -202,7 +206,8 @@ def serve(args: argparse.Namespace) -> int:
             durability=None if args.checkpoint_dir is None else DurabilityConfig(
                 args.checkpoint_dir, every_steps=args.checkpoint_every_steps, every_s=args.checkpoint_every_s,
                 max_log_bytes=args.max_log_bytes, fsync=FsyncPolicy(args.fsync),
-                fsync_every_steps=args.fsync_every_steps, log_io=LogIO(args.log_io)),
+                fsync_every_steps=args.fsync_every_steps, log_io=LogIO(args.log_io),
+                write_ahead=args.write_ahead),
         )
         from optserve.server.ops.logs import configure_logging
 
@@ -232,7 +237,8 @@ def serve(args: argparse.Namespace) -> int:
               "(they answer DATA_LOSS), and a server restart loses every session (see --checkpoint-dir)", flush=True)
     else:
         print(f"optserve: sessions are durable in {config.durability.checkpoint_dir} (step log fsync: "
-              f"{config.durability.fsync.value}, writes: {config.durability.log_io.value})", flush=True)
+              f"{config.durability.fsync.value}, writes: {config.durability.log_io.value}, order: "
+              f"{'write-ahead' if config.durability.write_ahead else 'overlapped'})", flush=True)
     if running.metrics_address:
         print(f"optserve metrics at http://{running.metrics_address}/metrics", flush=True)
     while not stop.wait(0.5):

@@ -125,3 +125,64 @@ def test_a_write_failing_mid_step_is_not_acknowledged_applies_nothing_more_and_r
         server.kill_group()
         if restarted is not None:
             restarted.kill_group()
+
+
+def test_write_ahead_a_step_whose_write_fails_is_applied_nowhere_on_its_shard_and_once_when_the_disk_works(
+        thin_disk):
+    """``--write-ahead``: the shard whose record failed keeps the state before the step (its
+    version does not move; the shard whose record was written applied it), nothing more is applied
+    while the disk fails, and once it works the shard applies the step (logged first) exactly once
+    before the next one; a restart from that log equals the reference."""
+    mount, backing = thin_disk
+    root = os.path.join(mount, "ckpt")
+    rng = np.random.default_rng(6)
+    params = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in SHAPES.items()}
+    reference = InProcess(OPTIMIZER["name"], OPTIMIZER["args"], params)
+    flags = ("--checkpoint-dir", root, "--checkpoint-every-steps", "1000", "--fsync", "step", "--log-io", "direct")
+    server = ServerProcess(*flags, "--write-ahead").wait_listening()
+    restarted = None
+    try:
+        with Client(server.address, timeout=60.0) as client:
+            session = client.create_session("write-ahead", params, optimizer=OPTIMIZER)
+            for step in range(2):
+                before = reference.step(make_grads(params, step))
+                session.push_pull(make_grads(params, step))
+            holds_w = next(s.index for s in session.status().shards if "w" in s.tensors)
+
+            filler = fill(backing, leave_bytes=64 << 10)  # less than w's record: its write fails
+            with Client(server.address, timeout=4.0) as impatient:
+                with pytest.raises(UnavailableError) as failed:
+                    impatient.session("write-ahead").push_pull(make_grads(params, 2))
+            assert root in str(failed.value) and "applied nowhere" in str(failed.value), failed.value
+            shards = session.status().shards
+            assert shards[holds_w].version == 2 and shards[holds_w].durability.degraded.startswith("disk: ")
+            for shard in shards:  # a shard whose own record was written applied the step; none other did
+                assert shard.version == (2 if shard.durability.degraded else 3), shards
+            assert max_abs_diff({"w": session.pull()["w"]}, {"w": before["w"]}) <= 1e-6  # applied nowhere
+
+            # While the disk fails nothing more is applied; the next step (the clock decided step 3:
+            # a fresh handle builds on it) waits, and once space is back the shard applies step 3,
+            # logged first, and then the next one.
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(lambda: client.session("write-ahead").push_pull(make_grads(params, 3)))
+                time.sleep(3.0)
+                assert not pending.done() and session.status().shards[holds_w].version == 2
+                os.unlink(filler)
+                reference.step(make_grads(params, 2))
+                expected = reference.step(make_grads(params, 3))
+                assert max_abs_diff(pending.result(timeout=60), expected) <= 1e-6  # step 3 applied once
+            status = session.status()
+            assert [s.version for s in status.shards] == [4, 4]
+            assert all(s.durability.degraded == "" for s in status.shards)
+        server.kill_group()
+
+        restarted = ServerProcess(*flags).wait_listening()  # the log holds each step once, the cut record gone
+        with Client(restarted.address, timeout=30.0) as client:
+            session = client.session("write-ahead")
+            assert session.version == 4
+            assert max_abs_diff(session.pull(), expected) <= 1e-6
+            session.detach()
+    finally:
+        server.kill_group()
+        if restarted is not None:
+            restarted.kill_group()

@@ -306,11 +306,14 @@ class Updater:
         self.params = {name: jax.device_put(np.asarray(value), self.device) for name, value in params.items()}
         self.opt_state = jax.tree.map(lambda x: jax.device_put(np.asarray(x), self.device), opt_state)
 
-    def apply(self, grads: Mapping[str, np.ndarray], scale: float, reduce: Callable[[float], float]) -> float:
+    def apply(self, grads: Mapping[str, np.ndarray], scale: float, reduce: Callable[[float], float],
+              before: Optional[Callable[[float], None]] = None) -> float:
         """One update with float32 ``grads`` (name -> array, the shard's tensors), scaled by ``scale``.
 
         ``reduce(partial) -> total``: sums this shard's partial statistic over the session's
         shards (called only when the optimizer has one; a replay passes the logged total back).
+        ``before(total)``: called once the total is known and before anything changes (write-ahead
+        logging); what it raises propagates with the parameters and the state untouched.
         Returns the total used (0.0 without one) once the new parameters exist; ``grads`` may be
         reused by the caller afterwards.
         """
@@ -323,6 +326,8 @@ class Updater:
         global_stat = np.float32(0.0)
         if functions.partial is not None:
             global_stat = np.float32(reduce(float(functions.partial(grads, self.opt_state, self.params))))
+        if before is not None:
+            before(float(global_stat))
         if self.preconditioners is not None:  # installs roots that arrived; waits past the age bound
             self.opt_state = self.preconditioners.before_update(self.opt_state, grads, self.params)
         self.params, self.opt_state = functions.step(self.params, self.opt_state, grads, np.float32(scale), global_stat)

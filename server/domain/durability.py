@@ -85,6 +85,11 @@ class DurabilityConfig:
       fsync: the step log's flush policy (:class:`FsyncPolicy`).
       fsync_every_steps: EVERY_N's N (>= 1).
       log_io: how the step log writes gradients (:class:`LogIO`).
+      write_ahead: a step's log record is written before its update runs, so a step whose write
+        fails (EIO, ...) is applied nowhere on its shard (False, the default: the record is
+        written while the update runs, which hides the write's time; such a step is then applied
+        but not acknowledged, and its retry is answered without applying it again). A full disk
+        refuses a push before it is applied either way: its room is reserved when it is staged.
     """
 
     checkpoint_dir: str
@@ -94,6 +99,7 @@ class DurabilityConfig:
     fsync: FsyncPolicy = FsyncPolicy.CHECKPOINT
     fsync_every_steps: int = 100
     log_io: LogIO = LogIO.AUTO
+    write_ahead: bool = False
 
     def __post_init__(self):
         if not self.checkpoint_dir:
@@ -243,6 +249,16 @@ class SessionStore(Protocol):
 
     def log_recovered(self, version: int) -> None:
         """A checkpoint at ``version`` taken after the failure was committed: the log goes on."""
+
+    write_ahead: bool  # records are written before their steps are applied (DurabilityConfig.write_ahead)
+
+    def append_ahead(self, grads: list, record: StepRecord) -> None:
+        """Write-ahead order: writes the step's whole record and returns once it is written (raises
+        OSError if it could not be: the step must not be applied)."""
+
+    def log_restart(self) -> None:
+        """Write-ahead order, after a failed write: cuts the failed record off and takes records
+        again (raises OSError while the disk still fails)."""
 
     durable_version: int  # the latest committed checkpoint's version (-1: none)
     log_records: int  # records (and their gradient bytes) logged since the latest checkpoint began

@@ -21,6 +21,10 @@ from optserve.server.domain.durability import DurabilityStatus, SessionStore, Sh
 from optserve.server.domain.errors import Unavailable
 
 
+class LogWriteFailed(Unavailable):
+    """Write-ahead order: a step's record could not be written, so the step was not applied."""
+
+
 class ShardDurability:
     """A session's store on one shard, if it is durable.
 
@@ -65,6 +69,26 @@ class ShardDurability:
         except OSError as exc:
             raise Unavailable(f"{what}: {exc}; nothing was applied, retry once the disk takes writes "
                               f"again") from None
+
+    @property
+    def write_ahead(self) -> bool:
+        """Steps are logged before they are applied (see ``DurabilityConfig.write_ahead``)."""
+        return self.store is not None and self.store.write_ahead
+
+    def log_ahead(self, grads: Mapping[str, np.ndarray], order: Iterable[str], record: StepRecord,
+                  what: str) -> None:
+        """Write-ahead order: writes the step's whole record (``grads`` in ``order``, the shard's
+        tensor order) and returns once it is written, before the step is applied.
+
+        Raises:
+          LogWriteFailed: it could not be (naming ``what``, the folder and the cause): the step
+            must not be applied.
+        """
+        try:
+            self.store.append_ahead([grads[name] for name in order], record)
+        except OSError as exc:
+            raise LogWriteFailed(f"{what}: {exc}; retry this push: it is applied once the disk takes "
+                                 f"writes again") from None
 
     def begin_step(self, grads: Mapping[str, np.ndarray], order: Iterable[str]) -> None:
         """The update is about to run with ``grads``: they go to the log meanwhile (in ``order``,
@@ -125,11 +149,18 @@ class ShardDurability:
 
     def recover(self, version: int, checkpoint: Callable[[], Any]) -> bool:
         """After a failed log write: ``checkpoint()`` writes the state at ``version`` (everything
-        applied) and waits for it; once committed, the log goes on from it. Call with the
+        applied) and waits for it; once committed, the log goes on from it. (In write-ahead order
+        the failed record is cut off instead, once the disk takes writes.) Call with the
         session's condition held, between steps. Returns whether the log works again (False:
         the disk still fails; the log stays failed and reservations keep refusing)."""
         store = self.store
         if store is None or not store.log_failed:
+            return True
+        if store.write_ahead:  # the failed record's step was not applied: no checkpoint is needed
+            try:
+                store.log_restart()
+            except OSError:
+                return False
             return True
         if store.durable_version >= version:  # a checkpoint committed since holds every step applied
             store.log_recovered(version)  # (its rotation drained the failed writes: the log is fresh)

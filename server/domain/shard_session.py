@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, NamedTuple, Optional
 
 import numpy as np
 
@@ -48,7 +48,7 @@ from optserve.server.domain.errors import (FailedPrecondition, InvalidArgument, 
                                            Timeout, Unavailable)
 from optserve.server.domain.refusals import Refusals, log_value
 from optserve.server.domain.sequencer import Sequencer, entry
-from optserve.server.domain.shard_durability import ShardDurability, replay, step_tickets
+from optserve.server.domain.shard_durability import LogWriteFailed, ShardDurability, replay, step_tickets
 from optserve.server.domain.shard_records import PushHeader, Receipt, ShardSessionStatus, StepObserver
 from optserve.server.domain.shard_registry import ShardRegistry
 from optserve.server.domain.staging import StagingArea
@@ -65,6 +65,16 @@ _ROUND_POLL_S = 0.02
 _INIT_WAIT_S = 1.0  # longest in-thread wait for a new session's initial values (then UNAVAILABLE: retry)
 _ANSWER_MARGIN_S = 1.0  # a wait bounded by the caller's deadline ends this much earlier, to answer in time
 _UNCHECKED = object()  # ShardSession._step_problem before the step was traced once
+
+
+class _UnloggedStep(NamedTuple):
+    """Write-ahead order: a step whose log record could not be written, so applied nowhere here
+    yet; its tickets are taken, and it is applied (logged first) before any later step."""
+
+    grads: dict
+    ticket: Ticket
+    record: StepRecord
+    release: Optional[Callable[[], None]]
 
 
 class ShardSession:
@@ -118,6 +128,7 @@ class ShardSession:
         self._abandoned: Optional[OptservError] = None  # set by abandon(): every wait raises it
         self._step_problem = _UNCHECKED  # why the optimizer's step cannot run here (None: it can); see _receive
         self._durability = ShardDurability(store)
+        self._unlogged: Optional[_UnloggedStep] = None  # write-ahead: the step whose record failed (guarded by _cond)
         self.last_activity_unix_s = time.time()  # a client's last push, commit, pull or init here (see touch)
 
     def touch(self) -> None:
@@ -316,6 +327,8 @@ class ShardSession:
         or a sync step is half gathered here: the step that closes it recovers, see _update)."""
         with self._cond:
             self._raise_if_abandoned()
+            if self._durability.write_ahead:
+                return self._recover_ahead()
             if not self._durability.log_failed:
                 return True
             if self._sequencer.half_gathered or not self.initialized:
@@ -325,6 +338,35 @@ class ShardSession:
                 _log.warning("event=session_log_recovered session=%s shard=%d version=%d", self.config.name,
                              self.shard_index, self.version)
             return recovered
+
+    def _recover_ahead(self) -> bool:
+        """Write-ahead order (call with ``_cond`` held): once the disk takes writes, cuts the failed
+        record off the log, then logs and applies the step whose record failed (the same gradient
+        and cross-shard statistic: the step it would have been). Returns whether the log works
+        and no step waits for its record."""
+        if not self._durability.recover(self.version, lambda: None):
+            return False
+        unlogged, self._unlogged = self._unlogged, None
+        if unlogged is not None:
+            try:
+                self._update(unlogged.grads, unlogged.ticket, unlogged.record.tickets, unlogged.release,
+                             unlogged.record.scale, unlogged.record.global_stat)
+            except LogWriteFailed:
+                return False
+            self._cond.notify_all()
+        return True
+
+    def _require_logged(self) -> None:
+        """Write-ahead order (call with ``_cond`` held): a step whose record failed is applied
+        before any later one (its turn has come: its tickets were taken), or nothing goes on.
+
+        Raises:
+          Unavailable: the disk still fails (naming the session, shard, folder and cause).
+        """
+        if self._unlogged is not None and not self.recover_log():
+            raise Unavailable(f"session {self.config.name!r} on shard {self.shard_index}: step "
+                              f"{self._unlogged.record.version} waits for its log record ({self._durability.degraded}) "
+                              f"and was applied nowhere here; retry once the disk takes writes again")
 
     def _reserve_log(self, steps: int) -> None:
         """Durable sessions: room on the disk for ``steps`` step records of this shard (raises
@@ -380,6 +422,9 @@ class ShardSession:
                     raise sequencer.gap_timeout()
             while self.version < ticket.target_version:
                 self._raise_if_abandoned()
+                self._require_logged()  # write-ahead: this step's record may have failed
+                if self.version >= ticket.target_version:
+                    break
                 if self._elastic:  # the round may commit without a push: ask the clock for its next ticket
                     pending = sequencer.next_ready(self._awaits_resend)
                     if pending is not None:
@@ -418,6 +463,11 @@ class ShardSession:
         """Applies the ticket whose turn it is (call with ``_cond`` held): async, its push runs the
         update; sync, it joins the open step, and the push that closes the step runs the update
         with the step's mean."""
+        try:
+            self._require_logged()
+        except Unavailable:
+            self._sequencer.arrive(ticket)  # still its turn: applied by a retry once the log works
+            raise
         if not self._sequencer.sync or ticket.closes_step:  # its step is logged: room first (reserved when
             # staged; a checkpoint since may have started a fresh log segment)
             try:
@@ -453,22 +503,46 @@ class ShardSession:
         self._update(grads, ticket, (entry(ticket),), release=lambda: self._staging.release(grads))
 
     def _update(self, grads: dict[str, np.ndarray], ticket: Ticket, tickets: tuple,
-                release: Optional[Callable[[], None]] = None, scale: Optional[float] = None) -> None:
+                release: Optional[Callable[[], None]] = None, scale: Optional[float] = None,
+                global_stat: Optional[float] = None) -> None:
         """Applies one step scaled by ``scale`` (None: the ticket's), then ``release()`` (the
-        gradient buffers may be reused). A durable session also logs the step (in the background:
-        its answers wait for it, see :class:`Receipt`) and checkpoints after it when the ticket says so."""
+        gradient buffers may be reused). A durable session also logs the step: in the background
+        while the update runs (its answers wait for it, see :class:`Receipt`), or, in write-ahead
+        order, before the update; and checkpoints after it when the ticket says so.
+        ``global_stat``: the cross-shard statistic found already (a step whose record failed)."""
         scale = ticket.scale if scale is None else scale
         start = time.perf_counter()
-        self._durability.begin_step(grads, self.specs)  # the gradient goes to the log while the update runs
+        ahead = self._durability.write_ahead
+        if not ahead:
+            self._durability.begin_step(grads, self.specs)  # the gradient goes to the log while the update runs
+        records: list[StepRecord] = []
+
+        def log_ahead(stat: float) -> None:
+            records.append(StepRecord(ticket.target_version, tickets, scale, stat))
+            self._durability.log_ahead(grads, self.specs, records[0],
+                                       f"session {self.config.name!r} on shard {self.shard_index}")
+
+        if global_stat is None:
+            reduce = lambda partial: self._clock.reduce_sum(ticket.target_version, self.shard_index, partial)  # noqa: E731
+        else:
+            reduce = lambda _partial: global_stat  # noqa: E731
         try:
-            global_stat = self.updater.apply(grads, scale, lambda partial: self._clock.reduce_sum(
-                ticket.target_version, self.shard_index, partial))
+            global_stat = self.updater.apply(grads, scale, reduce, before=log_ahead if ahead else None)
+        except LogWriteFailed:  # applied nowhere here: the step waits for the log (see _require_logged)
+            self._unlogged = _UnloggedStep(grads, ticket, records[0], release)
+            self._cond.notify_all()
+            raise
         except BaseException as exc:
-            self._durability.abort_step()
+            if not ahead:
+                self._durability.abort_step()
             if isinstance(exc, OptservError) or not isinstance(exc, Exception):  # e.g. the cross-shard sum's Timeout
                 raise
             raise self._step_failed(ticket, exc) from None  # the kernel's own failure
-        self._durability.end_step(StepRecord(ticket.target_version, tickets, scale, global_stat), release)
+        if ahead:
+            if release is not None:
+                release()
+        else:
+            self._durability.end_step(StepRecord(ticket.target_version, tickets, scale, global_stat), release)
         self.version = ticket.target_version
         self.observer.applied(time.perf_counter() - start)
         if self._durability.log_failed:  # a step boundary: its waiters find the log recovered, or not
@@ -522,6 +596,8 @@ class ShardSession:
                     or self._durability.has_checkpoint_of(self.version)):
                 return False
             if self._sequencer.half_gathered:  # mid sync step: its log position is not a step boundary
+                return False
+            if self._unlogged is not None:  # its tickets count as applied: the state is one step behind
                 return False
             return self._checkpoint(wait=True)
 

@@ -121,6 +121,7 @@ class Segments:
         self.direct = direct
         self.direct_bytes = 0  # payload bytes written with direct I/O (this object's segments)
         self._crc = 0  # CRC-32C of the record begun last, so far
+        self._record_at = 0  # the file offset where the record begun last starts
         self._reservable = True  # the filesystem reserves blocks (see reserve)
         self._direct_fd = -1
         self._open(start)
@@ -184,6 +185,7 @@ class Segments:
         for view in views:
             crc = crc32c_extend(crc, view)
         self._crc = crc
+        self._record_at = os.fstat(self._fd).st_size if self._offset is None else self._offset
         if not self.direct:
             self.write([PREFIX.pack(REC_START, total), *views])
             return
@@ -201,6 +203,17 @@ class Segments:
         length = U32.pack(len(header))
         crc = crc32c_extend(crc32c_extend(self._crc, length), header)
         self.write([length, header, U32.pack(crc), REC_END])
+
+    def cut_record(self) -> None:
+        """Cuts the record begun last off the segment (its write failed part way): the segment
+        ends with the record before it again, and the next record is written where it began.
+
+        Raises:
+          OSError: the file could not be truncated (the disk still fails).
+        """
+        os.ftruncate(self._fd, self._record_at)
+        if self._offset is not None:
+            self._offset = self._record_at
 
     def _write_direct(self, view: memoryview) -> int:
         """Writes block-aligned ``view`` at the segment's end with direct I/O; returns the bytes

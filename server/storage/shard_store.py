@@ -56,6 +56,7 @@ class ShardStore:
         self.folder = os.path.join(session_dir(root, session), f"shard-{shard_index}")
         os.makedirs(self.folder, exist_ok=True)
         self._session, self._shard = session, shard_index
+        self.write_ahead = bool(config.write_ahead)
         self._log = StepLog(self.folder, session, shard_index, config, home)
         self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="optserve-ckpt")
         self._snapshots = Snapshots()
@@ -183,6 +184,14 @@ class ShardStore:
     def abort_step(self) -> None:
         """See :meth:`StepLog.abort_step`."""
         self._log.abort_step()
+
+    def append_ahead(self, grads: list, record) -> None:
+        """See :meth:`StepLog.append_ahead` (write-ahead order: raises OSError, nothing to apply)."""
+        self._log.append_ahead(grads, record)
+
+    def log_restart(self) -> None:
+        """See :meth:`StepLog.restart` (write-ahead order; raises OSError while the disk fails)."""
+        self._log.restart()
 
     def wait_logged(self, version: int) -> None:
         """See :meth:`StepLog.wait_logged` (what acknowledging step ``version`` waits for)."""

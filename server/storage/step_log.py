@@ -5,10 +5,15 @@ after it (:meth:`StepLog.end_step`), so the log costs the step no wait; the answ
 acknowledges the step waits for its record (:meth:`StepLog.wait_logged`). A failed write fails
 that wait and every later one: nothing unlogged is acknowledged.
 
+With write-ahead order (``DurabilityConfig.write_ahead``) a step's whole record is written
+first and the update runs after it (:meth:`StepLog.append_ahead`): a step whose record failed is
+applied nowhere.
+
 After a failed write the log is *failed*: each reservation first probes the disk (a small write
-and fsync in the folder) and refuses while that fails, so no further step is applied; once the
-disk takes writes again the session writes a checkpoint of everything it applied (the steps whose
-records were lost included) and :meth:`StepLog.recovered` starts the log afresh.
+and fsync in the folder) and refuses while that fails, so no further step is applied. Once the
+disk takes writes again: in the overlapped order the session writes a checkpoint of everything it
+applied (the steps whose records were lost included) and :meth:`StepLog.recovered` starts the log
+afresh; in write-ahead order :meth:`StepLog.restart` cuts the failed record off and the log goes on.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class StepLog:
         self._error: Optional[BaseException] = None
         self.records = 0  # step records since the last checkpoint
         self.bytes = 0  # their gradient bytes
+        self._begun_bytes = 0  # the gradient bytes of the record begun last
         self.degraded = ""  # why the log cannot take a step now ("": it can), see reserve
         self._probe_lock = threading.Lock()  # concurrent pushes probe the disk one after another
 
@@ -171,7 +177,8 @@ class StepLog:
         """Starts appending the next step's gradient (arrays in tensor order, read but not
         changed by the update); :meth:`end_step` or :meth:`abort_step` must follow, in order."""
         self.records += 1
-        self.bytes += sum(g.nbytes for g in grads)
+        self._begun_bytes = sum(g.nbytes for g in grads)
+        self.bytes += self._begun_bytes
         self._thread.submit(self._append_payload, grads)
 
     def end_step(self, record, release: Optional[Callable[[], None]] = None) -> None:
@@ -228,12 +235,53 @@ class StepLog:
         Raises:
           OSError: the log could not be written (disk full, ...): the step cannot be acknowledged.
         """
+        self._wait(version, f"step {version} is applied on shard {self._shard} but not durable")
+
+    def append_ahead(self, grads: list, record) -> None:
+        """Write-ahead order: appends a step's whole record (its gradient ``grads``, in tensor
+        order, and ``record``, flushed per the fsync policy) and returns once it is written, before
+        the step is applied.
+
+        Raises:
+          OSError: the record could not be written (naming the folder and the cause): the step
+            must not be applied; once the disk takes writes again, :meth:`restart` cuts it off.
+        """
+        self.begin_step(grads)
+        self.end_step(record)
+        self._wait(record.version, f"step {record.version} is applied nowhere on shard {self._shard}")
+
+    def _wait(self, version: int, consequence: str) -> None:
         with self._logged:
             self._logged.wait_for(lambda: self._logged_version >= version or self._error is not None)
             if self._logged_version < version:
                 cause = getattr(self._error, "strerror", None) or self._error
-                raise OSError(f"the step log in {self.folder} could not be written ({cause}); step {version} "
-                              f"is applied on shard {self._shard} but not durable")
+                raise OSError(f"the step log in {self.folder} could not be written ({cause}); {consequence}")
+
+    def restart(self) -> None:
+        """Write-ahead order, after a failed write: once the disk takes a write again (see
+        :meth:`probe`), cuts the failed record off its segment and takes records again. No
+        checkpoint is needed: the step whose record failed was not applied.
+
+        Raises:
+          OSError: the disk still fails (the log stays failed).
+        """
+        self._thread.submit(lambda: None).result()  # the failed record's queued writes are done
+        if self._error is None:
+            return
+        self.probe()
+        try:
+            self._steps.cut_record()
+        except OSError as exc:
+            self._degrade(exc)
+            raise OSError(exc.errno, f"the step log in {self.folder} cannot be written: "
+                                     f"{exc.strerror or exc}") from None
+        self.records -= 1
+        self.bytes -= self._begun_bytes
+        with self._logged:
+            self._error = None
+            self.degraded = ""
+        log.warning("event=step_log_recovered session=%s shard=%d folder=%s version=%d", self._session,
+                    self._shard, self.folder, self._logged_version)
 
     def rotate(self, clock_state_fn: Optional[Callable]) -> tuple[int, int, list, object]:
         """Starts fresh segments for the steps after a checkpoint, once every queued record is
