@@ -17,6 +17,11 @@ each step, outside its timing): "log on" steps saw no checkpoint being written, 
 ``--dir`` puts the checkpoints and logs elsewhere (e.g. ``/dev/shm`` to take the disk out and see
 the CPU cost alone).
 
+Write order: durability off against the step log alone (no checkpoint ever), its record written
+while the update runs (the default) and before it (``write_ahead``), and the disk's own time to
+write one step's gradient with direct I/O in the same folder: a logged step cannot take less than
+that, whatever the order (``--order`` runs only this table).
+
 Recovery: a durable server, a session trained a few steps (a checkpoint, then log records), the
 shard holding the session's clock SIGKILLed; the time from the kill until the same client's next
 ``push_pull`` returns (Ray restarts the actor, which restores the checkpoint and replays the log).
@@ -89,6 +94,58 @@ def recovery(small: bool, shards: int, checkpoint_dir: str) -> list:
              "restart + restore checkpoint + replay 2 logged steps + the step"]]
 
 
+def disk_write_seconds(folder: str, nbytes: int, repeats: int = 3) -> float:
+    """Median seconds to write ``nbytes`` into a fresh file in ``folder`` with direct I/O (through
+    the page cache where the filesystem refuses it) and fsync it: the disk's floor under a step
+    whose log record is that big."""
+    import mmap
+    import statistics
+
+    block = 4 << 20
+    buffer = mmap.mmap(-1, block)  # page aligned, as O_DIRECT needs
+    buffer.write(np.random.default_rng(0).bytes(block))
+    path = os.path.join(folder, "disk-probe")
+    samples = []
+    for _ in range(repeats):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
+        except OSError:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            started = time.perf_counter()
+            for _ in range(-(-nbytes // block)):
+                os.write(fd, buffer)
+            os.fsync(fd)
+            samples.append(time.perf_counter() - started)
+        finally:
+            os.close(fd)
+            os.unlink(path)
+    return statistics.median(samples)
+
+
+def write_orders(folder: str, small: bool, shards: int, repeats: int) -> str:
+    """The step with durability off, the log alone written while the update runs and before it
+    (write-ahead), and the disk's time to write one step's gradient: printed tables."""
+    from optserve.server.domain.durability import DurabilityConfig
+
+    def log_alone(name: str, **kwargs) -> DurabilityConfig:
+        return DurabilityConfig(os.path.join(folder, name), every_steps=NEVER, every_s=1e9, max_log_bytes=NEVER,
+                                **kwargs)
+
+    table = compare(f"bench.durability, write order (the log alone, no checkpoint; in {folder})", {
+        "durability off": ({}, {}),
+        "log, written while the update runs (default)": ({"durability": log_alone("overlapped")}, {}),
+        "log, written before the update (--write-ahead)": ({"durability": log_alone("ahead", write_ahead=True)}, {}),
+    }, small=small, shards=shards, repeats=repeats, warmup=3)
+    matrices, dim = (4, 512) if small else (6, 4096)
+    nbytes = matrices * dim * dim * 4
+    os.makedirs(folder, exist_ok=True)
+    seconds = disk_write_seconds(folder, nbytes)
+    return table + print_table("bench.durability: the disk", ["what", "ms", "GB/s", "note"], [
+        [f"direct write + fsync of one step's gradient ({nbytes / 1e6:.0f} MB)", seconds * 1e3, nbytes / seconds / 1e9,
+         "median of 3; the least a logged step can take (the log moves this much per step)"]])
+
+
 def _checkpoint_probe(session) -> tuple:
     """(checkpoints committed per shard, whether any shard is writing one now)."""
     durability = [shard.durability for shard in session.status().shards]
@@ -101,6 +158,8 @@ def main(argv=None) -> str:
                                                          "folder)")
         parser.add_argument("--log-io", choices=["auto", "buffered", "direct"], default=None,
                             help="run only this kind of log writes (default: each, one after the other)")
+        parser.add_argument("--order", action="store_true",
+                            help="run only the write-order table (the log alone, overlapped and write-ahead)")
         parser.set_defaults(repeats=16)  # enough rounds for both kinds of durable steps
 
     args = parse_arguments(__doc__.splitlines()[0], argv, extra=extra)
@@ -108,6 +167,8 @@ def main(argv=None) -> str:
 
     root = tempfile.mkdtemp(prefix="optserve-bench-durability-", dir=args.dir)
     try:
+        if args.order:
+            return write_orders(os.path.join(root, "order"), args.small, args.shards, args.repeats)
         split = Split(_checkpoint_probe, "log on", "a checkpoint being written")
         table = ""
         # two runs of three servers, not one of five: five 100M-parameter servers crowd 2 cores
@@ -121,6 +182,8 @@ def main(argv=None) -> str:
                 "durability off": ({}, {}), **{name: ({"durability": config}, {}) for name, config in durable.items()},
             }, small=args.small, shards=args.shards, repeats=args.repeats, warmup=3,
                 splits={name: split for name in durable})
+        if not args.log_io:
+            table += write_orders(os.path.join(root, "order"), args.small, args.shards, args.repeats)
         rows = recovery(args.small, args.shards, os.path.join(root, "recovery"))
         return table + print_table("bench.durability: checkpoint and recovery", ["what", "ms", "", "note"], rows)
     finally:

@@ -19,6 +19,7 @@ first line naming its format.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import ctypes.util
 import errno
@@ -55,6 +56,25 @@ def pad(offset: int) -> int:
 
 def _address(view: memoryview) -> int:
     return np.frombuffer(view, np.uint8).ctypes.data if view.nbytes else 0
+
+
+_checksummer: "concurrent.futures.ThreadPoolExecutor | None" = None
+
+
+def _checksum_async(first: bytes, views: list) -> concurrent.futures.Future:
+    """The CRC-32C of ``first`` and then ``views``, computed on a thread of its own (the checksum
+    releases the GIL): a payload's checksum runs while its bytes are being written."""
+    global _checksummer
+    if _checksummer is None:
+        _checksummer = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="optserve-crc")
+
+    def checksum() -> int:
+        crc = crc32c_extend(0, first)
+        for view in views:
+            crc = crc32c_extend(crc, view)
+        return crc
+
+    return _checksummer.submit(checksum)
 
 
 def segment_indices(folder: str, kind: str, start: int) -> list[int]:
@@ -181,10 +201,13 @@ class Segments:
         """Appends a step record's start: its prefix and the gradient ``arrays`` (C order)."""
         views = [memoryview(np.ascontiguousarray(a).reshape(-1)).cast("B") for a in arrays]
         total = sum(view.nbytes for view in views)
-        crc = crc32c_extend(0, PREFIX.pack(REC_START, total)[len(REC_START):])
-        for view in views:
-            crc = crc32c_extend(crc, view)
-        self._crc = crc
+        checksum = _checksum_async(PREFIX.pack(REC_START, total)[len(REC_START):], views)
+        try:
+            self._write_payload(views, total)
+        finally:
+            self._crc = checksum.result()
+
+    def _write_payload(self, views: list, total: int) -> None:
         self._record_at = os.fstat(self._fd).st_size if self._offset is None else self._offset
         if not self.direct:
             self.write([PREFIX.pack(REC_START, total), *views])
