@@ -130,9 +130,10 @@ def test_a_write_failing_mid_step_is_not_acknowledged_applies_nothing_more_and_r
 def test_write_ahead_a_step_whose_write_fails_is_applied_nowhere_on_its_shard_and_once_when_the_disk_works(
         thin_disk):
     """``--write-ahead``: the shard whose record failed keeps the state before the step (its
-    version does not move; the shard whose record was written applied it), nothing more is applied
+    version does not move; a shard whose record was written applied it), nothing more is applied
     while the disk fails, and once it works the shard applies the step (logged first) exactly once
-    before the next one; a restart from that log equals the reference."""
+    before the next one, with the gradient it was pushed with (not what the client wrote into its
+    shared-memory buffers since); a restart from that log equals the reference."""
     mount, backing = thin_disk
     root = os.path.join(mount, "ckpt")
     rng = np.random.default_rng(6)
@@ -142,44 +143,61 @@ def test_write_ahead_a_step_whose_write_fails_is_applied_nowhere_on_its_shard_an
     server = ServerProcess(*flags, "--write-ahead").wait_listening()
     restarted = None
     try:
-        with Client(server.address, timeout=60.0) as client:
+        with Client(server.address, timeout=60.0) as client, Client(server.address, timeout=4.0) as impatient:
             session = client.create_session("write-ahead", params, optimizer=OPTIMIZER)
             for step in range(2):
                 before = reference.step(make_grads(params, step))
                 session.push_pull(make_grads(params, step))
             holds_w = next(s.index for s in session.status().shards if "w" in s.tensors)
 
-            filler = fill(backing, leave_bytes=64 << 10)  # less than w's record: its write fails
-            with Client(server.address, timeout=4.0) as impatient:
-                with pytest.raises(UnavailableError) as failed:
-                    impatient.session("write-ahead").push_pull(make_grads(params, 2))
-            assert root in str(failed.value) and "applied nowhere" in str(failed.value), failed.value
+            # A full backing tmpfs fails a write to blocks it does not hold yet; blocks the disk
+            # held before (a file written and deleted earlier) still take one, so a step may go
+            # through: it is applied and acknowledged, and the next one is tried.
+            handle = impatient.session("write-ahead")
+            step = 2
+            for _ in range(8):
+                filler = fill(backing, leave_bytes=0)
+                try:
+                    got = handle.push_pull(make_grads(params, step))  # through the client's shared-memory region
+                except UnavailableError as exc:
+                    failed = exc
+                    break
+                before = reference.step(make_grads(params, step))
+                assert max_abs_diff(got, before) <= 1e-6
+                os.unlink(filler)
+                step += 1
+            else:
+                pytest.fail("the thin disk took every write")
+            assert root in str(failed) and "applied nowhere" in str(failed), failed
+            assert set(handle.data_paths().values()) == {"shared_memory"}
+            for buffer in handle.gradient_buffers().values():  # the client moves on: its next gradient
+                buffer[...] = 1e6  # goes into the region the failed push was read from
             shards = session.status().shards
-            assert shards[holds_w].version == 2 and shards[holds_w].durability.degraded.startswith("disk: ")
+            assert shards[holds_w].version == step and shards[holds_w].durability.degraded.startswith("disk: ")
             for shard in shards:  # a shard whose own record was written applied the step; none other did
-                assert shard.version == (2 if shard.durability.degraded else 3), shards
+                assert shard.version == (step if shard.durability.degraded else step + 1), shards
             assert max_abs_diff({"w": session.pull()["w"]}, {"w": before["w"]}) <= 1e-6  # applied nowhere
 
-            # While the disk fails nothing more is applied; the next step (the clock decided step 3:
-            # a fresh handle builds on it) waits, and once space is back the shard applies step 3,
-            # logged first, and then the next one.
+            # While the disk fails nothing more is applied; the next step (the clock decided the
+            # failed one: a fresh handle builds on it) waits, and once space is back the shard
+            # applies the failed step, logged first, and then the next one.
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                pending = pool.submit(lambda: client.session("write-ahead").push_pull(make_grads(params, 3)))
+                pending = pool.submit(lambda: client.session("write-ahead").push_pull(make_grads(params, step + 1)))
                 time.sleep(3.0)
-                assert not pending.done() and session.status().shards[holds_w].version == 2
+                assert not pending.done() and session.status().shards[holds_w].version == step
                 os.unlink(filler)
-                reference.step(make_grads(params, 2))
-                expected = reference.step(make_grads(params, 3))
-                assert max_abs_diff(pending.result(timeout=60), expected) <= 1e-6  # step 3 applied once
+                reference.step(make_grads(params, step))
+                expected = reference.step(make_grads(params, step + 1))
+                assert max_abs_diff(pending.result(timeout=60), expected) <= 1e-6  # the failed step applied once
             status = session.status()
-            assert [s.version for s in status.shards] == [4, 4]
+            assert [s.version for s in status.shards] == [step + 2, step + 2]
             assert all(s.durability.degraded == "" for s in status.shards)
         server.kill_group()
 
         restarted = ServerProcess(*flags).wait_listening()  # the log holds each step once, the cut record gone
         with Client(restarted.address, timeout=30.0) as client:
             session = client.session("write-ahead")
-            assert session.version == 4
+            assert session.version == step + 2
             assert max_abs_diff(session.pull(), expected) <= 1e-6
             session.detach()
     finally:

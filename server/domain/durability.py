@@ -251,6 +251,7 @@ class SessionStore(Protocol):
         """A checkpoint at ``version`` taken after the failure was committed: the log goes on."""
 
     write_ahead: bool  # records are written before their steps are applied (DurabilityConfig.write_ahead)
+    syncs_each_record: bool  # every record is flushed before its step is acknowledged (fsync policy)
 
     def append_ahead(self, grads: list, record: StepRecord) -> None:
         """Write-ahead order: writes the step's whole record and returns once it is written (raises

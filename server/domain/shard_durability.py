@@ -71,6 +71,11 @@ class ShardDurability:
                               f"again") from None
 
     @property
+    def syncs_each_record(self) -> bool:
+        """Every step record is flushed before its step is acknowledged (``--fsync step``)."""
+        return self.store is not None and self.store.syncs_each_record
+
+    @property
     def write_ahead(self) -> bool:
         """Steps are logged before they are applied (see ``DurabilityConfig.write_ahead``)."""
         return self.store is not None and self.store.write_ahead
@@ -156,7 +161,7 @@ class ShardDurability:
         store = self.store
         if store is None or not store.log_failed:
             return True
-        if store.write_ahead:  # the failed record's step was not applied: no checkpoint is needed
+        if store.write_ahead:  # the failed record's step was not applied: cut it off (the session re-applies it)
             try:
                 store.log_restart()
             except OSError:

@@ -347,13 +347,28 @@ class ShardSession:
         if not self._durability.recover(self.version, lambda: None):
             return False
         unlogged, self._unlogged = self._unlogged, None
-        if unlogged is not None:
+        if unlogged is None:
+            return True
+        what = f"session {self.config.name!r} on shard {self.shard_index}"
+        try:
+            self._durability.reserve(what, self._staging.push_bytes, len(self.specs))  # the cut gave the room back
+            self._update(unlogged.grads, unlogged.ticket, unlogged.record.tickets, unlogged.release,
+                         unlogged.record.scale, unlogged.record.global_stat)
+        except Unavailable:  # the disk failed again (a failed record waits once more)
+            if self._unlogged is None:
+                self._unlogged = unlogged
+            return False
+        self._cond.notify_all()
+        if not self._durability.syncs_each_record:
+            # the failure may have been an fsync's, which also loses records written (not yet
+            # synced) before the failed one: a checkpoint holds every step applied
             try:
-                self._update(unlogged.grads, unlogged.ticket, unlogged.record.tickets, unlogged.release,
-                             unlogged.record.scale, unlogged.record.global_stat)
-            except LogWriteFailed:
-                return False
-            self._cond.notify_all()
+                self._checkpoint(wait=True)
+            except OSError as exc:
+                _log.warning("event=checkpoint_after_log_recovery_failed session=%s shard=%d version=%d error=%s",
+                             log_value(self.config.name), self.shard_index, self.version, log_value(str(exc)))
+        _log.warning("event=session_log_recovered session=%s shard=%d version=%d order=write-ahead",
+                     log_value(self.config.name), self.shard_index, self.version)
         return True
 
     def _require_logged(self) -> None:
@@ -529,7 +544,12 @@ class ShardSession:
         try:
             global_stat = self.updater.apply(grads, scale, reduce, before=log_ahead if ahead else None)
         except LogWriteFailed:  # applied nowhere here: the step waits for the log (see _require_logged)
-            self._unlogged = _UnloggedStep(grads, ticket, records[0], release)
+            # with a copy of its own: the push's buffers (the staging pool, or the client's shared-memory
+            # region, which the client writes its next gradient into) are given back once it is answered
+            owned = {name: np.array(grad, copy=True) for name, grad in grads.items()}
+            if release is not None:
+                release()
+            self._unlogged = _UnloggedStep(owned, ticket, records[0], None)
             self._cond.notify_all()
             raise
         except BaseException as exc:

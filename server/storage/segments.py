@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import struct
+import threading
 
 import numpy as np
 
@@ -59,14 +60,16 @@ def _address(view: memoryview) -> int:
 
 
 _checksummer: "concurrent.futures.ThreadPoolExecutor | None" = None
+_checksummer_lock = threading.Lock()
 
 
 def _checksum_async(first: bytes, views: list) -> concurrent.futures.Future:
     """The CRC-32C of ``first`` and then ``views``, computed on a thread of its own (the checksum
     releases the GIL): a payload's checksum runs while its bytes are being written."""
     global _checksummer
-    if _checksummer is None:
-        _checksummer = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="optserve-crc")
+    with _checksummer_lock:
+        if _checksummer is None:
+            _checksummer = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="optserve-crc")
 
     def checksum() -> int:
         crc = crc32c_extend(0, first)
@@ -162,6 +165,7 @@ class Segments:
                 self._direct_fd = -1
         if os.fstat(self._fd).st_size == 0:
             self.write([_format_header(self.kind)])
+        self._record_at = os.fstat(self._fd).st_size if self._offset is None else self._offset
 
     def reserve(self, nbytes: int) -> None:
         """Makes sure the next ``nbytes`` bytes appended to the current segment (and what may be
@@ -199,6 +203,7 @@ class Segments:
 
     def write_payload(self, arrays: list) -> None:
         """Appends a step record's start: its prefix and the gradient ``arrays`` (C order)."""
+        self._record_at = os.fstat(self._fd).st_size if self._offset is None else self._offset
         views = [memoryview(np.ascontiguousarray(a).reshape(-1)).cast("B") for a in arrays]
         total = sum(view.nbytes for view in views)
         checksum = _checksum_async(PREFIX.pack(REC_START, total)[len(REC_START):], views)
@@ -208,7 +213,6 @@ class Segments:
             self._crc = checksum.result()
 
     def _write_payload(self, views: list, total: int) -> None:
-        self._record_at = os.fstat(self._fd).st_size if self._offset is None else self._offset
         if not self.direct:
             self.write([PREFIX.pack(REC_START, total), *views])
             return

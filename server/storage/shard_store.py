@@ -57,6 +57,7 @@ class ShardStore:
         os.makedirs(self.folder, exist_ok=True)
         self._session, self._shard = session, shard_index
         self.write_ahead = bool(config.write_ahead)
+        self.syncs_each_record = config.fsync_due(1)
         self._log = StepLog(self.folder, session, shard_index, config, home)
         self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="optserve-ckpt")
         self._snapshots = Snapshots()

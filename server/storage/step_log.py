@@ -259,8 +259,8 @@ class StepLog:
 
     def restart(self) -> None:
         """Write-ahead order, after a failed write: once the disk takes a write again (see
-        :meth:`probe`), cuts the failed record off its segment and takes records again. No
-        checkpoint is needed: the step whose record failed was not applied.
+        :meth:`probe`), cuts the failed record off its segment and takes records again (the
+        step whose record failed was not applied; the session applies it, logged, next).
 
         Raises:
           OSError: the disk still fails (the log stays failed).
