@@ -138,13 +138,17 @@ def test_overlapped_steps_write_the_next_gradient_into_the_other_buffer_of_a_dou
     stepper, twin_stepper = DelayedStepper(session), DelayedStepper(twin)
     try:
         used = []
+        buffers = session.gradient_buffers()
         for step in range(6):
-            buffers = session.gradient_buffers()
             used.append(buffers["dense/w"].__array_interface__["data"][0])
             grads = make_grads(params, step)
             for name, buffer in buffers.items():
                 buffer[...] = grads[name]
-            got, expected = stepper.step(buffers), twin_stepper.step(grads)
+            got = stepper.step(buffers)
+            # at once, while the step just sent is surely in flight (waiting for the twin's first
+            # would let it finish, and a call with no step in flight returns the first set again)
+            buffers = session.gradient_buffers()
+            expected = twin_stepper.step(grads)
             if step:
                 assert all(np.array_equal(got[n], expected[n]) for n in params), step
         got, expected = stepper.wait(), twin_stepper.wait()
