@@ -7,6 +7,7 @@ Every case checks that nothing was left behind: no session listed, the budget wh
 
 from __future__ import annotations
 
+import gc
 import time
 
 import grpc
@@ -261,12 +262,20 @@ def test_a_session_of_40000_tensors_is_validated_and_placed_in_near_linear_time(
     from optserve.server.domain.config import DType, Limits, SessionConfig, TensorSpec
     from optserve.server.domain.placement import place_tensors
 
-    def build(n):
+    def once(n):
         started = time.perf_counter()
         tensors = tuple(TensorSpec(f"layer{i}/w", DType.FLOAT32, (3,)) for i in range(n))
         config = SessionConfig(f"wide-{n}", tensors, "sgd", {"learning_rate": 0.1})
         place_tensors(config.tensors, 2)
         return time.perf_counter() - started
+
+    def build(n):  # the least of three, with the collector off: a full collection of the test
+        gc.collect()  # process's heap (or a busy neighbour) is not what this measures
+        gc.disable()
+        try:
+            return min(once(n) for _ in range(3))
+        finally:
+            gc.enable()
 
     build(1000)  # warm
     small, large = build(10_000), build(40_000)
