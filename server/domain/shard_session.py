@@ -71,10 +71,9 @@ class _UnloggedStep(NamedTuple):
     """Write-ahead order: a step whose log record could not be written, so applied nowhere here
     yet; its tickets are taken, and it is applied (logged first) before any later step."""
 
-    grads: dict
+    grads: dict  # the shard's own copy (the push's buffers went back when it was answered)
     ticket: Ticket
     record: StepRecord
-    release: Optional[Callable[[], None]]
 
 
 class ShardSession:
@@ -130,6 +129,11 @@ class ShardSession:
         self._durability = ShardDurability(store)
         self._unlogged: Optional[_UnloggedStep] = None  # write-ahead: the step whose record failed (guarded by _cond)
         self.last_activity_unix_s = time.time()  # a client's last push, commit, pull or init here (see touch)
+
+    @property
+    def _where(self) -> str:
+        """"session 'name' on shard i", as messages name this session's part here."""
+        return f"session {self.config.name!r} on shard {self.shard_index}"
 
     def touch(self) -> None:
         """A client used the session on this shard now (its idle lease starts again)."""
@@ -311,14 +315,13 @@ class ShardSession:
                                      log_value(self.config.name), self.shard_index, log_value(self._step_problem))
         if self._step_problem is not None:
             self._refusals.refuse(RejectReason.INVALID, client_id, sequence, cause="kernel")
-            raise InvalidArgument(f"session {self.config.name!r} on shard {self.shard_index}: {self._step_problem}; "
+            raise InvalidArgument(f"{self._where}: {self._step_problem}; "
                                   f"the push was applied nowhere and the version did not change (every push of "
                                   f"this session is refused so: its tensors and optimizer do not go together)")
 
     def _log_waiter(self, version: int) -> Callable[[], None]:
         """What acknowledging step ``version`` waits for: its log record (see ShardDurability.waiter)."""
-        return self._durability.waiter(version, self.recover_log,
-                                       f"session {self.config.name!r} on shard {self.shard_index}")
+        return self._durability.waiter(version, self.recover_log, self._where)
 
     def recover_log(self) -> bool:
         """A durable session whose step log failed: once the disk takes writes again, writes a
@@ -349,11 +352,10 @@ class ShardSession:
         unlogged, self._unlogged = self._unlogged, None
         if unlogged is None:
             return True
-        what = f"session {self.config.name!r} on shard {self.shard_index}"
         try:
-            self._durability.reserve(what, self._staging.push_bytes, len(self.specs))  # the cut gave the room back
-            self._update(unlogged.grads, unlogged.ticket, unlogged.record.tickets, unlogged.release,
-                         unlogged.record.scale, unlogged.record.global_stat)
+            self._durability.reserve(self._where, self._staging.push_bytes, len(self.specs))  # the cut gave room back
+            self._update(unlogged.grads, unlogged.ticket, unlogged.record.tickets, None, unlogged.record.scale,
+                         unlogged.record.global_stat)
         except Unavailable:  # the disk failed again (a failed record waits once more)
             if self._unlogged is None:
                 self._unlogged = unlogged
@@ -379,7 +381,7 @@ class ShardSession:
           Unavailable: the disk still fails (naming the session, shard, folder and cause).
         """
         if self._unlogged is not None and not self.recover_log():
-            raise Unavailable(f"session {self.config.name!r} on shard {self.shard_index}: step "
+            raise Unavailable(f"{self._where}: step "
                               f"{self._unlogged.record.version} waits for its log record ({self._durability.degraded}) "
                               f"and was applied nowhere here; retry once the disk takes writes again")
 
@@ -387,7 +389,7 @@ class ShardSession:
         """Durable sessions: room on the disk for ``steps`` step records of this shard (raises
         Unavailable, naming the session, shard and directory, when there is none). After a
         failed log write nothing is applied until the log recovered (:meth:`recover_log`)."""
-        what = f"session {self.config.name!r} on shard {self.shard_index}"
+        what = self._where
         self._durability.reserve(what, self._staging.push_bytes, len(self.specs), steps=steps)
         if not self._durability.log_failed:
             return
@@ -534,8 +536,7 @@ class ShardSession:
 
         def log_ahead(stat: float) -> None:
             records.append(StepRecord(ticket.target_version, tickets, scale, stat))
-            self._durability.log_ahead(grads, self.specs, records[0],
-                                       f"session {self.config.name!r} on shard {self.shard_index}")
+            self._durability.log_ahead(grads, self.specs, records[0], self._where)
 
         if global_stat is None:
             reduce = lambda partial: self._clock.reduce_sum(ticket.target_version, self.shard_index, partial)  # noqa: E731
@@ -549,7 +550,7 @@ class ShardSession:
             owned = {name: np.array(grad, copy=True) for name, grad in grads.items()}
             if release is not None:
                 release()
-            self._unlogged = _UnloggedStep(owned, ticket, records[0], None)
+            self._unlogged = _UnloggedStep(owned, ticket, records[0])
             self._cond.notify_all()
             raise
         except BaseException as exc:
