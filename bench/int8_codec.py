@@ -9,7 +9,7 @@ the ratio the median of the per-round ratios (reference / current):
 
 - error feedback: ``ErrorFeedback.quantize`` of the six tensors (each gradient plus its residual
   quantized blockwise, the residual updated), the client's work before an int8 push;
-- chunk messages: every serialized chunk message of the six tensors (``iter_int8_chunk_messages``,
+- chunk messages: every serialized chunk message of the six tensors (``tensor_chunks.int8_chunk_messages``,
   ``--chunk-bytes``), each dropped once built, as a stream consumes them;
 - dequantize: every chunk's data decoded into a preallocated float32 array
   (``write_int8_values``), a shard's work per received chunk.
@@ -17,7 +17,7 @@ the ratio the median of the per-round ratios (reference / current):
 The reference is the formulation the codec replaced, kept here: full-size temporaries per pass,
 a padded copy for sizes that are not whole blocks, ``np.repeat``-ed scales, chunk data built
 with ``tobytes()`` and concatenation. Both sides are checked to agree bit for bit before the
-timing. The process keeps freed message memory as the client does (:mod:`optserve.protos.heap`).
+timing. The process keeps freed message memory as the client does (:mod:`optserve.client._heap`).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import numpy as np
 
 from bench._timing import print_table
 from bench.service import interleaved_seconds
-from optserve.client import _wire
-from optserve.protos import chunk_codec, contract, heap
+from optserve.client import _heap, _wire
+from optserve.protos import chunk_codec, contract, int8_codec, tensor_chunks
 
 BLOCK = contract.INT8_BLOCK
 
@@ -51,7 +51,7 @@ def reference_quantize(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
     grid = padded.reshape(blocks, BLOCK)
     absmax = np.maximum(grid.max(axis=1, initial=-np.inf), -grid.min(axis=1, initial=np.inf))
     scales = (np.abs(absmax) / np.float32(127)).astype(np.float32)
-    inverse = np.divide(np.float32(1), scales, out=np.zeros_like(scales), where=scales > contract.INT8_MIN_SCALE)
+    inverse = np.divide(np.float32(1), scales, out=np.zeros_like(scales), where=scales > int8_codec.INT8_MIN_SCALE)
     rounded = np.multiply(grid, inverse[:, None])
     np.rint(rounded, out=rounded)
     np.clip(rounded, -127, 127, out=rounded)
@@ -67,7 +67,7 @@ class ReferenceFeedback:
     def __init__(self):
         self.residuals: dict[str, np.ndarray] = {}
 
-    def quantize(self, grads: dict[str, np.ndarray]) -> dict[str, _wire.Int8Gradient]:
+    def quantize(self, grads: dict[str, np.ndarray]) -> dict[str, tensor_chunks.Int8Gradient]:
         out = {}
         for name, grad in grads.items():
             corrected = np.asarray(grad, np.float32).astype(np.float32, copy=True)
@@ -77,7 +77,7 @@ class ReferenceFeedback:
             with np.errstate(invalid="ignore", over="ignore"):
                 quantized, scales, applied = reference_quantize(corrected)
                 self.residuals[name] = np.subtract(corrected, applied.reshape(corrected.shape), out=corrected)
-            out[name] = _wire.Int8Gradient(quantized, scales, tuple(corrected.shape))
+            out[name] = tensor_chunks.Int8Gradient(quantized, scales, tuple(corrected.shape))
         return out
 
 
@@ -94,7 +94,7 @@ def reference_slices(quantized: np.ndarray, scales: np.ndarray, chunk_bytes: int
         yield start, raw[start:stop].tobytes() + block_scales.astype("<f4").tobytes()
 
 
-def reference_messages(name: str, grad: _wire.Int8Gradient, chunk_bytes: int) -> Iterator[bytes]:
+def reference_messages(name: str, grad: tensor_chunks.Int8Gradient, chunk_bytes: int) -> Iterator[bytes]:
     for offset, data in reference_slices(grad.quantized, grad.scales, chunk_bytes):
         yield chunk_codec.encode_chunk_message(name, contract.INT8, grad.shape, offset, data)
 
@@ -115,10 +115,10 @@ def _drain(messages: Iterator[bytes]) -> int:
     return sum(len(message) for message in messages)
 
 
-def _chunks(encoded: dict[str, _wire.Int8Gradient], chunk_bytes: int) -> list[tuple[str, int, int, memoryview]]:
+def _chunks(encoded: dict[str, tensor_chunks.Int8Gradient], chunk_bytes: int) -> list[tuple[str, int, int, memoryview]]:
     """(tensor, first element, element count, data) of every chunk, as a shard receives them."""
-    return [(name, start, contract.int8_count(len(data)), memoryview(data))
-            for name, grad in encoded.items() for start, data in contract.int8_slices(grad.quantized, grad.scales, chunk_bytes)]
+    return [(name, start, int8_codec.int8_count(len(data)), memoryview(data))
+            for name, grad in encoded.items() for start, data in int8_codec.int8_slices(grad.quantized, grad.scales, chunk_bytes)]
 
 
 def _decode(write, chunks, outs: dict[str, np.ndarray]) -> None:
@@ -126,7 +126,7 @@ def _decode(write, chunks, outs: dict[str, np.ndarray]) -> None:
         write(outs[name][start : start + count], data)
 
 
-def _check_same(reference: dict[str, _wire.Int8Gradient], current: dict[str, _wire.Int8Gradient],
+def _check_same(reference: dict[str, tensor_chunks.Int8Gradient], current: dict[str, tensor_chunks.Int8Gradient],
                 residuals: tuple[dict, dict]) -> None:
     """The two formulations' outputs agree bit for bit (values, scales, residuals)."""
     for name in reference:
@@ -142,7 +142,7 @@ def main(argv: Optional[list[str]] = None) -> str:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--chunk-bytes", type=int, default=contract.MAX_CHUNK_BYTES)
     args = parser.parse_args(argv)
-    heap.retain_freed_memory()
+    _heap.retain_freed_memory()
     dim = 512 if args.small else 4096
     rng = np.random.default_rng(0)
     grads = {f"layer{i}/w": rng.standard_normal((dim, dim), dtype=np.float32) * 1e-3 for i in range(6)}
@@ -153,8 +153,8 @@ def main(argv: Optional[list[str]] = None) -> str:
     _check_same(encoded["reference"], encoded["current"], (feedback["reference"].residuals, feedback["current"].residuals))
     chunks = _chunks(encoded["current"], args.chunk_bytes)
     outs = {name: {t: np.empty(g.size, np.float32) for t, g in grads.items()} for name in feedback}
-    writes = {"reference": reference_write, "current": contract.write_int8_values}
-    messages = {"reference": reference_messages, "current": _wire.iter_int8_chunk_messages}
+    writes = {"reference": reference_write, "current": int8_codec.write_int8_values}
+    messages = {"reference": reference_messages, "current": tensor_chunks.int8_chunk_messages}
     for name in feedback:
         _decode(writes[name], chunks, outs[name])
     if any(outs["reference"][t].tobytes() != outs["current"][t].tobytes() for t in grads):
@@ -174,7 +174,7 @@ def main(argv: Optional[list[str]] = None) -> str:
 
     notes = {
         "error feedback": f"ErrorFeedback.quantize, 6 tensors of {dim} x {dim}",
-        "chunk messages": f"iter_int8_chunk_messages, {args.chunk_bytes >> 10} KiB chunks, {len(chunks)} messages",
+        "chunk messages": f"tensor_chunks.int8_chunk_messages, {args.chunk_bytes >> 10} KiB chunks, {len(chunks)} messages",
         "dequantize": "write_int8_values per chunk into preallocated float32",
     }
     rows = []

@@ -269,9 +269,9 @@ def main(argv=None) -> str:
         ["tiny push_pull, shared memory", f"p50 {p50_s:.2f} / p99 {p99_s:.2f}", "",
          f"8x8 + 8 on {tiny_shards} shard(s), default placement"],
     ]
-    from optserve.protos import contract
+    from optserve.protos import int8_codec
 
-    int8_bytes = sum(contract.int8_payload_bytes(v.size) for v in params.values())
+    int8_bytes = sum(int8_codec.int8_payload_bytes(v.size) for v in params.values())
     link = 10e9 / 8  # a 10 Gb/s link, bytes per second: the step's bytes cross it both ways
     int8_median = statistics.median(int8_step)
     rows += [

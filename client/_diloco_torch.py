@@ -9,8 +9,8 @@ import torch
 
 from optserve.client import Client
 from optserve.client._diloco import DEFAULT_OUTER, DiLoCoCore, DiLoCoViews
+from optserve.client._torch_arrays import checked_named_parameters, tensor_to_numpy, write_numpy_
 from optserve.client._transport import ClientCert, TLSArg
-from optserve.client.torch import _checked_named_parameters, tensor_to_numpy, write_numpy_
 
 
 class DiLoCo(DiLoCoViews):
@@ -32,13 +32,15 @@ class DiLoCo(DiLoCoViews):
         Updates (each round's H from this worker's measured inner-step time, so workers of
         different speeds arrive every T seconds; see :mod:`optserve.client._diloco`).
       outer: the outer optimizer spec (default: SGD, lr 0.7, momentum 0.9, Nesterov).
-      num_workers, mode, and the elastic options (min_workers, max_workers, lease_s, straggler_s,
-        late): the session's (see ``optserve.client.SessionOptions``); ``mode="async"`` applies each
-        pseudo-gradient on arrival (asynchronous DiLoCo; pair it with ``delayed_nesterov``).
       worker_id: this worker's id (elastic sessions' member id).
       wire_dtype: the pseudo-gradients' wire dtype ("bf16", "f16", "int8" with error feedback).
       fragments, overlap_steps, merge_alpha: Streaming DiLoCo.
       token, tls, client_cert, tls_server_name, shared_memory: with an address, the ``Client``'s settings.
+      options: ``sync_seconds`` (with ``sync_every="auto"``) and the session's options by keyword
+        (``num_workers``, ``mode``, the elastic ``min_workers``, ``max_workers``, ``lease_s``,
+        ``straggler_s``, ``late``, ...: see ``optserve.client.SessionOptions``, whose defaults
+        apply); ``mode="async"`` applies each pseudo-gradient on arrival (asynchronous DiLoCo;
+        pair it with ``delayed_nesterov``).
 
     Attributes:
       inner_steps: ``step()`` calls so far. ``created``: this worker created the session(s).
@@ -48,13 +50,12 @@ class DiLoCo(DiLoCoViews):
 
     def __init__(self, model: Union[torch.nn.Module, Any], inner_optimizer: torch.optim.Optimizer,
                  address: Union[str, Client], *, session: str, sync_every: int = 500,
-                 outer: Optional[Mapping[str, Any]] = None, num_workers: int = 1, mode: str = "sync",
-                 worker_id: Optional[str] = None, wire_dtype: Optional[str] = None, fragments: int = 1,
-                 overlap_steps: int = 0, merge_alpha: float = 0.5, token: Optional[str] = None, tls: TLSArg = False,
-                 client_cert: Optional[ClientCert] = None, tls_server_name: Optional[str] = None,
-                 shared_memory: Union[bool, str] = "auto", **elastic: Any):
+                 outer: Optional[Mapping[str, Any]] = None, worker_id: Optional[str] = None,
+                 wire_dtype: Optional[str] = None, fragments: int = 1, overlap_steps: int = 0, merge_alpha: float = 0.5,
+                 token: Optional[str] = None, tls: TLSArg = False, client_cert: Optional[ClientCert] = None,
+                 tls_server_name: Optional[str] = None, shared_memory: Union[bool, str] = "auto", **options: Any):
         named = model.named_parameters() if isinstance(model, torch.nn.Module) else model
-        self._named = dict(_checked_named_parameters(named))
+        self._named = dict(checked_named_parameters(named))
         self.inner_optimizer = inner_optimizer
         self._client = address if isinstance(address, Client) else Client(
             address, token=token, tls=tls, client_cert=client_cert, tls_server_name=tls_server_name,
@@ -63,8 +64,7 @@ class DiLoCo(DiLoCoViews):
         try:
             self._core = DiLoCoCore(self._client, session, self._current(list(self._named)), sync_every=sync_every,
                                     outer=outer or DEFAULT_OUTER, fragments=fragments, overlap_steps=overlap_steps,
-                                    merge_alpha=merge_alpha, wire_dtype=wire_dtype, worker_id=worker_id,
-                                    num_workers=num_workers, mode=mode, **elastic)
+                                    merge_alpha=merge_alpha, wire_dtype=wire_dtype, worker_id=worker_id, **options)
         except BaseException:
             if self._owns_client:
                 self._client.close()

@@ -29,24 +29,35 @@ from optserve.protos.optserve.v1 import control_pb2, data_pb2
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
 
-_SERVICE = "/optserve.v1.ShardData/"
+_SHARD_DATA = data_pb2.DESCRIPTOR.services_by_name["ShardData"]  # the generated service descriptor
+
+
+def _method_path(method: str) -> str:
+    """The gRPC path of ShardData's ``method``, read from the generated descriptor (a method the
+    proto does not declare is a KeyError at import)."""
+    return f"/{_SHARD_DATA.full_name}/{_SHARD_DATA.methods_by_name[method].name}"
+
+
+_INIT_TENSORS, _PUSH, _PULL, _PUSH_PULL = map(_method_path, ("InitTensors", "Push", "Pull", "PushPull"))
 
 
 class ShardCalls:
     """The chunk-carrying ShardData methods on one channel, with the copy-saving codecs of
-    :mod:`optserve.protos.chunk_codec`: requests may be pre-encoded chunk messages (bytes) and
-    responses arrive as ``(kind, value)`` pairs whose chunks are views, not copies."""
+    :mod:`optserve.protos.chunk_codec` in place of the generated stub's: requests may be
+    pre-encoded chunk messages (bytes) and responses arrive as ``(kind, value)`` pairs whose
+    chunks are views, not copies. The other methods are the generated stub's
+    (``Client.shard_data``)."""
 
     def __init__(self, channel: grpc.Channel):
         send = chunk_codec.serialize
-        self.init_tensors = channel.stream_unary(_SERVICE + "InitTensors", request_serializer=send,
+        self.init_tensors = channel.stream_unary(_INIT_TENSORS, request_serializer=send,
                                                  response_deserializer=data_pb2.InitTensorsResponse.FromString)
-        self.push = channel.stream_unary(_SERVICE + "Push", request_serializer=send,
+        self.push = channel.stream_unary(_PUSH, request_serializer=send,
                                          response_deserializer=data_pb2.PushResponse.FromString)
-        self.pull = channel.unary_stream(_SERVICE + "Pull", request_serializer=send,
+        self.pull = channel.unary_stream(_PULL, request_serializer=send,
                                          response_deserializer=chunk_codec.chunk_or_message(data_pb2.PullResponse))
         self.push_pull = channel.stream_stream(
-            _SERVICE + "PushPull", request_serializer=send,
+            _PUSH_PULL, request_serializer=send,
             response_deserializer=chunk_codec.chunk_or_message(data_pb2.PushPullResponse))
 
 
@@ -65,7 +76,7 @@ def connect(client, info: control_pb2.SessionInfo) -> list[Shard]:
     """One :class:`Shard` per entry of the session's shard map (channels from ``client``)."""
     shards = []
     for s in info.shards:
-        calls = ShardCalls(client._channel(s.address))
+        calls = ShardCalls(client.channel(s.address))
         shards.append(Shard(s.shard_index, s.address, tuple(s.tensor_names), calls,
                             StepStream(calls.push_pull, client.timeout, idle_s=client.stream_idle_s)))
     return shards
@@ -164,7 +175,7 @@ class ShardFanout:
         answer (restarting) changes nothing."""
         request = control_pb2.GetSessionRequest(name=self._session)
         try:
-            info = self._client._control.GetSession(request, timeout=min(5.0, self._client.timeout)).session
+            info = self._client.control.GetSession(request, timeout=min(5.0, self._client.timeout)).session
         except grpc.RpcError as exc:
             error: OptservError = from_rpc_error(exc)
             if isinstance(error, (SessionLostError, NotFoundError)):

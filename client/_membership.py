@@ -22,14 +22,13 @@ from optserve.client.errors import OptservError, from_rpc_error
 from optserve.protos.optserve.v1 import data_pb2
 
 _log = logging.getLogger(__name__)
-_SERVICE = "/optserve.v1.ShardData/"
 
 
 class Membership:
     """One worker's membership of an elastic session.
 
     Args:
-      client: the ``Client`` (channels, timeout, retry policy).
+      client: the ``Client`` (the home shard's ``ShardData`` stub, timeout, retry policy).
       session: the session's name.
       worker_id: this worker's id.
       home_address: ``() -> "host:port"`` of the session's home shard now (the shard map may move it).
@@ -48,12 +47,10 @@ class Membership:
         self.members: tuple[str, ...] = ()
 
     def _call(self, action: int, timeout: float | None) -> data_pb2.MembershipResponse:
-        channel = self._client._channel(self._home_address())
-        method = channel.unary_unary(_SERVICE + "Membership", request_serializer=data_pb2.MembershipRequest.SerializeToString,
-                                     response_deserializer=data_pb2.MembershipResponse.FromString)
+        home = self._client.shard_data(self._home_address())
         request = data_pb2.MembershipRequest(session=self._session, worker_id=self._worker_id, action=action)
         try:
-            response = method(request, timeout=timeout)
+            response = home.Membership(request, timeout=timeout)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
         self.members = tuple(response.members)

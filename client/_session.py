@@ -10,6 +10,9 @@ What a call does on the wire is in the modules below this one, in the order a ca
   :mod:`optserve.client._wire` for what only the client adds: checked dtype options, int8 error
   feedback, reassembly of pulled chunks).
 
+What a call is given is checked first (:mod:`optserve.client._inputs`); an elastic session's
+membership is :mod:`optserve.client._membership`.
+
 Push protocol (see protos/optserve/v1/data.proto): every push is sent with ``auto_commit``: each
 shard stages its part and votes at the session clock, which commits the push only if every
 shard staged it; so a push applies on all shards or on none, in one round trip per shard.
@@ -23,30 +26,17 @@ import dataclasses
 import itertools
 import threading
 import uuid
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 import numpy as np
 
-from optserve.client import _fanout, _membership, _paths, _retry, _shm, _wire
+from optserve.client import _fanout, _membership, _paths, _shm, _wire
+from optserve.client._inputs import add_telemetry, check_worker_id, checked_gradients
 from optserve.client.errors import InvalidArgumentError, LateError
 from optserve.client.options import SessionOptions
 from optserve.client.status import RoundRecord, SessionStatus, StepOutcome
 from optserve.protos import contract
 from optserve.protos.optserve.v1 import control_pb2, data_pb2
-
-
-def check_worker_id(worker_id: Any) -> str:
-    if not isinstance(worker_id, str) or not 1 <= len(worker_id) <= 64 or "/" in worker_id:
-        raise InvalidArgumentError(f"worker_id must be a string of 1-64 characters without '/', got {worker_id!r}")
-    return worker_id
-
-
-def _scalar(value: Any, what: str) -> float:
-    """A telemetry value as a float (a 0-d array or a framework scalar tensor works too)."""
-    try:
-        return float(value.item() if hasattr(value, "item") else value)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"{what}: must be a number, got {type(value).__name__}") from None
 
 
 class Session:
@@ -87,8 +77,8 @@ class Session:
         self._version_lock = threading.Lock()
         self._background = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="optserve-async")
         # same-host fast path (client/_shm.py): tensor bytes through shared memory, proven per shard
-        self._shm = _shm.SessionRegions(getattr(client, "shared_memory", "auto"), client._channel, self.name,
-                                        self.client_id, self.specs, client.timeout)
+        self._shm = _shm.SessionRegions(client.shared_memory, client.shard_data, self.name, self.client_id,
+                                        self.specs, client.timeout)
         self._paths = _paths.DataPaths(client, self.name, self.specs, self._fanout, self._shm)
         self._feedback = _wire.ErrorFeedback()  # int8 gradients: per-tensor residuals
 
@@ -130,7 +120,7 @@ class Session:
         Raises:
           InvalidArgumentError, StaleError, ...: the server's refusal; nothing was applied.
         """
-        grads = self._check_grads(grads)
+        grads = checked_gradients(grads, self.specs, self.name)
         wire = self._wire(wire_dtype)
         grads = self._encode(grads, wire)
         header = self._header(base_version, loss, scalars)
@@ -155,7 +145,7 @@ class Session:
 
         ``base_version``, ``loss``, ``scalars``: as for :meth:`push`. ``views``: as for :meth:`pull`.
         """
-        grads = self._check_grads(grads)
+        grads = checked_gradients(grads, self.specs, self.name)
         wire = self._wire(wire_dtype)
         grads = self._encode(grads, wire)
         header = self._header(base_version, loss, scalars)
@@ -204,11 +194,7 @@ class Session:
     def status(self) -> SessionStatus:
         """The session's status from the coordinator; each shard's ``data_path`` is how this
         object's bytes reach it ("grpc" for shards not tried yet)."""
-        response = _retry.call(
-            lambda: self._client._control.GetStatus(control_pb2.GetStatusRequest(name=self.name), timeout=self._client.timeout),
-            self._client.retry,
-        )
-        status = SessionStatus.from_proto(response)
+        status = self._client.session_status(self.name)
         paths = self._shm.paths()
         return dataclasses.replace(status, shards=[dataclasses.replace(s, data_path=paths.get(s.index, "grpc"))
                                                    for s in status.shards])
@@ -238,10 +224,7 @@ class Session:
         request = data_pb2.HistoryRequest(session=self.name, since=int(since))
 
         def ask_home() -> data_pb2.HistoryResponse:  # the home shard's address may change (a restart)
-            method = self._client._channel(self._shards[0].address).unary_unary(
-                "/optserve.v1.ShardData/History", request_serializer=data_pb2.HistoryRequest.SerializeToString,
-                response_deserializer=data_pb2.HistoryResponse.FromString)
-            return method(request, timeout=self._client.timeout)
+            return self._client.shard_data(self._shards[0].address).History(request, timeout=self._client.timeout)
 
         return [RoundRecord.from_proto(r) for r in self._fanout.served(ask_home).records]
 
@@ -284,36 +267,7 @@ class Session:
         base = self._version if base_version is None else int(base_version)
         header = data_pb2.PushHeader(session=self.name, client_id=self.client_id, sequence=next(self._sequence),
                                      base_version=base, auto_commit=True, wait_s=self._client.timeout)
-        if loss is not None:
-            header.loss = _scalar(loss, "loss")
-        for name, value in (scalars or {}).items():
-            if not isinstance(name, str) or not 1 <= len(name) <= contract.MAX_SCALAR_NAME:
-                raise InvalidArgumentError(f"scalars: a name must be a string of 1-{contract.MAX_SCALAR_NAME} characters, "
-                                           f"got {name!r}")
-            header.scalars[name] = _scalar(value, f"scalars[{name!r}]")
-        if len(header.scalars) > contract.MAX_SCALARS:
-            raise InvalidArgumentError(f"scalars: at most {contract.MAX_SCALARS} per push, got {len(header.scalars)}")
-        return header
-
-    def _check_grads(self, grads: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Validates names, shapes and dtypes against the session's specs, before sending."""
-        unknown = sorted(set(grads) - set(self.specs))
-        if unknown:
-            raise InvalidArgumentError(f"unknown tensor {unknown[0]!r}: session {self.name!r} has {sorted(self.specs)}")
-        missing = sorted(set(self.specs) - set(grads))
-        if missing:
-            raise InvalidArgumentError(f"missing tensor {missing[0]!r}: a push must include every tensor")
-        checked = {}
-        for name, value in grads.items():
-            array = np.asarray(value)
-            if array.dtype == np.float64:  # NumPy's default: the server's math is float32 anyway
-                array = array.astype(np.float32)
-            if tuple(array.shape) != self.specs[name][1]:
-                raise InvalidArgumentError(
-                    f"tensor {name!r}: shape {list(array.shape)} does not match the session's {list(self.specs[name][1])}")
-            _wire.array_dtype_enum(array, name=name)
-            checked[name] = array
-        return checked
+        return add_telemetry(header, loss, scalars)
 
     def _encode(self, grads: dict[str, np.ndarray], wire: Optional[int]) -> dict:
         """int8: the gradients quantized once per push (retries resend the same bytes), with

@@ -26,10 +26,9 @@ from optserve.client import _wire
 from optserve.client.errors import FailedPreconditionError, InvalidArgumentError
 from optserve.protos import contract
 from optserve.protos import shared_memory as shm
-from optserve.protos.optserve.v1 import data_pb2
+from optserve.protos.optserve.v1 import data_pb2, data_pb2_grpc
 
 SharedMemoryArg = Union[bool, str]
-_SERVICE = "/optserve.v1.ShardData/"
 _swept = False
 
 
@@ -117,21 +116,10 @@ class ShardRegion:
             self._fd = -1
 
 
-class _Calls:
-    def __init__(self, channel: grpc.Channel):
-        def unary(method):
-            return channel.unary_unary(_SERVICE + method,
-                                       request_serializer=lambda m: m.SerializeToString(),
-                                       response_deserializer=getattr(data_pb2, f"{method}Response").FromString)
-
-        self.offer = unary("OfferSharedMemory")
-        self.open = unary("OpenSharedMemory")
-        self.close = unary("CloseSharedMemory")
-
-
-def negotiate(channel: grpc.Channel, session: str, client_id: str, shard_index: int, specs: Mapping,
+def negotiate(shard: data_pb2_grpc.ShardDataStub, session: str, client_id: str, shard_index: int, specs: Mapping,
               timeout: float) -> tuple[Optional[ShardRegion], str]:
-    """Runs the handshake with one shard; returns ``(region, "")`` or ``(None, why not)``.
+    """Runs the handshake with one shard (``shard``: its ``ShardData`` stub); returns
+    ``(region, "")`` or ``(None, why not)``.
 
     ``specs``: name -> (spec dtype value, shape) of the session's tensors.
     """
@@ -141,9 +129,8 @@ def negotiate(channel: grpc.Channel, session: str, client_id: str, shard_index: 
     if not _swept:
         _swept = True
         shm.sweep_stale()
-    calls = _Calls(channel)
     try:
-        offer = calls.offer(data_pb2.OfferSharedMemoryRequest(session=session, client_id=client_id), timeout=timeout)
+        offer = shard.OfferSharedMemory(data_pb2.OfferSharedMemoryRequest(session=session, client_id=client_id), timeout=timeout)
     except grpc.RpcError as exc:
         return None, f"the shard offers no shared memory ({exc.code().name}: {exc.details()})"
     try:
@@ -155,7 +142,7 @@ def negotiate(channel: grpc.Channel, session: str, client_id: str, shard_index: 
     finally:
         _unlink_quietly(offer.probe)
     try:
-        opened = calls.open(data_pb2.OpenSharedMemoryRequest(session=session, client_id=client_id, offer=offer.offer,
+        opened = shard.OpenSharedMemory(data_pb2.OpenSharedMemoryRequest(session=session, client_id=client_id, offer=offer.offer,
                                                              nonce=nonce), timeout=timeout)
     except grpc.RpcError as exc:
         return None, f"the shard refused the nonce ({exc.code().name}: {exc.details()})"
@@ -170,7 +157,8 @@ def negotiate(channel: grpc.Channel, session: str, client_id: str, shard_index: 
         _unlink_quietly(opened.name)
     if mapping is None:
         try:
-            calls.close(data_pb2.CloseSharedMemoryRequest(session=session, region=opened.region), timeout=timeout)
+            shard.CloseSharedMemory(data_pb2.CloseSharedMemoryRequest(session=session, region=opened.region),
+                                    timeout=timeout)
         except grpc.RpcError:
             pass
         return None, why
@@ -196,10 +184,10 @@ class SessionRegions:
     mode, ``push_pull_async``): the two are then double-buffered, each step on whichever is free.
     """
 
-    def __init__(self, mode: SharedMemoryArg, channel_of: Callable[[str], grpc.Channel], session: str,
+    def __init__(self, mode: SharedMemoryArg, stub_of: Callable[[str], data_pb2_grpc.ShardDataStub], session: str,
                  client_id: str, specs: Mapping, timeout: float):
         self.mode = mode
-        self._channel_of = channel_of
+        self._stub_of = stub_of  # a shard's address -> its ShardData stub (Client.shard_data)
         self._session = session
         self._client_id = client_id
         self._specs = specs
@@ -231,7 +219,7 @@ class SessionRegions:
             return {shard.index: next(iter(self._regions[shard.index]), None) for shard in shards}
 
     def _negotiate(self, shard) -> tuple[Optional[ShardRegion], str]:
-        return negotiate(self._channel_of(shard.address), self._session, self._client_id, shard.index,
+        return negotiate(self._stub_of(shard.address), self._session, self._client_id, shard.index,
                          {n: self._specs[n] for n in shard.names}, self._timeout)
 
     def acquire(self, shards: Sequence, grads: Optional[Mapping] = None) -> dict[int, ShardRegion]:
@@ -320,7 +308,7 @@ class SessionRegions:
         for index, region in regions:
             if notify:
                 try:
-                    _Calls(self._channel_of(self._addresses[index])).close(
+                    self._stub_of(self._addresses[index]).CloseSharedMemory(
                         data_pb2.CloseSharedMemoryRequest(session=self._session, region=region.region_id), timeout=2.0)
                 except (grpc.RpcError, ValueError, RuntimeError):
                     pass

@@ -44,7 +44,7 @@ class StepStream:
 
     Args:
       open_call: ``open_call(request_iterator, timeout)`` -> the call's response iterator of
-        ``(kind, value)`` pairs (the SDK's ``_ShardCalls.push_pull``).
+        ``(kind, value)`` pairs (the SDK's ``ShardCalls.push_pull``, :mod:`optserve.client._fanout`).
       timeout: the per-step deadline in seconds (None: none).
       idle_s: an open call unused this long is ended.
       reuse_s: a call is reused for steps that start within this many seconds of its opening.

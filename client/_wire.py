@@ -15,17 +15,10 @@ from typing import Mapping, Optional
 import numpy as np
 
 from optserve.client.errors import InvalidArgumentError
-from optserve.protos import contract, tensor_chunks
+from optserve.protos import contract, int8_codec
 from optserve.protos.tensor_chunks import Int8Gradient  # what ErrorFeedback.quantize returns
 
 DTypeLike = contract.DTypeLike
-
-# The encoders under the names this module gave them before they moved to protos (tests, bench
-# call them so); the client's own code calls optserve.protos.tensor_chunks.
-iter_chunks = tensor_chunks.float_tensor_chunks
-iter_chunk_messages = tensor_chunks.float_chunk_messages
-iter_int8_chunks = tensor_chunks.int8_tensor_chunks
-iter_int8_chunk_messages = tensor_chunks.int8_chunk_messages
 
 
 def dtype_enum(dtype: DTypeLike, *, what: str) -> Optional[int]:
@@ -65,7 +58,7 @@ class ErrorFeedback:
     def quantize(self, grads: Mapping[str, np.ndarray]) -> dict[str, Int8Gradient]:
         """Each gradient plus its tensor's residual (none yet, or of another shape: the gradient
         alone), quantized; the residual becomes what that quantization lost, updated in place
-        (:func:`optserve.protos.contract.quantize_int8_feedback`)."""
+        (:func:`optserve.protos.int8_codec.quantize_int8_feedback`)."""
         out = {}
         with self._lock:
             for name, grad in grads.items():
@@ -73,7 +66,7 @@ class ErrorFeedback:
                 residual = self.residuals.get(name)
                 if residual is not None and residual.shape != grad.shape:
                     residual = None
-                quantized, scales, self.residuals[name] = contract.quantize_int8_feedback(grad, residual)
+                quantized, scales, self.residuals[name] = int8_codec.quantize_int8_feedback(grad, residual)
                 out[name] = Int8Gradient(quantized, scales, tuple(grad.shape))
         return out
 

@@ -18,6 +18,10 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from optserve.client import Client
+from optserve.client._retry import RetryPolicy
+from optserve.client.errors import OptservError, SessionLostError
+
 
 class OneLineArgumentParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose usage errors are one line on stderr, ``PROG: MESSAGE``, and exit
@@ -58,8 +62,6 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 def collect(client) -> dict:
     """``{"sessions": [...], "shards": [...]}`` as plain data (what ``--json`` prints)."""
-    from optserve.client.errors import SessionLostError
-
     sessions, lost = [], []
     for name in client.list_sessions():
         try:
@@ -128,10 +130,6 @@ def render(report: dict, now: Optional[float] = None) -> str:
 
 def status_main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``optserve status``; returns the exit status."""
-    from optserve.client import Client
-    from optserve.client._retry import RetryPolicy
-    from optserve.client.errors import OptservError
-
     args = _parser().parse_args(argv)
     try:
         with Client(args.address, token=args.token, tls=args.tls or False, timeout=args.timeout,

@@ -9,6 +9,8 @@
 
 Every channel (the coordinator's and each shard's) is opened by one
 :class:`~optserve.client._transport.Transport`: same credentials, same options, the token on every call.
+The SDK's own modules reach a shard through :meth:`Client.channel` and :meth:`Client.shard_data`
+(the stub generated from data.proto), and the coordinator through :attr:`Client.control`.
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ from typing import Any, Mapping, Optional
 import grpc
 import numpy as np
 
-from optserve.client import _retry, _shm, _wire
-from optserve.client._session import Session, check_worker_id
+from optserve.client import _heap, _retry, _shm
+from optserve.client._inputs import check_worker_id
+from optserve.client._session import Session
 from optserve.client._transport import ClientCert, TLSArg, Transport
 from optserve.client.options import SessionOptions
 from optserve.client.status import ServerShardStatus, SessionSeries, SessionStatus
-from optserve.protos import contract, heap
-from optserve.protos.optserve.v1 import control_pb2, control_pb2_grpc
+from optserve.protos import contract
+from optserve.protos.optserve.v1 import control_pb2, control_pb2_grpc, data_pb2_grpc
 
 
 class Client:
@@ -51,7 +54,7 @@ class Client:
         ``push_pull`` steps (a few times cheaper than a call per step); a call unused this long is
         ended, freeing the shard's thread, and the next step opens a new one.
       retain_freed_memory: keep freed message memory in this process (glibc malloc thresholds,
-        see :mod:`optserve.protos.heap`) instead of page-faulting fresh pages for every received
+        see :mod:`optserve.client._heap`) instead of page-faulting fresh pages for every received
         chunk; process-wide, costs up to 1 GiB of free heap kept resident. False: leave malloc as is.
       shared_memory: "auto" (default): a session moves tensor bytes to a shard through POSIX shared
         memory when the shard proves it is on this host (a nonce this process must read from the
@@ -61,6 +64,8 @@ class Client:
     Attributes:
       client_id: this client's unguessable identity (``secrets.token_hex(16)``): a session it
         creates takes its initial values from this client only.
+      control: the coordinator's ``Control`` stub (generated from control.proto); a call on it
+        has no deadline and no retry unless the caller gives them (the methods below do).
 
     Raises:
       InvalidArgumentError: naming the security argument that is wrong (a missing file, a client
@@ -76,7 +81,7 @@ class Client:
             raise ValueError(f"stream_idle_s must be > 0, got {stream_idle_s}")
         self._transport = Transport(token=token, tls=tls, client_cert=client_cert, tls_server_name=tls_server_name)
         if retain_freed_memory:
-            heap.retain_freed_memory()
+            _heap.retain_freed_memory()
         self.address = address
         self.timeout = timeout
         self.stream_idle_s = float(stream_idle_s)
@@ -85,67 +90,63 @@ class Client:
         self.shared_memory = _shm.check_mode(shared_memory)
         self.client_id = secrets.token_hex(16)
         self._channels: dict[str, grpc.Channel] = {}
-        self._lock = threading.Lock()
-        self._control = control_pb2_grpc.ControlStub(self._channel(address))
+        self._shard_stubs: dict[str, data_pb2_grpc.ShardDataStub] = {}
+        self._lock = threading.Lock()  # guards the two dicts above
+        self.control = control_pb2_grpc.ControlStub(self.channel(address))
 
-    def _channel(self, address: str) -> grpc.Channel:
+    def channel(self, address: str) -> grpc.Channel:
+        """The channel to ``address`` (``"host:port"``: the coordinator or a shard), opened on first
+        use with this client's credentials, options and token, and kept until :meth:`close`."""
         with self._lock:
-            channel = self._channels.get(address)
-            if channel is None:
-                channel = self._channels[address] = self._transport.open(address)
-            return channel
+            return self._channel_locked(address)
+
+    def shard_data(self, address: str) -> data_pb2_grpc.ShardDataStub:
+        """The ``ShardData`` stub (generated from data.proto) on the shard at ``address``, made once
+        per address on :meth:`channel`. A call on it has no deadline and no retry unless the caller
+        gives them. (The chunk-carrying methods, which need the copy-saving codecs of
+        :mod:`optserve.protos.chunk_codec`, are :class:`optserve.client._fanout.ShardCalls`.)"""
+        with self._lock:
+            stub = self._shard_stubs.get(address)
+            if stub is None:
+                stub = self._shard_stubs[address] = data_pb2_grpc.ShardDataStub(self._channel_locked(address))
+            return stub
+
+    def _channel_locked(self, address: str) -> grpc.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = self._transport.open(address)
+        return channel
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.address!r}, {self._transport.describe()})"
 
     def _call(self, method, request):
+        """``method(request)`` on :attr:`control` with this client's deadline, retried by its policy."""
         return _retry.call(lambda: method(request, timeout=self.timeout), self.retry)
 
-    def create_session(
-        self,
-        name: str,
-        params: Mapping[str, np.ndarray],
-        optimizer: Mapping[str, Any],
-        mode: str = "sync",
-        num_workers: int = 1,
-        max_staleness: Optional[int] = None,
-        staleness_policy: str = "reject",
-        wire_dtype: _wire.DTypeLike = None,
-        allow_nonfinite: bool = False,
-        *,
-        min_workers: Optional[int] = None,
-        max_workers: Optional[int] = None,
-        lease_s: float = 5.0,
-        straggler_s: Optional[float] = None,
-        late: str = "drop",
-        worker_id: Optional[str] = None,
-    ) -> Session:
+    def create_session(self, name: str, params: Mapping[str, np.ndarray], optimizer: Mapping[str, Any], *,
+                       worker_id: Optional[str] = None, **options: Any) -> Session:
         """Creates a session holding ``params`` (name -> array; float32/bfloat16/float16; float64 is kept as float32).
 
-        The keyword form of :meth:`create_session_with` (see :class:`~optserve.client.SessionOptions`).
+        The keyword form of :meth:`create_session_with`.
 
         Args:
           optimizer: ``{"name": registry name, "args": {keyword arguments}}``; Shampoo also takes
             ``"preconditioners": {"in_process": bool, "max_age": int}`` (where its inverse roots are
             computed and their age bound in steps; see ``PreconditionerOptions`` in control.proto).
-          mode: "sync" (a step = mean of ``num_workers`` pushes on one version) or "async".
-          max_staleness: async: the largest accepted staleness (None: unlimited).
-          staleness_policy: async: "reject" (ABORTED) or "scale" (step * 1 / (1 + staleness)).
-          wire_dtype: default wire dtype for gradients and pulls (None: each tensor's own).
-          allow_nonfinite: pass NaN/Inf gradients to the optimizer instead of refusing them.
-          min_workers, max_workers, lease_s, straggler_s, late: elastic sync (see
-            :class:`~optserve.client.SessionOptions`).
           worker_id: the returned object's worker id (see :class:`Session`). Creating a session does
             not make the creating object a member of an elastic session: its first push does.
+          options: the other fields of :class:`~optserve.client.SessionOptions` by keyword (``mode``,
+            ``num_workers``, ``max_staleness``, ``staleness_policy``, ``wire_dtype``,
+            ``allow_nonfinite``, and the elastic ``min_workers``, ``max_workers``, ``lease_s``,
+            ``straggler_s``, ``late``); its defaults apply to those left out.
 
         Raises:
-          AlreadyExistsError, InvalidArgumentError (naming the option or tensor).
+          AlreadyExistsError, InvalidArgumentError (naming the option or tensor); TypeError: a
+          keyword that is no session option.
         """
-        options = SessionOptions.from_spec(
-            optimizer, mode=mode, num_workers=num_workers, max_staleness=max_staleness,
-            staleness_policy=staleness_policy, wire_dtype=wire_dtype, allow_nonfinite=allow_nonfinite,
-            min_workers=min_workers, max_workers=max_workers, lease_s=lease_s, straggler_s=straggler_s, late=late)
-        return self.create_session_with(name, params, options, worker_id=worker_id)
+        return self.create_session_with(name, params, SessionOptions.from_spec(optimizer, **options),
+                                        worker_id=worker_id)
 
     def create_session_with(self, name: str, params: Mapping[str, np.ndarray], options: SessionOptions,
                             worker_id: Optional[str] = None) -> Session:
@@ -162,7 +163,7 @@ class Client:
                   for n, v in params.items()}
         config = options.to_config(name, arrays)
         request = control_pb2.CreateSessionRequest(config=config, client_id=self.client_id)
-        info = self._call(self._control.CreateSession, request).session
+        info = self._call(self.control.CreateSession, request).session
         session = Session(self, info, worker_id=worker_id)
         if options.wire_dtype == contract.INT8_NAME:  # a client-side gradient encoding (see Session.wire_dtype)
             session.wire_dtype = contract.INT8
@@ -194,33 +195,33 @@ class Client:
                 raise TypeError(f"expect must be a SessionOptions or None, got {type(expect).__name__}")
             request.expect_optimizer.CopyFrom(expect.to_optimizer_spec())
             request.expect_mode = expect.to_mode()
-        info = self._call(self._control.GetSession, request).session
-        status = self._call(self._control.GetStatus, control_pb2.GetStatusRequest(name=name))
+        info = self._call(self.control.GetSession, request).session
+        status = self._call(self.control.GetStatus, control_pb2.GetStatusRequest(name=name))
         return Session(self, info, version=status.version, worker_id=worker_id)
 
     def list_sessions(self) -> list[str]:
-        return list(self._call(self._control.ListSessions, control_pb2.ListSessionsRequest()).names)
+        return list(self._call(self.control.ListSessions, control_pb2.ListSessionsRequest()).names)
 
     def session_options(self, name: str) -> SessionOptions:
         """A session's options as the server holds them, without attaching to it."""
-        info = self._call(self._control.GetSession, control_pb2.GetSessionRequest(name=name)).session
+        info = self._call(self.control.GetSession, control_pb2.GetSessionRequest(name=name)).session
         return SessionOptions.from_config(info.config)
 
     def session_status(self, name: str) -> SessionStatus:
         """A session's status without attaching to it (see ``Session.status``)."""
-        return SessionStatus.from_proto(self._call(self._control.GetStatus, control_pb2.GetStatusRequest(name=name)))
+        return SessionStatus.from_proto(self._call(self.control.GetStatus, control_pb2.GetStatusRequest(name=name)))
 
     def session_series(self, name: str) -> SessionSeries:
         """A session's accepted pushes (version, staleness, loss, scalars) and refused ones."""
-        return SessionSeries.from_proto(self._call(self._control.GetSeries, control_pb2.GetSeriesRequest(name=name)))
+        return SessionSeries.from_proto(self._call(self.control.GetSeries, control_pb2.GetSeriesRequest(name=name)))
 
     def server_status(self) -> list[ServerShardStatus]:
         """The server's shard actors: address, Ray node, sessions, bytes, memory, whether they answer."""
-        response = self._call(self._control.GetServerStatus, control_pb2.GetServerStatusRequest())
+        response = self._call(self.control.GetServerStatus, control_pb2.GetServerStatusRequest())
         return [ServerShardStatus.from_proto(s) for s in response.shards]
 
     def close_session(self, name: str) -> None:
-        self._call(self._control.CloseSession, control_pb2.CloseSessionRequest(name=name))
+        self._call(self.control.CloseSession, control_pb2.CloseSessionRequest(name=name))
 
     def close(self) -> None:
         """Closes the channels (sessions stay open on the server)."""
@@ -228,6 +229,7 @@ class Client:
             for channel in self._channels.values():
                 channel.close()
             self._channels.clear()
+            self._shard_stubs.clear()
 
     def __enter__(self) -> "Client":
         return self

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optserve.client import Client
-from optserve.client._diloco import DiLoCoViews as _DiLoCoViews
+from optserve.client._diloco import DiLoCoCore, DiLoCoViews
 from optserve.client._transport import ClientCert, TLSArg
 from optserve.client.options import SessionOptions
 from optserve.client.overlap import DelayedStepper
@@ -257,7 +257,7 @@ def attach_session(client: Any, name: str, like: PyTree, expect: Optional[Sessio
     return PytreeSession(connection.session(name, expect=expect, worker_id=worker_id), TreeCodec(like))
 
 
-class DiLoCo(_DiLoCoViews):
+class DiLoCo(DiLoCoViews):
     """DiLoCo for JAX loops over a params pytree with an optax inner optimizer (the outer loop:
     :mod:`optserve.client._diloco`; the same options as ``optserve.client.torch.DiLoCo``).
 
@@ -266,16 +266,15 @@ class DiLoCo(_DiLoCoViews):
     the pseudo-gradient (round-start shared params minus params now) goes out, the new shared
     params come back and replace (or, with ``overlap_steps``, merge into) the params. ``params``
     and ``inner_state`` are the current values; the inner state stays local across rounds.
+    ``options``: ``sync_seconds`` and the session's options by keyword (``num_workers``,
+    ``mode``, the elastic ones: the fields of ``optserve.client.SessionOptions``, with its defaults).
     """
 
     def __init__(self, params: PyTree, inner, address: Any, *, session: str, sync_every: int = 500,
-                 outer: Optional[Mapping[str, Any]] = None, num_workers: int = 1, mode: str = "sync",
-                 worker_id: Optional[str] = None, wire_dtype: Optional[str] = None, fragments: int = 1,
-                 overlap_steps: int = 0, merge_alpha: float = 0.5, token: Optional[str] = None, tls: TLSArg = False,
-                 client_cert: Optional[ClientCert] = None, tls_server_name: Optional[str] = None,
-                 shared_memory: Any = "auto", **elastic: Any):
-        from optserve.client._diloco import DiLoCoCore
-
+                 outer: Optional[Mapping[str, Any]] = None, worker_id: Optional[str] = None,
+                 wire_dtype: Optional[str] = None, fragments: int = 1, overlap_steps: int = 0, merge_alpha: float = 0.5,
+                 token: Optional[str] = None, tls: TLSArg = False, client_cert: Optional[ClientCert] = None,
+                 tls_server_name: Optional[str] = None, shared_memory: Any = "auto", **options: Any):
         self._codec = TreeCodec(params)
         self._owns_client = not isinstance(address, Client)
         self._client = _client(address, token=token, tls=tls, client_cert=client_cert,
@@ -283,8 +282,7 @@ class DiLoCo(_DiLoCoViews):
         named = {n: np.array(v, dtype=np.float32) for n, v in self._codec.to_named(params).items()}
         self._core = DiLoCoCore(self._client, session, named, sync_every=sync_every, outer=outer,
                                 fragments=fragments, overlap_steps=overlap_steps, merge_alpha=merge_alpha,
-                                wire_dtype=wire_dtype, worker_id=worker_id, num_workers=num_workers, mode=mode,
-                                **elastic)
+                                wire_dtype=wire_dtype, worker_id=worker_id, **options)
         self.created = self._core.created
         self.params = params if self.created else self._codec.from_named(self._core.shared())
         self.inner = inner

@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from optserve.client import Client
+from optserve.client._retry import RetryPolicy
+from optserve.client.cli import OneLineArgumentParser
+from optserve.client.errors import OptservError
+
 
 def _parser() -> argparse.ArgumentParser:
-    from optserve.client.cli import OneLineArgumentParser
-
     parser = OneLineArgumentParser(prog="optserve report", description="Plots of a session's loss and staleness.")
     parser.add_argument("session", help="the session's name")
     parser.add_argument("--address", default="127.0.0.1:50051", help="the server's control address")
@@ -94,12 +98,6 @@ def _save(fig, path: Path) -> Path:
 
 def report_main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``optserve report``; returns the exit status."""
-    import importlib.util
-
-    from optserve.client import Client
-    from optserve.client._retry import RetryPolicy
-    from optserve.client.errors import OptservError
-
     args = _parser().parse_args(argv)
     if importlib.util.find_spec("matplotlib") is None:
         print("optserve report: needs matplotlib: pip install matplotlib (or 'optserve[demo]')", file=sys.stderr)

@@ -31,8 +31,8 @@ Imports torch and the NumPy client only (never jax or ray).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import functools
 import uuid
 import warnings
 from typing import Any, Iterable, Mapping, Optional, Union
@@ -41,137 +41,73 @@ import numpy as np
 import torch
 
 from optserve.client import Client
+from optserve.client._diloco_torch import DiLoCo  # noqa: F401  (public here: optserve.client.torch.DiLoCo)
+from optserve.client._torch_arrays import (checked_named_parameters, gradient_to_numpy, tensor_to_numpy,
+                                           viewed_without_copy, write_numpy_)
 from optserve.client._transport import ClientCert, TLSArg
 from optserve.client.errors import AlreadyExistsError, InvalidArgumentError, StaleError
 from optserve.client.options import SessionOptions
 from optserve.client.overlap import DelayedStepper
-from optserve.protos import contract
 
 _STATE_FORMAT = "optserve.RemoteOptimizer/1"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class RemoteOptimizerConfig:
     """What a :class:`RemoteOptimizer` asks the server for; validated on construction.
 
-    Attributes:
+    Args:
       optimizer: ``{"name": registry name, "args": {constructor keyword: value}}``, and for
         Shampoo optionally ``"preconditioners": {"in_process": bool, "max_age": int}``; the
         server checks the name and arguments against the kernel constructor.
       session: the session's name; optimizers naming the same session share one model.
-      mode: ``"sync"`` (a step averages ``num_workers`` pushes made against one version) or
-        ``"async"`` (each push applies on arrival).
-      num_workers: pushes per step in sync mode.
-      max_staleness: async only: the most versions a gradient may lag (``None``: unlimited).
-      staleness_policy: async only: ``"reject"`` stale pushes or ``"scale"`` them by 1/(1+s).
-      wire_dtype: dtype of gradients and parameters on the wire (``None``: float32).
-      allow_nonfinite: pass NaN / Inf gradients to the optimizer instead of rejecting them.
       overlap: one-step-delayed updates (see ``optserve.client.overlap``): ``step()`` returns
         while its push is in flight and writes the previous step's parameters.
-      min_workers, max_workers, lease_s, straggler_s, late: elastic sync rounds (see
-        :class:`~optserve.client.SessionOptions`).
-      options: (derived) the :class:`~optserve.client.SessionOptions` a created session gets.
+      options: the session's other options by keyword, the fields of
+        :class:`~optserve.client.SessionOptions` (``mode``, ``num_workers``, ``max_staleness``,
+        ``staleness_policy``, ``wire_dtype``, ``allow_nonfinite``, ``min_workers``,
+        ``max_workers``, ``lease_s``, ``straggler_s``, ``late``), with its defaults.
+
+    Attributes:
+      optimizer, session, overlap: as given.
+      options: the :class:`~optserve.client.SessionOptions` a created session gets. float32 on
+        the wire is what a session does by default for float32 parameters, so only a narrower
+        ``wire_dtype`` becomes the session's default for other clients.
+      wire_dtype: the wire dtype this optimizer asks for on every call (its canonical name;
+        ``None``: the session's), so that a worker attaching to an existing session still gets
+        its own choice.
 
     Raises:
       InvalidArgumentError (a ``ValueError``): naming the option that is wrong.
+      TypeError: a keyword that is no session option.
     """
 
     optimizer: Mapping[str, Any]
     session: str
-    mode: str = "sync"
-    num_workers: int = 1
-    max_staleness: Optional[int] = None
-    staleness_policy: str = "reject"
-    wire_dtype: Optional[str] = None
-    allow_nonfinite: bool = False
-    overlap: bool = False
-    min_workers: Optional[int] = None
-    max_workers: Optional[int] = None
-    lease_s: float = 5.0
-    straggler_s: Optional[float] = None
-    late: str = "drop"
-    options: SessionOptions = dataclasses.field(init=False, repr=False, compare=False)
+    overlap: bool
+    options: SessionOptions
+    wire_dtype: Optional[str]
 
-    def __post_init__(self) -> None:
-        if not self.session or not isinstance(self.session, str):
-            raise InvalidArgumentError(f"session must be a non-empty string, got {self.session!r}")
-        # float32 on the wire is what the session does by default for float32 parameters; it is
-        # also sent with every call (RemoteOptimizer), so only a narrower dtype becomes the
-        # session's default for other clients.
-        options = SessionOptions.from_spec(
-            self.optimizer, mode=self.mode, num_workers=self.num_workers, max_staleness=self.max_staleness,
-            staleness_policy=self.staleness_policy, wire_dtype=self.wire_dtype, allow_nonfinite=self.allow_nonfinite,
-            min_workers=self.min_workers, max_workers=self.max_workers, lease_s=self.lease_s,
-            straggler_s=self.straggler_s, late=self.late)
-        if options.wire_dtype == "float32":
-            options = dataclasses.replace(options, wire_dtype=None)
-        object.__setattr__(self, "options", options)
+    def __init__(self, optimizer: Mapping[str, Any], session: str, *, overlap: bool = False, **options: Any):
+        if not session or not isinstance(session, str):
+            raise InvalidArgumentError(f"session must be a non-empty string, got {session!r}")
+        requested = SessionOptions.from_spec(optimizer, **options)
+        created = dataclasses.replace(requested, wire_dtype=None) if requested.wire_dtype == "float32" else requested
+        for name, value in (("optimizer", optimizer), ("session", session), ("overlap", overlap),
+                            ("options", created), ("wire_dtype", requested.wire_dtype)):
+            object.__setattr__(self, name, value)
 
+    def __getattr__(self, name: str) -> Any:
+        """The session options read as attributes too (``config.mode``, ``config.num_workers``, ...)."""
+        if name != "options" and name in SessionOptions.__dataclass_fields__:
+            return getattr(self.options, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-# --- torch <-> numpy -------------------------------------------------------------------------
-
-
-def tensor_to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """The float32 NumPy values of ``tensor`` (same shape), without a copy where possible.
-
-    A float32 CPU tensor is returned as a view of its storage (modify neither while the other
-    is in use). bfloat16 goes through its raw 16 bits (an int16 view widened by a shift,
-    exact); float16 / float64 are converted; CUDA tensors are copied to the host first.
-    """
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.to("cpu", non_blocking=False)
-    if tensor.dtype == torch.float32:
-        return tensor.numpy()
-    if tensor.dtype == torch.bfloat16:
-        bits = tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
-        return contract.bf16_bits_to_f32(bits)
-    if tensor.dtype in (torch.float16, torch.float64):
-        return tensor.numpy().astype(np.float32)
-    raise TypeError(f"optserve trains floating-point parameters only, got dtype {tensor.dtype}")
-
-
-def gradient_to_numpy(grad: torch.Tensor) -> np.ndarray:
-    """A gradient's NumPy values for a push: like :func:`tensor_to_numpy`, except bfloat16.
-
-    A bfloat16 CPU gradient is sent as its own 16 bits when ``ml_dtypes`` is importable (a
-    zero-copy view; the server widens it exactly to float32, so the values are identical)
-    and widened to float32 here otherwise.
-    """
-    if grad.dtype == torch.bfloat16 and grad.device.type == "cpu" and _ml_bfloat16() is not None:
-        return grad.detach().contiguous().view(torch.int16).numpy().view(_ml_bfloat16())
-    return tensor_to_numpy(grad)
-
-
-@functools.cache
-def _ml_bfloat16() -> Optional[np.dtype]:
-    """ml_dtypes' bfloat16, imported on first use (the client never imports it at import time)."""
-    try:  # optional: present wherever jax is, never required by the client
-        import ml_dtypes
-    except ImportError:
-        return None
-    return np.dtype(ml_dtypes.bfloat16)
-
-
-def _viewed_without_copy(grad: torch.Tensor) -> bool:
-    """Whether :func:`gradient_to_numpy` returns a view of ``grad``'s storage."""
-    if grad.device.type != "cpu":
-        return False
-    return grad.dtype == torch.float32 or (grad.dtype == torch.bfloat16 and _ml_bfloat16() is not None)
-
-
-def write_numpy_(target: torch.Tensor, values: np.ndarray) -> None:
-    """Copies ``values`` into ``target`` in place, converting dtype (rounding) and device.
-
-    ``values`` may be read-only (a view of received bytes); it is only read.
-    """
-    if tuple(values.shape) != tuple(target.shape):
-        raise ValueError(f"shape {tuple(values.shape)} from the server does not match the parameter's {tuple(target.shape)}")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        source = torch.from_numpy(np.asarray(values))
-    with torch.no_grad():
-        target.copy_(source)
+    def with_session(self, session: str) -> "RemoteOptimizerConfig":
+        """The same configuration for session ``session``."""
+        renamed = copy.copy(self)
+        object.__setattr__(renamed, "session", session)
+        return renamed
 
 
 # --- the optimizer -----------------------------------------------------------------------------
@@ -191,14 +127,15 @@ class RemoteOptimizer(torch.optim.Optimizer):
         attaches to it (its tensor names must match) and loads its current parameters into the
         model; the attach is refused with ``FailedPreconditionError`` (naming the difference) if
         the session's optimizer (name, args, preconditioners) or mode differs from this one's.
-      mode, num_workers, max_staleness, staleness_policy, wire_dtype, allow_nonfinite, overlap,
-      min_workers, max_workers, lease_s, straggler_s, late: see :class:`RemoteOptimizerConfig`.
+      overlap: see :class:`RemoteOptimizerConfig`.
       worker_id: the worker this optimizer pushes as (elastic sessions' member id; default generated).
       token, tls, client_cert, tls_server_name: with an address, the security settings of the
         ``Client`` this optimizer opens (see ``optserve.client.Client``); ignored when
         ``address`` is a ``Client`` (its own settings apply).
       shared_memory: with an address, ``Client(shared_memory=...)``: "auto" (default) moves the
         tensor bytes through shared memory where a shard proves it is on this host.
+      options: the session's other options by keyword (``mode``, ``num_workers``, ``wire_dtype``,
+        ...: the fields of :class:`~optserve.client.SessionOptions`; see :class:`RemoteOptimizerConfig`).
 
     Attributes:
       created: whether this optimizer created the session (``False``: it attached).
@@ -214,43 +151,19 @@ class RemoteOptimizer(torch.optim.Optimizer):
         optimizer: Mapping[str, Any],
         *,
         session: Optional[str] = None,
-        mode: str = "sync",
-        num_workers: int = 1,
-        max_staleness: Optional[int] = None,
-        staleness_policy: str = "reject",
-        wire_dtype: Optional[str] = None,
-        allow_nonfinite: bool = False,
         overlap: bool = False,
-        min_workers: Optional[int] = None,
-        max_workers: Optional[int] = None,
-        lease_s: float = 5.0,
-        straggler_s: Optional[float] = None,
-        late: str = "drop",
         worker_id: Optional[str] = None,
         token: Optional[str] = None,
         tls: TLSArg = False,
         client_cert: Optional[ClientCert] = None,
         tls_server_name: Optional[str] = None,
         shared_memory: Union[bool, str] = "auto",
+        **options: Any,
     ):
-        self.config = RemoteOptimizerConfig(
-            optimizer=optimizer,
-            session=session or f"torch-{uuid.uuid4().hex[:12]}",
-            mode=mode,
-            num_workers=num_workers,
-            max_staleness=max_staleness,
-            staleness_policy=staleness_policy,
-            wire_dtype=wire_dtype,
-            allow_nonfinite=allow_nonfinite,
-            overlap=overlap,
-            min_workers=min_workers,
-            max_workers=max_workers,
-            lease_s=lease_s,
-            straggler_s=straggler_s,
-            late=late,
-        )
+        self.config = RemoteOptimizerConfig(optimizer, session or f"torch-{uuid.uuid4().hex[:12]}", overlap=overlap,
+                                            **options)
         self._worker_id = worker_id
-        self._named = _checked_named_parameters(named_parameters)
+        self._named = checked_named_parameters(named_parameters)
         self._tensors_fixed = False
         super().__init__([p for _, p in self._named], defaults={})
         self._tensors_fixed = True
@@ -266,7 +179,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             raise
         self._stepper = DelayedStepper(self._session) if overlap else None
         # Per call, so that a worker attaching to an existing session still gets its own choice.
-        self._wire = {"wire_dtype": wire_dtype} if wire_dtype is not None else {}
+        self._wire = {"wire_dtype": self.config.wire_dtype} if self.config.wire_dtype is not None else {}
         self.stale_pushes = 0
         if self.created:
             self.version = self._session.version
@@ -366,7 +279,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             "version": int(self.version),
             "tensor_names": self.tensor_names,
             "optimizer": self.config.options.spec,
-            "mode": self.config.mode,
+            "mode": self.config.options.mode,
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -388,7 +301,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if state_dict["session"] != self.config.session:
             self._session.detach()
             self._session = self._client.session(state_dict["session"])
-            self.config = dataclasses.replace(self.config, session=state_dict["session"])
+            self.config = self.config.with_session(state_dict["session"])
             if self._stepper is not None:
                 self._stepper = DelayedStepper(self._session)
         self._pull_into_model()
@@ -462,31 +375,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"tensor {name!r}: sparse gradients are not supported")
             else:
                 g = gradient_to_numpy(p.grad)
-                if copy and _viewed_without_copy(p.grad):
+                if copy and viewed_without_copy(p.grad):
                     g = g.copy()  # a view of .grad, which the next backward may overwrite in place
                 grads[name] = g
         return grads
-
-
-def _checked_named_parameters(named_parameters) -> list[tuple[str, torch.nn.Parameter]]:
-    named = []
-    for item in named_parameters:
-        if isinstance(item, torch.Tensor) or not (isinstance(item, tuple) and len(item) == 2):
-            raise TypeError("RemoteOptimizer needs (name, parameter) pairs: pass model.named_parameters(), not "
-                            "model.parameters() (the session's tensors are named)")
-        if item[1].requires_grad:
-            named.append((str(item[0]), item[1]))
-    if not named:
-        raise ValueError("RemoteOptimizer got no parameters that require grad")
-    seen: set[str] = set()
-    for name, p in named:
-        if name in seen:
-            raise ValueError(f"parameter name {name!r} appears twice; names must be unique")
-        seen.add(name)
-        if not p.is_floating_point():
-            raise TypeError(f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters train")
-    return named
-
-
-
-from optserve.client._diloco_torch import DiLoCo  # noqa: E402, F401  (re-exported; it builds on this module's conversions)

@@ -27,22 +27,13 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from optserve.demo import (
-    DemoConfig,
-    DigitsSplit,
-    RunResult,
-    _data_path_line,
-    drive_workers,
-    embedded_server,
-    evaluate,
-    make_model,
-    optimizer_spec,
-    print_table,
-    start_workers,
-    stop_workers,
-    write_plot,
-    write_summary,
-)
+from optserve.demo.config import DemoConfig
+from optserve.demo.digits import DigitsSplit, evaluate, make_model
+from optserve.demo.embedded_server import embedded_server
+from optserve.demo.optimizers import optimizer_spec
+from optserve.demo.report import RunResult, print_table, write_plot, write_summary
+from optserve.demo.worker_processes import data_path_line, drive_workers, start_workers, stop_workers
+from optserve.protos import contract
 
 RUNS = ("diloco", "sync")  # the phases of the worker processes, in order
 
@@ -54,8 +45,6 @@ def wire_payload_bytes(sizes: Iterable[int], wire_dtype: Optional[str]) -> int:
     """Payload bytes of one push of float32 tensors with ``sizes`` elements each, sent as
     ``wire_dtype``: 4 / 2 bytes per value, or for ``"int8"`` 1 byte per value plus one float32
     scale per block of ``INT8_BLOCK`` values of each tensor (no message framing)."""
-    from optserve.protos import contract
-
     sizes = [int(n) for n in sizes]
     if wire_dtype == contract.INT8_NAME:
         return sum(n + 4 * -(-n // contract.INT8_BLOCK) for n in sizes)
@@ -210,7 +199,7 @@ def run_comparison(cfg: DemoConfig, address: str, data: DigitsSplit) -> list[Com
             owners.append((model, _WORKERS[run](model, tasks[0], "owner")))  # never steps
         for phase, run in enumerate(RUNS):
             seen = drive_workers(procs, queues[phase], gos[phase], steps, cfg.progress, labels[run],
-                                 on_ready=(lambda paths: print(_data_path_line(paths, cfg), flush=True))
+                                 on_ready=(lambda paths: print(data_path_line(paths, cfg), flush=True))
                                  if phase == 0 else (lambda paths: None))
             model, owner = owners[phase]
             _load_final(model, owner.session)

@@ -36,6 +36,7 @@ import math
 import numbers
 from typing import Any, Iterator, Mapping, Optional
 
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
@@ -340,8 +341,6 @@ def _scalar(value: Any, integral: bool) -> tuple[Optional[float], Optional[str]]
 
 
 def _dtype_violation(value: Any) -> Optional[str]:
-    import jax.numpy as jnp
-
     try:
         resolved = jnp.dtype(value)
     except Exception:  # noqa: BLE001 -- whatever jnp.dtype cannot read is not a dtype

@@ -10,7 +10,7 @@ tensor are sent:
 - an :class:`Int8Gradient` (blockwise quantized float32 gradient, wire dtype
   :data:`~optserve.protos.contract.INT8`). Each chunk holds whole blocks' int8 values followed
   by their float32 scales; ``offset`` is the chunk's first *element*
-  (:func:`~optserve.protos.contract.int8_chunk_parts`).
+  (:func:`~optserve.protos.int8_codec.int8_chunk_parts`).
 
 Either kind comes in two forms:
 
@@ -21,7 +21,7 @@ Either kind comes in two forms:
   ``PushPullStep``).
 
 Decoding is the receiver's: :func:`~optserve.protos.contract.write_wire_values` and
-:func:`~optserve.protos.contract.write_int8_values` write one chunk into a slice of an array.
+:func:`~optserve.protos.int8_codec.write_int8_values` write one chunk into a slice of an array.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from typing import Iterator, Optional, Union
 
 import numpy as np
 
-from optserve.protos import chunk_codec, contract
+from optserve.protos import chunk_codec, contract, int8_codec
 from optserve.protos.optserve.v1 import tensor_pb2
 
 
 class Int8Gradient:
-    """A float32 gradient quantized for the wire (:func:`~optserve.protos.contract.quantize_int8`).
+    """A float32 gradient quantized for the wire (:func:`~optserve.protos.int8_codec.quantize_int8`).
 
     ``quantized``: int8, flat, one per element; ``scales``: float32, one per block of
     :data:`~optserve.protos.contract.INT8_BLOCK` elements; ``shape``: the gradient's shape.
@@ -81,14 +81,14 @@ def float_tensor_chunks(name: str, array: np.ndarray, wire: int, chunk_bytes: in
 def int8_chunk_messages(name: str, grad: Int8Gradient, chunk_bytes: int) -> Iterator[bytes]:
     """The serialized ``{chunk: ...}`` messages of an int8 gradient; each chunk's values and scales
     are copied once, straight into the message."""
-    for offset, parts in contract.int8_chunk_parts(grad.quantized, grad.scales, chunk_bytes):
+    for offset, parts in int8_codec.int8_chunk_parts(grad.quantized, grad.scales, chunk_bytes):
         yield chunk_codec.encode_chunk_message_parts(name, contract.INT8, grad.shape, offset, parts)
 
 
 def int8_tensor_chunks(name: str, grad: Int8Gradient, chunk_bytes: int) -> Iterator[tensor_pb2.TensorChunk]:
     """The ``TensorChunk`` messages of an int8 gradient."""
     shape = list(grad.shape)
-    for offset, data in contract.int8_slices(grad.quantized, grad.scales, chunk_bytes):
+    for offset, data in int8_codec.int8_slices(grad.quantized, grad.scales, chunk_bytes):
         yield tensor_pb2.TensorChunk(name=name, dtype=contract.INT8, shape=shape, offset=offset, data=data)
 
 

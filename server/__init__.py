@@ -1,19 +1,28 @@
 """The optserve server: a coordinator (control plane) and shard actors (data plane) on Ray.
 
-Three layers, imports pointing down only (``tests/test_layers.py`` enforces it):
+Layers, imports pointing down only (``tests/test_layers.py`` enforces it):
 
-wire/     control_servicer.py (Control), shard_servicer.py (ShardData), clock_service.py (the
-          session clock between shards), convert.py (proto <-> domain records), errors.py (the
-          one table of domain errors -> gRPC status codes)
-domain/   config.py (typed, validated configuration), coordinator.py (sessions, shard map),
-          placement.py, staleness.py, clock.py (versions, tickets, votes, cross-shard sums),
-          shard_session.py (one session on one shard: staging, idempotency, ticket order, sync
-          averaging, rejections), assembly.py (chunks -> validated buffers), errors.py
+wire/     control_servicer.py (Control), shard_servicer.py (ShardData; its PushPull stream in
+          push_pull.py with push_framings.py, open_streams.py, data_requests.py, data_replies.py),
+          clock_service.py (the session clock between shards: PeerClock), convert.py (proto <->
+          domain records), errors.py (the one table of domain errors -> gRPC status codes)
+domain/   config.py (typed, validated configuration); the coordinator: coordinator.py over
+          session_table.py (one entry per session, its state and transitions), session_records.py,
+          session_restore.py; placement.py, staleness.py; the session clock, the session-wide
+          ordering authority: clock.py (the Clock protocol, HomeClock) over clock_state.py,
+          votes.py, cross_shard_sums.py, rounds.py (elastic rounds); one session on one shard:
+          shard_session.py (the facade: initial values, receive, read, status), staging.py,
+          step_runner.py (decided tickets applied in order), apply_queue.py (the shard's apply
+          queue), step_journal.py (the durable step: log space, log order, recovery, checkpoints,
+          restore) with durability.py (policy, records, the StepLogPort / CheckpointPort storage
+          implements) and replay.py; assembly.py (chunks -> validated buffers), errors.py
+storage/  the versioned on-disk format: the step log and ticket journal, checkpoints, the catalog
 compute/  updater.py (parameters, optimizer state, one jitted donated step), buffers.py,
           root_offload.py (where matrix roots are computed), preconditioner_pool.py and
-          preconditioner_worker.py (the workers that compute them)
+          preconditioner_worker.py (the workers that compute them), heap.py
+ops/      what operators see: metrics, logs, health, leases, the shard watch
 
-On top, the process hosts that wire the three together: app.py (``start_server(config)``),
-cli.py (``optserve serve``), shard_actor.py (the Ray actor and the coordinator's handle on it).
-docs/ARCHITECTURE.md walks one step through them.
+On top, the process hosts that wire the layers together: app.py (``start_server(config)``),
+cli.py (``optserve serve``), shard_actor.py (the Ray actor), shard_fleet.py (the coordinator's
+handle on the actors), preflight.py. docs/ARCHITECTURE.md walks one step through them.
 """

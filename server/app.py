@@ -4,6 +4,9 @@
 checked without starting anything is checked first, in about a second: the checkpoint folder's
 lock (one server per folder), the ports to listen on, and the Ray cluster to join
 (:class:`~optserve.server.preflight.StartError`).
+
+Ray, the shard fleet (Ray and, through the shard actor, JAX) and the metrics endpoint
+(prometheus) are imported by the steps that start them, so importing this module stays light.
 """
 
 from __future__ import annotations
@@ -15,11 +18,26 @@ import os
 from concurrent import futures
 from typing import Callable, Optional
 
+import grpc
+
+from optserve.protos import contract
+from optserve.server.compute.preconditioner_pool import PoolConfig, PreconditionerPool, start_workers
 from optserve.server.domain.config import ServerConfig
+from optserve.server.domain.coordinator import Coordinator
 from optserve.server.domain.events import log_event
+from optserve.server.ops.health import Health, enable_reflection
+from optserve.server.ops.leases import SessionLeases
+from optserve.server.ops.shard_watch import ShardWatch
 from optserve.server.preflight import StartError, check_ports, probe_ray_address  # noqa: F401 - StartError: what start_server raises
+from optserve.server.storage import SessionCatalog
+from optserve.server.storage.dir_lock import DirLock
+from optserve.server.wire.control_servicer import ControlServicer, add_to_server as add_control_to_server
+from optserve.server.wire.limits import server_options
+from optserve.server.wire.security import ServerSecurity
 
 log = logging.getLogger(__name__)
+
+_ANY_INTERFACE = ("0.0.0.0", "", "::", "[::]")
 
 
 @dataclasses.dataclass
@@ -45,6 +63,55 @@ class RunningServer:
         self._stop()
 
 
+def start_server(config: ServerConfig) -> RunningServer:
+    """Starts the coordinator and ``config.shards`` shard actors; returns once all serve.
+
+    Before Ray starts or anything is written, a durable server locks its checkpoint folder for its
+    lifetime (released by ``stop()``), and the ports and the Ray cluster are checked.
+
+    Raises:
+      InvalidArgument: a TLS or token file cannot be read (naming the flag), before anything starts.
+      DirectoryLocked: another live server holds ``--checkpoint-dir`` (naming its pid and host).
+      StartError: a port cannot be listened on, or the Ray cluster to join does not answer.
+      Any other error starting a part: what was started is stopped first.
+    """
+    security = ServerSecurity.from_config(config)
+    teardown = contextlib.ExitStack()  # undone in reverse: by stop(), or at once if starting fails
+    try:
+        _check_and_lock(config, teardown)
+        pool = _start_precond_pool(config, teardown)
+        fleet = _start_fleet(config, security, pool, teardown)
+        coordinator = _start_coordinator(config, fleet, teardown)
+        address, health = _serve_control(config, security, coordinator, teardown)
+        health_address = _serve_health_port(config, health, teardown)
+        metrics_address = _serve_metrics(config, fleet, coordinator, teardown)
+        teardown.callback(health.draining)
+        health.serving()
+    except BaseException:
+        teardown.close()
+        raise
+    _log_started(config, address, fleet)
+
+    def drain():
+        health.draining()
+        fleet.drain()
+
+    return RunningServer(address, config, list(fleet.addresses), list(fleet.clock_addresses), teardown.close,
+                         pool.workers if pool is not None else [], metrics_address, health_address, drain, fleet)
+
+
+def _check_and_lock(config: ServerConfig, teardown: contextlib.ExitStack) -> None:
+    """A durable server's checkpoint folder locked (first, and released last: after the final
+    checkpoints), the ports checked, and Ray joined or started (stopped at teardown if started here)."""
+    if config.durability is not None:
+        teardown.callback(DirLock.acquire(config.durability.checkpoint_dir).release)
+    check_ports(config)
+    if _init_ray(config.ray_address, log_to_driver=config.log_level is not None):
+        import ray
+
+        teardown.callback(ray.shutdown)
+
+
 def _init_ray(address: str, log_to_driver: bool = False) -> bool:
     """Connects to (or starts) Ray; returns True if this call started a local instance.
     ``log_to_driver``: the actors' stderr (their log lines) is printed on this process's stderr.
@@ -65,115 +132,114 @@ def _init_ray(address: str, log_to_driver: bool = False) -> bool:
         return True
     # one namespace for optserve's drivers on a cluster: a restarted durable coordinator finds the
     # detached placement group (named in the driver's namespace) that its predecessor left
-    from optserve.server.shard_actor import DETACHED_NAMESPACE
+    from optserve.server.shard_fleet import DETACHED_NAMESPACE
 
     ray.init(address=address, namespace=DETACHED_NAMESPACE, include_dashboard=False, log_to_driver=log_to_driver,
              configure_logging=False)
     return False
 
 
-def start_server(config: ServerConfig) -> RunningServer:
-    """Starts the coordinator and ``config.shards`` shard actors; returns once all serve.
-
-    Before Ray starts or anything is written, a durable server locks its checkpoint folder for its
-    lifetime (released by ``stop()``), and the ports and the Ray cluster are checked.
-
-    Raises:
-      InvalidArgument: a TLS or token file cannot be read (naming the flag), before anything starts.
-      DirectoryLocked: another live server holds ``--checkpoint-dir`` (naming its pid and host).
-      StartError: a port cannot be listened on, or the Ray cluster to join does not answer.
-      Any other error starting a part: what was started is stopped first.
-    """
-    import grpc
+def _start_precond_pool(config: ServerConfig, teardown: contextlib.ExitStack) -> Optional[PreconditionerPool]:
+    """The preconditioner workers (None: ``--precond-workers 0``); a durable server's on a
+    cluster are detached, so they outlive this coordinator."""
+    if config.precond_workers <= 0:
+        return None
     import ray
 
-    from optserve.protos import contract
-    from optserve.server.domain.coordinator import Coordinator
-    from optserve.server.shard_actor import start_shards
-    from optserve.server.ops.shard_watch import ShardWatch
-    from optserve.server.wire.control_servicer import ControlServicer, add_to_server as add_control_to_server
-    from optserve.server.ops.health import Health, enable_reflection
-    from optserve.server.wire.limits import server_options
-    from optserve.server.wire.security import ServerSecurity
+    from optserve.server.shard_fleet import DETACHED_NAMESPACE, detached_prefix
 
-    security = ServerSecurity.from_config(config)
-    teardown = contextlib.ExitStack()  # undone in reverse: by stop(), or at once if starting fails
-    try:
-        if config.durability is not None:  # first, and released last: after the final checkpoints
-            from optserve.server.storage.dir_lock import DirLock
+    pool_config = PoolConfig(config.precond_workers, config.gpus_per_precond_worker, config.precond_f64)
+    detached = None
+    if config.durability is not None and config.ray_address != "local":  # outlive this coordinator
+        detached = (detached_prefix(config), DETACHED_NAMESPACE)
+    pool = PreconditionerPool(start_workers(pool_config, detached), pool_config)
+    teardown.callback(lambda: [ray.kill(worker) for worker in pool.workers])
+    return pool
 
-            teardown.callback(DirLock.acquire(config.durability.checkpoint_dir).release)
-        check_ports(config)
-        if _init_ray(config.ray_address, log_to_driver=config.log_level is not None):
-            teardown.callback(ray.shutdown)
-        pool = None
-        if config.precond_workers > 0:
-            from optserve.server.compute.preconditioner_pool import PoolConfig, PreconditionerPool, start_workers
 
-            pool_config = PoolConfig(config.precond_workers, config.gpus_per_precond_worker, config.precond_f64)
-            detached = None
-            if config.durability is not None and config.ray_address != "local":  # outlive this coordinator
-                from optserve.server.shard_actor import DETACHED_NAMESPACE, detached_prefix
+def _start_fleet(config: ServerConfig, security: ServerSecurity, pool: Optional[PreconditionerPool],
+                 teardown: contextlib.ExitStack):
+    """The shard actors, started (stopped at teardown)."""
+    from optserve.server.shard_fleet import start_shards
 
-                detached = (detached_prefix(config), DETACHED_NAMESPACE)
-            pool = PreconditionerPool(start_workers(pool_config, detached), pool_config)
-            teardown.callback(lambda: [ray.kill(worker) for worker in pool.workers])
-        fleet = start_shards(config, security, pool)
-        teardown.callback(_stop_fleet, fleet)
-        catalog = None
-        if config.durability is not None:
-            from optserve.server.storage import SessionCatalog
+    fleet = start_shards(config, security, pool)
+    teardown.callback(fleet.stop)
+    return fleet
 
-            catalog = SessionCatalog(config.durability.checkpoint_dir)
-            teardown.callback(_final_checkpoints, fleet)  # after the servers stopped, before the fleet
-        coordinator = Coordinator(fleet, min_shard_bytes=config.min_shard_bytes, catalog=catalog,
-                                  limits=config.limits)
-        if catalog is not None:
-            restored = coordinator.restore_all()
-            for index in range(config.shards):
-                fleet.recovered(index)
-            log.warning("event=sessions_restored count=%d lost=%d", len(restored), len(coordinator.lost_sessions()))
-        watch = ShardWatch(fleet, coordinator).start()  # stopped before the fleet (teardown runs in reverse)
-        teardown.callback(watch.stop)
-        if config.session_idle_s is not None:
-            from optserve.server.ops.leases import SessionLeases
 
-            leases = SessionLeases(coordinator, config.session_idle_s).start()
-            teardown.callback(leases.stop)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads),
-                             options=contract.SERVER_OPTIONS + server_options(config.limits),
-                             interceptors=security.interceptors(open_services=Health.OPEN_SERVICES))
-        add_control_to_server(ControlServicer(coordinator, security.tokens), server)
-        health = Health(server, ("optserve.v1.Control",))
-        enable_reflection(server, ("optserve.v1.Control",))
-        port = security.add_port(server, f"{config.host}:{config.port}")
-        server.start()
-        teardown.callback(lambda: server.stop(grace=0.5).wait())
-        host = "127.0.0.1" if config.host in ("0.0.0.0", "", "::", "[::]") else config.host
-        address = f"{host}:{port}"
-        health_address = None
-        if config.health_port is not None:  # plaintext, health only: for probes that cannot speak TLS
-            health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=contract.SERVER_OPTIONS)
-            health.serve_also_on(health_server)
-            health_address = f"{host}:{health_server.add_insecure_port(f'{config.host}:{config.health_port}')}"
-            health_server.start()
-            teardown.callback(lambda: health_server.stop(grace=0.5).wait())
-        metrics_address = None
-        if config.metrics_port is not None:
-            from optserve.server.ops.metrics import FleetCollector, serve_metrics
+def _start_coordinator(config: ServerConfig, fleet, teardown: contextlib.ExitStack) -> Coordinator:
+    """The coordinator over ``fleet`` (a durable one with every saved session restored), and the
+    operator threads that watch the shards and end idle sessions (stopped at teardown)."""
+    catalog = None
+    if config.durability is not None:
+        catalog = SessionCatalog(config.durability.checkpoint_dir)
+        teardown.callback(_final_checkpoints, fleet)  # after the servers stopped, before the fleet
+    coordinator = Coordinator(fleet, min_shard_bytes=config.min_shard_bytes, catalog=catalog, limits=config.limits)
+    if catalog is not None:
+        restored = coordinator.restore_all()
+        for index in range(config.shards):
+            fleet.recovered(index)
+        log.warning("event=sessions_restored count=%d lost=%d", len(restored), len(coordinator.lost_sessions()))
+    watch = ShardWatch(fleet, coordinator).start()  # stopped before the fleet (teardown runs in reverse)
+    teardown.callback(watch.stop)
+    if config.session_idle_s is not None:
+        leases = SessionLeases(coordinator, config.session_idle_s).start()
+        teardown.callback(leases.stop)
+    return coordinator
 
-            collector = FleetCollector(lambda: [f for f in fleet.shard_reports("metrics") if f is not None],
-                                       lambda: len(coordinator.list_all()))
-            metrics_server, metrics_port = serve_metrics(config.metrics_host, config.metrics_port, collector)
-            teardown.callback(metrics_server.server_close)
-            teardown.callback(metrics_server.shutdown)
-            metrics_address = f"{config.metrics_host}:{metrics_port}"
-            log.info("optserve metrics at http://%s/metrics", metrics_address)
-        teardown.callback(health.draining)
-        health.serving()
-    except BaseException:
-        teardown.close()
-        raise
+
+def _serve_control(config: ServerConfig, security: ServerSecurity, coordinator: Coordinator,
+                   teardown: contextlib.ExitStack) -> tuple[str, Health]:
+    """The Control gRPC server, started; returns its "host:port" and its health service."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads),
+                         options=contract.SERVER_OPTIONS + server_options(config.limits),
+                         interceptors=security.interceptors(open_services=Health.OPEN_SERVICES))
+    add_control_to_server(ControlServicer(coordinator, security.tokens), server)
+    health = Health(server, ("optserve.v1.Control",))
+    enable_reflection(server, ("optserve.v1.Control",))
+    port = security.add_port(server, f"{config.host}:{config.port}")
+    server.start()
+    teardown.callback(lambda: server.stop(grace=0.5).wait())
+    return f"{_advertised_host(config)}:{port}", health
+
+
+def _serve_health_port(config: ServerConfig, health: Health, teardown: contextlib.ExitStack) -> Optional[str]:
+    """``--health-port``: plaintext, health only, for probes that cannot speak TLS; its "host:port"
+    (None: off)."""
+    if config.health_port is None:
+        return None
+    health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=contract.SERVER_OPTIONS)
+    health.serve_also_on(health_server)
+    port = health_server.add_insecure_port(f"{config.host}:{config.health_port}")
+    health_server.start()
+    teardown.callback(lambda: health_server.stop(grace=0.5).wait())
+    return f"{_advertised_host(config)}:{port}"
+
+
+def _serve_metrics(config: ServerConfig, fleet, coordinator: Coordinator,
+                   teardown: contextlib.ExitStack) -> Optional[str]:
+    """``--metrics-port``: Prometheus metrics of every shard and the coordinator; its "host:port"
+    (None: off)."""
+    if config.metrics_port is None:
+        return None
+    from optserve.server.ops.metrics import FleetCollector, serve_metrics
+
+    collector = FleetCollector(lambda: [f for f in fleet.shard_reports("metrics") if f is not None],
+                               lambda: len(coordinator.list_all()))
+    metrics_server, metrics_port = serve_metrics(config.metrics_host, config.metrics_port, collector)
+    teardown.callback(metrics_server.server_close)
+    teardown.callback(metrics_server.shutdown)
+    metrics_address = f"{config.metrics_host}:{metrics_port}"
+    log.info("optserve metrics at http://%s/metrics", metrics_address)
+    return metrics_address
+
+
+def _advertised_host(config: ServerConfig) -> str:
+    """The host clients on this machine reach ``--host`` at (loopback for any interface)."""
+    return "127.0.0.1" if config.host in _ANY_INTERFACE else config.host
+
+
+def _log_started(config: ServerConfig, address: str, fleet) -> None:
     log_event(log, logging.INFO, "server_started", address=address, shards=",".join(fleet.addresses))
     if config.durability is None:
         log.warning("sessions are not durable: a shard process that dies loses the sessions it holds "
@@ -183,14 +249,6 @@ def start_server(config: ServerConfig) -> RunningServer:
         log.info("sessions are durable in %s: checkpoints every %d steps or %g s, step log fsync at %s",
                  d.checkpoint_dir, d.every_steps, d.every_s, d.fsync.value)
 
-    def drain():
-        health.draining()
-        for actor in fleet.actors:
-            actor.drain.remote()
-
-    return RunningServer(address, config, list(fleet.addresses), list(fleet.clock_addresses), teardown.close,
-                         pool.workers if pool is not None else [], metrics_address, health_address, drain, fleet)
-
 
 def _final_checkpoints(fleet) -> None:
     """Durable servers, stopping: a checkpoint of every session with steps since its last one."""
@@ -199,18 +257,3 @@ def _final_checkpoints(fleet) -> None:
         log.info("event=final_checkpoints written=%d", written)
     except Exception:  # noqa: BLE001 - the step logs still hold every acknowledged step
         log.exception("event=final_checkpoints_failed")
-
-
-def _stop_fleet(fleet) -> None:
-    """Stops and kills the shard actors, then frees their placement group."""
-    import ray
-    from ray.util.placement_group import remove_placement_group
-
-    for actor in fleet.actors:
-        try:
-            ray.get(actor.stop.remote(), timeout=10)
-        except Exception:  # noqa: BLE001 - best effort, the actor is killed next
-            pass
-        ray.kill(actor)
-    if fleet.placement_group is not None:
-        remove_placement_group(fleet.placement_group)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import io
 import logging
 import os
@@ -15,8 +16,17 @@ import signal
 import sys
 import threading
 import time
+from importlib.metadata import entry_points
 
-from optserve.server.ops.logs import LEVELS
+# Light modules only, none of which imports grpc (serve() sets GRPC_VERBOSITY before gRPC is first
+# imported) nor a server extra (``optserve status`` and ``demo`` run on a client-only install).
+from optserve.server.domain.config import Limits, ServerConfig
+from optserve.server.domain.durability import DurabilityConfig, FsyncPolicy, LogIO
+from optserve.server.domain.errors import InvalidArgument
+from optserve.server.ops.logs import LEVELS, configure_logging
+from optserve.server.preflight import StartError
+from optserve.server.storage.dir_lock import DirectoryLocked
+from optserve.server.storage.verify import verify_directory
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -32,6 +42,26 @@ def _parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="optserve", description="Optimizer-as-a-service.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the coordinator and its shard actors")
+    _add_placement_options(serve)
+    _add_security_options(serve)
+    _add_operator_options(serve)
+    _add_limit_options(serve)
+    _add_durability_options(serve)
+    checkpoint = sub.add_parser("checkpoint", help="offline tools for a --checkpoint-dir")
+    tools = checkpoint.add_subparsers(dest="tool", required=True)
+    verify = tools.add_parser("verify", help="check every checkpoint and step-log record of a --checkpoint-dir "
+                                             "(no server needed); exit status 0: intact, 1: torn tails only "
+                                             "(a restore cuts them), 3: corrupt")
+    verify.add_argument("directory", help="the server's --checkpoint-dir")
+    # applications on top (optserve.commands entry points): listed here, run by main() before parsing
+    sub.add_parser("demo", help="run the end-to-end demo", add_help=False)
+    sub.add_parser("status", help="sessions and shards of a running server", add_help=False)
+    sub.add_parser("report", help="plots and CSV of a session's loss and staleness", add_help=False)
+    return parser
+
+
+def _add_placement_options(serve: argparse.ArgumentParser) -> None:
+    """Where the server listens, the Ray cluster, and the shards and workers it starts there."""
     serve.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     serve.add_argument("--port", type=int, default=50051, help="Control port (0: pick a free one)")
     serve.add_argument("--shards", type=int, default=2, help="number of shard actors")
@@ -45,11 +75,21 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--min-shard-bytes", type=int, default=4 << 20,
                        help="a session spreads over only as many shards as give each this many parameter "
                             "bytes (default 4 MiB; 0: every session uses every shard)")
+
+
+def _add_security_options(serve: argparse.ArgumentParser) -> None:
+    """TLS, tenant tokens, and the explicit opt-out of both on a non-loopback interface."""
     serve.add_argument("--tls-cert", default=None, help="PEM certificate chain: TLS on every port")
     serve.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     serve.add_argument("--tls-client-ca", default=None, help="PEM CA that client certificates must chain to (mTLS)")
     serve.add_argument("--auth-tokens", default=None,
                        help="file of tenant tokens, one per line ('token [name]'); every call must carry one")
+    serve.add_argument("--insecure", action="store_true",
+                       help="allow a non-loopback --host/--shard-host without TLS and tokens")
+
+
+def _add_operator_options(serve: argparse.ArgumentParser) -> None:
+    """What operators see and tune: metrics, health, draining, expiry of idle work, logs."""
     serve.add_argument("--metrics-port", type=int, default=None,
                        help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0: a free port)")
     serve.add_argument("--metrics-host", default="127.0.0.1", help="interface of the metrics endpoint")
@@ -70,6 +110,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--verbose", action="store_true",
                        help="let Ray and gRPC print their own messages while the server starts (and gRPC's "
                             "afterwards); by default a failed start is one line on stderr, exit status 2")
+
+
+def _add_limit_options(serve: argparse.ArgumentParser) -> None:
+    """The bounds of :class:`~optserve.server.domain.config.Limits` (``Limits.FLAGS``)."""
     limits = serve.add_argument_group("limits", "exceeding one is RESOURCE_EXHAUSTED naming it (sizes in bytes)")
     limits.add_argument("--max-session-bytes", type=int, default=None,
                         help="parameter bytes of one session (default: 1/8 of this machine's memory)")
@@ -90,6 +134,10 @@ def _parser() -> argparse.ArgumentParser:
                              "(default: 1/8 of this machine's memory)")
     limits.add_argument("--max-streams-per-tenant", type=int, default=256,
                         help="PushPull calls one tenant may hold open on a shard")
+
+
+def _add_durability_options(serve: argparse.ArgumentParser) -> None:
+    """Checkpoints and step logs (:class:`~optserve.server.domain.durability.DurabilityConfig`)."""
     durable = serve.add_argument_group("durability (sessions survive process crashes and restarts)")
     durable.add_argument("--checkpoint-dir", default=None,
                          help="folder for checkpoints and step logs: turns durability on (a restart with the same "
@@ -113,18 +161,6 @@ def _parser() -> argparse.ArgumentParser:
                          help="write each step's log record before its update runs, so a step whose write fails "
                               "(EIO) is applied nowhere on its shard; costs the write's time on every step (by "
                               "default the record is written while the update runs)")
-    serve.add_argument("--insecure", action="store_true",
-                       help="allow a non-loopback --host/--shard-host without TLS and tokens")
-    checkpoint = sub.add_parser("checkpoint", help="offline tools for a --checkpoint-dir")
-    tools = checkpoint.add_subparsers(dest="tool", required=True)
-    verify = tools.add_parser("verify", help="check every checkpoint and step-log record of a --checkpoint-dir "
-                                             "(no server needed); exit status 0: intact, 1: torn tails only "
-                                             "(a restore cuts them), 3: corrupt")
-    verify.add_argument("directory", help="the server's --checkpoint-dir")
-    sub.add_parser("demo", help="run the end-to-end demo", add_help=False)
-    sub.add_parser("status", help="sessions and shards of a running server", add_help=False)
-    sub.add_parser("report", help="plots and CSV of a session's loss and staleness", add_help=False)
-    return parser
 
 
 SERVER_EXTRA = "pip install -e '.[server]'"  # what a client-only install lacks to serve
@@ -149,8 +185,6 @@ def _quiet_start():
     actors' output Ray forwards, warnings) is held, then printed if the start succeeds and dropped
     if it fails (the failure is then one line). optserve's own log handler writes to the real
     stderr throughout."""
-    import faulthandler
-
     import ray  # noqa: F401 - importing ray sets its logger up (and its level), so import it first
 
     if not faulthandler.is_enabled():  # what ray.init does, which it cannot with sys.stderr held
@@ -182,35 +216,13 @@ def serve(args: argparse.Namespace) -> int:
     in a few seconds at most, before Ray starts."""
     if not args.verbose:
         _quiet_grpc()
-    try:
+    try:  # the whole server: gRPC and its health and reflection services, then Ray and JAX as it starts
         from optserve.server.app import start_server
-        from optserve.server.preflight import StartError
-        from optserve.server.domain.config import Limits, ServerConfig
-        from optserve.server.domain.durability import DurabilityConfig, FsyncPolicy, LogIO
-        from optserve.server.domain.errors import InvalidArgument
-        from optserve.server.storage.dir_lock import DirectoryLocked
     except ImportError as exc:
         print(_not_installed(exc), file=sys.stderr)
         return 2
     try:
-        limits = Limits(**{name: getattr(args, name) for name in Limits.FLAGS if getattr(args, name) is not None})
-        config = ServerConfig(
-            host=args.host, port=args.port, shards=args.shards, ray_address=args.ray_address,
-            gpus_per_shard=args.gpus_per_shard, shard_host=args.shard_host, precond_workers=args.precond_workers,
-            gpus_per_precond_worker=args.gpus_per_precond_worker, precond_f64=args.precond_f64,
-            min_shard_bytes=args.min_shard_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key,
-            tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens, insecure=args.insecure,
-            metrics_port=args.metrics_port, metrics_host=args.metrics_host, drain_s=args.drain_s,
-            health_port=args.health_port, staged_push_ttl_s=args.staged_push_ttl_s, limits=limits,
-            session_idle_s=args.session_idle_s, log_level=args.log_level,
-            durability=None if args.checkpoint_dir is None else DurabilityConfig(
-                args.checkpoint_dir, every_steps=args.checkpoint_every_steps, every_s=args.checkpoint_every_s,
-                max_log_bytes=args.max_log_bytes, fsync=FsyncPolicy(args.fsync),
-                fsync_every_steps=args.fsync_every_steps, log_io=LogIO(args.log_io),
-                write_ahead=args.write_ahead),
-        )
-        from optserve.server.ops.logs import configure_logging
-
+        config = _server_config(args)
         configure_logging(config.log_level)
         with contextlib.nullcontext() if args.verbose else _quiet_start():
             running = start_server(config)
@@ -228,9 +240,33 @@ def serve(args: argparse.Namespace) -> int:
         more = "" if args.verbose else " (--verbose shows Ray's and gRPC's own messages)"
         print(f"optserve serve: could not start: {type(exc).__name__}: {detail}{more}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    _announce(running, config)
+    _serve_until_signalled(running, config)
+    return 0
+
+
+def _server_config(args: argparse.Namespace) -> ServerConfig:
+    """``optserve serve``'s flags as a validated :class:`ServerConfig` (InvalidArgument naming a bad one)."""
+    limits = Limits(**{name: getattr(args, name) for name in Limits.FLAGS if getattr(args, name) is not None})
+    return ServerConfig(
+        host=args.host, port=args.port, shards=args.shards, ray_address=args.ray_address,
+        gpus_per_shard=args.gpus_per_shard, shard_host=args.shard_host, precond_workers=args.precond_workers,
+        gpus_per_precond_worker=args.gpus_per_precond_worker, precond_f64=args.precond_f64,
+        min_shard_bytes=args.min_shard_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens, insecure=args.insecure,
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host, drain_s=args.drain_s,
+        health_port=args.health_port, staged_push_ttl_s=args.staged_push_ttl_s, limits=limits,
+        session_idle_s=args.session_idle_s, log_level=args.log_level,
+        durability=None if args.checkpoint_dir is None else DurabilityConfig(
+            args.checkpoint_dir, every_steps=args.checkpoint_every_steps, every_s=args.checkpoint_every_s,
+            max_log_bytes=args.max_log_bytes, fsync=FsyncPolicy(args.fsync),
+            fsync_every_steps=args.fsync_every_steps, log_io=LogIO(args.log_io),
+            write_ahead=args.write_ahead),
+    )
+
+
+def _announce(running, config: ServerConfig) -> None:
+    """What a started server prints on stdout: its address, its durability, its metrics endpoint."""
     print(f"optserve listening on {running.address}", flush=True)
     if config.durability is None:
         print("optserve: sessions are not durable: a shard process that dies loses the sessions it holds "
@@ -241,6 +277,13 @@ def serve(args: argparse.Namespace) -> int:
               f"{'write-ahead' if config.durability.write_ahead else 'overlapped'})", flush=True)
     if running.metrics_address:
         print(f"optserve metrics at http://{running.metrics_address}/metrics", flush=True)
+
+
+def _serve_until_signalled(running, config: ServerConfig) -> None:
+    """Serves until SIGINT / SIGTERM, then drains for ``--drain-s`` and stops."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(0.5):
         pass
     print("optserve draining", flush=True)
@@ -248,14 +291,11 @@ def serve(args: argparse.Namespace) -> int:
     time.sleep(config.drain_s)
     print("optserve shutting down", flush=True)
     running.stop()
-    return 0
 
 
 def _plugin_command(name: str):
     """The ``main(argv) -> int`` registered as ``name`` in the ``optserve.commands`` entry points
     (applications built on optserve, such as the demo), or None."""
-    from importlib.metadata import entry_points
-
     for entry in entry_points(group="optserve.commands", name=name):
         return entry.load()
     return None
@@ -294,12 +334,10 @@ def verify_checkpoints(directory: str) -> int:
     """``optserve checkpoint verify DIR``: one line per file (its state, its path, what was found)
     and a summary; returns the report's exit status (2: not a checkpoint directory)."""
     try:
-        from optserve.server.storage.verify import verify_directory
-    except ImportError as exc:
+        report = verify_directory(directory)
+    except ImportError as exc:  # orbax, which reads the checkpoints' arrays: a server extra
         print(f"optserve checkpoint: the server is not installed ({SERVER_EXTRA}): {exc}", file=sys.stderr)
         return 2
-    try:
-        report = verify_directory(directory)
     except (FileNotFoundError, NotADirectoryError) as exc:
         print(f"optserve checkpoint verify: {exc}", file=sys.stderr)
         return 2

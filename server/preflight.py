@@ -179,7 +179,7 @@ def _not_a_gcs(address: str, deadline: float) -> Optional[str]:
     """
     if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
         return None
-    import grpc
+    import grpc  # here, not at the top: the CLI imports this module before it sets GRPC_VERBOSITY
 
     try:
         from ray.core.generated import gcs_service_pb2

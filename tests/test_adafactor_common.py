@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from optserve.optim_kernels.adafactor import links
+from optserve.optim_kernels.adafactor import second_moment
 from optserve.optim_kernels.adafactor import adafactor, adafactor_hf, adafactor_t2t
 from optserve.optim_kernels.adafactor.factoring import FactorSpec
 
@@ -120,8 +120,8 @@ def test_update_clipping_of_a_factored_block_equals_clipping_the_written_out_upd
     rng = np.random.default_rng(3)
     grads = {"w": jnp.asarray(rng.normal(size=shape) * rng.uniform(0.1, 10, size=shape), jnp.float32)}
     factoring = lambda path, s: spec  # noqa: E731
-    clipped = links.scale_by_factored_rms(factoring, 0.5, 1e-30, clipping_threshold=0.3)
-    unclipped = links.scale_by_factored_rms(factoring, 0.5, 1e-30)
+    clipped = second_moment.scale_by_factored_rms(factoring, 0.5, 1e-30, clipping_threshold=0.3)
+    unclipped = second_moment.scale_by_factored_rms(factoring, 0.5, 1e-30)
     got, _ = jax.jit(clipped.update)(grads, clipped.init(grads))
     u, _ = jax.jit(unclipped.update)(grads, unclipped.init(grads))
     u = np.asarray(u["w"], np.float64)

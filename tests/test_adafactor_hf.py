@@ -9,7 +9,7 @@ import torch
 from transformers.optimization import Adafactor as TorchAdafactor
 
 from optserve.optim_kernels.adafactor import adafactor_hf
-from optserve.optim_kernels.adafactor.links import FactoredRmsState, MomentumState
+from optserve.optim_kernels.adafactor import FactoredRmsState, MomentumState
 
 # 0-D to 4-D, with dims of size 1 in factored positions.
 SHAPES = {

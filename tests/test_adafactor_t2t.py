@@ -10,7 +10,7 @@ from transformers.optimization import Adafactor as TorchAdafactor
 
 from optserve.optim_kernels.adafactor import schedules
 from optserve.optim_kernels.adafactor import adafactor_t2t
-from optserve.optim_kernels.adafactor.links import FactoredRmsState
+from optserve.optim_kernels.adafactor.second_moment import FactoredRmsState
 
 
 def _find(state, kind):

@@ -8,7 +8,7 @@ import pytest
 
 from optserve.optim_kernels import build_optimizer
 from optserve.optim_kernels.adafactor import adafactor, adafactor_partial_statistic
-from optserve.optim_kernels.adafactor.links import FactoredRmsState, MomentumState
+from optserve.optim_kernels.adafactor import FactoredRmsState, MomentumState
 from optserve.optim_kernels.adafactor.factoring import FactorDim, standard_logical_factor_rules
 
 B, R, C = FactorDim.BATCH, FactorDim.ROW, FactorDim.COLUMN

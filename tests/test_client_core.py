@@ -4,6 +4,7 @@ records (no server). The contract itself (every dtype pair, slicing, clamping) i
 from __future__ import annotations
 
 import collections
+import dataclasses
 import subprocess
 import sys
 
@@ -13,7 +14,7 @@ import pytest
 
 from optserve.client import _wire
 from optserve.client.errors import InvalidArgumentError
-from optserve.protos import contract
+from optserve.protos import contract, tensor_chunks
 
 
 def test_client_imports_neither_jax_nor_ray_nor_ml_dtypes():
@@ -46,7 +47,7 @@ def test_bf16_conversion_rounds_to_nearest_even_like_ml_dtypes():
 @pytest.mark.parametrize("wire", [contract.FLOAT32, contract.BFLOAT16, contract.FLOAT16])
 def test_chunks_cover_the_tensor_in_order_and_reassemble(wire):
     array = np.random.default_rng(1).standard_normal((700, 1000)).astype(np.float32)  # 2.8 MB
-    chunks = list(_wire.iter_chunks("w", array, wire, contract.clamp_chunk_bytes(1 << 20)))
+    chunks = list(tensor_chunks.float_tensor_chunks("w", array, wire, contract.clamp_chunk_bytes(1 << 20)))
     assert len(chunks) == -(-array.size * contract.ITEMSIZE[wire] // (1 << 20))
     assert all(len(c.data) <= 1 << 20 for c in chunks)
     assert [c.offset for c in chunks] == sorted(c.offset for c in chunks)
@@ -71,7 +72,7 @@ def test_chunk_size_is_clamped_to_the_contract_range_64_kib_to_4_mib():
 
 def test_incomplete_pull_is_an_error_naming_the_tensor():
     assembler = _wire.Reassembler({"w": (contract.FLOAT32, (4,))})
-    assembler.add(next(_wire.iter_chunks("w", np.zeros(2, np.float32), contract.FLOAT32, 1 << 20)))
+    assembler.add(next(tensor_chunks.float_tensor_chunks("w", np.zeros(2, np.float32), contract.FLOAT32, 1 << 20)))
     with pytest.raises(InvalidArgumentError, match="2 of 4 elements of tensor 'w'"):
         assembler.finish()
 
@@ -87,7 +88,7 @@ def test_reassembler_writes_into_given_arrays_when_they_fit():
     wrong = np.zeros((2,), np.float32)
     assembler = _wire.Reassembler({"w": (contract.FLOAT32, (3, 4)), "b": (contract.FLOAT32, (3,))}, {"w": reuse, "b": wrong})
     for name, value in {"w": np.ones((3, 4), np.float32), "b": np.ones(3, np.float32)}.items():
-        for chunk in _wire.iter_chunks(name, value, contract.FLOAT32, 1 << 20):
+        for chunk in tensor_chunks.float_tensor_chunks(name, value, contract.FLOAT32, 1 << 20):
             assembler.add(chunk)
     out = assembler.finish()
     assert out["w"] is reuse and (reuse == 1).all()
@@ -99,7 +100,7 @@ def test_hand_encoded_chunk_messages_match_the_generated_classes():
     from optserve.protos.optserve.v1 import data_pb2, tensor_pb2
 
     array = np.arange(12, dtype=np.float32).reshape(3, 4)
-    for message in _wire.iter_chunk_messages("layer/w", array, contract.FLOAT32, 1 << 20):
+    for message in tensor_chunks.float_chunk_messages("layer/w", array, contract.FLOAT32, 1 << 20):
         for request_type in (data_pb2.PushRequest, data_pb2.PushPullRequest, data_pb2.InitTensorsRequest):
             parsed = request_type.FromString(message).chunk
             assert (parsed.name, parsed.dtype, list(parsed.shape), parsed.offset) == ("layer/w", contract.FLOAT32, [3, 4], 0)
@@ -117,11 +118,11 @@ def test_reassembler_accepts_an_empty_tensor_and_refuses_misaligned_chunks():
     from optserve.protos.optserve.v1 import tensor_pb2
 
     assembler = _wire.Reassembler({"e": (contract.FLOAT32, (0, 3)), "w": (contract.BFLOAT16, (2,))})
-    for chunk in _wire.iter_chunks("e", np.zeros((0, 3), np.float32), contract.FLOAT32, 1 << 20):
+    for chunk in tensor_chunks.float_tensor_chunks("e", np.zeros((0, 3), np.float32), contract.FLOAT32, 1 << 20):
         assembler.add(chunk)
     with pytest.raises(InvalidArgumentError, match="tensor 'w' chunk not aligned"):
         assembler.add(tensor_pb2.TensorChunk(name="w", dtype=contract.BFLOAT16, shape=[2], offset=1, data=b"\0\0"))
-    assembler.add(next(_wire.iter_chunks("w", np.array([1.0, -2.0], np.float32), contract.BFLOAT16, 1 << 20)))
+    assembler.add(next(tensor_chunks.float_tensor_chunks("w", np.array([1.0, -2.0], np.float32), contract.BFLOAT16, 1 << 20)))
     out = assembler.finish()
     assert out["e"].shape == (0, 3) and out["w"].tolist() == [1.0, -2.0]
 
@@ -148,6 +149,20 @@ def test_session_options_from_the_spec_dict_build_the_session_config():
     plain = SessionOptions("adam").to_config("run", {"w": np.zeros(2, np.float32)})
     assert not plain.optimizer.HasField("preconditioners") and plain.max_staleness == -1
     assert plain.wire_dtype == tensor_pb2.DTYPE_UNSPECIFIED and plain.optimizer.args_json == "{}"
+
+
+def test_session_options_are_declared_once_and_every_entry_point_takes_them_as_keywords():
+    from optserve.client import SessionOptions
+    from optserve.client.torch import RemoteOptimizerConfig
+
+    given = SessionOptions("adam", mode="async", max_staleness=3)
+    assert SessionOptions.from_spec(given) is given  # a SessionOptions keeps its own fields
+    assert SessionOptions.from_spec(given, num_workers=2) == dataclasses.replace(given, num_workers=2)
+    config = RemoteOptimizerConfig({"name": "adam"}, "run", mode="async", max_staleness=3, wire_dtype="bf16")
+    assert config.options == dataclasses.replace(given, wire_dtype="bfloat16")
+    assert (config.mode, config.max_staleness, config.wire_dtype) == ("async", 3, "bfloat16")
+    with pytest.raises(TypeError):
+        RemoteOptimizerConfig({"name": "adam"}, "run", not_an_option=1)
 
 
 @pytest.mark.parametrize("kwargs, option", [

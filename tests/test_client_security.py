@@ -257,7 +257,7 @@ def test_unknown_token_is_unauthenticated_and_never_appears_in_the_error_or_repr
         client.create_session("s", PARAMS, optimizer=SGD)
     assert plain_server.calls[0][1]["authorization"] == f"Bearer {secret}"  # sent ...
     for text in (str(refused.value), repr(refused.value), repr(client), str(vars(client)),
-                 repr(client._transport), repr(client._channel(plain_server.address))):
+                 repr(client._transport), repr(client.channel(plain_server.address))):
         assert secret not in text  # ... but shown nowhere
     assert "token=<redacted>" in repr(client)
     client.close()

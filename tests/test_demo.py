@@ -20,7 +20,7 @@ def _optserve_command() -> list[str]:
 
 
 def test_demo_argument_errors_name_the_flag():
-    from optserve.demo import parse_args
+    from optserve.demo.config import parse_args
 
     with pytest.raises(ValueError, match="--steps"):
         parse_args(["--steps", "0"])
@@ -28,7 +28,7 @@ def test_demo_argument_errors_name_the_flag():
 
 
 def test_demo_diloco_runs_twenty_outer_rounds_unless_steps_are_given():
-    from optserve.demo import parse_args
+    from optserve.demo.config import parse_args
 
     assert parse_args(["--diloco", "20"]).steps == 400
     assert parse_args(["--diloco", "20", "--steps", "160"]).steps == 160
@@ -73,7 +73,8 @@ def test_demo_trains_two_worker_processes_and_reports_table_plot_and_summary(tmp
 
 @pytest.mark.parametrize("columns", [50, 80, 100])
 def test_demo_table_fits_the_terminal_width(columns, monkeypatch, capsys):
-    from optserve.demo import DemoConfig, RunResult, print_table
+    from optserve.demo.config import DemoConfig
+    from optserve.demo.report import RunResult, print_table
 
     monkeypatch.setenv("COLUMNS", str(columns))  # what shutil.get_terminal_size reads first
     run = RunResult("optserve async, 2 worker processes", 300, 2, 12.5, 0.1234, 0.2345, 0.955, [])
@@ -87,7 +88,7 @@ def test_demo_table_fits_the_terminal_width(columns, monkeypatch, capsys):
 
 def test_demo_table_width_falls_back_to_80_columns_without_a_terminal():
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    width = subprocess.run([sys.executable, "-c", "from optserve.demo import terminal_columns; print(terminal_columns())"],
+    width = subprocess.run([sys.executable, "-c", "from optserve.demo.report import terminal_columns; print(terminal_columns())"],
                            capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
     assert width.stdout.strip() == "80", width.stderr
 

@@ -13,11 +13,12 @@ import pytest
 
 from optserve.server.storage import CorruptCheckpoint, ShardStore, read_step_log
 from optserve.server.storage.format import SEGMENT_HEADER
-from optserve.server.domain.clock import LocalClock, Ticket
+from optserve.server.domain.clock import HomeClock, Ticket
 from optserve.server.domain.config import DType, Mode, SessionConfig, TensorSpec
 from optserve.server.domain.durability import (MIN_DEFAULT_LOG_BYTES, CheckpointPolicy, DurabilityConfig,
                                                FsyncPolicy, LogIO, ShardProgress, StepRecord)
 from optserve.server.domain.errors import InvalidArgument
+from tests._store_helpers import log_step
 
 
 def _config(mode=Mode.ASYNC) -> SessionConfig:
@@ -60,7 +61,7 @@ def test_fsync_policy_flushes_every_step_every_n_or_only_at_checkpoints():
 def test_clock_marks_checkpoint_due_steps_and_a_restored_clock_decides_the_same_tickets():
     journal: list = []
     policy = CheckpointPolicy(every_steps=3, every_s=1e9, max_log_bytes=10**12, step_bytes=1)
-    clock = LocalClock(_config(), checkpoints=policy, journal=journal.append)
+    clock = HomeClock(_config(), checkpoints=policy, journal=journal.append)
     tickets = [clock.commit("a", s, s - 1) for s in range(1, 8)]
     assert [t.checkpoint for t in tickets] == [False, False, True, False, False, True, False]
     assert [Ticket.from_json(e) for e in journal] == tickets  # every ticket journaled, in order
@@ -68,7 +69,7 @@ def test_clock_marks_checkpoint_due_steps_and_a_restored_clock_decides_the_same_
     journal.clear()
     later = [clock.commit("b", s, 7) for s in range(1, 4)]  # journaled after the checkpoint's state
 
-    restored = LocalClock(_config(), checkpoints=policy)
+    restored = HomeClock(_config(), checkpoints=policy)
     restored.restore(json.loads(json.dumps(state)), json.loads(json.dumps(journal)))
     assert restored.commit("b", 3, 7) == later[2]  # a retry gets the ticket it had
     assert restored.commit("a", 8, 7) == clock.commit("a", 8, 7)  # and new pushes the same decision
@@ -83,14 +84,14 @@ def test_a_restarted_clock_answers_a_cross_shard_sum_from_its_journal():
     import threading
 
     journal: list = []
-    clock = LocalClock(_config(), participants=2, journal=journal.append)
+    clock = HomeClock(_config(), participants=2, journal=journal.append)
     results = {}
     other = threading.Thread(target=lambda: results.update(one=clock.reduce_sum(5, 1, 2.5)))
     other.start()
     results["zero"] = clock.reduce_sum(5, 0, 1.0)
     other.join()
     assert results == {"zero": 3.5, "one": 3.5}
-    restored = LocalClock(_config(), participants=2)
+    restored = HomeClock(_config(), participants=2)
     restored.restore(None, journal)
     assert restored.reduce_sum(5, 1, 2.5) == 3.5  # no wait for shard 0's part: it was summed before
 
@@ -113,9 +114,9 @@ def test_step_log_reads_back_every_record_and_ends_at_a_torn_tail(tmp_path):
     store.start_logs(None)
     written = [_grads(i) for i in range(3)]
     for i, grads in enumerate(written):
-        store.log_step(StepRecord(i + 1, ((i, "c", i + 1),), 1.0, 0.5 * i), list(grads.values()))
-    store.wait_logged(3)
-    (segment,) = store.log_segments(None)
+        log_step(store.log, StepRecord(i + 1, ((i, "c", i + 1),), 1.0, 0.5 * i), list(grads.values()))
+    store.log.wait_logged(3)
+    (segment,) = store.log.segments(None)
     with open(segment, "ab") as fh:  # a crash in the middle of a fourth record
         fh.write(b"OSLR" + (60).to_bytes(8, "little") + b"\0" * 20)
     records = list(read_step_log(segment, _buffers))
@@ -129,17 +130,17 @@ def test_step_log_reads_back_every_record_and_ends_at_a_torn_tail(tmp_path):
 def test_step_whose_update_failed_is_skipped_on_replay_and_later_steps_still_read(tmp_path):
     store = _store(tmp_path)
     store.start_logs(None)
-    store.log_step(StepRecord(1, ((0, "c", 1),), 1.0, 0.0), list(_grads(0).values()))
-    store.begin_step(list(_grads(99).values()))  # its payload is written while the update runs ...
-    store.abort_step()  # ... which fails: the record is marked, not applied
-    store.begin_step(list(_grads(1).values()))
-    store.end_step(StepRecord(2, ((1, "c", 2),), 1.0, 0.0))
-    store.wait_logged(2)
-    (segment,) = store.log_segments(None)
+    log_step(store.log, StepRecord(1, ((0, "c", 1),), 1.0, 0.0), list(_grads(0).values()))
+    store.log.begin_step(list(_grads(99).values()))  # its payload is written while the update runs ...
+    store.log.abort_step()  # ... which fails: the record is marked, not applied
+    store.log.begin_step(list(_grads(1).values()))
+    store.log.end_step(StepRecord(2, ((1, "c", 2),), 1.0, 0.0))
+    store.log.wait_logged(2)
+    (segment,) = store.log.segments(None)
     records = list(read_step_log(segment, _buffers))
     assert [StepRecord.from_json(h).version for h, _ in records] == [1, 2]
     assert all(np.array_equal(records[1][1][k], _grads(1)[k]) for k in ("w", "b"))
-    assert store.log_records == 2
+    assert store.log.records == 2
     store.close()
 
 
@@ -147,9 +148,9 @@ def test_step_log_damaged_before_its_end_is_reported_not_replayed(tmp_path):
     store = _store(tmp_path, log_io=LogIO.BUFFERED)  # the byte offsets below: records written through the page cache
     store.start_logs(None)
     for i in range(2):
-        store.log_step(StepRecord(i + 1, ((i, "c", i + 1),), 1.0, 0.0), list(_grads(i).values()))
-    store.wait_logged(2)
-    (segment,) = store.log_segments(None)
+        log_step(store.log, StepRecord(i + 1, ((i, "c", i + 1),), 1.0, 0.0), list(_grads(i).values()))
+    store.log.wait_logged(2)
+    (segment,) = store.log.segments(None)
     with open(segment, "r+b") as fh:
         fh.seek(SEGMENT_HEADER.size + 4 + 8 + 60 + 4 + 5)  # inside the first record's header (after the segment header)
         fh.write(b"#")
@@ -165,13 +166,13 @@ def test_checkpoint_round_trips_and_truncates_the_log_and_a_damaged_one_is_refus
     store.start_logs(None)
     params = {"b": np.arange(3, dtype=np.float32), "w": np.ones((4, 3), np.float32)}
     state = ({"b": np.zeros(3, np.float32), "w": np.full((4, 3), 2.0, np.float32)}, np.array(7, np.int32))
-    store.log_step(StepRecord(1, ((0, "c", 1),), 1.0, 0.0), list(_grads(0).values()))
+    log_step(store.log, StepRecord(1, ((0, "c", 1),), 1.0, 0.0), list(_grads(0).values()))
     store.checkpoint(ShardProgress(1, 1, {"c": 1}), params, state,
                      clock_state_fn=lambda rotate: (rotate(), {"version": 1})[1], wait=True)
     manifest = store.latest()
     assert manifest["progress"] == {"version": 1, "next_ordinal": 1, "applied_sequence": {"c": 1}}
     assert manifest["clock"] == {"version": 1} and store.durable_version == 1
-    assert store.log_segments(manifest) == [os.path.join(store.folder, "steps-1.log")]  # segment 0 deleted
+    assert store.log.segments(manifest) == [os.path.join(store.folder, "steps-1.log")]  # segment 0 deleted
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), {"params": params, "opt_state": state})
     restored = store.restore_arrays(manifest, abstract)
     assert np.array_equal(restored["params"]["b"], params["b"]) and int(restored["opt_state"][1]) == 7
@@ -220,9 +221,9 @@ def test_a_record_of_more_tensors_than_one_writev_takes_is_logged_whole(tmp_path
     store.start_logs(None)
     rng = np.random.default_rng(3)
     grads = [rng.standard_normal(5).astype(np.float32) if i % 7 else np.zeros(0, np.float32) for i in range(3000)]
-    store.log_step(StepRecord(1, ((0, "c", 1),), 1.0, 0.0), grads)
-    store.wait_logged(1)
-    (segment,) = store.log_segments(None)
+    log_step(store.log, StepRecord(1, ((0, "c", 1),), 1.0, 0.0), grads)
+    store.log.wait_logged(1)
+    (segment,) = store.log.segments(None)
     buffers = lambda: {str(i): np.empty(g.shape, np.float32) for i, g in enumerate(grads)}  # noqa: E731
     ((header, read),) = list(read_step_log(segment, buffers))
     assert StepRecord.from_json(header).version == 1
@@ -256,17 +257,17 @@ def test_direct_io_step_log_reads_back_every_kind_of_tensor_and_ends_at_a_torn_t
     skipped, and a crash inside a record ends the log there."""
     store = _store(tmp_path, log_io=LogIO.DIRECT)
     store.start_logs(None)
-    assert store.log_writes_direct  # the test folder's filesystem takes O_DIRECT
+    assert store.log.writes_direct  # the test folder's filesystem takes O_DIRECT
     written = [_direct_io_grads(i) for i in range(3)]
-    store.log_step(StepRecord(1, ((0, "c", 1),), 1.0, 0.0), list(written[0].values()))
-    store.begin_step(list(_direct_io_grads(99).values()))
-    store.abort_step()
+    log_step(store.log, StepRecord(1, ((0, "c", 1),), 1.0, 0.0), list(written[0].values()))
+    store.log.begin_step(list(_direct_io_grads(99).values()))
+    store.log.abort_step()
     for i in (1, 2):
-        store.log_step(StepRecord(i + 1, ((i, "c", i + 1),), 1.0, 0.0), list(written[i].values()))
-    store.wait_logged(3)
+        log_step(store.log, StepRecord(i + 1, ((i, "c", i + 1),), 1.0, 0.0), list(written[i].values()))
+    store.log.wait_logged(3)
     # by direct I/O: the whole-block tensor and the partial one's whole blocks, in each of the 4 records
-    assert store.log_direct_bytes == 4 * (3 * 4096 * 4 + 4 * 4096)
-    (segment,) = store.log_segments(None)
+    assert store.log.direct_bytes == 4 * (3 * 4096 * 4 + 4 * 4096)
+    (segment,) = store.log.segments(None)
     raw = open(segment, "rb").read()
     first = raw.index(written[2]["whole"].tobytes())  # the last record's page-aligned tensor ...
     assert first % 4096 == 0  # ... starts a block of the file
@@ -284,13 +285,13 @@ def test_a_direct_io_log_goes_on_after_a_checkpoint_in_a_fresh_segment(tmp_path)
     store = _store(tmp_path, log_io=LogIO.DIRECT)
     store.start_logs(None)
     params = {"b": np.arange(3, dtype=np.float32)}
-    store.log_step(StepRecord(1, ((0, "c", 1),), 1.0, 0.0), list(_direct_io_grads(0).values()))
+    log_step(store.log, StepRecord(1, ((0, "c", 1),), 1.0, 0.0), list(_direct_io_grads(0).values()))
     store.checkpoint(ShardProgress(1, 1, {"c": 1}), params, (), clock_state_fn=lambda rotate: (rotate(), {})[1],
                      wait=True)
-    assert store.log_writes_direct
-    store.log_step(StepRecord(2, ((1, "c", 2),), 1.0, 0.0), list(_direct_io_grads(1).values()))
-    store.wait_logged(2)
-    (segment,) = store.log_segments(store.latest())
+    assert store.log.writes_direct
+    log_step(store.log, StepRecord(2, ((1, "c", 2),), 1.0, 0.0), list(_direct_io_grads(1).values()))
+    store.log.wait_logged(2)
+    (segment,) = store.log.segments(store.latest())
     ((header, grads),) = list(read_step_log(segment, _direct_io_buffers))
     assert StepRecord.from_json(header).version == 2
     assert all(np.array_equal(grads[k], v) for k, v in _direct_io_grads(1).items())
@@ -333,7 +334,7 @@ def test_a_push_whose_vote_failed_for_a_missing_shard_commits_when_retried(first
 
     from optserve.server.domain.errors import PeerRefused, Unavailable
 
-    clock = LocalClock(_config(), participants=2)
+    clock = HomeClock(_config(), participants=2)
     if first_failure == "vote-timeout":
         with pytest.raises(PeerRefused, match="did not vote"):
             clock.vote("c", 1, 0, 1, True, timeout_s=0.2)  # shard 0 never staged this attempt

@@ -1,4 +1,5 @@
-"""optserve.protos.heap: freed message-sized allocations are reused instead of page-faulting anew.
+"""The malloc settings (optserve.client._heap, optserve.server.compute.heap): freed message-sized
+allocations are reused instead of page-faulting anew.
 
 Each case runs in a fresh interpreter: malloc settings are process-wide and cannot be undone.
 """
@@ -11,14 +12,14 @@ import sys
 
 import pytest
 
-from optserve.protos import heap
+from optserve.client import _heap as heap
 
 glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 
 # Rounds of 32 live 4 MiB messages (as gRPC holds a pushed model's chunks), then all freed.
 _ROUNDS = """
 import resource, sys
-from optserve.protos import heap
+from optserve.client import _heap as heap
 if sys.argv[1] == "retain":
     assert heap.retain_freed_memory()
 faults = []
@@ -50,9 +51,10 @@ def test_retained_memory_serves_later_rounds_without_page_faults():
 _LARGE_ROUNDS = """
 import resource, sys
 import numpy as np
-from optserve.protos import heap
+from optserve.client import _heap as heap
+from optserve.server.compute import heap as server_heap
 if sys.argv[1] == "large":
-    assert heap.keep_large_buffers_on_heap()
+    assert server_heap.keep_large_buffers_on_heap()
 elif sys.argv[1] == "retain":
     assert heap.retain_freed_memory()
 faults = []

@@ -177,7 +177,7 @@ def _init_fails_on_huge_values():
 def test_init_failing_only_when_run_is_invalid_argument_and_installs_nothing():
     from optserve.protos.optserve.v1 import tensor_pb2
     from optserve.server.compute.updater import Updater
-    from optserve.server.domain.clock import LocalClock
+    from optserve.server.domain.clock import HomeClock
     from optserve.server.domain.config import DType, SessionConfig, TensorSpec
     from optserve.server.domain.errors import InvalidArgument
     from optserve.server.domain.shard_session import ShardSession
@@ -186,7 +186,7 @@ def test_init_failing_only_when_run_is_invalid_argument_and_installs_nothing():
                            optimizer_name="init_fails_on_huge_values", optimizer_args={})
     updater = Updater(_init_fails_on_huge_values(), param_specs={"w": ((4,), np.float32)})
     assert updater.init_problem() is None  # the abstract trace passes
-    session = ShardSession(config, ["w"], 0, LocalClock(config), updater, step_timeout_s=30.0, vote_timeout_s=30.0)
+    session = ShardSession(config, ["w"], 0, HomeClock(config), updater, step_timeout_s=30.0, vote_timeout_s=30.0)
 
     def chunk(value: float):
         return tensor_pb2.TensorChunk(name="w", dtype=tensor_pb2.DTYPE_FLOAT32, shape=[4],

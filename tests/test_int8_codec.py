@@ -1,4 +1,4 @@
-"""The int8 codec (protos/contract.py) against a straightforward whole-tensor formulation of the
+"""The int8 codec (protos/int8_codec.py) against a straightforward whole-tensor formulation of the
 same blockwise absmax quantization: the codec works in cache-sized pieces, in place, with
 scratch buffers; every int8 value, scale, residual and dequantized float32 must come out bit for
 bit the same, on sizes that are not whole blocks or whole pieces, all-zero blocks, negative
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from optserve.client import _wire
-from optserve.protos import chunk_codec, contract
+from optserve.protos import chunk_codec, contract, int8_codec, tensor_chunks
 
 BLOCK = contract.INT8_BLOCK
-SIZES = [0, 1, 4095, 4096, 4097, 3 * BLOCK + 5, (2 * contract.INT8_PIECE_BLOCKS + 1) * BLOCK + 7]
+SIZES = [0, 1, 4095, 4096, 4097, 3 * BLOCK + 5, (2 * int8_codec.INT8_PIECE_BLOCKS + 1) * BLOCK + 7]
 
 
 def reference_quantize(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -30,7 +30,7 @@ def _reference_quantize(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     grid = grid.reshape(blocks, BLOCK)
     absmax = np.maximum(grid.max(axis=1, initial=-np.inf), -grid.min(axis=1, initial=np.inf))
     scales = (np.abs(absmax) / np.float32(127)).astype(np.float32)
-    inverse = np.divide(np.float32(1), scales, out=np.zeros_like(scales), where=scales > contract.INT8_MIN_SCALE)
+    inverse = np.divide(np.float32(1), scales, out=np.zeros_like(scales), where=scales > int8_codec.INT8_MIN_SCALE)
     rounded = np.clip(np.rint(grid * inverse[:, None]), -127, 127)
     quantized = rounded.astype(np.int8).reshape(-1)[: flat.size]
     return quantized, scales, (rounded * scales[:, None]).reshape(-1)[: flat.size]
@@ -62,7 +62,7 @@ def assert_same_bits(actual: np.ndarray, expected: np.ndarray) -> None:
 def test_chunked_int8_quantizer_matches_the_whole_tensor_formulation_bit_for_bit(size):
     values = awkward_values(size, seed=size)
     with np.errstate(invalid="ignore", over="ignore"):
-        quantized, scales = contract.quantize_int8(values.reshape(1, -1))
+        quantized, scales = int8_codec.quantize_int8(values.reshape(1, -1))
     expected_q, expected_scales, _ = reference_quantize(values)
     assert_same_bits(quantized, expected_q)
     assert_same_bits(scales, expected_scales)
@@ -88,13 +88,13 @@ def test_int8_chunks_carry_values_then_scales_and_dequantize_bit_for_bit(size):
     quantized, scales, _ = reference_quantize(awkward_values(size, seed=size))
     chunk_bytes = 2 * (BLOCK + 4) + 100  # two blocks per chunk: several chunks, a short last one
     decoded = np.full(size, np.nan, np.float32)
-    messages = _wire.iter_int8_chunk_messages("g", _wire.Int8Gradient(quantized, scales, (size,)), chunk_bytes)
-    for (start, data), message in zip(contract.int8_slices(quantized, scales, chunk_bytes), messages, strict=True):
-        count = contract.int8_count(len(data))
+    messages = tensor_chunks.int8_chunk_messages("g", tensor_chunks.Int8Gradient(quantized, scales, (size,)), chunk_bytes)
+    for (start, data), message in zip(int8_codec.int8_slices(quantized, scales, chunk_bytes), messages, strict=True):
+        count = int8_codec.int8_count(len(data))
         first, last = start // BLOCK, -(-(start + count) // BLOCK)
         assert data == quantized[start : start + count].tobytes() + scales[first:last].tobytes()
         assert message == chunk_codec.encode_chunk_message("g", contract.INT8, (size,), start, data)
-        contract.write_int8_values(decoded[start : start + count], memoryview(b"." + data)[1:])  # unaligned
+        int8_codec.write_int8_values(decoded[start : start + count], memoryview(b"." + data)[1:])  # unaligned
     assert_same_bits(decoded, reference_dequantize(quantized, scales))
 
 
@@ -118,7 +118,7 @@ def test_a_block_too_tiny_to_invert_quantizes_to_zeros_and_its_residual_stays_fi
     feedback, applied = _wire.ErrorFeedback(), np.zeros_like(grad)
     for _ in range(4):
         pushed = feedback.quantize({"g": grad})["g"]
-        applied += contract.dequantize_int8(pushed.quantized, pushed.scales)
+        applied += int8_codec.dequantize_int8(pushed.quantized, pushed.scales)
         assert np.isfinite(feedback.residuals["g"]).all() and np.isfinite(pushed.scales).all()
     assert not pushed.quantized[:BLOCK].any()  # the tiny block is sent as zeros ...
     np.testing.assert_array_equal(feedback.residuals["g"][:BLOCK], 4 * grad[:BLOCK])  # ... and kept

@@ -1,5 +1,5 @@
 """int8 gradients (wire_dtype="int8"): blockwise absmax quantization defined once in
-protos/contract.py, error feedback per tensor on the client, dequantized by the shard before the
+protos/int8_codec.py, error feedback per tensor on the client, dequantized by the shard before the
 float32 update. Real server on loopback (the session-scoped `server` fixture, 2 shards)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from optserve.client import Client
-from optserve.protos import chunk_codec, contract
+from optserve.protos import chunk_codec, contract, int8_codec
 from optserve.server.domain.assembly import TensorAssembler
 from optserve.server.domain.config import DType, TensorSpec
 from optserve.server.domain.errors import InvalidArgument
@@ -19,21 +19,21 @@ SGD1 = {"name": "sgd", "args": {"learning_rate": 1.0}}
 
 def test_int8_blocks_round_trip_within_half_a_step_and_sizes_invert():
     values = np.random.default_rng(0).standard_normal(3 * contract.INT8_BLOCK + 17).astype(np.float32) * 5
-    quantized, scales = contract.quantize_int8(values)
+    quantized, scales = int8_codec.quantize_int8(values)
     assert quantized.dtype == np.int8 and scales.shape == (4,)
     decoded = np.empty_like(values)
-    for start, data in contract.int8_slices(quantized, scales, 2 * contract.INT8_BLOCK + 100):
-        count = contract.int8_count(len(data))
-        assert start % contract.INT8_BLOCK == 0 and len(data) == contract.int8_payload_bytes(count)
-        contract.write_int8_values(decoded[start:start + count], data)
+    for start, data in int8_codec.int8_slices(quantized, scales, 2 * contract.INT8_BLOCK + 100):
+        count = int8_codec.int8_count(len(data))
+        assert start % contract.INT8_BLOCK == 0 and len(data) == int8_codec.int8_payload_bytes(count)
+        int8_codec.write_int8_values(decoded[start:start + count], data)
     steps = np.repeat(scales, contract.INT8_BLOCK)[: values.size]
     assert np.all(np.abs(decoded - values) <= steps / 2 + 1e-6)
 
 
 def test_the_shard_refuses_int8_chunks_that_are_not_whole_blocks():
     spec = TensorSpec("g", DType.FLOAT32, (2 * contract.INT8_BLOCK,))
-    quantized, scales = contract.quantize_int8(np.ones(spec.shape, np.float32))
-    (_, data), = contract.int8_slices(quantized, scales, 1 << 20)
+    quantized, scales = int8_codec.quantize_int8(np.ones(spec.shape, np.float32))
+    (_, data), = int8_codec.int8_slices(quantized, scales, 1 << 20)
     assembler = TensorAssembler({"g": spec}, {"g": np.empty(spec.shape, np.float32)}, check_finite=True)
     with pytest.raises(InvalidArgument, match="int8"):
         assembler.add(chunk_codec.ChunkView("g", contract.INT8, spec.shape, 8, memoryview(data)))

@@ -159,14 +159,14 @@ def _explodes_on_huge_gradients():
 
 def _local_session(name: str, num_workers: int = 1):
     from optserve.server.compute.updater import Updater
-    from optserve.server.domain.clock import LocalClock
+    from optserve.server.domain.clock import HomeClock
     from optserve.server.domain.config import DType, Mode, SessionConfig, TensorSpec
     from optserve.server.domain.shard_session import ShardSession
 
     config = SessionConfig(name=name, tensors=(TensorSpec("w", DType.FLOAT32, (4,)),),
                            optimizer_name="explodes_on_huge_gradients", optimizer_args={}, mode=Mode.SYNC,
                            num_workers=num_workers)
-    session = ShardSession(config, ["w"], 0, LocalClock(config), Updater(_explodes_on_huge_gradients()),
+    session = ShardSession(config, ["w"], 0, HomeClock(config), Updater(_explodes_on_huge_gradients()),
                            step_timeout_s=30.0, vote_timeout_s=30.0)
     session.initialize([_chunk("w", np.ones(4, np.float32))])
     return session

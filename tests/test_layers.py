@@ -1,7 +1,7 @@
 """The layers import one way: read every source file and fail on an import that crosses the wrong way.
 
 wire -> domain -> storage / compute -> kernels; operator parts (ops/) above them; the process hosts
-(app.py, cli.py, shard_actor.py) on top;
+(app.py, cli.py, shard_actor.py, shard_fleet.py, preflight.py) on top;
 client and kernels independent of the server; applications (the demo) on top of everything.
 Lazy imports inside functions count: they cross a layer all the same.
 """
@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-HOSTS = ("optserve.server.app", "optserve.server.cli", "optserve.server.shard_actor", "optserve.server.preflight")
+HOSTS = ("optserve.server.app", "optserve.server.cli", "optserve.server.shard_actor", "optserve.server.shard_fleet",
+         "optserve.server.preflight")
 
 # folder -> (forbidden module prefixes anywhere in a file, forbidden at import time only)
 _SERVER = "optserve.server"
@@ -104,3 +106,53 @@ def test_importing_the_client_loads_neither_jax_nor_ray_nor_the_server():
             "print(sorted(m for m in ('jax', 'ray', 'optserve.server') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# A session's clock is a Clock (server/domain/clock.py): the home shard's HomeClock or a
+# PeerClock handle; callers tell them apart by ``clock.is_home``, never by probing for methods.
+_CLOCK_PROBE = re.compile(r"\b(?:getattr|hasattr)\(\s*[\w.]*clock\w*\s*,", re.IGNORECASE)
+
+
+def clock_probes(root: pathlib.Path = REPO) -> list[str]:
+    """Every ``getattr`` / ``hasattr`` on something named ``*clock*`` under server/, as 'path:line'."""
+    found = []
+    for path in sorted((root / "server").rglob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if _CLOCK_PROBE.search(line):
+                found.append(f"{path.relative_to(root).as_posix()}:{number}")
+    return found
+
+
+def test_no_server_code_probes_a_clock_for_its_methods():
+    assert clock_probes() == []
+
+
+@pytest.mark.parametrize("source", [
+    'abandon = getattr(self._clock, "abandon", None)\n',
+    'peer_up = getattr(session.clock, "peer_up", None)\n',
+    'if hasattr(home_clock, "restore"):\n    pass\n',
+])
+def test_the_clock_probe_check_catches_a_probe(tmp_path, source):
+    (tmp_path / "server" / "domain").mkdir(parents=True)
+    (tmp_path / "server" / "domain" / "bad.py").write_text(source)
+    assert clock_probes(tmp_path) == ["server/domain/bad.py:1"]
+
+
+_METHOD_PATH = re.compile(r"optserve\.v1\.[A-Z]")  # a service or message of package optserve.v1, by name
+
+
+def method_path_strings(source: str) -> list[int]:
+    """Lines of the string literals in ``source`` that name an ``optserve.v1`` service (as a
+    hand-written method path like "/optserve.v1.ShardData/Push" does)."""
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and _METHOD_PATH.search(node.value)]
+
+
+def test_the_client_calls_through_the_generated_stubs_with_no_hand_written_method_paths():
+    """A method renamed or moved in protos/ must break the client at import, not at the first call
+    on a live server: the client reaches the services through the stubs generated from protos/
+    (or the method paths in their descriptors), never by naming a path itself."""
+    assert method_path_strings('rpc = channel.unary_unary("/optserve.v1.ShardData/History")\n') == [1]
+    found = [f"{path.relative_to(REPO).as_posix()}:{line}" for path in sorted((REPO / "client").rglob("*.py"))
+             for line in method_path_strings(path.read_text())]
+    assert found == []

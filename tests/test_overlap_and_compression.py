@@ -12,7 +12,7 @@ import torch
 import optserve.client.jax as ojax
 from optserve.client import Client
 from optserve.client.torch import RemoteOptimizer, tensor_to_numpy, write_numpy_
-from optserve import demo
+from optserve.demo import digits
 
 ADAM = {"name": "adam", "args": {"learning_rate": 1e-2}}
 STEPS = 12
@@ -213,8 +213,8 @@ def test_bfloat16_transport_halves_the_bytes_sent_and_received(server, unique_na
 
 
 def _train_digits(address: str, name: str, wire_dtype, steps: int = 80) -> float:
-    data = demo.load_digits_split()
-    model = demo.make_model(seed=0)
+    data = digits.load_digits_split()
+    model = digits.make_model(seed=0)
     optimizer = RemoteOptimizer(model.named_parameters(), address, ADAM, session=name, wire_dtype=wire_dtype)
     rng = np.random.default_rng(0)
     x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
@@ -225,11 +225,11 @@ def _train_digits(address: str, name: str, wire_dtype, steps: int = 80) -> float
         optimizer.step()
     optimizer.session.close()
     optimizer.close()
-    return demo.evaluate(model, data.x_train, data.y_train)[0]
+    return digits.evaluate(model, data.x_train, data.y_train)[0]
 
 
 def test_bfloat16_transport_trains_the_demo_model_within_two_percent(server, unique_name):
-    initial = demo.evaluate(demo.make_model(seed=0), demo.load_digits_split().x_train, demo.load_digits_split().y_train)[0]
+    initial = digits.evaluate(digits.make_model(seed=0), digits.load_digits_split().x_train, digits.load_digits_split().y_train)[0]
     full = _train_digits(server.address, unique_name + "-f32", None)
     compressed = _train_digits(server.address, unique_name + "-bf16", "bfloat16")
     assert full < 0.25 * initial, (initial, full)

@@ -187,7 +187,7 @@ def test_only_the_creating_client_may_initialize_a_session(server, unique_name):
         config = control_pb2.SessionConfig(name=unique_name, tensors=spec, mode=control_pb2.MODE_SYNC, num_workers=1,
                                            max_staleness=-1,
                                            optimizer=control_pb2.OptimizerSpec(name="adam", args_json='{"learning_rate": 0.01}'))
-        info = owner._control.CreateSession(control_pb2.CreateSessionRequest(config=config, client_id=owner.client_id),
+        info = owner.control.CreateSession(control_pb2.CreateSessionRequest(config=config, client_id=owner.client_id),
                                             timeout=30).session
         for shard in info.shards:
             stub = data_pb2_grpc.ShardDataStub(grpc.insecure_channel(shard.address))

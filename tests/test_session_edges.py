@@ -112,17 +112,17 @@ def test_staged_push_never_committed_expires_and_its_commit_is_not_found_naming_
 
 # ------------------------------------------------------------------ in process: one shard session
 def _local_session(name="edge", ttl_s=60.0, num_workers=1, limits=None):
-    """A one-shard session as the shard actor builds it: LocalClock, Updater, SGD; initialized to ones."""
+    """A one-shard session as the shard actor builds it: HomeClock, Updater, SGD; initialized to ones."""
     from optserve.server.compute.root_offload import build_shard_optimizer
     from optserve.server.compute.updater import Updater
-    from optserve.server.domain.clock import LocalClock
+    from optserve.server.domain.clock import HomeClock
     from optserve.server.domain.config import DType, SessionConfig, TensorSpec
     from optserve.server.domain.shard_session import ShardSession
 
     config = SessionConfig(name=name, tensors=(TensorSpec("w", DType.FLOAT32, (4,)),), optimizer_name="sgd",
                            optimizer_args={"learning_rate": 0.5}, num_workers=num_workers)
     optimizer, preconditioners = build_shard_optimizer("sgd", config.optimizer_args, {"w": (4,)}, None)
-    session = ShardSession(config, ["w"], 0, LocalClock(config), Updater(optimizer, preconditioners),
+    session = ShardSession(config, ["w"], 0, HomeClock(config), Updater(optimizer, preconditioners),
                            step_timeout_s=5.0, vote_timeout_s=5.0, staged_push_ttl_s=ttl_s, limits=limits)
     session.initialize([_chunk("w", np.ones(4, np.float32))])
     return session
@@ -244,11 +244,11 @@ def test_expired_staged_pushes_give_their_memory_back_without_further_calls():
     script = textwrap.dedent("""
         import os, sys, time
         import numpy as np
-        from optserve.protos.heap import keep_large_buffers_on_heap
+        from optserve.server.compute.heap import keep_large_buffers_on_heap
         from optserve.protos.optserve.v1 import tensor_pb2
         from optserve.server.compute.root_offload import build_shard_optimizer
         from optserve.server.compute.updater import Updater
-        from optserve.server.domain.clock import LocalClock
+        from optserve.server.domain.clock import HomeClock
         from optserve.server.domain.config import DType, SessionConfig, TensorSpec
         from optserve.server.domain.errors import RejectReason
         from optserve.server.domain.shard_session import PushHeader, ShardSession
@@ -267,7 +267,7 @@ def test_expired_staged_pushes_give_their_memory_back_without_further_calls():
         config = SessionConfig(name="expiring", tensors=(TensorSpec("w", DType.FLOAT32, (n,)),),
                                optimizer_name="sgd", optimizer_args={"learning_rate": 0.5})
         optimizer, preconditioners = build_shard_optimizer("sgd", config.optimizer_args, {"w": (n,)}, None)
-        session = ShardSession(config, ["w"], 0, LocalClock(config), Updater(optimizer, preconditioners),
+        session = ShardSession(config, ["w"], 0, HomeClock(config), Updater(optimizer, preconditioners),
                                staged_push_ttl_s=1.0)
         session.initialize([chunk(np.ones(n, np.float32))])
         before = rss_mib()

@@ -215,7 +215,7 @@ def test_a_wrong_nonce_never_uses_the_region(fast, unique_name):
         region = session._shm.acquire(session._shards)[0]
         session._shm.release({0: region})
         shard = session._shards[0]
-        channel = fast._channel(shard.address)
+        channel = fast.channel(shard.address)
         # 1. the handshake: a nonce that was not read from the probe region is refused
         offer = channel.unary_unary("/optserve.v1.ShardData/OfferSharedMemory",
                                     request_serializer=lambda m: m.SerializeToString(),

@@ -21,6 +21,7 @@ from optserve.server.storage import (FORMAT_VERSION, SessionCatalog, ShardStore,
                                      read_journal, read_step_log)
 from optserve.server.storage.format import SEGMENT_HEADER, SEGMENT_MAGIC
 from tests._service_helpers import InProcess, make_grads, max_abs_diff
+from tests._store_helpers import log_step
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "format1"
 NEWER = FORMAT_VERSION + 1
@@ -132,11 +133,11 @@ def _current_format_logs(tmp_path) -> tuple[str, str]:
     """A step-log segment and a journal segment written now: (steps path, tickets path)."""
     store = ShardStore(str(tmp_path), "fresh", 0, DurabilityConfig(str(tmp_path)), home=True)
     store.start_logs(None)
-    store.journal_entry([0, "c", 1, 0, 1.0, True, 1, False])
-    store.log_step(StepRecord(1, ((0, "c", 1),), 1.0, 0.0), [np.ones(3, np.float32)])
-    store.wait_logged(1)
+    store.log.journal_entry([0, "c", 1, 0, 1.0, True, 1, False])
+    log_step(store.log, StepRecord(1, ((0, "c", 1),), 1.0, 0.0), [np.ones(3, np.float32)])
+    store.log.wait_logged(1)
     store.close()
-    return store.log_segments(None)[0], os.path.join(store.folder, "tickets-0.log")
+    return store.log.segments(None)[0], os.path.join(store.folder, "tickets-0.log")
 
 
 def test_log_segments_carry_the_format_and_a_newer_one_is_refused(tmp_path):

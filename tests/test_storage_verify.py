@@ -14,6 +14,7 @@ import pytest
 from optserve.server.domain.durability import DurabilityConfig, LogIO, ShardProgress, StepRecord
 from optserve.server.storage import SessionCatalog, ShardStore
 from optserve.server.storage.verify import CORRUPT, INTACT, TORN, verify_directory
+from tests._store_helpers import log_step
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "format1" / "ckpt"
 SHAPES = {"w": (4, 3), "b": (3,)}
@@ -28,10 +29,10 @@ def _write_session(root: str) -> ShardStore:
     params = {n: np.ones(s, np.float32) for n, s in SHAPES.items()}
     store.checkpoint(ShardProgress(0, 0, {}), params, (), clock_state_fn=lambda rotate: (rotate(), {})[1], wait=True)
     for i in range(3):
-        store.journal_entry([i, "c", i + 1, 0, 1.0, True, i + 1, False])
-        store.log_step(StepRecord(i + 1, ((i, "c", i + 1),), 1.0, 0.0),
+        store.log.journal_entry([i, "c", i + 1, 0, 1.0, True, i + 1, False])
+        log_step(store.log, StepRecord(i + 1, ((i, "c", i + 1),), 1.0, 0.0),
                        [np.full(s, i, np.float32) for s in SHAPES.values()])
-    store.wait_logged(3)
+    store.log.wait_logged(3)
     store.close()
     return store
 
@@ -53,7 +54,7 @@ def test_an_intact_directory_verifies_clean_including_format_1(tmp_path):
 
 def test_a_torn_tail_is_torn_and_a_damaged_record_is_corrupt(tmp_path):
     store = _write_session(str(tmp_path))
-    (segment,) = store.log_segments(None)
+    (segment,) = store.log.segments(None)
     size = os.path.getsize(segment)
     os.truncate(segment, size - 7)
     report = verify_directory(str(tmp_path))
@@ -100,7 +101,7 @@ def test_the_verify_command_prints_each_file_and_exits_with_what_it_found(tmp_pa
     intact = _verify_cli(str(tmp_path))
     assert intact.returncode == 0, intact.stderr
     assert all(line.split()[0] == "intact" for line in intact.stdout.splitlines()[:-1])
-    (segment,) = store.log_segments(None)
+    (segment,) = store.log.segments(None)
     os.truncate(segment, os.path.getsize(segment) - 7)
     torn = _verify_cli(str(tmp_path))
     assert torn.returncode == 1 and f"torn     {segment}" in torn.stdout, torn.stdout

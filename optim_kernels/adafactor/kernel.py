@@ -2,8 +2,10 @@
 tensor2tensor (:func:`adafactor_t2t`).
 
 Each constructor takes the reference's argument names and defaults and returns an optax
-transformation chaining the links of :mod:`optserve.optim_kernels.adafactor.links`; the
-variants differ only in which links they pick and how they configure them.
+transformation chaining the links of :mod:`optserve.optim_kernels.adafactor.links`,
+:mod:`~optserve.optim_kernels.adafactor.second_moment` and
+:mod:`~optserve.optim_kernels.adafactor.param_dtype`; the variants differ only in which links
+they pick and how they configure them.
 
 Contract shared by the three:
 
@@ -31,9 +33,8 @@ import jax.numpy as jnp
 import optax
 
 from optserve.optim_kernels import arg_rules as rules
-from optserve.optim_kernels.adafactor import links
 from optserve.optim_kernels.adafactor import factoring as fct
-from optserve.optim_kernels.adafactor import schedules
+from optserve.optim_kernels.adafactor import links, param_dtype, schedules, second_moment
 
 __all__ = [
     "ADAFACTOR_ARG_RULES",
@@ -126,6 +127,38 @@ def adafactor(
     """
     name = "adafactor"
     ADAFACTOR_ARG_RULES.check(name, locals())
+    momentum_dtype = _check_t5x_options(
+        name, learning_rate, factored, factor_map, logical_factor_rules, param_logical_axes, dtype_momentum
+    )
+    rule_source = _t5x_rule_source(factor_map, logical_factor_rules, param_logical_axes)
+    factoring = _t5x_factoring(factored, rule_source, min_dim_size_to_factor)
+    param_scale_on = _t5x_param_scale_on(name, multiply_by_parameter_scale)
+
+    chain = [links.check_inputs(name)]
+    if global_norm_clip_threshold:
+        chain.append(links.clip_by_global_norm(global_norm_clip_threshold))
+    decay = schedules.decay_rate_pow(decay_rate, step_offset)
+    chain.append(second_moment.scale_by_factored_rms(factoring, decay, epsilon1, clipping_threshold))
+    chain.append(optax.scale_by_learning_rate(learning_rate, flip_sign=False))
+    if param_scale_on is not False:
+        chain.append(links.scale_by_param_block_rms(epsilon2, max_parameter_scale, factoring, param_scale_on))
+    if beta1 is not None:
+        chain.append(links.momentum(beta1, momentum_dtype))
+    weight_decay = _t5x_weight_decay(learning_rate, weight_decay_rate, weight_decay_rate_lr_exponent)
+    if weight_decay is not None:
+        chain.append(weight_decay)
+    chain.append(optax.scale(-1.0))
+    tx = optax.chain(*chain)
+    if skip_nan_updates:
+        tx = links.skip_nan_updates(tx)
+    return optax.chain(tx, param_dtype.cast_to_param_dtype())
+
+
+def _check_t5x_options(
+    name, learning_rate, factored, factor_map, logical_factor_rules, param_logical_axes, dtype_momentum
+) -> jnp.dtype:
+    """The checks of :func:`adafactor`'s options that involve several of them (ValueError naming
+    the option); returns ``dtype_momentum`` as a dtype."""
     if learning_rate is None:
         raise ValueError(f"{name}: option `learning_rate` is required (T5X has no default)")
     if not factored and (factor_map is not None or logical_factor_rules is not None):
@@ -139,11 +172,14 @@ def adafactor(
             "(the logical axis names of every parameter)"
         )
     try:
-        momentum_dtype = jnp.dtype(dtype_momentum)
+        return jnp.dtype(dtype_momentum)
     except TypeError as exc:
         raise ValueError(f"{name}: option `dtype_momentum` {dtype_momentum!r}: {exc}") from None
 
-    rule_source = _t5x_rule_source(factor_map, logical_factor_rules, param_logical_axes)
+
+def _t5x_factoring(factored: bool, rule_source: Optional[RuleSource], min_dim_size_to_factor: int) -> fct.Factoring:
+    """T5X's ``factoring(path, shape)``: unfactored when not ``factored``, else the rule of the
+    path (``rule_source``), else T5X's heuristic."""
 
     def factoring(path: str, shape: fct.Shape) -> fct.FactorSpec:
         if not factored:
@@ -152,46 +188,32 @@ def adafactor(
             return fct.heuristic(shape, min_dim_size_to_factor, path)
         return fct.from_rule(rule_source(path), shape, path, min_dim_size_to_factor)
 
-    if isinstance(multiply_by_parameter_scale, bool):
-        param_scale_on: Union[bool, Callable[[str], bool]] = multiply_by_parameter_scale
-    elif isinstance(multiply_by_parameter_scale, (Mapping, list, tuple)):
-        scale_map = fct.PathMap(multiply_by_parameter_scale, "multiply_by_parameter_scale")
-        param_scale_on = lambda path: bool(scale_map[path])  # noqa: E731
-    else:
-        raise ValueError(
-            f"{name}: option `multiply_by_parameter_scale` must be a bool or a "
-            f"{{regex: bool}} map, got {type(multiply_by_parameter_scale).__name__}"
-        )
+    return factoring
 
-    chain = [links.check_inputs(name)]
-    if global_norm_clip_threshold:
-        chain.append(links.clip_by_global_norm(global_norm_clip_threshold))
-    chain.append(
-        links.scale_by_factored_rms(
-            factoring, schedules.decay_rate_pow(decay_rate, step_offset), epsilon1, clipping_threshold
-        )
+
+def _t5x_param_scale_on(name: str, multiply_by_parameter_scale) -> Union[bool, Callable[[str], bool]]:
+    """``multiply_by_parameter_scale`` as a bool or a ``path -> bool`` predicate (the first
+    ``{regex: bool}`` entry whose pattern the path matches)."""
+    if isinstance(multiply_by_parameter_scale, bool):
+        return multiply_by_parameter_scale
+    if isinstance(multiply_by_parameter_scale, (Mapping, list, tuple)):
+        scale_map = fct.PathMap(multiply_by_parameter_scale, "multiply_by_parameter_scale")
+        return lambda path: bool(scale_map[path])
+    raise ValueError(
+        f"{name}: option `multiply_by_parameter_scale` must be a bool or a "
+        f"{{regex: bool}} map, got {type(multiply_by_parameter_scale).__name__}"
     )
-    chain.append(optax.scale_by_learning_rate(learning_rate, flip_sign=False))
-    if param_scale_on is not False:
-        chain.append(
-            links.scale_by_param_block_rms(epsilon2, max_parameter_scale, factoring, param_scale_on)
-        )
-    if beta1 is not None:
-        chain.append(links.momentum(beta1, momentum_dtype))
+
+
+def _t5x_weight_decay(learning_rate, weight_decay_rate, weight_decay_rate_lr_exponent):
+    """T5X's weight-decay link, or ``None``: the rate is ``weight_decay_rate`` or, with
+    ``weight_decay_rate_lr_exponent``, ``(weight_decay_rate or 1) * learning_rate ** exponent``."""
     if weight_decay_rate_lr_exponent:
         factor = 1.0 if weight_decay_rate is None else weight_decay_rate
-        chain.append(
-            links.add_decayed_weights(
-                schedules.power_of(learning_rate, weight_decay_rate_lr_exponent, factor)
-            )
-        )
-    elif weight_decay_rate is not None:
-        chain.append(links.add_decayed_weights(weight_decay_rate))
-    chain.append(optax.scale(-1.0))
-    tx = optax.chain(*chain)
-    if skip_nan_updates:
-        tx = links.skip_nan_updates(tx)
-    return optax.chain(tx, links.cast_to_param_dtype())
+        return links.add_decayed_weights(schedules.power_of(learning_rate, weight_decay_rate_lr_exponent, factor))
+    if weight_decay_rate is not None:
+        return links.add_decayed_weights(weight_decay_rate)
+    return None
 
 
 def adafactor_partial_statistic(**kwargs) -> Optional[Callable]:
@@ -302,7 +324,7 @@ def adafactor_hf(
     step_size = schedules.relative_step_hf(warmup_init) if relative_step else lr
     chain = [
         links.check_inputs(name),
-        links.scale_by_factored_rms(
+        second_moment.scale_by_factored_rms(
             lambda path, shape: fct.last_two_axes(shape),
             schedules.decay_rate_pow(-decay_rate),
             eps1,
@@ -321,7 +343,7 @@ def adafactor_hf(
                 param_rms_epsilon=eps2 if scale_parameter else None,
             )
         )
-    chain += [optax.scale(-1.0), links.cast_to_param_dtype()]
+    chain += [optax.scale(-1.0), param_dtype.cast_to_param_dtype()]
     return optax.chain(*chain)
 
 
@@ -380,7 +402,7 @@ def adafactor_t2t(
     factor_rule = (lambda path, shape: fct.matrices_only(shape)) if factored else None
     chain = [
         links.check_inputs(name),
-        links.scale_by_factored_rms(factor_rule, decay_rate, 1e-30, clipping_threshold),
+        second_moment.scale_by_factored_rms(factor_rule, decay_rate, 1e-30, clipping_threshold),
     ]
     chain.append(optax.scale_by_learning_rate(learning_rate, flip_sign=False))
     if multiply_by_parameter_scale:
@@ -389,6 +411,6 @@ def adafactor_t2t(
         chain.append(links.momentum(beta1, dtype=None))
     chain.append(optax.scale(-1.0))
     if stochastic_rounding:
-        chain.append(links.round_to_bfloat16_unbiased(rounding_seed))
-    chain.append(links.cast_to_param_dtype())
+        chain.append(param_dtype.round_to_bfloat16_unbiased(rounding_seed))
+    chain.append(param_dtype.cast_to_param_dtype())
     return optax.chain(*chain)

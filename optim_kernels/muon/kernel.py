@@ -8,7 +8,7 @@ Two paths, chosen per tensor by :mod:`.selection` and joined by ``optax.partitio
 * **AdamW** (everything else, and tensors named in ``adam_tensors``): ``optax.adamw``.
 
 Semantics, names and defaults follow ``optax.contrib.muon`` (optax 0.2.8); the differences are
-listed in :func:`muon`'s docstring and in ``docs/optimizers/muon.md``.
+summarised in :func:`muon`'s docstring and described in ``docs/optimizers/muon.md``.
 """
 
 from __future__ import annotations
@@ -118,33 +118,11 @@ def muon(
       ValueError: an option out of range or malformed (naming it); at init/update, a tensor that
         matches two dimension-number patterns or whose pattern's axes do not fit its shape.
 
-    Differences from ``optax.contrib.muon`` (0.2.8):
-      * JSON options: ``weight_decay_mask`` is a list of name patterns (optax: a pytree or
-        callable); ``muon_weight_dimension_numbers`` maps name patterns to axes, and unmatched
-        tensors keep the default rule (optax: a pytree or callable covering every tensor, where
-        ``None`` also sends a 2-D tensor to Adam); ``adam_tensors`` is ours.
-      * Newton–Schulz runs in float32 whatever the param dtype (optax: in the momentum's dtype,
-        bf16 for bf16 params); updates are cast back to the gradient's dtype.
-      * ``aol`` / ``schatten`` floor their denominators at ``eps`` (optax: a fixed 1e-8).
-      * The coefficients are static, not stored in the state (optax keeps ``ns_coeffs`` in
-        ``MuonState``); a list of triples longer than ``ns_steps`` is refused when built (optax:
-        at init).
-
-    Differences from Keller Jordan's reference (torch ``Muon`` / ``MuonWithAuxAdam``):
-      * momentum ``lerp`` and Nesterov ``g.lerp(mu, beta)`` without bias correction there; here
-        both terms are bias-corrected as above (only the first few steps differ: the
-        corrections tend to 1);
-      * Newton–Schulz in bfloat16 there, float32 here; Frobenius floor ``1e-7`` there, ``eps``
-        (1e-8) here;
-      * torch weights are ``(out, in)`` and the scale uses ``size(-2) / size(-1)``; here a 2-D
-        tensor is ``(fan_in, fan_out)``: give torch-layout matrices
-        ``{"reduction_axis": 1, "output_axis": 0}`` to get the same scale;
-      * 4-D conv filters are flattened to ``(out, in*kh*kw)`` there; here they take AdamW unless
-        given axes (``{"reduction_axis": [1, 2, 3], "output_axis": 0}`` for torch's layout);
-      * the caller splits the parameters there (typically embeddings, head, gains and biases to
-        Adam); here by shape plus ``adam_tensors``; the auxiliary Adam defaults differ
-        (``betas=(0.9, 0.95)``, ``eps=1e-10``, lr 3e-4 there; ``(0.9, 0.999)``, ``eps`` and
-        ``learning_rate`` here).
+    Differences from ``optax.contrib.muon`` (0.2.8): JSON options (name patterns for
+    ``weight_decay_mask`` and ``muon_weight_dimension_numbers``, ``adam_tensors``), Newton–Schulz
+    in float32, ``eps`` floors for ``aol`` / ``schatten``, static coefficients; and from Keller
+    Jordan's torch reference: momentum, precision, layout, conv filters, which tensors take Adam.
+    Each is described in ``docs/optimizers/muon.md``.
 
     References:
       Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024

@@ -136,13 +136,7 @@ def clip_by_median_norm(
     quartiles_at = jnp.asarray(quartile_indices(period))
 
     def init_fn(params):
-        return ClipByMedianNormState(
-            count=jnp.zeros((), jnp.int32),
-            param_rms=jax.tree_util.tree_map(initial_param_rms, params),
-            norm_history=jnp.zeros((period,), jnp.float32),
-            threshold=jnp.zeros((), jnp.float32),
-            num_clipped=jnp.zeros((), jnp.int32),
-        )
+        return _initial_state(params, period)
 
     def update_fn(updates, state, params=None, global_grad_sq_norm=None, **extra_args):
         del extra_args
@@ -175,38 +169,16 @@ def clip_by_median_norm(
             ),
             lambda: None,
         )
-
-        paths, treedef = jax.tree_util.tree_flatten_with_path(updates)
-        names = [jax.tree_util.keystr(path) for path, _ in paths]
-        grads = [g for _, g in paths]
-        rms = treedef.flatten_up_to(state.param_rms)
-
-        def log_heavy_clip():
-            # Runs only on steps scaled below 0.1; the per-tensor sums are computed here.
-            jax.debug.callback(_warn_heavy_clip, factor, threshold)
-            if show_dominant_parameters and grads:
-                grad_sq = jnp.stack([jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads])
-                rms_vec = jnp.stack(rms)
-                jax.debug.callback(
-                    lambda *a: _log_dominant_tensor(names, *a),
-                    grad_sq * jnp.square(rms_vec),
-                    tot_sq,
-                    rms_vec,
-                    grad_sq,
-                )
-
-        jax.lax.cond(factor < 0.1, log_heavy_clip, lambda: None)
+        jax.lax.cond(
+            factor < 0.1,
+            lambda: _report_heavy_clip(updates, state.param_rms, factor, threshold, tot_sq, show_dominant_parameters),
+            lambda: None,
+        )
 
         clipped = jax.tree_util.tree_map(lambda g: (g * factor).astype(g.dtype), updates)
-        measure = measures_rms_at(count, size_update_period)
-        new_rms = jax.tree_util.tree_map(
-            lambda p, r: r if is_scalar(p.shape) else jnp.where(measure, tensor_rms(p), r),
-            params,
-            state.param_rms,
-        )
         new_state = ClipByMedianNormState(
             count=optax.safe_int32_increment(count),
-            param_rms=new_rms,
+            param_rms=_remeasured_rms(params, state.param_rms, count, size_update_period),
             norm_history=history,
             threshold=threshold,
             num_clipped=num_clipped,
@@ -214,3 +186,46 @@ def clip_by_median_norm(
         return clipped, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _report_heavy_clip(updates, param_rms, factor, threshold, tot_sq, show_dominant_parameters: bool) -> None:
+    """Inside a ``lax.cond`` taken only on steps scaled below 0.1: warns with ``factor`` and
+    ``threshold`` and, with ``show_dominant_parameters``, logs the tensor with the largest share
+    of ``tot_sq`` (the per-tensor sums are computed here, on those steps only)."""
+    paths, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    names = [jax.tree_util.keystr(path) for path, _ in paths]
+    grads = [g for _, g in paths]
+    rms = treedef.flatten_up_to(param_rms)
+    jax.debug.callback(_warn_heavy_clip, factor, threshold)
+    if show_dominant_parameters and grads:
+        grad_sq = jnp.stack([jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads])
+        rms_vec = jnp.stack(rms)
+        jax.debug.callback(
+            lambda *a: _log_dominant_tensor(names, *a),
+            grad_sq * jnp.square(rms_vec),
+            tot_sq,
+            rms_vec,
+            grad_sq,
+        )
+
+
+def _initial_state(params, period: int) -> ClipByMedianNormState:
+    """Count 0, an all-zero norm history and threshold, each tensor's RMS as measured now."""
+    return ClipByMedianNormState(
+        count=jnp.zeros((), jnp.int32),
+        param_rms=jax.tree_util.tree_map(initial_param_rms, params),
+        norm_history=jnp.zeros((period,), jnp.float32),
+        threshold=jnp.zeros((), jnp.float32),
+        num_clipped=jnp.zeros((), jnp.int32),
+    )
+
+
+def _remeasured_rms(params, param_rms, count, size_update_period: int):
+    """``param_rms`` after step ``count``: each tensor's RMS re-measured on the steps
+    :func:`~.update.measures_rms_at` names; scalars keep theirs (1)."""
+    measure = measures_rms_at(count, size_update_period)
+    return jax.tree_util.tree_map(
+        lambda p, r: r if is_scalar(p.shape) else jnp.where(measure, tensor_rms(p), r),
+        params,
+        param_rms,
+    )

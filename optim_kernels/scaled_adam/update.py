@@ -13,6 +13,7 @@ clipping lives in :mod:`.clipping` and the clamp of scalars in :mod:`.kernel`.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple, Union
 
 import jax
@@ -124,18 +125,10 @@ def scale_by_scaled_adam(
       A transformation whose ``update(grads, state, params)`` returns the new ``delta`` in
       each param's dtype (``new_params = params + updates``); ``params`` are required.
     """
-    P = size_update_period
+    hyper = _Hyper(b1, b2, scalar_lr_scale, eps, param_min_rms, param_max_rms, size_update_period)
 
     def init_fn(params):
-        f32_zeros = lambda p: jnp.zeros(p.shape, jnp.float32)  # noqa: E731
-        return ScaleByScaledAdamState(
-            count=jnp.zeros((), jnp.int32),
-            delta=jax.tree_util.tree_map(f32_zeros, params),
-            exp_avg_sq=jax.tree_util.tree_map(f32_zeros, params),
-            param_rms=jax.tree_util.tree_map(initial_param_rms, params),
-            scale_exp_avg_sq=jax.tree_util.tree_map(lambda p: jnp.zeros((), jnp.float32), params),
-            scale_grads=jax.tree_util.tree_map(lambda p: jnp.zeros((P,), jnp.float32), params),
-        )
+        return _initial_state(params, size_update_period)
 
     def update_fn(updates, state, params=None):
         check_tree_matches(updates, params, "scaled_adam")
@@ -144,78 +137,8 @@ def scale_by_scaled_adam(
         lr = jnp.asarray(lr, jnp.float32)
         step_f = count.astype(jnp.float32)
         bias_correction2 = 1.0 - jnp.power(jnp.float32(b2), step_f + 1.0)
-
-        def tensor_kernel(p, g, delta, exp_avg_sq, rms, scale_sq, scale_grads):
-            # Leading axis: tensors of one shape stacked together; rms etc. are (B,).
-            p = p.astype(jnp.float32)
-            bshape = (-1,) + (1,) * (p.ndim - 1)
-            delta = b1 * delta
-            scale_grads = scale_grads.at[:, count % P].set(
-                jnp.sum(p * g, axis=tuple(range(1, p.ndim)))
-            )
-            measure = measures_rms_at(count, P)
-            rms = jnp.where(measure, tensor_rms(p, batched=True), rms)
-
-            # Learned scale, on the last step of each period after the very first step.
-            beta2_period = b2**P
-            new_scale_sq = beta2_period * scale_sq + (1.0 - beta2_period) * jnp.mean(
-                jnp.square(scale_grads), axis=1
-            )
-            scale_updates_done = ((count + 1) // P).astype(jnp.float32)
-            scale_correction = 1.0 - jnp.power(jnp.float32(beta2_period), scale_updates_done)
-            size_lr = lr * scalar_lr_scale
-            scale_step = (
-                -size_lr
-                * jnp.sqrt(scale_correction)
-                * jnp.sum(scale_grads, axis=1)
-                / (jnp.sqrt(new_scale_sq) + eps)
-            )
-            scale_step = jnp.where(rms < param_min_rms, 0.0, scale_step)
-            scale_step = jnp.where(rms > param_max_rms, -size_lr * P, scale_step)
-            resize = measure & (count > 0)
-            delta = delta + jnp.where(resize, (1.0 - b1) * scale_step, 0.0).reshape(bshape) * p
-            scale_sq = jnp.where(resize, new_scale_sq, scale_sq)
-
-            # Adam on the tensor, scaled by its RMS; no bias correction once it exceeds 0.99.
-            exp_avg_sq = b2 * exp_avg_sq + (1.0 - b2) * jnp.square(g)
-            correction = jnp.where(bias_correction2 < 0.99, bias_correction2, 1.0)
-            denom = jnp.sqrt(exp_avg_sq / correction) + eps
-            step_size = -lr * (1.0 - b1) * jnp.maximum(rms, param_min_rms)
-            delta = delta + step_size.reshape(bshape) * (g / denom)
-            return delta, exp_avg_sq, rms, scale_sq, scale_grads
-
-        def scalar_kernel(p, g, delta, exp_avg_sq, rms, scale_sq, scale_grads):
-            del p
-            delta = b1 * delta
-            exp_avg_sq = b2 * exp_avg_sq + (1.0 - b2) * jnp.square(g)
-            denom = jnp.sqrt(exp_avg_sq / bias_correction2) + eps
-            delta = delta - lr * scalar_lr_scale * (1.0 - b1) * (g / denom)
-            return delta, exp_avg_sq, rms, scale_sq, scale_grads
-
-        def kernel(p, *rest):
-            # p has shape (B, *tensor_shape); the shape decides the path statically.
-            if is_scalar(p.shape[1:]):
-                return scalar_kernel(p, *rest)
-            return tensor_kernel(p, *rest)
-
-        treedef = jax.tree_util.tree_structure(params)
-        p_leaves = treedef.flatten_up_to(params)
-        g_leaves = [g.astype(jnp.float32) for g in treedef.flatten_up_to(updates)]
-        state_leaves = [
-            treedef.flatten_up_to(tree)
-            for tree in (
-                state.delta,
-                state.exp_avg_sq,
-                state.param_rms,
-                state.scale_exp_avg_sq,
-                state.scale_grads,
-            )
-        ]
-        groups = batching.shape_groups(p_leaves)
-        outs = batching.map_batched(kernel, 5, groups, p_leaves, g_leaves, *state_leaves)
-        delta, exp_avg_sq, rms, scale_sq, scale_grads = (
-            treedef.unflatten(leaves) for leaves in outs
-        )
+        step = functools.partial(_group_step, hyper, _Step(count, lr, bias_correction2))
+        delta, exp_avg_sq, rms, scale_sq, scale_grads = _map_shape_groups(step, updates, state, params)
         new_updates = jax.tree_util.tree_map(lambda d, p: d.astype(p.dtype), delta, params)
         new_state = ScaleByScaledAdamState(
             count=optax.safe_int32_increment(count),
@@ -228,3 +151,123 @@ def scale_by_scaled_adam(
         return new_updates, new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+class _Hyper(NamedTuple):
+    """The constants of :func:`scale_by_scaled_adam` (``period``: ``size_update_period``)."""
+
+    b1: float
+    b2: float
+    scalar_lr_scale: float
+    eps: float
+    param_min_rms: float
+    param_max_rms: float
+    period: int
+
+
+class _Step(NamedTuple):
+    """What one step's kernels share: ``count`` (int32 scalar, 0-based), ``lr`` (f32 scalar) and
+    Adam's ``bias_correction2 = 1 - b2 ** (count + 1)`` (f32 scalar)."""
+
+    count: jax.Array
+    lr: jax.Array
+    bias_correction2: jax.Array
+
+
+def _group_step(hyper: _Hyper, step: _Step, p, *rest):
+    """One group of same-shape tensors stacked on a leading axis, ``p`` of shape
+    ``(B, *tensor_shape)``: the tensor or the scalar step, decided statically by the shape."""
+    if is_scalar(p.shape[1:]):
+        return _scalar_step(hyper, step, p, *rest)
+    return _tensor_step(hyper, step, p, *rest)
+
+
+def _tensor_step(hyper: _Hyper, step: _Step, p, g, delta, exp_avg_sq, rms, scale_sq, scale_grads):
+    """A group of B tensors: ``p``, ``g`` (f32), ``delta``, ``exp_avg_sq`` of shape
+    ``(B, *tensor_shape)``; ``rms``, ``scale_sq`` ``(B,)``; ``scale_grads`` ``(B, period)``.
+    Returns the new ``(delta, exp_avg_sq, rms, scale_sq, scale_grads)``."""
+    b1, b2, scalar_lr_scale, eps, param_min_rms, param_max_rms, P = hyper
+    count, lr, bias_correction2 = step
+    p = p.astype(jnp.float32)
+    bshape = (-1,) + (1,) * (p.ndim - 1)
+    delta = b1 * delta
+    scale_grads = scale_grads.at[:, count % P].set(
+        jnp.sum(p * g, axis=tuple(range(1, p.ndim)))
+    )
+    measure = measures_rms_at(count, P)
+    rms = jnp.where(measure, tensor_rms(p, batched=True), rms)
+
+    # Learned scale, on the last step of each period after the very first step.
+    beta2_period = b2**P
+    new_scale_sq = beta2_period * scale_sq + (1.0 - beta2_period) * jnp.mean(
+        jnp.square(scale_grads), axis=1
+    )
+    scale_updates_done = ((count + 1) // P).astype(jnp.float32)
+    scale_correction = 1.0 - jnp.power(jnp.float32(beta2_period), scale_updates_done)
+    size_lr = lr * scalar_lr_scale
+    scale_step = (
+        -size_lr
+        * jnp.sqrt(scale_correction)
+        * jnp.sum(scale_grads, axis=1)
+        / (jnp.sqrt(new_scale_sq) + eps)
+    )
+    scale_step = jnp.where(rms < param_min_rms, 0.0, scale_step)
+    scale_step = jnp.where(rms > param_max_rms, -size_lr * P, scale_step)
+    resize = measure & (count > 0)
+    delta = delta + jnp.where(resize, (1.0 - b1) * scale_step, 0.0).reshape(bshape) * p
+    scale_sq = jnp.where(resize, new_scale_sq, scale_sq)
+
+    # Adam on the tensor, scaled by its RMS; no bias correction once it exceeds 0.99.
+    exp_avg_sq = b2 * exp_avg_sq + (1.0 - b2) * jnp.square(g)
+    correction = jnp.where(bias_correction2 < 0.99, bias_correction2, 1.0)
+    denom = jnp.sqrt(exp_avg_sq / correction) + eps
+    step_size = -lr * (1.0 - b1) * jnp.maximum(rms, param_min_rms)
+    delta = delta + step_size.reshape(bshape) * (g / denom)
+    return delta, exp_avg_sq, rms, scale_sq, scale_grads
+
+
+def _scalar_step(hyper: _Hyper, step: _Step, p, g, delta, exp_avg_sq, rms, scale_sq, scale_grads):
+    """A group of B one-element tensors: plain Adam with ``lr * scalar_lr_scale``; ``rms``,
+    ``scale_sq`` and ``scale_grads`` pass through unchanged."""
+    del p
+    b1, b2, eps = hyper.b1, hyper.b2, hyper.eps
+    delta = b1 * delta
+    exp_avg_sq = b2 * exp_avg_sq + (1.0 - b2) * jnp.square(g)
+    denom = jnp.sqrt(exp_avg_sq / step.bias_correction2) + eps
+    delta = delta - step.lr * hyper.scalar_lr_scale * (1.0 - b1) * (g / denom)
+    return delta, exp_avg_sq, rms, scale_sq, scale_grads
+
+
+def _initial_state(params, period: int) -> ScaleByScaledAdamState:
+    """Count 0, zero moments and scale statistics, each tensor's RMS as measured now."""
+    f32_zeros = lambda p: jnp.zeros(p.shape, jnp.float32)  # noqa: E731
+    return ScaleByScaledAdamState(
+        count=jnp.zeros((), jnp.int32),
+        delta=jax.tree_util.tree_map(f32_zeros, params),
+        exp_avg_sq=jax.tree_util.tree_map(f32_zeros, params),
+        param_rms=jax.tree_util.tree_map(initial_param_rms, params),
+        scale_exp_avg_sq=jax.tree_util.tree_map(lambda p: jnp.zeros((), jnp.float32), params),
+        scale_grads=jax.tree_util.tree_map(lambda p: jnp.zeros((period,), jnp.float32), params),
+    )
+
+
+def _map_shape_groups(step, updates, state: ScaleByScaledAdamState, params) -> tuple:
+    """Runs ``step(p, g, delta, exp_avg_sq, rms, scale_sq, scale_grads)`` once per group of
+    same-shape params (stacked, :mod:`.batching`) with the gradients in f32; returns the new
+    ``(delta, exp_avg_sq, param_rms, scale_exp_avg_sq, scale_grads)`` trees."""
+    treedef = jax.tree_util.tree_structure(params)
+    p_leaves = treedef.flatten_up_to(params)
+    g_leaves = [g.astype(jnp.float32) for g in treedef.flatten_up_to(updates)]
+    state_leaves = [
+        treedef.flatten_up_to(tree)
+        for tree in (
+            state.delta,
+            state.exp_avg_sq,
+            state.param_rms,
+            state.scale_exp_avg_sq,
+            state.scale_grads,
+        )
+    ]
+    groups = batching.shape_groups(p_leaves)
+    outs = batching.map_batched(step, 5, groups, p_leaves, g_leaves, *state_leaves)
+    return tuple(treedef.unflatten(leaves) for leaves in outs)

@@ -64,6 +64,19 @@ def _step_size(config: SoapConfig, lr, count) -> jax.Array:
     return lr * jnp.sqrt(1.0 - config.beta2 ** t) / (1.0 - config.beta1 ** t)
 
 
+def _param_step(config: SoapConfig, grad, ps: ParamState, param, lr, step_size, first) -> tuple[jax.Array, ParamState]:
+    """One parameter's update (in the gradient's dtype; zero on update 0, ``first``) and its
+    moments after this gradient (unchanged on update 0)."""
+    layout = SoapLayout.create(grad.shape, config)
+    direction, moved = _adam_in_eigenbasis(config, layout, grad, ps)
+    update = -step_size * direction
+    if config.weight_decay:
+        update = update - lr * config.weight_decay * (param.astype(jnp.float32) + update)
+    new_ps = moved._replace(exp_avg=jnp.where(first, ps.exp_avg, moved.exp_avg),
+                            exp_avg_sq=jnp.where(first, ps.exp_avg_sq, moved.exp_avg_sq))
+    return jnp.where(first, 0.0, update).astype(grad.dtype), new_ps
+
+
 def soap(
     learning_rate: ScalarOrSchedule = 3e-3,
     betas: Sequence[float] = (0.95, 0.95),
@@ -105,17 +118,9 @@ def soap(
     statistic and basis per preconditioned axis (:class:`~optserve.optim_kernels.soap.state.SoapState`).
     Updates come back in each parameter's dtype.
 
-    Differences from ``pytorch_optimizer.SOAP`` 4.1.0 (same trajectory otherwise, to rounding):
-
-    * the first moment is kept in the eigenbasis (as the paper's reference) and re-projected only
-      when a basis changes; pytorch_optimizer keeps it in the parameter's basis and rotates it
-      every step. The same iterates, two fewer rotations per step;
-    * a refreshed basis keeps the previous basis' column order instead of the Rayleigh-quotient
-      order, so the second moment is never permuted (:mod:`~optserve.optim_kernels.soap.bases`);
-    * ``normalize_gradient`` divides by ``rms + 1e-30`` (the paper's reference), not ``rms + eps``;
-    * ``merge_dims`` drops axes of length 1 and keeps a parameter that merges into one axis as that
-      axis (pytorch_optimizer's merge fails there, and may insert a leading axis of length 1);
-    * no ``maximize`` option.
+    Differences from ``pytorch_optimizer.SOAP`` 4.1.0 (the first moment kept in the eigenbasis,
+    a refreshed basis' column order, ``normalize_gradient``'s guard, ``merge_dims``, no
+    ``maximize``): ``docs/optimizers/soap.md``.
 
     Raises:
       ValueError: an option out of range, naming it; ``update`` without ``params`` when
@@ -139,14 +144,9 @@ def soap(
         treedef = jax.tree.structure(updates)
         new_updates, new_pstates = [], []
         for g, ps, p in zip(jax.tree.leaves(updates), param_states(state), jax.tree.leaves(params)):
-            layout = SoapLayout.create(g.shape, config)
-            direction, moved = _adam_in_eigenbasis(config, layout, g, ps)
-            update = -step_size * direction
-            if config.weight_decay:
-                update = update - lr * config.weight_decay * (p.astype(jnp.float32) + update)
-            new_updates.append(jnp.where(first, 0.0, update).astype(g.dtype))
-            new_pstates.append(moved._replace(exp_avg=jnp.where(first, ps.exp_avg, moved.exp_avg),
-                                              exp_avg_sq=jnp.where(first, ps.exp_avg_sq, moved.exp_avg_sq)))
+            update, new_ps = _param_step(config, g, ps, p, lr, step_size, first)
+            new_updates.append(update)
+            new_pstates.append(new_ps)
         state = state._replace(params=jax.tree.unflatten(treedef, new_pstates))
         state = fold_statistics(config, state, updates)
         if config.inline_bases:

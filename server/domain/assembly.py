@@ -13,7 +13,7 @@ from typing import Mapping
 
 import numpy as np
 
-from optserve.protos import contract
+from optserve.protos import contract, int8_codec
 from optserve.server.domain.config import DType, TensorSpec
 from optserve.server.domain.errors import InvalidArgument, NonFinite
 
@@ -61,8 +61,8 @@ class TensorAssembler:
                 f"tensor {spec.name!r}: shape {list(chunk.shape)} does not match the session's {list(spec.shape)}"
             )
         data = chunk.data
-        if chunk.dtype == contract.INT8:  # quantized gradients (protos/contract.py: values, then block scales)
-            dtype, start, count = None, chunk.offset, contract.int8_count(len(data))
+        if chunk.dtype == contract.INT8:  # quantized gradients (protos/int8_codec.py: values, then block scales)
+            dtype, start, count = None, chunk.offset, int8_codec.int8_count(len(data))
             if count is None or start % contract.INT8_BLOCK or self._flat[spec.name].dtype != np.float32:
                 raise InvalidArgument(
                     f"tensor {spec.name!r}: int8 chunk at element {start} with {len(data)} bytes is not whole "
@@ -94,7 +94,7 @@ class TensorAssembler:
             return
         destination = self._flat[spec.name][start : start + count]
         if dtype is None:
-            contract.write_int8_values(destination, data)
+            int8_codec.write_int8_values(destination, data)
         else:
             contract.write_wire_values(destination, data, dtype.value)
         # Checked after the copy, on the destination: the pass then reads cached memory (~2x

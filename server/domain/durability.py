@@ -211,13 +211,20 @@ class ShardProgress:
         return ShardProgress(record.version, next_ordinal, applied)
 
 
-class SessionStore(Protocol):
-    """A durable session's storage on one shard (the compute layer implements it over files).
+class StepLogPort(Protocol):
+    """A durable session's step log on one shard (and, on its home shard, the clock's ticket
+    journal); the storage layer implements it over files. Called under the shard session's lock,
+    in step order."""
 
-    The shard session calls it under its own lock, in step order.
-    """
+    write_ahead: bool  # records are written before their steps are applied (DurabilityConfig.write_ahead)
+    syncs_each_record: bool  # every record is flushed before its step is acknowledged (fsync policy)
+    failed: bool  # a write failed: nothing is logged until recovered (or, write-ahead, restart)
+    degraded: str  # why the log cannot take a step now ("disk: <cause> (<folder>)"; "": it can)
+    records: int  # step records logged since the latest checkpoint began ...
+    bytes: int  # ... and their gradient bytes
+    writes_direct: bool  # gradients are written with direct I/O now
 
-    def reserve_step(self, payload_bytes: int, tensors: int, steps: int = 1) -> None:
+    def reserve(self, payload_bytes: int, tensors: int, steps: int = 1) -> None:
         """Before a push is staged or its step applied: reserves room on the disk for ``steps``
         step records (raises OSError if there is none: nothing is then applied)."""
 
@@ -232,8 +239,55 @@ class SessionStore(Protocol):
     def abort_step(self) -> None:
         """The step begun last was not applied: its record is marked skipped."""
 
+    def append_ahead(self, grads: list, record: StepRecord) -> None:
+        """Write-ahead order: writes the step's whole record and returns once it is written (raises
+        OSError if it could not be: the step must not be applied)."""
+
     def wait_logged(self, version: int) -> None:
         """Returns once the step of ``version`` is logged (acknowledging it waits for this)."""
+
+    def probe(self) -> None:
+        """Raises OSError while the disk does not take a small write (after a failed log write)."""
+
+    def recovered(self, version: int) -> None:
+        """A checkpoint at ``version`` taken after the failure was committed: the log goes on."""
+
+    def restart(self) -> None:
+        """Write-ahead order, after a failed write: cuts the failed record off and takes records
+        again (raises OSError while the disk still fails)."""
+
+    def segments(self, manifest: Optional[dict]) -> list[str]:
+        """The log's segment files after ``manifest``'s checkpoint (all: None), in order."""
+
+    def cut(self, segment: str, at: int, drop_later: bool) -> None:
+        """Drops the log from byte ``at`` of ``segment`` on (``drop_later``: every later segment too)."""
+
+    def journal(self, manifest: Optional[dict]) -> list:
+        """The clock journal's entries after ``manifest``'s checkpoint (home shard)."""
+
+
+class CheckpointPort(Protocol):
+    """A durable session's checkpoints on one shard; the storage layer implements it over files.
+
+    Attributes:
+      log: the session's step log on this shard (:class:`StepLogPort`).
+    """
+
+    log: StepLogPort
+    durable_version: int  # the latest committed checkpoint's version (-1: none)
+    recoveries: int  # times this part was restored
+    checkpoint_seconds: float  # wall time of the latest checkpoint write
+    checkpoints_written: int  # checkpoints committed by this process
+    checkpoint_writing: bool  # one is being written (or waits to be) now
+
+    def latest(self) -> Optional[dict]:
+        """The latest committed checkpoint's manifest (None: none)."""
+
+    def restore_arrays(self, manifest: dict, abstract: dict) -> dict:
+        """The checkpoint's ``{"params", "opt_state"}`` (checked against its manifest)."""
+
+    def start_logs(self, manifest: Optional[dict], version: int = 0) -> None:
+        """Opens the step log after everything on disk (it reached ``version``)."""
 
     def checkpoint(self, progress: ShardProgress, params: dict, opt_state: Any, clock_state_fn=None,
                    wait: bool = False) -> bool:
@@ -241,32 +295,5 @@ class SessionStore(Protocol):
         ``wait``); later log records go to a fresh segment. A checkpoint due while another one is
         being written is written after it (a newer one supersedes it)."""
 
-    log_failed: bool  # a log write failed: nothing is logged until log_recovered
-    degraded: str  # why the log cannot take a step now ("disk: <cause> (<folder>)"; "": it can)
-
-    def log_probe(self) -> None:
-        """Raises OSError while the disk does not take a small write (after a failed log write)."""
-
-    def log_recovered(self, version: int) -> None:
-        """A checkpoint at ``version`` taken after the failure was committed: the log goes on."""
-
-    write_ahead: bool  # records are written before their steps are applied (DurabilityConfig.write_ahead)
-    syncs_each_record: bool  # every record is flushed before its step is acknowledged (fsync policy)
-
-    def append_ahead(self, grads: list, record: StepRecord) -> None:
-        """Write-ahead order: writes the step's whole record and returns once it is written (raises
-        OSError if it could not be: the step must not be applied)."""
-
-    def log_restart(self) -> None:
-        """Write-ahead order, after a failed write: cuts the failed record off and takes records
-        again (raises OSError while the disk still fails)."""
-
-    durable_version: int  # the latest committed checkpoint's version (-1: none)
-    log_records: int  # records (and their gradient bytes) logged since the latest checkpoint began
-    log_bytes: int
-    recoveries: int  # times this part was restored
-    checkpoint_seconds: float  # wall time of the latest checkpoint write
-    checkpoints_written: int  # checkpoints committed by this process
-    checkpoint_writing: bool  # one is being written (or waits to be) now
-    log_writes_direct: bool  # the log writes gradients with direct I/O now
-    degraded: str  # why the log cannot take a step now ("": it can)
+    def close(self) -> None:
+        """Writes what the log has queued and the checkpoint pending, then closes the files."""

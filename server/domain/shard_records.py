@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping, Optional
 
-from optserve.server.domain.clock import ClockStatus
+from optserve.server.domain.clock_records import ClockStatus
 from optserve.server.domain.durability import DurabilityStatus
 from optserve.server.domain.errors import InvalidArgument, RejectReason
 from optserve.server.domain.telemetry import Telemetry

@@ -21,8 +21,8 @@ from typing import Callable, Iterable, Mapping, Optional
 
 import numpy as np
 
-from optserve.protos.heap import release_free_memory
 from optserve.server.compute.buffers import BufferPool
+from optserve.server.compute.heap import release_free_memory
 from optserve.server.domain.assembly import TensorAssembler
 from optserve.server.domain.config import Limits, TensorSpec
 from optserve.server.domain.errors import Cancelled, InvalidArgument, NonFinite, NotFound, RejectReason

@@ -27,7 +27,7 @@ class ShardWatch(Periodic):
     """A daemon thread that checks the fleet every ``period_s`` seconds (see the module docstring).
 
     Args:
-      fleet: the :class:`~optserve.server.shard_actor.RayShardFleet`.
+      fleet: the :class:`~optserve.server.shard_fleet.RayShardFleet`.
       coordinator: the :class:`~optserve.server.domain.coordinator.Coordinator`.
       period_s: seconds between checks.
     """

@@ -3,7 +3,8 @@
 A checkpoint is a host copy of the shard's state (:class:`~.snapshots.Snapshots`) written in the
 background by one writer thread with orbax, then committed by its manifest
 (:mod:`~.manifests`); the log segments it replaces are deleted only after that. The step log and
-ticket journal are :class:`~.step_log.StepLog`'s.
+ticket journal are :class:`~.step_log.StepLog`'s: the store holds it as :attr:`ShardStore.log`
+(the domain's ``StepLogPort``) beside its own checkpoints (the domain's ``CheckpointPort``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from optserve.server.storage.format import CorruptCheckpoint
 from optserve.server.storage.manifests import (checksums_match, commit_manifest, drop_checkpoints_older_than,
                                                latest_manifest)
 from optserve.server.storage.log_reader import StepLogReader
-from optserve.server.storage.segments import close_segments, segment_number
+from optserve.server.storage.segments import close_segments
 from optserve.server.storage.snapshots import Snapshots, leaves, yield_cpu_to_steps
 from optserve.server.storage.step_log import StepLog
 
@@ -42,7 +43,8 @@ class LogReach(NamedTuple):
 
 
 class ShardStore:
-    """One durable session's files on one shard (implements the domain's ``SessionStore``).
+    """One durable session's files on one shard: its checkpoints (the domain's ``CheckpointPort``)
+    and, as :attr:`log`, its step log and ticket journal (the domain's ``StepLogPort``).
 
     Args:
       root: the server's checkpoint folder.
@@ -50,15 +52,16 @@ class ShardStore:
       shard_index: this shard.
       config: the server's :class:`~optserve.server.domain.durability.DurabilityConfig`.
       home: this shard keeps the session's clock (writes the ticket journal).
+
+    Attributes:
+      log: the session's :class:`~.step_log.StepLog` on this shard.
     """
 
     def __init__(self, root: str, session: str, shard_index: int, config, home: bool):
         self.folder = os.path.join(session_dir(root, session), f"shard-{shard_index}")
         os.makedirs(self.folder, exist_ok=True)
         self._session, self._shard = session, shard_index
-        self.write_ahead = bool(config.write_ahead)
-        self.syncs_each_record = config.fsync_due(1)
-        self._log = StepLog(self.folder, session, shard_index, config, home)
+        self.log = StepLog(self.folder, session, shard_index, config, home)
         self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="optserve-ckpt")
         self._snapshots = Snapshots()
         self._pending: Optional[tuple] = None  # (version, snapshot, manifest) waiting for the writer
@@ -83,7 +86,7 @@ class ShardStore:
     def start_logs(self, manifest: Optional[dict], version: int = 0) -> None:
         """Opens fresh log segments after everything on disk (call after replaying, which reached
         ``version``: every step up to it is in the log)."""
-        self._log.open(manifest, version)
+        self.log.open(manifest, version)
         if manifest is not None:
             self.durable_version = int(manifest["progress"]["version"])
 
@@ -116,107 +119,10 @@ class ShardStore:
         checkpoint = int(manifest["progress"]["version"])
         buffers = arrays()
         last = checkpoint
-        for segment in self.log_segments(manifest):
+        for segment in self.log.segments(manifest):
             for header, _ in StepLogReader(segment, lambda: buffers):
                 last = max(last, int(header["version"]))
         return LogReach(checkpoint, last, manifest["path"])
-
-    def cut_log(self, segment: str, at: int, drop_later: bool) -> None:
-        """Drops the step log from byte ``at`` of ``segment`` on: a torn record (``drop_later``
-        False), or the steps after a version every shard of the session reaches, which a restore
-        rolls back (``drop_later``: every later segment too)."""
-        os.truncate(segment, at)
-        later = []
-        if drop_later:
-            later = [path for path in self.log_segments(None) if segment_number(path) > segment_number(segment)]
-        for path in later:
-            os.unlink(path)
-        log.warning("event=step_log_cut session=%s shard=%d path=%s at=%d later_segments_dropped=%d", self._session,
-                    self._shard, segment, at, len(later))
-
-    def log_segments(self, manifest: Optional[dict]) -> list[str]:
-        """The step-log segments to replay after ``manifest``'s checkpoint, in order."""
-        return self._log.segments(manifest)
-
-    def journal(self, manifest: Optional[dict]) -> list:
-        """The clock journal's entries after ``manifest``'s checkpoint (home shard)."""
-        return self._log.journal(manifest)
-
-    # ------------------------------------------------------------- the step log
-    def journal_entry(self, entry) -> None:
-        """Appends one clock entry to the ticket journal (home shard; under the clock's lock)."""
-        self._log.journal_entry(entry)
-
-    def log_step(self, record, grads: list, release: Optional[Callable[[], None]] = None) -> None:
-        """:meth:`begin_step` and :meth:`end_step` at once (a step whose update already ran)."""
-        self.begin_step(grads)
-        self.end_step(record, release)
-
-    def reserve_step(self, payload_bytes: int, tensors: int, steps: int = 1) -> None:
-        """See :meth:`StepLog.reserve` (raises OSError when the disk has no room)."""
-        self._log.reserve(payload_bytes, tensors, steps)
-
-    @property
-    def degraded(self) -> str:
-        """Why the step log cannot take a step now ("": it can)."""
-        return self._log.degraded
-
-    @property
-    def log_failed(self) -> bool:
-        """See :attr:`StepLog.failed` (a checkpoint of everything applied recovers it)."""
-        return self._log.failed
-
-    def log_probe(self) -> None:
-        """See :meth:`StepLog.probe` (raises OSError while the disk fails)."""
-        self._log.probe()
-
-    def log_recovered(self, version: int) -> None:
-        """See :meth:`StepLog.recovered`."""
-        self._log.recovered(version)
-
-    def begin_step(self, grads: list) -> None:
-        """See :meth:`StepLog.begin_step`."""
-        self._log.begin_step(grads)
-
-    def end_step(self, record, release: Optional[Callable[[], None]] = None) -> None:
-        """See :meth:`StepLog.end_step`; :meth:`wait_logged` waits for it."""
-        self._log.end_step(record, release)
-
-    def abort_step(self) -> None:
-        """See :meth:`StepLog.abort_step`."""
-        self._log.abort_step()
-
-    def append_ahead(self, grads: list, record) -> None:
-        """See :meth:`StepLog.append_ahead` (write-ahead order: raises OSError, nothing to apply)."""
-        self._log.append_ahead(grads, record)
-
-    def log_restart(self) -> None:
-        """See :meth:`StepLog.restart` (write-ahead order; raises OSError while the disk fails)."""
-        self._log.restart()
-
-    def wait_logged(self, version: int) -> None:
-        """See :meth:`StepLog.wait_logged` (what acknowledging step ``version`` waits for)."""
-        self._log.wait_logged(version)
-
-    @property
-    def log_records(self) -> int:
-        """Step records logged since the last checkpoint."""
-        return self._log.records
-
-    @property
-    def log_bytes(self) -> int:
-        """Their gradient bytes."""
-        return self._log.bytes
-
-    @property
-    def log_writes_direct(self) -> bool:
-        """The step log writes gradients with direct I/O now (``LogIO.DIRECT`` where it works)."""
-        return self._log.writes_direct
-
-    @property
-    def log_direct_bytes(self) -> int:
-        """Gradient bytes the step log wrote with direct I/O since it was opened."""
-        return self._log.direct_bytes
 
     # ------------------------------------------------------------- checkpoints
     def checkpoint(self, progress, params: dict, opt_state: Any, clock_state_fn: Optional[Callable] = None,
@@ -229,7 +135,7 @@ class ShardStore:
         shard's clock state, taken with the ticket journal's rotation under the clock's lock.
         Returns True."""
         tree = self._snapshots.take({"params": params, "opt_state": opt_state})
-        steps_from, tickets_from, closed_fds, clock_state = self._log.rotate(clock_state_fn)
+        steps_from, tickets_from, closed_fds, clock_state = self.log.rotate(clock_state_fn)
         manifest = {"progress": progress.to_json(), "clock": clock_state, "steps_from": steps_from,
                     "tickets_from": tickets_from, "closed_fds": closed_fds}
         with self._done:
@@ -288,7 +194,7 @@ class ShardStore:
             raise
         close_segments(closed_fds, flush=False)  # replaced by the committed checkpoint
         drop_checkpoints_older_than(self.folder, version)
-        self._log.drop_before(manifest)
+        self.log.drop_before(manifest)
         self.durable_version = version
         self.checkpoint_seconds = time.monotonic() - started
         self.checkpoints_written += 1
@@ -307,6 +213,6 @@ class ShardStore:
 
     def close(self) -> None:
         """Writes what the log has queued and the checkpoint pending, then closes the files."""
-        self._log.close()
+        self.log.close()
         self.wait()
         self._writer.shutdown(wait=True)

@@ -25,14 +25,13 @@ import os
 import threading
 from typing import Callable, Optional
 
+from optserve.server.storage.disk_health import DiskHealth
 from optserve.server.storage.log_reader import read_journal
-from optserve.server.storage.segments import BLOCK, PREFIX, STEPS, TICKETS, Segments, segment_indices
+from optserve.server.storage.segments import BLOCK, PREFIX, STEPS, TICKETS, Segments, segment_indices, segment_number
 
 log = logging.getLogger(__name__)
 
 _HEADER_ROOM = 64 << 10  # bytes reserved for a record's header (its tickets: one per pushing worker)
-PROBE_NAME = ".write-probe"  # the file a failed log writes, fsyncs and deletes to see the disk work again
-_PROBE_BYTES = b"\0" * 4096
 
 
 class StepLog:
@@ -48,6 +47,8 @@ class StepLog:
     def __init__(self, folder: str, session: str, shard: int, config, home: bool):
         self.folder, self._session, self._shard = folder, session, shard
         self._config, self._home = config, home
+        self.write_ahead = bool(config.write_ahead)  # records are written before their steps are applied
+        self.syncs_each_record = config.fsync_due(1)  # every record is flushed before its step is acknowledged
         self._steps: Optional[Segments] = None
         self._tickets: Optional[Segments] = None
         self._journal_lock = threading.Lock()  # the journal's writes vs rotations
@@ -60,8 +61,7 @@ class StepLog:
         self.records = 0  # step records since the last checkpoint
         self.bytes = 0  # their gradient bytes
         self._begun_bytes = 0  # the gradient bytes of the record begun last
-        self.degraded = ""  # why the log cannot take a step now ("": it can), see reserve
-        self._probe_lock = threading.Lock()  # concurrent pushes probe the disk one after another
+        self._disk = DiskHealth(folder, session, shard)  # degraded after a failed write, until it takes writes
 
     # ------------------------------------------------------------- reading
     def segments(self, manifest: Optional[dict]) -> list[str]:
@@ -76,6 +76,19 @@ class StepLog:
         for i in segment_indices(self.folder, TICKETS, start):
             out.extend(read_journal(os.path.join(self.folder, f"{TICKETS}-{i}.log")))
         return out
+
+    def cut(self, segment: str, at: int, drop_later: bool) -> None:
+        """Drops the log from byte ``at`` of ``segment`` on: a torn record (``drop_later`` False),
+        or the steps after a version every shard of the session reaches, which a restore rolls
+        back (``drop_later``: every later segment too)."""
+        os.truncate(segment, at)
+        later = []
+        if drop_later:
+            later = [path for path in self.segments(None) if segment_number(path) > segment_number(segment)]
+        for path in later:
+            os.unlink(path)
+        log.warning("event=step_log_cut session=%s shard=%d path=%s at=%d later_segments_dropped=%d", self._session,
+                    self._shard, segment, at, len(later))
 
     # ------------------------------------------------------------- writing
     def open(self, manifest: Optional[dict], version: int) -> None:
@@ -117,43 +130,26 @@ class StepLog:
         try:
             self._steps.reserve(steps * record)
         except OSError as exc:
-            self._degrade(exc)
+            self._disk.degrade(exc)
             raise OSError(exc.errno, f"the step log in {self.folder} has no room for the next step: "
                                      f"{exc.strerror or exc}") from None
         if self.degraded and self._error is None:
             log.warning("event=step_log_recovered session=%s shard=%d folder=%s", self._session, self._shard,
                         self.folder)
-            self.degraded = ""
+            self._disk.degraded = ""
 
-    def _degrade(self, exc: BaseException) -> None:
-        """Marks the log degraded by ``exc`` (logged once per episode, not at every refused retry)."""
-        cause = getattr(exc, "strerror", None) or exc
-        if not self.degraded:
-            log.error("event=step_log_degraded session=%s shard=%d folder=%s error=%s", self._session,
-                      self._shard, self.folder, cause)
-        self.degraded = f"disk: {cause} ({self.folder})"
+    @property
+    def degraded(self) -> str:
+        """Why the log cannot take a step now (``"disk: <cause> (<folder>)"``; "": it can)."""
+        return self._disk.degraded
 
     def probe(self) -> None:
-        """The log failed: checks that the disk takes a write again (written, fsynced, deleted;
-        one probe at a time).
+        """The log failed: checks that the disk takes a write again (see :meth:`DiskHealth.probe`).
 
         Raises:
           OSError: it does not; the message names the folder and the cause.
         """
-        path = os.path.join(self.folder, PROBE_NAME)
-        try:
-            with self._probe_lock:
-                fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-                try:
-                    os.write(fd, _PROBE_BYTES)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                os.unlink(path)
-        except OSError as exc:
-            self._degrade(exc)
-            raise OSError(exc.errno, f"the step log in {self.folder} cannot be written: "
-                                     f"{exc.strerror or exc}") from None
+        self._disk.probe()
 
     @property
     def failed(self) -> bool:
@@ -167,7 +163,7 @@ class StepLog:
         goes on in the fresh segment the checkpoint started, and the waits up to ``version`` end."""
         with self._logged:
             self._error = None
-            self.degraded = ""
+            self._disk.degraded = ""
             self._logged_version = max(self._logged_version, version)
             self._logged.notify_all()
         log.warning("event=step_log_recovered session=%s shard=%d folder=%s version=%d", self._session,
@@ -226,7 +222,7 @@ class StepLog:
     def _fail(self, exc: BaseException) -> None:
         with self._logged:
             self._error = exc
-            self._degrade(exc)
+            self._disk.degrade(exc)
             self._logged.notify_all()
 
     def wait_logged(self, version: int) -> None:
@@ -272,14 +268,14 @@ class StepLog:
         try:
             self._steps.cut_record()
         except OSError as exc:
-            self._degrade(exc)
+            self._disk.degrade(exc)
             raise OSError(exc.errno, f"the step log in {self.folder} cannot be written: "
                                      f"{exc.strerror or exc}") from None
         self.records -= 1
         self.bytes -= self._begun_bytes
         with self._logged:
             self._error = None
-            self.degraded = ""
+            self._disk.degraded = ""
         log.warning("event=step_log_recovered session=%s shard=%d folder=%s version=%d", self._session,
                     self._shard, self.folder, self._logged_version)
 
@@ -315,10 +311,12 @@ class StepLog:
 
     @property
     def writes_direct(self) -> bool:
+        """Gradients are written with direct I/O now (``LogIO.DIRECT`` where it works)."""
         return self._steps is not None and self._steps.writes_direct
 
     @property
     def direct_bytes(self) -> int:
+        """Gradient bytes written with direct I/O since the log was opened."""
         return self._steps.direct_bytes if self._steps is not None else 0
 
     def close(self) -> None:

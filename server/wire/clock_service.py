@@ -1,10 +1,11 @@
 """The session clock over gRPC: the home shard serves it, the session's other shards call it.
 
 Every shard actor runs a :class:`ClockServer` next to its data plane, serving the
-:class:`~optserve.server.domain.clock.LocalClock` of each multi-shard session it is home to
+:class:`~optserve.server.domain.clock.HomeClock` of each multi-shard session it is home to
 (``optserve.v1.SessionClock`` in ``clock.proto``). The other shards of such a session hold a
-:class:`PeerClock`: the ``LocalClock`` methods, each one unary call answered in the home shard's
-process, domain refusals carried back in the reply and raised again.
+:class:`PeerClock`: the :class:`~optserve.server.domain.clock.Clock` every shard calls (``is_home``
+False), each method one unary call answered in the home shard's process, domain refusals carried
+back in the reply and raised again.
 
 The server has its own thread pool, apart from the data plane's: a vote holds a thread until
 every shard of the push voted, and those waits must never starve the data plane of threads.
@@ -29,7 +30,8 @@ from typing import Callable, Optional
 import grpc
 
 from optserve.protos.optserve.v1 import clock_pb2, clock_pb2_grpc
-from optserve.server.domain.clock import LocalClock, Ticket
+from optserve.server.domain.clock import HomeClock
+from optserve.server.domain.clock_records import Ticket
 from optserve.server.domain.errors import (FailedPrecondition, InvalidArgument, NotFound, OptservError, PeerRefused,
                                            Stale, Timeout, Unavailable)
 from optserve.server.wire.errors import add_unary_service, grpc_errors
@@ -38,12 +40,13 @@ from optserve.server.wire.security import InternalSecretInterceptor, InternalTru
 _THREADS = 256  # one per vote or sum waiting for its peers
 _IN_FLIGHT: set = set()  # refusing votes sent without waiting, held until they end
 _IN_FLIGHT_LOCK = threading.Lock()
+_RPC_SLACK_S = 30.0  # beyond the home-side wait, for the reply to arrive
 
 
 def _forget_call(future) -> None:
+    """A refusing vote's call ended: it need not be held any longer."""
     with _IN_FLIGHT_LOCK:
         _IN_FLIGHT.discard(future)
-_RPC_SLACK_S = 30.0  # beyond the home-side wait, for the reply to arrive
 
 _KINDS: dict[type, int] = {
     NotFound: clock_pb2.CLOCK_ERROR_KIND_NOT_FOUND,
@@ -112,7 +115,7 @@ def _check_wait(method: str, field: str, seconds: float) -> None:
 class _ClockServicer(clock_pb2_grpc.SessionClockServicer):
     """Each method checks its request (INVALID_ARGUMENT) before it asks the session's clock."""
 
-    def __init__(self, clock_for: Callable[[str], LocalClock]):
+    def __init__(self, clock_for: Callable[[str], HomeClock]):
         self._clock_for = clock_for
 
     @grpc_errors
@@ -161,7 +164,7 @@ class ClockServer:
     """
 
     def __init__(self, host: str, advertised_host: str, trust: InternalTrust, port: int = 0):
-        self._clocks: dict[str, LocalClock] = {}
+        self._clocks: dict[str, HomeClock] = {}
         self._lock = threading.Lock()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="optserve-clock"),
                                    interceptors=[InternalSecretInterceptor(trust.secret)])
@@ -182,14 +185,14 @@ class ClockServer:
         self._server.start()
         self.address = f"{advertised_host}:{port}"
 
-    def _clock(self, session: str) -> LocalClock:
+    def _clock(self, session: str) -> HomeClock:
         with self._lock:
             clock = self._clocks.get(session)
         if clock is None:
             raise NotFound(f"session {session!r} has no clock on this shard")
         return clock
 
-    def add(self, session: str, clock: LocalClock) -> None:
+    def add(self, session: str, clock: HomeClock) -> None:
         with self._lock:
             self._clocks[session] = clock
 
@@ -217,7 +220,8 @@ class _Stubs:
 
 
 class PeerClock:
-    """A non-home shard's handle on its session's clock (the :class:`LocalClock` methods).
+    """A non-home shard's handle on its session's clock: a :class:`~optserve.server.domain.clock.Clock`
+    whose ``is_home`` is False (the home-only calls are made on the home shard itself).
 
     Args:
       address: the home shard's :class:`ClockServer` address.
@@ -232,6 +236,10 @@ class PeerClock:
         self._metadata = trust.metadata
         self._session = session
         self._reduce_timeout = reduce_timeout_s
+
+    @property
+    def is_home(self) -> bool:
+        return False
 
     def repoint(self, address: str) -> None:
         """The home shard restarted at ``address``."""
@@ -288,4 +296,5 @@ class PeerClock:
         return reply.total
 
     def status(self) -> None:
-        return None  # the coordinator asks the home shard
+        """None: the coordinator asks the home shard for the clock's status."""
+        return None

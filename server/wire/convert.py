@@ -14,8 +14,8 @@ from optserve.protos.status_records import RootStatus
 from optserve.server.domain.assembly import wire_dtype
 from optserve.server.domain.config import (DEFAULT_LEASE_S, ElasticOptions, LatePolicy, Limits, Mode,
                                            PreconditionerOptions, SessionConfig, StalenessPolicy, TensorSpec)
-from optserve.server.domain.coordinator import AttachExpectation, SessionRecord, SessionStatus
 from optserve.server.domain.errors import InvalidArgument, RejectReason
+from optserve.server.domain.session_records import AttachExpectation, SessionRecord, SessionStatus
 from optserve.server.wire.limits import check_optimizer_args, check_session_request
 
 

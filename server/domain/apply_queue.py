@@ -3,18 +3,18 @@
 The session clock hands out tickets with ordinals 0, 1, 2, ...; every shard applies them strictly
 in that order, so all shards apply the same pushes in the same order. A ticket may reach a shard
 before the tickets ahead of it (another client's call carries those); it waits in
-:attr:`Sequencer.arrived` until its turn. A ticket the shard never hears of is fetched from the
-clock (:meth:`Sequencer.poll_missing`, every gap poll).
+:attr:`ApplyQueue.arrived` until its turn. A ticket the shard never hears of is fetched from the
+clock (:meth:`ApplyQueue.poll_missing`, every gap poll).
 
-Idempotency: :attr:`Sequencer.applied_sequence` holds each client's last applied push; a retry of
+Idempotency: :attr:`ApplyQueue.applied_sequence` holds each client's last applied push; a retry of
 an applied push finds it there and applies nothing twice.
 
 Sync mode with ``num_workers > 1``: the pushes of one step are summed as they apply
-(:meth:`Sequencer.add`); the ticket that closes the step turns the sum into the mean that the
-update runs with (:meth:`Sequencer.hold_or_close`).
+(:meth:`ApplyQueue.add`); the ticket that closes the step turns the sum into the mean that the
+update runs with (:meth:`ApplyQueue.hold_or_close`).
 
 Every attribute and method here is guarded by the shard session's condition (call with it held),
-except :meth:`Sequencer.already_applied`, a single dictionary read as in the session's receive path.
+except :meth:`ApplyQueue.already_applied`, a single dictionary read as in the session's receive path.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Optional
 import numpy as np
 
 from optserve.server.compute.buffers import IO_ALIGNMENT, aligned_empty
-from optserve.server.domain.clock import Ticket
+from optserve.server.domain.clock_records import Ticket
 from optserve.server.domain.config import Mode, SessionConfig, worker_of
 from optserve.server.domain.durability import ShardProgress
 from optserve.server.domain.errors import Timeout
@@ -58,7 +58,7 @@ def entry(ticket: Ticket) -> TicketEntry:
     return ticket.ordinal, ticket.client_id, ticket.sequence
 
 
-class Sequencer:
+class ApplyQueue:
     """Ticket order, idempotency and sync averaging of one session on one shard.
 
     Args:

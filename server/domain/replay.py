@@ -1,0 +1,60 @@
+"""Recovery of a durable session's part on one shard: its latest checkpoint, then the steps its
+log holds after it, applied again exactly as they were (each with the cross-shard statistic it
+was logged with: no peer is asked)."""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import numpy as np
+
+from optserve.server.compute.buffers import aligned_empty
+from optserve.server.compute.updater import Updater
+from optserve.server.domain.clock_records import Ticket
+from optserve.server.domain.config import TensorSpec
+from optserve.server.domain.durability import CheckpointPort, ShardProgress, StepRecord
+
+
+def step_tickets(record: StepRecord) -> list[Ticket]:
+    """The tickets of a logged step, as its clock decided them (their staleness is not logged:
+    0); the last one closes the step."""
+    last = len(record.tickets) - 1
+    return [Ticket(ordinal, client, sequence, 0, record.scale, i == last, record.version, False)
+            for i, (ordinal, client, sequence) in enumerate(record.tickets)]
+
+
+def replay(store: CheckpointPort, manifest: dict, updater: Updater, specs: Mapping[str, TensorSpec], read_log,
+           upto: Optional[int] = None) -> tuple[ShardProgress, list[StepRecord]]:
+    """Recovery: loads checkpoint ``manifest`` of ``store`` into ``updater``, then applies the
+    steps its log holds past the checkpoint (up to version ``upto``; None: all); returns the
+    progress reached and the records applied.
+
+    ``read_log``: ``(segment_path, fresh_buffers) -> reader``, iterating ``(record_json, grads)``
+    with each step's gradient read into buffers from ``fresh_buffers()``; the reader tells the
+    byte offset of the record it gave last (``last_at``) and of a torn tail (``torn_at``). Each
+    step reuses the cross-shard statistic logged with it (no peer is asked). A torn tail is cut
+    off its segment; with ``upto``, the log is cut before the first step after it (those steps
+    are rolled back, on every shard alike).
+    """
+    def fresh_buffers() -> dict[str, np.ndarray]:
+        return {name: aligned_empty(spec.shape, np.float32) for name, spec in specs.items()}
+
+    restored = store.restore_arrays(manifest, updater.abstract_state())
+    updater.restore(restored["params"], restored["opt_state"])
+    progress = ShardProgress.from_json(manifest["progress"])
+    applied: list[StepRecord] = []
+    for segment in store.log.segments(manifest):
+        reader = read_log(segment, fresh_buffers)
+        for header, grads in reader:
+            record = StepRecord.from_json(header)
+            if record.version <= progress.version:
+                continue
+            if upto is not None and record.version > upto:
+                store.log.cut(segment, reader.last_at, drop_later=True)
+                return progress, applied
+            updater.apply(grads, record.scale, lambda _partial, s=record.global_stat: s)
+            progress = progress.after(record)
+            applied.append(record)
+        if reader.torn_at is not None:
+            store.log.cut(segment, reader.torn_at, drop_later=False)
+    return progress, applied

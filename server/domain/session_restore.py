@@ -1,0 +1,123 @@
+"""Durable servers: bringing a session back on all its shards at one version.
+
+Each shard's part of a session can be restored up to the last version it logged (its checkpoint
+plus its step log). The session is restored at the highest version *every* shard reaches; steps
+one shard logged past it were never acknowledged by every shard, so they are rolled back (logged
+as ``event=session_rolled_back``). A session that cannot be brought to one version (a damaged
+file, a shard whose checkpoint is already past the common version, or one with no checkpoint
+while the others have one) is lost, with a message that names the shard and the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from optserve.server.domain.config import SessionConfig
+from optserve.server.domain.errors import OptservError, SessionLost
+from optserve.server.domain.events import log_event
+from optserve.server.domain.session_records import SessionRecord
+
+if TYPE_CHECKING:  # the coordinator's port, named for the reader only
+    from optserve.server.domain.coordinator import ShardFleet
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreOutcome:
+    """How a restore ended.
+
+    Attributes:
+      why_lost: why the session is lost (None: every shard restored it).
+      rolled_back_from: the highest version a shard had logged, when the common version is below
+        it (0: nothing was rolled back).
+    """
+
+    why_lost: Optional[str] = None
+    rolled_back_from: int = 0
+
+
+def record_from_catalog(entry: dict, addresses: Sequence[str]) -> Optional[SessionRecord]:
+    """The session a catalog entry defines, placed on the shards at ``addresses``; None (logged
+    as ``event=session_lost``) when it needs more shards than the server has."""
+    config = SessionConfig.from_json(entry["config"])
+    placement = sorted((int(i), tuple(names)) for i, names in entry["placement"].items())
+    if placement[-1][0] >= len(addresses):
+        log.error("event=session_lost session=%s reason=needs_%d_shards shards=%d", config.name,
+                  placement[-1][0] + 1, len(addresses))
+        return None
+    return SessionRecord.placed(config, placement, addresses, entry.get("owner", ""), entry.get("creator", ""))
+
+
+def restore_consistently(fleet: "ShardFleet", record: SessionRecord) -> RestoreOutcome:
+    """Restores a durable session on all its shards at the highest version every shard reaches
+    exactly (:func:`common_version`); what lies past it on some shard is rolled back."""
+    name = record.config.name
+    openings = record.openings(fleet.clock_addresses)
+    reaches = {}
+    for opening in openings:
+        try:
+            reaches[opening.shard_index] = fleet.reachable(opening)
+        except OptservError as exc:
+            return RestoreOutcome(_why_lost(name, opening.shard_index, exc))
+    common, logged, why = common_version(name, reaches)
+    if why is not None:
+        return RestoreOutcome(why)
+    rolled_back_from = 0
+    if logged > common:
+        log_event(log, logging.WARNING, "session_rolled_back", session=name, version=common, logged=logged,
+                  shards=",".join(f"{i}:{r[1]}" for i, r in sorted(reaches.items())))
+        rolled_back_from = logged
+    for opening in openings:
+        try:
+            fleet.restore_session(opening, upto=common)
+        except OptservError as exc:
+            return RestoreOutcome(_why_lost(name, opening.shard_index, exc), rolled_back_from)
+    return RestoreOutcome(None, rolled_back_from)
+
+
+def restore_shard(fleet: "ShardFleet", record: SessionRecord, shard_index: int) -> Optional[str]:
+    """A restarted shard's part of a durable session: restores it (its checkpoint and all it
+    logged), then points the session's other shards at the shard's new clock endpoint (it is the
+    home shard) or tells the home shard its peer is back. Returns why the session is lost, or None."""
+    name = record.config.name
+    opening = next(o for o in record.openings(fleet.clock_addresses) if o.shard_index == shard_index)
+    try:
+        fleet.restore_session(opening)
+    except OptservError as exc:
+        return _why_lost(name, shard_index, exc)
+    if record.home == shard_index:
+        for a in record.assignments[1:]:
+            fleet.set_home_clock(a.shard_index, name, fleet.clock_addresses[shard_index])
+    else:
+        fleet.peer_up(record.home, shard_index, [name])
+    return None
+
+
+def common_version(name: str, reaches: dict[int, tuple[int, int, str]]) -> tuple[int, int, Optional[str]]:
+    """``(common, logged, why)`` for session ``name`` whose shards reach ``reaches`` (shard index
+    -> ``(checkpoint version, last logged version, checkpoint path)``, -1: none): the version
+    every shard reaches, the highest one any shard logged, and why no common version can be
+    restored (None: it can)."""
+    common = min(logged for _, logged, _ in reaches.values())
+    logged = max(logged for _, logged, _ in reaches.values())
+    for index, (checkpoint, _, path) in sorted(reaches.items()):
+        if checkpoint < 0 and logged >= 0:
+            return common, logged, (f"session {name!r} cannot be restored: shard {index} has no checkpoint in {path} "
+                                    f"(its manifest is missing) while its other shards have one")
+    for index, (checkpoint, _, path) in sorted(reaches.items()):
+        if checkpoint > common:
+            shortest = min(reaches, key=lambda i: reaches[i][1])
+            return common, logged, (f"session {name!r} cannot be restored at one version on all its shards: shard "
+                                    f"{index}'s checkpoint {path} is at version {checkpoint}, but shard {shortest}'s "
+                                    f"checkpoint and log reach only version {common}")
+    return common, logged, None
+
+
+def _why_lost(name: str, shard_index: int, exc: OptservError) -> str:
+    """The message of a session lost because shard ``shard_index`` could not restore its part."""
+    if isinstance(exc, SessionLost):  # names the damaged file already
+        return str(exc)
+    return f"session {name!r} could not be restored on shard {shard_index}: {exc}"

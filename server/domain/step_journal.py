@@ -1,0 +1,386 @@
+"""The durable step of one session on one shard: its log record, its checkpoints, its recovery.
+
+:class:`StepJournal` is the one owner of everything that makes a shard's steps durable. The
+shard session asks it to run each update as a step (:meth:`StepJournal.run`) and no longer knows
+which log order is in force:
+
+- **overlapped** (the default): the gradient goes to the log while the update runs and the
+  record is completed after it; the answer that acknowledges the step waits for the record
+  (:meth:`StepJournal.waiter`). A failed write leaves the step applied but unacknowledged; once
+  the disk takes writes, a checkpoint of everything applied recovers the log.
+- **write-ahead** (``DurabilityConfig.write_ahead``): the whole record is written before the
+  update changes anything. A step whose record fails is applied nowhere: the journal keeps it
+  (:class:`UnloggedStep`) and, once the disk takes writes, cuts the failed record off and has the
+  session apply it, logged, before any later step.
+
+It also reserves log space before a push is staged (:meth:`StepJournal.reserve`), decides when a
+checkpoint is written (:meth:`StepJournal.after_step`, :meth:`StepJournal.checkpoint_now`) and
+restores a shard's part from its checkpoint and log (:meth:`StepJournal.replay`). A session that
+is not durable has a journal with no store: every step then just runs.
+
+The journal is called with the session's lock held (a re-entrant lock: the journal calls back
+into the session, see :class:`JournalOwner`), in step order, as the store requires.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Protocol
+
+import numpy as np
+
+from optserve.server.domain.clock_records import Ticket
+from optserve.server.domain.config import TensorSpec
+from optserve.server.domain.durability import CheckpointPort, DurabilityStatus, ShardProgress, StepLogPort, StepRecord
+from optserve.server.domain.errors import Unavailable
+from optserve.server.domain.refusals import log_value
+from optserve.server.domain.replay import replay
+
+_log = logging.getLogger(__name__)
+
+
+class LogWriteFailed(Unavailable):
+    """Write-ahead order: a step's record could not be written, so the step was not applied."""
+
+
+class JournaledStep(NamedTuple):
+    """One step as the journal logs it.
+
+    Attributes:
+      ticket: the ticket that runs the step (its ``target_version`` is the step's version).
+      tickets: ``(ordinal, client_id, sequence)`` of every push the step applies, in order.
+      scale: the step's scale.
+    """
+
+    ticket: Ticket
+    tickets: tuple
+    scale: float
+
+    def record(self, global_stat: float) -> StepRecord:
+        """The step's log record, once its cross-shard statistic is known."""
+        return StepRecord(self.ticket.target_version, self.tickets, self.scale, global_stat)
+
+
+class UnloggedStep(NamedTuple):
+    """Write-ahead order: a step whose log record could not be written, so applied nowhere here
+    yet; its tickets are taken, and it is applied (logged first) before any later step."""
+
+    grads: dict  # the shard's own copy (the push's buffers went back when it was answered)
+    step: JournaledStep
+    global_stat: float  # the cross-shard statistic it was decided with
+
+
+class JournalOwner(Protocol):
+    """What the journal asks of the shard session whose steps it makes durable."""
+
+    where: str  # "session 'name' on shard i", for messages
+    version: int  # steps applied here
+    initialized: bool  # the initial values are installed
+    half_gathered: bool  # a sync step is gathering its pushes here (not a step boundary)
+
+    def checkpoint_state(self) -> tuple[ShardProgress, dict, Any, Optional[Callable]]:
+        """``(progress, params, opt_state, clock_state_fn)`` at the current version (the last:
+        the home clock's ``durable_state``, None elsewhere)."""
+
+    def recover_log(self) -> bool:
+        """Takes the session's lock and :meth:`StepJournal.recover`\\ s (raising if the session ended)."""
+
+    def reapply(self, unlogged: UnloggedStep) -> None:
+        """Runs the step whose record failed again, through :meth:`StepJournal.run`."""
+
+
+class StepJournal:
+    """The durable step of one session on one shard (see the module's docstring).
+
+    Args:
+      owner: the shard session.
+      specs: the shard's tensors, in the order their gradients are logged.
+      push_bytes: the gradient bytes of one push to this shard (one step record's payload).
+      session / shard_index: the session's name and this shard's index (for log lines).
+    """
+
+    def __init__(self, owner: JournalOwner, specs: Mapping[str, TensorSpec], push_bytes: int, session: str,
+                 shard_index: int):
+        self._owner = owner
+        self._log_where = f"session={log_value(session)} shard={shard_index}"
+        self._specs = specs
+        self._push_bytes = push_bytes
+        self._store: Optional[CheckpointPort] = None
+        self._log: Optional[StepLogPort] = None
+        self._unlogged: Optional[UnloggedStep] = None  # write-ahead: the step whose record failed
+
+    @property
+    def enabled(self) -> bool:
+        """The session is durable on this shard."""
+        return self._store is not None
+
+    def attach(self, store: CheckpointPort) -> None:
+        """Makes the session durable: its steps are logged to ``store.log`` from now on."""
+        self._store, self._log = store, store.log
+
+    def close(self) -> None:
+        """Finishes a checkpoint being written and closes the log (the session is closing)."""
+        if self._store is not None:
+            self._store.close()
+
+    # ----------------------------------------------------------------- one step
+    def run(self, grads: Mapping[str, np.ndarray], step: JournaledStep,
+            update: Callable[[Optional[Callable[[float], None]]], float],
+            release: Optional[Callable[[], None]] = None) -> None:
+        """Runs ``update(before)`` as one logged step, then ``release()`` (the gradient buffers may
+        be reused from then on).
+
+        ``update`` applies the step and returns its cross-shard statistic; in write-ahead order it
+        calls ``before(statistic)`` once the statistic is known and before anything changes, and
+        the record is written then. Without a store the step just runs.
+
+        Raises:
+          LogWriteFailed: write-ahead order, the record could not be written: the step was applied
+            nowhere; the journal keeps it and applies it once the disk takes writes (see
+            :meth:`require_logged`).
+          whatever ``update`` raises (its record, begun in the overlapped order, is marked skipped).
+        """
+        if self._log is not None and self._log.write_ahead:
+            self._run_ahead(grads, step, update, release)
+            return
+        if self._log is not None:  # the gradient goes to the log while the update runs
+            self._log.begin_step(self._in_order(grads))
+        try:
+            global_stat = update(None)
+        except BaseException:
+            if self._log is not None:
+                self._log.abort_step()
+            raise
+        if self._log is not None:
+            self._log.end_step(step.record(global_stat), release)
+        elif release is not None:
+            release()
+
+    def _run_ahead(self, grads: Mapping[str, np.ndarray], step: JournaledStep,
+                   update: Callable[[Optional[Callable[[float], None]]], float],
+                   release: Optional[Callable[[], None]]) -> None:
+        """:meth:`run` in write-ahead order."""
+        stats: list[float] = []
+
+        def write_record(global_stat: float) -> None:
+            stats.append(global_stat)
+            try:
+                self._log.append_ahead(self._in_order(grads), step.record(global_stat))
+            except OSError as exc:
+                raise LogWriteFailed(f"{self._owner.where}: {exc}; retry this push: it is applied once the disk "
+                                     f"takes writes again") from None
+
+        try:
+            update(write_record)
+        except LogWriteFailed:
+            # a copy of its own: the push's buffers (the staging pool, or the client's shared-memory
+            # region, which the client writes its next gradient into) go back once it is answered
+            owned = {name: np.array(grad, copy=True) for name, grad in grads.items()}
+            if release is not None:
+                release()
+            self._unlogged = UnloggedStep(owned, step, stats[0])
+            raise
+        if release is not None:
+            release()
+
+    def _in_order(self, grads: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        return [grads[name] for name in self._specs]
+
+    def after_step(self, checkpoint_due: bool) -> None:
+        """A step was applied (a step boundary): recovers a failed log (its waiters find it
+        recovered, or not), else writes the checkpoint its ticket made due."""
+        if self._log is None:
+            return
+        if self._log.failed:
+            self._owner.recover_log()
+        elif checkpoint_due:
+            self.checkpoint()
+
+    def waiter(self, version: int) -> Callable[[], None]:
+        """What acknowledging step ``version`` waits for: its log record (nothing when not durable).
+
+        When the log failed, the waiter has the session recover it (True once a checkpoint
+        holds every applied step) and waits again.
+
+        Raises (when called):
+          Unavailable: the log failed and cannot recover yet (naming the session, shard, folder
+            and cause): the step is applied on this shard but not acknowledged; a retry of the
+            same push is not applied again, and is answered once the log recovers.
+        """
+        log, owner = self._log, self._owner
+        if log is None:
+            return lambda: None
+
+        def wait() -> None:
+            try:
+                log.wait_logged(version)
+                return
+            except OSError as exc:
+                failure = exc
+            if owner.recover_log():
+                log.wait_logged(version)
+                return
+            raise Unavailable(f"{owner.where}: {failure}; retry this push (it is not applied twice): it is "
+                              f"answered once the disk takes writes again") from None
+
+        return wait
+
+    # ----------------------------------------------------------------- room and failures
+    def reserve(self, steps: int) -> None:
+        """Room on the disk for ``steps`` step records of this shard, before a push is staged or
+        its step applied. After a failed log write nothing is applied until the log recovered.
+
+        Raises:
+          Unavailable: no room, or a failed log that cannot recover yet (naming the session,
+            shard and directory): nothing is applied; the client's retry tries again.
+        """
+        if self._log is None:
+            return
+        self._reserve_room(steps)
+        if not self._log.failed:
+            return
+        if self._owner.recover_log():  # the checkpoint started a fresh log segment: reserve there
+            self._reserve_room(steps)
+        elif not self._owner.half_gathered:
+            raise Unavailable(f"{self._owner.where}: the step log failed ({self._log.degraded}) and cannot recover "
+                              f"yet; nothing was applied, retry once the disk takes writes again")
+        # else: the disk takes writes (the reservation probed it) but a sync step is half gathered
+        # here: its pushes go on, and the update that closes it recovers the log (see after_step)
+
+    def _reserve_room(self, steps: int) -> None:
+        try:
+            self._log.reserve(self._push_bytes, len(self._specs), steps)
+        except OSError as exc:
+            raise Unavailable(f"{self._owner.where}: {exc}; nothing was applied, retry once the disk takes writes "
+                              f"again") from None
+
+    def require_logged(self) -> None:
+        """Write-ahead order: a step whose record failed is applied before any later one (its turn
+        has come: its tickets were taken), or nothing goes on.
+
+        Raises:
+          Unavailable: the disk still fails (naming the session, shard, folder and cause).
+        """
+        unlogged = self._unlogged
+        if unlogged is not None and not self._owner.recover_log():
+            raise Unavailable(f"{self._owner.where}: step {unlogged.step.ticket.target_version} waits for its log "
+                              f"record ({self._log.degraded}) and was applied nowhere here; retry once the disk "
+                              f"takes writes again")
+
+    def recover(self) -> bool:
+        """After a failed log write, once the disk takes writes again: overlapped order, writes a
+        checkpoint of the state now (every step applied, those whose records were lost included)
+        and goes on logging after it; write-ahead order, cuts the failed record off and has the
+        session apply the step whose record failed. Returns whether the log works (False: the
+        disk still fails, or a sync step is half gathered here: the step that closes it recovers).
+        Call through the session's ``recover_log`` (its lock held)."""
+        log, owner = self._log, self._owner
+        if log is None:
+            return True
+        if log.write_ahead:
+            return self._recover_ahead()
+        if not log.failed:
+            return True
+        if owner.half_gathered or not owner.initialized:
+            return False
+        recovered = self._recover_by_checkpoint(owner.version)
+        if recovered:
+            _log.warning("event=session_log_recovered %s version=%d", self._log_where, owner.version)
+        return recovered
+
+    def _recover_by_checkpoint(self, version: int) -> bool:
+        """Overlapped order: a checkpoint at ``version`` (everything applied) is committed, then
+        the log goes on from it. Returns whether the log works again."""
+        store, log = self._store, self._log
+        if store.durable_version >= version:  # a checkpoint committed since holds every step applied
+            log.recovered(version)  # (its rotation drained the failed writes: the log is fresh)
+            return True
+        try:
+            log.probe()  # cheap: a disk that still fails is not asked for a whole checkpoint
+            self.checkpoint(wait=True)
+        except OSError:
+            return False
+        if store.durable_version < version:
+            return False
+        log.recovered(version)
+        return True
+
+    def _recover_ahead(self) -> bool:
+        """Write-ahead order: once the disk takes writes, cuts the failed record off the log, then
+        has the session log and apply the step whose record failed (the same gradient and
+        cross-shard statistic: the step it would have been). Returns whether the log works and no
+        step waits for its record."""
+        if self._log.failed:
+            try:
+                self._log.restart()
+            except OSError:
+                return False
+        unlogged, self._unlogged = self._unlogged, None
+        if unlogged is None:
+            return True
+        try:
+            self._reserve_room(steps=1)  # the cut gave room back
+            self._owner.reapply(unlogged)
+        except Unavailable:  # the disk failed again (a failed record waits once more)
+            if self._unlogged is None:
+                self._unlogged = unlogged
+            return False
+        if not self._log.syncs_each_record:
+            # the failure may have been an fsync's, which also loses records written (not yet
+            # synced) before the failed one: a checkpoint holds every step applied
+            try:
+                self.checkpoint(wait=True)
+            except OSError as exc:
+                _log.warning("event=checkpoint_after_log_recovery_failed %s version=%d error=%s", self._log_where,
+                             self._owner.version, log_value(str(exc)))
+        _log.warning("event=session_log_recovered %s version=%d order=write-ahead", self._log_where,
+                     self._owner.version)
+        return True
+
+    # ----------------------------------------------------------------- checkpoints
+    def checkpoint(self, wait: bool = False) -> bool:
+        """Snapshots the state at the current version into the store (between steps); the home
+        shard adds its clock's state."""
+        progress, params, opt_state, clock_state_fn = self._owner.checkpoint_state()
+        return self._store.checkpoint(progress, params, opt_state, clock_state_fn, wait=wait)
+
+    def checkpoint_now(self) -> bool:
+        """A checkpoint of the current state, written before this returns (server shutdown);
+        False when there is nothing new since the last one, nothing to save, or the state is not
+        at a step boundary (a sync step half gathered, a step waiting for its record)."""
+        owner = self._owner
+        if self._store is None or not owner.initialized or owner.version <= self._store.durable_version:
+            return False
+        if owner.half_gathered:  # mid sync step: its log position is not a step boundary
+            return False
+        if self._unlogged is not None:  # its tickets count as applied: the state is one step behind
+            return False
+        return self.checkpoint(wait=True)
+
+    # ----------------------------------------------------------------- restore
+    def replay(self, store: CheckpointPort, updater, read_log,
+               upto: Optional[int]) -> Optional[tuple[dict, ShardProgress, list[StepRecord]]]:
+        """Loads ``store``'s latest checkpoint into ``updater`` and replays its log (up to version
+        ``upto``; None: all of it); returns ``(manifest, progress, records replayed)``, or None
+        when the store has no checkpoint. See :func:`~optserve.server.domain.replay.replay`."""
+        manifest = store.latest()
+        if manifest is None:
+            return None
+        progress, records = replay(store, manifest, updater, self._specs, read_log, upto)
+        return manifest, progress, records
+
+    def resume(self, store: CheckpointPort, manifest: Optional[dict], version: int) -> None:
+        """After a restore reached ``version``: the log goes on after everything on disk, and the
+        session is durable on ``store`` from now on."""
+        store.start_logs(manifest, version)
+        store.recoveries += 1
+        self.attach(store)
+
+    def status(self) -> Optional[DurabilityStatus]:
+        """The store's checkpoint and log status (None: not durable)."""
+        store, log = self._store, self._log
+        if store is None:
+            return None
+        return DurabilityStatus(store.durable_version, log.records, log.bytes, store.recoveries,
+                                store.checkpoint_seconds, store.checkpoints_written, store.checkpoint_writing,
+                                log.writes_direct, log.degraded)

@@ -1,0 +1,330 @@
+"""The apply side of one session on one shard: decided tickets applied in order, each as a durable step.
+
+:class:`StepRunner` takes the tickets the session's clock decided and applies them strictly in
+ordinal order (the shard's apply queue, :class:`~optserve.server.domain.apply_queue.ApplyQueue`), so
+every shard applies the same pushes in the same order: an async push runs the update with its
+own gradient; a sync push joins its step, and the push that closes the step runs the update with
+the step's mean. Each update runs as a step of the session's
+:class:`~optserve.server.domain.step_journal.StepJournal` (logged as its order says), and a
+checkpoint follows when the ticket made one due.
+
+Kernel failures: a step that fails only when it runs (after the clock decided it and the update
+donated the state) ends the session on this shard with one SessionLost naming it
+(:meth:`StepRunner.abandon`): every wait here, and the home clock's, raises it.
+
+Locks: :attr:`StepRunner.cond` (re-entrant) guards the version, the apply queue, the journal and
+the updater's state; the session's receive side takes it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Mapping, Optional
+
+import numpy as np
+
+from optserve.server.compute.updater import Updater, error_line
+from optserve.server.domain.clock_records import Ticket
+from optserve.server.domain.config import SessionConfig, TensorSpec
+from optserve.server.domain.durability import ShardProgress
+from optserve.server.domain.errors import OptservError, PeerRefused, RejectReason, SessionLost, Stale, Timeout, Unavailable
+from optserve.server.domain.refusals import log_value
+from optserve.server.domain.replay import step_tickets
+from optserve.server.domain.apply_queue import ApplyQueue, entry
+from optserve.server.domain.shard_records import StepObserver
+from optserve.server.domain.staging import StagingArea
+from optserve.server.domain.step_journal import JournaledStep, LogWriteFailed, StepJournal, UnloggedStep
+from optserve.server.domain.telemetry import SessionSeries
+
+_log = logging.getLogger(__name__)
+
+_GAP_POLL_S = 0.25
+# Elastic rounds may commit without a push (straggler deadline, a member gone): a shard waiting in
+# one asks the clock this often (one waiting thread per shard asks; the others wait on its answer).
+_ROUND_POLL_S = 0.02
+
+
+class StepRunner:
+    """Applies a session's decided tickets on one shard (see the module's docstring).
+
+    Args:
+      config: the session.
+      shard_index: this shard's index (its part of cross-shard sums).
+      specs: this shard's tensors, in order.
+      clock: the session's clock.
+      updater: the compute side (parameters, optimizer state, the jitted step).
+      staging: the session's staged pushes on this shard.
+      observer / series: where applied steps are reported (series: the home shard's, else None).
+      step_timeout_s: longest wait for a sync barrier, a missing ticket or a reduction.
+
+    Attributes:
+      version: steps applied here (guarded by :attr:`cond`).
+      cond: the lock and condition of the session's state on this shard.
+      queue: the apply queue (ticket order, idempotency, sync means).
+      journal: the durable step.
+    """
+
+    def __init__(self, config: SessionConfig, shard_index: int, specs: Mapping[str, TensorSpec], clock,
+                 updater: Updater, staging: StagingArea, observer: StepObserver, series: Optional[SessionSeries],
+                 step_timeout_s: float):
+        self.config = config
+        self.shard_index = shard_index
+        self.updater = updater
+        self.observer = observer
+        self.series = series
+        self.version = 0
+        self.cond = threading.Condition()  # re-entrant: the journal calls back while it is held
+        self.queue = ApplyQueue(config, shard_index, step_timeout_s)
+        self.journal = StepJournal(self, specs, staging.push_bytes, config.name, shard_index)
+        self._clock = clock
+        self._is_home = clock.is_home
+        self._staging = staging
+        self._timeout = step_timeout_s
+        self._elastic = config.is_elastic
+        self._round_polled_at = 0.0  # elastic: when a waiting thread last asked the clock (under cond)
+        self._abandoned: Optional[OptservError] = None  # set by abandon(): every wait raises it
+
+    @property
+    def where(self) -> str:
+        """"session 'name' on shard i", as messages name this session's part here."""
+        return f"session {self.config.name!r} on shard {self.shard_index}"
+
+    @property
+    def initialized(self) -> bool:
+        """The initial values are installed."""
+        return self.updater.initialized
+
+    @property
+    def abandoned(self) -> Optional[OptservError]:
+        """Why the session ended on this shard (None: it did not)."""
+        return self._abandoned
+
+    def decide(self, client_id: str, sequence: int, ask: Callable[[int], Ticket],
+               until: Optional[float] = None) -> Ticket:
+        """Gets the push's ticket (``ask(base_version)``), then applies tickets up to it (waiting
+        until ``until`` at most, see :meth:`_run_through`)."""
+        try:
+            ticket = ask(self._staging.base_version((client_id, sequence)))
+        except Stale:
+            self._staging.drop((client_id, sequence), RejectReason.STALE)
+            raise
+        except (PeerRefused, Unavailable):
+            self._staging.drop((client_id, sequence), RejectReason.ABORTED)
+            raise
+        self._run_through(ticket, until)
+        return ticket
+
+    def _run_through(self, ticket: Ticket, until: Optional[float] = None) -> None:
+        """Applies tickets in ordinal order up to ``ticket``, then waits for its step: for
+        ``step_timeout_s`` at most, or until the monotonic time ``until`` (the caller's deadline)."""
+        started = time.monotonic()
+        deadline = started + self._timeout if until is None else min(started + self._timeout, until)
+        queue = self.queue
+        with self.cond:
+            if queue.arrive(ticket):  # else: a retry of a push applied already
+                self.cond.notify_all()
+            while not queue.reached(ticket):
+                pending = queue.next_ready(self._awaits_resend)
+                if pending is not None:
+                    self._apply_ticket(pending)
+                    self.cond.notify_all()
+                    continue
+                self.raise_if_abandoned()
+                if not self.cond.wait(timeout=_GAP_POLL_S):
+                    self.raise_if_abandoned()
+                    queue.poll_missing(self._clock)
+                if time.monotonic() > deadline:
+                    raise queue.gap_timeout()
+            while self.version < ticket.target_version:
+                self.raise_if_abandoned()
+                self.journal.require_logged()  # write-ahead: this step's record may have failed
+                if self.version >= ticket.target_version:
+                    break
+                if self._elastic:  # the round may commit without a push: ask the clock for its next ticket
+                    pending = queue.next_ready(self._awaits_resend)
+                    if pending is not None:
+                        self._apply_ticket(pending)
+                        self.cond.notify_all()
+                        continue
+                    self.cond.wait(timeout=max(0.0, min(_ROUND_POLL_S, deadline - time.monotonic())))
+                    if time.monotonic() - self._round_polled_at >= _ROUND_POLL_S:
+                        self._round_polled_at = time.monotonic()
+                        queue.poll_missing(self._clock)
+                    if time.monotonic() <= deadline:
+                        continue
+                elif self.cond.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    continue
+                raise Timeout(self._step_timeout_message(ticket, time.monotonic() - started))
+
+    def _step_timeout_message(self, ticket: Ticket, waited_s: float) -> str:
+        """Why ``ticket``'s step did not complete (an elastic session's home shard names the members
+        that did not push)."""
+        message = self.queue.step_timeout_message(ticket, waited_s)
+        status = self._clock.status() if self._elastic else None
+        if status is None or status.elastic is None:
+            return message
+        missing = sorted(set(status.elastic.members) - set(self.queue.step.workers))
+        return (f"{message}; min_workers={self.config.min_workers}, members now: "
+                f"{', '.join(status.elastic.members) or 'none'}; not pushed: {', '.join(missing) or 'none'}")
+
+    def _awaits_resend(self, ticket: Ticket) -> bool:
+        """A durable session's ticket whose push is not staged here: it was decided before this
+        shard restarted (its staged copy died with the process) and is applied once its client,
+        retrying, sends it again. (Without durability such a ticket is a fault: see _apply_ticket.)"""
+        return (self.journal.enabled and not ticket.closes_round
+                and not self._staging.holds((ticket.client_id, ticket.sequence)))
+
+    def _apply_ticket(self, ticket: Ticket) -> None:
+        """Applies the ticket whose turn it is (call with ``cond`` held): async, its push runs the
+        update; sync, it joins the open step, and the push that closes the step runs the update
+        with the step's mean."""
+        try:
+            self.journal.require_logged()
+        except Unavailable:
+            self.queue.arrive(ticket)  # still its turn: applied by a retry once the log works
+            raise
+        if not self.queue.sync or ticket.closes_step:  # its step is logged: room first (reserved when
+            # staged; a checkpoint since may have started a fresh log segment)
+            try:
+                self.journal.reserve(steps=1)
+            except Unavailable:
+                self.queue.arrive(ticket)  # still its turn: applied by the retry once there is room
+                raise
+        if ticket.closes_round:  # an elastic round committed without a further push
+            self.queue.advance(ticket)
+            mean, tickets = self.queue.hold_or_close(ticket)
+            self._update(mean, ticket, tickets, scale=1.0)
+            return
+        staged = self._staging.take((ticket.client_id, ticket.sequence))
+        self.queue.advance(ticket)
+        if staged is None:
+            raise Timeout(
+                f"session {self.config.name!r}: push {ticket.sequence} of client {ticket.client_id!r} was "
+                f"committed but never staged on shard {self.shard_index}"
+            )
+        self.queue.applied(ticket)
+        if self._is_home:
+            self.observer.accepted(ticket.staleness)
+            self.series.accepted(ticket.target_version, ticket.staleness, staged.telemetry)
+        grads = staged.grads
+        if self.queue.sync:
+            self.queue.add(grads, ticket)
+            self._staging.release(grads)
+            closed = self.queue.hold_or_close(ticket)
+            if closed is not None:  # each push's scale is in the mean already
+                mean, tickets = closed
+                self._update(mean, ticket, tickets, scale=1.0)
+            return
+        self._update(grads, ticket, (entry(ticket),), release=lambda: self._staging.release(grads))
+
+    def _update(self, grads: dict[str, np.ndarray], ticket: Ticket, tickets: tuple,
+                release: Optional[Callable[[], None]] = None, scale: Optional[float] = None,
+                global_stat: Optional[float] = None) -> None:
+        """Applies one step scaled by ``scale`` (None: the ticket's) as a durable step of the
+        journal (logged as its order says), then ``release()`` (the gradient buffers may be
+        reused). ``global_stat``: the cross-shard statistic found already (a step whose record
+        failed)."""
+        step = JournaledStep(ticket, tickets, ticket.scale if scale is None else scale)
+        start = time.perf_counter()
+        if global_stat is None:
+            reduce = lambda partial: self._clock.reduce_sum(ticket.target_version, self.shard_index, partial)  # noqa: E731
+        else:
+            reduce = lambda _partial: global_stat  # noqa: E731
+        try:
+            self.journal.run(grads, step, lambda before: self.updater.apply(grads, step.scale, reduce, before=before),
+                              release)
+        except LogWriteFailed:  # applied nowhere here: the step waits for the log (see StepJournal.require_logged)
+            self.cond.notify_all()
+            raise
+        except Exception as exc:  # noqa: BLE001 - OptservError passes through (e.g. the cross-shard sum's Timeout)
+            if isinstance(exc, OptservError):
+                raise
+            raise self._step_failed(ticket, exc) from None  # the kernel's own failure
+        self.version = ticket.target_version
+        self.observer.applied(time.perf_counter() - start)
+        self.journal.after_step(ticket.checkpoint)
+
+    def reapply(self, unlogged: UnloggedStep) -> None:
+        """Write-ahead order: applies the step whose record failed, logged first this time (its
+        journal calls this once the disk takes writes; ``cond`` held)."""
+        self._update(unlogged.grads, unlogged.step.ticket, unlogged.step.tickets, None, unlogged.step.scale,
+                     unlogged.global_stat)
+        self.cond.notify_all()
+
+    @property
+    def half_gathered(self) -> bool:
+        """A sync step is gathering its pushes here: the state is not at a step boundary."""
+        return self.queue.half_gathered
+
+    def checkpoint_state(self) -> tuple[ShardProgress, dict, Any, Optional[Callable]]:
+        """What a checkpoint saves (call with ``cond`` held, between steps): the progress, the
+        parameters, the optimizer state and, on the home shard, its clock's state."""
+        clock_state = self._clock.durable_state if self._is_home else None
+        return self.queue.progress(self.version), self.updater.params, self.updater.opt_state, clock_state
+
+    def _step_failed(self, ticket: Ticket, exc: Exception) -> SessionLost:
+        """The kernel raised while running the step of ``ticket`` (call with ``cond`` held), after
+        the clock decided its version and maybe after the peer shards applied it: a failure that
+        tracing does not show (see ``ShardSession._require_runnable_step``), such as an XLA error at run time.
+        The update donates the parameters and optimizer state, so they may be gone, and this shard
+        can no longer follow the clock: the session ends here (every call, here and through its
+        clock, raises the error returned), loudly rather than with shards that silently disagree."""
+        _log.error("event=step_failed session=%s shard=%d version=%d optimizer=%s", log_value(self.config.name),
+                   self.shard_index, ticket.target_version, log_value(self.config.optimizer_name), exc_info=exc)
+        error = SessionLost(
+            f"session {self.config.name!r}: optimizer {self.config.optimizer_name!r} failed in step "
+            f"{ticket.target_version} on shard {self.shard_index} ({error_line(exc)}) after the step was decided; "
+            f"its state on this shard can no longer follow the session's version, so the session ended: close it")
+        self.abandon(error)
+        return error
+
+    def abandon(self, error: OptservError) -> None:
+        """Ends the session on this shard (it was closed, or lost a peer shard): every call
+        waiting in it, and every later one, raises ``error``; its clock's waits end too."""
+        with self.cond:
+            self._abandoned = error
+            self.cond.notify_all()
+        if self._is_home:  # the clock's waits end too
+            self._clock.abandon(error)
+
+    def raise_if_abandoned(self) -> None:
+        if self._abandoned is not None:
+            raise self._abandoned
+
+    def recover_log(self) -> bool:
+        """A durable session whose step log failed: recovers it once the disk takes writes again
+        (see :meth:`StepJournal.recover`). Returns whether the log works."""
+        with self.cond:
+            self.raise_if_abandoned()
+            return self.journal.recover()
+
+    def restore(self, store, read_log, journal_tickets: Callable[[Optional[dict]], list],
+                upto: Optional[int] = None) -> int:
+        """Durable sessions, at recovery: loads the latest checkpoint and replays the step log.
+
+        Args:
+          store: the session's store on this shard (also where later steps are logged).
+          read_log: ``(segment_path, arrays) -> reader`` (see :func:`~.replay.replay`).
+          journal_tickets: ``manifest -> [entry]``: the clock journal after the checkpoint (home shard).
+          upto: the version every shard of the session is restored to (a whole server's restore:
+            later logged steps are rolled back, and the home clock forgets their tickets); None:
+            the last step this shard logged (one shard restarted among running ones).
+
+        Returns the version reached.
+        """
+        with self.cond:
+            restored = self.journal.replay(store, self.updater, read_log, upto)
+            manifest = None
+            if restored is not None:
+                manifest, progress, records = restored
+                self.version = progress.version
+                self.queue.restore(progress)
+                if self._is_home:
+                    settle_at = (progress.version, progress.next_ordinal) if upto is not None else None
+                    self._clock.restore(manifest.get("clock"), journal_tickets(manifest),
+                                        replayed=[t for r in records for t in step_tickets(r)], settle_at=settle_at)
+            self.journal.resume(store, manifest, self.version)
+            self.cond.notify_all()
+            return self.version

@@ -1,0 +1,354 @@
+"""The coordinator's handle on the shard actors: :class:`RayShardFleet` (the coordinator's
+:class:`~optserve.server.domain.coordinator.ShardFleet` over Ray), and :func:`start_shards`,
+which starts them: one SPREAD placement group with a bundle per shard, actor options in one
+place, and, for a durable server on a Ray cluster, detached names a restarted coordinator finds
+them by (:func:`detached_names`).
+
+What Ray raises is turned here into what the domain speaks (:func:`_ray_get`): the domain error a
+shard raised, and a dead or restarting shard actor as Unavailable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import time
+from typing import Optional, Sequence
+
+import ray
+from ray.exceptions import RayActorError
+from ray.util import get_placement_group
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from optserve.server.compute.preconditioner_pool import check_gpus
+from optserve.server.domain.config import ServerConfig
+from optserve.server.domain.errors import unwrap, InvalidArgument, OptservError, Unavailable
+from optserve.server.domain.session_records import ShardOpening, ShardSummary
+from optserve.server.domain.shard_records import ShardSessionStatus
+from optserve.server.shard_actor import ShardActor
+
+log = logging.getLogger(__name__)
+
+
+class RayShardFleet:
+    """The coordinator's :class:`~optserve.server.domain.coordinator.ShardFleet` over Ray actors.
+
+    Args:
+      actors: shard actor handles, index = position.
+    """
+    placement_group = None  # set by start_shards: the Ray placement group the actors run in
+    reattached: list = []  # set by start_shards: shards a previous coordinator left running
+
+    def __init__(self, actors: list, start_actor=None):
+        self.actors = actors
+        self.addresses = ray.get([a.address.remote() for a in actors])
+        self.clock_addresses = ray.get([a.clock_address.remote() for a in actors])
+        self._start_actor = start_actor  # index -> a new actor for that shard (see restart)
+
+    def dead_shards(self, timeout_s: float = 5.0) -> list[int]:
+        """Indices of the shards whose actor died (a shard that is only slow to answer is alive)."""
+        refs = [actor.pid.remote() for actor in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        done, dead = set(ready), []
+        for index, ref in enumerate(refs):
+            if ref in done:
+                try:
+                    ray.get(ref)
+                except RayActorError:
+                    dead.append(index)
+        return dead
+
+    def restart(self, index: int, recovering: bool = False) -> str:
+        """Replaces shard ``index``'s (dead) actor by a new one in the same placement bundle, on
+        its predecessor's ports if they are free; returns its data-plane address. The shard's
+        sessions are not restored here (see ``Coordinator.shard_restarted``)."""
+        if self._start_actor is None:
+            raise RuntimeError("this fleet cannot start shard actors")
+        ray.kill(self.actors[index])
+        ports = (_port(self.addresses[index]), _port(self.clock_addresses[index]))
+        actor = self._start_actor(index, ports, recovering)
+        address, clock_address = ray.get([actor.address.remote(), actor.clock_address.remote()])
+        self.actors[index] = actor
+        self.addresses[index], self.clock_addresses[index] = address, clock_address
+        return address
+
+    def unload_session(self, name: str) -> None:
+        """A final checkpoint of the session on every shard, then they free it (durable servers)."""
+        _ray_get([a.checkpoint_session.remote(name) for a in self.actors])
+        self.close_session(name)
+
+    def restore_session(self, opening: ShardOpening, upto: Optional[int] = None) -> int:
+        return _ray_get(self.actors[opening.shard_index].open_session.remote(opening, True, upto))
+
+    def reachable(self, opening: ShardOpening) -> tuple[int, int, str]:
+        return _ray_get(self.actors[opening.shard_index].reachable.remote(opening))
+
+    def peer_down(self, home_index: int, shard_index: int, names: Sequence[str]) -> None:
+        _tell(self.actors[home_index].peer_down.remote(shard_index, list(names)))
+
+    def peer_up(self, home_index: int, shard_index: int, names: Sequence[str]) -> None:
+        _tell(self.actors[home_index].peer_up.remote(shard_index, list(names)))
+
+    def set_home_clock(self, shard_index: int, name: str, address: str) -> None:
+        _tell(self.actors[shard_index].set_home_clock.remote(name, address))
+
+    def recovered(self, shard_index: int) -> None:
+        _ray_get(self.actors[shard_index].recovered.remote())
+
+    def checkpoint_all(self, timeout_s: float = 600.0) -> int:
+        """A final checkpoint of every durable session with new steps (server shutdown)."""
+        return sum(r or 0 for r in self.shard_reports("checkpoint_all", timeout_s=timeout_s))
+
+    def pids(self) -> list[int]:
+        """Each shard's process id (by index)."""
+        return _ray_get([actor.pid.remote() for actor in self.actors])
+
+    def open_session(self, openings: Sequence[ShardOpening]) -> None:
+        """Opens the session on every shard of ``openings`` at once and returns once each answered,
+        also when one refused (so a close that follows a refusal finds every part a shard opened).
+
+        Raises:
+          the first shard's error (in ``openings`` order); when several refused with
+          InvalidArgument (e.g. each holds a tensor the optimizer cannot build a state for), one
+          InvalidArgument with their distinct messages (the first three).
+        """
+        refs = [self.actors[o.shard_index].open_session.remote(o) for o in openings]
+        errors = []
+        for ref in refs:
+            try:
+                _ray_get(ref)
+            except Exception as exc:  # noqa: BLE001 - raised below, once every shard answered
+                errors.append(exc)
+        if not errors:
+            return
+        if len(errors) > 1 and all(isinstance(e, InvalidArgument) for e in errors):
+            messages = list(dict.fromkeys(str(e) for e in errors))
+            more = f" (and {len(messages) - 3} more shards refused likewise)" if len(messages) > 3 else ""
+            raise InvalidArgument("; ".join(messages[:3]) + more)
+        raise errors[0]
+
+    def close_session(self, name: str, reason: str = "") -> None:
+        """On every shard that answers; a dead shard holds nothing any more."""
+        for ref in [a.close_session.remote(name, reason) for a in self.actors]:
+            _tell(ref)
+
+    def session_status(self, name: str, shard_indices: Sequence[int]) -> list[ShardSessionStatus]:
+        return _ray_get([self.actors[i].session_status.remote(name) for i in shard_indices])
+
+    def session_series(self, name: str, shard_index: int):
+        return _ray_get(self.actors[shard_index].session_series.remote(name))
+
+    def session_activity(self) -> dict[str, float]:
+        """Session -> its latest activity on the shards that answer within 5 s (unix seconds)."""
+        latest: dict[str, float] = {}
+        for report in self.shard_reports("session_activity", timeout_s=5.0):
+            for name, when in (report or {}).items():
+                latest[name] = max(when, latest.get(name, 0.0))
+        return latest
+
+    def shard_summaries(self) -> list[ShardSummary]:
+        reports = self.shard_reports("server_status", timeout_s=5.0)
+        return [ShardSummary(i, self.addresses[i], healthy=False) if r is None else
+                ShardSummary(i, self.addresses[i], r["node_id"], r["sessions"], r["param_bytes"], r["resident_bytes"],
+                             healthy=True)
+                for i, r in enumerate(reports)]
+
+    def drain(self) -> None:
+        """Every shard's health says NOT_SERVING (without waiting for them); calls are still served."""
+        for actor in self.actors:
+            actor.drain.remote()
+
+    def stop(self) -> None:
+        """Stops and kills the shard actors, then frees their placement group."""
+        for actor in self.actors:
+            try:
+                ray.get(actor.stop.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - best effort, the actor is killed next
+                pass
+            ray.kill(actor)
+        if self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+
+    def shard_reports(self, method: str, timeout_s: float = 10.0) -> list:
+        """``actor.<method>()`` of every shard, or None for a shard that did not answer in time."""
+        refs = [getattr(actor, method).remote() for actor in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        done = set(ready)
+        out = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref) if ref in done else None)
+            except Exception:  # noqa: BLE001 - a dead shard reports as unhealthy
+                out.append(None)
+        return out
+
+
+def _port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+def _tell(ref) -> None:
+    """Waits for a notice to a shard; a shard that died meanwhile misses it (it holds nothing any
+    more: a durable one restores its sessions when it is restarted, and hears of its peers then)."""
+    try:
+        ray.get(ref)
+    except RayActorError:
+        pass
+    except Exception as exc:  # re-raise the domain error inside a RayTaskError
+        raise _domain_error(exc) from None
+
+
+def _domain_error(exc: BaseException) -> BaseException:
+    """The domain error a shard raised, as it raised it, from what ``ray.get`` raised: Ray hands
+    back a ``RayTaskError(<the error's class>)`` whose text is the remote traceback; its
+    ``cause`` is the error itself, whose message is what a client reads."""
+    exc = unwrap(exc)
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(cause, OptservError):
+        return cause
+    return exc
+
+
+def _ray_get(refs):
+    """``ray.get(refs)``, with what Ray raises turned into what the layers below speak: the domain
+    error inside a task's error, and a dead or restarting shard actor as Unavailable (the client
+    retries)."""
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayActorError as exc:  # ActorDiedError, ActorUnavailableError: a shard restarting
+        raise Unavailable(f"a shard of this server is restarting ({type(exc).__name__}); retry") from None
+    except Exception as exc:  # re-raise the domain error inside a RayTaskError
+        raise _domain_error(exc) from None
+
+
+BUNDLE_CPUS = 0.01  # what each shard's bundle reserves: enough to be placed, nothing a task misses
+PLACEMENT_TIMEOUT_S = 300.0  # longest wait for Ray to reserve the bundles (an autoscaler may add nodes)
+
+
+def shard_bundles(config: ServerConfig) -> list[dict[str, float]]:
+    """One placement-group bundle per shard: a token CPU amount, and the shard's GPUs."""
+    bundle = {"CPU": BUNDLE_CPUS}
+    if config.gpus_per_shard > 0:
+        bundle["GPU"] = config.gpus_per_shard
+    return [dict(bundle) for _ in range(config.shards)]
+
+
+def _spread_placement_group(config: ServerConfig, timeout_s: float = PLACEMENT_TIMEOUT_S, **group_options):
+    """A SPREAD placement group for the shards, reserved: one bundle per shard, on as many nodes
+    as the cluster has (SPREAD is soft, so one node holds them all when there is one).
+
+    Fails fast, before asking Ray, when the embedded Ray lacks the GPUs the bundles need; on a
+    cluster joined by address (an autoscaler may add nodes) it waits up to ``timeout_s``
+    (:func:`~optserve.server.compute.preconditioner_pool.check_gpus`).
+
+    Raises:
+      RuntimeError: the embedded Ray has too few GPUs (at once), or Ray could not reserve the
+        bundles within ``timeout_s`` (the group is removed).
+    """
+    check_gpus("--gpus-per-shard", config.gpus_per_shard, config.shards, "shards")
+    bundles = shard_bundles(config)
+    group = placement_group(bundles, strategy="SPREAD", **group_options)
+    ready = group.ready()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done, _ = ray.wait([ready], timeout=min(30.0, max(0.0, deadline - time.monotonic())))
+        if done:
+            return group
+        if time.monotonic() >= deadline:
+            remove_placement_group(group)
+            raise RuntimeError(f"Ray could not place {len(bundles)} shards (a bundle of {bundles[0]} each) "
+                               f"within {timeout_s:.0f} s: the cluster's nodes lack the resources")
+        log.warning("waiting for Ray to place %d shards (a bundle of %s each)", len(bundles), bundles[0])
+
+
+DETACHED_NAMESPACE = "optserve"  # where a durable server on a cluster names its detached shard actors
+
+
+def detached_names(config: ServerConfig) -> tuple[str, list[str]]:
+    """A durable server's placement group and shard actor names on a Ray cluster: derived from its
+    checkpoint folder, the durable identity a restarted coordinator finds them by."""
+    prefix = detached_prefix(config)
+    return f"{prefix}-shards", [f"{prefix}-shard-{i}" for i in range(config.shards)]
+
+
+def detached_prefix(config: ServerConfig) -> str:
+    """The name prefix of a durable server's detached actors on a cluster (see :func:`detached_names`)."""
+    return "optserve-" + hashlib.sha1(os.path.abspath(config.durability.checkpoint_dir).encode()).hexdigest()[:12]
+
+
+def _find_detached(group_name: str, actor_names: list[str]):
+    """The placement group and the live shard actors a previous coordinator left (None for an
+    actor that is gone), or None when there is no such group."""
+    try:
+        group = get_placement_group(group_name)
+    except ValueError:
+        return None
+    actors = []
+    for name in actor_names:
+        try:
+            actor = ray.get_actor(name, namespace=DETACHED_NAMESPACE)
+            ray.get(actor.pid.remote(), timeout=30)
+            actors.append(actor)
+        except Exception:  # noqa: BLE001 - gone, dead or not answering: started anew
+            actors.append(None)
+    return group, actors
+
+
+def start_shards(config: ServerConfig, security, precond_pool=None) -> RayShardFleet:
+    """Starts ``config.shards`` shard actors (actor options in one place); returns once all serve.
+
+    The shards are spread over the Ray cluster's nodes: a placement group with the SPREAD strategy
+    reserves one small bundle per shard (:func:`shard_bundles`), and shard ``i`` runs in bundle
+    ``i``. On one node every bundle lands there. The returned fleet's ``placement_group`` must be
+    removed (``ray.util.remove_placement_group``) once its actors are stopped; removing it also
+    kills any actor still in it.
+
+    A durable server on a Ray cluster (``--ray-address`` and ``--checkpoint-dir``) names its
+    placement group and actors, detached from the coordinator (:func:`detached_names`): they
+    outlive a coordinator that crashes, and the next coordinator with the same checkpoint folder
+    re-attaches to them (``fleet.reattached`` lists the shards it found alive, which keep their
+    sessions in memory and their security; the others are started anew and restore theirs).
+    """
+    detached = config.durability is not None and config.ray_address != "local"
+    group_name, actor_names = detached_names(config) if detached else (None, None)
+    found = _find_detached(group_name, actor_names) if detached else None
+    if found is not None:
+        group, alive = found
+        live = [a for a in alive if a is not None]
+        if live:  # new actors must trust the survivors' internal endpoints
+            security = dataclasses.replace(security, internal=ray.get(live[0].internal_trust.remote()))
+    else:
+        group = _spread_placement_group(config, **({"name": group_name, "lifetime": "detached"} if detached else {}))
+        alive = [None] * config.shards
+    options = {"num_cpus": 0, "max_concurrency": 16}
+    if config.gpus_per_shard > 0:  # the actor's JAX then sees (only) the GPUs Ray assigned it
+        options["num_gpus"] = config.gpus_per_shard
+    cls = ray.remote(ShardActor)
+
+    def start_actor(index: int, ports: tuple = (0, 0), recovering: bool = False):
+        named = {"name": actor_names[index], "namespace": DETACHED_NAMESPACE, "lifetime": "detached"} if detached else {}
+        for attempt in range(50):  # a dead detached actor's name is freed shortly after its death
+            try:
+                return cls.options(**options, **named, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=index)).remote(index, config, security, precond_pool, ports,
+                                                                       recovering)
+            except ValueError:
+                if not named or attempt == 49:
+                    raise
+                time.sleep(0.2)
+
+    recovering = config.durability is not None  # sessions of the catalog are restored before clients come
+    try:
+        fleet = RayShardFleet([a if a is not None else start_actor(i, recovering=recovering)
+                               for i, a in enumerate(alive)], start_actor)
+    except BaseException:
+        remove_placement_group(group)  # and with it the actors already started
+        raise
+    fleet.placement_group = group
+    fleet.reattached = [i for i, a in enumerate(alive) if a is not None]
+    if fleet.reattached:
+        log.warning("event=shards_reattached shards=%s", ",".join(map(str, fleet.reattached)))
+    return fleet

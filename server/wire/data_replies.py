@@ -1,0 +1,60 @@
+"""ShardData replies: a push's answer and the shard's parameters going back as chunks.
+
+Parameters are sliced into chunks of at most the client's ``max_chunk_bytes``, in the wire dtype
+it asked for (each tensor's own by default; :mod:`optserve.protos.contract` converts), and
+written once by the chunk codec (:mod:`optserve.protos.chunk_codec`) or, for a step small enough
+for one message, as ``TensorChunk`` messages.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator, Optional
+
+from optserve.protos import chunk_codec, contract
+from optserve.protos.optserve.v1 import data_pb2, tensor_pb2
+from optserve.server.domain.config import DType
+from optserve.server.domain.shard_records import Receipt
+from optserve.server.domain.shard_session import ShardSession
+
+
+def push_response(receipt: Receipt) -> data_pb2.PushResponse:
+    """A push's answer (``Push``, and ``staged`` of a two-phase step)."""
+    return data_pb2.PushResponse(already_applied=receipt.already_applied, version=receipt.version,
+                                 committed=receipt.committed, staleness=receipt.staleness)
+
+
+def param_slices(session: ShardSession, params, dtype: Optional[DType], chunk_bytes: int) -> Iterator[tuple]:
+    """(name, wire dtype value, shape, byte offset, bytes view) of the shard's parameters, in order."""
+    for name, spec in session.specs.items():
+        wire = dtype or spec.dtype
+        array = params[name]
+        for offset, data in contract.slices(contract.wire_bytes(array, wire.value), wire.itemsize, chunk_bytes):
+            yield name, wire.value, array.shape, offset, data
+
+
+def tensor_chunk(name, dtype, shape, offset, data) -> tensor_pb2.TensorChunk:
+    """One slice of :func:`param_slices` as a ``TensorChunk`` message (its bytes copied once)."""
+    return tensor_pb2.TensorChunk(name=name, dtype=dtype, shape=list(shape), offset=offset, data=bytes(data))
+
+
+def pull_chunks(session: ShardSession, dtype: Optional[DType], chunk_bytes: int, started: float):
+    """A ``Pull``'s reply: the version, then the parameters as chunk messages (the bytes sent are
+    reported to the session's observer, timed from ``started``, ``time.perf_counter()`` seconds)."""
+    version, params = session.snapshot()
+    yield data_pb2.PullResponse(version=version)
+    sent = 0
+    for piece in param_slices(session, params, dtype, chunk_bytes):
+        sent += len(piece[-1])
+        yield chunk_codec.encode_chunk_message(*piece)
+    session.observer.sent(time.perf_counter() - started, sent)
+
+
+def pull_into_region(session: ShardSession, region, started: float):
+    """A same-host ``Pull``'s reply: the parameters written once into the client's shared-memory
+    ``region``, then one message with their version."""
+    version, params = session.snapshot()
+    sent = region.write_params(params)
+    del params  # a held view would stop the next update from donating the shard's buffers
+    session.observer.sent(time.perf_counter() - started, sent)
+    yield data_pb2.PullResponse(version=version)

@@ -1,0 +1,68 @@
+"""A PushPull step's gradients as the chunks its push reads, one class per framing.
+
+Each framing hands the domain's push a chunk iterator that reads the step's messages as the push
+consumes them, and checks what arrives with them (reply options, the shared-memory region) inside
+the push: a bad option or region refuses the push like a bad chunk (nothing applied, the session's
+other shards drop their parts) instead of failing after it was applied.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from optserve.protos import contract
+from optserve.protos.optserve.v1 import data_pb2
+from optserve.server.domain.config import DType
+from optserve.server.domain.errors import InvalidArgument
+from optserve.server.domain.shard_session import ShardSession
+from optserve.server.wire.data_requests import pull_options
+from optserve.server.wire.shared_memory import RegionTable
+
+
+class OneMessagePush:
+    """A one-message step's chunks, after its reply options (``pull``) are checked."""
+
+    def __init__(self, step: data_pb2.PushPullStep):
+        self._step = step
+        self.reply: tuple[Optional[DType], int] = (None, contract.DEFAULT_CHUNK_BYTES)
+
+    def chunks(self):
+        self.reply = pull_options(self._step.pull)
+        yield from self._step.chunks
+
+
+class StreamedPush:
+    """The chunks of a streamed push, up to its ``seal``; remembers the reply options (``pull``)
+    sent with them, checked as they arrive."""
+
+    def __init__(self, request_iterator):
+        self._requests = request_iterator
+        self.reply = pull_options(data_pb2.PullRequest())
+        self.sealed = False
+
+    def chunks(self):
+        for request in self._requests:
+            kind = request.WhichOneof("item")
+            if kind == "chunk":
+                yield request.chunk
+            elif kind == "pull":
+                self.reply = pull_options(request.pull)
+            elif kind == "seal":
+                self.sealed = True
+                return
+            else:
+                raise InvalidArgument(f"PushPull: unexpected `{kind}` before `seal`")
+
+
+class RegionRead:
+    """A shared-memory step's gradients as the push's chunks: the region is looked up (session,
+    client, nonce) inside the push, so a refused lookup is a refused push that the session's
+    other shards hear of at once."""
+
+    def __init__(self, regions: RegionTable, session: ShardSession, client_id: str, step: data_pb2.SharedMemoryStep):
+        self._lookup = lambda: regions.use(session, client_id, step)
+        self.region = None
+
+    def chunks(self):
+        self.region = self._lookup()
+        yield from self.region.gradient_chunks()
