@@ -5,7 +5,7 @@
 A client-side command (it needs only ``optserve[client]``), found by ``optserve`` through the
 ``optserve.commands`` entry point. Lists the caller's sessions (name, mode, optimizer, version,
 steps, pushes rejected, staleness p50/max, shards, bytes, last activity, workers that pushed in the last
-minute of all that pushed, durable version) and the server's shards
+minute of all that pushed, durable versions: through the step log and checkpointed) and the server's shards
 (address, Ray node, sessions, bytes, memory, healthy). Errors are one line, exit status 2.
 """
 
@@ -31,13 +31,29 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message}\n")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = OneLineArgumentParser(prog="optserve status", description="Sessions and shards of a running server.")
+def add_connection_options(parser: argparse.ArgumentParser) -> None:
+    """The options every client-side command connects with (address, token, TLS, timeout, --json)."""
     parser.add_argument("--address", default="127.0.0.1:50051", help="the server's control address")
     parser.add_argument("--token", default=None, help="tenant token (servers started with --auth-tokens)")
     parser.add_argument("--tls", default=None, help="CA bundle (PEM) to verify a TLS server with")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def connect(args: argparse.Namespace) -> Client:
+    """A client for a command's connection options (two tries per call, no heap tuning)."""
+    return Client(args.address, token=args.token, tls=args.tls or False, timeout=args.timeout,
+                  retry=RetryPolicy(attempts=2), retain_freed_memory=False)
+
+
+def error_line(command: str, address: str, exc: Exception) -> str:
+    """A command's one-line error: ``optserve CMD: ADDRESS: KIND: first line``."""
+    return f"optserve {command}: {address}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = OneLineArgumentParser(prog="optserve status", description="Sessions and shards of a running server.")
+    add_connection_options(parser)
     return parser
 
 
@@ -52,7 +68,8 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / (1 << 20):.1f} MiB"
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """``rows`` under ``header`` as aligned columns, a rule under the header."""
     cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
@@ -82,12 +99,29 @@ def collect(client) -> dict:
             # durable servers: the newest version every shard has a checkpoint of, and restores so far
             "durable_version": (min(s.durability.durable_version for s in status.shards)
                                 if all(s.durability is not None for s in status.shards) else None),
+            "logged_version": _logged_version(status.shards),
             "recoveries": sum(s.durability.recoveries for s in status.shards if s.durability is not None),
             # elastic sync sessions: membership and rounds (None for the others)
             "elastic": dataclasses.asdict(status.elastic) if status.elastic is not None else None,
         })
     shards = [dataclasses.asdict(s) for s in client.server_status()]
     return {"sessions": sessions, "lost_sessions": lost, "shards": shards}
+
+
+def _logged_version(shards) -> Optional[int]:
+    """Durable servers: the newest version every shard holds in its step log or a checkpoint (a
+    shard acknowledges a step once it is logged, so while its log takes writes that is its
+    version; while it does not, its checkpoint's); None when not durable."""
+    if any(s.durability is None for s in shards):
+        return None
+    return min(s.version if not s.durability.degraded else s.durability.durable_version for s in shards)
+
+
+def _durable(session: dict) -> str:
+    """The durable cell: ``logged/checkpointed`` versions (``-``: not durable)."""
+    if session.get("durable_version") is None:
+        return "-"
+    return f"{session.get('logged_version', '?')}/{session['durable_version']}"
 
 
 def _mode(session: dict) -> str:
@@ -114,17 +148,17 @@ def render(report: dict, now: Optional[float] = None) -> str:
     sessions = [[s["name"], _mode(s), s["optimizer"], s["version"], s["steps_applied"],
                  sum(s["rejected"].values()), f"{s['staleness_p50']}/{s['staleness_max']}", s["shards"],
                  _mib(s["param_bytes"] + s["optimizer_state_bytes"]), _ago(s["last_activity_unix_s"], now),
-                 _workers(s, now), "-" if s.get("durable_version") is None else s["durable_version"]]
+                 _workers(s, now), _durable(s)]
                 for s in report["sessions"]]
     shards = [[s["index"], s["address"], (s["node_id"] or "?")[:12], s["sessions"], _mib(s["param_bytes"]),
                _mib(s["resident_bytes"]), "yes" if s["healthy"] else "NO"] for s in report["shards"]]
     return "\n\n".join([
-        _table(["session", "mode", "optimizer", "version", "steps", "rejected", "staleness p50/max", "shards",
-                "bytes", "last activity", f"workers ({ACTIVE_WORKER_S:.0f}s/all)", "durable"], sessions)
+        table(["session", "mode", "optimizer", "version", "steps", "rejected", "staleness p50/max", "shards",
+                "bytes", "last activity", f"workers ({ACTIVE_WORKER_S:.0f}s/all)", "durable (logged/checkpointed)"], sessions)
         if sessions else "no sessions",
-        *([_table(["lost session", "why"], [[s["name"], s["why"]] for s in report["lost_sessions"]])]
+        *([table(["lost session", "why"], [[s["name"], s["why"]] for s in report["lost_sessions"]])]
           if report.get("lost_sessions") else []),
-        _table(["shard", "address", "ray node", "sessions", "param bytes", "memory", "healthy"], shards),
+        table(["shard", "address", "ray node", "sessions", "param bytes", "memory", "healthy"], shards),
     ])
 
 
@@ -132,12 +166,10 @@ def status_main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``optserve status``; returns the exit status."""
     args = _parser().parse_args(argv)
     try:
-        with Client(args.address, token=args.token, tls=args.tls or False, timeout=args.timeout,
-                    retry=RetryPolicy(attempts=2), retain_freed_memory=False) as client:
+        with connect(args) as client:
             report = collect(client)
     except (OptservError, ValueError) as exc:
-        print(f"optserve status: {args.address}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-              file=sys.stderr)
+        print(error_line("status", args.address, exc), file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2, sort_keys=True) if args.json else render(report))
     return 0

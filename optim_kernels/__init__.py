@@ -4,7 +4,8 @@ No I/O, no Ray, no gRPC: the server imports this package, never the other way ro
 
 Families live in subpackages (:mod:`.adafactor`, :mod:`.shampoo`, :mod:`.scaled_adam`), the
 dense linear algebra they share in :mod:`.linalg`, and :mod:`.registry` maps names to them; each
-family declares the value rules of its options (:mod:`.arg_rules`) next to its constructors. The
+family declares the value rules of its options (:mod:`.arg_rules`) next to its constructors;
+:mod:`.schedules` turns schedule specs (``{"schedule": NAME, ...}``) into optax schedules. The
 constructors are bound here after the subpackages load, so ``optim_kernels.shampoo`` is the
 function even though a subpackage of the same name defines it (import the subpackage's other
 names with ``from optserve.optim_kernels.shampoo import ...``).
@@ -19,6 +20,7 @@ from optserve.optim_kernels.registry import (
     optimizer_names,
     optimizer_parameters,
 )
+from optserve.optim_kernels.schedules import SCHEDULES, resolve_schedules  # noqa: E402
 from optserve.optim_kernels.adafactor import adafactor, adafactor_hf, adafactor_t2t  # noqa: E402
 from optserve.optim_kernels.linalg import matrix_inverse_pth_root  # noqa: E402
 from optserve.optim_kernels.muon import muon  # noqa: E402
@@ -34,6 +36,8 @@ __all__ = [
     "build_optimizer",
     "optimizer_names",
     "optimizer_parameters",
+    "SCHEDULES",
+    "resolve_schedules",
     "adafactor",
     "adafactor_hf",
     "adafactor_t2t",

@@ -68,6 +68,7 @@ from optserve.optim_kernels.muon import muon
 from optserve.optim_kernels.muon.config import MUON_ARG_RULES
 from optserve.optim_kernels.scaled_adam import scaled_adam, scaled_adam_partial_statistic
 from optserve.optim_kernels.scaled_adam.config import SCALED_ADAM_ARG_RULES
+from optserve.optim_kernels.schedules import is_schedule_spec, resolve_schedules
 from optserve.optim_kernels.shampoo import seam as shampoo_seam
 from optserve.optim_kernels.shampoo import shampoo, shampoo_config
 from optserve.optim_kernels.shampoo.config import SHAMPOO_ARG_RULES
@@ -231,7 +232,8 @@ class BuiltOptimizer(NamedTuple):
 
     Attributes:
       name: the registry name.
-      args: the keyword arguments it was built with (after validation).
+      args: the keyword arguments it was built with (after validation; schedules as their specs,
+        so ``args`` stays plain JSON).
       transformation: the optax transformation.
       partial_statistic: ``partial(grads, state, params) -> scalar`` whose sum over shards is
         passed to ``transformation.update`` as ``global_grad_sq_norm``; ``None`` if unused.
@@ -258,8 +260,9 @@ def build_optimizer(name: str, args: Optional[Mapping[str, Any]] = None) -> Buil
     """Validates ``args`` against the constructor of ``name`` and builds the optimizer.
 
     Raises:
-      ValueError: unknown optimizer, unknown or missing argument, a value of a type the option
-        does not admit, a value that breaks the option's rule (an
+      ValueError: unknown optimizer, unknown or missing argument, a schedule spec that names no
+        schedule or a keyword it does not take (see :mod:`~optserve.optim_kernels.schedules`), a
+        value of a type the option does not admit, a value that breaks the option's rule (an
         :class:`~optserve.optim_kernels.arg_rules.ArgumentRuleError` naming the optimizer, the
         option, the value and the rule), or a value the constructor rejects; the message names
         the optimizer and the option.
@@ -280,11 +283,13 @@ def build_optimizer(name: str, args: Optional[Mapping[str, Any]] = None) -> Buil
         signature.bind(**args)
     except TypeError as exc:
         raise ValueError(f"optimizer {name!r}: {exc}") from exc
-    _check_value_types(name, constructor, args)
-    entry.arg_rules.check(name, args)
+    _check_schedulable(name, entry, args)
+    values = resolve_schedules(name, args)  # schedule specs -> optax schedules
+    _check_value_types(name, constructor, values)
+    entry.arg_rules.check(name, values)
     try:
-        transformation = constructor(**args)
-        partial = entry.partial_statistic(**args) if entry.partial_statistic is not None else None
+        transformation = constructor(**values)
+        partial = entry.partial_statistic(**values) if entry.partial_statistic is not None else None
     except ValueError as exc:
         raise ValueError(f"optimizer {name!r}: {exc}") from exc
     except TypeError as exc:
@@ -346,6 +351,15 @@ def _entry(name: str) -> KernelEntry:
 # constructor.
 
 _ANY = frozenset({"any"})
+
+
+def _check_schedulable(name: str, entry: KernelEntry, args: Mapping[str, Any]) -> None:
+    """A schedule spec is given only for an option whose rule admits a schedule."""
+    schedulable = sorted(rule.name for rule in entry.arg_rules if rule.allow_schedule)
+    for option, value in args.items():
+        if is_schedule_spec(value) and option in entry.arg_rules.names and option not in schedulable:
+            raise ValueError(f"optimizer {name!r}: option {option!r} takes no schedule; its options that do: "
+                             f"{schedulable}")
 
 
 def _check_value_types(name: str, constructor: Callable, args: Mapping[str, Any]) -> None:

@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     # applications on top (optserve.commands entry points): listed here, run by main() before parsing
     sub.add_parser("demo", help="run the end-to-end demo", add_help=False)
     sub.add_parser("status", help="sessions and shards of a running server", add_help=False)
+    sub.add_parser("sessions", help="list the caller's sessions, or close them (sessions close NAME ...)",
+                   add_help=False)
     sub.add_parser("report", help="plots and CSV of a session's loss and staleness", add_help=False)
     return parser
 

@@ -50,10 +50,15 @@ def _kill_shard(running, index: int) -> int:
 
 
 CLIPPED = {"name": "adafactor", "args": {"learning_rate": 0.01, "global_norm_clip_threshold": 0.5}}
+# a schedule picks up where it was: it is evaluated at the optimizer state's own step count
+SCHEDULED = {"name": "adamw", "args": {
+    "learning_rate": {"schedule": "warmup_cosine_decay_schedule", "init_value": 0.0, "peak_value": 0.02,
+                      "warmup_steps": 3, "decay_steps": 12},
+    "weight_decay": {"schedule": "linear_schedule", "init_value": 0.1, "end_value": 0.0, "transition_steps": 10}}}
 
 
-@pytest.mark.parametrize("optimizer, killed", [(OPTIMIZER, 0), (OPTIMIZER, 1), (CLIPPED, 0)],
-                         ids=["home-shard", "other-shard", "cross-shard-sum-home-shard"])
+@pytest.mark.parametrize("optimizer, killed", [(OPTIMIZER, 0), (OPTIMIZER, 1), (CLIPPED, 0), (SCHEDULED, 1)],
+                         ids=["home-shard", "other-shard", "cross-shard-sum-home-shard", "schedules-other-shard"])
 def test_sync_session_survives_a_shard_sigkill_with_no_acknowledged_step_lost(durable_server, unique_name, optimizer,
                                                                               killed):
     """adafactor_hf with momentum; and T5X adafactor clipping by the global norm, whose update
@@ -92,7 +97,9 @@ def test_sync_session_survives_a_shard_sigkill_with_no_acknowledged_step_lost(du
 
     (entry,) = [e for e in collect(client)["sessions"] if e["name"] == unique_name]  # what `optserve status` shows
     assert entry["recoveries"] == 1 and entry["durable_version"] >= 8
-    assert "durable" in render({"sessions": [entry], "lost_sessions": [], "shards": []})
+    assert entry["logged_version"] == 12  # every acknowledged step is in the log, checkpointed or not
+    table = render({"sessions": [entry], "lost_sessions": [], "shards": []})
+    assert "durable (logged/checkpointed)" in table and f"12/{entry['durable_version']}" in table
     session.close()
     client.close()
 

@@ -8,6 +8,7 @@ timeouts, sharing the run's Ray: ``step_timeout_s`` far below the client's deadl
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import grpc
@@ -111,7 +112,7 @@ def test_staged_push_never_committed_expires_and_its_commit_is_not_found_naming_
 
 
 # ------------------------------------------------------------------ in process: one shard session
-def _local_session(name="edge", ttl_s=60.0, num_workers=1, limits=None):
+def _local_session(name="edge", ttl_s=60.0, num_workers=1, limits=None, step_timeout_s=5.0):
     """A one-shard session as the shard actor builds it: HomeClock, Updater, SGD; initialized to ones."""
     from optserve.server.compute.root_offload import build_shard_optimizer
     from optserve.server.compute.updater import Updater
@@ -123,7 +124,8 @@ def _local_session(name="edge", ttl_s=60.0, num_workers=1, limits=None):
                            optimizer_args={"learning_rate": 0.5}, num_workers=num_workers)
     optimizer, preconditioners = build_shard_optimizer("sgd", config.optimizer_args, {"w": (4,)}, None)
     session = ShardSession(config, ["w"], 0, HomeClock(config), Updater(optimizer, preconditioners),
-                           step_timeout_s=5.0, vote_timeout_s=5.0, staged_push_ttl_s=ttl_s, limits=limits)
+                           step_timeout_s=step_timeout_s, vote_timeout_s=5.0, staged_push_ttl_s=ttl_s,
+                           limits=limits)
     session.initialize([_chunk("w", np.ones(4, np.float32))])
     return session
 
@@ -148,6 +150,31 @@ def test_refused_push_is_logged_once_as_key_values_without_tensor_values(caplog)
     assert refused[0].getMessage() == ('event=push_refused session="logged session" shard=0 client=worker-a '
                                        'sequence=2 reason=STALE')
     assert "0.375" not in refused[0].getMessage()
+
+
+def test_a_sync_step_missing_a_worker_says_so_after_a_few_seconds_naming_who_pushed(caplog):
+    from optserve.server.domain import step_runner
+
+    session = _local_session("waiting", num_workers=2, step_timeout_s=60.0)
+    caplog.set_level(logging.WARNING, logger=step_runner.__name__)
+    pushed = []
+    first = threading.Thread(target=lambda: pushed.append(
+        session.push(_header("worker-a", 1, 0), [_chunk("w", np.full(4, 0.5, np.float32))])))
+    first.start()
+    deadline = time.monotonic() + step_runner.WAITING_NOTICE_S + 10
+
+    def notices():
+        return [r.getMessage() for r in caplog.records if "event=sync_step_waiting" in r.getMessage()]
+
+    while not notices() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert first.is_alive() and not pushed  # the step still waits for worker-b, long before its timeout
+    (notice,) = notices()
+    assert "session=waiting shard=0 version=1" in notice and "arrived=1 num_workers=2 clients=worker-a" in notice
+    assert float(notice.split("waited_s=")[1].split()[0]) >= step_runner.WAITING_NOTICE_S
+    session.push(_header("worker-b", 1, 0), [_chunk("w", np.full(4, 0.5, np.float32))])
+    first.join(timeout=30)
+    assert pushed and pushed[0].version == 1 and len(notices()) == 1  # said once per step
 
 
 def test_expired_staged_push_is_dropped_counted_aborted_and_logged(caplog):

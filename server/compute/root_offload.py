@@ -43,7 +43,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from optserve.optim_kernels import OPTIMIZERS, BuiltOptimizer, build_optimizer
+from optserve.optim_kernels import OPTIMIZERS, BuiltOptimizer, build_optimizer, resolve_schedules
 from optserve.protos.status_records import PreconditionerBlockStatus, RootOffloadStatus, RootStatus
 from optserve.server.compute.preconditioner_pool import PreconditionerPool, RootJob
 from optserve.server.compute.preconditioner_worker import RootComputation
@@ -249,7 +249,7 @@ def build_shard_optimizer(name: str, args: Mapping[str, Any], shapes: Mapping[st
     if offload:
         args = seam.without_inline_roots(args)
     optimizer = build_optimizer(name, args)
-    config = seam.config(**args)
+    config = seam.config(**resolve_schedules(name, args))
     labels = seam.block_labels(config, shapes)
     if not offload:
         return optimizer, ShardPreconditioners(seam, config, labels)

@@ -28,6 +28,7 @@ from optserve.server.compute.buffers import IO_ALIGNMENT, aligned_empty
 from optserve.server.domain.clock_records import Ticket
 from optserve.server.domain.config import Mode, SessionConfig, worker_of
 from optserve.server.domain.durability import ShardProgress
+from optserve.server.domain.refusals import log_value
 from optserve.server.domain.errors import Timeout
 
 TicketEntry = tuple[int, str, int]  # (ordinal, client_id, sequence): one push of a step, as logged
@@ -182,6 +183,14 @@ class ApplyQueue:
         return (f"{message}: {len(arrived)} of num_workers={workers} pushes arrived for the step (from clients "
                 f"{', '.join(repr(c) for c in arrived)}); waiting for {workers - len(arrived)} more "
                 f"(step_timeout_s={self._step_timeout_s:g})")
+
+    def waiting_fields(self, ticket: Ticket, waited_s: float) -> str:
+        """The ``key=value`` log fields of ``ticket``'s sync step, still gathering its pushes after
+        ``waited_s`` seconds: which clients pushed and how many of ``num_workers``."""
+        arrived = self.step.clients
+        return (f"session={log_value(self._config.name)} shard={self._shard_index} version={ticket.target_version} "
+                f"waited_s={waited_s:.1f} arrived={len(arrived)} num_workers={self._config.num_workers} "
+                f"clients={log_value(','.join(arrived))} step_timeout_s={self._step_timeout_s:g}")
 
     # ----------------------------------------------------------------- durability
     def progress(self, version: int) -> ShardProgress:

@@ -14,6 +14,8 @@ import math
 import os
 from typing import Any, Optional
 
+import numpy as np
+
 from optserve.server.domain.durability import DurabilityConfig
 from optserve.server.domain.errors import InvalidArgument, ResourceExhausted
 
@@ -31,9 +33,8 @@ class DType(enum.Enum):
 
     @property
     def numpy(self):
-        """The NumPy dtype (bfloat16 via ml_dtypes; server side only)."""
-        import numpy as np
-
+        """The NumPy dtype (bfloat16 via ml_dtypes, a server dependency that ``optserve status``
+        on a client-only install never needs)."""
         if self is DType.BFLOAT16:
             import ml_dtypes
 

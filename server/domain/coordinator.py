@@ -298,7 +298,10 @@ class Coordinator:
         differences = expect.differences(record.config) if expect is not None else []
         if differences:
             raise FailedPrecondition(f"session {name!r} is not the session you expect: it has "
-                                     + "; ".join(differences))
+                                     + "; ".join(differences)
+                                     + f". To go on: attach with its options, close it with "
+                                       f"client.close_session({name!r}) (`optserve sessions close {name}`) and "
+                                       f"create it anew, or pick a new name")
         return record
 
     def _usable(self, name: str, tenant: str) -> SessionRecord:

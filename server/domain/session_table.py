@@ -78,8 +78,8 @@ class SessionTable:
             self._dropped.wait_for(lambda: self._state(name) is not SessionState.CLOSING, timeout=timeout_s)
             if name in self._entries:
                 raise AlreadyExists(f"session {name!r} already exists: attach to it with client.session({name!r}) "
-                                    f"to go on training it, or end it with client.close_session({name!r}) to "
-                                    f"create it afresh")
+                                    f"to go on training it, or end it with client.close_session({name!r}) "
+                                    f"(`optserve sessions close {name}`) to create it afresh, or pick a new name")
 
     def opening(self, record: SessionRecord, estimated: dict[int, int]) -> None:
         """A new session whose shards are opening it (its name is taken from now on)."""

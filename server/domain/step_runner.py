@@ -44,6 +44,7 @@ _GAP_POLL_S = 0.25
 # Elastic rounds may commit without a push (straggler deadline, a member gone): a shard waiting in
 # one asks the clock this often (one waiting thread per shard asks; the others wait on its answer).
 _ROUND_POLL_S = 0.02
+WAITING_NOTICE_S = 5.0  # a sync step still gathering its pushes this long is logged (once, per shard)
 
 
 class StepRunner:
@@ -85,6 +86,7 @@ class StepRunner:
         self._elastic = config.is_elastic
         self._round_polled_at = 0.0  # elastic: when a waiting thread last asked the clock (under cond)
         self._abandoned: Optional[OptservError] = None  # set by abandon(): every wait raises it
+        self._noticed_version = 0  # the last sync step logged as waiting for its pushes (under cond)
 
     @property
     def where(self) -> str:
@@ -154,9 +156,25 @@ class StepRunner:
                         queue.poll_missing(self._clock)
                     if time.monotonic() <= deadline:
                         continue
-                elif self.cond.wait(timeout=max(0.0, deadline - time.monotonic())):
+                elif self.cond.wait(timeout=max(0.0, self._wait_until(ticket, started, deadline) - time.monotonic())):
+                    continue
+                elif time.monotonic() < deadline:  # the notice's time came first
+                    self._notice_waiting(ticket, time.monotonic() - started)
                     continue
                 raise Timeout(self._step_timeout_message(ticket, time.monotonic() - started))
+
+    def _wait_until(self, ticket: Ticket, started: float, deadline: float) -> float:
+        """When a wait for ``ticket``'s step ends: its deadline, or first the time to say that a
+        sync step is still gathering its pushes (see :meth:`_notice_waiting`)."""
+        if self.queue.sync and self._noticed_version < ticket.target_version:
+            return min(deadline, started + WAITING_NOTICE_S)
+        return deadline
+
+    def _notice_waiting(self, ticket: Ticket, waited_s: float) -> None:
+        """A sync step has gathered only some of its pushes for :data:`WAITING_NOTICE_S`: says so
+        once (which clients pushed, how many are missing, how long), long before its timeout."""
+        self._noticed_version = ticket.target_version
+        _log.warning("event=sync_step_waiting %s", self.queue.waiting_fields(ticket, waited_s))
 
     def _step_timeout_message(self, ticket: Ticket, waited_s: float) -> str:
         """Why ``ticket``'s step did not complete (an elastic session's home shard names the members
