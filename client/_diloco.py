@@ -17,9 +17,11 @@ the shared parameters as they are), and the shared parameters become the fragmen
 
 Dynamic Local Updates (after Liu et al., 2024): with ``sync_every="auto"`` each worker picks its
 own H every round from its measured inner-step time, ``H = max(1, round(sync_seconds / step_s))``
-(``step_s``: an exponential average of its inner steps' wall time, 0.5 per round), so fast and
-slow workers reach the server at a similar cadence (every ``sync_seconds``); the first round
-exchanges after ``sync_seconds`` of wall time. Each exchange's H is in :attr:`DiLoCoCore.exchanges`
+(``step_s``: an exponential average of its inner steps' wall time, 0.5 per round, that follows
+a faster round at once: a stall such as the first step's does not hold H down), so fast and
+slow workers reach the server at a similar cadence (every ``sync_seconds`` plus an exchange; the
+exchanges themselves, and the sessions' creation, are not counted as inner-step time); the first
+round exchanges after ``sync_seconds`` of wall time once the sessions are ready. Each exchange's H is in :attr:`DiLoCoCore.exchanges`
 (and travels with the push as the scalar ``diloco_h``). Fragments need a fixed H.
 
 This module holds the NumPy state and schedule; the torch and JAX adapters
@@ -154,7 +156,6 @@ class DiLoCoCore:
             raise InvalidArgumentError(f"overlap_steps must be an int from 0 to sync_every - 1, got {overlap_steps!r}")
         self.sync_seconds = None if sync_seconds is None else float(sync_seconds)
         self._step_s: Optional[float] = None  # auto: average inner-step wall time
-        self._round_started = time.monotonic()
         self._round_start_step = 0
         self._auto_h: Optional[int] = None  # auto: this round's H (None: the first round, timed)
         self.exchanges: list[Exchange] = []
@@ -179,6 +180,7 @@ class DiLoCoCore:
             self.fragments.append(_Fragment(handle, names, index * sync_every // len(groups),
                                             {n: np.array(shared[n], dtype=np.float32) for n in names}))
         self.rounds = [0] * len(self.fragments)
+        self._round_started = time.monotonic()  # auto: the first round is timed from here (sessions ready)
 
     @property
     def sessions(self) -> list:
@@ -204,7 +206,9 @@ class DiLoCoCore:
         """Dynamic Local Updates: the next round's H from this round's inner-step time."""
         steps = max(1, step - self._round_start_step)
         step_s = (time.monotonic() - self._round_started) / steps
-        self._step_s = step_s if self._step_s is None else 0.5 * self._step_s + 0.5 * step_s
+        # a round's steps can only be slowed by a one-off stall (the first step, a compile), never sped
+        # up: the average follows a faster round at once and a slower one by halves
+        self._step_s = step_s if self._step_s is None else min(step_s, 0.5 * self._step_s + 0.5 * step_s)
         self._auto_h = max(1, round(self.sync_seconds / self._step_s))
         self._round_started, self._round_start_step = time.monotonic(), step
 
@@ -224,6 +228,8 @@ class DiLoCoCore:
         else:
             fragment.in_flight = concurrent.futures.Future()
             fragment.in_flight.set_result(fragment.session.push_pull(delta, **kwargs))
+            if self.auto:  # an exchange is not an inner step: the next round's steps are timed from here
+                self._round_started = time.monotonic()
         fragment.lands_at = step + self.overlap_steps
 
     def after_inner_step(self, step: int, current_of) -> dict[str, np.ndarray]:
