@@ -20,13 +20,15 @@ def make_grads(params: dict[str, np.ndarray], step: int, seed: int = 1) -> dict[
 class InProcess:
     """The same kernel run in this process over the whole pytree (the reference)."""
 
-    def __init__(self, name: str, args: dict, params: dict[str, np.ndarray]):
+    def __init__(self, name: str, args: dict, params: dict[str, np.ndarray], transformation=None):
+        """``transformation``: an optax transformation to run instead of the registry's ``name``
+        built with ``args`` (a reference written with optax itself)."""
         import jax
         import optax
 
         from optserve.optim_kernels import build_optimizer
 
-        tx = build_optimizer(name, args).transformation
+        tx = transformation if transformation is not None else build_optimizer(name, args).transformation
         self.params = {k: jax.numpy.asarray(v) for k, v in params.items()}
         self.state = tx.init(self.params)
 

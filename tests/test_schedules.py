@@ -4,12 +4,11 @@ whose learning rate and weight decay follow schedules trains exactly as optax do
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import optax
 import pytest
 
-from _service_helpers import make_grads, make_params, max_abs_diff
+from _service_helpers import InProcess, make_grads, make_params, max_abs_diff
 from optserve.client import Client, InvalidArgumentError
 from optserve.optim_kernels import SCHEDULES, build_optimizer
 from optserve.optim_kernels.schedules import build_schedule
@@ -72,27 +71,9 @@ def _optax_adamw() -> optax.GradientTransformation:
 SCHEDULED_ADAMW = {"name": "adamw", "args": {"learning_rate": WARMUP_COSINE, "weight_decay": LINEAR_DECAY}}
 
 
-class _OptaxInProcess:
-    """The reference: an optax transformation run over the whole model in this process."""
-
-    def __init__(self, tx: optax.GradientTransformation, params: dict):
-        self.params = {k: jax.numpy.asarray(v) for k, v in params.items()}
-        self.state = tx.init(self.params)
-
-        def step(params, state, grads):
-            updates, state = tx.update(grads, state, params)
-            return optax.apply_updates(params, updates), state
-
-        self._step = jax.jit(step)
-
-    def step(self, grads: dict) -> dict:
-        self.params, self.state = self._step(self.params, self.state, grads)
-        return {k: np.asarray(v) for k, v in self.params.items()}
-
-
 def test_a_session_with_scheduled_learning_rate_and_weight_decay_equals_optax_in_process(server, unique_name):
     params = make_params(seed=5, shapes={"embed": (16, 12), "hidden/w": (12, 10), "hidden/b": (10,)})
-    reference = _OptaxInProcess(_optax_adamw(), params)
+    reference = InProcess("optax.adamw", {}, params, transformation=_optax_adamw())
     with Client(server.address, timeout=120) as client:
         session = client.create_session(unique_name, params, optimizer=SCHEDULED_ADAMW)
         try:

@@ -158,8 +158,9 @@ class StepRunner:
                         continue
                 elif self.cond.wait(timeout=max(0.0, self._wait_until(ticket, started, deadline) - time.monotonic())):
                     continue
-                elif time.monotonic() < deadline:  # the notice's time came first
-                    self._notice_waiting(ticket, time.monotonic() - started)
+                elif time.monotonic() < deadline:  # the notice's time came first (said once per step)
+                    if self._noticed_version < ticket.target_version:
+                        self._notice_waiting(ticket, time.monotonic() - started)
                     continue
                 raise Timeout(self._step_timeout_message(ticket, time.monotonic() - started))
 
