@@ -97,9 +97,11 @@ class DataPaths:
 
         self.fanout.each(send)
 
-    def pull(self, wire: Optional[int], out: Optional[Arrays], views: bool) -> list[tuple[int, dict[str, np.ndarray]]]:
-        """``(version, parameters)`` of every shard (see ``Session.pull`` for ``out`` and ``views``)."""
-        return self.fanout.each(lambda shard: self._pull_shard(shard, wire, out, views))
+    def pull(self, wire: Optional[int], out: Optional[Arrays], views: bool,
+             evaluation: bool = False) -> list[tuple[int, dict[str, np.ndarray]]]:
+        """``(version, parameters)`` of every shard (see ``Session.pull`` for ``out``, ``views``
+        and ``evaluation``)."""
+        return self.fanout.each(lambda shard: self._pull_shard(shard, wire, out, views, evaluation))
 
     def push(self, header: data_pb2.PushHeader, grads: Mapping[str, tensor_chunks.Tensor],
              wire: Optional[int]) -> list[data_pb2.PushResponse]:
@@ -149,11 +151,12 @@ class DataPaths:
         self.regions.close()
 
     # ----------------------------------------------------------------- helpers
-    def _pull_shard(self, shard: Shard, wire: Optional[int], out: Optional[Arrays], views: bool):
+    def _pull_shard(self, shard: Shard, wire: Optional[int], out: Optional[Arrays], views: bool, evaluation: bool):
         taken = self.regions.acquire([shard]) if self.via_shm(wire) else {}
         if taken:  # the shard writes the parameters into this object's region
             try:
-                request = data_pb2.PullRequest(session=self.session, shared_memory=taken[shard.index].step(True))
+                request = data_pb2.PullRequest(session=self.session, shared_memory=taken[shard.index].step(True),
+                                               evaluation=evaluation)
                 version = self._region_call(taken, lambda: next(
                     v for k, v in call_shard(lambda s: s.calls.pull(request, timeout=self.client.timeout), shard)
                     if k == "version"))
@@ -161,7 +164,7 @@ class DataPaths:
             finally:
                 self.regions.release(taken)
         request = data_pb2.PullRequest(session=self.session, wire_dtype=wire or tensor_pb2.DTYPE_UNSPECIFIED,
-                                       max_chunk_bytes=self.client.chunk_bytes)
+                                       max_chunk_bytes=self.client.chunk_bytes, evaluation=evaluation)
         assembler = self.reassembler(shard, out)
         version = None
         for kind, value in shard.calls.pull(request, timeout=self.client.timeout):

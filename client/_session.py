@@ -26,7 +26,7 @@ import dataclasses
 import itertools
 import threading
 import uuid
-from typing import Mapping, Optional
+from typing import Iterable, Mapping, Optional, Union
 
 import numpy as np
 
@@ -34,7 +34,7 @@ from optserve.client import _fanout, _membership, _paths, _shm, _wire
 from optserve.client._inputs import add_telemetry, check_worker_id, checked_gradients
 from optserve.client.errors import InvalidArgumentError, LateError
 from optserve.client.options import SessionOptions
-from optserve.client.status import RoundRecord, SessionStatus, StepOutcome
+from optserve.client.status import HyperparamChange, RoundRecord, SessionStatus, StepOutcome, history_records
 from optserve.protos import contract
 from optserve.protos.optserve.v1 import control_pb2, data_pb2
 
@@ -93,29 +93,37 @@ class Session:
         return self._version
 
     def pull(self, wire_dtype: _wire.DTypeLike = "default", out: Optional[Mapping[str, np.ndarray]] = None,
-             views: bool = False) -> dict[str, np.ndarray]:
+             views: bool = False, evaluation: bool = False) -> dict[str, np.ndarray]:
         """Current parameters from every shard (float16 tensors as float16, others float32).
 
         ``out``: arrays to write into (e.g. the previous result), avoiding fresh allocations.
         ``views``: on shards reached through shared memory, return read-only views of the
         region (no copy; valid until this session object's next step); elsewhere copies.
+        ``evaluation``: the parameters to evaluate the model with: schedule-free optimizers
+        (``optax.contrib.schedule_free_*``) train one sequence and evaluate another; for other
+        optimizers these are the trained parameters.
         """
         wire = self._wire(wire_dtype)
         wire = None if wire == contract.INT8 else wire  # int8 encodes gradients only
         self._keep_membership()
-        results = self._fanout.served(lambda: self._paths.pull(wire, out, views))
+        results = self._fanout.served(lambda: self._paths.pull(wire, out, views, evaluation))
         self._see_version(min(version for version, _ in results))
         return {name: value for _, arrays in results for name, value in arrays.items()}
 
     def push(self, grads: Mapping[str, np.ndarray], wire_dtype: _wire.DTypeLike = "default",
              base_version: Optional[int] = None, loss: Optional[float] = None,
-             scalars: Optional[Mapping[str, float]] = None) -> int:
+             scalars: Optional[Mapping[str, float]] = None, without_gradient: Iterable[str] = ()) -> int:
         """Applies ``grads`` (sync: joins the current step and waits for it); returns the new version.
 
         ``base_version``: the version of the parameters the gradient was computed from (async
         staleness is measured against it); default: the latest version this object has seen.
         ``loss`` / ``scalars``: telemetry kept with the push's version and staleness
         (``Client.session_series``, ``optserve report``); they never change the update.
+        ``without_gradient``: tensors this push has no gradient for (their ``grads`` entries are
+        zeros): the step leaves each alone, its parameter and the optimizer state kept under its
+        name, as a torch optimizer skips a parameter whose ``.grad`` is None (a sync step: when
+        no push of the step had a gradient for it; state shared by several tensors, like a step
+        count, moves on).
 
         Raises:
           InvalidArgumentError, StaleError, ...: the server's refusal; nothing was applied.
@@ -123,7 +131,7 @@ class Session:
         grads = checked_gradients(grads, self.specs, self.name)
         wire = self._wire(wire_dtype)
         grads = self._encode(grads, wire)
-        header = self._header(base_version, loss, scalars)
+        header = self._header(base_version, loss, scalars, without_gradient)
         self._keep_membership()
         try:
             if self._paths.all_via_shm(wire):  # every shard's bytes in shared memory: a step that returns the version
@@ -140,15 +148,17 @@ class Session:
     def push_pull(self, grads: Mapping[str, np.ndarray], wire_dtype: _wire.DTypeLike = "default",
                   out: Optional[Mapping[str, np.ndarray]] = None,
                   base_version: Optional[int] = None, loss: Optional[float] = None,
-                  scalars: Optional[Mapping[str, float]] = None, views: bool = False) -> dict[str, np.ndarray]:
+                  scalars: Optional[Mapping[str, float]] = None, views: bool = False,
+                  without_gradient: Iterable[str] = ()) -> dict[str, np.ndarray]:
         """Pushes ``grads`` and returns the parameters of the step they joined (into ``out`` if given).
 
-        ``base_version``, ``loss``, ``scalars``: as for :meth:`push`. ``views``: as for :meth:`pull`.
+        ``base_version``, ``loss``, ``scalars``, ``without_gradient``: as for :meth:`push`.
+        ``views``: as for :meth:`pull`.
         """
         grads = checked_gradients(grads, self.specs, self.name)
         wire = self._wire(wire_dtype)
         grads = self._encode(grads, wire)
-        header = self._header(base_version, loss, scalars)
+        header = self._header(base_version, loss, scalars, without_gradient)
         self._keep_membership()
         try:
             params = self._fanout.served(lambda: self._push_pull_once(header, grads, wire, out, views=views))
@@ -218,15 +228,35 @@ class Session:
         if self._member is not None:
             self._member.leave()
 
-    def history(self, since: int = 0) -> list[RoundRecord]:
-        """Elastic sync: the record of each committed version after ``since`` (participants, their
-        scales, late gradients dropped, duration, why it committed), from the session's home shard."""
+    def history(self, since: int = 0) -> list[Union[RoundRecord, HyperparamChange]]:
+        """What happened after version ``since``, oldest first, from the session's home shard:
+        elastic sync sessions' :class:`RoundRecord` of each committed version (participants,
+        their scales, late gradients dropped, duration, why it committed), and every session's
+        :class:`HyperparamChange` (from :meth:`set_hyperparams`), ordered by version."""
         request = data_pb2.HistoryRequest(session=self.name, since=int(since))
+        return history_records(self._fanout.served(lambda: self._home().History(request, timeout=self._client.timeout)))
 
-        def ask_home() -> data_pb2.HistoryResponse:  # the home shard's address may change (a restart)
-            return self._client.shard_data(self._shards[0].address).History(request, timeout=self._client.timeout)
+    def set_hyperparams(self, group: Union[None, int, str] = None, **values: float) -> int:
+        """Changes hyperparameters from the session's next step on (``set_hyperparams(learning_rate=3e-4)``);
+        returns the version of the first step that runs with them.
 
-        return [RoundRecord.from_proto(r) for r in self._fanout.served(ask_home).records]
+        Any option of the optimizer that is a plain number and may change between steps (learning
+        rates, weight decay, epsilons; not one given as a schedule) can be set, and the compiled
+        update is reused. ``group``: a parameter group's index (or "default"); None: every group.
+        The home shard orders the change among the pushes (every shard applies it at the same
+        step); asking for values in force already changes nothing, so several workers may all
+        call it. Durable sessions journal it; :meth:`history` lists it.
+
+        Raises:
+          InvalidArgumentError: an unknown group, an option that cannot be set, or a value that
+            breaks the option's rule (named in the message; nothing changes).
+        """
+        request = data_pb2.SetHyperparamsRequest(session=self.name, values={k: float(v) for k, v in values.items()},
+                                                 group="" if group is None else str(group))
+        return self._fanout.served(lambda: self._home().SetHyperparams(request, timeout=self._client.timeout)).version
+
+    def _home(self):  # the home shard's stub (asked anew each call: a restart may move it)
+        return self._client.shard_data(self._shards[0].address)
 
     def _keep_membership(self) -> None:
         """Elastic sessions: the first push or pull joins; from then on the lease is renewed in
@@ -263,10 +293,11 @@ class Session:
         return _wire.wire_option_enum(requested, what="wire_dtype")
 
     def _header(self, base_version: Optional[int] = None, loss: Optional[float] = None,
-                scalars: Optional[Mapping[str, float]] = None) -> data_pb2.PushHeader:
+                scalars: Optional[Mapping[str, float]] = None, without_gradient: Iterable[str] = ()) -> data_pb2.PushHeader:
         base = self._version if base_version is None else int(base_version)
         header = data_pb2.PushHeader(session=self.name, client_id=self.client_id, sequence=next(self._sequence),
-                                     base_version=base, auto_commit=True, wait_s=self._client.timeout)
+                                     base_version=base, auto_commit=True, wait_s=self._client.timeout,
+                                     without_gradient=sorted(without_gradient))
         return add_telemetry(header, loss, scalars)
 
     def _encode(self, grads: dict[str, np.ndarray], wire: Optional[int]) -> dict:

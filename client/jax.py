@@ -163,8 +163,12 @@ class PytreeSession:
         return self.raw.last_step
 
     def history(self, since: int = 0):
-        """Elastic sync: the record of each committed version (see ``Session.history``)."""
+        """Round records and hyperparameter changes after ``since`` (see ``Session.history``)."""
         return self.raw.history(since)
+
+    def set_hyperparams(self, group=None, **values: float) -> int:
+        """Changes hyperparameters from the next step on (see ``Session.set_hyperparams``)."""
+        return self.raw.set_hyperparams(group, **values)
 
     def join(self):
         return self.raw.join()

@@ -13,13 +13,13 @@ from typing import Optional
 
 from optserve.protos import contract
 from optserve.protos.optserve.v1 import control_pb2
-from optserve.protos.status_records import (DurabilityStatus, ElasticStatus, PreconditionerBlockStatus,
-                                           RootOffloadStatus, RoundRecord)
+from optserve.protos.status_records import (DurabilityStatus, ElasticStatus, HyperparamChange,
+                                           PreconditionerBlockStatus, RootOffloadStatus, RoundRecord)
 
 # The per-shard records are the server's own, defined once in optserve.protos.status_records.
-__all__ = ["AcceptedPush", "DurabilityStatus", "ElasticStatus", "PreconditionerBlockStatus", "RefusedPush",
-           "RootOffloadStatus", "RoundRecord", "ServerShardStatus", "SessionSeries", "SessionStatus", "ShardStatus",
-           "StepOutcome"]
+__all__ = ["AcceptedPush", "DurabilityStatus", "ElasticStatus", "HyperparamChange", "PreconditionerBlockStatus",
+           "RefusedPush", "RootOffloadStatus", "RoundRecord", "ServerShardStatus", "SessionSeries", "SessionStatus",
+           "ShardStatus", "StepOutcome"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +58,7 @@ class ShardStatus:
     optimizer_state_bytes: int = 0
     durability: Optional[DurabilityStatus] = None  # durable servers only
     data_path: str = ""
+    hyperparams: dict = dataclasses.field(default_factory=dict, hash=False)  # group -> {option: value}
 
     @classmethod
     def from_proto(cls, s: control_pb2.ShardStatus) -> "ShardStatus":
@@ -68,6 +69,7 @@ class ShardStatus:
             root_offload=RootOffloadStatus.from_proto(s.root_offload) if s.HasField("root_offload") else None,
             optimizer_state_bytes=s.optimizer_state_bytes,
             durability=DurabilityStatus.from_proto(s.durability) if s.HasField("durability") else None,
+            hyperparams=_hyperparams(s.hyperparams),
         )
 
 
@@ -79,7 +81,7 @@ class SessionStatus:
     ``staleness_max``: of the accepted pushes, in versions; ``last_activity_unix_s``: when the
     session last decided a push (0: never); ``rolled_back_from``: when the server's last restart
     brought every shard back to ``version``, below the version a shard had logged, that version
-    (0: never; see the README's durability section for when this can happen); ``workers``: worker
+    (0: never; see docs/durability.md for when this can happen); ``workers``: worker
     id -> when it last pushed (unix s), the most recent first (at most 256; a worker is a client
     id's part before "/", see ``Session.worker_id``)."""
 
@@ -95,6 +97,13 @@ class SessionStatus:
     rolled_back_from: int = 0
     elastic: Optional[ElasticStatus] = None
     workers: dict[str, float] = dataclasses.field(default_factory=dict, hash=False)
+
+    @property
+    def hyperparams(self) -> dict:
+        """``{group: {option: value}}``: the hyperparameters the session's next step runs with
+        (values set or given as numbers; schedules evaluated at that step), as its first shard
+        reports them."""
+        return dict(self.shards[0].hyperparams) if self.shards else {}
 
     @classmethod
     def from_proto(cls, response: control_pb2.GetStatusResponse) -> "SessionStatus":
@@ -170,3 +179,19 @@ class SessionSeries:
             rejected=tuple(RefusedPush(r.unix_s, names.get(r.reason, "unknown")) for r in response.refused),
             rounds=tuple(RoundRecord.from_proto(r) for r in response.rounds),
         )
+
+
+def _hyperparams(values) -> dict:
+    """``{group: {option: value}}`` of a shard's ``HyperparamValue`` list (schedules at the next step)."""
+    out: dict = {}
+    for v in values:
+        out.setdefault(v.group, {})[v.option] = v.value
+    return out
+
+
+def history_records(reply) -> list:
+    """A ``HistoryResponse`` as :class:`RoundRecord` and :class:`HyperparamChange` records, by
+    version (a version's change before its round)."""
+    records = [RoundRecord.from_proto(r) for r in reply.records]
+    changes = [HyperparamChange(c.version, c.group, dict(c.values)) for c in reply.hyperparams]
+    return sorted(records + changes, key=lambda r: (r.version, isinstance(r, RoundRecord)))

@@ -44,6 +44,7 @@ from optserve.client import Client
 from optserve.client._diloco_torch import DiLoCo  # noqa: F401  (public here: optserve.client.torch.DiLoCo)
 from optserve.client._torch_arrays import (checked_named_parameters, gradient_to_numpy, tensor_to_numpy,
                                            viewed_without_copy, write_numpy_)
+from optserve.client._torch_groups import GroupSync, server_options, session_groups, split_groups, torch_defaults
 from optserve.client._transport import ClientCert, TLSArg
 from optserve.client.errors import AlreadyExistsError, InvalidArgumentError, StaleError
 from optserve.client.options import SessionOptions
@@ -119,7 +120,14 @@ class RemoteOptimizer(torch.optim.Optimizer):
     Args:
       named_parameters: ``(name, parameter)`` pairs, e.g. ``model.named_parameters()``;
         parameters with ``requires_grad=False`` are left out. Names must be unique; they are
-        the session's tensor names.
+        the session's tensor names. Or parameter groups as torch takes them, each with its
+        pairs: ``[{"params": [(name, p), ...], "weight_decay": 0.0}, {"params": ...}]``; a
+        group's ``lr``, ``weight_decay``, ``betas``, ``eps`` and ``momentum`` override the
+        optimizer's ``learning_rate`` (``lr`` where the server optimizer calls it so),
+        ``weight_decay``, ``b1``/``b2``, ``eps`` and ``momentum`` for its tensors (the session's
+        ``param_groups``). ``param_groups[i]["lr"]`` and the others may change between steps
+        (any ``torch.optim.lr_scheduler``): ``step()`` sends what changed
+        (``Session.set_hyperparams``), so each step runs with the values its groups hold.
       address: the server's ``host:port``, or an ``optserve.client.Client`` to reuse.
       optimizer: ``{"name": ..., "args": {...}}`` (see ``optserve.optim_kernels.OPTIMIZERS``);
         Shampoo also takes ``"preconditioners": {"in_process": bool, "max_age": int}``.
@@ -146,7 +154,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
     def __init__(
         self,
-        named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+        named_parameters: Iterable[Union[tuple[str, torch.nn.Parameter], Mapping[str, Any]]],
         address: Union[str, Client],
         optimizer: Mapping[str, Any],
         *,
@@ -160,13 +168,25 @@ class RemoteOptimizer(torch.optim.Optimizer):
         shared_memory: Union[bool, str] = "auto",
         **options: Any,
     ):
+        named, groups = split_groups(named_parameters)
+        self._named = checked_named_parameters(named)
+        kept = {id(p) for _, p in self._named}
+        name = optimizer.get("name") if isinstance(optimizer, Mapping) else None
+        if groups is not None and isinstance(optimizer, Mapping):
+            args = dict(optimizer.get("args") or {})
+            args["param_groups"] = session_groups(name, groups, lambda tensor: id(tensor) in kept)
+            optimizer = {**optimizer, "args": args}
         self.config = RemoteOptimizerConfig(optimizer, session or f"torch-{uuid.uuid4().hex[:12]}", overlap=overlap,
                                             **options)
         self._worker_id = worker_id
-        self._named = checked_named_parameters(named_parameters)
         self._tensors_fixed = False
-        super().__init__([p for _, p in self._named], defaults={})
+        torch_groups = ([{"params": [p for _, p in self._named]}] if groups is None else
+                        [{**g, "params": [p for _, p in g["params"] if id(p) in kept]} for g in groups])
+        super().__init__(torch_groups, defaults=torch_defaults(name, self.config.options.optimizer_args))
         self._tensors_fixed = True
+        self._groups_sync = GroupSync(self.config.options.optimizer, ["default"] if groups is None else
+                                      [str(i) for i in range(len(groups))],
+                                      [server_options(self.config.options.optimizer, g) for g in self.param_groups])
         self._client = address if isinstance(address, Client) else Client(
             address, token=token, tls=tls, client_cert=client_cert, tls_server_name=tls_server_name,
             shared_memory=shared_memory)
@@ -219,8 +239,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def step(self, closure=None, loss=None):
         """Pushes every parameter's ``.grad`` and writes the returned parameters in place.
 
-        A parameter whose ``.grad`` is ``None`` is pushed as zeros (as after
-        ``zero_grad(set_to_none=False)``); if every ``.grad`` is ``None`` nothing is pushed.
+        A parameter whose ``.grad`` is ``None`` is left alone, as torch optimizers do: its value
+        and the optimizer state kept for it stay as they are (with several workers in a sync
+        step: when none of them had a gradient for it; state shared by all tensors, such as a
+        step count, moves on). If every ``.grad`` is ``None`` nothing is pushed.
         With ``overlap=True`` the parameters written are those of the previous step (none on
         the first step) and this step's push is still in flight when ``step()`` returns.
 
@@ -239,7 +261,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
         grads = self._gradients(copy=self.config.overlap)
         if grads is None:
             return result
+        self._groups_sync.send_changes(self.param_groups, self._session.set_hyperparams)
         push = dict(self._wire)
+        without = [name for name, p in self._named if p.grad is None]
+        if without:
+            push["without_gradient"] = without
         if telemetry is not None:
             push["loss"] = float(telemetry.detach().item() if isinstance(telemetry, torch.Tensor) else telemetry)
         if self._stepper is not None:
@@ -280,6 +306,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             "tensor_names": self.tensor_names,
             "optimizer": self.config.options.spec,
             "mode": self.config.options.mode,
+            "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups],
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -304,6 +331,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
             self.config = self.config.with_session(state_dict["session"])
             if self._stepper is not None:
                 self._stepper = DelayedStepper(self._session)
+        for group, saved in zip(self.param_groups, state_dict.get("param_groups", ())):
+            group.update(saved)  # the values the next step sends (a scheduler's position is its own state_dict)
         self._pull_into_model()
         if self.version < int(state_dict["version"]):
             raise ValueError(

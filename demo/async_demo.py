@@ -3,7 +3,10 @@
 Worker processes train the digits MLP on one asynchronous session of the embedded server, each
 with :class:`optserve.client.torch.RemoteOptimizer` on its own minibatches; then this process
 trains the same model (same initial weights, batch size and number of updates) with the same
-optimizer in process (:func:`optserve.demo.optimizers.in_process_optimizer`).
+optimizer in process (:func:`optserve.demo.optimizers.in_process_optimizer`). Both follow the
+same learning rate: by default warmup + cosine, a schedule spec in the session's optimizer that the
+server evaluates at the session's step count (:meth:`~optserve.demo.config.DemoConfig.learning_rate`),
+and its torch twin in process.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ import uuid
 
 import numpy as np
 
+from optserve.client import Client
 from optserve.demo.config import DemoConfig
 from optserve.demo.digits import DigitsSplit, evaluate, load_digits_split, make_model
 from optserve.demo.embedded_server import embedded_server
-from optserve.demo.optimizers import KernelInProcess, in_process_optimizer, optimizer_spec
+from optserve.demo.optimizers import KernelInProcess, describe_learning_rate, in_process_optimizer, optimizer_spec
 from optserve.demo.report import RunResult, print_table, write_plot, write_session_report, write_summary
 from optserve.demo.worker_processes import data_path_line, drive_workers, start_workers, stop_workers
 
@@ -28,6 +32,7 @@ def run_async_demo(cfg: DemoConfig, data: DigitsSplit, initial: tuple[float, flo
     and the summary; returns the exit status (0)."""
     with embedded_server(cfg) as address:
         print(f"server listening on {address}; {cfg.workers} workers x {cfg.steps} steps", flush=True)
+        print(f"optimizer: {cfg.optimizer}, {describe_learning_rate(cfg.learning_rate())}", flush=True)
         remote = run_remote(cfg, address, data)
     baseline = run_in_process(cfg, data)
     results = [remote, baseline]
@@ -70,7 +75,7 @@ def worker_main(task: WorkerTask, messages, go) -> None:
         optimizer = RemoteOptimizer(
             model.named_parameters(),
             task.address,
-            optimizer_spec(cfg.optimizer, cfg.lr),
+            optimizer_spec(cfg.optimizer, cfg.learning_rate()),
             session=task.session,
             mode="async",
             max_staleness=cfg.max_staleness,
@@ -109,7 +114,7 @@ def run_remote(cfg: DemoConfig, address: str, data: DigitsSplit) -> RunResult:
     owner = RemoteOptimizer(  # creates the session from the seeded weights; workers attach
         model.named_parameters(),
         address,
-        optimizer_spec(cfg.optimizer, cfg.lr),
+        optimizer_spec(cfg.optimizer, cfg.learning_rate()),
         session=session_name,
         mode="async",
         max_staleness=cfg.max_staleness,
@@ -129,6 +134,8 @@ def run_remote(cfg: DemoConfig, address: str, data: DigitsSplit) -> RunResult:
     dropped = sum(stale for stale, in seen.done.values())
     owner.pull()  # the session's final parameters into `model`
     write_session_report(address, session_name, cfg.out)
+    with Client(address) as client:  # the optimizer as the server holds it (the schedule spec included)
+        options = client.session_options(session_name)
     owner.session.close()
     owner.close()
     train_loss, _ = evaluate(model, data.x_train, data.y_train)
@@ -136,7 +143,8 @@ def run_remote(cfg: DemoConfig, address: str, data: DigitsSplit) -> RunResult:
     label = f"optserve async, {cfg.workers} worker process{'es' if cfg.workers > 1 else ''}"
     curve = [(index, loss) for index, (_, _, loss) in enumerate(seen.losses)]
     return RunResult(label, sum(seen.steps) - dropped, dropped, seen.seconds, train_loss, test_loss, test_accuracy,
-                     curve, data_path="+".join(sorted(seen.paths)))
+                     curve, data_path="+".join(sorted(seen.paths)),
+                     optimizer={"name": options.optimizer, "args": dict(options.optimizer_args)})
 
 
 def run_in_process(cfg: DemoConfig, data: DigitsSplit) -> RunResult:
@@ -144,11 +152,11 @@ def run_in_process(cfg: DemoConfig, data: DigitsSplit) -> RunResult:
     import torch
 
     model = make_model(cfg.seed)
-    optimizer = in_process_optimizer(cfg.optimizer, cfg.lr, model.parameters())
+    updates = cfg.updates
+    optimizer, scheduler = in_process_optimizer(cfg.optimizer, cfg.learning_rate(), model.parameters(), updates)
     rng = np.random.default_rng(cfg.seed + 999_999)
     x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
     curve = []
-    updates = cfg.workers * cfg.steps
     start = time.perf_counter()
     for step in range(updates):
         batch = torch.from_numpy(rng.integers(0, len(x), cfg.batch_size))
@@ -156,6 +164,8 @@ def run_in_process(cfg: DemoConfig, data: DigitsSplit) -> RunResult:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()  # the rate of the next update, as the server's schedule gives it
         curve.append((step, float(loss.item())))
     seconds = time.perf_counter() - start
     train_loss, _ = evaluate(model, data.x_train, data.y_train)

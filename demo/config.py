@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from optserve.client.cli import OneLineArgumentParser
-from optserve.demo.optimizers import DEMO_OPTIMIZERS, optimizer_spec
+from optserve.demo.optimizers import DEMO_OPTIMIZERS, LR_SCHEDULES, LearningRate, learning_rate, optimizer_spec
 
 DILOCO_DEFAULT_ROUNDS = 20  # outer rounds of ``optserve demo --diloco H`` without --steps
 
@@ -21,7 +21,11 @@ class DemoConfig:
       workers: worker processes sharing the asynchronous session.
       shards: shard actors of the embedded server.
       batch_size: examples per gradient.
-      optimizer / lr: see :func:`optserve.demo.optimizers.optimizer_spec`.
+      optimizer / lr: see :func:`optserve.demo.optimizers.optimizer_spec`; ``lr`` is the peak rate.
+      schedule: the learning rate over the run (:data:`~optserve.demo.optimizers.LR_SCHEDULES`):
+        ``"warmup_cosine"`` (the asynchronous demo's default: a schedule spec the server
+        evaluates, see :meth:`learning_rate`) or ``"constant"`` (``lr`` throughout; ``--diloco``
+        compares at a constant rate).
       max_staleness / staleness_policy: async: pushes more than ``max_staleness`` versions old
         are rejected (the worker drops that step and refreshes its parameters) or, with
         ``"scale"``, applied with the step scaled by 1 / (1 + staleness).
@@ -44,6 +48,7 @@ class DemoConfig:
     batch_size: int = 32
     optimizer: str = "adam"
     lr: float = 1e-2
+    schedule: str = "warmup_cosine"
     max_staleness: int = 4
     staleness_policy: str = "reject"
     wire_dtype: Optional[str] = None
@@ -63,6 +68,8 @@ class DemoConfig:
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         optimizer_spec(self.optimizer, self.lr)  # validates the name
+        if self.schedule not in LR_SCHEDULES:
+            raise ValueError(f"--schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.schedule!r}")
         if self.diloco is not None:
             if self.diloco < 1:
                 raise ValueError(f"--diloco must be >= 1 (inner steps per round), got {self.diloco}")
@@ -71,6 +78,19 @@ class DemoConfig:
                                  f"got {self.optimizer!r}")
             if self.overlap:
                 raise ValueError("--diloco runs without --overlap (both of its runs exchange synchronously)")
+            if self.schedule != "constant":
+                raise ValueError(f"--diloco compares at a constant --lr: --schedule must be constant, "
+                                 f"got {self.schedule!r}")
+
+    @property
+    def updates(self) -> int:
+        """Updates the asynchronous session makes (one per push): ``workers * steps``."""
+        return self.workers * self.steps
+
+    def learning_rate(self) -> LearningRate:
+        """The asynchronous session's learning rate (:func:`optserve.demo.optimizers.learning_rate`
+        over its :attr:`updates`): a number, or a schedule spec the server evaluates."""
+        return learning_rate(self.schedule, self.lr, self.updates)
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> DemoConfig:
@@ -91,7 +111,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> DemoConfig:
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--optimizer", choices=DEMO_OPTIMIZERS, default="adam")
-    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--lr", type=float, default=1e-2, help="the (peak) learning rate (default 0.01)")
+    parser.add_argument("--schedule", choices=LR_SCHEDULES, default=None,
+                        help="the learning rate over the run: warmup_cosine (the default: 0 -> --lr over 5%% of the "
+                             "updates, cosine to --lr/10; the server evaluates it) or constant (--diloco's default)")
     parser.add_argument("--max-staleness", type=int, default=4, help="async staleness bound (versions)")
     parser.add_argument("--staleness-policy", choices=("reject", "scale"), default="reject")
     parser.add_argument("--wire-dtype", choices=("float32", "bfloat16", "float16", "int8"), default=None,
@@ -114,6 +137,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> DemoConfig:
         batch_size=args.batch_size,
         optimizer=args.optimizer,
         lr=args.lr,
+        schedule=args.schedule or ("constant" if args.diloco is not None else "warmup_cosine"),
         max_staleness=args.max_staleness,
         staleness_policy=args.staleness_policy,
         wire_dtype=None if args.wire_dtype in (None, "float32") else args.wire_dtype,

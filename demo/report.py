@@ -29,6 +29,7 @@ class RunResult:
     test_accuracy: float
     curve: list[tuple[int, float]]  # (update index, minibatch loss)
     data_path: str = ""  # how the workers' tensor bytes reached the shards (remote runs)
+    optimizer: Optional[dict[str, Any]] = None  # the session's optimizer as the server reports it (remote runs)
 
 
 # The asynchronous demo's rows: (measure, its cell for a run).
@@ -42,12 +43,14 @@ def print_table(cfg: DemoConfig, initial: tuple[float, float], results: Sequence
     """Prints the runs side by side, one column per run and one row per measure (``rows``:
     (name, cell function of a run)), as wide as the terminal (:func:`terminal_columns`): two runs
     fit 80 columns; a narrower terminal wraps the labels at words and folds numbers onto a second
-    line (never an ellipsis). ``title``: the default names the optimizer, lr and batch size."""
+    line (never an ellipsis). ``title``: the default names the optimizer, lr (and its schedule)
+    and batch size."""
     from rich.console import Console
     from rich.table import Table
 
     if title is None:
-        title = f"digits MLP, {cfg.optimizer} lr={cfg.lr}, batch {cfg.batch_size}"
+        schedule = "" if cfg.schedule == "constant" else f" ({cfg.schedule.replace('_', '+')})"
+        title = f"digits MLP, {cfg.optimizer} lr={cfg.lr}{schedule}, batch {cfg.batch_size}"
     table = Table(title=f"{title} (initial test loss {initial[0]:.3f})")
     table.add_column("", justify="left", overflow="fold")
     for r in results:

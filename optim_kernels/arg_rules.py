@@ -37,6 +37,7 @@ import numbers
 from typing import Any, Iterator, Mapping, Optional
 
 import jax.numpy as jnp
+import jax
 import numpy as np
 
 __all__ = [
@@ -156,6 +157,8 @@ class ArgRule:
             return self._pair_violation(value)
         if callable(value):
             return None if self.allow_schedule else "a schedule (callable) is not admitted here"
+        if isinstance(value, jax.core.Tracer):  # a hyperparameter inside the jitted update: checked at the edge
+            return None
         scalar, why = _scalar(value, integral=kind is RuleKind.INT)
         if why:
             return why

@@ -43,7 +43,6 @@ these options in ``tensor_tree_args``.
 from __future__ import annotations
 
 import collections.abc
-import dataclasses
 import inspect
 import numbers
 import types
@@ -62,10 +61,14 @@ from optserve.optim_kernels.adafactor.kernel import (
     ADAFACTOR_T2T_ARG_RULES,
 )
 from optserve.optim_kernels.arg_rules import ArgRules
+from optserve.optim_kernels.entries import KernelEntry, RootOffloadSeam
 from optserve.optim_kernels.delayed_nesterov import DELAYED_NESTEROV_ARG_RULES, delayed_nesterov
+from optserve.optim_kernels.hyperparams import (DEFAULT_GROUP, PARAM_GROUPS, build_groups, check_hyperparams,
+                                                grouped, grouped_statistic, split_groups, starting_values)
 from optserve.optim_kernels.linalg import inverse_pth_roots
 from optserve.optim_kernels.muon import muon
 from optserve.optim_kernels.muon.config import MUON_ARG_RULES
+from optserve.optim_kernels.optax_catalog import OPTAX_PREFIX, optax_entry
 from optserve.optim_kernels.scaled_adam import scaled_adam, scaled_adam_partial_statistic
 from optserve.optim_kernels.scaled_adam.config import SCALED_ADAM_ARG_RULES
 from optserve.optim_kernels.schedules import is_schedule_spec, resolve_schedules
@@ -84,81 +87,12 @@ __all__ = [
     "RootOffloadSeam",
     "args_for_tensors",
     "build_optimizer",
+    "optimizer_entry",
     "optimizer_names",
     "optimizer_parameters",
 ]
 
 GLOBAL_STATISTIC_ARG = "global_grad_sq_norm"
-
-
-@dataclasses.dataclass(frozen=True)
-class RootOffloadSeam:
-    """How a kernel's matrix inverse roots are computed outside its update (preconditioner workers).
-
-    Attributes:
-      config: ``(**args) -> config``, the kernel's typed config for the same options as its
-        constructor (Shampoo: ``ShampooConfig``).
-      without_inline_roots: ``args -> args`` of the same kernel with the roots left out of its
-        update (they then come only from ``install``).
-      block_labels: ``(config, shapes) -> [BlockLabel]``: which statistic each position of an
-        export is (``BlockLabel(tensor, block, dim, size)``), for a shard holding ``shapes``
-        (name -> shape of a dict pytree, whose tensors flatten in sorted-name order).
-      export: ``(state, config, grads=None) -> StatisticsExport(statistics [B, n, n],
-        exponents [B], sizes [B], step)``; jit-able. With the pending ``grads`` of the next update
-        it exports the statistics that update will hold. ``exponents`` is a per-block int the
-        computation reads (Shampoo: the root ``p``; SOAP: the refresh kind). An export may also
-        have a field ``previous`` ([B, n, n], the results in use, identity-padded), which is
-        then passed on to ``compute_roots``.
-      install: ``(state, config, roots, errors, step) -> state``; jit-able. Rejected roots (error
-        NaN or over the kernel's threshold) keep the previous ones and count a failure.
-      root_config: ``config -> RootConfig``, the typed, hashable, picklable description of the
-        root computation, sent unchanged to the workers.
-      compute_roots: ``(statistics, exponents, sizes, root_config[, previous]) -> (roots [B, n, n],
-        errors [B])``, pure; ``root_config`` is static, so a closure or ``functools.partial`` over
-        it jits once per batch shape. A module-level function, so it pickles by reference.
-        ``previous`` is given exactly when the export has it.
-      compute_steps: ``config -> int``, updates between two root computations.
-      progress: ``state -> (count, source_step [B], failures [B], last_error [B])`` as arrays,
-        for status reports (``source_step`` -1: no root installed yet).
-      lag: in the in-process kernel, the updates between the last gradient a computation's
-        statistics hold and the first update using its result: 0 for Shampoo (its update folds
-        the gradient in, then computes and uses the roots), 1 for SOAP (its update uses the
-        basis, then folds the gradient in and refreshes).
-    """
-
-    config: Callable[..., Any]
-    without_inline_roots: Callable[[Mapping[str, Any]], dict]
-    block_labels: Callable[[Any, Mapping[str, tuple[int, ...]]], list]
-    export: Callable[..., Any]
-    install: Callable[..., Any]
-    root_config: Callable[[Any], Any]
-    compute_roots: Callable[..., tuple]
-    compute_steps: Callable[[Any], int]
-    progress: Callable[[Any], tuple]
-    lag: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelEntry:
-    """A named optimizer.
-
-    Attributes:
-      constructor: keyword options -> ``optax.GradientTransformation``.
-      partial_statistic: a factory with the constructor's keyword options returning
-        ``partial(grads, state, params) -> f32 scalar`` or ``None`` (see the module docstring);
-        ``None`` when the optimizer never needs a cross-tensor quantity.
-      root_offload: the kernel's root offload seam, or ``None``.
-      arg_rules: the value rule of each constructor option (one per option; the registry's
-        tests keep the names equal to the signature's).
-      tensor_tree_args: the options whose value may be a pytree like the params, i.e. a
-        ``{tensor name: value}`` map (see :func:`args_for_tensors`).
-    """
-
-    constructor: Callable[..., optax.GradientTransformation]
-    partial_statistic: Optional[Callable[..., Optional[Callable]]] = None
-    root_offload: Optional[RootOffloadSeam] = None
-    arg_rules: ArgRules = ArgRules()
-    tensor_tree_args: tuple[str, ...] = ()
 
 
 _SHAMPOO_ROOT_OFFLOAD = RootOffloadSeam(
@@ -211,19 +145,30 @@ SGD_ARG_RULES = ArgRules(
     rules.dtype("accumulator_dtype", none=True),
 )
 
+# Options each constructor takes as traced values (see optim_kernels.hyperparams); an entry that
+# declares none has its schedulable options as hyperparameters (passed as constant schedules).
+# Momentum coefficients (b1, b2, beta) are left out: ``1 - b`` of a float32 b rounds differently
+# from the same difference of the Python number, which would move every step off the reference.
+_ADAM_HYPERPARAMETERS = ("eps", "eps_root", "learning_rate")
+
 OPTIMIZERS: dict[str, KernelEntry] = {
-    "adafactor": KernelEntry(adafactor, adafactor_partial_statistic, arg_rules=ADAFACTOR_ARG_RULES),
-    "adafactor_hf": KernelEntry(adafactor_hf, arg_rules=ADAFACTOR_HF_ARG_RULES),
+    "adafactor": KernelEntry(adafactor, adafactor_partial_statistic, arg_rules=ADAFACTOR_ARG_RULES,
+                             hyperparameters=("decay_rate", "epsilon1", "epsilon2", "learning_rate")),
+    "adafactor_hf": KernelEntry(adafactor_hf, arg_rules=ADAFACTOR_HF_ARG_RULES, hyperparameters=("decay_rate", "lr")),
     "adafactor_t2t": KernelEntry(adafactor_t2t, arg_rules=ADAFACTOR_T2T_ARG_RULES),
-    "shampoo": KernelEntry(shampoo, root_offload=_SHAMPOO_ROOT_OFFLOAD, arg_rules=SHAMPOO_ARG_RULES),
+    "shampoo": KernelEntry(shampoo, root_offload=_SHAMPOO_ROOT_OFFLOAD, arg_rules=SHAMPOO_ARG_RULES,
+                           hyperparameters=("diagonal_epsilon", "learning_rate")),
     "scaled_adam": KernelEntry(scaled_adam, scaled_adam_partial_statistic, arg_rules=SCALED_ADAM_ARG_RULES),
-    "muon": KernelEntry(muon, arg_rules=MUON_ARG_RULES),
-    "soap": KernelEntry(soap, root_offload=_SOAP_ROOT_OFFLOAD, arg_rules=SOAP_ARG_RULES),
+    "muon": KernelEntry(muon, arg_rules=MUON_ARG_RULES, hyperparameters=(
+        "adam_eps_root", "adam_weight_decay", "eps", "learning_rate", "weight_decay")),
+    "soap": KernelEntry(soap, root_offload=_SOAP_ROOT_OFFLOAD, arg_rules=SOAP_ARG_RULES,
+                        hyperparameters=("eps", "learning_rate")),
     "delayed_nesterov": KernelEntry(delayed_nesterov, arg_rules=DELAYED_NESTEROV_ARG_RULES),
     # Baselines, straight from optax.
-    "adam": KernelEntry(optax.adam, arg_rules=ADAM_ARG_RULES),
-    "adamw": KernelEntry(optax.adamw, arg_rules=ADAMW_ARG_RULES, tensor_tree_args=("mask",)),
-    "sgd": KernelEntry(optax.sgd, arg_rules=SGD_ARG_RULES),
+    "adam": KernelEntry(optax.adam, arg_rules=ADAM_ARG_RULES, hyperparameters=_ADAM_HYPERPARAMETERS),
+    "adamw": KernelEntry(optax.adamw, arg_rules=ADAMW_ARG_RULES, tensor_tree_args=("mask",),
+                         hyperparameters=_ADAM_HYPERPARAMETERS + ("weight_decay",)),
+    "sgd": KernelEntry(optax.sgd, arg_rules=SGD_ARG_RULES, hyperparameters=("learning_rate", "momentum")),
 }
 
 
@@ -233,11 +178,16 @@ class BuiltOptimizer(NamedTuple):
     Attributes:
       name: the registry name.
       args: the keyword arguments it was built with (after validation; schedules as their specs,
-        so ``args`` stays plain JSON).
-      transformation: the optax transformation.
+        so ``args`` stays plain JSON; ``param_groups`` included).
+      transformation: the optax transformation; its ``update`` also takes ``hyperparams=``
+        (:data:`~optserve.optim_kernels.hyperparams.HyperValues`, None: the values given).
       partial_statistic: ``partial(grads, state, params) -> scalar`` whose sum over shards is
         passed to ``transformation.update`` as ``global_grad_sq_norm``; ``None`` if unused.
       root_offload: the kernel's root offload seam, or ``None``.
+      groups: the parameter groups (:class:`~optserve.optim_kernels.hyperparams.Group`; the
+        default group first).
+      evaluation: ``(state, params) -> params`` to evaluate a model with (schedule-free
+        optimizers), or ``None`` (the trained parameters are the ones to evaluate).
     """
 
     name: str
@@ -245,6 +195,23 @@ class BuiltOptimizer(NamedTuple):
     transformation: optax.GradientTransformation
     partial_statistic: Optional[Callable]
     root_offload: Optional[RootOffloadSeam]
+    groups: tuple = ()
+    evaluation: Optional[Callable] = None
+
+    @property
+    def hyperparams(self) -> dict:
+        """``{group label: {option: float}}``: the hyperparameters as given (each can be set)."""
+        return starting_values(self.groups)
+
+    def checked_hyperparams(self, values: Mapping[str, Any], group: Optional[str] = None) -> dict:
+        """``values`` (``{option: number}``) for ``group`` (a label; None: every group that has
+        the option) as ``{label: {option: float}}``, each value checked against its option's rule.
+
+        Raises:
+          ValueError: an unknown group, an option that is no hyperparameter of this optimizer (or
+            follows a schedule), or a value that breaks the option's rule; the message names them.
+        """
+        return check_hyperparams(self.name, _entry(self.name), self.groups, values, group)
 
 
 def optimizer_names() -> list[str]:
@@ -269,6 +236,32 @@ def build_optimizer(name: str, args: Optional[Mapping[str, Any]] = None) -> Buil
     """
     args = dict(args or {})
     entry = _entry(name)
+    base, overrides = split_groups(name, entry, args)
+    if overrides and entry.root_offload is not None:
+        raise ValueError(f"optimizer {name!r}: {PARAM_GROUPS!r} are not served for optimizers whose matrix roots "
+                         f"may run on preconditioner workers; give one set of options")
+
+    def check(label: str, group_args: Mapping[str, Any]) -> dict:
+        if label == DEFAULT_GROUP:
+            return _checked_values(name, entry, group_args)
+        try:
+            return _checked_values(name, entry, group_args)
+        except ValueError as exc:
+            raise ValueError(f"{PARAM_GROUPS}[{label}]: {exc}") from None
+
+    groups = tuple(build_groups(name, entry, base, overrides, check))
+    transformation, evaluation = grouped(entry.constructor, groups, entry.evaluation)
+    try:
+        partial = entry.partial_statistic(**groups[0].values) if entry.partial_statistic is not None else None
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"optimizer {name!r}: {exc}") from exc
+    return BuiltOptimizer(name, args, transformation, grouped_statistic(partial, groups), entry.root_offload,
+                          groups, evaluation)
+
+
+def _checked_values(name: str, entry: KernelEntry, args: Mapping[str, Any]) -> dict:
+    """``args`` checked against the constructor of ``name`` (names, types, rules; the constructor
+    is called once), with schedule specs resolved."""
     constructor = entry.constructor
     signature = inspect.signature(constructor)
     accepts_kwargs = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
@@ -288,13 +281,12 @@ def build_optimizer(name: str, args: Optional[Mapping[str, Any]] = None) -> Buil
     _check_value_types(name, constructor, values)
     entry.arg_rules.check(name, values)
     try:
-        transformation = constructor(**values)
-        partial = entry.partial_statistic(**values) if entry.partial_statistic is not None else None
+        constructor(**values)
     except ValueError as exc:
         raise ValueError(f"optimizer {name!r}: {exc}") from exc
     except TypeError as exc:
         raise ValueError(f"optimizer {name!r}: bad option value: {exc}") from exc
-    return BuiltOptimizer(name, args, transformation, partial, entry.root_offload)
+    return values
 
 
 def args_for_tensors(name: str, args: Mapping[str, Any], session_tensors: Sequence[str],
@@ -336,7 +328,18 @@ def _few(names: Sequence[str], limit: int = 5) -> str:
     return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
 
 
+def optimizer_entry(name: str) -> KernelEntry:
+    """The registry entry of ``name`` (a built-in name or ``optax.NAME`` / ``optax.contrib.NAME``).
+
+    Raises:
+      ValueError: no such optimizer (the message lists the known ones).
+    """
+    return _entry(name)
+
+
 def _entry(name: str) -> KernelEntry:
+    if name.startswith(OPTAX_PREFIX):
+        return optax_entry(name)
     try:
         return OPTIMIZERS[name]
     except KeyError:

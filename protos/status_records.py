@@ -146,6 +146,21 @@ class ElasticStatus:
 
 
 @dataclasses.dataclass(frozen=True)
+class HyperparamChange:
+    """Hyperparameters of one parameter group set by ``Session.set_hyperparams``.
+
+    Attributes:
+      version: the first version whose step ran with them.
+      group: the parameter group ("default", or its index "0", "1", ...).
+      values: option -> value (only the options that changed).
+    """
+
+    version: int
+    group: str
+    values: dict
+
+
+@dataclasses.dataclass(frozen=True)
 class RoundRecord:
     """One committed version of an elastic sync session.
 

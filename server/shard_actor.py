@@ -286,7 +286,7 @@ class ShardActor:
         (rounds: an elastic session's ``RoundRecord`` per version, else empty)."""
         session = self._registry.get(name)
         accepted, refused = session.series.snapshot() if session.series is not None else ([], [])
-        rounds = session.history(0) if session.config.is_elastic and session.series is not None else []
+        rounds = session.home.history(0) if session.config.is_elastic and session.series is not None else []
         return accepted, refused, rounds
 
     def session_activity(self) -> dict:

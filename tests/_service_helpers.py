@@ -28,15 +28,27 @@ class InProcess:
 
         from optserve.optim_kernels import build_optimizer
 
-        tx = transformation if transformation is not None else build_optimizer(name, args).transformation
+        from optserve.server.compute.updater import step_function
+
         self.params = {k: jax.numpy.asarray(v) for k, v in params.items()}
-        self.state = tx.init(self.params)
+        if transformation is None:  # the registry's kernel, as a shard's step runs it (hyperparameters as values)
+            built = build_optimizer(name, args)
+            self.state = built.transformation.init(self.params)
+            shard_step, partial, hyper = jax.jit(step_function(built)), built.partial_statistic, built.hyperparams
+            partial = jax.jit(partial) if partial is not None else None
 
-        def step(params, state, grads):
-            updates, state = tx.update(grads, state, params)
-            return optax.apply_updates(params, updates), state
+            def step(params, state, grads):  # scale and statistic are values of the call, as on a shard
+                total = partial(grads, state, params) if partial is not None else np.float32(0.0)
+                return shard_step(params, state, grads, np.float32(1.0), np.float32(total), hyper)
+        else:
+            self.state = transformation.init(self.params)
 
-        self._step = jax.jit(step)
+            def whole(params, state, grads):
+                updates, state = transformation.update(grads, state, params)
+                return optax.apply_updates(params, updates), state
+
+            step = jax.jit(whole)
+        self._step = step
 
     def step(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.params, self.state = self._step(self.params, self.state, grads)

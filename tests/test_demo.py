@@ -35,6 +35,39 @@ def test_demo_diloco_runs_twenty_outer_rounds_unless_steps_are_given():
     assert parse_args(["--diloco", "5", "--quick"]).steps == 30
 
 
+def test_demo_learning_rate_is_warmup_cosine_by_spec_unless_constant_or_diloco():
+    from optserve.demo.config import parse_args
+
+    cfg = parse_args([])
+    assert cfg.schedule == "warmup_cosine" and cfg.updates == 300
+    assert cfg.learning_rate() == {"schedule": "warmup_cosine_decay_schedule", "init_value": 0.0, "peak_value": 0.01,
+                                   "warmup_steps": 15, "decay_steps": 300, "end_value": 0.001}
+    assert parse_args(["--quick"]).learning_rate()["warmup_steps"] == 3  # 5% of 2 x 30 updates
+    assert parse_args(["--schedule", "constant", "--lr", "0.02"]).learning_rate() == 0.02
+    assert parse_args(["--diloco", "5"]).schedule == "constant"  # DiLoCo compares at a constant rate
+    with pytest.raises(ValueError, match="--schedule"):
+        parse_args(["--diloco", "5", "--schedule", "warmup_cosine"])
+
+
+def test_demo_in_process_twin_follows_the_servers_schedule_step_by_step():
+    torch = pytest.importorskip("torch")
+    from optserve.demo.config import parse_args
+    from optserve.demo.optimizers import in_process_optimizer
+    from optserve.optim_kernels.schedules import build_schedule
+
+    cfg = parse_args(["--quick"])
+    spec = cfg.learning_rate()
+    optimizer, scheduler = in_process_optimizer("adam", spec, torch.nn.Linear(2, 2).parameters(), cfg.updates)
+    applied = []
+    for _ in range(cfg.updates):
+        applied.append(optimizer.param_groups[0]["lr"])  # the rate step() applies
+        optimizer.step()
+        scheduler.step()
+    schedule = build_schedule(spec, "test")  # what the server evaluates at its step count 0, 1, ...
+    assert applied == pytest.approx([float(schedule(t)) for t in range(cfg.updates)], abs=1e-9)
+    assert applied[0] == 0.0 and max(applied) == pytest.approx(0.01)
+
+
 @pytest.mark.slow
 def test_demo_trains_two_worker_processes_and_reports_table_plot_and_summary(tmp_path):
     out = tmp_path / "demo_out"
@@ -49,6 +82,9 @@ def test_demo_trains_two_worker_processes_and_reports_table_plot_and_summary(tmp
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "optserve async, 2 worker processes" in proc.stdout
     assert "in process" in proc.stdout
+    # the learning rate is a warmup + cosine schedule by spec, evaluated by the server, and says so
+    assert "lr warmup_cosine_decay_schedule: 0 -> 0.01 over 3 warmup steps, cosine to 0.001 at step 60" in proc.stdout
+    assert "adam lr=0.01 (warmup+cosine)" in proc.stdout
 
     png = (out / "loss_curve.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5_000
@@ -60,6 +96,11 @@ def test_demo_trains_two_worker_processes_and_reports_table_plot_and_summary(tmp
     summary = json.loads((out / "summary.json").read_text())
     remote, local = summary["runs"]
     steps = summary["config"]["steps"]
+    # the session was created with the schedule: its optimizer as the server reports it
+    assert summary["config"]["schedule"] == "warmup_cosine"
+    assert remote["optimizer"] == {"name": "adam", "args": {"learning_rate": {
+        "schedule": "warmup_cosine_decay_schedule", "init_value": 0.0, "peak_value": 0.01, "warmup_steps": 3,
+        "decay_steps": 2 * steps, "end_value": 0.001}}}
     assert remote["updates"] + remote["dropped_stale"] == local["updates"] == 2 * steps
     assert remote["updates"] >= steps, "most pushes apply"
 
@@ -133,11 +174,15 @@ def test_demo_diloco_compares_with_per_step_sync_at_a_fifth_of_the_payload(tmp_p
 def test_demo_trains_with_muon_and_soap(tmp_path, optimizer):
     out = tmp_path / "demo_out"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # --steps 60: under the demo's warmup + cosine schedule the rate averages about half of --lr, and
+    # muon at lr 0.01 needs more than --quick's 2 x 30 updates for the target (2 x 60: ~0.42 of it)
     proc = subprocess.run(
-        _optserve_command() + ["demo", "--quick", "--no-progress", "--optimizer", optimizer, "--out", str(out)],
+        _optserve_command() + ["demo", "--quick", "--steps", "60", "--no-progress", "--optimizer", optimizer,
+                               "--out", str(out)],
         capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert f"in process ({optimizer})" in proc.stdout
+    assert "lr warmup_cosine_decay_schedule" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     remote, local = summary["runs"]
     initial = summary["initial"]["test_loss"]

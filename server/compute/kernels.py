@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 
-def check_optimizer(name: str, args: Mapping[str, Any]) -> None:
-    """Builds optimizer ``name`` with ``args`` once, to check both before a session is placed.
+def check_optimizer(name: str, args: Mapping[str, Any], tensors: Sequence[str] = ()) -> None:
+    """Builds optimizer ``name`` with ``args`` once, to check both before a session is placed
+    (``tensors``: the session's tensor names, which its parameter groups may name).
 
     Raises:
       ValueError: an unknown name, an unknown argument, or an argument whose type or value breaks
@@ -15,8 +16,10 @@ def check_optimizer(name: str, args: Mapping[str, Any]) -> None:
         the rule), or the optimizer's library is not installed.
     """
     from optserve.optim_kernels import build_optimizer
+    from optserve.optim_kernels.hyperparams import check_group_tensors
 
     try:
         build_optimizer(name, dict(args))
+        check_group_tensors(name, args, tensors)
     except ImportError as exc:
         raise ValueError(f"optimizer {name!r} is not available: {exc}") from None

@@ -43,7 +43,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from optserve.optim_kernels import OPTIMIZERS, BuiltOptimizer, build_optimizer, resolve_schedules
+from optserve.optim_kernels import BuiltOptimizer, build_optimizer, resolve_schedules
+from optserve.optim_kernels.registry import optimizer_entry
 from optserve.protos.status_records import PreconditionerBlockStatus, RootOffloadStatus, RootStatus
 from optserve.server.compute.preconditioner_pool import PreconditionerPool, RootJob
 from optserve.server.compute.preconditioner_worker import RootComputation
@@ -242,7 +243,7 @@ def build_shard_optimizer(name: str, args: Mapping[str, Any], shapes: Mapping[st
       ``(optimizer to run, preconditioners)``; preconditioners is None for a kernel without a
       root offload seam, else the object the updater calls around each step.
     """
-    seam = OPTIMIZERS[name].root_offload
+    seam = optimizer_entry(name).root_offload
     if seam is None:
         return build_optimizer(name, args), None
     offload = pool is not None and not in_process

@@ -24,22 +24,25 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import re
 import threading
-from typing import Any, Callable, Hashable, Mapping, Optional
+from typing import Any, Callable, Hashable, Iterable, Mapping, Optional
 
 import numpy as np
+
+from optserve.server.compute.kernel_words import error_line, failing_alone
 
 
 @dataclasses.dataclass(frozen=True)
 class CompiledUpdate:
     """The jitted functions of one (optimizer, tensor structure): ``step(params, state, grads,
-    scale, global_stat) -> (params, state)`` (donates params and state), ``partial(grads, state,
+    scale, global_stat, hyper) -> (params, state)`` (donates params and state; ``hyper``: the
+    step's hyperparameters, see :mod:`optserve.optim_kernels.hyperparams`), ``partial(grads, state,
     params) -> scalar`` (None without a cross-shard statistic) and ``init(params) -> state``."""
 
     step: Callable
     partial: Optional[Callable]
     init: Callable
+    masked: Optional[Callable] = None  # step(..., hyper, keep): tensors with keep[name] left alone; compiles on first use
     compiled: threading.Event = dataclasses.field(default_factory=threading.Event, compare=False)  # see Updater
     compiling: threading.Lock = dataclasses.field(default_factory=threading.Lock, compare=False)
 
@@ -153,6 +156,7 @@ class Updater:
         self.device = jax.devices()[0]
         self.params: Optional[dict[str, Any]] = None
         self.opt_state: Any = None
+        self.hyper = optimizer.hyperparams  # {group: {option: float32}}: what the next step runs with
         self._compiled: Optional[CompiledUpdate] = None
 
     def _functions(self, params: Optional[Mapping[str, Any]] = None) -> CompiledUpdate:
@@ -168,12 +172,13 @@ class Updater:
         import jax
 
         partial = self.optimizer.partial_statistic
-        step_fn = jax.jit(_step_function(self.optimizer), donate_argnums=(0, 1))
+        step_fn = jax.jit(step_function(self.optimizer), donate_argnums=(0, 1))
         partial_fn = None
         if partial is not None:
             partial_fn = jax.jit(lambda grads, state, params: partial(
                 jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), state, params))
-        return CompiledUpdate(step_fn, partial_fn, jax.jit(self.optimizer.transformation.init))
+        masked_fn = jax.jit(_masked_step_function(self.optimizer), donate_argnums=(0, 1))
+        return CompiledUpdate(step_fn, partial_fn, jax.jit(self.optimizer.transformation.init), masked_fn)
 
     @property
     def initialized(self) -> bool:
@@ -204,17 +209,17 @@ class Updater:
         sharding = jax.sharding.SingleDeviceSharding(self.device)
         grads = {name: jax.ShapeDtypeStruct(p.shape, np.float32, sharding=sharding) for name, p in self.params.items()}
         scalar = jax.ShapeDtypeStruct((), np.float32)
-        params, state = self.params, self.opt_state
+        params, state, hyper = self.params, self.opt_state, _abstract_hyper(self.hyper)
         try:
             # twice: for the state init made, then for the state a step makes (its leaves' types can
             # differ, e.g. weakly typed counters), which every later step sees
             for _ in range(2):
-                functions.step.lower(params, state, grads, scalar, scalar).compile()
+                functions.step.lower(params, state, grads, scalar, scalar, hyper).compile()
                 if functions.partial is not None:
                     functions.partial.lower(grads, state, params).compile()
                 params, state = jax.tree.map(
                     lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type, sharding=sharding),
-                    jax.eval_shape(functions.step, params, state, grads, scalar, scalar))
+                    jax.eval_shape(functions.step, params, state, grads, scalar, scalar, hyper))
         except Exception:  # noqa: BLE001 - an optimization only
             return
         functions.compiled.set()
@@ -251,7 +256,7 @@ class Updater:
         import jax
 
         init = self.optimizer.transformation.init
-        return _failing_alone(params, lambda alone: jax.eval_shape(init, alone))
+        return failing_alone(params, lambda alone: jax.eval_shape(init, alone))
 
     def step_problem(self) -> Optional[str]:
         """Why the optimizer's step cannot run on this shard's tensors, or None when it can.
@@ -275,7 +280,7 @@ class Updater:
             return None
         grads, scalar = _abstract_grads(self.params), jax.ShapeDtypeStruct((), np.float32)
         try:
-            jax.eval_shape(functions.step, self.params, self.opt_state, grads, scalar, scalar)
+            jax.eval_shape(functions.step, self.params, self.opt_state, grads, scalar, scalar, self.hyper)
             if functions.partial is not None:
                 jax.eval_shape(functions.partial, grads, self.opt_state, self.params)
         except Exception as exc:  # noqa: BLE001 - any failure to trace the step is the kernel's refusal
@@ -286,11 +291,11 @@ class Updater:
         """The shard's tensors whose step fails when traced alone, in words."""
         import jax
 
-        tx, step = self.optimizer.transformation, _step_function(self.optimizer)
+        tx, step = self.optimizer.transformation, step_function(self.optimizer)
         scalar = jax.ShapeDtypeStruct((), np.float32)
         params = {name: jax.ShapeDtypeStruct(value.shape, value.dtype) for name, value in self.params.items()}
-        return _failing_alone(params, lambda alone: jax.eval_shape(
-            step, alone, jax.eval_shape(tx.init, alone), _abstract_grads(alone), scalar, scalar))
+        return failing_alone(params, lambda alone: jax.eval_shape(
+            step, alone, jax.eval_shape(tx.init, alone), _abstract_grads(alone), scalar, scalar, self.hyper))
 
     def abstract_state(self) -> dict:
         """``{"params", "opt_state"}`` as ``jax.ShapeDtypeStruct`` trees (what a checkpoint restores into)."""
@@ -307,13 +312,16 @@ class Updater:
         self.opt_state = jax.tree.map(lambda x: jax.device_put(np.asarray(x), self.device), opt_state)
 
     def apply(self, grads: Mapping[str, np.ndarray], scale: float, reduce: Callable[[float], float],
-              before: Optional[Callable[[float], None]] = None) -> float:
+              before: Optional[Callable[[float], None]] = None, absent: Iterable[str] = ()) -> float:
         """One update with float32 ``grads`` (name -> array, the shard's tensors), scaled by ``scale``.
 
         ``reduce(partial) -> total``: sums this shard's partial statistic over the session's
         shards (called only when the optimizer has one; a replay passes the logged total back).
         ``before(total)``: called once the total is known and before anything changes (write-ahead
         logging); what it raises propagates with the parameters and the state untouched.
+        ``absent``: tensors without a gradient this step: each keeps its parameter and the
+        optimizer state kept under its name (state shared by several tensors, such as a step
+        count, moves on); compiled separately, on the first step that has such tensors.
         Returns the total used (0.0 without one) once the new parameters exist; ``grads`` may be
         reused by the caller afterwards.
         """
@@ -330,7 +338,14 @@ class Updater:
             before(float(global_stat))
         if self.preconditioners is not None:  # installs roots that arrived; waits past the age bound
             self.opt_state = self.preconditioners.before_update(self.opt_state, grads, self.params)
-        self.params, self.opt_state = functions.step(self.params, self.opt_state, grads, np.float32(scale), global_stat)
+        absent = frozenset(absent) & frozenset(self.params)
+        if absent:
+            keep = {name: np.bool_(name in absent) for name in self.params}
+            self.params, self.opt_state = functions.masked(self.params, self.opt_state, grads, np.float32(scale),
+                                                           global_stat, self.hyper, keep)
+        else:
+            self.params, self.opt_state = functions.step(self.params, self.opt_state, grads, np.float32(scale),
+                                                         global_stat, self.hyper)
         jax.block_until_ready(self.params)
         if self.preconditioners is not None:  # sends the statistics for new roots, without waiting
             self.opt_state = self.preconditioners.after_update(self.opt_state)
@@ -343,14 +358,41 @@ class Updater:
         """Bytes of the optimizer state's arrays (0 before initialization)."""
         return _tree_bytes(self.opt_state)
 
+    def set_hyper(self, hyper: Mapping[str, Mapping[str, float]]) -> None:
+        """The hyperparameters of the next steps: ``{group: {option: value}}`` for groups and
+        options this optimizer has (others are ignored: a group with no tensor on this shard);
+        the compiled step is reused (the values are its arguments)."""
+        merged = {group: dict(values) for group, values in self.hyper.items()}
+        for group, values in hyper.items():
+            for option, value in values.items():
+                if group in merged and option in merged[group]:
+                    merged[group][option] = float(value)
+        self.hyper = merged
+
+    def hyperparams_now(self, count: int) -> list[tuple]:
+        """``[(group, option, value, scheduled)]`` of the next step, the optimizer's ``count``-th
+        (see :func:`optserve.optim_kernels.hyperparams.values_at`)."""
+        from optserve.optim_kernels.hyperparams import values_at
+
+        return values_at(self.optimizer.groups, self.hyper, count)
+
+    def evaluation_params(self) -> Optional[dict[str, np.ndarray]]:
+        """The parameters to evaluate the model with (schedule-free optimizers), as host arrays;
+        None when they are the trained ones."""
+        import jax
+
+        if self.optimizer.evaluation is None:
+            return None
+        return {name: np.asarray(p) for name, p in jax.jit(self.optimizer.evaluation)(self.opt_state, self.params).items()}
+
     def host_params(self) -> dict[str, np.ndarray]:
         """Host views of the parameters (no copy on CPU). Drop them before the next :meth:`apply`:
         a view that is still alive stops the update from donating (reusing) its buffer."""
         return {name: np.asarray(p) for name, p in self.params.items()}
 
 
-def _step_function(optimizer) -> Callable:
-    """``step(params, state, grads, scale, global_stat) -> (params, state)`` of ``optimizer``,
+def step_function(optimizer) -> Callable:
+    """``step(params, state, grads, scale, global_stat, hyper) -> (params, state)`` of ``optimizer``,
     not jitted: float32 ``grads`` cast to the parameters' dtypes, the update scaled by ``scale``."""
     import jax
     import optax
@@ -358,51 +400,41 @@ def _step_function(optimizer) -> Callable:
     tx = optimizer.transformation
     partial = optimizer.partial_statistic
 
-    def step(params, state, grads, scale, global_stat):
+    def step(params, state, grads, scale, global_stat, hyper):
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        extra = {"hyperparams": hyper} if optimizer.groups else {}  # a transformation built elsewhere takes none
         if partial is None:
-            updates, state = tx.update(grads, state, params)
+            updates, state = tx.update(grads, state, params, **extra)
         else:
-            updates, state = tx.update(grads, state, params, global_grad_sq_norm=global_stat)
+            updates, state = tx.update(grads, state, params, global_grad_sq_norm=global_stat, **extra)
         updates = jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates)
         return optax.apply_updates(params, updates), state
 
     return step
 
 
-_NAMED_TENSORS = 8  # a message names at most this many tensors (then "and N more")
+def _masked_step_function(optimizer) -> Callable:
+    """``step(params, state, grads, scale, global_stat, hyper, keep) -> (params, state)``: the step
+    of ``optimizer``, then each tensor whose ``keep[name]`` is true back to its parameter and the
+    state leaves kept under its name (the last dict key of a leaf's path naming a tensor)."""
+    import jax
+    import jax.numpy as jnp
 
+    step = step_function(optimizer)
 
-def tensors_in_words(specs: Mapping[str, tuple], failing: list[str]) -> str:
-    """``tensor 'w' (shape [2, 3], float32)`` / ``tensors ...`` for the names in ``failing``, or
-    ``the tensors ... together`` for all of ``specs`` (name -> (shape, dtype)) when ``failing``
-    is empty; at most :data:`_NAMED_TENSORS` named (then ``and N more``)."""
+    def masked(params, state, grads, scale, global_stat, hyper, keep):
+        new_params, new_state = step(params, state, grads, scale, global_stat, hyper)
+        names = frozenset(params)
 
-    def describe(names: list[str]) -> str:
-        shown = ", ".join(f"{n!r} (shape {list(specs[n][0])}, {np.dtype(specs[n][1]).name})"
-                          for n in names[:_NAMED_TENSORS])
-        return shown if len(names) <= _NAMED_TENSORS else f"{shown} and {len(names) - _NAMED_TENSORS} more"
+        def pick(path, old, new):
+            owner = next((k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey) and k.key in names),
+                         None)
+            return new if owner is None else jnp.where(keep[owner], old, new)
 
-    if not failing:
-        return f"the tensors {describe(list(specs))} together"
-    return f"tensor{'s' if len(failing) > 1 else ''} {describe(failing)}"
+        new_params = {name: jnp.where(keep[name], params[name], new_params[name]) for name in params}
+        return new_params, jax.tree_util.tree_map_with_path(pick, state, new_state)
 
-
-def _failing_alone(params: Mapping[str, Any], trace: Callable[[dict], Any]) -> str:
-    """The tensors of ``params`` for which ``trace({name: tensor})`` raises, in words (all of them
-    together when none fails alone: the kernel fails on their combination)."""
-    failing = []
-    for name, value in params.items():
-        try:
-            trace({name: value})
-        except Exception:  # noqa: BLE001 - a tensor the kernel cannot handle
-            failing.append(name)
-    return tensors_in_words(_specs_of(params), failing)
-
-
-def _specs_of(params: Mapping[str, Any]) -> dict[str, tuple]:
-    """name -> (shape, dtype) of arrays or ``jax.ShapeDtypeStruct``s."""
-    return {name: (tuple(np.shape(p)), _dtype(p)) for name, p in params.items()}
+    return masked
 
 
 def _abstract_params(specs: Mapping[str, tuple]) -> dict:
@@ -412,27 +444,20 @@ def _abstract_params(specs: Mapping[str, tuple]) -> dict:
     return {name: jax.ShapeDtypeStruct(tuple(shape), dtype) for name, (shape, dtype) in specs.items()}
 
 
+def _abstract_hyper(hyper: Mapping[str, Mapping[str, Any]]) -> dict:
+    """Weakly typed float32 scalar ``jax.ShapeDtypeStruct``s like ``hyper`` (a step receives
+    Python numbers)."""
+    import jax
+
+    return {group: {option: jax.ShapeDtypeStruct((), np.float32, weak_type=True) for option in values}
+            for group, values in hyper.items()}
+
+
 def _abstract_grads(params: Mapping[str, Any]) -> dict:
     """Float32 ``jax.ShapeDtypeStruct`` gradients for ``params`` (what a step receives)."""
     import jax
 
     return {name: jax.ShapeDtypeStruct(tuple(np.shape(p)), np.float32) for name, p in params.items()}
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")  # terminal control sequences (colours) some errors carry
-
-
-def error_line(exc: BaseException, limit: int = 300) -> str:
-    """``Type: message`` of ``exc`` on one line of at most ``limit`` characters (for a status): a
-    traceback inside the message (an XLA error carrying a host callback's) is cut to its last line,
-    terminal colour codes are dropped."""
-    head, traceback, trace = _ANSI.sub("", str(exc)).strip().partition("Traceback (most recent call last)")
-    lines = head.strip().splitlines()
-    text = f"{type(exc).__name__}: {lines[0] if lines else ''}".strip().rstrip(":")
-    if traceback:
-        last = next((line.strip() for line in reversed(trace.splitlines()) if line.strip()), "")
-        text = f"{text}: {last}"
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _dtype(value):

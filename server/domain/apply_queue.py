@@ -45,9 +45,11 @@ class GatheredStep:
       clients: the clients whose pushes it holds, in ticket order (for a timeout's message).
       workers: their workers (see :func:`~optserve.server.domain.config.worker_of`).
       tickets: those pushes' entries (the closing push's entry is added when the step is logged).
+      with_gradient: the tensors some push of the step had a gradient for.
     """
 
     total: Optional[dict[str, np.ndarray]] = None
+    with_gradient: set = dataclasses.field(default_factory=set)
     count: int = 0
     clients: list[str] = dataclasses.field(default_factory=list)
     workers: list[str] = dataclasses.field(default_factory=list)
@@ -137,10 +139,12 @@ class ApplyQueue:
             self.applied_sequence[ticket.client_id] = ticket.sequence
 
     # ----------------------------------------------------------------- sync steps
-    def add(self, grads: dict[str, np.ndarray], ticket: Ticket) -> None:
+    def add(self, grads: dict[str, np.ndarray], ticket: Ticket, without_gradient: frozenset = frozenset()) -> None:
         """Sync: adds ``ticket``'s push to the open step's sum, times the ticket's scale (1 but for
-        a late gradient folded in under the SCALE policy); ``grads`` are only read."""
+        a late gradient folded in under the SCALE policy); ``grads`` are only read;
+        ``without_gradient``: the push's gradient-less tensors (zeros in ``grads``)."""
         step = self.step
+        step.with_gradient.update(name for name in grads if name not in without_gradient)
         scale = None if ticket.scale == 1.0 else np.float32(ticket.scale)
         if step.total is None:
             step.total = {name: aligned_empty(g.shape, g.dtype, IO_ALIGNMENT) for name, g in grads.items()}
@@ -153,9 +157,10 @@ class ApplyQueue:
                 step.total[name] += g if scale is None else g * scale
         step.count += 1
 
-    def hold_or_close(self, ticket: Ticket) -> Optional[tuple[dict[str, np.ndarray], tuple[TicketEntry, ...]]]:
+    def hold_or_close(self, ticket: Ticket) -> Optional[tuple[dict[str, np.ndarray], tuple[TicketEntry, ...], frozenset]]:
         """Sync, after :meth:`add` of ``ticket``'s push: None while the step stays open (the push is
-        held); else the step's mean gradient and its pushes' entries, and the next step opens."""
+        held); else the step's mean gradient, its pushes' entries and the tensors no push had a
+        gradient for, and the next step opens."""
         step = self.step
         if not ticket.closes_step:
             step.clients.append(ticket.client_id)
@@ -164,7 +169,7 @@ class ApplyQueue:
             return None
         mean = {name: np.divide(s, np.float32(step.count), out=s) for name, s in step.total.items()}
         self.step = GatheredStep()
-        return mean, tuple(step.tickets) + (entry(ticket),)
+        return mean, tuple(step.tickets) + (entry(ticket),), frozenset(mean) - step.with_gradient
 
     @property
     def half_gathered(self) -> bool:
@@ -193,9 +198,10 @@ class ApplyQueue:
                 f"clients={log_value(','.join(arrived))} step_timeout_s={self._step_timeout_s:g}")
 
     # ----------------------------------------------------------------- durability
-    def progress(self, version: int) -> ShardProgress:
-        """The bookkeeping a checkpoint at ``version`` saves beside the tensors."""
-        return ShardProgress(version, self.next_ordinal, dict(self.applied_sequence))
+    def progress(self, version: int, hyper: dict) -> ShardProgress:
+        """The bookkeeping a checkpoint at ``version`` saves beside the tensors (``hyper``: the
+        hyperparameters of the next step)."""
+        return ShardProgress(version, self.next_ordinal, dict(self.applied_sequence), hyper)
 
     def restore(self, progress: ShardProgress) -> None:
         """Recovery: continues from ``progress`` (a checkpoint's, after its log's replay)."""

@@ -206,6 +206,33 @@ class HomeClock:
             rounds = self._state.rounds
             return rounds.since(since) if rounds is not None else []
 
+    # ----------------------------------------------------------------- hyperparameters (home only)
+    def set_hyperparams(self, values: dict) -> tuple[int, bool]:
+        """Asks for hyperparameters ``{group: {option: value}}`` (checked by the caller); returns
+        ``(the version of the first step running with them, whether anything changed)`` (see
+        :mod:`~optserve.server.domain.hyperparam_book`). Durable sessions journal a change before
+        answering.
+
+        Raises:
+          Unavailable: the journal could not be written (nothing changed).
+        """
+        with self._cond:
+            book = self._state.hyper
+            before = (book.pending, book.pending_since)
+            version, changed = book.request(values, self._state.version)
+            if changed and self._journal is not None:
+                try:
+                    self._journal({"hyper": book.pending})
+                except OSError as exc:
+                    book.pending, book.pending_since = before
+                    raise Unavailable(f"the hyperparameter change could not be journaled ({exc}); retry") from None
+            return version, changed
+
+    def hyperparam_history(self, since: int) -> list:
+        """The hyperparameter changes in force from a version after ``since``, oldest first."""
+        with self._cond:
+            return self._state.hyper.since(since)
+
     # ----------------------------------------------------------------- durability (home only)
     def restore(self, state: Optional[dict], journal: list, replayed: Sequence[Ticket] = (),
                 settle_at: Optional[tuple[int, int]] = None) -> None:
@@ -220,7 +247,7 @@ class HomeClock:
                 self._state.restore(state)
                 for key, total in state.get("sums", {}).items():
                     self._sums.remember(int(key), float(total))
-            tickets, records = _read_journal(journal, self._sums)
+            tickets, records, hyper = _read_journal(journal, self._sums)
             for ticket in replayed:
                 tickets.setdefault(ticket.ordinal, ticket)
             for ordinal in sorted(tickets):
@@ -230,6 +257,8 @@ class HomeClock:
                 for record in records:
                     if record.version <= self._state.version:
                         self._state.rounds.keep(record)
+            for values in hyper:  # changes asked for: those no ticket carried are pending again
+                self._state.hyper.request(values, self._state.version)
             if settle_at is not None:
                 self._state.truncate(*settle_at)
 
@@ -260,15 +289,18 @@ class HomeClock:
         self._votes.peer_up(shard_index)
 
 
-def _read_journal(journal: list, sums: CrossShardSums) -> tuple[dict[int, Ticket], list[RoundRecord]]:
-    """The tickets (by ordinal) and elastic round records of a clock journal; its sums go to ``sums``."""
-    tickets, records = {}, []
+def _read_journal(journal: list, sums: CrossShardSums) -> tuple[dict[int, Ticket], list[RoundRecord], list[dict]]:
+    """The tickets (by ordinal), elastic round records and hyperparameter requests of a clock
+    journal; its sums go to ``sums``."""
+    tickets, records, hyper = {}, [], []
     for entry in journal:
         if isinstance(entry, dict) and "round" in entry:
             records.append(RoundRecord.from_json(entry["round"]))
+        elif isinstance(entry, dict) and "hyper" in entry:
+            hyper.append(entry["hyper"])
         elif isinstance(entry, dict):
             sums.remember(int(entry["sum"]), float(entry["total"]))
         else:
             ticket = Ticket.from_json(entry)
             tickets[ticket.ordinal] = ticket
-    return tickets, records
+    return tickets, records, hyper

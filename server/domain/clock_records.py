@@ -30,6 +30,9 @@ class Ticket:
         elastic round with the pushes decided into it so far.
       checkpoint: durable sessions: every shard checkpoints right after applying this step
         (set on the ticket that closes a step, by the session's checkpoint policy).
+      hyperparams: JSON ``{group: {option: value}}``: the hyperparameters set since the previous
+        ticket, in force from this ticket's step on ("": none changed; see
+        :mod:`~optserve.server.domain.hyperparam_book`).
     """
 
     ordinal: int
@@ -40,16 +43,19 @@ class Ticket:
     closes_step: bool
     target_version: int
     checkpoint: bool = False
+    hyperparams: str = ""
 
     def to_json(self) -> list:
-        """``[ordinal, client_id, sequence, staleness, scale, closes_step, target_version, checkpoint]``."""
+        """``[ordinal, client_id, sequence, staleness, scale, closes_step, target_version, checkpoint]``,
+        then ``hyperparams`` when set."""
         return [self.ordinal, self.client_id, self.sequence, self.staleness, self.scale, self.closes_step,
-                self.target_version, self.checkpoint]
+                self.target_version, self.checkpoint] + ([self.hyperparams] if self.hyperparams else [])
 
     @classmethod
     def from_json(cls, data: list) -> "Ticket":
-        o, c, s, st, sc, cl, tv, ck = data
-        return cls(int(o), str(c), int(s), int(st), float(sc), bool(cl), int(tv), bool(ck))
+        o, c, s, st, sc, cl, tv, ck = data[:8]
+        return cls(int(o), str(c), int(s), int(st), float(sc), bool(cl), int(tv), bool(ck),
+                   str(data[8]) if len(data) > 8 else "")
 
     @property
     def closes_round(self) -> bool:

@@ -12,6 +12,7 @@ part round-trips through :meth:`ClockState.to_json` / :meth:`ClockState.restore`
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from typing import Optional
 
@@ -20,6 +21,7 @@ from optserve.server.domain.clock_records import MAX_WORKERS_REPORTED, ROUND_CLO
 from optserve.server.domain.config import LatePolicy, Mode, SessionConfig, StalenessPolicy, worker_of
 from optserve.server.domain.durability import CheckpointPolicy
 from optserve.server.domain.errors import InvalidArgument, Late, OptservError, Stale
+from optserve.server.domain.hyperparam_book import HyperparamBook
 from optserve.server.domain.rounds import Rounds
 from optserve.server.domain.staleness import Decision, decide
 
@@ -56,6 +58,7 @@ class ClockState:
     checkpoint_time: float = dataclasses.field(default_factory=time.monotonic)
     rounds: Optional[Rounds] = None  # elastic sync sessions: membership, round rules and history
     late: LatePolicy = LatePolicy.DROP
+    hyper: HyperparamBook = dataclasses.field(default_factory=HyperparamBook)  # hyperparameters set, in ticket order
 
     def commit(self, client_id: str, sequence: int, base_version: int) -> Ticket:
         """Returns the push's ticket, deciding it on the first call; raises the refusal otherwise."""
@@ -83,7 +86,8 @@ class ClockState:
             self.last[client_id] = (sequence, exc)
             raise
         ticket = Ticket(self.next_ordinal, client_id, sequence, decision.staleness, decision.scale,
-                        decision.closes_step, self.version + 1, decision.closes_step and self._checkpoint_due())
+                        decision.closes_step, self.version + 1, decision.closes_step and self._checkpoint_due(),
+                        self.hyper.take(self.version + 1))
         self.record(ticket, closed_by)
         self._note_worker(worker_of(client_id), self.last_activity_unix_s)  # an accepted push
         return ticket
@@ -133,7 +137,8 @@ class ClockState:
         closed_by = self.rounds.due(now)
         if closed_by is None:
             return None
-        ticket = Ticket(self.next_ordinal, ROUND_CLOSER, 0, 0, 1.0, True, self.version + 1, self._checkpoint_due())
+        ticket = Ticket(self.next_ordinal, ROUND_CLOSER, 0, 0, 1.0, True, self.version + 1, self._checkpoint_due(),
+                        self.hyper.take(self.version + 1))
         self.record(ticket, closed_by)
         return ticket
 
@@ -141,6 +146,8 @@ class ClockState:
         """Books a decided ticket (a fresh decision, or one replayed from the ticket journal)."""
         self.next_ordinal = ticket.ordinal + 1
         self.tickets[ticket.ordinal] = ticket
+        if ticket.hyperparams:  # a fresh ticket's change is booked already (a replayed one's is not)
+            self.hyper.applied(ticket.target_version, json.loads(ticket.hyperparams))
         self.tickets.pop(ticket.ordinal - _KEEP_TICKETS, None)
         if self.rounds is not None:
             if not ticket.closes_round:
@@ -174,6 +181,7 @@ class ClockState:
         self.step_clients = set()  # the open step was after ``version``: its tickets are gone
         if self.rounds is not None:
             self.rounds.forget_after(version)
+        self.hyper.forget_after(version)
         for client, (_, latest) in list(self.last.items()):
             if isinstance(latest, Ticket) and latest.target_version > version:
                 kept = [t for t in self.tickets.values() if t.client_id == client]
@@ -191,7 +199,7 @@ class ClockState:
                 "last": {c: t.to_json() for c, (_, t) in self.last.items() if isinstance(t, Ticket)},
                 "tickets": [t.to_json() for t in self.tickets.values()], "accepted": self.accepted,
                 "stale": self.stale, "staleness_counts": {str(k): v for k, v in self.staleness_counts.items()},
-                "checkpoint_version": self.checkpoint_version,
+                "checkpoint_version": self.checkpoint_version, "hyper": self.hyper.to_json(),
                 "rounds": [r.to_json() for r in self.rounds.history] if self.rounds is not None else []}
 
     def restore(self, data: dict) -> None:
@@ -203,6 +211,7 @@ class ClockState:
         self.accepted, self.stale = int(data["accepted"]), int(data["stale"])
         self.staleness_counts = {int(k): int(v) for k, v in data["staleness_counts"].items()}
         self.checkpoint_version, self.checkpoint_time = int(data["checkpoint_version"]), time.monotonic()
+        self.hyper.restore(data.get("hyper"))
         if self.rounds is not None:
             self.rounds.history = [RoundRecord.from_json(r) for r in data.get("rounds", [])]
 

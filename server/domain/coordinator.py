@@ -150,7 +150,7 @@ class Coordinator:
         if session_bytes > self.limits.max_session_bytes:
             raise self.limits.exceeded("max_session_bytes", f"session {config.name!r}: {session_bytes} parameter bytes")
         try:
-            check_optimizer(config.optimizer_name, config.optimizer_args)
+            check_optimizer(config.optimizer_name, config.optimizer_args, [t.name for t in config.tensors])
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         with self._membership:  # one create at a time; listing and status go on meanwhile

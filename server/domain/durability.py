@@ -162,21 +162,32 @@ class StepRecord:
       tickets: ``(ordinal, client_id, sequence)`` of every push the step applied, in order.
       scale: the step's scale (async staleness policy).
       global_stat: the cross-shard statistic the update used (0 when the optimizer has none).
+      hyper: the hyperparameters the update ran with, ``{group: {option: value}}`` (empty in
+        records of sessions whose optimizer has none, and in records written before they existed).
+      absent: the tensors the step had no gradient for (left alone).
     """
 
     version: int
     tickets: tuple[tuple[int, str, int], ...]
     scale: float
     global_stat: float
+    hyper: dict = dataclasses.field(default_factory=dict, compare=False)
+    absent: tuple = ()
 
     def to_json(self) -> dict:
-        return {"version": self.version, "tickets": [list(t) for t in self.tickets], "scale": self.scale,
+        data = {"version": self.version, "tickets": [list(t) for t in self.tickets], "scale": self.scale,
                 "global_stat": self.global_stat}
+        if self.hyper:
+            data["hyper"] = self.hyper
+        if self.absent:
+            data["absent"] = list(self.absent)
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> "StepRecord":
         return cls(int(data["version"]), tuple((int(o), str(c), int(s)) for o, c, s in data["tickets"]),
-                   float(data["scale"]), float(data["global_stat"]))
+                   float(data["scale"]), float(data["global_stat"]), _hyper_from_json(data.get("hyper")),
+                   tuple(str(n) for n in data.get("absent", ())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,20 +198,26 @@ class ShardProgress:
       version: steps applied.
       next_ordinal: the next ticket ordinal to apply.
       applied_sequence: client id -> last applied push sequence (the idempotency table).
+      hyper: the hyperparameters of the next step, ``{group: {option: value}}`` (empty: as the
+        optimizer was built).
     """
 
     version: int
     next_ordinal: int
     applied_sequence: dict[str, int]
+    hyper: dict = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {"version": self.version, "next_ordinal": self.next_ordinal,
+        data = {"version": self.version, "next_ordinal": self.next_ordinal,
                 "applied_sequence": dict(self.applied_sequence)}
+        if self.hyper:
+            data["hyper"] = self.hyper
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> "ShardProgress":
         return cls(int(data["version"]), int(data["next_ordinal"]),
-                   {str(k): int(v) for k, v in data["applied_sequence"].items()})
+                   {str(k): int(v) for k, v in data["applied_sequence"].items()}, _hyper_from_json(data.get("hyper")))
 
     def after(self, record: StepRecord) -> "ShardProgress":
         """The progress once ``record``'s step is applied."""
@@ -208,7 +225,12 @@ class ShardProgress:
         for _, client_id, sequence in record.tickets:
             applied[client_id] = sequence
         next_ordinal = record.tickets[-1][0] + 1 if record.tickets else self.next_ordinal
-        return ShardProgress(record.version, next_ordinal, applied)
+        return ShardProgress(record.version, next_ordinal, applied, record.hyper or self.hyper)
+
+
+def _hyper_from_json(data: Optional[dict]) -> dict:
+    """``{group: {option: float}}`` from its JSON (None: empty)."""
+    return {str(g): {str(o): float(v) for o, v in values.items()} for g, values in (data or {}).items()}
 
 
 class StepLogPort(Protocol):

@@ -42,6 +42,7 @@ def replay(store: CheckpointPort, manifest: dict, updater: Updater, specs: Mappi
     restored = store.restore_arrays(manifest, updater.abstract_state())
     updater.restore(restored["params"], restored["opt_state"])
     progress = ShardProgress.from_json(manifest["progress"])
+    updater.set_hyper(progress.hyper)
     applied: list[StepRecord] = []
     for segment in store.log.segments(manifest):
         reader = read_log(segment, fresh_buffers)
@@ -52,7 +53,8 @@ def replay(store: CheckpointPort, manifest: dict, updater: Updater, specs: Mappi
             if upto is not None and record.version > upto:
                 store.log.cut(segment, reader.last_at, drop_later=True)
                 return progress, applied
-            updater.apply(grads, record.scale, lambda _partial, s=record.global_stat: s)
+            updater.set_hyper(record.hyper)
+            updater.apply(grads, record.scale, lambda _partial, s=record.global_stat: s, absent=record.absent)
             progress = progress.after(record)
             applied.append(record)
         if reader.torn_at is not None:

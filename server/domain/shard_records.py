@@ -25,6 +25,7 @@ class PushHeader:
       base_version: the session version the gradients were computed from.
       auto_commit: the shards commit among themselves once all staged (else the client commits).
       telemetry: the loss and scalars the client attached (kept in the session's series).
+      without_gradient: the tensors the push has no gradient for (see ``StagedPush``).
     """
 
     client_id: str
@@ -32,6 +33,7 @@ class PushHeader:
     base_version: int
     auto_commit: bool = True
     telemetry: Telemetry = Telemetry()
+    without_gradient: frozenset = frozenset()
 
     def validate(self) -> None:
         """Raises InvalidArgument naming what is wrong (called inside the push, so a bad header
@@ -81,6 +83,7 @@ class ShardSessionStatus:
       durability: durable sessions: checkpoint and log status on this shard (else None).
       last_activity_unix_s: when a client last pushed, committed, pulled or sent initial values
         on this shard (else when the session was opened here).
+      hyperparams: ``(group, option, value, scheduled)`` of the next step on this shard.
     """
 
     version: int
@@ -93,6 +96,7 @@ class ShardSessionStatus:
     state_bytes: int = 0
     durability: Optional[DurabilityStatus] = None
     last_activity_unix_s: float = 0.0
+    hyperparams: tuple = ()
 
 
 class StepObserver:

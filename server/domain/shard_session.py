@@ -40,10 +40,12 @@ from typing import Callable, Iterable, Optional
 
 import numpy as np
 
-from optserve.server.compute.updater import Updater, error_line, tensors_in_words
+from optserve.server.compute.kernel_words import error_line, tensors_in_words
+from optserve.server.compute.updater import Updater
 from optserve.server.domain.assembly import TensorAssembler
-from optserve.server.domain.config import Limits, SessionConfig, TensorSpec, worker_of
+from optserve.server.domain.config import Limits, SessionConfig, TensorSpec
 from optserve.server.domain.durability import CheckpointPort
+from optserve.server.domain.home_calls import HomeCalls
 from optserve.server.domain.errors import (FailedPrecondition, InvalidArgument, OptservError, PermissionDenied,
                                            RejectReason, ResourceExhausted, Unavailable)
 from optserve.server.domain.refusals import Refusals, log_value
@@ -125,7 +127,8 @@ class ShardSession:
         self._steps = StepRunner(config, shard_index, self.specs, clock, updater, self._staging, observer, self.series,
                                  step_timeout_s)
         self._cond = self._steps.cond  # guards the version, the apply queue, the journal and the updater's state
-        self._elastic = config.is_elastic
+        self.home = HomeCalls(config.name, shard_index, clock, self.touch, lambda: self.updater.optimizer,
+                              config.is_elastic)
         self._step_problem = _UNCHECKED  # why the optimizer's step cannot run here (None: it can); see _receive
         self.last_activity_unix_s = time.time()  # a client's last push, commit, pull or init here (see touch)
 
@@ -267,6 +270,10 @@ class ShardSession:
                  in_place: bool = False) -> bool:
         """Assembles and stages the push; returns True if it had been applied (nothing staged)."""
         self._require_initialized()
+        unknown = sorted(header.without_gradient - set(self.config.spec_by_name))
+        if unknown:
+            raise InvalidArgument(f"{self.where}: push {header.sequence} of client {header.client_id!r} names "
+                                  f"tensors without a gradient that the session does not have: {unknown[:5]}")
         self._require_runnable_step(header.client_id, header.sequence)
         self._staging.check_room(header.client_id, header.sequence)
         try:  # durable: the step log has room for this push's step (and those staged before it) on the disk
@@ -283,7 +290,7 @@ class ShardSession:
             self._staging.release(grads)
             return True
         self._staging.stage((header.client_id, header.sequence), header.base_version, grads, header.telemetry,
-                            header.auto_commit)  # a retry replaces what an earlier attempt staged
+                            header.auto_commit, header.without_gradient)  # a retry replaces what an earlier attempt staged
         return False
 
     def _require_runnable_step(self, client_id: str, sequence: int) -> None:
@@ -333,36 +340,16 @@ class ShardSession:
         """Finishes a checkpoint being written and closes the log (the session is closing)."""
         self._steps.journal.close()
 
-    # ----------------------------------------------------------------- elastic membership (home shard)
-    def membership(self, worker: str, action: str) -> tuple[int, list[str], float]:
-        """Elastic sync: ``worker`` joins, renews its lease or leaves ("join" / "renew" / "leave");
-        returns the version, the members and the lease in seconds."""
-        self.touch()
-        return self._home_clock("membership").membership(worker, action)
-
-    def history(self, since: int) -> list:
-        """Elastic sync: the :class:`~optserve.server.domain.rounds.RoundRecord` of each version after ``since``."""
-        return self._home_clock("history").history(since)
-
-    def disconnected(self, client_id: str) -> None:
-        """The connection that carried ``client_id``'s pushes dropped: in an elastic session its
-        worker leaves now (the home shard keeps the membership; elsewhere nothing to do)."""
-        if self._elastic and self._is_home:
-            self._clock.disconnected(worker_of(client_id))
-
-    def _home_clock(self, what: str):
-        if not self._is_home:
-            raise FailedPrecondition(f"session {self.config.name!r}: {what} is kept by its home shard (the first "
-                                     f"shard of its shard map), not shard {self.shard_index}")
-        return self._clock
-
     # ----------------------------------------------------------------- reading
-    def snapshot(self) -> tuple[int, dict[str, np.ndarray]]:
-        """The current version and host views of the parameters (consistent with each other)."""
+    def snapshot(self, evaluation: bool = False) -> tuple[int, dict[str, np.ndarray]]:
+        """The current version and host views of the parameters (consistent with each other);
+        ``evaluation``: the parameters to evaluate the model with (schedule-free optimizers: a
+        fresh copy; for others, the trained ones)."""
         self.touch()
         with self._cond:
             self._require_initialized()
-            return self.version, self.updater.host_params()
+            evaluated = self.updater.evaluation_params() if evaluation else None
+            return self.version, evaluated if evaluated is not None else self.updater.host_params()
 
     def status(self) -> ShardSessionStatus:
         """The session on this shard (expired staged pushes are dropped first, so counts are current)."""
@@ -373,4 +360,5 @@ class ShardSession:
             device=str(self.updater.device), clock=self._clock.status(),
             preconditioners=preconditioners.status() if preconditioners is not None else None,
             state_bytes=self.updater.state_bytes(), last_activity_unix_s=self.last_activity_unix_s,
+            hyperparams=tuple(self.updater.hyperparams_now(self.version)),
             durability=self._steps.journal.status())

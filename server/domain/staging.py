@@ -49,6 +49,8 @@ class StagedPush:
         auto-commit, bounded by its vote instead).
       committing: a Commit reached this shard, so the push waits for its ticket and no longer
         expires.
+      without_gradient: this shard's tensors the push has no gradient for (zeros in ``grads``):
+        its step leaves them and their optimizer state alone.
     """
 
     base_version: int
@@ -56,6 +58,7 @@ class StagedPush:
     telemetry: Telemetry
     expires_at: Optional[float] = None
     committing: bool = False
+    without_gradient: frozenset = frozenset()
 
 
 class StagingArea:
@@ -185,13 +188,15 @@ class StagingArea:
 
     # ----------------------------------------------------------------- the staged pushes
     def stage(self, key: PushKey, base_version: int, grads: dict[str, np.ndarray], telemetry: Telemetry,
-              auto_commit: bool) -> None:
+              auto_commit: bool, without_gradient: frozenset = frozenset()) -> None:
         """Stages a received push; a retry replaces what an earlier attempt staged (whose buffers
-        go back to the pool) and is no longer remembered as expired."""
+        go back to the pool) and is no longer remembered as expired. ``without_gradient``: the
+        push's gradient-less tensors (those of this shard are kept)."""
         expires_at = None if auto_commit else time.monotonic() + self.ttl_s
         with self.lock:
             old = self._entries.pop(key, None)
-            self._entries[key] = StagedPush(base_version, grads, telemetry, expires_at)
+            self._entries[key] = StagedPush(base_version, grads, telemetry, expires_at,
+                                            without_gradient=frozenset(without_gradient) & frozenset(grads))
             self._expired.pop(key, None)
             if expires_at is not None:
                 self._arm_sweep()

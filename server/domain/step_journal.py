@@ -50,15 +50,19 @@ class JournaledStep(NamedTuple):
       ticket: the ticket that runs the step (its ``target_version`` is the step's version).
       tickets: ``(ordinal, client_id, sequence)`` of every push the step applies, in order.
       scale: the step's scale.
+      hyper: the hyperparameters it runs with (``{group: {option: value}}``).
+      absent: the tensors without a gradient in this step (left alone), sorted.
     """
 
     ticket: Ticket
     tickets: tuple
     scale: float
+    hyper: dict
+    absent: tuple = ()
 
     def record(self, global_stat: float) -> StepRecord:
         """The step's log record, once its cross-shard statistic is known."""
-        return StepRecord(self.ticket.target_version, self.tickets, self.scale, global_stat)
+        return StepRecord(self.ticket.target_version, self.tickets, self.scale, global_stat, self.hyper, self.absent)
 
 
 class UnloggedStep(NamedTuple):

@@ -18,14 +18,16 @@ the updater's state; the session's receive side takes it too.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import numpy as np
 
-from optserve.server.compute.updater import Updater, error_line
+from optserve.server.compute.kernel_words import error_line
+from optserve.server.compute.updater import Updater
 from optserve.server.domain.clock_records import Ticket
 from optserve.server.domain.config import SessionConfig, TensorSpec
 from optserve.server.domain.durability import ShardProgress
@@ -211,10 +213,12 @@ class StepRunner:
             except Unavailable:
                 self.queue.arrive(ticket)  # still its turn: applied by the retry once there is room
                 raise
+        if ticket.hyperparams:  # set since the previous ticket: in force from this ticket's step on
+            self.updater.set_hyper(json.loads(ticket.hyperparams))
         if ticket.closes_round:  # an elastic round committed without a further push
             self.queue.advance(ticket)
-            mean, tickets = self.queue.hold_or_close(ticket)
-            self._update(mean, ticket, tickets, scale=1.0)
+            mean, tickets, absent = self.queue.hold_or_close(ticket)
+            self._update(mean, ticket, tickets, scale=1.0, absent=absent)
             return
         staged = self._staging.take((ticket.client_id, ticket.sequence))
         self.queue.advance(ticket)
@@ -229,31 +233,33 @@ class StepRunner:
             self.series.accepted(ticket.target_version, ticket.staleness, staged.telemetry)
         grads = staged.grads
         if self.queue.sync:
-            self.queue.add(grads, ticket)
+            self.queue.add(grads, ticket, staged.without_gradient)
             self._staging.release(grads)
             closed = self.queue.hold_or_close(ticket)
             if closed is not None:  # each push's scale is in the mean already
-                mean, tickets = closed
-                self._update(mean, ticket, tickets, scale=1.0)
+                mean, tickets, absent = closed
+                self._update(mean, ticket, tickets, scale=1.0, absent=absent)
             return
-        self._update(grads, ticket, (entry(ticket),), release=lambda: self._staging.release(grads))
+        self._update(grads, ticket, (entry(ticket),), release=lambda: self._staging.release(grads),
+                     absent=staged.without_gradient)
 
     def _update(self, grads: dict[str, np.ndarray], ticket: Ticket, tickets: tuple,
                 release: Optional[Callable[[], None]] = None, scale: Optional[float] = None,
-                global_stat: Optional[float] = None) -> None:
+                global_stat: Optional[float] = None, absent: Iterable[str] = ()) -> None:
         """Applies one step scaled by ``scale`` (None: the ticket's) as a durable step of the
         journal (logged as its order says), then ``release()`` (the gradient buffers may be
         reused). ``global_stat``: the cross-shard statistic found already (a step whose record
-        failed)."""
-        step = JournaledStep(ticket, tickets, ticket.scale if scale is None else scale)
+        failed). ``absent``: tensors without a gradient in this step (left alone)."""
+        step = JournaledStep(ticket, tickets, ticket.scale if scale is None else scale, _plain(self.updater.hyper),
+                             tuple(sorted(absent)))
         start = time.perf_counter()
         if global_stat is None:
             reduce = lambda partial: self._clock.reduce_sum(ticket.target_version, self.shard_index, partial)  # noqa: E731
         else:
             reduce = lambda _partial: global_stat  # noqa: E731
         try:
-            self.journal.run(grads, step, lambda before: self.updater.apply(grads, step.scale, reduce, before=before),
-                              release)
+            self.journal.run(grads, step, lambda before: self.updater.apply(grads, step.scale, reduce, before=before,
+                                                                            absent=step.absent), release)
         except LogWriteFailed:  # applied nowhere here: the step waits for the log (see StepJournal.require_logged)
             self.cond.notify_all()
             raise
@@ -269,7 +275,7 @@ class StepRunner:
         """Write-ahead order: applies the step whose record failed, logged first this time (its
         journal calls this once the disk takes writes; ``cond`` held)."""
         self._update(unlogged.grads, unlogged.step.ticket, unlogged.step.tickets, None, unlogged.step.scale,
-                     unlogged.global_stat)
+                     unlogged.global_stat, unlogged.step.absent)
         self.cond.notify_all()
 
     @property
@@ -281,21 +287,13 @@ class StepRunner:
         """What a checkpoint saves (call with ``cond`` held, between steps): the progress, the
         parameters, the optimizer state and, on the home shard, its clock's state."""
         clock_state = self._clock.durable_state if self._is_home else None
-        return self.queue.progress(self.version), self.updater.params, self.updater.opt_state, clock_state
+        progress = self.queue.progress(self.version, _plain(self.updater.hyper))
+        return progress, self.updater.params, self.updater.opt_state, clock_state
 
     def _step_failed(self, ticket: Ticket, exc: Exception) -> SessionLost:
-        """The kernel raised while running the step of ``ticket`` (call with ``cond`` held), after
-        the clock decided its version and maybe after the peer shards applied it: a failure that
-        tracing does not show (see ``ShardSession._require_runnable_step``), such as an XLA error at run time.
-        The update donates the parameters and optimizer state, so they may be gone, and this shard
-        can no longer follow the clock: the session ends here (every call, here and through its
-        clock, raises the error returned), loudly rather than with shards that silently disagree."""
-        _log.error("event=step_failed session=%s shard=%d version=%d optimizer=%s", log_value(self.config.name),
-                   self.shard_index, ticket.target_version, log_value(self.config.optimizer_name), exc_info=exc)
-        error = SessionLost(
-            f"session {self.config.name!r}: optimizer {self.config.optimizer_name!r} failed in step "
-            f"{ticket.target_version} on shard {self.shard_index} ({error_line(exc)}) after the step was decided; "
-            f"its state on this shard can no longer follow the session's version, so the session ended: close it")
+        """The kernel raised while running the step of ``ticket`` (call with ``cond`` held): the
+        session ends here (see :func:`step_failure`)."""
+        error = step_failure(self.config, self.shard_index, ticket, exc)
         self.abandon(error)
         return error
 
@@ -347,3 +345,23 @@ class StepRunner:
             self.journal.resume(store, manifest, self.version)
             self.cond.notify_all()
             return self.version
+
+
+def _plain(hyper: Mapping[str, Mapping[str, Any]]) -> dict:
+    """``{group: {option: float}}`` of the updater's hyperparameters (JSON for records)."""
+    return {group: {option: float(value) for option, value in values.items()} for group, values in hyper.items()}
+
+
+def step_failure(config: SessionConfig, shard_index: int, ticket: Ticket, exc: Exception) -> SessionLost:
+    """The error that ends a session whose kernel raised while running the step of ``ticket``,
+    after the clock decided its version and maybe after the peer shards applied it: a failure
+    that tracing does not show (see ``ShardSession._require_runnable_step``), such as an XLA error
+    at run time. The update donates the parameters and optimizer state, so they may be gone, and
+    the shard can no longer follow the clock: every call, there and through its clock, raises the
+    error, loudly rather than with shards that silently disagree. Logged here."""
+    _log.error("event=step_failed session=%s shard=%d version=%d optimizer=%s", log_value(config.name),
+               shard_index, ticket.target_version, log_value(config.optimizer_name), exc_info=exc)
+    return SessionLost(
+        f"session {config.name!r}: optimizer {config.optimizer_name!r} failed in step "
+        f"{ticket.target_version} on shard {shard_index} ({error_line(exc)}) after the step was decided; "
+        f"its state on this shard can no longer follow the session's version, so the session ended: close it")

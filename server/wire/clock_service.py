@@ -64,12 +64,13 @@ _CLASSES = {kind: cls for cls, kind in _KINDS.items()}
 def _ticket_to_proto(ticket: Ticket) -> clock_pb2.ClockTicket:
     return clock_pb2.ClockTicket(ordinal=ticket.ordinal, client_id=ticket.client_id, sequence=ticket.sequence,
                                  staleness=ticket.staleness, scale=ticket.scale, closes_step=ticket.closes_step,
-                                 target_version=ticket.target_version, checkpoint=ticket.checkpoint)
+                                 target_version=ticket.target_version, checkpoint=ticket.checkpoint,
+                                 hyperparams=ticket.hyperparams)
 
 
 def _ticket_from_proto(t: clock_pb2.ClockTicket) -> Ticket:
     return Ticket(t.ordinal, t.client_id, t.sequence, t.staleness, t.scale, t.closes_step, t.target_version,
-                  t.checkpoint)
+                  t.checkpoint, t.hyperparams)
 
 
 def _error_to_proto(exc: OptservError) -> clock_pb2.ClockError:

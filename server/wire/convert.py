@@ -170,6 +170,8 @@ def status_to_proto(status: SessionStatus) -> control_pb2.GetStatusResponse:
             control_pb2.ShardStatus(assignment=assignment_to_proto(a), version=s.version, initialized=s.initialized,
                                     node_id=s.node_id, device=s.device, optimizer_state_bytes=s.state_bytes,
                                     durability=durability_to_proto(s.durability),
+                                    hyperparams=[control_pb2.HyperparamValue(group=g, option=o, value=v, scheduled=k)
+                                                 for g, o, v, k in s.hyperparams],
                                     **root_status_to_proto(s.preconditioners))
             for a, s in zip(status.record.assignments, status.shards)
         ],

@@ -38,10 +38,12 @@ def tensor_chunk(name, dtype, shape, offset, data) -> tensor_pb2.TensorChunk:
     return tensor_pb2.TensorChunk(name=name, dtype=dtype, shape=list(shape), offset=offset, data=bytes(data))
 
 
-def pull_chunks(session: ShardSession, dtype: Optional[DType], chunk_bytes: int, started: float):
+def pull_chunks(session: ShardSession, dtype: Optional[DType], chunk_bytes: int, started: float,
+                evaluation: bool = False):
     """A ``Pull``'s reply: the version, then the parameters as chunk messages (the bytes sent are
-    reported to the session's observer, timed from ``started``, ``time.perf_counter()`` seconds)."""
-    version, params = session.snapshot()
+    reported to the session's observer, timed from ``started``, ``time.perf_counter()`` seconds);
+    ``evaluation``: the parameters to evaluate with (see ``ShardSession.snapshot``)."""
+    version, params = session.snapshot(evaluation)
     yield data_pb2.PullResponse(version=version)
     sent = 0
     for piece in param_slices(session, params, dtype, chunk_bytes):
@@ -50,10 +52,10 @@ def pull_chunks(session: ShardSession, dtype: Optional[DType], chunk_bytes: int,
     session.observer.sent(time.perf_counter() - started, sent)
 
 
-def pull_into_region(session: ShardSession, region, started: float):
+def pull_into_region(session: ShardSession, region, started: float, evaluation: bool = False):
     """A same-host ``Pull``'s reply: the parameters written once into the client's shared-memory
     ``region``, then one message with their version."""
-    version, params = session.snapshot()
+    version, params = session.snapshot(evaluation)
     sent = region.write_params(params)
     del params  # a held view would stop the next update from donating the shard's buffers
     session.observer.sent(time.perf_counter() - started, sent)

@@ -60,7 +60,8 @@ def push_header(message: data_pb2.PushHeader) -> PushHeader:
     """A push's header for the domain (its client id checked, its loss and scalars as telemetry)."""
     client_id(message.client_id, "push header")
     telemetry = Telemetry(message.loss if message.HasField("loss") else None, dict(message.scalars))
-    return PushHeader(message.client_id, message.sequence, message.base_version, message.auto_commit, telemetry)
+    return PushHeader(message.client_id, message.sequence, message.base_version, message.auto_commit, telemetry,
+                      frozenset(message.without_gradient))
 
 
 def wait_s(context, header: data_pb2.PushHeader) -> Optional[float]:

@@ -66,7 +66,7 @@ class PushPullCalls:
             self._streams.close(stream)
             if stream.pushers and not stream.evicted and not stream.goodbye and not ended_by_shard:
                 for (_, client_id), session in stream.pushers.items():  # the client vanished: see _note_pusher
-                    session.disconnected(client_id)
+                    session.home.disconnected(client_id)
 
     def _steps(self, stream: OpenStream, request_iterator, context):
         """Serves the call's steps; returns whether the shard ended the call (crowded)."""

@@ -92,10 +92,10 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
         session = self._session(request.session, context)
         if request.HasField("shared_memory"):  # the parameters go into the client's region
             region = self.regions.use(session, None, request.shared_memory)
-            yield from pull_into_region(session, region, start)
+            yield from pull_into_region(session, region, start, request.evaluation)
             return
         dtype, chunk_bytes = data_requests.pull_options(request)
-        yield from pull_chunks(session, dtype, chunk_bytes, start)
+        yield from pull_chunks(session, dtype, chunk_bytes, start, request.evaluation)
 
     @grpc_errors
     def PushPull(self, request_iterator, context):
@@ -126,13 +126,23 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
     def Membership(self, request, context):
         session = self._session(request.session, context)
         action = data_requests.membership_action(request.action)
-        version, members, lease_s = session.membership(data_requests.worker_id(request.worker_id), action)
+        version, members, lease_s = session.home.membership(data_requests.worker_id(request.worker_id), action)
         return data_pb2.MembershipResponse(version=version, members=members, lease_s=lease_s)
 
     @grpc_errors
     def History(self, request, context):
-        records = self._session(request.session, context).history(request.since)
-        return data_pb2.HistoryResponse(records=[r.to_proto() for r in records])
+        home = self._session(request.session, context).home
+        changes = home.hyperparam_history(request.since)
+        return data_pb2.HistoryResponse(
+            records=[r.to_proto() for r in home.history(request.since)],
+            hyperparams=[data_pb2.HyperparamChange(version=c.version, group=group, values=values)
+                         for c in changes for group, values in sorted(c.values.items())])
+
+    @grpc_errors
+    def SetHyperparams(self, request, context):
+        home = self._session(request.session, context).home
+        version, changed = home.set_hyperparams(dict(request.values), request.group or None)
+        return data_pb2.SetHyperparamsResponse(version=version, changed=changed)
 
 
 class _ChunkRequest:
@@ -195,7 +205,8 @@ def add_to_server(registry: ShardRegistry, server: grpc.Server, max_open_streams
         **{method: grpc.unary_unary_rpc_method_handler(
             getattr(servicer, method), request_deserializer=safe_decoder(getattr(data_pb2, f"{method}Request").FromString),
             response_serializer=getattr(data_pb2, f"{method}Response").SerializeToString)
-           for method in ("OfferSharedMemory", "OpenSharedMemory", "CloseSharedMemory", "Membership", "History")},
+           for method in ("OfferSharedMemory", "OpenSharedMemory", "CloseSharedMemory", "Membership", "History",
+                          "SetHyperparams")},
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("optserve.v1.ShardData", handlers),))
     return servicer

@@ -89,6 +89,11 @@ class ShardDataStub:
                 request_serializer=optserve_dot_v1_dot_data__pb2.HistoryRequest.SerializeToString,
                 response_deserializer=optserve_dot_v1_dot_data__pb2.HistoryResponse.FromString,
                 _registered_method=True)
+        self.SetHyperparams = channel.unary_unary(
+                '/optserve.v1.ShardData/SetHyperparams',
+                request_serializer=optserve_dot_v1_dot_data__pb2.SetHyperparamsRequest.SerializeToString,
+                response_deserializer=optserve_dot_v1_dot_data__pb2.SetHyperparamsResponse.FromString,
+                _registered_method=True)
 
 
 class ShardDataServicer:
@@ -181,7 +186,16 @@ class ShardDataServicer:
         raise NotImplementedError('Method not implemented!')
 
     def History(self, request, context):
-        """Elastic sync sessions, on the home shard: the record of each committed version.
+        """On the home shard: the record of each committed version of an elastic sync session, and
+        every session's hyperparameter changes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetHyperparams(self, request, context):
+        """On the home shard: changes hyperparameters from the session's next step on (applied once,
+        however many workers ask; journaled with the steps of durable sessions).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -244,6 +258,11 @@ def add_ShardDataServicer_to_server(servicer, server):
                     servicer.History,
                     request_deserializer=optserve_dot_v1_dot_data__pb2.HistoryRequest.FromString,
                     response_serializer=optserve_dot_v1_dot_data__pb2.HistoryResponse.SerializeToString,
+            ),
+            'SetHyperparams': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetHyperparams,
+                    request_deserializer=optserve_dot_v1_dot_data__pb2.SetHyperparamsRequest.FromString,
+                    response_serializer=optserve_dot_v1_dot_data__pb2.SetHyperparamsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -543,6 +562,33 @@ class ShardData:
             '/optserve.v1.ShardData/History',
             optserve_dot_v1_dot_data__pb2.HistoryRequest.SerializeToString,
             optserve_dot_v1_dot_data__pb2.HistoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetHyperparams(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/optserve.v1.ShardData/SetHyperparams',
+            optserve_dot_v1_dot_data__pb2.SetHyperparamsRequest.SerializeToString,
+            optserve_dot_v1_dot_data__pb2.SetHyperparamsResponse.FromString,
             options,
             channel_credentials,
             insecure,
