@@ -18,6 +18,7 @@ from optserve.client.errors import InvalidArgumentError
 # Options named as in PyTorch by some server optimizers (others call the learning rate learning_rate).
 _TORCH_NAMED_LR = frozenset({"adafactor_hf", "scaled_adam"})
 GROUP_OPTIONS = ("lr", "weight_decay", "betas", "eps", "momentum")
+_FIXED_ON_SERVER = frozenset({"b1", "b2"})  # momentum coefficients: no hyperparameter (optim_kernels.hyperparams)
 
 
 def lr_option(optimizer: str) -> str:
@@ -39,7 +40,9 @@ def server_options(optimizer: str, group: Mapping[str, Any]) -> dict[str, float]
 
 def torch_defaults(optimizer: str, args: Mapping[str, Any]) -> dict[str, Any]:
     """A torch optimizer's ``defaults`` for the server optimizer's ``args``: the options given as
-    numbers, under their torch names (so ``group["lr"]`` exists for schedulers)."""
+    numbers, under their torch names (so ``group["lr"]`` exists for schedulers). ``betas`` are
+    left out: the server fixes them at creation, and a scheduler cycling them (OneCycleLR's
+    ``cycle_momentum``) then says at once that it needs ``cycle_momentum=False``."""
     defaults: dict[str, Any] = {}
     lr = args.get(lr_option(optimizer))
     if _is_number(lr):
@@ -47,8 +50,6 @@ def torch_defaults(optimizer: str, args: Mapping[str, Any]) -> dict[str, Any]:
     for key in ("weight_decay", "eps", "momentum"):
         if _is_number(args.get(key)):
             defaults[key] = float(args[key])
-    if _is_number(args.get("b1")) and _is_number(args.get("b2")):
-        defaults["betas"] = (float(args["b1"]), float(args["b2"]))
     return defaults
 
 
@@ -82,9 +83,21 @@ def split_groups(params: Iterable) -> tuple[list[tuple[str, Any]], Optional[list
 
 def session_groups(optimizer: str, groups: Sequence[Mapping[str, Any]], trained: Callable[[Any], bool]) -> list[dict]:
     """The session's ``param_groups`` for torch groups: each group's tensors (those ``trained``)
-    and its options under the server's names."""
-    return [{"tensors": [name for name, tensor in group["params"] if trained(tensor)],
-             **server_options(optimizer, group)} for group in groups]
+    and its options under the server's names; a group with no trained tensor (a frozen part of
+    the model) has no part on the server."""
+    listed = ({"tensors": [name for name, tensor in group["params"] if trained(tensor)],
+               **server_options(optimizer, group)} for group in groups)
+    return [group for group in listed if group["tensors"]]
+
+
+def group_labels(groups: Sequence[Mapping[str, Any]]) -> list[Optional[str]]:
+    """Each torch group's label on the server: the index among the groups with parameters (None:
+    a group without any, which nothing is sent for)."""
+    labels, index = [], 0
+    for group in groups:
+        labels.append(str(index) if group["params"] else None)
+        index += bool(group["params"])
+    return labels
 
 
 class GroupSync:
@@ -102,13 +115,27 @@ class GroupSync:
         self._sent = [dict(values) for values in sent]
 
     def send_changes(self, groups: Sequence[Mapping[str, Any]], set_hyperparams: Callable[..., int]) -> None:
-        """Calls ``set_hyperparams(group, **changed)`` for each group whose values changed."""
+        """Calls ``set_hyperparams(group, **changed)`` for each group whose values changed.
+
+        Raises:
+          InvalidArgumentError: a group's ``betas`` changed (the server fixes them at creation);
+            nothing is sent for any group.
+        """
+        changes = []
         for index, (label, group) in enumerate(zip(self._labels, groups)):
             now = server_options(self._optimizer, group)
             changed = {option: value for option, value in now.items() if self._sent[index].get(option) != value}
-            if changed:
-                set_hyperparams(label, **changed)
-                self._sent[index].update(changed)
+            fixed = sorted(set(changed) & _FIXED_ON_SERVER)
+            if fixed:
+                raise InvalidArgumentError(
+                    f"parameter group {index}: 'betas' changed to {group.get('betas')!r}, but the server fixes "
+                    f"{fixed} when the session is created (a scheduler cycling them, such as OneCycleLR, needs "
+                    f"cycle_momentum=False)")
+            if changed and label is not None:
+                changes.append((index, label, changed))
+        for index, label, changed in changes:
+            set_hyperparams(label, **changed)
+            self._sent[index].update(changed)
 
 
 def _is_number(value) -> bool:

@@ -44,7 +44,8 @@ from optserve.client import Client
 from optserve.client._diloco_torch import DiLoCo  # noqa: F401  (public here: optserve.client.torch.DiLoCo)
 from optserve.client._torch_arrays import (checked_named_parameters, gradient_to_numpy, tensor_to_numpy,
                                            viewed_without_copy, write_numpy_)
-from optserve.client._torch_groups import GroupSync, server_options, session_groups, split_groups, torch_defaults
+from optserve.client._torch_groups import (GroupSync, group_labels, server_options, session_groups, split_groups,
+                                           torch_defaults)
 from optserve.client._transport import ClientCert, TLSArg
 from optserve.client.errors import AlreadyExistsError, InvalidArgumentError, StaleError
 from optserve.client.options import SessionOptions
@@ -185,7 +186,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         super().__init__(torch_groups, defaults=torch_defaults(name, self.config.options.optimizer_args))
         self._tensors_fixed = True
         self._groups_sync = GroupSync(self.config.options.optimizer, ["default"] if groups is None else
-                                      [str(i) for i in range(len(groups))],
+                                      group_labels(self.param_groups),
                                       [server_options(self.config.options.optimizer, g) for g in self.param_groups])
         self._client = address if isinstance(address, Client) else Client(
             address, token=token, tls=tls, client_cert=client_cert, tls_server_name=tls_server_name,
@@ -261,7 +262,6 @@ class RemoteOptimizer(torch.optim.Optimizer):
         grads = self._gradients(copy=self.config.overlap)
         if grads is None:
             return result
-        self._groups_sync.send_changes(self.param_groups, self._session.set_hyperparams)
         push = dict(self._wire)
         without = [name for name, p in self._named if p.grad is None]
         if without:
@@ -269,7 +269,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if telemetry is not None:
             push["loss"] = float(telemetry.detach().item() if isinstance(telemetry, torch.Tensor) else telemetry)
         if self._stepper is not None:
-            self._write_in_flight()
+            self._write_in_flight()  # before new values are sent: the push in flight keeps its own
+        self._groups_sync.send_changes(self.param_groups, self._session.set_hyperparams)
+        if self._stepper is not None:
             self._stepper.step(grads, **push)  # nothing in flight now: starts the push and returns
         else:
             try:

@@ -194,8 +194,9 @@ def check_hyperparams(name: str, entry: KernelEntry, groups: Sequence[Group], va
             why = "follows a schedule" if scheduled else "is not a hyperparameter that can be set"
             raise ValueError(f"optimizer {name!r}: option {option!r} {why}"
                              f"{'' if group is None else f' in group {group!r}'}; those that can be set: {settable}")
-        if not _is_number(value):
-            raise ValueError(f"optimizer {name!r}: hyperparameter {option!r} must be one finite number, got {value!r}")
+        if not _is_number(value) or abs(value) > np.finfo(np.float32).max:
+            raise ValueError(f"optimizer {name!r}: hyperparameter {option!r} must be one number that is finite in "
+                             f"float32 (the step's precision), got {value!r}")
         rule = rules.get(option)
         error = rule.error(name, float(value)) if rule is not None else None
         if error is not None:

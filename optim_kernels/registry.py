@@ -251,10 +251,11 @@ def build_optimizer(name: str, args: Optional[Mapping[str, Any]] = None) -> Buil
 
     groups = tuple(build_groups(name, entry, base, overrides, check))
     transformation, evaluation = grouped(entry.constructor, groups, entry.evaluation)
-    try:
-        partial = entry.partial_statistic(**groups[0].values) if entry.partial_statistic is not None else None
+    try:  # one statistic over all tensors, if any group's options need it (each group's kernel reads it)
+        partials = [entry.partial_statistic(**g.values) for g in groups] if entry.partial_statistic is not None else []
     except (TypeError, ValueError) as exc:
         raise ValueError(f"optimizer {name!r}: {exc}") from exc
+    partial = next((p for p in partials if p is not None), None)
     return BuiltOptimizer(name, args, transformation, grouped_statistic(partial, groups), entry.root_offload,
                           groups, evaluation)
 

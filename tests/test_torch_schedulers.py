@@ -68,15 +68,17 @@ def test_adamw_with_lambda_lr_warmup_cosine_and_two_groups_equals_torch_adamw(se
         optimizer.close()
 
 
-@pytest.mark.parametrize("make", [
-    lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5),
-    lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=12, cycle_momentum=False),
-    lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=12),
-], ids=["StepLR", "OneCycleLR", "CosineAnnealingLR"])
-def test_a_torch_scheduler_attaches_unchanged_and_the_server_follows_its_rate(server, unique_name, make):
+@pytest.mark.parametrize("make, overlap", [
+    (lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5), False),
+    (lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=12, cycle_momentum=False), False),
+    (lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=12), False),
+    (lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=12), True),
+], ids=["StepLR", "OneCycleLR", "CosineAnnealingLR", "CosineAnnealingLR-overlap"])
+def test_a_torch_scheduler_attaches_unchanged_and_the_server_follows_its_rate(server, unique_name, make, overlap):
     model = _model()
     optimizer = RemoteOptimizer(model.named_parameters(), server.address,
-                                {"name": "adam", "args": {"learning_rate": 0.004}}, session=unique_name)
+                                {"name": "adam", "args": {"learning_rate": 0.004}}, session=unique_name,
+                                overlap=overlap)
     scheduler = make(optimizer)
     try:
         rates = []
@@ -86,6 +88,7 @@ def test_a_torch_scheduler_attaches_unchanged_and_the_server_follows_its_rate(se
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
+        optimizer.synchronize()
         served = {c.version: c.values["learning_rate"] for c in optimizer.session.history()}
         current = 0.004
         for step, rate in enumerate(rates, start=1):  # the step producing version N ran with the rate before it
@@ -113,6 +116,44 @@ def test_state_dict_carries_the_groups_values_and_load_restores_them(server, uni
         optimizer.param_groups[1]["lr"] = 0.5
         optimizer.load_state_dict(saved)
         assert optimizer.param_groups[1]["lr"] == 0.002
+    finally:
+        optimizer.session.close()
+        optimizer.close()
+
+
+def test_a_group_of_frozen_parameters_stays_off_the_server_and_the_others_follow_their_scheduler(server, unique_name):
+    model = _model()
+    for p in model[0].parameters():
+        p.requires_grad_(False)  # a frozen first layer, in a group of its own
+    frozen = [(n, p) for n, p in model.named_parameters() if n.startswith("0.")]
+    trained = [(n, p) for n, p in model.named_parameters() if not n.startswith("0.")]
+    optimizer = RemoteOptimizer([{"params": frozen}, {"params": trained, "weight_decay": 0.0}], server.address,
+                                {"name": "adamw", "args": {"learning_rate": 0.01}}, session=unique_name)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    try:
+        for _ in range(3):
+            sum((p ** 2).sum() for _, p in trained).backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        changes = [(c.version, c.group) for c in optimizer.session.history()]
+        assert changes == [(2, "0"), (3, "0")]  # the trained group is the server's group 0
+    finally:
+        optimizer.session.close()
+        optimizer.close()
+
+
+def test_a_scheduler_cycling_betas_is_refused_at_once_saying_what_to_do(server, unique_name):
+    model = _model()
+    optimizer = RemoteOptimizer(model.named_parameters(), server.address,
+                                {"name": "adam", "args": {"learning_rate": 0.01}}, session=unique_name)
+    try:
+        with pytest.raises(ValueError, match="cycle_momentum"):  # torch's own check: no betas among the defaults
+            torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.01, total_steps=10)
+        optimizer.param_groups[0]["betas"] = (0.8, 0.99)
+        sum((p ** 2).sum() for p in model.parameters()).backward()
+        with pytest.raises(InvalidArgumentError, match="'betas' changed"):
+            optimizer.step()
     finally:
         optimizer.session.close()
         optimizer.close()

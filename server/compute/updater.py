@@ -421,14 +421,15 @@ def _masked_step_function(optimizer) -> Callable:
     import jax.numpy as jnp
 
     step = step_function(optimizer)
+    below = 1 if len(optimizer.groups) > 1 else 0  # grouped state is {group label: state}: labels name no tensor
 
     def masked(params, state, grads, scale, global_stat, hyper, keep):
         new_params, new_state = step(params, state, grads, scale, global_stat, hyper)
         names = frozenset(params)
 
         def pick(path, old, new):
-            owner = next((k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey) and k.key in names),
-                         None)
+            owner = next((k.key for k in reversed(path[below:])
+                          if isinstance(k, jax.tree_util.DictKey) and k.key in names), None)
             return new if owner is None else jnp.where(keep[owner], old, new)
 
         new_params = {name: jnp.where(keep[name], params[name], new_params[name]) for name in params}

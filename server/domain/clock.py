@@ -257,8 +257,9 @@ class HomeClock:
                 for record in records:
                     if record.version <= self._state.version:
                         self._state.rounds.keep(record)
-            for values in hyper:  # changes asked for: those no ticket carried are pending again
+            for values in hyper:  # changes asked for that no ticket carried are pending again
                 self._state.hyper.request(values, self._state.version)
+            self._state.hyper.settle()
             if settle_at is not None:
                 self._state.truncate(*settle_at)
 
@@ -297,10 +298,12 @@ def _read_journal(journal: list, sums: CrossShardSums) -> tuple[dict[int, Ticket
         if isinstance(entry, dict) and "round" in entry:
             records.append(RoundRecord.from_json(entry["round"]))
         elif isinstance(entry, dict) and "hyper" in entry:
-            hyper.append(entry["hyper"])
+            hyper.append(entry["hyper"])  # asked for; those a later ticket carried are dropped below
         elif isinstance(entry, dict):
             sums.remember(int(entry["sum"]), float(entry["total"]))
         else:
             ticket = Ticket.from_json(entry)
             tickets[ticket.ordinal] = ticket
+            if ticket.hyperparams:  # it carried every change asked for before it
+                hyper.clear()
     return tickets, records, hyper

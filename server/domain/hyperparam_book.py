@@ -17,6 +17,7 @@ import json
 from typing import Mapping, Optional
 
 Values = dict  # {group: {option: float}}
+MAX_CHANGES_KEPT = 4096  # applied changes a session remembers for its history (a per-step scheduler makes one a step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +80,12 @@ class HyperparamBook:
         self.current = _merged(self.current, values)
         if delta:
             self.changes.append(HyperparamChange(version, delta))
+            del self.changes[:-MAX_CHANGES_KEPT]
+
+    def settle(self) -> None:
+        """A pending change equal to the values in force is none (after a restore)."""
+        if self.pending is not None and self.pending == self.current:
+            self.pending = None
 
     def since(self, version: int) -> list[HyperparamChange]:
         """The changes in force from a version after ``version``."""

@@ -4,7 +4,9 @@ was logged with: no peer is asked)."""
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+import dataclasses
+import json
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -21,6 +23,23 @@ def step_tickets(record: StepRecord) -> list[Ticket]:
     last = len(record.tickets) - 1
     return [Ticket(ordinal, client, sequence, 0, record.scale, i == last, record.version, False)
             for i, (ordinal, client, sequence) in enumerate(record.tickets)]
+
+
+def replayed_tickets(records: Sequence[StepRecord], start: Mapping[str, Mapping[str, float]]) -> list[Ticket]:
+    """The tickets of logged steps (:func:`step_tickets`), the first of a step that ran with other
+    hyperparameters than the step before it carrying the ones that changed (``start``: those of
+    the step before the first record), as the clock's tickets carried them."""
+    tickets, previous = [], {g: dict(values) for g, values in start.items()}
+    for record in records:
+        step = step_tickets(record)
+        changed = {g: {o: v for o, v in values.items() if previous.get(g, {}).get(o) != v}
+                   for g, values in record.hyper.items()}
+        changed = {g: values for g, values in changed.items() if values}
+        if changed and step:
+            step[0] = dataclasses.replace(step[0], hyperparams=json.dumps(changed, sort_keys=True))
+        previous = record.hyper or previous
+        tickets.extend(step)
+    return tickets
 
 
 def replay(store: CheckpointPort, manifest: dict, updater: Updater, specs: Mapping[str, TensorSpec], read_log,

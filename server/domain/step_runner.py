@@ -33,7 +33,7 @@ from optserve.server.domain.config import SessionConfig, TensorSpec
 from optserve.server.domain.durability import ShardProgress
 from optserve.server.domain.errors import OptservError, PeerRefused, RejectReason, SessionLost, Stale, Timeout, Unavailable
 from optserve.server.domain.refusals import log_value
-from optserve.server.domain.replay import step_tickets
+from optserve.server.domain.replay import replayed_tickets
 from optserve.server.domain.apply_queue import ApplyQueue, entry
 from optserve.server.domain.shard_records import StepObserver
 from optserve.server.domain.staging import StagingArea
@@ -340,8 +340,9 @@ class StepRunner:
                 self.queue.restore(progress)
                 if self._is_home:
                     settle_at = (progress.version, progress.next_ordinal) if upto is not None else None
+                    start = ShardProgress.from_json(manifest["progress"]).hyper or self.updater.optimizer.hyperparams
                     self._clock.restore(manifest.get("clock"), journal_tickets(manifest),
-                                        replayed=[t for r in records for t in step_tickets(r)], settle_at=settle_at)
+                                        replayed=replayed_tickets(records, start), settle_at=settle_at)
             self.journal.resume(store, manifest, self.version)
             self.cond.notify_all()
             return self.version
