@@ -600,7 +600,7 @@ def main(argv=None) -> str:
     parser.add_argument("--checkpoint-every-steps", type=int, default=None,
                         help="--processes: the durable server's checkpoint interval (default: the server's)")
     parser.add_argument("--grpc-threads", type=int, default=None,
-                        help="--processes: ServerConfig.grpc_threads (default: the server's, 32; a shard keeps at most "
+                        help="--processes: ServerConfig.grpc_threads (default: the server's, 256; a shard keeps at most "
                              "half of them as open PushPull calls, more end after each step and are reopened)")
     parser.add_argument("--perf-control", default=None, metavar="FIFO",
                         help="--processes: write enable / disable to this FIFO around each stepping window (for "

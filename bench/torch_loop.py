@@ -51,19 +51,25 @@ def make_model(cfg: LoopConfig):
     return torch.nn.Sequential(*layers)
 
 
-def time_loop(model, optimizer, cfg: LoopConfig) -> float:
-    """Median seconds of one training step (the optimizer's pending work included for overlap)."""
+def time_loop(model, optimizer, cfg: LoopConfig, scheduled: bool = False) -> float:
+    """Median seconds of one training step (the optimizer's pending work included for overlap);
+    ``scheduled``: a ``LambdaLR`` changes the learning rate after every step (each step then sends
+    its new rate to the server before its push)."""
     import torch
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(cfg.batch, cfg.d_in, generator=g)
     y = torch.randn(cfg.batch, cfg.d_in, generator=g)
 
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0 / (1.0 + 1e-3 * k)) if scheduled else None
+
     def step():
         optimizer.zero_grad()
         loss = ((model(x) - y) ** 2).mean()
         loss.backward()
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
 
     seconds = median_seconds(step, repeats=cfg.repeats, warmup=2)
     if hasattr(optimizer, "synchronize"):
@@ -94,27 +100,32 @@ def main(argv=None) -> str:
     model = make_model(cfg)
     baseline = time_loop(model, torch.optim.Adam(model.parameters(), lr=1e-3), cfg)
     rows.append(["in-process torch.optim.Adam", "-", "-", baseline * 1e3, 1 / baseline, 1.0])
+    model = make_model(cfg)
+    with_scheduler = time_loop(model, torch.optim.Adam(model.parameters(), lr=1e-3), cfg, scheduled=True)
+    rows.append(["in-process torch.optim.Adam + LambdaLR", "-", "-", with_scheduler * 1e3, 1 / with_scheduler,
+                 baseline / with_scheduler])
 
     server = start_server(ServerConfig(host="127.0.0.1", port=0, shards=cfg.shards, ray_address="local"))
     try:
-        for overlap in (False, True):
-            for wire in (None, "bfloat16"):
-                model = make_model(cfg)
-                optimizer = RemoteOptimizer(
-                    model.named_parameters(),
-                    server.address,
-                    {"name": "adam", "args": {"learning_rate": 1e-3}},
-                    session=f"bench-{uuid.uuid4().hex[:8]}",
-                    wire_dtype=wire,
-                    overlap=overlap,
-                )
-                seconds = time_loop(model, optimizer, cfg)
-                rows.append([
-                    "RemoteOptimizer (adam)", "on" if overlap else "off", wire or "float32",
-                    seconds * 1e3, 1 / seconds, baseline / seconds,
-                ])
-                optimizer.session.close()
-                optimizer.close()
+        for overlap, wire, scheduled in ((False, None, False), (False, None, True), (False, "bfloat16", False),
+                                         (True, None, False), (True, None, True), (True, "bfloat16", False)):
+            model = make_model(cfg)
+            optimizer = RemoteOptimizer(
+                model.named_parameters(),
+                server.address,
+                {"name": "adam", "args": {"learning_rate": 1e-3}},
+                session=f"bench-{uuid.uuid4().hex[:8]}",
+                wire_dtype=wire,
+                overlap=overlap,
+            )
+            seconds = time_loop(model, optimizer, cfg, scheduled=scheduled)
+            rows.append([
+                "RemoteOptimizer (adam)" + (" + LambdaLR" if scheduled else ""), "on" if overlap else "off",
+                wire or "float32",
+                seconds * 1e3, 1 / seconds, baseline / seconds,
+            ])
+            optimizer.session.close()
+            optimizer.close()
     finally:
         server.stop()
     bytes_per_step = n_params * 4

@@ -355,7 +355,12 @@ class ServerConfig:
       shard_host: interface the shards' data services bind to (defaults to ``host``).
       precond_workers / gpus_per_precond_worker / precond_f64: Shampoo's preconditioner workers
         (:mod:`optserve.server.compute.preconditioner_pool`): how many, GPUs each, float64 roots.
-      grpc_threads: thread pool size of each gRPC server.
+      grpc_threads: thread pool size of each gRPC server (threads start as calls need them). A
+        shard keeps at most half of them for open PushPull calls (idle ones are ended past that).
+        A call that finds every thread taken waits, unseen, in gRPC's queue, and a step whose
+        part on one shard waits there holds its part on the other shards in their vote: with too
+        few threads, a crowd of clients stalls for ``vote_timeout_s`` at a time. The default keeps
+        a few hundred clients per shard clear of it.
       min_shard_bytes: a session spreads over only as many shards as give each at least this
         many parameter bytes (:func:`~optserve.server.domain.placement.place_tensors`); smaller models
         stay on one shard, where a step needs no cross-shard round trips. 0: every session uses
@@ -392,7 +397,7 @@ class ServerConfig:
     precond_workers: int = 0
     gpus_per_precond_worker: float = 0.0
     precond_f64: bool = False
-    grpc_threads: int = 32
+    grpc_threads: int = 256
     min_shard_bytes: int = 4 << 20
     step_timeout_s: float = 300.0
     vote_timeout_s: float = 30.0
