@@ -355,7 +355,7 @@ class ServerConfig:
       shard_host: interface the shards' data services bind to (defaults to ``host``).
       precond_workers / gpus_per_precond_worker / precond_f64: Shampoo's preconditioner workers
         (:mod:`optserve.server.compute.preconditioner_pool`): how many, GPUs each, float64 roots.
-      grpc_threads: thread pool size of each gRPC server (threads start as calls need them). A
+      grpc_threads: thread pool size of each gRPC server (threads start as calls need them, and stay). A
         shard keeps at most half of them for open PushPull calls (idle ones are ended past that).
         A call that finds every thread taken waits, unseen, in gRPC's queue, and a step whose
         part on one shard waits there holds its part on the other shards in their vote: with too
