@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Optional
 
 
 def free_port() -> int:
@@ -23,14 +24,15 @@ class ServerProcess:
     (0: one the server picks); ``wait_listening()`` returns once it serves, with ``address`` set
     (or fails with its output)."""
 
-    def __init__(self, *extra: str, port: int = 0):
+    def __init__(self, *extra: str, port: int = 0, command: Optional[list[str]] = None):
+        """``command``: the whole command line to run instead (its ``--port`` is ``port``)."""
         self.port = port  # 0: the server picks a free one (a port probed here could be taken by Ray meanwhile)
         self.address = f"127.0.0.1:{port}"
         env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
         env.pop("RAY_ADDRESS", None)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "optserve.server.cli", "serve", "--port", str(self.port), "--shards", "2",
-             "--min-shard-bytes", "0", *extra],
+            command or [sys.executable, "-m", "optserve.server.cli", "serve", "--port", str(self.port), "--shards",
+                        "2", "--min-shard-bytes", "0", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
         self.lines: list[str] = []
 

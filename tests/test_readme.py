@@ -17,10 +17,10 @@ import re
 import shlex
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
+
+from tests._server_process import ServerProcess
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -96,45 +96,18 @@ def serve_command() -> list[str]:
     return shlex.split(serve[0])
 
 
-class ReadmeServer:
+def readme_server_process() -> ServerProcess:
     """The README's ``optserve serve`` line run as a process, on a free port (``--port 0``)."""
-
-    def __init__(self):
-        argv = serve_command()
-        argv[argv.index("--port") + 1] = "0"  # the only change: the port (the server picks a free one)
-        script = pathlib.Path(sys.executable).parent / "optserve"
-        command = [str(script)] if script.exists() else [sys.executable, "-m", "optserve.server.cli"]
-        self.process = subprocess.Popen(command + argv[1:], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, env=_env(), start_new_session=True)
-        self.lines: list[str] = []
-        self.address = ""
-
-    def wait_listening(self, timeout_s: float = 180.0) -> "ReadmeServer":
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            line = self.process.stdout.readline()
-            if not line:
-                break
-            self.lines.append(line)
-            if line.startswith("optserve listening on "):
-                self.address = line.split()[3]
-                threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True).start()
-                return self
-        raise AssertionError("the README's server did not start:\n" + "".join(self.lines[-40:]))
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()  # Ctrl-C / SIGTERM: it shuts its actors down
-            try:
-                self.process.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, 9)
-                self.process.wait(timeout=60)
+    argv = serve_command()
+    argv[argv.index("--port") + 1] = "0"  # the only change: the port (the server picks a free one)
+    script = pathlib.Path(sys.executable).parent / "optserve"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "optserve.server.cli"]
+    return ServerProcess(command=command + argv[1:])
 
 
 @pytest.fixture(scope="module")
 def readme_server():
-    server = ReadmeServer()
+    server = readme_server_process()
     try:
         yield server.wait_listening()
     finally:
@@ -199,7 +172,7 @@ def test_the_readme_shows_the_output_the_demo_prints():
     assert f"; {cfg.workers} workers x {cfg.steps} steps\n" in shown
     assert f"digits MLP, {cfg.optimizer} lr={cfg.lr} (warmup+cosine), batch {cfg.batch_size}" in shown
     assert "optserve async, 2 worker processes" in shown and "in process (Adam)" in shown
-    assert f"wrote demo_out/loss_curve.png and demo_out/summary.json" in shown
+    assert "wrote demo_out/loss_curve.png and demo_out/summary.json" in shown
 
 
 def _slug(heading: str) -> str:
