@@ -41,6 +41,7 @@ from optserve.optim_kernels.schedules import is_schedule_spec
 PARAM_GROUPS = "param_groups"
 GROUP_TENSORS = "tensors"
 DEFAULT_GROUP = "default"
+_FLOAT32_MAX = float(np.finfo(np.float32).max)  # a step runs its hyperparameters in float32
 
 HyperValues = dict  # {group label: {option: float32 scalar}}: the hyperparameters a step runs with
 
@@ -194,7 +195,7 @@ def check_hyperparams(name: str, entry: KernelEntry, groups: Sequence[Group], va
             why = "follows a schedule" if scheduled else "is not a hyperparameter that can be set"
             raise ValueError(f"optimizer {name!r}: option {option!r} {why}"
                              f"{'' if group is None else f' in group {group!r}'}; those that can be set: {settable}")
-        if not _is_number(value) or abs(value) > np.finfo(np.float32).max:
+        if not _is_number(value) or abs(value) > _FLOAT32_MAX:
             raise ValueError(f"optimizer {name!r}: hyperparameter {option!r} must be one number that is finite in "
                              f"float32 (the step's precision), got {value!r}")
         rule = rules.get(option)
