@@ -157,9 +157,10 @@ class DataPaths:
             try:
                 request = data_pb2.PullRequest(session=self.session, shared_memory=taken[shard.index].step(True),
                                                evaluation=evaluation)
-                version = self._region_call(taken, lambda: next(
-                    v for k, v in call_shard(lambda s: s.calls.pull(request, timeout=self.client.timeout), shard)
-                    if k == "version"))
+                # the stream is read inside call_shard: an error met while reading it (a region the
+                # shard no longer knows) is converted like one met at the call's opening
+                version = self._region_call(taken, lambda: call_shard(lambda s: next(
+                    v for k, v in s.calls.pull(request, timeout=self.client.timeout) if k == "version"), shard))
                 return version, taken[shard.index].read(out, views)
             finally:
                 self.regions.release(taken)

@@ -1,7 +1,9 @@
 """Retries with exponential backoff on UNAVAILABLE (the one retry policy of the client).
 
-Only UNAVAILABLE is retried: the server did not get (or could not answer) the call. Pushes are
-retried with the same (client_id, sequence), which the server applies at most once.
+Only UNAVAILABLE is retried (:class:`~optserve.client.errors.UnavailableError`): the server did
+not get (or could not answer) the call; a push a peer shard did not stage
+(:class:`~optserve.client.errors.PeerRefusedError`, ABORTED, applied nowhere) is one too. Pushes
+are retried with the same (client_id, sequence), which the server applies at most once.
 """
 
 from __future__ import annotations

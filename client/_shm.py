@@ -200,13 +200,17 @@ class SessionRegions:
         self._finalizer = None
 
     def ensure(self, shards: Sequence) -> dict[int, Optional[ShardRegion]]:
-        """Negotiates with every shard not tried yet; returns index -> its first region or None."""
+        """Negotiates with every shard not tried yet, or serving at another address than when it
+        was tried (a restarted shard knows none of its predecessor's regions: they are dropped);
+        returns index -> its first region or None."""
         if self.mode is False:
             return {shard.index: None for shard in shards}
         with self._lock:
             for shard in shards:
-                if shard.index in self._regions:
+                if shard.index in self._regions and self._addresses.get(shard.index) == shard.address:
                     continue
+                for moved in self._regions.pop(shard.index, []):
+                    moved.close()
                 region, why = self._negotiate(shard)
                 if region is None and self.mode is True:
                     raise FailedPreconditionError(f"shared_memory=True: shard {shard.index} ({shard.address}): {why}",

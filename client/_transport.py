@@ -2,10 +2,12 @@
 
 The coordinator's channel and each shard's data-plane channel are opened by the same
 :class:`Transport`, so they share one set of credentials (plaintext, TLS, mutual TLS), the
-contract's channel options (:data:`optserve.protos.contract.CHANNEL_OPTIONS`) and the tenant
-token: a client interceptor (:class:`BearerTokenInterceptor`) adds ``authorization: Bearer
-<token>`` to every call of every kind, including the custom-serializer stream calls of the data
-plane. The token is kept by the interceptor alone and never appears in a repr or an error message.
+contract's channel options (:data:`optserve.protos.contract.CHANNEL_OPTIONS`, and
+:data:`~optserve.protos.contract.RECONNECT_OPTIONS`: dials at most a second apart while a server
+restarts) and the tenant token: a client interceptor (:class:`BearerTokenInterceptor`) adds
+``authorization: Bearer <token>`` to every call of every kind, including the custom-serializer
+stream calls of the data plane. The token is kept by the interceptor alone and never appears in a
+repr or an error message.
 
 Arguments are checked here, before any channel is opened: errors are
 :class:`~optserve.client.errors.InvalidArgumentError` naming the argument.
@@ -99,7 +101,7 @@ class Transport:
         self._client_cert = _checked_client_cert(client_cert, self._tls)
         self._server_name = _checked_server_name(tls_server_name, self._tls)
         self._credentials = self._channel_credentials()
-        self._options = contract.CHANNEL_OPTIONS + (
+        self._options = contract.CHANNEL_OPTIONS + contract.RECONNECT_OPTIONS + (
             ((_SERVER_NAME_OPTION, self._server_name),) if self._server_name is not None else ())
 
     @property

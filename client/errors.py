@@ -54,21 +54,25 @@ class LateError(StaleError):
     version and report the drop in ``Session.last_step``."""
 
 
-class PeerRefusedError(OptservError):
-    """ABORTED on a shard because ANOTHER shard refused its part of the push: applied nowhere.
-
-    The SDK raises the refusing shard's own error instead whenever it has it.
-    """
-
-    code = "ABORTED"
-
-
 class FailedPreconditionError(OptservError):
     code = "FAILED_PRECONDITION"
 
 
 class UnavailableError(OptservError):
     code = "UNAVAILABLE"
+
+
+class PeerRefusedError(UnavailableError):
+    """ABORTED on a shard because ANOTHER shard refused its part of the push, or did not stage it
+    in time (it was restarting, or its part never reached it): applied nowhere.
+
+    Whenever the refusing shard's own error came back with the attempt, the SDK raises that
+    instead. Without it the push is retried as UNAVAILABLE is (an :class:`UnavailableError`: the
+    same sequence, applied at most once, with backoff for up to the client's ``timeout``); its
+    ``code`` stays the status the shard answered.
+    """
+
+    code = "ABORTED"
 
 
 class DeadlineExceededError(OptservError, TimeoutError):

@@ -254,5 +254,20 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.http2.lookahead_bytes", LOOKAHEAD_BYTES),
 )
+# The SDK's channels also reconnect as to a service that restarts (a server or a shard killed and
+# started again): gRPC's default backoff between dials grows 1.6x per failed dial up to 120 s, and
+# a channel waiting out its backoff fails every call at once, so after half a minute down the next
+# dial could come 10-20 s after the server listens again. Dials come at most
+# MAX_RECONNECT_BACKOFF_MS apart instead (one a second per channel while a server is down). One dial
+# may take CONNECT_TIMEOUT_MS (gRPC's "min reconnect backoff" is the time a connection attempt is
+# given, a TLS handshake with a busy server included; its default is 20 s).
+INITIAL_RECONNECT_BACKOFF_MS = 250
+MAX_RECONNECT_BACKOFF_MS = 1000
+CONNECT_TIMEOUT_MS = 5000
+RECONNECT_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", INITIAL_RECONNECT_BACKOFF_MS),
+    ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
+    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
+)
 # Servers also refuse to share their port with another process.
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = CHANNEL_OPTIONS + (("grpc.so_reuseport", 0),)

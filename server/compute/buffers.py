@@ -49,6 +49,12 @@ class BufferPool:
                 return self._free.pop()
         return {name: aligned_empty(shape, np.float32, IO_ALIGNMENT) for name, shape in self._shapes}
 
+    @property
+    def free_sets(self) -> int:
+        """Sets kept for reuse now (at most ``keep``): a set given back is here until acquired."""
+        with self._lock:
+            return len(self._free)
+
     def release(self, buffers: dict[str, np.ndarray]) -> None:
         """Takes back a set from :meth:`acquire` (or gradients assembled into one: their
         ``pooled`` set)."""

@@ -93,6 +93,37 @@ class JournalOwner(Protocol):
         """Runs the step whose record failed again, through :meth:`StepJournal.run`."""
 
 
+class HeldReleases:
+    """The ``release`` callbacks of a step's gradients while something may read them. In the
+    overlapped order the log reads them until the step's record is written: they are given back
+    on the log's thread after it (:meth:`joined`). An update that failed leaves its record marked
+    aborted, its gradient maybe still being written: its release waits for the log's next record
+    (the log writes in call order) or for the journal's close. Used with the session's lock held."""
+
+    def __init__(self):
+        self._held: list[Callable[[], None]] = []
+
+    def hold(self, release: Optional[Callable[[], None]]) -> None:
+        if release is not None:
+            self._held.append(release)
+
+    def joined(self) -> Optional[Callable[[], None]]:
+        """What the log calls after the record being ended: every release held (None: none)."""
+        if not self._held:
+            return None
+        held, self._held = self._held, []
+        return lambda: _call_each(held)
+
+    def release_all(self) -> None:
+        held, self._held = self._held, []
+        _call_each(held)
+
+
+def _call_each(releases: list) -> None:
+    for release in releases:
+        release()
+
+
 class StepJournal:
     """The durable step of one session on one shard (see the module's docstring).
 
@@ -112,6 +143,7 @@ class StepJournal:
         self._store: Optional[CheckpointPort] = None
         self._log: Optional[StepLogPort] = None
         self._unlogged: Optional[UnloggedStep] = None  # write-ahead: the step whose record failed
+        self._held = HeldReleases()  # overlapped order: failed updates' gradients the log may still write
 
     @property
     def enabled(self) -> bool:
@@ -123,20 +155,22 @@ class StepJournal:
         self._store, self._log = store, store.log
 
     def close(self) -> None:
-        """Finishes a checkpoint being written and closes the log (the session is closing)."""
+        """Finishes a checkpoint being written, closes the log, gives back held gradients (closing)."""
         if self._store is not None:
             self._store.close()
+        self._held.release_all()
 
     # ----------------------------------------------------------------- one step
     def run(self, grads: Mapping[str, np.ndarray], step: JournaledStep,
             update: Callable[[Optional[Callable[[float], None]]], float],
             release: Optional[Callable[[], None]] = None) -> None:
         """Runs ``update(before)`` as one logged step, then ``release()`` (the gradient buffers may
-        be reused from then on).
+        be reused from then on), whether the update succeeded or failed.
 
         ``update`` applies the step and returns its cross-shard statistic; in write-ahead order it
         calls ``before(statistic)`` once the statistic is known and before anything changes, and
-        the record is written then. Without a store the step just runs.
+        the record is written then. Without a store the step just runs. In the overlapped order
+        ``release()`` waits until the log wrote the gradient (see :class:`HeldReleases`).
 
         Raises:
           LogWriteFailed: write-ahead order, the record could not be written: the step was applied
@@ -147,18 +181,20 @@ class StepJournal:
         if self._log is not None and self._log.write_ahead:
             self._run_ahead(grads, step, update, release)
             return
+        self._held.hold(release)
         if self._log is not None:  # the gradient goes to the log while the update runs
             self._log.begin_step(self._in_order(grads))
         try:
             global_stat = update(None)
         except BaseException:
-            if self._log is not None:
+            if self._log is not None:  # the log may still be writing the gradient (the aborted record)
                 self._log.abort_step()
             raise
+        finally:
+            if self._log is None:
+                self._held.release_all()
         if self._log is not None:
-            self._log.end_step(step.record(global_stat), release)
-        elif release is not None:
-            release()
+            self._log.end_step(step.record(global_stat), self._held.joined())
 
     def _run_ahead(self, grads: Mapping[str, np.ndarray], step: JournaledStep,
                    update: Callable[[Optional[Callable[[float], None]]], float],
@@ -180,12 +216,11 @@ class StepJournal:
             # a copy of its own: the push's buffers (the staging pool, or the client's shared-memory
             # region, which the client writes its next gradient into) go back once it is answered
             owned = {name: np.array(grad, copy=True) for name, grad in grads.items()}
-            if release is not None:
-                release()
             self._unlogged = UnloggedStep(owned, step, stats[0])
             raise
-        if release is not None:
-            release()
+        finally:  # the record, if any, was written before append_ahead returned: nothing reads them
+            if release is not None:
+                release()
 
     def _in_order(self, grads: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         return [grads[name] for name in self._specs]
