@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.optserve-dev-installed
 # torch first, pinned: 2.13.0 is a CPU build that lies on disk; an open range downloads CUDA.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test bench protos clean
+.PHONY: demo test bench protos clean gpu-wheels gpu-check gpu-check-dry
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,19 @@ bench: $(STAMP)
 
 protos: $(STAMP)
 	$(PY) scripts/generate_protos.py
+
+# The GPU kit (docs/gpu.md). Here, with PyPI: the wheels a lent device lacks (.gpu-wheels, < 60 MiB).
+gpu-wheels: $(STAMP)
+	$(PY) scripts/gpu_wheels.py --python-version 3.12 --out .gpu-wheels
+
+# On the lent device (its own python3, no venv; carry .gpu-wheels): install, GPU tests, bench, docs/gpu.md.
+gpu-check:
+	python3 -m bench.gpu_check
+
+# Here: the same end to end with the GPU rehearsed (JAX on the CPU), the wheels built for this Python.
+gpu-check-dry: $(STAMP)
+	$(PY) scripts/gpu_wheels.py --python-version $$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])') --out .gpu-wheels-here
+	$(PY) -m bench.gpu_check --cpu --small --wheels .gpu-wheels-here --out /tmp/optserve-gpu-dry-run.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -44,7 +44,7 @@ def _random_tree(shapes, seed):
     return {k: jax.random.normal(key, s, jnp.float32) * 0.02 for key, (k, s) in zip(keys, shapes.items())}
 
 
-def _roofline_bytes(shapes) -> int:
+def roofline_bytes(shapes) -> int:
     total = 0
     for s in shapes.values():
         n = int(np.prod(s))
@@ -52,7 +52,7 @@ def _roofline_bytes(shapes) -> int:
     return total
 
 
-def _copy_bandwidth(shapes, repeats) -> float:
+def copy_bandwidth(shapes, repeats) -> float:
     """Bytes/s of a donated jitted elementwise copy (read + write) over the matrices."""
     x = _random_tree({k: s for k, s in shapes.items() if len(s) == 2}, seed=9)
     nbytes = sum(v.nbytes for v in x.values())
@@ -113,8 +113,8 @@ def main(argv=None) -> str:
     shapes = _shapes(args.small)
     n_params = sum(int(np.prod(s)) for s in shapes.values())
     grads = _random_tree(shapes, seed=2)
-    bandwidth = _copy_bandwidth(shapes, args.repeats)
-    roofline = _roofline_bytes(shapes) / bandwidth
+    bandwidth = copy_bandwidth(shapes, args.repeats)
+    roofline = roofline_bytes(shapes) / bandwidth
 
     ours_tx = adafactor(learning_rate=LR)
     optax_tx = optax.adafactor(learning_rate=LR)
@@ -135,7 +135,7 @@ def main(argv=None) -> str:
     title = (
         f"Adafactor step, {n_params / 1e6:.1f}M f32 params, jax {jax.__version__} on "
         f"{jax.devices()[0].platform} ({os.cpu_count()} cores); copy bandwidth "
-        f"{bandwidth / 1e9:.1f} GB/s, roofline bytes {_roofline_bytes(shapes) / 1e9:.2f} GB"
+        f"{bandwidth / 1e9:.1f} GB/s, roofline bytes {roofline_bytes(shapes) / 1e9:.2f} GB"
     )
     table = print_table(title, ["step", "median ms", "x ours (best)", "x roofline"], rows)
     best_optax = min(v for k, v in times.items() if k.startswith("optax"))

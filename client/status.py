@@ -17,9 +17,9 @@ from optserve.protos.status_records import (DurabilityStatus, ElasticStatus, Hyp
                                            PreconditionerBlockStatus, RootOffloadStatus, RoundRecord)
 
 # The per-shard records are the server's own, defined once in optserve.protos.status_records.
-__all__ = ["AcceptedPush", "DurabilityStatus", "ElasticStatus", "HyperparamChange", "PreconditionerBlockStatus",
-           "RefusedPush", "RootOffloadStatus", "RoundRecord", "ServerShardStatus", "SessionSeries", "SessionStatus",
-           "ShardStatus", "StepOutcome"]
+__all__ = ["AcceptedPush", "DevicePlacement", "DurabilityStatus", "ElasticStatus", "HyperparamChange",
+           "PreconditionerBlockStatus", "RefusedPush", "RootOffloadStatus", "RoundRecord", "ServerShardStatus",
+           "SessionSeries", "SessionStatus", "ShardStatus", "StepOutcome"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +125,26 @@ class SessionStatus:
 
 
 @dataclasses.dataclass(frozen=True)
+class DevicePlacement:
+    """Where an actor's JAX runs: its backend ("gpu", "cpu"), the JAX devices it sees, the GPUs
+    Ray assigned it, the share of each GPU's memory its JAX may take (0: no GPU asked), and
+    whether the GPUs are only rehearsed (reserved in Ray, JAX on the CPU)."""
+
+    backend: str
+    devices: tuple[str, ...]
+    gpu_ids: tuple[str, ...]
+    memory_fraction: float
+    rehearsal: bool
+
+    @classmethod
+    def from_proto(cls, d: control_pb2.DevicePlacement) -> "DevicePlacement":
+        return cls(d.backend, tuple(d.devices), tuple(d.gpu_ids), d.memory_fraction, d.rehearsal)
+
+
+@dataclasses.dataclass(frozen=True)
 class ServerShardStatus:
-    """One shard actor of a server: where it runs, what it holds, whether it answered."""
+    """One shard actor of a server: where it runs, what it holds, whether it answered
+    (``device``: None when it did not)."""
 
     index: int
     address: str
@@ -135,10 +153,12 @@ class ServerShardStatus:
     param_bytes: int
     resident_bytes: int
     healthy: bool
+    device: Optional[DevicePlacement] = None
 
     @classmethod
     def from_proto(cls, s: control_pb2.ServerShard) -> "ServerShardStatus":
-        return cls(s.index, s.address, s.node_id, s.sessions, s.param_bytes, s.resident_bytes, s.healthy)
+        return cls(s.index, s.address, s.node_id, s.sessions, s.param_bytes, s.resident_bytes, s.healthy,
+                   DevicePlacement.from_proto(s.device) if s.HasField("device") else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,8 +210,8 @@ def _hyperparams(values) -> dict:
 
 
 def history_records(reply) -> list:
-    """A ``HistoryResponse`` as :class:`RoundRecord` and :class:`HyperparamChange` records, by
-    version (a version's change before its round)."""
+    """A ``HistoryResponse`` as :class:`RoundRecord` (one per version, every mode) and
+    :class:`HyperparamChange` records, by version (a version's change before its record)."""
     records = [RoundRecord.from_proto(r) for r in reply.records]
     changes = [HyperparamChange(c.version, c.group, dict(c.values)) for c in reply.hyperparams]
     return sorted(records + changes, key=lambda r: (r.version, isinstance(r, RoundRecord)))

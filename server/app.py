@@ -148,7 +148,8 @@ def _start_precond_pool(config: ServerConfig, teardown: contextlib.ExitStack) ->
 
     from optserve.server.shard_fleet import DETACHED_NAMESPACE, detached_prefix
 
-    pool_config = PoolConfig(config.precond_workers, config.gpus_per_precond_worker, config.precond_f64)
+    pool_config = PoolConfig(config.precond_workers, config.gpus_per_precond_worker, config.precond_f64,
+                             rehearsal=config.gpu_rehearsal)
     detached = None
     if config.durability is not None and config.ray_address != "local":  # outlive this coordinator
         detached = (detached_prefix(config), DETACHED_NAMESPACE)
@@ -241,6 +242,9 @@ def _advertised_host(config: ServerConfig) -> str:
 
 def _log_started(config: ServerConfig, address: str, fleet) -> None:
     log_event(log, logging.INFO, "server_started", address=address, shards=",".join(fleet.addresses))
+    for report in fleet.devices:
+        if report.gpu_ids or report.backend != "cpu":
+            log_event(log, logging.INFO, "device", **report.fields())
     if config.durability is None:
         log.warning("sessions are not durable: a shard process that dies loses the sessions it holds "
                     "(they answer DATA_LOSS), and a server restart loses every session (see --checkpoint-dir)")

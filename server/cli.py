@@ -20,6 +20,7 @@ from importlib.metadata import entry_points
 
 # Light modules only, none of which imports grpc (serve() sets GRPC_VERBOSITY before gRPC is first
 # imported) nor a server extra (``optserve status`` and ``demo`` run on a client-only install).
+from optserve.server.compute.devices import DeviceUnusable
 from optserve.server.domain.config import Limits, ServerConfig
 from optserve.server.domain.durability import DurabilityConfig, FsyncPolicy, LogIO
 from optserve.server.domain.errors import InvalidArgument
@@ -73,6 +74,9 @@ def _add_placement_options(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--shard-host", default=None, help="interface the shards bind (default: --host)")
     serve.add_argument("--precond-workers", type=int, default=0, help="preconditioner workers (Shampoo roots, SOAP eigenbases)")
     serve.add_argument("--gpus-per-precond-worker", type=float, default=0.0, help="GPUs per preconditioner worker")
+    serve.add_argument("--rehearse-gpus", action="store_true",
+                       help="reserve the GPUs in Ray as asked, but run each actor's JAX on the CPU (checks a GPU "
+                            "deployment's placement where there is no GPU)")
     serve.add_argument("--precond-f64", action="store_true", help="compute preconditioner roots in float64")
     serve.add_argument("--min-shard-bytes", type=int, default=4 << 20,
                        help="a session spreads over only as many shards as give each this many parameter "
@@ -231,7 +235,7 @@ def serve(args: argparse.Namespace) -> int:
     except InvalidArgument as exc:
         print(f"optserve serve: {exc}", file=sys.stderr)
         return 2
-    except (StartError, DirectoryLocked) as exc:  # found before Ray started: the message says it all
+    except (StartError, DirectoryLocked, DeviceUnusable) as exc:  # the message says it all, in one line
         print(f"optserve serve: could not start: {exc}", file=sys.stderr)
         return 2
     except ImportError as exc:  # jax / ray / ... imported lazily while starting
@@ -254,6 +258,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         host=args.host, port=args.port, shards=args.shards, ray_address=args.ray_address,
         gpus_per_shard=args.gpus_per_shard, shard_host=args.shard_host, precond_workers=args.precond_workers,
         gpus_per_precond_worker=args.gpus_per_precond_worker, precond_f64=args.precond_f64,
+        gpu_rehearsal=args.rehearse_gpus,
         min_shard_bytes=args.min_shard_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens, insecure=args.insecure,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, drain_s=args.drain_s,

@@ -20,6 +20,7 @@ import ray
 
 from optserve.protos import contract
 from optserve.server.compute.buffers import aligned_empty
+from optserve.server.compute.devices import check_device, DeviceReport, DeviceRequest, ray_gpu_ids
 from optserve.server.compute.heap import keep_large_buffers_on_heap, release_free_memory
 from optserve.server.compute.updater import compile_stats, Updater
 from optserve.server.domain.clock import HomeClock
@@ -58,12 +59,13 @@ class ShardActor:
 
     def __init__(self, index: int, config: ServerConfig, security, precond_pool=None, ports: tuple = (0, 0),
                  recovering: bool = False):
-
-
-        keep_large_buffers_on_heap()  # received chunks and each step's tensor-sized buffers reuse freed memory
         if config.log_level is not None:
-
             configure_logging(config.log_level)
+        # first: where this actor's JAX runs; one given a GPU it cannot use serves nothing (the fleet refuses it)
+        self._device = check_device(shard_device_request(config, index), ray_gpu_ids(), ray.util.get_node_ip_address())
+        if self._device.problem:
+            return
+        keep_large_buffers_on_heap()  # received chunks and each step's tensor-sized buffers reuse freed memory
         self._index = index
         self._config = config
         self._precond_pool = precond_pool.for_shard(index) if precond_pool is not None else None
@@ -87,6 +89,10 @@ class ShardActor:
         self._clocks = ClockServer(host, advertised, security.internal, port=ports[1])
         self._node_id = ray.get_runtime_context().get_node_id()
         self._health.serving()
+
+    def device_report(self) -> DeviceReport:
+        """Where this shard's JAX runs (with a ``problem``: it serves nothing)."""
+        return self._device
 
     def address(self) -> str:
         return self._address
@@ -283,10 +289,10 @@ class ShardActor:
 
     def session_series(self, name: str):
         """The series the session's home shard keeps: ``(accepted, refused, rounds)`` records
-        (rounds: an elastic session's ``RoundRecord`` per version, else empty)."""
+        (rounds: the ``RoundRecord`` of each version, every mode)."""
         session = self._registry.get(name)
         accepted, refused = session.series.snapshot() if session.series is not None else ([], [])
-        rounds = session.home.history(0) if session.config.is_elastic and session.series is not None else []
+        rounds = session.home.history(0) if session.series is not None else []
         return accepted, refused, rounds
 
     def session_activity(self) -> dict:
@@ -298,11 +304,12 @@ class ShardActor:
         return self._metrics.collect()
 
     def server_status(self) -> dict:
-        """``{"node_id", "sessions", "param_bytes", "resident_bytes"}`` of this shard, now."""
-
+        """``{"node_id", "sessions", "param_bytes", "resident_bytes", "device"}`` of this shard, now
+        (``device``: its :class:`DeviceReport`)."""
         sessions = self._registry.sessions()
         return {"node_id": self._node_id, "sessions": len(sessions),
-                "param_bytes": sum(s.updater.param_bytes() for s in sessions), "resident_bytes": resident_bytes()}
+                "param_bytes": sum(s.updater.param_bytes() for s in sessions), "resident_bytes": resident_bytes(),
+                "device": self._device}
 
     def session_status(self, name: str) -> ShardSessionStatus:
         return dataclasses.replace(self._registry.get(name).status(), node_id=self._node_id)
@@ -315,6 +322,12 @@ class ShardActor:
         self._health.draining()
         self._server.stop(grace=0.5).wait()
         self._clocks.stop()
+
+
+def shard_device_request(config: ServerConfig, index: int = -1) -> DeviceRequest:
+    """What shard ``index`` asks Ray for (any shard's Ray options: ``index`` -1)."""
+    return DeviceRequest("shard" if index < 0 else f"shard {index}", "--gpus-per-shard", config.gpus_per_shard,
+                         config.gpu_rehearsal)
 
 
 def _bind(add_port, port: int) -> int:

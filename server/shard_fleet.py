@@ -23,12 +23,13 @@ from ray.util import get_placement_group
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from optserve.server.compute.devices import refuse_problems
 from optserve.server.compute.preconditioner_pool import check_gpus
 from optserve.server.domain.config import ServerConfig
 from optserve.server.domain.errors import unwrap, InvalidArgument, OptservError, Unavailable
 from optserve.server.domain.session_records import ShardOpening, ShardSummary
 from optserve.server.domain.shard_records import ShardSessionStatus
-from optserve.server.shard_actor import ShardActor
+from optserve.server.shard_actor import ShardActor, shard_device_request
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class RayShardFleet:
 
     def __init__(self, actors: list, start_actor=None):
         self.actors = actors
+        self.devices = usable_devices([a.device_report.remote() for a in actors])  # DeviceReport by index
         self.addresses = ray.get([a.address.remote() for a in actors])
         self.clock_addresses = ray.get([a.clock_address.remote() for a in actors])
         self._start_actor = start_actor  # index -> a new actor for that shard (see restart)
@@ -70,6 +72,7 @@ class RayShardFleet:
         ray.kill(self.actors[index])
         ports = (_port(self.addresses[index]), _port(self.clock_addresses[index]))
         actor = self._start_actor(index, ports, recovering)
+        self.devices[index] = usable_devices([actor.device_report.remote()])[0]
         address, clock_address = ray.get([actor.address.remote(), actor.clock_address.remote()])
         self.actors[index] = actor
         self.addresses[index], self.clock_addresses[index] = address, clock_address
@@ -153,7 +156,7 @@ class RayShardFleet:
         reports = self.shard_reports("server_status", timeout_s=5.0)
         return [ShardSummary(i, self.addresses[i], healthy=False) if r is None else
                 ShardSummary(i, self.addresses[i], r["node_id"], r["sessions"], r["param_bytes"], r["resident_bytes"],
-                             healthy=True)
+                             healthy=True, device=r["device"])
                 for i, r in enumerate(reports)]
 
     def drain(self) -> None:
@@ -264,6 +267,16 @@ def _spread_placement_group(config: ServerConfig, timeout_s: float = PLACEMENT_T
         log.warning("waiting for Ray to place %d shards (a bundle of %s each)", len(bundles), bundles[0])
 
 
+def usable_devices(refs: list) -> list:
+    """The actors' :class:`~optserve.server.compute.devices.DeviceReport` (``refs``: their
+    ``device_report`` calls).
+
+    Raises:
+      DeviceUnusable: an actor's JAX cannot use the GPUs it was given (its one-line ``problem``).
+    """
+    return refuse_problems(ray.get(refs))
+
+
 DETACHED_NAMESPACE = "optserve"  # where a durable server on a cluster names its detached shard actors
 
 
@@ -323,9 +336,8 @@ def start_shards(config: ServerConfig, security, precond_pool=None) -> RayShardF
     else:
         group = _spread_placement_group(config, **({"name": group_name, "lifetime": "detached"} if detached else {}))
         alive = [None] * config.shards
-    options = {"num_cpus": 0, "max_concurrency": 16}
-    if config.gpus_per_shard > 0:  # the actor's JAX then sees (only) the GPUs Ray assigned it
-        options["num_gpus"] = config.gpus_per_shard
+    # GPUs: the actor's JAX sees (only) those Ray assigned it, within the memory budget of its share
+    options = {"num_cpus": 0, "max_concurrency": 16, **shard_device_request(config).ray_options()}
     cls = ray.remote(ShardActor)
 
     def start_actor(index: int, ports: tuple = (0, 0), recovering: bool = False):

@@ -1,5 +1,6 @@
-"""``optserve serve`` asking for more GPUs than the embedded Ray has: one line, exit 2, within
-seconds (Ray would otherwise wait for the resources without end). A real server process."""
+"""``optserve serve`` asking for more GPUs than the embedded Ray has (on this machine without GPUs,
+any): one line, exit 2, within 15 s (Ray would otherwise wait for the resources without end). A
+real server process."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ GPUS = "64"
 
 
 @pytest.mark.parametrize("flags, expected", [
+    (["--gpus-per-shard", "0.5"], "--gpus-per-shard 0.5 x 2 shards needs 1"),
     (["--shards", "2", "--gpus-per-shard", GPUS], "--gpus-per-shard 64 x 2 shards needs 128"),
     (["--shards", "1", "--precond-workers", "2", "--gpus-per-precond-worker", GPUS],
      "--gpus-per-precond-worker 64 x 2 preconditioner workers needs 128"),
@@ -31,4 +33,4 @@ def test_serve_asking_for_gpus_the_local_ray_lacks_fails_fast_in_one_line(flags,
     assert len(lines) == 1 and "could not start" in lines[0] and "the Ray cluster has" in lines[0], result.stderr[-3000:]
     assert expected in lines[0]
     assert "Traceback" not in result.stderr
-    assert seconds < 120, f"took {seconds:.0f} s: it waited for the GPUs"
+    assert seconds < 15, f"took {seconds:.0f} s: it waited for the GPUs"

@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from optserve.server.compute.devices import DeviceRequest, refuse_problems
 from optserve.server.compute.preconditioner_worker import PreconditionerWorker, RootComputation, compute_roots_fn
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class PoolConfig:
     Attributes:
       workers: number of worker actors (``--precond-workers``), >= 1.
       gpus_per_worker: GPUs each worker requests from Ray (0: CPU).
+      rehearsal: GPUs reserved in Ray, JAX on the CPU (``--rehearse-gpus``).
       f64: compute roots in float64 (``--precond-f64``).
       batch_blocks: largest number of matrices in one worker call, >= 1.
       max_attempts: worker calls per batch before computing it locally, >= 1.
@@ -51,6 +53,13 @@ class PoolConfig:
     f64: bool = False
     batch_blocks: int = 32
     max_attempts: int = 3
+    rehearsal: bool = False
+
+    @property
+    def device(self) -> DeviceRequest:
+        """What each worker asks Ray for, and how its JAX uses it."""
+        return DeviceRequest("preconditioner worker", "--gpus-per-precond-worker", self.gpus_per_worker,
+                             self.rehearsal, full_precision=True)
 
     def __post_init__(self):
         if self.workers < 1:
@@ -108,21 +117,25 @@ def start_workers(config: PoolConfig, detached: Optional[tuple[str, str]] = None
 
     Raises:
       RuntimeError: the embedded Ray has fewer GPUs than the workers ask for (:func:`check_gpus`).
+      DeviceUnusable: a worker's JAX cannot use the GPUs it was given.
     """
     import ray
 
     check_gpus("--gpus-per-precond-worker", config.gpus_per_worker, config.workers, "preconditioner workers")
-    resources = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": _RAY_TASK_RETRIES}
-    if config.gpus_per_worker > 0:  # the worker's JAX then sees (only) the GPUs Ray assigned it
-        resources["num_gpus"] = config.gpus_per_worker
+    # GPUs: the worker's JAX sees (only) those Ray assigned it, within the memory budget of its share
+    resources = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": _RAY_TASK_RETRIES,
+                 **config.device.ray_options()}
     cls = ray.remote(PreconditionerWorker)
     if detached is None:
-        workers = [cls.options(**resources).remote(i, config.f64) for i in range(config.workers)]
+        workers = [cls.options(**resources).remote(i, config.f64, config.device) for i in range(config.workers)]
     else:
         prefix, namespace = detached
         workers = [cls.options(**resources, name=f"{prefix}-precond-{i}", namespace=namespace, lifetime="detached",
-                               get_if_exists=True).remote(i, config.f64) for i in range(config.workers)]
-    ray.get([w.info.remote() for w in workers])
+                               get_if_exists=True).remote(i, config.f64, config.device)
+                   for i in range(config.workers)]
+    for report in refuse_problems([info["placement"] for info in ray.get([w.info.remote() for w in workers])]):
+        if report.gpu_ids or report.backend != "cpu":
+            log.info("event=device %s", " ".join(f"{key}={value}" for key, value in report.fields().items()))
     return workers
 
 

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Optional
 
 import numpy as np
+
+from optserve.server.compute.devices import check_device, DeviceRequest, ray_gpu_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,11 +55,16 @@ class PreconditionerWorker:
     Args:
       index: the worker's slot in the pool (for status and logs).
       f64: compute in float64 (``jax_enable_x64`` in this process).
+      device: the GPUs it asked Ray for (None: none); float32 matmuls run at full precision either way.
+        A worker whose JAX cannot use its GPUs computes nothing: its :meth:`info` names the problem.
     """
 
-    def __init__(self, index: int, f64: bool = False):
+    def __init__(self, index: int, f64: bool = False, device: Optional[DeviceRequest] = None):
         import jax
 
+        request = dataclasses.replace(device or DeviceRequest("", "--gpus-per-precond-worker"),
+                                      role=f"preconditioner worker {index}", full_precision=True)
+        self._device = check_device(request, ray_gpu_ids(), _node_address())
         if f64:
             jax.config.update("jax_enable_x64", True)
         self._index = index
@@ -88,9 +95,20 @@ class PreconditionerWorker:
         return np.asarray(roots, dtype=np.float32), np.asarray(errors, dtype=np.float32)
 
     def info(self) -> dict:
-        """``{"index", "pid", "device", "x64", "batches"}``: ``x64`` whether this process computes in
-        float64; ``batches`` computed since this process started."""
+        """``{"index", "pid", "device", "x64", "batches", "placement"}``: ``x64`` whether this process
+        computes in float64; ``batches`` computed since this process started; ``placement`` its
+        :class:`~optserve.server.compute.devices.DeviceReport`."""
         import jax
 
         return {"index": self._index, "pid": os.getpid(), "device": str(jax.devices()[0]),
-                "x64": bool(jax.config.jax_enable_x64), "batches": self._batches}
+                "x64": bool(jax.config.jax_enable_x64), "batches": self._batches, "placement": self._device}
+
+
+def _node_address() -> str:
+    """This worker's node IP (for messages), "" outside Ray."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - not in a Ray worker
+        return ""

@@ -355,6 +355,8 @@ class ServerConfig:
       shard_host: interface the shards' data services bind to (defaults to ``host``).
       precond_workers / gpus_per_precond_worker / precond_f64: Shampoo's preconditioner workers
         (:mod:`optserve.server.compute.preconditioner_pool`): how many, GPUs each, float64 roots.
+      gpu_rehearsal: Ray reserves and assigns the GPUs asked for, and each actor's JAX runs on the
+        CPU (``--rehearse-gpus``: a GPU deployment's placement checked where no GPU is).
       grpc_threads: thread pool size of each gRPC server (threads start as calls need them, and stay). A
         shard keeps at most half of them for open PushPull calls (idle ones are ended past that).
         A call that finds every thread taken waits, unseen, in gRPC's queue, and a step whose
@@ -397,6 +399,7 @@ class ServerConfig:
     precond_workers: int = 0
     gpus_per_precond_worker: float = 0.0
     precond_f64: bool = False
+    gpu_rehearsal: bool = False
     grpc_threads: int = 256
     min_shard_bytes: int = 4 << 20
     step_timeout_s: float = 300.0
@@ -423,6 +426,8 @@ class ServerConfig:
             raise InvalidArgument(f"--port must be in [0, 65535], got {self.port}")
         if self.gpus_per_shard < 0 or self.gpus_per_precond_worker < 0:
             raise InvalidArgument("GPU counts must be >= 0")
+        if self.gpu_rehearsal and not (self.gpus_per_shard > 0 or self.gpus_per_precond_worker > 0):
+            raise InvalidArgument("--rehearse-gpus needs --gpus-per-shard or --gpus-per-precond-worker")
         if self.precond_workers < 0:
             raise InvalidArgument(f"--precond-workers must be >= 0, got {self.precond_workers}")
         if self.min_shard_bytes < 0:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Optional, Sequence
 
+from optserve.server.compute.devices import DeviceReport
 from optserve.server.domain.clock_records import ClockStatus
 from optserve.server.domain.config import Mode, PreconditionerOptions, SessionConfig, estimated_shard_bytes
 from optserve.server.domain.shard_records import ShardSessionStatus
@@ -168,6 +169,7 @@ class ShardSummary:
     param_bytes: int = 0
     resident_bytes: int = 0
     healthy: bool = False
+    device: Optional[DeviceReport] = None  # where its JAX runs; None: it did not answer
 
     def seen_by(self, owned: Sequence[SessionRecord]) -> "ShardSummary":
         """This shard as the tenant whose sessions are ``owned`` may see it: their count and

@@ -187,8 +187,18 @@ def server_status_to_proto(shards) -> control_pb2.GetServerStatusResponse:
     """``ShardSummary`` records -> the wire."""
     return control_pb2.GetServerStatusResponse(shards=[
         control_pb2.ServerShard(index=s.index, address=s.address, node_id=s.node_id, sessions=s.sessions,
-                                param_bytes=s.param_bytes, resident_bytes=s.resident_bytes, healthy=s.healthy)
+                                param_bytes=s.param_bytes, resident_bytes=s.resident_bytes, healthy=s.healthy,
+                                device=device_to_proto(s.device))
         for s in shards])
+
+
+def device_to_proto(report) -> "control_pb2.DevicePlacement | None":
+    """A :class:`~optserve.server.compute.devices.DeviceReport` -> the wire (None: none)."""
+    if report is None:
+        return None
+    return control_pb2.DevicePlacement(backend=report.backend, devices=list(report.devices),
+                                       gpu_ids=list(report.gpu_ids), memory_fraction=report.memory_fraction,
+                                       rehearsal=report.rehearsal)
 
 
 def series_to_proto(series) -> control_pb2.GetSeriesResponse:

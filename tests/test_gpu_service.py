@@ -1,0 +1,70 @@
+"""The service on a GPU: shards and root workers sharing one GPU by fractions, each within its
+memory budget, training exactly. Run by the GPU kit (``make gpu-check`` on a lent device, against a
+Ray node that declares the GPU; ``make gpu-check-dry`` here, with the GPU rehearsed: JAX on the
+CPU), which names the node in ``OPTSERVE_GPU_RAY_ADDRESS``; skipped without it.
+
+On the device the in-process references run on the same GPU as the service (this process takes only
+the memory it uses: the kit sets ``XLA_PYTHON_CLIENT_PREALLOCATE=false``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from _service_helpers import InProcess, make_grads, make_params, max_abs_diff
+from bench.gpu import device_events, Server
+from optserve.client import Client
+
+RAY_ADDRESS = os.environ.get("OPTSERVE_GPU_RAY_ADDRESS", "")
+REHEARSAL = os.environ.get("OPTSERVE_GPU_REHEARSAL") == "1"
+pytestmark = pytest.mark.skipif(not RAY_ADDRESS, reason="the GPU kit runs these (make gpu-check; make gpu-check-dry)")
+
+BACKEND = "cpu" if REHEARSAL else "gpu"
+ROOT_OPTIMIZERS = {
+    "shampoo": {"learning_rate": 0.01, "block_size": 8, "start_preconditioning_step": 2},
+    "soap": {"learning_rate": 0.01, "precondition_frequency": 2, "max_precondition_dim": 12},
+}
+
+
+def test_two_shards_share_a_gpu_each_within_its_budget_and_train_exactly(tmp_path):
+    with Server(RAY_ADDRESS, str(tmp_path), REHEARSAL, "--shards", "2", "--gpus-per-shard", "0.5") as server:
+        with Client(server.address, timeout=120, shared_memory=True) as client:
+            for shard in client.server_status():
+                device = shard.device
+                assert device.backend == BACKEND and device.rehearsal == REHEARSAL, device
+                assert device.memory_fraction == pytest.approx(0.45) and len(device.gpu_ids) == 1, device
+                if not REHEARSAL:
+                    assert device.devices and all(d.startswith("cuda") for d in device.devices), device
+            params = make_params(2)
+            session = client.create_session("gpu-adam", params, optimizer={"name": "adam", "args": {
+                "learning_rate": 0.01}})
+            assert len(session.status().shards) == 2
+            reference = InProcess("adam", {"learning_rate": 0.01}, params)
+            for step in range(3):
+                grads = make_grads(params, step)
+                got, expected = session.push_pull(grads), reference.step(grads)
+                assert max_abs_diff(got, expected) <= 1e-5, step
+            session.close()
+
+
+@pytest.mark.parametrize("name", sorted(ROOT_OPTIMIZERS))
+def test_roots_on_a_gpu_worker_beside_the_shard_reproduce_the_in_process_optimizer(tmp_path, name):
+    flags = ("--shards", "1", "--gpus-per-shard", "0.5", "--precond-workers", "1", "--gpus-per-precond-worker",
+             "0.5", "--log-level", "info")
+    with Server(RAY_ADDRESS, str(tmp_path), REHEARSAL, *flags) as server:
+        with Client(server.address, timeout=120, shared_memory=True) as client:
+            params = make_params(2)
+            args = ROOT_OPTIMIZERS[name]
+            session = client.create_session(f"gpu-{name}", params, optimizer={
+                "name": name, "args": args, "preconditioners": {"max_age": 0}})
+            reference = InProcess(name, args, params)
+            for step in range(5):
+                grads = make_grads(params, step)
+                got, expected = session.push_pull(grads), reference.step(grads)
+            assert max_abs_diff(got, expected) <= 1e-4
+            assert session.status().shards[0].root_offload.roots_installed > 0
+            session.close()
+        worker = device_events(server.output())["preconditioner-worker-0"]
+    assert worker["backend"] == BACKEND and worker["memory_fraction"] == "0.45", worker
