@@ -230,9 +230,13 @@ class Session:
 
     def history(self, since: int = 0) -> list[Union[RoundRecord, HyperparamChange]]:
         """What happened after version ``since``, oldest first, from the session's home shard:
-        elastic sync sessions' :class:`RoundRecord` of each committed version (participants,
-        their scales, late gradients dropped, duration, why it committed), and every session's
-        :class:`HyperparamChange` (from :meth:`set_hyperparams`), ordered by version."""
+        the :class:`RoundRecord` of each version (every mode: sync, one per round; async, one per
+        applied push), the pushes its update applied with their client ids, sequence numbers,
+        staleness, base versions and scales as applied (and for sync rounds how long they took,
+        why they committed and late gradients dropped), so a run replays exactly from them; and
+        every :class:`HyperparamChange` (from :meth:`set_hyperparams`), ordered by version. The
+        home shard keeps the latest 4096 versions (ask with ``since`` as a long run goes); durable
+        sessions keep them across restarts."""
         request = data_pb2.HistoryRequest(session=self.name, since=int(since))
         return history_records(self._fanout.served(lambda: self._home().History(request, timeout=self._client.timeout)))
 

@@ -163,7 +163,8 @@ class PytreeSession:
         return self.raw.last_step
 
     def history(self, since: int = 0):
-        """Round records and hyperparameter changes after ``since`` (see ``Session.history``)."""
+        """Each version's record (its pushes, their base versions and scales) and hyperparameter
+        changes after ``since`` (see ``Session.history``)."""
         return self.raw.history(since)
 
     def set_hyperparams(self, group=None, **values: float) -> int:

@@ -162,15 +162,28 @@ class HyperparamChange:
 
 @dataclasses.dataclass(frozen=True)
 class RoundRecord:
-    """One committed version of an elastic sync session.
+    """One version of a session: the pushes its update applied (``Session.history``), in every mode.
+
+    Push ``i`` of the record is ``clients[i]`` (its worker ``participants[i]``), its
+    ``sequences[i]``, computed from version ``base_versions[i] = version - 1 - staleness[i]``,
+    weighted ``scales[i]``. Sync sessions (plain and elastic): one record per round, whose update
+    ran on the mean ``sum(scales[i] * g_i) / len(participants)`` (``scales[i]``: 1 unless a late
+    gradient was folded in under SCALE). Async sessions: one record per applied push (one push),
+    whose update ran on its gradient with the step scaled by ``scales[0]`` (``1 / (1 + staleness)``
+    under SCALE, else 1).
 
     Attributes:
-      version: the version the round produced.
-      participants: worker ids whose gradients the update averaged, in ticket order.
-      scales: each participant's gradient scale in the mean (1 unless folded in late under SCALE).
-      late: workers whose late gradients were dropped while the round was open.
-      duration_s: first push to commit.
-      closed_by: "num_workers", "members", "deadline" or "left".
+      version: the version the step produced.
+      participants: worker ids of the pushes (the part of a client id before its first '/'), in ticket order.
+      scales: each push's scale as applied (see above).
+      late: elastic sync: workers whose late gradients were dropped while the round was open.
+      duration_s: sync: first push to commit (0 for async records).
+      closed_by: sync: "num_workers", "members", "deadline" or "left" ("replayed": rebuilt from a step
+        log without its journal); async: "push".
+      clients: each push's client id (records written before these existed: empty).
+      sequences: each push's sequence number (``(clients[i], sequences[i])`` names the push).
+      staleness: each push's staleness (versions between its base version and the version it was
+        decided at; 0 in sync mode unless folded in late).
     """
 
     version: int
@@ -179,20 +192,33 @@ class RoundRecord:
     late: tuple[str, ...]
     duration_s: float
     closed_by: str
+    clients: tuple[str, ...] = ()
+    sequences: tuple[int, ...] = ()
+    staleness: tuple[int, ...] = ()
+
+    @property
+    def base_versions(self) -> tuple[int, ...]:
+        """The version each push's gradient was computed from."""
+        return tuple(self.version - 1 - s for s in self.staleness)
 
     def to_json(self) -> dict:
         return {"version": self.version, "participants": list(self.participants), "scales": list(self.scales),
-                "late": list(self.late), "duration_s": self.duration_s, "closed_by": self.closed_by}
+                "late": list(self.late), "duration_s": self.duration_s, "closed_by": self.closed_by,
+                "clients": list(self.clients), "sequences": list(self.sequences), "staleness": list(self.staleness)}
 
     @classmethod
     def from_json(cls, data: dict) -> "RoundRecord":
         return cls(int(data["version"]), tuple(data["participants"]), tuple(float(s) for s in data["scales"]),
-                   tuple(data["late"]), float(data["duration_s"]), str(data["closed_by"]))
+                   tuple(data["late"]), float(data["duration_s"]), str(data["closed_by"]),
+                   tuple(str(c) for c in data.get("clients", ())), tuple(int(s) for s in data.get("sequences", ())),
+                   tuple(int(s) for s in data.get("staleness", ())))
 
     def to_proto(self) -> control_pb2.RoundRecord:
         return control_pb2.RoundRecord(version=self.version, participants=self.participants, scales=self.scales,
-                                    late=self.late, duration_s=self.duration_s, closed_by=self.closed_by)
+                                       late=self.late, duration_s=self.duration_s, closed_by=self.closed_by,
+                                       clients=self.clients, sequences=self.sequences, staleness=self.staleness)
 
     @classmethod
     def from_proto(cls, r: control_pb2.RoundRecord) -> "RoundRecord":
-        return cls(r.version, tuple(r.participants), tuple(r.scales), tuple(r.late), r.duration_s, r.closed_by)
+        return cls(r.version, tuple(r.participants), tuple(r.scales), tuple(r.late), r.duration_s, r.closed_by,
+                   tuple(r.clients), tuple(r.sequences), tuple(r.staleness))

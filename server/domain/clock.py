@@ -12,11 +12,11 @@ among shards on each push and sums cross-shard statistics.
 the first shard of its shard map, as a :class:`HomeClock` (``is_home`` True), which composes
 
 - :class:`~optserve.server.domain.clock_state.ClockState`: versions, tickets, elastic rounds,
-  checkpoint timing;
+  the record of each version, checkpoint timing;
 - :class:`~optserve.server.domain.votes.ShardVotes`: the shards' vote on each push;
 - :class:`~optserve.server.domain.cross_shard_sums.CrossShardSums`: the cross-shard sums;
 
-and adds what only the home shard does: elastic membership and history, the ticket journal and
+and adds what only the home shard does: elastic membership, the history, the ticket journal and
 restore of durable sessions, ending the session's waits. The other shards of the session reach it
 through :class:`~optserve.server.wire.clock_service.PeerClock` (``is_home`` False; a small gRPC
 endpoint in the home shard's process). So a single-shard session never leaves its process, and a
@@ -88,8 +88,10 @@ class HomeClock:
       checkpoints: durable sessions: the checkpoint policy (marks checkpoint-due steps).
       journal: durable sessions: called under the clock's lock with each new ticket's JSON
         (``Ticket.to_json``) before any shard sees it, with ``{"round": record}`` after a ticket
-        that commits an elastic round, and with ``{"sum": key, "total": total}`` for each
-        cross-shard sum before any shard gets it: the journal a restarted clock replays.
+        that closes a sync round of several pushes or an elastic one (other records are rebuilt
+        from their tickets: see ``ClockState.latest_record_journaled``), and with
+        ``{"sum": key, "total": total}`` for each cross-shard sum before any shard gets it: the
+        journal a restarted clock replays.
     """
 
     def __init__(self, config: SessionConfig, participants: int = 1, reduce_timeout_s: float = 300.0,
@@ -152,12 +154,12 @@ class HomeClock:
         return ticket
 
     def _write_journal(self, ticket: Ticket) -> None:
-        """Journals a fresh ticket, and the record of the elastic round it commits (lock held)."""
+        """Journals a fresh ticket, and the record of the sync round it closes (lock held)."""
         if self._journal is None:
             return
         self._journal(ticket.to_json())
-        if ticket.closes_step and self._state.rounds is not None:
-            self._journal({"round": self._state.rounds.history[-1].to_json()})
+        if ticket.closes_step and self._state.latest_record_journaled:
+            self._journal({"round": self._state.history.latest.to_json()})
 
     def _close_round_if_due(self) -> None:
         """Elastic sync: commits the open round without a push when it is due (lock held); the
@@ -201,10 +203,11 @@ class HomeClock:
                 self._close_round_if_due()
 
     def history(self, since: int) -> list[RoundRecord]:
-        """Elastic sync: the records of the versions after ``since`` (empty for other sessions)."""
+        """The records of the versions after ``since``, oldest first (the latest
+        :data:`~optserve.server.domain.version_history.MAX_VERSIONS_KEPT` versions are kept; see
+        :mod:`~optserve.server.domain.version_history`)."""
         with self._cond:
-            rounds = self._state.rounds
-            return rounds.since(since) if rounds is not None else []
+            return self._state.history.since(since)
 
     # ----------------------------------------------------------------- hyperparameters (home only)
     def set_hyperparams(self, values: dict) -> tuple[int, bool]:
@@ -253,10 +256,9 @@ class HomeClock:
             for ordinal in sorted(tickets):
                 if ordinal >= self._state.next_ordinal:
                     self._state.record(tickets[ordinal])
-            if self._state.rounds is not None:  # the journal's records are exact (replayed ones lack timings)
-                for record in records:
-                    if record.version <= self._state.version:
-                        self._state.rounds.keep(record)
+            for record in records:  # the journal's records are exact (replayed ones lack timings)
+                if record.version <= self._state.version:
+                    self._state.history.keep(record)
             for values in hyper:  # changes asked for that no ticket carried are pending again
                 self._state.hyper.request(values, self._state.version)
             self._state.hyper.settle()
@@ -291,7 +293,7 @@ class HomeClock:
 
 
 def _read_journal(journal: list, sums: CrossShardSums) -> tuple[dict[int, Ticket], list[RoundRecord], list[dict]]:
-    """The tickets (by ordinal), elastic round records and hyperparameter requests of a clock
+    """The tickets (by ordinal), sync round records and hyperparameter requests of a clock
     journal; its sums go to ``sums``."""
     tickets, records, hyper = {}, [], []
     for entry in journal:

@@ -1,12 +1,13 @@
-"""The session clock's ordering state: versions, tickets, elastic rounds, checkpoint timing.
+"""The session clock's ordering state: versions, tickets, elastic rounds, the history, checkpoint timing.
 
 :class:`ClockState` decides each push the first time it is asked (via
 :func:`optserve.server.domain.staleness.decide`, or the elastic round rules of
 :mod:`optserve.server.domain.rounds`) and answers every later ask for the same
 ``(client_id, sequence)`` with the same :class:`~optserve.server.domain.clock_records.Ticket`, so
 all shards agree on acceptance, staleness and order. Accepted pushes get consecutive ordinals.
-It also marks checkpoint-due steps and keeps the counters of :class:`ClockStatus`; its durable
-part round-trips through :meth:`ClockState.to_json` / :meth:`ClockState.restore`.
+It also keeps the record of each version (:mod:`~optserve.server.domain.version_history`), marks
+checkpoint-due steps and keeps the counters of :class:`ClockStatus`; its durable part round-trips
+through :meth:`ClockState.to_json` / :meth:`ClockState.restore`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import json
 import time
 from typing import Optional
 
-from optserve.protos.status_records import RoundRecord
 from optserve.server.domain.clock_records import MAX_WORKERS_REPORTED, ROUND_CLOSER, ClockStatus, Ticket
 from optserve.server.domain.config import LatePolicy, Mode, SessionConfig, StalenessPolicy, worker_of
 from optserve.server.domain.durability import CheckpointPolicy
@@ -24,6 +24,7 @@ from optserve.server.domain.errors import InvalidArgument, Late, OptservError, S
 from optserve.server.domain.hyperparam_book import HyperparamBook
 from optserve.server.domain.rounds import Rounds
 from optserve.server.domain.staleness import Decision, decide
+from optserve.server.domain.version_history import OpenStep, VersionHistory
 
 _KEEP_TICKETS = 4096  # recent tickets kept by ordinal (shards ask for the one whose turn it is)
 _MAX_WORKERS_KEPT = 4096  # workers whose last push a clock remembers (the oldest are forgotten)
@@ -32,8 +33,9 @@ _MAX_WORKERS_KEPT = 4096  # workers whose last push a clock remembers (the oldes
 @dataclasses.dataclass
 class ClockState:
     """One session's ordering state: its version, the ticket book (each client's latest push and
-    the recent tickets by ordinal), the counters of its status, the elastic membership and round
-    history (:class:`~optserve.server.domain.rounds.Rounds`) and when a checkpoint is next due.
+    the recent tickets by ordinal), the counters of its status, the elastic membership and rounds
+    (:class:`~optserve.server.domain.rounds.Rounds`), the record of each version
+    (:class:`~optserve.server.domain.version_history.VersionHistory`) and when a checkpoint is next due.
 
     Not thread-safe: the home clock (:class:`~optserve.server.domain.clock.HomeClock`) calls it
     under its lock. Build it for a session with :func:`clock_state_for`.
@@ -56,9 +58,11 @@ class ClockState:
     checkpoints: Optional[CheckpointPolicy] = None  # durable sessions: when a step is checkpoint-due
     checkpoint_version: int = 0  # the version of the latest checkpoint-due step (0: initial values)
     checkpoint_time: float = dataclasses.field(default_factory=time.monotonic)
-    rounds: Optional[Rounds] = None  # elastic sync sessions: membership, round rules and history
+    rounds: Optional[Rounds] = None  # elastic sync sessions: membership, round rules, the open round
     late: LatePolicy = LatePolicy.DROP
     hyper: HyperparamBook = dataclasses.field(default_factory=HyperparamBook)  # hyperparameters set, in ticket order
+    history: VersionHistory = dataclasses.field(default_factory=VersionHistory)  # each version's record
+    open_step: OpenStep = dataclasses.field(default_factory=OpenStep)  # plain sync / async: the open step's pushes
 
     def commit(self, client_id: str, sequence: int, base_version: int) -> Ticket:
         """Returns the push's ticket, deciding it on the first call; raises the refusal otherwise."""
@@ -143,17 +147,14 @@ class ClockState:
         return ticket
 
     def record(self, ticket: Ticket, closed_by: str = "replayed") -> None:
-        """Books a decided ticket (a fresh decision, or one replayed from the ticket journal)."""
+        """Books a decided ticket (a fresh decision, or one replayed from the ticket journal);
+        ``closed_by``: why an elastic round it closes committed."""
         self.next_ordinal = ticket.ordinal + 1
         self.tickets[ticket.ordinal] = ticket
         if ticket.hyperparams:  # a fresh ticket's change is booked already (a replayed one's is not)
             self.hyper.applied(ticket.target_version, json.loads(ticket.hyperparams))
         self.tickets.pop(ticket.ordinal - _KEEP_TICKETS, None)
-        if self.rounds is not None:
-            if not ticket.closes_round:
-                self.rounds.add(worker_of(ticket.client_id), ticket.scale, time.monotonic())
-            if ticket.closes_step:
-                self.rounds.commit(ticket.target_version, closed_by, time.monotonic())
+        self._add_to_step(ticket, closed_by)
         if ticket.checkpoint:
             self.checkpoint_version, self.checkpoint_time = ticket.target_version, time.monotonic()
         if ticket.closes_round:
@@ -168,6 +169,29 @@ class ClockState:
             self.step_clients.add(ticket.client_id)
         self.last[ticket.client_id] = (ticket.sequence, ticket)
 
+    def _add_to_step(self, ticket: Ticket, closed_by: str) -> None:
+        """Adds ``ticket``'s push to the open step; a ticket closing it files the step's record."""
+        now = time.monotonic()
+        if self.rounds is not None:
+            if not ticket.closes_round:
+                self.rounds.add(ticket, now)
+            if ticket.closes_step:
+                self.history.keep(self.rounds.commit(ticket.target_version, closed_by, now))
+            return
+        self.open_step.add(ticket, now)
+        if ticket.closes_step:  # plain sync: the K-th push; async: every push
+            self.history.keep(self.open_step.close(ticket.target_version,
+                                                   "num_workers" if self.mode is Mode.SYNC else "push", now))
+
+    @property
+    def latest_record_journaled(self) -> bool:
+        """The record just filed holds what its tickets do not (an elastic round's closing reason
+        and duration, a plain sync round's duration), so durable sessions journal it beside the
+        ticket that closed it; an async record, or a sync step of one push (duration 0), is
+        rebuilt exactly from its ticket."""
+        latest = self.history.latest
+        return self.rounds is not None or (self.mode is Mode.SYNC and latest is not None and len(latest.clients) > 1)
+
     def truncate(self, version: int, next_ordinal: int) -> int:
         """Forgets every ticket deciding a version after ``version`` (a restore brought the shards
         back to it) and continues at ``next_ordinal``; returns how many tickets were forgotten.
@@ -181,6 +205,8 @@ class ClockState:
         self.step_clients = set()  # the open step was after ``version``: its tickets are gone
         if self.rounds is not None:
             self.rounds.forget_after(version)
+        self.open_step = OpenStep()
+        self.history.forget_after(version)
         self.hyper.forget_after(version)
         for client, (_, latest) in list(self.last.items()):
             if isinstance(latest, Ticket) and latest.target_version > version:
@@ -200,10 +226,11 @@ class ClockState:
                 "tickets": [t.to_json() for t in self.tickets.values()], "accepted": self.accepted,
                 "stale": self.stale, "staleness_counts": {str(k): v for k, v in self.staleness_counts.items()},
                 "checkpoint_version": self.checkpoint_version, "hyper": self.hyper.to_json(),
-                "rounds": [r.to_json() for r in self.rounds.history] if self.rounds is not None else []}
+                "rounds": self.history.to_json()}
 
     def restore(self, data: dict) -> None:
-        """Takes back the state of :meth:`to_json` (the checkpoint clock restarts now)."""
+        """Takes back the state of :meth:`to_json` (the checkpoint clock restarts now); the open
+        step is rebuilt from the tickets deciding the next version."""
         self.version, self.next_ordinal = int(data["version"]), int(data["next_ordinal"])
         self.step_clients = set(data["step_clients"])
         self.last = {c: (t.sequence, t) for c, t in ((c, Ticket.from_json(v)) for c, v in data["last"].items())}
@@ -212,8 +239,16 @@ class ClockState:
         self.staleness_counts = {int(k): int(v) for k, v in data["staleness_counts"].items()}
         self.checkpoint_version, self.checkpoint_time = int(data["checkpoint_version"]), time.monotonic()
         self.hyper.restore(data.get("hyper"))
+        self.history.restore(data.get("rounds", []))
         if self.rounds is not None:
-            self.rounds.history = [RoundRecord.from_json(r) for r in data.get("rounds", [])]
+            self.rounds.forget_after(self.version)
+        self.open_step = OpenStep()
+        for ticket in sorted(self.tickets.values(), key=lambda t: t.ordinal):
+            if ticket.target_version > self.version and not ticket.closes_step:  # decided into the open step
+                if self.rounds is not None:
+                    self.rounds.add(ticket, time.monotonic())
+                else:
+                    self.open_step.add(ticket, time.monotonic())
 
     def status(self) -> ClockStatus:
         """The counters of :class:`ClockStatus` (the elastic ones from :class:`Rounds`)."""

@@ -37,8 +37,9 @@ class HomeCalls:
         return self._home_clock("membership").membership(worker, action)
 
     def history(self, since: int) -> list:
-        """Elastic sync: the :class:`~optserve.protos.status_records.RoundRecord` of each version
-        after ``since`` (empty for other sessions)."""
+        """The :class:`~optserve.protos.status_records.RoundRecord` of each version after
+        ``since``, oldest first, in every mode (sync: one per round; async: one per push; see
+        :mod:`~optserve.server.domain.version_history`)."""
         return self._home_clock("history").history(since)
 
     def hyperparam_history(self, since: int) -> list:

@@ -24,10 +24,11 @@ Rounds
   deadline. A straggler that pushes on time is expected again. So one slow worker costs the others
   one deadline, not one per round.
 
-Every committed version gets a :class:`RoundRecord`: its participants (in ticket order, with the
-scale of each gradient in the mean), the late gradients dropped while it was open, its duration
-and why it committed. The update averages exactly the participants' gradients, so a run can be
-replayed from its records.
+Every committed version gets a :class:`RoundRecord` (:func:`~optserve.server.domain.version_history.round_record`):
+its pushes (in ticket order, with the scale of each gradient in the mean), the late gradients
+dropped while it was open, its duration and why it committed. The update averages exactly the
+participants' gradients, so a run can be replayed from its records; the session clock keeps them
+(:class:`~optserve.server.domain.version_history.VersionHistory`).
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ import statistics
 from typing import Optional
 
 from optserve.protos.status_records import ElasticStatus, RoundRecord
-from optserve.server.domain.config import SessionConfig
+from optserve.server.domain.clock_records import Ticket
+from optserve.server.domain.config import SessionConfig, worker_of
 from optserve.server.domain.errors import ResourceExhausted
+from optserve.server.domain.version_history import OpenStep
 
 _PERIODS_KEPT = 16
 _MIN_ADAPTIVE_S = 0.05
@@ -51,16 +54,9 @@ class _Member:
     straggler: bool = False
 
 
-@dataclasses.dataclass
-class _OpenRound:
-    first_at: float
-    pushers: list = dataclasses.field(default_factory=list)  # worker ids, in ticket order
-    scales: list = dataclasses.field(default_factory=list)
-
-
 class Rounds:
-    """Membership, the open round and the history of one elastic session (not thread-safe: the
-    session clock calls it under its lock). Times are ``time.monotonic()`` seconds."""
+    """Membership and the open round of one elastic session (not thread-safe: the session clock
+    calls it under its lock). Times are ``time.monotonic()`` seconds."""
 
     def __init__(self, config: SessionConfig):
         self._num_workers = config.num_workers
@@ -69,13 +65,12 @@ class Rounds:
         self._lease_s = config.elastic.lease_s
         self._straggler_s = config.elastic.straggler_s
         self._members: dict[str, _Member] = {}
-        self._open: Optional[_OpenRound] = None
+        self._open = OpenStep()
         self._late: list[str] = []  # late gradients dropped since the last commit
         self._periods: collections.deque = collections.deque(maxlen=_PERIODS_KEPT)
         self._durations: collections.deque = collections.deque(maxlen=_PERIODS_KEPT)
         self._last_commit_at: Optional[float] = None
         self._left_since_open = False
-        self.history: list[RoundRecord] = []
         self.lease_expiries = 0
         self.disconnects = 0
         self.rounds_short = 0
@@ -123,11 +118,11 @@ class Rounds:
 
     # ----------------------------------------------------------------- rounds
     def in_round(self, worker: str) -> bool:
-        return self._open is not None and worker in self._open.pushers
+        return worker in self._open.workers
 
     def closes_with(self, worker: str) -> Optional[str]:
         """Why the round would commit with ``worker``'s push (None: it stays open)."""
-        pushers = set(self._open.pushers) if self._open is not None else set()
+        pushers = set(self._open.workers)
         pushers.add(worker)
         return self._closing(pushers)
 
@@ -142,9 +137,9 @@ class Rounds:
     def due(self, now: float) -> Optional[str]:
         """Why the open round should commit now without a further push (None: it waits)."""
         round_ = self._open
-        if round_ is None or len(round_.pushers) < self._min_workers:
+        if len(round_.tickets) < self._min_workers:
             return None
-        if self._left_since_open and self._closing(set(round_.pushers)) is not None:
+        if self._left_since_open and self._closing(set(round_.workers)) is not None:
             return "left"
         deadline = self.straggler_deadline()
         if deadline is not None and now >= round_.first_at + deadline:
@@ -159,14 +154,12 @@ class Rounds:
             return None
         return max(_MIN_ADAPTIVE_S, 0.5 * statistics.median(self._periods))
 
-    def add(self, worker: str, scale: float, now: float) -> None:
-        """A push of ``worker`` was decided into the open round (opening it if needed)."""
-        if self._open is None:
-            self._open = _OpenRound(now)
+    def add(self, ticket: Ticket, now: float) -> None:
+        """The push of ``ticket`` was decided into the open round (opening it if needed)."""
+        if not self._open.tickets:
             self._left_since_open = False
-        self._open.pushers.append(worker)
-        self._open.scales.append(scale)
-        member = self._members.get(worker)
+        self._open.add(ticket, now)
+        member = self._members.get(worker_of(ticket.client_id))
         if member is not None:
             member.straggler = False
 
@@ -175,40 +168,25 @@ class Rounds:
         self.late_dropped += 1
 
     def commit(self, version: int, closed_by: str, now: float) -> RoundRecord:
-        """The open round committed as ``version``; returns (and keeps) its record."""
-        round_ = self._open or _OpenRound(now)
+        """The open round committed as ``version``; returns its record."""
+        pushers = set(self._open.workers)
         if closed_by == "deadline":
             for worker, member in self._members.items():
-                if worker not in round_.pushers:
+                if worker not in pushers:
                     member.straggler = True
-        if len(round_.pushers) < self._num_workers:
+        if len(self._open.tickets) < self._num_workers:
             self.rounds_short += 1
-        record = RoundRecord(version, tuple(round_.pushers), tuple(round_.scales), tuple(self._late),
-                             now - round_.first_at, closed_by)
-        self.keep(record)
+        record = self._open.close(version, closed_by, now, self._late)
         if self._last_commit_at is not None:
             self._periods.append(now - self._last_commit_at)
         self._last_commit_at = now
         self._durations.append(record.duration_s)
-        self._open, self._late = None, []
+        self._late = []
         return record
 
-    def keep(self, record: RoundRecord) -> None:
-        """Files ``record`` in version order (replacing one of the same version: a restore's
-        journal is exact where the replayed one lacks timings)."""
-        if not self.history or self.history[-1].version < record.version:
-            self.history.append(record)
-            return
-        self.history = sorted([r for r in self.history if r.version != record.version] + [record],
-                              key=lambda r: r.version)
-
     def forget_after(self, version: int) -> None:
-        """A restore rolled the session back to ``version``: later records and the open round go."""
-        self.history = [r for r in self.history if r.version <= version]
-        self._open, self._late = None, []
-
-    def since(self, version: int) -> list[RoundRecord]:
-        return [r for r in self.history if r.version > version]
+        """A restore rolled the session back to ``version``: the open round goes."""
+        self._open, self._late = OpenStep(), []
 
     def status(self) -> ElasticStatus:
         deadline = self.straggler_deadline()

@@ -1,0 +1,120 @@
+"""``Session.history`` of plain sync and async sessions on durable servers (``--checkpoint-dir``):
+after the home shard's SIGKILL and restore, and after a whole-server SIGKILL and restart, the
+history is the one the session had (versions before the checkpoint from the checkpointed clock,
+later ones from the ticket journal), and a replay of it reaches the served parameters."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from optserve.client import Client
+from tests._server_process import ServerProcess, free_port
+from tests._service_helpers import make_params, max_abs_diff
+from tests.test_history_modes import (ADAM, async_pushes, check_async_history, check_sync_history, replay, rounds,
+                                      sync_rounds)
+
+
+@pytest.fixture(scope="module")
+def durable_server(ray_local, tmp_path_factory):
+    """A durable server of its own (a test kills its shards), a checkpoint every 3 steps."""
+    from optserve.server.app import start_server
+    from optserve.server.domain.config import ServerConfig
+    from optserve.server.domain.durability import DurabilityConfig
+
+    running = start_server(ServerConfig(
+        host="127.0.0.1", port=0, shards=2, vote_timeout_s=20.0, min_shard_bytes=0,
+        durability=DurabilityConfig(str(tmp_path_factory.mktemp("history-checkpoints")), every_steps=3)))
+    yield running
+    running.stop()
+
+
+def _steps(mode: str, a, b, params, start: int) -> None:
+    """Sync: two rounds of both sessions; async: the four pushes of ``async_pushes``."""
+    if mode == "sync":
+        sync_rounds([a, b], params, 2)
+    else:
+        async_pushes(a, b, params, start)
+
+
+def _check(mode: str, records, a, b, start: int) -> None:
+    """The records of what :func:`_steps` from version ``start`` did."""
+    if mode == "sync":
+        check_sync_history(records, [a, b], start + 1, start + 2)
+    else:
+        check_async_history(records, a, b, start)
+
+
+def _create(client: Client, name: str, mode: str, params):
+    if mode == "sync":
+        return client.create_session(name, params, ADAM, mode="sync", num_workers=2)
+    return client.create_session(name, params, ADAM, mode="async", staleness_policy="scale")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_history_is_the_same_after_the_home_shard_is_killed_and_restored(durable_server, unique_name, mode):
+    params = make_params(47)
+    with Client(durable_server.address, timeout=90.0) as client:
+        owner = _create(client, unique_name, mode, params)
+        a, b = (client.session(unique_name, worker_id=w) for w in ("a", "b"))
+        try:
+            _steps(mode, a, b, params, 0)
+            _steps(mode, a, b, params, a.status().version)  # a checkpoint at 3, later versions in the logs and journal
+            before = rounds(a.history())
+            os.kill(durable_server.fleet.pids()[owner.info.shards[0].shard_index], signal.SIGKILL)  # the home shard
+            assert rounds(a.history()) == before  # the call rides out the restore
+            start = a.status().version
+            _steps(mode, a, b, params, start)
+            history = rounds(b.history())
+            assert history[:len(before)] == before
+            _check(mode, history[len(before):], a, b, start)
+            assert max_abs_diff(a.pull(), replay(ADAM, params, history)) <= 1e-6
+            home = a.status().shards[0].durability
+            assert home is not None and home.recoveries == 1
+        finally:
+            a.detach(), b.detach()
+            owner.close()
+
+
+@pytest.mark.slow
+def test_history_of_sync_and_async_sessions_is_the_same_after_a_server_sigkill_and_restart(tmp_path):
+    port, checkpoint_dir = free_port(), str(tmp_path / "ckpt")
+    address = f"127.0.0.1:{port}"
+    params = make_params(53)
+
+    def serve() -> ServerProcess:
+        return ServerProcess("--checkpoint-dir", checkpoint_dir, "--checkpoint-every-steps", "3",
+                             port=port).wait_listening()
+
+    first, second = serve(), None
+    try:
+        before = {}
+        with Client(address, timeout=120.0) as client:
+            for mode in ("sync", "async"):
+                owner = _create(client, mode, mode, params)
+                a, b = (client.session(mode, worker_id=w) for w in ("a", "b"))
+                _steps(mode, a, b, params, 0)
+                _steps(mode, a, b, params, a.status().version)  # a checkpoint at 3, later versions in logs and journal
+                before[mode] = rounds(a.history())
+                for s in (owner, a, b):
+                    s.detach()
+        first.kill_group()
+        second = serve()
+        with Client(address, timeout=120.0) as client:
+            for mode in ("sync", "async"):
+                a, b = (client.session(mode, worker_id=w) for w in ("a", "b"))
+                assert rounds(a.history()) == before[mode], mode  # exact: sync rounds' timings from the journal
+                start = a.status().version
+                _steps(mode, a, b, params, start)
+                history = rounds(a.history())
+                assert history[:len(before[mode])] == before[mode]
+                _check(mode, history[len(before[mode]):], a, b, start)
+                assert max_abs_diff(a.pull(), replay(ADAM, params, history)) <= 1e-6, mode
+                a.detach(), b.detach()
+        assert second.stop() == 0
+    finally:
+        for server in (first, second):
+            if server is not None and server.process.poll() is None:
+                server.kill_group()
