@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 BENCHMARKS = ("adafactor", "shampoo", "service", "tls", "metrics", "durability", "torch_loop", "preconditioners",
-              "fuzz", "int8_codec", "elastic", "muon", "soap", "diloco")
+              "fuzz", "int8_codec", "elastic", "muon", "soap", "diloco", "nemesis")
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,119 @@
+"""The nemesis's server: ``optserve serve`` as a real process tree of its own, which the nemesis
+kills whole (SIGKILL of every process of its session: the server, its Ray, its shard actors) and
+starts again on the same port and checkpoint directory, and whose shard actors it finds by their
+process title (``ray::ShardActor``, in the server's session only: other servers on the machine
+are never touched)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional, TextIO
+
+
+class NemesisServer:
+    """``python -m optserve.server.cli serve --port PORT --shards 2 --min-shard-bytes 0 ARGS``, its
+    output appended to ``log``; :meth:`start` waits until it listens and sets ``address``."""
+
+    def __init__(self, args: list[str], log: TextIO, port: int = 0):
+        self.args = list(args)
+        self.port = port
+        self.address = ""
+        self.process: Optional[subprocess.Popen] = None
+        self._log = log
+        self._log_lock = threading.Lock()
+        self.starts = 0
+
+    def start(self, timeout_s: float = 180.0) -> float:
+        """Starts the server (on the port of its first start) and waits until it listens; returns
+        the unix time it said so."""
+        env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", RAY_DEDUP_LOGS="0",
+                   PYTHONUNBUFFERED="1")
+        env.pop("RAY_ADDRESS", None)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "optserve.server.cli", "serve", "--port", str(self.port), "--shards", "2",
+             "--min-shard-bytes", "0", *self.args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        self.starts += 1
+        self._write(f"--- start {self.starts} at {time.time():.3f}\n")
+        deadline = time.monotonic() + timeout_s
+        lines = []
+        while time.monotonic() < deadline:
+            line = self.process.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            self._write(line)
+            if line.startswith("optserve listening on "):
+                self.address = line.split()[3]
+                self.port = int(self.address.rsplit(":", 1)[1])
+                threading.Thread(target=self._drain, args=(self.process,), daemon=True).start()
+                return time.time()
+        self.kill_tree()
+        raise RuntimeError("the server did not start:\n" + "".join(lines[-30:]))
+
+    def _drain(self, process: subprocess.Popen) -> None:
+        for line in process.stdout:
+            self._write(line)
+
+    def _write(self, text: str) -> None:
+        with self._log_lock:
+            self._log.write(text)
+            self._log.flush()
+
+    def session_pids(self) -> list[int]:
+        """Every live process of the server's session (it was started as a session leader)."""
+        if self.process is None:
+            return []
+        out = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as fh:
+                        fields = fh.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if int(fields[3]) == self.process.pid and fields[0] != "Z":
+                    out.append(int(entry))
+        return out
+
+    def shard_pids(self) -> list[int]:
+        """The shard actors' pids, ascending (a replaced shard's new process sorts where it falls)."""
+        pids = []
+        for pid in self.session_pids():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    title = fh.read().split(b"\0")[0]
+            except OSError:
+                continue
+            if title.startswith(b"ray::ShardActor"):
+                pids.append(pid)
+        return sorted(pids)
+
+    def kill_tree(self) -> None:
+        """SIGKILL of every process of the server's session, then waits for the server to exit."""
+        if self.process is None:
+            return
+        for pid in [self.process.pid] + self.session_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.wait(timeout=60)
+        self._write(f"--- killed at {time.time():.3f}\n")
+
+    def stop(self) -> None:
+        """SIGTERM, then the tree's SIGKILL if it has not exited within a minute."""
+        if self.process is None or self.process.poll() is not None:
+            self.kill_tree()
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill_tree()

@@ -1,0 +1,489 @@
+"""The chaos checker: from the clients' own records and each session's ``history()``, proves (or
+refutes) that a run under faults kept every promise the service makes.
+
+    report = check(sessions, calls, faults)      # a :class:`CheckReport`
+    print_report(report)                         # faults, steps, lost, duplicated, unavailability
+    report.clean                                 # nothing lost, duplicated, wrong or undocumented
+
+What it proves, per session (:class:`SessionRun`):
+
+- every acknowledged push (a call whose outcome is ``ok``) appears in exactly one version of the
+  history (``(client_id, sequence)`` names a push; a sync push in the version it acknowledged, an
+  async one at or before it: an async answer may include later pushes);
+- no version is applied twice or skipped: the history's versions are exactly ``1..version``;
+- no push was applied that its client was told was refused (a definitive refusal: INVALID_ARGUMENT,
+  ABORTED, ...; UNAVAILABLE, DEADLINE_EXCEEDED and a killed client's call may go either way), and
+  none that no client of the run sent (a rogue's push, or an SDK numbering pushes differently);
+- the final parameters equal an in-process replay of the history within ``tolerance``: each push's
+  gradient is rebuilt from its name alone (:func:`push_gradient`), a sync round's update runs on
+  ``sum(scales[i] * g_i) / len(participants)``, an async push's on its gradient with the step
+  scaled by ``scales[0]``, with the registry's kernel as a shard runs it;
+
+and, over all calls (:class:`CallRecord`): every call ended with a documented status (no INTERNAL,
+no UNKNOWN, no exception of another kind), a rogue's garbage was refused with the status the docs
+promise for it, and no call outlived its deadline (a call without an outcome counts as a hang
+unless its process was killed by the nemesis, :attr:`FaultRecord.victims`).
+
+It measures, per fault kind (:class:`FaultRecord`), the longest unavailability: the time from a
+fault's injection to the next acknowledged step of each session.
+
+The history's fields are mapped to pushes in one place, :func:`pushes_of`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import math
+import sys
+from typing import Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+
+from optserve.protos.status_records import HyperparamChange, RoundRecord
+
+# A call's outcome: "ok", "late" (an elastic push dropped as late), a gRPC status code name, or
+# "exception:<type>". These are the statuses docs/api.md documents for a data-plane call.
+DOCUMENTED = frozenset({"ok", "late", "CANCELLED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+                        "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+                        "ABORTED", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"})
+# Outcomes after which the push may or may not have been applied (the answer was lost, or never came);
+# every other documented refusal says the push was applied nowhere (docs/api.md).
+AMBIGUOUS = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "DATA_LOSS", ""})
+REFUSED = DOCUMENTED - AMBIGUOUS - {"ok"}
+DEFAULT_TOLERANCE = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class CallRecord:
+    """One call a client made, as its own process logged it.
+
+    Attributes:
+      session: the session it addressed.
+      worker: the caller's worker id (``Session.worker_id``; a rogue's name for itself).
+      client_id: the push identity (``Session.client_id``); "" for calls that are no push.
+      sequence: the push's sequence number as the SDK numbers it (0: no push).
+      seed: the gradient's seed, :func:`gradient_seed` of ``(client_id, sequence)`` (0: none).
+      kind: "push" (a worker's training step) or "rogue:<what>" (garbage sent on purpose).
+      started / ended: unix seconds; ``ended`` None: no outcome was logged (its process died).
+      outcome: "ok", "late", a gRPC status code name or "exception:<type>" ("" while unended).
+      version: the version the server acknowledged (outcome "ok").
+      deadline_s: the longest the call may take by the SDK's rules (its retries included).
+      expected: rogue calls: the statuses the docs promise for this garbage.
+      detail: the error's message (shortened), for the report.
+    """
+
+    session: str
+    worker: str
+    client_id: str
+    sequence: int
+    seed: int
+    kind: str
+    started: float
+    ended: Optional[float]
+    outcome: str
+    version: Optional[int]
+    deadline_s: float
+    expected: tuple[str, ...] = ()
+    detail: str = ""
+
+    @property
+    def push_name(self) -> tuple[str, int]:
+        return self.client_id, self.sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultRecord:
+    """One fault the nemesis injected: its kind, what it hit, when (unix seconds), the worker ids
+    whose processes it killed (``victims``: their unfinished calls are no hang) and those it
+    stopped from ``injected`` to ``ended`` (``stopped``: that time is not their calls' own)."""
+
+    kind: str
+    target: str
+    injected: float
+    ended: Optional[float] = None
+    victims: tuple[str, ...] = ()
+    note: str = ""
+    stopped: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class SessionRun:
+    """What a session is checked against: its optimizer and initial parameters, its version and
+    parameters at the end (pulled once every client stopped), and its history (every version, as
+    followed during the run: see :class:`HistoryFollower`)."""
+
+    name: str
+    mode: str  # "sync" (plain or elastic) or "async"
+    optimizer: Mapping
+    initial: Mapping[str, np.ndarray]
+    final: Mapping[str, np.ndarray]
+    version: int
+    history: Sequence
+    history_conflicts: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class AppliedPush:
+    """One push of a history record (see :func:`pushes_of`)."""
+
+    version: int
+    client: str
+    sequence: int
+    worker: str
+    scale: float
+    staleness: int
+
+    @property
+    def name(self) -> tuple[str, int]:
+        return self.client, self.sequence
+
+
+def pushes_of(record: RoundRecord) -> tuple[AppliedPush, ...]:
+    """The pushes a :class:`RoundRecord` says its update applied. The one place that reads the
+    record's per-push fields: push ``i`` is ``(clients[i], sequences[i])`` from worker
+    ``participants[i]``, weighted ``scales[i]``, ``staleness[i]`` versions old.
+
+    Raises:
+      ValueError: the per-push fields do not line up (a record that names no push cannot be checked).
+    """
+    n = len(record.participants)
+    if not (len(record.clients) == len(record.sequences) == len(record.scales) == n) or (
+            record.staleness and len(record.staleness) != n):
+        raise ValueError(f"version {record.version}: {n} participants but {len(record.clients)} clients, "
+                         f"{len(record.sequences)} sequences, {len(record.scales)} scales, "
+                         f"{len(record.staleness)} staleness entries")
+    staleness = record.staleness or (0,) * n
+    return tuple(AppliedPush(record.version, c, int(s), w, float(x), int(t))
+                 for c, s, w, x, t in zip(record.clients, record.sequences, record.participants, record.scales,
+                                          staleness))
+
+
+def gradient_seed(client_id: str, sequence: int) -> int:
+    """The seed of push ``(client_id, sequence)``'s gradient: a function of its name alone."""
+    digest = hashlib.blake2b(f"{client_id}#{int(sequence)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def push_gradient(shapes: Mapping[str, tuple], client_id: str, sequence: int) -> dict[str, np.ndarray]:
+    """The gradient a nemesis worker pushes as ``(client_id, sequence)`` (float32, small values),
+    so a replay rebuilds every push from the history alone."""
+    rng = np.random.default_rng(gradient_seed(client_id, sequence))
+    return {n: (rng.standard_normal(shapes[n]) * 0.1).astype(np.float32) for n in sorted(shapes)}
+
+
+class HistoryFollower:
+    """Follows a session's history as a run goes (the home shard keeps only the latest versions):
+    :meth:`add` each ``history(since=self.since)`` answer. Records are kept as answered (a
+    version listed twice in an answer stays twice: the checker must see it). A version answered
+    again differently is a conflict (the history was rewritten, e.g. by a restart's rollback): it
+    is noted, and the latest answer, the server's word now, replaces the held one."""
+
+    def __init__(self):
+        self.records: list = []
+        self.conflicts: list[str] = []
+        self._index: dict[int, int] = {}  # version -> its first record's place in ``records``
+
+    @property
+    def since(self) -> int:
+        return max(self._index, default=0)
+
+    def add(self, answer: Iterable) -> None:
+        since = self.since
+        for record in answer:
+            if not isinstance(record, RoundRecord):
+                if record.version > since:
+                    self.records.append(record)
+                continue
+            if record.version <= since:
+                held = self._index.get(record.version)
+                if held is not None and _identity(self.records[held]) != _identity(record):
+                    self.conflicts.append(f"version {record.version} was {_identity(self.records[held])}, "
+                                          f"later answered as {_identity(record)}")
+                    self.records[held] = record
+                continue
+            self._index.setdefault(record.version, len(self.records))
+            self.records.append(record)
+
+
+def _identity(record: RoundRecord) -> tuple:
+    """What must never change about a version once answered (its timing may be rounded)."""
+    return record.clients, record.sequences, record.scales, record.staleness
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionCheck:
+    """What :func:`check` found for one session (``lost`` etc. name pushes as (client id, sequence))."""
+
+    name: str
+    mode: str
+    version: int
+    pushes_applied: int
+    acked: int
+    applied_unacked: int
+    lost: tuple = ()
+    duplicated: tuple = ()
+    skipped_versions: tuple = ()
+    repeated_versions: tuple = ()
+    beyond_version: tuple = ()
+    version_mismatches: tuple = ()
+    refused_but_applied: tuple = ()
+    foreign: tuple = ()
+    malformed: tuple = ()
+    history_conflicts: tuple = ()
+    replay_max_diff: float = math.inf
+    replay_error: str = ""
+    tolerance: float = DEFAULT_TOLERANCE
+
+    @property
+    def replay_ok(self) -> bool:
+        return not self.replay_error and self.replay_max_diff <= self.tolerance
+
+    def problems(self) -> list[str]:
+        out = [f"{self.name}: {what}: {list(items)[:5]}" for what, items in (
+            ("acknowledged pushes lost", self.lost), ("pushes applied more than once", self.duplicated),
+            ("versions skipped", self.skipped_versions), ("versions applied twice", self.repeated_versions),
+            (f"versions recorded past the session's version {self.version}", self.beyond_version),
+            ("acknowledged at another version", self.version_mismatches),
+            ("refused but applied", self.refused_but_applied), ("applied pushes no client sent", self.foreign),
+            ("malformed records", self.malformed), ("history rewritten", self.history_conflicts)) if items]
+        if not self.replay_ok:
+            out.append(f"{self.name}: replay differs from the served parameters: "
+                       f"{self.replay_error or f'max |diff| {self.replay_max_diff:.3g} > {self.tolerance:g}'}")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Unavailability:
+    """The longest time from a fault of one kind to a session's next acknowledged step.
+
+    ``recovered`` False: no acknowledged step followed before the run ended (``seconds``: until
+    then). ``after_end_s``: the longest time from such a fault's end (a process continued, the
+    disk freed, a restarted server listening) to a session's next acknowledged step (None: the
+    faults of this kind have no end, or no step followed one)."""
+
+    seconds: float
+    session: str
+    fault_index: int
+    recovered: bool
+    after_end_s: Optional[float] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckReport:
+    """Everything :func:`check` proved or refuted; :attr:`clean` when nothing was wrong."""
+
+    sessions: tuple[SessionCheck, ...]
+    faults: dict  # kind -> count
+    skipped_faults: dict  # kind -> why it could not be injected
+    statuses: dict  # call kind -> {outcome: count}
+    undocumented: tuple[str, ...]
+    hangs: tuple[str, ...]
+    rogue_unexpected: tuple[str, ...]
+    unavailability: dict  # kind -> Unavailability
+
+    @property
+    def lost(self) -> int:
+        return sum(len(s.lost) for s in self.sessions)
+
+    @property
+    def duplicated(self) -> int:
+        return sum(len(s.duplicated) for s in self.sessions)
+
+    def problems(self) -> list[str]:
+        out = [p for s in self.sessions for p in s.problems()]
+        out += [f"undocumented status: {u}" for u in self.undocumented]
+        out += [f"hang: {h}" for h in self.hangs]
+        out += [f"rogue call not refused as documented: {r}" for r in self.rogue_unexpected]
+        return out
+
+    @property
+    def clean(self) -> bool:
+        return not self.problems()
+
+
+# ----------------------------------------------------------------------------- the checks
+
+def check(sessions: Sequence[SessionRun], calls: Sequence[CallRecord], faults: Sequence[FaultRecord] = (),
+          skipped_faults: Optional[Mapping[str, str]] = None, tolerance: float = DEFAULT_TOLERANCE,
+          grace_s: float = 5.0, run_ended: Optional[float] = None) -> CheckReport:
+    """Checks ``sessions`` against the ``calls`` the clients logged and the ``faults`` injected.
+
+    ``grace_s``: how far past its ``deadline_s`` a call may end before it counts as a hang;
+    ``run_ended``: unix seconds the run stopped (unrecovered unavailability is measured to it).
+    """
+    victims = {v for f in faults for v in f.victims}
+    checks = tuple(check_session(s, [c for c in calls if c.session == s.name and c.kind == "push"], tolerance)
+                   for s in sessions)
+    statuses: dict = collections.defaultdict(collections.Counter)
+    undocumented, hangs, rogue = [], [], []
+    for c in calls:
+        statuses[c.kind.split(":")[0]][c.outcome or "no answer"] += 1
+        where = f"{c.session}/{c.worker} {c.kind} seq {c.sequence}"
+        if c.ended is None:
+            if c.worker not in victims:
+                hangs.append(f"{where}: no answer (started {c.started:.1f}, its process was not killed)")
+            continue
+        took = c.ended - c.started - sum(max(0.0, min(c.ended, f.ended) - max(c.started, f.injected))
+                                         for f in faults if c.worker in f.stopped and f.ended is not None)
+        if took > c.deadline_s + grace_s:
+            hangs.append(f"{where}: {took:.1f} s > deadline {c.deadline_s:.0f} s ({c.outcome})")
+        if c.outcome not in DOCUMENTED:
+            undocumented.append(f"{where}: {c.outcome} {c.detail[:160]}")
+        elif c.kind.startswith("rogue") and c.outcome not in c.expected:
+            rogue.append(f"{where}: {c.outcome} (expected {'/'.join(c.expected)}) {c.detail[:160]}")
+    return CheckReport(checks, dict(collections.Counter(f.kind for f in faults)), dict(skipped_faults or {}),
+                       {k: dict(v) for k, v in statuses.items()}, tuple(undocumented), tuple(hangs), tuple(rogue),
+                       unavailability(faults, calls, [s.name for s in sessions], run_ended))
+
+
+def check_session(run: SessionRun, calls: Sequence[CallRecord], tolerance: float = DEFAULT_TOLERANCE) -> SessionCheck:
+    """The checks of one session against its workers' push ``calls`` (see the module docstring)."""
+    records = [r for r in run.history if isinstance(r, RoundRecord)]
+    malformed, applied = [], collections.defaultdict(list)
+    for record in records:
+        try:
+            pushes = pushes_of(record)
+        except ValueError as error:
+            malformed.append(str(error))
+            continue
+        if run.mode == "async" and len(pushes) != 1:
+            malformed.append(f"version {record.version}: an async record with {len(pushes)} pushes")
+        for push in pushes:
+            if push.worker != push.client.split("/", 1)[0]:
+                malformed.append(f"version {record.version}: worker {push.worker!r} of client {push.client!r}")
+            applied[push.name].append(record.version)
+    seen = collections.Counter(r.version for r in records)
+    skipped = tuple(v for v in range(1, run.version + 1) if v not in seen)
+    repeated = tuple(sorted(v for v, n in seen.items() if n > 1))
+    beyond = tuple(sorted(v for v in seen if v > run.version or v < 1))
+    by_name = {c.push_name: c for c in calls}
+    acked = [c for c in calls if c.outcome == "ok"]
+    lost = tuple(c.push_name for c in acked if c.push_name not in applied)
+    mismatched = tuple((c.push_name, c.version, applied[c.push_name][0]) for c in acked if c.push_name in applied
+                       and not _acked_at(run.mode, c.version, applied[c.push_name][0]))
+    refused = tuple((name, by_name[name].outcome) for name in applied
+                    if name in by_name and by_name[name].ended is not None and by_name[name].outcome in REFUSED)
+    foreign = tuple(name for name in applied if name not in by_name)
+    diff, error = replay_difference(run, records, tolerance)
+    return SessionCheck(
+        name=run.name, mode=run.mode, version=run.version, pushes_applied=sum(len(v) for v in applied.values()),
+        acked=len(acked), applied_unacked=sum(1 for name in applied if name not in by_name or
+                                              by_name[name].outcome != "ok"),
+        lost=lost, duplicated=tuple(name for name, versions in applied.items() if len(versions) > 1),
+        skipped_versions=skipped, repeated_versions=repeated, beyond_version=beyond, version_mismatches=mismatched,
+        refused_but_applied=refused, foreign=foreign, malformed=tuple(malformed),
+        history_conflicts=tuple(run.history_conflicts), replay_max_diff=diff, replay_error=error, tolerance=tolerance)
+
+
+def _acked_at(mode: str, acked: Optional[int], applied_at: int) -> bool:
+    """A sync push is acknowledged with its round's version; an async one with a version at or
+    after its own (the parameters returned may include later pushes)."""
+    if acked is None:
+        return False
+    return acked == applied_at if mode == "sync" else acked >= applied_at
+
+
+# ----------------------------------------------------------------------------- the replay
+
+def replay_difference(run: SessionRun, records: Sequence[RoundRecord], tolerance: float) -> tuple[float, str]:
+    """(max |final - replay|, "") or (inf, why the replay could not run)."""
+    if any(isinstance(r, HyperparamChange) for r in run.history):
+        return math.inf, "the history has hyperparameter changes (the replay does not model them)"
+    try:
+        replayed = replay(run.optimizer, run.initial, sorted(records, key=lambda r: r.version), run.mode)
+    except (ValueError, KeyError) as error:
+        return math.inf, f"{type(error).__name__}: {error}"
+    if set(replayed) != set(run.final):
+        return math.inf, f"tensors differ: {sorted(replayed)} vs {sorted(run.final)}"
+    return max(float(np.max(np.abs(np.asarray(run.final[n], np.float64) - replayed[n].astype(np.float64)),
+                         initial=0.0)) for n in replayed), ""
+
+
+def replay(optimizer: Mapping, initial: Mapping[str, np.ndarray], records: Sequence[RoundRecord],
+           mode: str) -> dict[str, np.ndarray]:
+    """The parameters ``records`` make from ``initial``, with the registry's kernel run in this
+    process as a shard runs it (the whole pytree, one step per record)."""
+    import jax
+
+    from optserve.optim_kernels import build_optimizer
+    from optserve.server.compute.updater import step_function
+
+    built = build_optimizer(optimizer["name"], dict(optimizer.get("args", {})))
+    params = {k: jax.numpy.asarray(v) for k, v in initial.items()}
+    state = built.transformation.init(params)
+    step = jax.jit(step_function(built))
+    partial = jax.jit(built.partial_statistic) if built.partial_statistic is not None else None
+    shapes = {n: tuple(np.shape(v)) for n, v in initial.items()}
+    for record in records:
+        pushes = pushes_of(record)
+        grads = [push_gradient(shapes, p.client, p.sequence) for p in pushes]
+        if mode == "async":  # one push, the step scaled
+            update, scale = grads[0], np.float32(pushes[0].scale)
+        else:  # the scaled mean of the round's pushes
+            update = {n: sum(np.float32(p.scale) * g[n] for p, g in zip(pushes, grads)) / np.float32(len(grads))
+                      for n in shapes}
+            scale = np.float32(1.0)
+        total = partial(update, state, params) if partial is not None else np.float32(0.0)
+        params, state = step(params, state, update, scale, np.float32(total), built.hyperparams)
+    return {k: np.asarray(v) for k, v in params.items()}
+
+
+# ----------------------------------------------------------------------------- unavailability
+
+def unavailability(faults: Sequence[FaultRecord], calls: Sequence[CallRecord], sessions: Sequence[str],
+                   run_ended: Optional[float] = None) -> dict:
+    """Fault kind -> the longest :class:`Unavailability` after a fault of that kind: for each
+    fault and session, the time from the injection to the session's next acknowledged push."""
+    acks = {s: sorted(c.ended for c in calls if c.session == s and c.kind == "push" and c.outcome == "ok"
+                      and c.ended is not None) for s in sessions}
+    end = run_ended if run_ended is not None else max((c.ended or c.started for c in calls), default=0.0)
+
+    def next_ack(times: list[float], t: float) -> Optional[float]:
+        return next((a for a in times if a >= t), None)
+
+    worst: dict = {}
+    after_end: dict = {}
+    for index, fault in enumerate(faults):
+        for session, times in acks.items():
+            after = next_ack(times, fault.injected)
+            u = Unavailability(max(0.0, (after if after is not None else end) - fault.injected), session, index,
+                               after is not None)
+            held = worst.get(fault.kind)
+            if held is None or (not u.recovered, u.seconds) > (not held.recovered, held.seconds):
+                worst[fault.kind] = u
+            lifted = next_ack(times, fault.ended) if fault.ended is not None else None
+            if lifted is not None:
+                after_end[fault.kind] = max(after_end.get(fault.kind, 0.0), lifted - fault.ended)
+    return {kind: dataclasses.replace(u, after_end_s=after_end.get(kind)) for kind, u in worst.items()}
+
+
+# ----------------------------------------------------------------------------- the printer
+
+def print_report(report: CheckReport, out=sys.stdout) -> None:
+    """The report as a reader wants it: faults, steps, lost, duplicated, unavailability, verdict."""
+    w = out.write
+    w("faults injected: " + (", ".join(f"{k} {n}" for k, n in sorted(report.faults.items())) or "none") + "\n")
+    for kind, why in sorted(report.skipped_faults.items()):
+        w(f"  not injected: {kind}: {why}\n")
+    w(f"{'session':<12}{'mode':<7}{'versions':>9}{'pushes':>8}{'acked':>7}{'unacked':>8}{'lost':>6}"
+      f"{'dup':>5}{'replay |diff|':>15}\n")
+    for s in report.sessions:
+        diff = s.replay_error[:30] if s.replay_error else f"{s.replay_max_diff:.2e}"
+        w(f"{s.name:<12}{s.mode:<7}{s.version:>9}{s.pushes_applied:>8}{s.acked:>7}{s.applied_unacked:>8}"
+          f"{len(s.lost):>6}{len(s.duplicated):>5}{diff:>15}\n")
+    w(f"steps acknowledged: {sum(s.acked for s in report.sessions)}, lost: {report.lost}, "
+      f"duplicated: {report.duplicated}\n")
+    for kind, counts in sorted(report.statuses.items()):
+        w(f"calls ({kind}): " + ", ".join(f"{k} {n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1])) + "\n")
+    w("longest unavailability (fault injected -> next acknowledged step of each session; "
+      "and from the fault's end):\n")
+    for kind, u in sorted(report.unavailability.items()):
+        what = f"{u.seconds:.1f} s" if u.recovered else f">= {u.seconds:.1f} s (no step before the end)"
+        lifted = f"{u.after_end_s:.1f} s after its end" if u.after_end_s is not None else ""
+        w(f"  {kind:<14}{what:<34}{lifted:<22}({u.session}, fault #{u.fault_index})\n")
+    problems = report.problems()
+    w("verdict: " + ("clean" if not problems else f"{len(problems)} problem(s)") + "\n")
+    for p in problems:
+        w(f"  - {p}\n")

@@ -1,0 +1,212 @@
+"""The chaos checker (bench/checker.py) on hand-made runs: no server. Each run is a history built
+from RoundRecord objects, the clients' call records, and final parameters computed by hand (SGD:
+``p - lr * update``, so the expected values need no kernel); a correct run passes, and a lost
+step, a duplicate, a skipped or repeated version, a wrong parameter, a refused push that was
+applied, an undocumented status and a hang are each caught."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import numpy as np
+import pytest
+
+from bench.checker import (CallRecord, FaultRecord, HistoryFollower, RoundRecord, SessionRun, check,
+                           gradient_seed, print_report, push_gradient, unavailability)
+from tests._service_helpers import InProcess, max_abs_diff
+
+LR = 0.1
+SGD = {"name": "sgd", "args": {"learning_rate": LR}}
+SHAPES = {"w": (3, 2), "b": (2,)}
+A, B = "a/0001", "b/0002"  # client ids: worker "a", worker "b"
+
+
+def initial() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    return {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+
+
+def g(client: str, sequence: int) -> dict[str, np.ndarray]:
+    return push_gradient(SHAPES, client, sequence)
+
+
+def sync_record(version: int, pushes, scales=None) -> RoundRecord:
+    """A sync round applying ``pushes`` ((client, sequence) pairs)."""
+    n = len(pushes)
+    return RoundRecord(version, tuple(c.split("/")[0] for c, _ in pushes), tuple(scales or (1.0,) * n), (), 0.01,
+                       "num_workers", tuple(c for c, _ in pushes), tuple(s for _, s in pushes), (0,) * n)
+
+
+def async_record(version: int, push, staleness: int = 0) -> RoundRecord:
+    client, sequence = push
+    return RoundRecord(version, (client.split("/")[0],), (1.0 / (1 + staleness),), (), 0.0, "push", (client,),
+                       (sequence,), (staleness,))
+
+
+def sgd_by_hand(records, mode: str) -> dict[str, np.ndarray]:
+    """SGD's parameters after ``records``, by hand (float32, as the kernel computes them)."""
+    params = {n: v.copy() for n, v in initial().items()}
+    for r in records:
+        grads = [g(c, s) for c, s in zip(r.clients, r.sequences)]
+        for n in params:
+            if mode == "async":
+                params[n] = params[n] + np.float32(-LR) * grads[0][n] * np.float32(r.scales[0])
+            else:
+                mean = sum(np.float32(x) * gr[n] for x, gr in zip(r.scales, grads)) / np.float32(len(grads))
+                params[n] = params[n] + np.float32(-LR) * mean
+    return params
+
+
+def push_call(client: str, sequence: int, outcome: str = "ok", version=None, session: str = "s",
+              ended: float = None, started: float = 100.0) -> CallRecord:
+    return CallRecord(session, client.split("/")[0], client, sequence, gradient_seed(client, sequence), "push",
+                      started, started + 0.05 if ended is None else ended, outcome,
+                      version if outcome == "ok" else None, 30.0)
+
+
+def run_of(records, mode: str, final=None, version=None, name: str = "s") -> SessionRun:
+    return SessionRun(name, mode, SGD, initial(), final if final is not None else sgd_by_hand(records, mode),
+                      version if version is not None else max((r.version for r in records), default=0), records)
+
+
+SYNC = [sync_record(v, [(A, v), (B, v)]) for v in (1, 2, 3)]
+SYNC_CALLS = [push_call(c, v, version=v) for v in (1, 2, 3) for c in (A, B)]
+ASYNC = [async_record(1, (A, 1)), async_record(2, (B, 1), 1), async_record(3, (A, 2)), async_record(4, (B, 2), 2)]
+ASYNC_CALLS = [push_call(A, 1, version=1), push_call(B, 1, version=4),  # async: acknowledged at or after its version
+               push_call(A, 2, version=3), push_call(B, 2, version=4)]
+
+
+@pytest.mark.parametrize("mode,records,calls", [("sync", SYNC, SYNC_CALLS), ("async", ASYNC, ASYNC_CALLS)])
+def test_a_correct_run_is_clean_and_its_replay_matches_the_parameters_computed_by_hand(mode, records, calls):
+    report = check([run_of(records, mode)], calls)
+    assert report.clean, report.problems()
+    (session,) = report.sessions
+    assert session.replay_max_diff <= 1e-6 and session.acked == len(calls) and session.applied_unacked == 0
+    assert report.lost == 0 and report.duplicated == 0
+
+
+def test_the_replay_uses_the_registrys_kernel_as_optax_runs_it():
+    import optax
+
+    from bench.checker import replay
+
+    adam = {"name": "adam", "args": {"learning_rate": 0.01}}
+    reference = InProcess("adam", adam["args"], initial(), transformation=optax.adam(0.01))
+    for r in SYNC:
+        mean = {n: (g(A, r.version)[n] + g(B, r.version)[n]) / np.float32(2) for n in SHAPES}
+        expected = reference.step(mean)
+    assert max_abs_diff(replay(adam, initial(), SYNC, "sync"), expected) <= 1e-6
+
+
+def test_an_acknowledged_push_missing_from_the_history_is_caught_as_lost():
+    records = SYNC[:2] + [sync_record(3, [(A, 3)])]  # round 3 lists only a's push; b was told version 3
+    report = check([run_of(records, "sync")], SYNC_CALLS)
+    (session,) = report.sessions
+    assert session.lost == ((B, 3),) and report.lost == 1
+    assert session.replay_ok  # the parameters are what the history says: only the accounting is wrong
+    assert not report.clean and any("lost" in p for p in report.problems())
+
+
+def test_a_push_applied_in_two_versions_is_caught_as_duplicated():
+    records = ASYNC[:3] + [async_record(4, (A, 2), 1), async_record(5, (B, 2), 3)]  # (A, 2) applied twice
+    calls = ASYNC_CALLS[:3] + [push_call(B, 2, version=5)]
+    report = check([run_of(records, "async")], calls)
+    (session,) = report.sessions
+    assert session.duplicated == ((A, 2),) and report.duplicated == 1 and session.replay_ok
+    assert not report.clean
+
+
+def test_a_version_applied_twice_skipped_or_past_the_sessions_version_is_caught():
+    repeated = SYNC + [sync_record(3, [(A, 4), (B, 4)])]
+    calls = SYNC_CALLS + [push_call(A, 4, "UNAVAILABLE"), push_call(B, 4, "UNAVAILABLE")]
+    report = check([run_of(repeated, "sync", version=3)], calls)
+    assert report.sessions[0].repeated_versions == (3,) and not report.clean
+
+    ahead = check([run_of(SYNC, "sync", version=2)], SYNC_CALLS)  # a version recorded that the session lacks
+    assert ahead.sessions[0].beyond_version == (3,) and not ahead.clean
+
+    skipped = [SYNC[0], SYNC[2]]  # version 2 never listed
+    report = check([run_of(skipped, "sync")], [c for c in SYNC_CALLS if c.sequence != 2])
+    assert report.sessions[0].skipped_versions == (2,) and not report.clean
+
+
+def test_a_wrong_parameter_is_caught_by_the_replay():
+    final = sgd_by_hand(SYNC, "sync")
+    final["w"][1, 0] += 1e-4
+    report = check([run_of(SYNC, "sync", final=final)], SYNC_CALLS)
+    (session,) = report.sessions
+    assert not session.replay_ok and 9e-5 < session.replay_max_diff < 2e-4
+    assert session.lost == () and session.duplicated == ()
+    assert any("replay differs" in p for p in report.problems())
+
+
+def test_a_push_applied_after_a_definitive_refusal_or_sent_by_no_client_is_caught():
+    calls = SYNC_CALLS[:5] + [push_call(B, 3, "INVALID_ARGUMENT")]  # b was told its push was refused
+    report = check([run_of(SYNC, "sync")], calls)
+    assert report.sessions[0].refused_but_applied == (((B, 3), "INVALID_ARGUMENT"),)
+    ambiguous = SYNC_CALLS[:5] + [push_call(B, 3, "UNAVAILABLE")]  # may have been applied: fine
+    assert check([run_of(SYNC, "sync")], ambiguous).clean
+    rogue = SYNC[:2] + [sync_record(3, [(A, 3), ("rogue/x", 1)])]  # a push no client of the run logged
+    report = check([run_of(rogue, "sync")], SYNC_CALLS[:5])
+    assert report.sessions[0].foreign == (("rogue/x", 1),) and not report.clean
+
+
+def test_internal_unknown_and_exceptions_are_undocumented_and_an_unanswered_call_is_a_hang_unless_killed():
+    calls = SYNC_CALLS + [push_call(A, 4, "INTERNAL"), push_call(B, 4, "exception:KeyError"),
+                          push_call(A, 5, "DEADLINE_EXCEEDED", started=100.0, ended=200.0),  # 100 s > 30 + 5
+                          dataclasses.replace(push_call(B, 5), ended=None, outcome="")]
+    report = check([run_of(SYNC, "sync")], calls)
+    assert len(report.undocumented) == 2 and len(report.hangs) == 2 and not report.clean
+    killed = [FaultRecord("worker_kill", "s/b", 100.0, victims=("b",))]  # b's unanswered call: its process died
+    report = check([run_of(SYNC, "sync")], calls, killed)
+    assert len(report.hangs) == 1
+    stopped = killed + [FaultRecord("worker_stop", "a", 120.0, 190.0, stopped=("a",))]  # a was stopped 70 of its 100 s
+    assert check([run_of(SYNC, "sync")], calls, stopped).hangs == ()
+
+
+def test_rogue_garbage_must_be_refused_with_the_status_the_docs_promise():
+    def rogue(outcome):
+        return CallRecord("s", "rogue", "", 0, 0, "rogue:nan", 100.0, 100.1, outcome, None, 30.0,
+                          ("INVALID_ARGUMENT",))
+
+    assert check([run_of(SYNC, "sync")], SYNC_CALLS + [rogue("INVALID_ARGUMENT")]).clean
+    for outcome in ("ok", "UNAVAILABLE"):
+        report = check([run_of(SYNC, "sync")], SYNC_CALLS + [rogue(outcome)])
+        assert len(report.rogue_unexpected) == 1, outcome
+
+
+def test_unavailability_is_the_time_from_a_fault_to_each_sessions_next_acknowledged_step():
+    calls = [push_call(A, 1, version=1, ended=10.0), push_call(A, 2, version=2, ended=14.0),
+             push_call(A, 3, version=3, ended=30.0), push_call(A, 1, version=1, ended=12.0, session="t")]
+    faults = [FaultRecord("shard_kill", "shard 0", 11.0), FaultRecord("shard_kill", "shard 1", 20.0),
+              FaultRecord("disk_full", "ckpt", 29.0)]
+    worst = unavailability(faults, calls, ["s", "t"], run_ended=40.0)
+    assert worst["shard_kill"].session == "t" and not worst["shard_kill"].recovered  # t never stepped again
+    assert worst["shard_kill"].seconds == pytest.approx(20.0)  # from the second kill (20) to the end (40)
+    assert worst["disk_full"].seconds == pytest.approx(11.0) and not worst["disk_full"].recovered
+    worst = unavailability(faults, calls[:3], ["s"], run_ended=40.0)
+    assert worst["shard_kill"].recovered and worst["shard_kill"].seconds == pytest.approx(10.0)  # 20 -> 30
+
+
+def test_the_history_follower_keeps_versions_answered_twice_and_catches_a_rewritten_history():
+    follower = HistoryFollower()
+    follower.add(SYNC[:2])
+    follower.add(SYNC[1:])  # an answer overlapping what is held: the same records, nothing new
+    assert [r.version for r in follower.records] == [1, 2, 3] and follower.conflicts == []
+    rewritten = sync_record(3, [(A, 9), (B, 9)])
+    follower.add([rewritten])  # version 3 answered differently: noted, and the server's latest word kept
+    assert len(follower.conflicts) == 1 and follower.records[2] == rewritten
+    twice = HistoryFollower()
+    twice.add([SYNC[0], SYNC[0]])  # one answer listing a version twice is kept as answered
+    assert [r.version for r in twice.records] == [1, 1]
+
+
+def test_the_printed_report_names_faults_steps_lost_duplicated_unavailability_and_the_verdict():
+    faults = [FaultRecord("shard_kill", "shard 0", 99.0)]
+    out = io.StringIO()
+    print_report(check([run_of(SYNC, "sync")], SYNC_CALLS, faults, {"write_error": "not root"}), out)
+    text = out.getvalue()
+    for words in ("faults injected: shard_kill 1", "not injected: write_error: not root",
+                  "steps acknowledged: 6, lost: 0, duplicated: 0", "longest unavailability", "verdict: clean"):
+        assert words in text, text

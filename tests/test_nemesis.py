@@ -1,0 +1,66 @@
+"""The nemesis (bench/nemesis.py): its schedule is the seed's, its call logs read back as the
+workers wrote them, and a short run against a real durable server (sync, async and elastic
+sessions, worker processes over shared memory and gRPC, faults of every kind the machine can
+rig) ends with the checker's report clean: nothing acknowledged lost, nothing applied twice, the
+parameters equal to a replay of the histories, every call ended with a documented status."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from bench._nemesis_schedule import KINDS, plan
+from bench._nemesis_workers import load_calls
+from bench.checker import print_report
+
+SLOTS = ["sync/0", "sync/1", "async/0", "elastic/0"]
+SEED = 5
+
+
+def test_the_same_seed_gives_the_same_schedule_and_every_kind_comes_before_any_comes_twice():
+    first, again, other = plan(SEED, 24, SLOTS), plan(SEED, 24, SLOTS), plan(SEED + 1, 24, SLOTS)
+    assert first == again and first != other
+    assert sorted(f.kind for f in first[:len(KINDS)]) == sorted(KINDS)
+    assert all(f.target in SLOTS for f in first if f.kind in ("worker_stop", "worker_kill"))
+    assert [f.kind for f in plan(SEED, 6, SLOTS, only=("rogue",))] == ["rogue"] * 6
+    with pytest.raises(ValueError, match="unknown fault kinds"):
+        plan(SEED, 3, SLOTS, only=("meteor",))
+
+
+def test_call_logs_read_back_each_calls_last_line_and_skip_a_line_torn_by_a_kill(tmp_path):
+    def line(outcome, ended):
+        return json.dumps({"id": "w-1#1", "session": "s", "worker": "w-1", "client_id": "w-1/x", "sequence": 1,
+                           "seed": 7, "kind": "push", "started": 1.0, "ended": ended, "outcome": outcome,
+                           "version": 3 if outcome == "ok" else None, "deadline_s": 68.0, "detail": ""})
+
+    answered, killed = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    answered.write_text(line("", None) + "\n" + line("ok", 2.0) + "\n")
+    killed.write_text(line("", None).replace("w-1", "w-2") + "\n" + '{"id": "w-2#2", "sess')  # torn by SIGKILL
+    calls = sorted(load_calls([str(answered), str(killed), str(tmp_path / "never-written.jsonl")]),
+                   key=lambda c: c.worker)
+    assert [(c.worker, c.outcome, c.ended, c.version) for c in calls] == [("w-1", "ok", 2.0, 3),
+                                                                         ("w-2", "", None, None)]
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason=(
+    "issue 40, pending server fixes (reproductions in bench/nemesis.py's runs): a round decided while a shard's "
+    "step log has no room (disk_full, write_error) is applied on some shards only, so the served parameters "
+    "differ from the history's replay, and the session stalls; after a shard SIGKILL an elastic session waits "
+    "for good on a push 'decided before shard N restarted' whose client gave up on it"))
+def test_a_one_minute_nemesis_run_loses_nothing_duplicates_nothing_and_replays_exactly(tmp_path):
+    from bench.nemesis import Nemesis, Options
+
+    out = io.StringIO()  # faults 2-4 s apart: every kind comes within the minute
+    nemesis = Nemesis(Options(minutes=1.0, seed=SEED, gap_s=(2.0, 4.0), settle_s=8.0, folder=str(tmp_path / "run"),
+                              out=out))
+    report = nemesis.run()
+    print_report(report, out)
+    text = out.getvalue() + f"\nlogs: {nemesis.folder}"
+    assert len(report.faults) + len(report.skipped_faults) >= len(KINDS) - 2, text  # (nearly) every kind came
+    assert report.lost == 0 and report.duplicated == 0, text
+    assert all(s.replay_ok for s in report.sessions), text
+    assert not report.undocumented and not report.hangs and not report.rogue_unexpected, text
+    assert report.clean, text
