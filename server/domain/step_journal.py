@@ -233,7 +233,11 @@ class StepJournal:
         if self._log.failed:
             self._owner.recover_log()
         elif checkpoint_due:
-            self.checkpoint()
+            try:
+                self.checkpoint()
+            except OSError as exc:  # the step is applied and logged: a checkpoint is only due again later
+                _log.warning("event=checkpoint_skipped %s error=%s (the log keeps every step; the next checkpoint "
+                             "due tries again)", self._log_where, log_value(str(exc)))
 
     def waiter(self, version: int) -> Callable[[], None]:
         """What acknowledging step ``version`` waits for: its log record (nothing when not durable).

@@ -189,12 +189,36 @@ class Segments:
 
     def rotate(self) -> tuple[int, int]:
         """Opens the next segment; returns its index and the previous segment's file descriptor,
-        which the caller flushes and closes (off the step path)."""
-        old = self._fd
-        self._close_direct()
+        which the caller flushes and closes (off the step path).
+
+        Raises:
+          OSError: the next segment could not be started (no room for its header, a failing
+            disk): it is removed, and records go on to the current segment as before.
+        """
+        before = (self._fd, self._direct_fd, self._offset, self._record_at)
+        self._direct_fd = -1
+        try:
+            self._open(self.index + 1)
+        except OSError:
+            self._abandon_next(before[0])
+            self._fd, self._direct_fd, self._offset, self._record_at = before
+            raise
+        if before[1] >= 0:
+            os.close(before[1])
         self.index += 1
-        self._open(self.index)
-        return self.index, old
+        return self.index, before[0]
+
+    def _abandon_next(self, current_fd: int) -> None:
+        """Closes and removes the segment a failed :meth:`rotate` began (whatever of it exists)."""
+        for fd in {self._fd, self._direct_fd} - {current_fd, -1}:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            os.unlink(self.path(self.index + 1))
+        except OSError:
+            pass
 
     def _close_direct(self) -> None:
         if self._direct_fd >= 0:

@@ -133,9 +133,18 @@ class ShardStore:
         One checkpoint is written at a time; one that is due while another is being written
         waits for it, and a newer one supersedes it. ``clock_state_fn(rotate)``: the home
         shard's clock state, taken with the ticket journal's rotation under the clock's lock.
-        Returns True."""
+        Returns True.
+
+        Raises:
+          OSError: the log could not start its fresh segments (no checkpoint is taken; the log
+            keeps every step in the segments it writes).
+        """
         tree = self._snapshots.take({"params": params, "opt_state": opt_state})
-        steps_from, tickets_from, closed_fds, clock_state = self.log.rotate(clock_state_fn)
+        try:
+            steps_from, tickets_from, closed_fds, clock_state = self.log.rotate(clock_state_fn)
+        except BaseException:  # no fresh segment (a full disk): no checkpoint; the log goes on as it was
+            self._snapshots.give_back(tree)
+            raise
         manifest = {"progress": progress.to_json(), "clock": clock_state, "steps_from": steps_from,
                     "tickets_from": tickets_from, "closed_fds": closed_fds}
         with self._done:
