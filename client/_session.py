@@ -317,6 +317,7 @@ class Session:
     def _push_once(self, header: data_pb2.PushHeader, grads: Mapping, wire: Optional[int]) -> int:
         """One attempt: every shard stages its part and commits with its peers (auto_commit);
         returns the new version."""
+        header.attempt += 1  # each try is voted on apart by the shards
         responses = self._paths.push(header, grads, wire)
         version = max(r.version for r in responses)
         self.last_staleness = responses[0].staleness
@@ -328,6 +329,7 @@ class Session:
         """One attempt: push (auto_commit) and receive the step's parameters, per shard: returns
         them (name -> array), or the new version alone when not ``reply`` (a push through
         shared memory)."""
+        header.attempt += 1  # each try is voted on apart by the shards
         replies = self._paths.push_pull(header, grads, wire, out, views, reply)
         self.last_staleness = replies[0].done.staleness
         self._see_version(min(r.done.version for r in replies))

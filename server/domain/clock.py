@@ -64,9 +64,10 @@ class Clock(Protocol):
         ...
 
     def vote(self, client_id: str, sequence: int, base_version: int, shard_index: int, staged: bool,
-             timeout_s: float) -> Optional[Ticket]:
-        """Auto-commit: this shard's stage outcome; the ticket once every shard staged (None to a
-        refusing voter); raises the push's refusal (see :meth:`ShardVotes.vote`)."""
+             timeout_s: float, attempt: int = 0) -> Optional[Ticket]:
+        """Auto-commit: this shard's stage outcome on the client's try ``attempt`` of the push;
+        the ticket once every shard staged (None to a refusing voter); raises the push's refusal
+        (see :meth:`ShardVotes.vote`)."""
         ...
 
     def reduce_sum(self, key: int, shard_index: int, value: float) -> float:
@@ -124,13 +125,13 @@ class HomeClock:
             return self._state.tickets.get(ordinal)
 
     def vote(self, client_id: str, sequence: int, base_version: int, shard_index: int, staged: bool,
-             timeout_s: float) -> Optional[Ticket]:
+             timeout_s: float, attempt: int = 0) -> Optional[Ticket]:
         """Auto-commit: one shard's stage outcome; returns the ticket once every shard staged
         (see :meth:`~optserve.server.domain.votes.ShardVotes.vote`; the only shard of a session
         decides alone)."""
         if self._participants == 1:
             return self.commit(client_id, sequence, base_version) if staged else None
-        return self._votes.vote(client_id, sequence, base_version, shard_index, staged, timeout_s)
+        return self._votes.vote(client_id, sequence, base_version, shard_index, staged, timeout_s, attempt)
 
     def reduce_sum(self, key: int, shard_index: int, value: float) -> float:
         """See :meth:`~optserve.server.domain.cross_shard_sums.CrossShardSums.reduce_sum`."""

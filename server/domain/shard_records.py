@@ -26,6 +26,8 @@ class PushHeader:
       auto_commit: the shards commit among themselves once all staged (else the client commits).
       telemetry: the loss and scalars the client attached (kept in the session's series).
       without_gradient: the tensors the push has no gradient for (see ``StagedPush``).
+      attempt: the client's try of this push (1, 2, ...; 0: unnumbered): each try is voted on
+        apart (:class:`~optserve.server.domain.votes.ShardVotes`).
     """
 
     client_id: str
@@ -34,6 +36,7 @@ class PushHeader:
     auto_commit: bool = True
     telemetry: Telemetry = Telemetry()
     without_gradient: frozenset = frozenset()
+    attempt: int = 0
 
     def validate(self) -> None:
         """Raises InvalidArgument naming what is wrong (called inside the push, so a bad header

@@ -231,12 +231,14 @@ class ShardSession:
             already_applied = self._receive(header, chunks, complete, in_place)
         except BaseException:
             if header.auto_commit:  # tell the peers to drop their parts
-                self._clock.vote(header.client_id, header.sequence, -1, self.shard_index, False, self._vote_timeout)
+                self._clock.vote(header.client_id, header.sequence, -1, self.shard_index, False, self._vote_timeout,
+                                 header.attempt)
             raise
         if not header.auto_commit:
             return Receipt(self.version, already_applied, committed=False)
         ticket = self._steps.decide(header.client_id, header.sequence, lambda base: self._clock.vote(
-            header.client_id, header.sequence, base, self.shard_index, True, self._vote_timeout), until)
+            header.client_id, header.sequence, base, self.shard_index, True, self._vote_timeout, header.attempt),
+            until)
         return Receipt(ticket.target_version, already_applied, True, ticket.staleness, ticket.scale,
                        self._steps.journal.waiter(ticket.target_version))
 

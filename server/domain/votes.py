@@ -53,13 +53,20 @@ class ShardVotes:
         self._participants = participants
         self._cond = cond
         self._decide = decide
-        self._open: dict[tuple[str, int], _PushVote] = {}  # (client_id, sequence) -> its vote
+        self._open: dict[tuple[str, int, int], _PushVote] = {}  # (client_id, sequence, attempt) -> its vote
         self._down: dict[int, OptservError] = {}  # shard index -> why (restarting), see peer_down
         self._abandoned: Optional[OptservError] = None
 
     def vote(self, client_id: str, sequence: int, base_version: int, shard_index: int, staged: bool,
-             timeout_s: float) -> Optional[Ticket]:
-        """One shard's stage outcome; returns the ticket once every shard staged.
+             timeout_s: float, attempt: int = 0) -> Optional[Ticket]:
+        """One shard's stage outcome on the client's try ``attempt`` of the push; returns the
+        ticket once every shard staged.
+
+        Each try is voted on apart: a shard's message of a try the client gave up on (it heard
+        another shard's refusal and tried again), arriving late, takes that try's outcome and
+        never joins the next try's vote, which would then be decided on a vote its client no longer
+        sends, leaving the next try's other part to wait out ``timeout_s`` (0: an unnumbered try,
+        voted on under the push's identity alone).
 
         The push is decided only when all participants voted ``staged=True``; one refusal, or a
         shard that does not vote within ``timeout_s``, refuses it everywhere (:class:`PeerRefused`).
@@ -70,7 +77,7 @@ class ShardVotes:
         Raises:
           the push's refusal, or the session's error once :meth:`abandon` ended it.
         """
-        key = (client_id, sequence)
+        key = (client_id, sequence, attempt)
         with self._cond:
             if self._abandoned is not None:
                 raise self._abandoned
@@ -92,7 +99,7 @@ class ShardVotes:
             raise outcome
         return outcome
 
-    def _vote_on(self, key: tuple[str, int], shard_index: int) -> _PushVote:
+    def _vote_on(self, key: tuple[str, int, int], shard_index: int) -> _PushVote:
         """The push's open vote; a fresh one for its first vote, or for a shard voting again on a
         decided push (a retry, decided afresh). Lock held."""
         push_vote = self._open.get(key)

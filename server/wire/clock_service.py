@@ -125,7 +125,7 @@ class _ClockServicer(clock_pb2_grpc.SessionClockServicer):
         _check_wait("Vote", "timeout_s", request.timeout_s)
         return _ticket_reply(lambda: self._clock_for(request.session).vote(
             request.client_id, request.sequence, request.base_version, request.shard_index, request.staged,
-            request.timeout_s))
+            request.timeout_s, request.attempt))
 
     @grpc_errors
     def Commit(self, request, context):
@@ -266,10 +266,10 @@ class PeerClock:
         return _ticket_outcome(self._call("GetTicket", request, _RPC_SLACK_S))
 
     def vote(self, client_id: str, sequence: int, base_version: int, shard_index: int, staged: bool,
-             timeout_s: float) -> Optional[Ticket]:
+             timeout_s: float, attempt: int = 0) -> Optional[Ticket]:
         request = clock_pb2.ClockVoteRequest(session=self._session, client_id=client_id, sequence=sequence,
                                              base_version=base_version, shard_index=shard_index, staged=staged,
-                                             timeout_s=timeout_s)
+                                             timeout_s=timeout_s, attempt=attempt)
         if not staged:  # tell the peers, do not wait for them (but keep the call alive until it ends:
             # a future nobody holds is cancelled when it is garbage-collected)
             future = self._stub.Vote.future(request, timeout=_RPC_SLACK_S, metadata=self._metadata)

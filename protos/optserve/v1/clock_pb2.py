@@ -24,31 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17optserve/v1/clock.proto\x12\x0boptserve.v1\"\xbb\x01\n\x0b\x43lockTicket\x12\x0f\n\x07ordinal\x18\x01 \x01(\x03\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x03\x12\x11\n\tstaleness\x18\x04 \x01(\x03\x12\r\n\x05scale\x18\x05 \x01(\x01\x12\x13\n\x0b\x63loses_step\x18\x06 \x01(\x08\x12\x16\n\x0etarget_version\x18\x07 \x01(\x03\x12\x12\n\ncheckpoint\x18\x08 \x01(\x08\x12\x13\n\x0bhyperparams\x18\t \x01(\t\"a\n\nClockError\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.optserve.v1.ClockErrorKind\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x17\n\x0f\x63urrent_version\x18\x03 \x01(\x03\"\x96\x01\n\x10\x43lockVoteRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x03\x12\x13\n\x0bshard_index\x18\x05 \x01(\x05\x12\x0e\n\x06staged\x18\x06 \x01(\x08\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\"`\n\x12\x43lockCommitRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x03\"6\n\x12\x43lockTicketRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0f\n\x07ordinal\x18\x02 \x01(\x03\"s\n\x10\x43lockTicketReply\x12*\n\x06ticket\x18\x01 \x01(\x0b\x32\x18.optserve.v1.ClockTicketH\x00\x12(\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x17.optserve.v1.ClockErrorH\x00\x42\t\n\x07outcome\"S\n\x0f\x43lockSumRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\x03\x12\x13\n\x0bshard_index\x18\x03 \x01(\x05\x12\r\n\x05value\x18\x04 \x01(\x01\"U\n\rClockSumReply\x12\x0f\n\x05total\x18\x01 \x01(\x01H\x00\x12(\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x17.optserve.v1.ClockErrorH\x00\x42\t\n\x07outcome*\xa2\x02\n\x0e\x43lockErrorKind\x12 \n\x1c\x43LOCK_ERROR_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x43LOCK_ERROR_KIND_NOT_FOUND\x10\x01\x12\x1a\n\x16\x43LOCK_ERROR_KIND_STALE\x10\x02\x12!\n\x1d\x43LOCK_ERROR_KIND_PEER_REFUSED\x10\x03\x12%\n!CLOCK_ERROR_KIND_INVALID_ARGUMENT\x10\x04\x12(\n$CLOCK_ERROR_KIND_FAILED_PRECONDITION\x10\x05\x12\x1c\n\x18\x43LOCK_ERROR_KIND_TIMEOUT\x10\x06\x12 \n\x1c\x43LOCK_ERROR_KIND_UNAVAILABLE\x10\x07\x32\xb2\x02\n\x0cSessionClock\x12\x44\n\x04Vote\x12\x1d.optserve.v1.ClockVoteRequest\x1a\x1d.optserve.v1.ClockTicketReply\x12H\n\x06\x43ommit\x12\x1f.optserve.v1.ClockCommitRequest\x1a\x1d.optserve.v1.ClockTicketReply\x12K\n\tGetTicket\x12\x1f.optserve.v1.ClockTicketRequest\x1a\x1d.optserve.v1.ClockTicketReply\x12\x45\n\tReduceSum\x12\x1c.optserve.v1.ClockSumRequest\x1a\x1a.optserve.v1.ClockSumReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17optserve/v1/clock.proto\x12\x0boptserve.v1\"\xbb\x01\n\x0b\x43lockTicket\x12\x0f\n\x07ordinal\x18\x01 \x01(\x03\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x03\x12\x11\n\tstaleness\x18\x04 \x01(\x03\x12\r\n\x05scale\x18\x05 \x01(\x01\x12\x13\n\x0b\x63loses_step\x18\x06 \x01(\x08\x12\x16\n\x0etarget_version\x18\x07 \x01(\x03\x12\x12\n\ncheckpoint\x18\x08 \x01(\x08\x12\x13\n\x0bhyperparams\x18\t \x01(\t\"a\n\nClockError\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.optserve.v1.ClockErrorKind\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x17\n\x0f\x63urrent_version\x18\x03 \x01(\x03\"\xa7\x01\n\x10\x43lockVoteRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x03\x12\x13\n\x0bshard_index\x18\x05 \x01(\x05\x12\x0e\n\x06staged\x18\x06 \x01(\x08\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x12\x0f\n\x07\x61ttempt\x18\x08 \x01(\r\"`\n\x12\x43lockCommitRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x03\"6\n\x12\x43lockTicketRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0f\n\x07ordinal\x18\x02 \x01(\x03\"s\n\x10\x43lockTicketReply\x12*\n\x06ticket\x18\x01 \x01(\x0b\x32\x18.optserve.v1.ClockTicketH\x00\x12(\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x17.optserve.v1.ClockErrorH\x00\x42\t\n\x07outcome\"S\n\x0f\x43lockSumRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\x03\x12\x13\n\x0bshard_index\x18\x03 \x01(\x05\x12\r\n\x05value\x18\x04 \x01(\x01\"U\n\rClockSumReply\x12\x0f\n\x05total\x18\x01 \x01(\x01H\x00\x12(\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x17.optserve.v1.ClockErrorH\x00\x42\t\n\x07outcome*\xa2\x02\n\x0e\x43lockErrorKind\x12 \n\x1c\x43LOCK_ERROR_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x43LOCK_ERROR_KIND_NOT_FOUND\x10\x01\x12\x1a\n\x16\x43LOCK_ERROR_KIND_STALE\x10\x02\x12!\n\x1d\x43LOCK_ERROR_KIND_PEER_REFUSED\x10\x03\x12%\n!CLOCK_ERROR_KIND_INVALID_ARGUMENT\x10\x04\x12(\n$CLOCK_ERROR_KIND_FAILED_PRECONDITION\x10\x05\x12\x1c\n\x18\x43LOCK_ERROR_KIND_TIMEOUT\x10\x06\x12 \n\x1c\x43LOCK_ERROR_KIND_UNAVAILABLE\x10\x07\x32\xb2\x02\n\x0cSessionClock\x12\x44\n\x04Vote\x12\x1d.optserve.v1.ClockVoteRequest\x1a\x1d.optserve.v1.ClockTicketReply\x12H\n\x06\x43ommit\x12\x1f.optserve.v1.ClockCommitRequest\x1a\x1d.optserve.v1.ClockTicketReply\x12K\n\tGetTicket\x12\x1f.optserve.v1.ClockTicketRequest\x1a\x1d.optserve.v1.ClockTicketReply\x12\x45\n\tReduceSum\x12\x1c.optserve.v1.ClockSumRequest\x1a\x1a.optserve.v1.ClockSumReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'optserve.v1.clock_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CLOCKERRORKIND']._serialized_start=926
-  _globals['_CLOCKERRORKIND']._serialized_end=1216
+  _globals['_CLOCKERRORKIND']._serialized_start=943
+  _globals['_CLOCKERRORKIND']._serialized_end=1233
   _globals['_CLOCKTICKET']._serialized_start=41
   _globals['_CLOCKTICKET']._serialized_end=228
   _globals['_CLOCKERROR']._serialized_start=230
   _globals['_CLOCKERROR']._serialized_end=327
   _globals['_CLOCKVOTEREQUEST']._serialized_start=330
-  _globals['_CLOCKVOTEREQUEST']._serialized_end=480
-  _globals['_CLOCKCOMMITREQUEST']._serialized_start=482
-  _globals['_CLOCKCOMMITREQUEST']._serialized_end=578
-  _globals['_CLOCKTICKETREQUEST']._serialized_start=580
-  _globals['_CLOCKTICKETREQUEST']._serialized_end=634
-  _globals['_CLOCKTICKETREPLY']._serialized_start=636
-  _globals['_CLOCKTICKETREPLY']._serialized_end=751
-  _globals['_CLOCKSUMREQUEST']._serialized_start=753
-  _globals['_CLOCKSUMREQUEST']._serialized_end=836
-  _globals['_CLOCKSUMREPLY']._serialized_start=838
-  _globals['_CLOCKSUMREPLY']._serialized_end=923
-  _globals['_SESSIONCLOCK']._serialized_start=1219
-  _globals['_SESSIONCLOCK']._serialized_end=1525
+  _globals['_CLOCKVOTEREQUEST']._serialized_end=497
+  _globals['_CLOCKCOMMITREQUEST']._serialized_start=499
+  _globals['_CLOCKCOMMITREQUEST']._serialized_end=595
+  _globals['_CLOCKTICKETREQUEST']._serialized_start=597
+  _globals['_CLOCKTICKETREQUEST']._serialized_end=651
+  _globals['_CLOCKTICKETREPLY']._serialized_start=653
+  _globals['_CLOCKTICKETREPLY']._serialized_end=768
+  _globals['_CLOCKSUMREQUEST']._serialized_start=770
+  _globals['_CLOCKSUMREQUEST']._serialized_end=853
+  _globals['_CLOCKSUMREPLY']._serialized_start=855
+  _globals['_CLOCKSUMREPLY']._serialized_end=940
+  _globals['_SESSIONCLOCK']._serialized_start=1236
+  _globals['_SESSIONCLOCK']._serialized_end=1542
 # @@protoc_insertion_point(module_scope)
