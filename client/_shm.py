@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 
 from optserve.client import _wire
-from optserve.client.errors import FailedPreconditionError, InvalidArgumentError
+from optserve.client.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from optserve.protos import contract
 from optserve.protos import shared_memory as shm
 from optserve.protos.optserve.v1 import data_pb2, data_pb2_grpc
@@ -116,12 +116,27 @@ class ShardRegion:
             self._fd = -1
 
 
+_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def _raise_if_transient(exc: grpc.RpcError, shard_index: int) -> None:
+    """A handshake that met a shard restarting or unreachable says nothing about shared memory:
+    raises UnavailableError (the call is retried, and the handshake with it)."""
+    if exc.code() in _TRANSIENT:
+        raise UnavailableError(f"shard {shard_index} could not be asked for shared memory now "
+                               f"({exc.code().name}: {exc.details()}); retry", "UNAVAILABLE") from None
+
+
 def negotiate(shard: data_pb2_grpc.ShardDataStub, session: str, client_id: str, shard_index: int, specs: Mapping,
               timeout: float) -> tuple[Optional[ShardRegion], str]:
     """Runs the handshake with one shard (``shard``: its ``ShardData`` stub); returns
     ``(region, "")`` or ``(None, why not)``.
 
     ``specs``: name -> (spec dtype value, shape) of the session's tensors.
+
+    Raises:
+      UnavailableError: the shard could not be reached (restarting): nothing is decided about
+        shared memory with it, and the next call asks again.
     """
     global _swept
     if not shm.available():
@@ -132,6 +147,7 @@ def negotiate(shard: data_pb2_grpc.ShardDataStub, session: str, client_id: str, 
     try:
         offer = shard.OfferSharedMemory(data_pb2.OfferSharedMemoryRequest(session=session, client_id=client_id), timeout=timeout)
     except grpc.RpcError as exc:
+        _raise_if_transient(exc, shard_index)
         return None, f"the shard offers no shared memory ({exc.code().name}: {exc.details()})"
     try:
         probe = shm.open_existing(offer.probe, shm.NONCE_BYTES, writable=False)
@@ -145,6 +161,7 @@ def negotiate(shard: data_pb2_grpc.ShardDataStub, session: str, client_id: str, 
         opened = shard.OpenSharedMemory(data_pb2.OpenSharedMemoryRequest(session=session, client_id=client_id, offer=offer.offer,
                                                              nonce=nonce), timeout=timeout)
     except grpc.RpcError as exc:
+        _raise_if_transient(exc, shard_index)
         return None, f"the shard refused the nonce ({exc.code().name}: {exc.details()})"
     try:
         layout = shm.layout([(name, *specs[name]) for name in opened.tensor_names])

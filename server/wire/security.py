@@ -23,6 +23,7 @@ from typing import Optional
 
 import grpc
 
+from optserve.protos import contract
 from optserve.server.domain.errors import InvalidArgument
 
 AUTHORIZATION_KEY = "authorization"
@@ -168,12 +169,13 @@ class InternalTrust:
         return self.tls.server_credentials() if self.tls is not None else None
 
     def channel(self, address: str) -> grpc.Channel:
-        """A channel to another server process's internal endpoint."""
+        """A channel to another server process's internal endpoint; it reconnects at most a
+        second apart (a restarted home shard's peers vote again within a second of it serving)."""
         if self.tls is None:
-            return grpc.insecure_channel(address)
+            return grpc.insecure_channel(address, options=contract.RECONNECT_OPTIONS)
         credentials = grpc.ssl_channel_credentials(root_certificates=self.tls.cert)
-        return grpc.secure_channel(address, credentials,
-                                   options=(("grpc.ssl_target_name_override", INTERNAL_SERVER_NAME),))
+        return grpc.secure_channel(address, credentials, options=contract.RECONNECT_OPTIONS + (
+            ("grpc.ssl_target_name_override", INTERNAL_SERVER_NAME),))
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
