@@ -18,28 +18,14 @@ import os
 import subprocess
 from typing import Optional, Union
 
+from bench.filesystems import fill
+
 IMAGE_MB = 64
 BACKING_MB = 96  # the image's blocks all fit: only a filler makes its writes fail
 
 
 def _run(*command: str) -> subprocess.CompletedProcess:
     return subprocess.run(list(command), capture_output=True, text=True)
-
-
-def fill(folder: str, leave_bytes: int = 0) -> str:
-    """Writes a filler file in ``folder`` until its filesystem is full, then gives back
-    ``leave_bytes``; returns the filler's path (delete it to free the space)."""
-    path = os.path.join(folder, "nemesis-filler")
-    chunk = b"\0" * (64 << 10)
-    with open(path, "wb") as fh:
-        try:
-            while True:
-                fh.write(chunk)
-                fh.flush()
-        except OSError:
-            pass
-    os.truncate(path, max(0, os.path.getsize(path) - leave_bytes))
-    return path
 
 
 class DiskRig:
@@ -51,10 +37,10 @@ class DiskRig:
         self._fillers: list[str] = []
 
     def fill_disk(self) -> None:
-        self._fillers.append(fill(self.mount, leave_bytes=4 << 10))
+        self._fillers.append(fill(self.mount, leave_bytes=4 << 10, name="nemesis-filler"))
 
     def fail_writes(self) -> None:
-        self._fillers.append(fill(self.backing))
+        self._fillers.append(fill(self.backing, name="nemesis-filler"))
 
     def free(self) -> None:
         while self._fillers:

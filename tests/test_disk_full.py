@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import subprocess
 import time
 
 import numpy as np
@@ -17,7 +16,8 @@ import pytest
 
 from optserve.client import Client
 from optserve.client.errors import UnavailableError
-from tests._filesystems import fill
+from bench import filesystems
+from bench.filesystems import fill
 from tests._server_process import ServerProcess
 from tests._service_helpers import InProcess, make_grads, max_abs_diff
 
@@ -27,16 +27,10 @@ SHAPES = {"w": (256, 256), "b": (256,)}
 
 @pytest.fixture
 def small_disk(tmp_path):
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"this machine cannot mount a size-limited tmpfs: {mounted.stderr.strip()}")
-    try:
-        yield str(mount)
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+    with filesystems.size_limited_tmpfs(str(tmp_path / "disk"), "6m") as mount:
+        if mount is None:
+            pytest.skip(f"this machine cannot mount a size-limited tmpfs: {filesystems.last_mount_error}")
+        yield mount
 
 
 def test_a_full_disk_refuses_steps_applies_nothing_and_recovers_by_itself(small_disk):

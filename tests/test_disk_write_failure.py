@@ -23,7 +23,7 @@ import pytest
 
 from optserve.client import Client
 from optserve.client.errors import UnavailableError
-from tests._filesystems import fill
+from bench.filesystems import fill
 from tests._server_process import ServerProcess
 from tests._service_helpers import InProcess, make_grads, max_abs_diff
 

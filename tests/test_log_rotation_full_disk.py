@@ -6,47 +6,25 @@ a headerless file and the step that made the checkpoint due answered INTERNAL.""
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 
+from bench import filesystems
 from optserve.server.storage.segments import Segments, TICKETS
-
-
-def fill_to_the_last_byte(folder: str) -> str:
-    """A filler file taking every free byte of ``folder``'s filesystem; returns its path."""
-    path = os.path.join(folder, "filler")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        for size in (1 << 16, 1 << 12, 1):  # big writes, then the last pages and bytes
-            while True:
-                try:
-                    os.write(fd, b"\0" * size)
-                except OSError:
-                    break
-    finally:
-        os.close(fd)
-    return path
 
 
 @pytest.fixture
 def tiny_disk(tmp_path):
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"this machine cannot mount a size-limited tmpfs: {mounted.stderr.strip()}")
-    try:
-        yield str(mount)
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+    with filesystems.size_limited_tmpfs(str(tmp_path / "disk"), "1m") as mount:
+        if mount is None:
+            pytest.skip(f"this machine cannot mount a size-limited tmpfs: {filesystems.last_mount_error}")
+        yield mount
 
 
 def test_a_rotation_without_room_keeps_the_current_segment_and_a_later_one_succeeds(tiny_disk):
     segments = Segments(tiny_disk, TICKETS, 0)
     segments.write([b'{"ticket": 1}\n'])
-    filler = fill_to_the_last_byte(tiny_disk)
+    filler = filesystems.fill(tiny_disk)
     with pytest.raises(OSError):
         segments.rotate()
     assert segments.index == 0 and not os.path.exists(segments.path(1))  # nothing half made is left

@@ -46,10 +46,11 @@ def test_call_logs_read_back_each_calls_last_line_and_skip_a_line_torn_by_a_kill
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=False, reason=(
-    "issue 40, pending server fixes (reproductions in bench/nemesis.py's runs): a round decided while a shard's "
-    "step log has no room (disk_full, write_error) is applied on some shards only, so the served parameters "
-    "differ from the history's replay, and the session stalls; after a shard SIGKILL an elastic session waits "
-    "for good on a push 'decided before shard N restarted' whose client gave up on it"))
+    "issue 40, pending server fixes (reproduce: python -m bench.nemesis --minutes 1 --seed 5 --gap 2 4, or "
+    "--minutes 0.5 --seed 2 --kinds disk_full --gap 8 10): a sync session whose step was logged on one shard "
+    "and not the other when a shard died is rolled back to the lower version, and its history's record of that "
+    "version is rewritten while the served parameters differ from its replay; a sync step whose push met a full "
+    "disk stalls until the client's timeout"))
 def test_a_one_minute_nemesis_run_loses_nothing_duplicates_nothing_and_replays_exactly(tmp_path):
     from bench.nemesis import Nemesis, Options
 
