@@ -80,8 +80,14 @@ class DataPaths:
         return self.regions.mode is not False and wire in (None, contract.FLOAT32)
 
     def all_via_shm(self, wire: Optional[int]) -> bool:
-        """Whether every shard's bytes of a call with wire dtype ``wire`` go through shared memory."""
-        return self.via_shm(wire) and all(self.regions.ensure(self.fanout.shards).values())
+        """Whether every shard's bytes of a call with wire dtype ``wire`` go through shared memory
+        (False while a shard cannot be asked: it is restarting; the call's own tries ask again)."""
+        if not self.via_shm(wire):
+            return False
+        try:
+            return all(self.regions.ensure(self.fanout.shards).values())
+        except UnavailableError:
+            return False
 
     # ----------------------------------------------------------------- calls
     def initialize(self, params: Arrays, creator_id: str) -> None:

@@ -249,10 +249,14 @@ class SessionRegions:
         now; a shard whose regions are all busy (both double buffers in flight) or that has
         none stays on gRPC bytes for this step."""
         taken = {}
-        for shard in shards:
-            region = self._free_region(shard, grads, lock=True)
-            if region is not None:
-                taken[shard.index] = region
+        try:
+            for shard in shards:
+                region = self._free_region(shard, grads, lock=True)
+                if region is not None:
+                    taken[shard.index] = region
+        except BaseException:  # a shard restarting (UnavailableError): the regions locked so far are free again
+            self.release(taken)
+            raise
         return taken
 
     def reserve(self, grads: Mapping) -> list[ShardRegion]:

@@ -68,8 +68,9 @@ class PeerRefusedError(UnavailableError):
 
     Whenever the refusing shard's own error came back with the attempt, the SDK raises that
     instead. Without it the push is retried as UNAVAILABLE is (an :class:`UnavailableError`: the
-    same sequence, applied at most once, with backoff for up to the client's ``timeout``); its
-    ``code`` stays the status the shard answered.
+    same sequence, applied at most once, with backoff for up to the client's ``timeout``); one
+    raised by a single try has the ``code`` the shard answered (ABORTED), and once the retries run
+    out the caller gets an :class:`UnavailableError` (UNAVAILABLE) naming the last refusal.
     """
 
     code = "ABORTED"

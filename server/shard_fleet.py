@@ -72,7 +72,11 @@ class RayShardFleet:
         ray.kill(self.actors[index])
         ports = (_port(self.addresses[index]), _port(self.clock_addresses[index]))
         actor = self._start_actor(index, ports, recovering)
-        self.devices[index] = usable_devices([actor.device_report.remote()])[0]
+        try:
+            self.devices[index] = usable_devices([actor.device_report.remote()])[0]
+        except BaseException:  # its GPU is unusable: it must not hold the bundle's GPU while the next try waits
+            ray.kill(actor)
+            raise
         address, clock_address = ray.get([actor.address.remote(), actor.clock_address.remote()])
         self.actors[index] = actor
         self.addresses[index], self.clock_addresses[index] = address, clock_address

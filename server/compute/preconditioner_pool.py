@@ -133,7 +133,13 @@ def start_workers(config: PoolConfig, detached: Optional[tuple[str, str]] = None
         workers = [cls.options(**resources, name=f"{prefix}-precond-{i}", namespace=namespace, lifetime="detached",
                                get_if_exists=True).remote(i, config.f64, config.device)
                    for i in range(config.workers)]
-    for report in refuse_problems([info["placement"] for info in ray.get([w.info.remote() for w in workers])]):
+    try:
+        reports = refuse_problems([info["placement"] for info in ray.get([w.info.remote() for w in workers])])
+    except BaseException:  # detached ones would be found and reused by the next start
+        for worker in workers:
+            ray.kill(worker)
+        raise
+    for report in reports:
         if report.gpu_ids or report.backend != "cpu":
             log.info("event=device %s", " ".join(f"{key}={value}" for key, value in report.fields().items()))
     return workers

@@ -20,7 +20,7 @@ from typing import Any, Callable, Hashable, Optional
 
 import numpy as np
 
-from optserve.server.compute.devices import check_device, DeviceRequest, ray_gpu_ids
+from optserve.server.compute.devices import check_device, DeviceRequest, DeviceUnusable, ray_gpu_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +56,9 @@ class PreconditionerWorker:
       index: the worker's slot in the pool (for status and logs).
       f64: compute in float64 (``jax_enable_x64`` in this process).
       device: the GPUs it asked Ray for (None: none); float32 matmuls run at full precision either way.
-        A worker whose JAX cannot use its GPUs computes nothing: its :meth:`info` names the problem.
+        A worker whose JAX cannot use its GPUs computes nothing: its :meth:`info` names the problem
+        and :meth:`compute` raises ``DeviceUnusable`` (the pool logs it, and the batch's roots count as
+        failed: the shard keeps the preconditioners it has).
     """
 
     def __init__(self, index: int, f64: bool = False, device: Optional[DeviceRequest] = None):
@@ -87,6 +89,8 @@ class PreconditionerWorker:
         Returns:
           ``(roots f32 [b, n, n], errors f32 [b])``; ``errors[i]`` is ``inf`` for non-finite input.
         """
+        if self._device.problem:  # restarted by Ray on a node whose JAX cannot use its GPU: no silent CPU roots
+            raise DeviceUnusable(self._device.problem)
         fn = self._fns.get(computation)
         if fn is None:
             fn = self._fns[computation] = compute_roots_fn(computation)

@@ -27,7 +27,8 @@ from typing import Callable, Optional
 
 from optserve.server.storage.disk_health import DiskHealth
 from optserve.server.storage.log_reader import read_journal
-from optserve.server.storage.segments import BLOCK, PREFIX, STEPS, TICKETS, Segments, segment_indices, segment_number
+from optserve.server.storage.segments import (BLOCK, PREFIX, STEPS, TICKETS, Segments, close_segments, segment_indices,
+                                              segment_number)
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +288,6 @@ class StepLog:
         self._thread.submit(lambda: None).result()
         steps_from, closed = self._steps.rotate()
         closed_fds = [closed]
-        self._records_since_sync = 0
         clock_state, tickets_from = None, 0
         if self._home and clock_state_fn is not None:
             rotated = []
@@ -297,9 +297,15 @@ class StepLog:
                     rotated.append(self._tickets.rotate())
                     self._tickets_since_sync = 0
 
-            clock_state = clock_state_fn(rotate)
+            try:
+                clock_state = clock_state_fn(rotate)
+            except BaseException:  # no checkpoint: the finished steps segment is flushed and closed all the same
+                close_segments(closed_fds, flush=True)
+                self._records_since_sync = 0
+                raise
             tickets_from, closed = rotated[0]
             closed_fds.append(closed)
+        self._records_since_sync = 0
         self.records, self.bytes = 0, 0
         return steps_from, tickets_from, closed_fds, clock_state
 
