@@ -154,7 +154,7 @@ class ShardFanout:
                 error = exc
             if not isinstance(error, (UnavailableError, NotFoundError)):
                 raise error
-            self.refresh()  # raises SessionLostError, or NotFoundError if the session is gone
+            moved = self.refresh()  # raises SessionLostError, or NotFoundError if the session is gone
             retryable = isinstance(error, UnavailableError) or attempt_number == 0
             if not retryable or time.monotonic() >= deadline:
                 if attempt_number and isinstance(error, UnavailableError):  # name what the user gave, not a shard's port
@@ -165,14 +165,16 @@ class ShardFanout:
             if attempt_number == 2:  # a blip is retried silently; a longer outage is said once
                 _log.warning("optserve: server %s does not serve session %r now (%s); retrying for up to %.0f s more",
                              self._client.address, self._session, error.details, max(0.0, deadline - time.monotonic()))
+            if moved:  # a restarted shard or server serves at its new address now: no reason to wait
+                continue
             backoff = min(policy.max_backoff_s, policy.initial_backoff_s * 2 ** attempt_number)
             time.sleep(min(backoff * random.uniform(0.8, 1.2), max(0.0, deadline - time.monotonic())))
         raise AssertionError("unreachable")
 
-    def refresh(self) -> None:
+    def refresh(self) -> bool:
         """Asks the coordinator for the session: raises SessionLostError (or NotFoundError) if it
-        is lost (or gone); reconnects to shards whose address changed. A coordinator that does not
-        answer (restarting) changes nothing."""
+        is lost (or gone); reconnects to shards whose address changed, and returns whether any did.
+        A coordinator that does not answer (restarting) changes nothing."""
         request = control_pb2.GetSessionRequest(name=self._session)
         try:
             info = self._client.control.GetSession(request, timeout=min(5.0, self._client.timeout)).session
@@ -180,11 +182,13 @@ class ShardFanout:
             error: OptservError = from_rpc_error(exc)
             if isinstance(error, (SessionLostError, NotFoundError)):
                 raise error from None
-            return
-        if [(s.shard_index, s.address) for s in info.shards] != [(s.index, s.address) for s in self.shards]:
-            old, self.shards = self.shards, connect(self._client, info)
-            for shard in old:
-                shard.steps.close()
+            return False
+        if [(s.shard_index, s.address) for s in info.shards] == [(s.index, s.address) for s in self.shards]:
+            return False
+        old, self.shards = self.shards, connect(self._client, info)
+        for shard in old:
+            shard.steps.close()
+        return True
 
     def close(self) -> None:
         """Ends the shards' open PushPull calls and lets the threads go (the session stays open)."""

@@ -26,7 +26,7 @@ class RetryPolicy:
 
     attempts: int = 5
     initial_backoff_s: float = 0.05
-    max_backoff_s: float = 2.0
+    max_backoff_s: float = 1.0  # a restarted server or shard is tried again within a second
 
     def __post_init__(self):
         if self.attempts < 1:
