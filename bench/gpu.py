@@ -9,9 +9,12 @@ drifts), as the median of the per-round ratios:
 * kernel: optserve Adafactor's jitted, donated step on ~100M float32 parameters, against the
   device's copy roofline (the bytes a three-pass Adafactor must move at the bandwidth of a donated
   elementwise copy; see :mod:`bench.adafactor`);
+* transfers (:mod:`bench.gpu_transfers`): each host pass and host <-> device copy a shared-memory
+  step makes, timed alone, and their sum in one process: the floor of a step over host memory;
 * service: one client's ``push_pull`` over shared memory (``gradient_buffers()`` and views) with 1
   and 2 shards at half a GPU each, against the same kernel step in this process on the same GPU
-  (target: <= 1.5x);
+  and against the floor (target: <= 1.5x the floor), with the server's own push / update / reply
+  times from its metrics;
 * Shampoo: its step through the same server with its roots on a preconditioner worker (half a GPU
   beside the shard's half), against Adafactor's (target: <= 1.2x).
 
@@ -31,6 +34,7 @@ from typing import Callable
 import numpy as np
 
 from bench.adafactor import copy_bandwidth, roofline_bytes
+from bench.gpu_transfers import transfer_rows
 from bench.ray_cluster import ray_env, Started
 from bench.service import in_process_step, interleaved_seconds
 from bench._timing import print_table
@@ -65,11 +69,42 @@ class Server:
         """What the server printed so far (its log)."""
         return self._process.output()
 
+    def phase_totals(self, session: str) -> dict[tuple[str, str], tuple[float, float]]:
+        """``{(phase, shard): (seconds, count)}`` of ``session``'s push, update and reply so far,
+        from the server's metrics (``--metrics-port`` must be among the flags)."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        url = self._process.wait_for("optserve metrics at ", 10).split()[-1]
+        with urllib.request.urlopen(url, timeout=30) as reply:
+            text = reply.read().decode()
+        totals: dict[tuple[str, str], list[float]] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                phase = sample.name.removeprefix("optserve_").removesuffix("_sum").removesuffix("_count")
+                if sample.labels.get("session") != session or phase not in ("push_seconds", "step_seconds",
+                                                                             "pull_seconds"):
+                    continue
+                pair = totals.setdefault((phase.removesuffix("_seconds"), sample.labels.get("shard", "")), [0.0, 0.0])
+                pair[sample.name.endswith("_count")] += sample.value
+        return {key: (seconds, count) for key, (seconds, count) in totals.items()}
+
     def __enter__(self) -> "Server":
         return self
 
     def __exit__(self, *exc) -> None:
         self._process.stop()
+
+
+def phases_between(before: dict, after: dict) -> str:
+    """The mean time of each phase on each shard between two :meth:`Server.phase_totals`."""
+    means = []
+    for (phase, shard), (seconds, count) in sorted(after.items()):
+        seconds0, count0 = before.get((phase, shard), (0.0, 0.0))
+        if count > count0:
+            means.append(f"{phase} {(seconds - seconds0) / (count - count0) * 1e3:.1f}")
+    return "; ".join(means) + " ms per shard (server metrics, timed rounds)"
 
 
 def device_events(output: str) -> dict[str, dict[str, str]]:
@@ -114,21 +149,30 @@ def kernel_rows(params, grads, repeats: int) -> list[list]:
 
 
 def service_rows(ray_address: str, log_dir: str, rehearse: bool, params, grads, repeats: int) -> list[list]:
-    """The shared-memory service step with 1 and 2 shards at half a GPU each, against the kernel."""
+    """The shared-memory service step with 1 and 2 shards at half a GPU each, against the kernel
+    and against the in-process floor of the same transfers (:mod:`bench.gpu_transfers`)."""
     from optserve.client import Client
 
-    rows = []
+    rows, floor_s = transfer_rows(params, grads, repeats)
     for shards in (1, 2):
-        with Server(ray_address, log_dir, rehearse, "--shards", str(shards), "--gpus-per-shard", "0.5") as server:
+        with Server(ray_address, log_dir, rehearse, "--shards", str(shards), "--gpus-per-shard", "0.5",
+                    "--metrics-port", "0") as server:
             with Client(server.address, timeout=600, shared_memory=True) as client:
-                _, step = _shm_step(client, f"gpu-service-{shards}", params, grads, ADAFACTOR)
+                name = f"gpu-service-{shards}"
+                _, step = _shm_step(client, name, params, grads, ADAFACTOR)
                 kernel = in_process_step(params, grads)
-                samples, _ = interleaved_seconds({"service": step, "kernel": kernel}, rounds=repeats)
+                for _ in range(2):  # compiled, warm, before the totals start
+                    step(), kernel()
+                before = server.phase_totals(name)
+                samples, _ = interleaved_seconds({"service": step, "kernel": kernel}, rounds=repeats, warmup=0)
+                phases = phases_between(before, server.phase_totals(name))
                 device = client.server_status()[0].device
-        rows.append([f"service step, shared memory, {shards} shard(s) at 0.5 GPU",
-                     statistics.median(samples["service"]) * 1e3, _median_ratio(samples, "service", "kernel"),
+        service = statistics.median(samples["service"])
+        rows.append([f"service step, shared memory, {shards} shard(s) at 0.5 GPU", service * 1e3,
+                     f"{_median_ratio(samples, 'service', 'kernel')} kernel; {service / floor_s:.2f} x floor",
                      f"kernel {statistics.median(samples['kernel']) * 1e3:.2f} ms in process; shards on "
-                     f"{device.backend} {','.join(device.devices)}, memory fraction {device.memory_fraction:g}"])
+                     f"{device.backend} {','.join(device.devices)}, memory fraction {device.memory_fraction:g}; "
+                     f"{phases}"])
     return rows
 
 
@@ -159,6 +203,7 @@ def main(argv=None) -> str:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--log-dir", default="/tmp/optserve-bench-gpu")
     parser.add_argument("--out", default=None, help="also write the table (markdown) here")
+    parser.add_argument("--sections", default="kernel,service,shampoo", help="which of kernel,service,shampoo")
     args = parser.parse_args(argv)
     os.makedirs(args.log_dir, exist_ok=True)
     os.environ.update({k: v for k, v in ray_env().items() if k.startswith("RAY_")})
@@ -167,16 +212,21 @@ def main(argv=None) -> str:
     grads = {k: np.random.default_rng(1).standard_normal(v.shape, dtype=np.float32) * 1e-3 for k, v in params.items()}
     n_params = sum(v.size for v in params.values())
     started = time.monotonic()
-    rows = kernel_rows(params, grads, args.repeats)
-    rows += service_rows(args.ray_address, args.log_dir, args.rehearse, params, grads, args.repeats)
-    rows += shampoo_rows(args.ray_address, args.log_dir, args.rehearse, params, grads, args.repeats)
-    title = (f"bench.gpu: {n_params / 1e6:.1f}M f32 params in {len(params)} matrices; median of {args.repeats} "
-             f"interleaved rounds{' (rehearsal: JAX on the CPU)' if args.rehearse else ''}; "
-             f"{time.monotonic() - started:.0f} s")
-    table = print_table(title, ["what", "ms", "ratio", "note"], rows)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+    known = {"kernel": lambda: kernel_rows(params, grads, args.repeats),
+             "service": lambda: service_rows(args.ray_address, args.log_dir, args.rehearse, params, grads, args.repeats),
+             "shampoo": lambda: shampoo_rows(args.ray_address, args.log_dir, args.rehearse, params, grads, args.repeats)}
+    sections = [known[name] for name in args.sections.split(",")]
+    rows: list[list] = []
+    for done, section in enumerate(sections, 1):
+        rows += section()
+        title = (f"bench.gpu: {n_params / 1e6:.1f}M f32 params in {len(params)} matrices; median of {args.repeats} "
+                 f"interleaved rounds{' (rehearsal: JAX on the CPU)' if args.rehearse else ''}; "
+                 f"{time.monotonic() - started:.0f} s" + ("" if done == len(sections) else
+                                                          f" (partial: {done} of {len(sections)} sections)"))
+        table = print_table(title, ["what", "ms", "ratio", "note"], rows)
+        if args.out:  # after each section, so a run cut short still leaves what it measured
+            with open(args.out, "w") as f:
+                f.write(table + "\n")
     return table
 
 

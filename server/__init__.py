@@ -13,11 +13,13 @@ domain/   config.py (typed, validated configuration); the coordinator: coordinat
           votes.py, cross_shard_sums.py, rounds.py (elastic rounds); one session on one shard:
           shard_session.py (the facade: initial values, receive, read, status), staging.py,
           step_runner.py (decided tickets applied in order), apply_queue.py (the shard's apply
-          queue), step_journal.py (the durable step: log space, log order, recovery, checkpoints,
-          restore) with durability.py (policy, records, the StepLogPort / CheckpointPort storage
-          implements) and replay.py; assembly.py (chunks -> validated buffers), errors.py
+          queue), step_journal.py (the durable step: log space, log order, checkpoints, restore;
+          log_recovery.py recovers an unlogged step) with durability.py (policy, records, the StepLogPort / CheckpointPort storage
+          implements) and replay.py; assembly.py (chunks -> validated buffers), host_passes.py
+          (large host copies and finite checks split over threads), errors.py
 storage/  the versioned on-disk format: the step log and ticket journal, checkpoints, the catalog
 compute/  updater.py (parameters, optimizer state, one jitted donated step), buffers.py,
+          host_transfer.py (device arrays to host through pinned memory),
           root_offload.py (where matrix roots are computed), preconditioner_pool.py and
           preconditioner_worker.py (the workers that compute them), heap.py
 ops/      what operators see: metrics, logs, health, leases, the shard watch

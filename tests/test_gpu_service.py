@@ -68,3 +68,17 @@ def test_roots_on_a_gpu_worker_beside_the_shard_reproduce_the_in_process_optimiz
             session.close()
         worker = device_events(server.output())["preconditioner-worker-0"]
     assert worker["backend"] == BACKEND and worker["memory_fraction"] == "0.45", worker
+
+
+@pytest.mark.skipif(REHEARSAL, reason="pinned host memory needs a GPU")
+def test_parameters_come_back_through_pinned_host_memory_unchanged():
+    import jax
+    import numpy as np
+
+    from optserve.server.compute.host_transfer import to_host
+
+    values = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "count": np.int32(7)}
+    on_device = jax.device_put(values, jax.devices("gpu")[0])
+    host = to_host(on_device)
+    assert np.array_equal(host["w"], values["w"]) and int(host["count"]) == 7
+    assert not host["w"].flags.writeable  # a view of the pinned copy, not a fresh pageable array

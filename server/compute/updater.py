@@ -29,6 +29,7 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, Optional
 
 import numpy as np
 
+from optserve.server.compute.host_transfer import to_host
 from optserve.server.compute.kernel_words import error_line, failing_alone
 
 
@@ -383,12 +384,17 @@ class Updater:
 
         if self.optimizer.evaluation is None:
             return None
-        return {name: np.asarray(p) for name, p in jax.jit(self.optimizer.evaluation)(self.opt_state, self.params).items()}
+        return to_host(jax.jit(self.optimizer.evaluation)(self.opt_state, self.params))
 
     def host_params(self) -> dict[str, np.ndarray]:
-        """Host views of the parameters (no copy on CPU). Drop them before the next :meth:`apply`:
-        a view that is still alive stops the update from donating (reusing) its buffer."""
-        return {name: np.asarray(p) for name, p in self.params.items()}
+        """Host views of the parameters (no copy on CPU; read-only pinned copies on an accelerator,
+        see :func:`~optserve.server.compute.host_transfer.to_host`). Drop them before the next
+        :meth:`apply`: a view that is still alive stops the update from donating its buffer."""
+        return to_host(self.params)
+
+    def host_state(self) -> tuple[dict[str, np.ndarray], Any]:
+        """``(parameters, optimizer state)`` as host arrays (see :meth:`host_params`), for a checkpoint."""
+        return to_host((self.params, self.opt_state))
 
 
 def step_function(optimizer) -> Callable:

@@ -14,6 +14,7 @@ from typing import Mapping
 import numpy as np
 
 from optserve.protos import contract, int8_codec
+from optserve.server.domain.host_passes import parallel_all_finite
 from optserve.server.domain.config import DType, TensorSpec
 from optserve.server.domain.errors import InvalidArgument, NonFinite
 
@@ -125,9 +126,15 @@ class TensorAssembler:
 
 
 def all_finite(values: np.ndarray) -> bool:
-    """Whether every value is finite, in one read-only pass: a sum is finite only if every term
-    is (an inf or NaN term makes it inf or NaN), so only a sum that is not (NaN or inf among the
-    values, or finite values overflowing it) needs the exact per-value check."""
+    """Whether every value is finite, in one read-only pass (split across a few threads when
+    large, :func:`~optserve.server.domain.host_passes.parallel_all_finite`)."""
+    return parallel_all_finite(values, _all_finite_piece)
+
+
+def _all_finite_piece(values: np.ndarray) -> bool:
+    """A sum is finite only if every term is (an inf or NaN term makes it inf or NaN), so only a
+    sum that is not (NaN or inf among the values, or finite values overflowing it) needs the
+    exact per-value check."""
     with np.errstate(over="ignore", invalid="ignore"):
         if np.isfinite(np.add.reduce(values.reshape(-1))):
             return True

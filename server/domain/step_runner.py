@@ -288,7 +288,8 @@ class StepRunner:
         parameters, the optimizer state and, on the home shard, its clock's state."""
         clock_state = self._clock.durable_state if self._is_home else None
         progress = self.queue.progress(self.version, _plain(self.updater.hyper))
-        return progress, self.updater.params, self.updater.opt_state, clock_state
+        params, opt_state = self.updater.host_state()
+        return progress, params, opt_state, clock_state
 
     def _step_failed(self, ticket: Ticket, exc: Exception) -> SessionLost:
         """The kernel raised while running the step of ``ticket`` (call with ``cond`` held): the

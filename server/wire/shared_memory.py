@@ -31,6 +31,7 @@ import numpy as np
 
 from optserve.protos import chunk_codec
 from optserve.protos import shared_memory as shm
+from optserve.server.domain.host_passes import parallel_copy
 from optserve.server.domain.errors import InvalidArgument, NotFound, PermissionDenied
 from optserve.server.domain.shard_session import ShardRegistry, ShardSession
 
@@ -76,8 +77,7 @@ class Region:
         """Writes the parameters into the reply part (one copy each); returns the bytes written."""
         written = 0
         for slot in self.layout.reply:
-            source = np.ascontiguousarray(params[slot.name]).reshape(-1).view(np.uint8)
-            np.frombuffer(self._mapping, np.uint8, slot.nbytes, slot.offset)[:] = source
+            parallel_copy(np.frombuffer(self._mapping, np.uint8, slot.nbytes, slot.offset), params[slot.name])
             written += slot.nbytes
         return written
 
