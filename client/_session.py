@@ -4,6 +4,8 @@ What a call does on the wire is in the modules below this one, in the order a ca
 
 - :mod:`optserve.client._fanout`: the session's shards, calls on all of them in parallel, and
   retries across a shard's recovery (:meth:`~optserve.client._fanout.ShardFanout.served`);
+- :mod:`optserve.client._session_tries`: one try of a push or push_pull (its header, int8
+  encoding and each attempt), as that retry loop calls it;
 - :mod:`optserve.client._paths`: each shard's bytes as gRPC chunks or through its shared-memory
   region (:mod:`optserve.client._shm`);
 - :mod:`optserve.protos.tensor_chunks`: tensors encoded as chunk messages (and
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import itertools
 import threading
 import uuid
 from typing import Iterable, Mapping, Optional, Union
@@ -31,7 +32,8 @@ from typing import Iterable, Mapping, Optional, Union
 import numpy as np
 
 from optserve.client import _fanout, _membership, _paths, _shm, _wire
-from optserve.client._inputs import add_telemetry, check_worker_id, checked_gradients
+from optserve.client._inputs import check_worker_id, checked_gradients
+from optserve.client._session_tries import SessionTries
 from optserve.client.errors import InvalidArgumentError, LateError
 from optserve.client.options import SessionOptions
 from optserve.client.status import HyperparamChange, RoundRecord, SessionStatus, StepOutcome, history_records
@@ -71,7 +73,6 @@ class Session:
         self.last_step: Optional[StepOutcome] = None
         self._member = (_membership.Membership(client, self.name, self.worker_id, lambda: self._shards[0].address,
                                                self.options.lease_s) if self.options.elastic else None)
-        self._sequence = itertools.count(1)
         self._version = version
         self.last_staleness = 0  # staleness the server assigned to this object's latest push (async)
         self._version_lock = threading.Lock()
@@ -81,6 +82,10 @@ class Session:
                                         self.specs, client.timeout)
         self._paths = _paths.DataPaths(client, self.name, self.specs, self._fanout, self._shm)
         self._feedback = _wire.ErrorFeedback()  # int8 gradients: per-tensor residuals
+        self._tries = SessionTries(self)  # one try of a push / push_pull on the wire (client/_session_tries.py)
+        # the tries by their former names (a test resends one header through them, as a retry does)
+        self._header, self._push_once, self._push_pull_once = (self._tries.header, self._tries.push_once,
+                                                                self._tries.push_pull_once)
 
     @property
     def _shards(self) -> list[_fanout.Shard]:
@@ -130,14 +135,14 @@ class Session:
         """
         grads = checked_gradients(grads, self.specs, self.name)
         wire = self._wire(wire_dtype)
-        grads = self._encode(grads, wire)
-        header = self._header(base_version, loss, scalars, without_gradient)
+        grads = self._tries.encode(grads, wire)
+        header = self._tries.header(base_version, loss, scalars, without_gradient)
         self._keep_membership()
         try:
             if self._paths.all_via_shm(wire):  # every shard's bytes in shared memory: a step that returns the version
-                version = self._fanout.served(lambda: self._push_pull_once(header, grads, wire, reply=False))
+                version = self._fanout.served(lambda: self._tries.push_pull_once(header, grads, wire, reply=False))
             else:
-                version = self._fanout.served(lambda: self._push_once(header, grads, wire))
+                version = self._fanout.served(lambda: self._tries.push_once(header, grads, wire))
         except LateError as late:
             self._dropped_late(late)
             self.pull()
@@ -157,11 +162,11 @@ class Session:
         """
         grads = checked_gradients(grads, self.specs, self.name)
         wire = self._wire(wire_dtype)
-        grads = self._encode(grads, wire)
-        header = self._header(base_version, loss, scalars, without_gradient)
+        grads = self._tries.encode(grads, wire)
+        header = self._tries.header(base_version, loss, scalars, without_gradient)
         self._keep_membership()
         try:
-            params = self._fanout.served(lambda: self._push_pull_once(header, grads, wire, out, views=views))
+            params = self._fanout.served(lambda: self._tries.push_pull_once(header, grads, wire, out, views=views))
         except LateError as late:
             self._dropped_late(late)
             return self.pull(out=out, views=views)
@@ -296,46 +301,10 @@ class Session:
             return self.wire_dtype
         return _wire.wire_option_enum(requested, what="wire_dtype")
 
-    def _header(self, base_version: Optional[int] = None, loss: Optional[float] = None,
-                scalars: Optional[Mapping[str, float]] = None, without_gradient: Iterable[str] = ()) -> data_pb2.PushHeader:
-        base = self._version if base_version is None else int(base_version)
-        header = data_pb2.PushHeader(session=self.name, client_id=self.client_id, sequence=next(self._sequence),
-                                     base_version=base, auto_commit=True, wait_s=self._client.timeout,
-                                     without_gradient=sorted(without_gradient))
-        return add_telemetry(header, loss, scalars)
-
-    def _encode(self, grads: dict[str, np.ndarray], wire: Optional[int]) -> dict:
-        """int8: the gradients quantized once per push (retries resend the same bytes), with
-        this object's error feedback; other wire dtypes are converted per chunk."""
-        return self._feedback.quantize(grads) if wire == contract.INT8 else grads
-
-    # ----------------------------------------------------------------- one attempt of a call
+    # ----------------------------------------------------------------- initial values; the version seen
     def _initialize(self, params: Mapping[str, np.ndarray]) -> None:
         """Sends the session's initial values to its shards (the creating client, once)."""
         self._paths.initialize(params, self._client.client_id)
-
-    def _push_once(self, header: data_pb2.PushHeader, grads: Mapping, wire: Optional[int]) -> int:
-        """One attempt: every shard stages its part and commits with its peers (auto_commit);
-        returns the new version."""
-        header.attempt += 1  # each try is voted on apart by the shards
-        responses = self._paths.push(header, grads, wire)
-        version = max(r.version for r in responses)
-        self.last_staleness = responses[0].staleness
-        self._see_version(version)
-        return version
-
-    def _push_pull_once(self, header: data_pb2.PushHeader, grads: Mapping, wire: Optional[int],
-                        out: Optional[Mapping[str, np.ndarray]] = None, views: bool = False, reply: bool = True):
-        """One attempt: push (auto_commit) and receive the step's parameters, per shard: returns
-        them (name -> array), or the new version alone when not ``reply`` (a push through
-        shared memory)."""
-        header.attempt += 1  # each try is voted on apart by the shards
-        replies = self._paths.push_pull(header, grads, wire, out, views, reply)
-        self.last_staleness = replies[0].done.staleness
-        self._see_version(min(r.done.version for r in replies))
-        if not reply:
-            return max(r.done.version for r in replies)
-        return {name: value for r in replies for name, value in r.arrays.items()}
 
     def _see_version(self, version: int) -> None:
         with self._version_lock:

@@ -15,8 +15,10 @@ which log order is in force:
 
 It also reserves log space before a push is staged (:meth:`StepJournal.reserve`), decides when a
 checkpoint is written (:meth:`StepJournal.after_step`, :meth:`StepJournal.checkpoint_now`) and
-restores a shard's part from its checkpoint and log (:meth:`StepJournal.replay`). A session that
-is not durable has a journal with no store: every step then just runs.
+restores a shard's part from its checkpoint and log (:meth:`StepJournal.replay`). Bringing a
+failed log back (:meth:`StepJournal.recover`, :meth:`StepJournal.require_logged`) is delegated to
+its :class:`~optserve.server.domain.log_recovery.LogRecovery`. A session that is not durable has a
+journal with no store: every step then just runs.
 
 The journal is called with the session's lock held (a re-entrant lock: the journal calls back
 into the session, see :class:`JournalOwner`), in step order, as the store requires.
@@ -33,6 +35,7 @@ from optserve.server.domain.clock_records import Ticket
 from optserve.server.domain.config import TensorSpec
 from optserve.server.domain.durability import CheckpointPort, DurabilityStatus, ShardProgress, StepLogPort, StepRecord
 from optserve.server.domain.errors import Unavailable
+from optserve.server.domain.log_recovery import LogRecovery
 from optserve.server.domain.refusals import log_value
 from optserve.server.domain.replay import replay
 
@@ -142,7 +145,7 @@ class StepJournal:
         self._push_bytes = push_bytes
         self._store: Optional[CheckpointPort] = None
         self._log: Optional[StepLogPort] = None
-        self._unlogged: Optional[UnloggedStep] = None  # write-ahead: the step whose record failed
+        self._recovery = LogRecovery(owner, self._log_where, lambda: self.checkpoint(wait=True), self._reserve_room)
         self._held = HeldReleases()  # overlapped order: failed updates' gradients the log may still write
 
     @property
@@ -153,6 +156,7 @@ class StepJournal:
     def attach(self, store: CheckpointPort) -> None:
         """Makes the session durable: its steps are logged to ``store.log`` from now on."""
         self._store, self._log = store, store.log
+        self._recovery.attach(store)
 
     def close(self) -> None:
         """Finishes a checkpoint being written, closes the log, gives back held gradients (closing)."""
@@ -216,7 +220,7 @@ class StepJournal:
             # a copy of its own: the push's buffers (the staging pool, or the client's shared-memory
             # region, which the client writes its next gradient into) go back once it is answered
             owned = {name: np.array(grad, copy=True) for name, grad in grads.items()}
-            self._unlogged = UnloggedStep(owned, step, stats[0])
+            self._recovery.keep(UnloggedStep(owned, step, stats[0]))
             raise
         finally:  # the record, if any, was written before append_ahead returned: nothing reads them
             if release is not None:
@@ -298,87 +302,12 @@ class StepJournal:
                               f"again") from None
 
     def require_logged(self) -> None:
-        """Write-ahead order: a step whose record failed is applied before any later one (its turn
-        has come: its tickets were taken), or nothing goes on.
-
-        Raises:
-          Unavailable: the disk still fails (naming the session, shard, folder and cause).
-        """
-        unlogged = self._unlogged
-        if unlogged is not None and not self._owner.recover_log():
-            raise Unavailable(f"{self._owner.where}: step {unlogged.step.ticket.target_version} waits for its log "
-                              f"record ({self._log.degraded}) and was applied nowhere here; retry once the disk "
-                              f"takes writes again")
+        """See :meth:`LogRecovery.require_logged`."""
+        self._recovery.require_logged()
 
     def recover(self) -> bool:
-        """After a failed log write, once the disk takes writes again: overlapped order, writes a
-        checkpoint of the state now (every step applied, those whose records were lost included)
-        and goes on logging after it; write-ahead order, cuts the failed record off and has the
-        session apply the step whose record failed. Returns whether the log works (False: the
-        disk still fails, or a sync step is half gathered here: the step that closes it recovers).
-        Call through the session's ``recover_log`` (its lock held)."""
-        log, owner = self._log, self._owner
-        if log is None:
-            return True
-        if log.write_ahead:
-            return self._recover_ahead()
-        if not log.failed:
-            return True
-        if owner.half_gathered or not owner.initialized:
-            return False
-        recovered = self._recover_by_checkpoint(owner.version)
-        if recovered:
-            _log.warning("event=session_log_recovered %s version=%d", self._log_where, owner.version)
-        return recovered
-
-    def _recover_by_checkpoint(self, version: int) -> bool:
-        """Overlapped order: a checkpoint at ``version`` (everything applied) is committed, then
-        the log goes on from it. Returns whether the log works again."""
-        store, log = self._store, self._log
-        if store.durable_version >= version:  # a checkpoint committed since holds every step applied
-            log.recovered(version)  # (its rotation drained the failed writes: the log is fresh)
-            return True
-        try:
-            log.probe()  # cheap: a disk that still fails is not asked for a whole checkpoint
-            self.checkpoint(wait=True)
-        except OSError:
-            return False
-        if store.durable_version < version:
-            return False
-        log.recovered(version)
-        return True
-
-    def _recover_ahead(self) -> bool:
-        """Write-ahead order: once the disk takes writes, cuts the failed record off the log, then
-        has the session log and apply the step whose record failed (the same gradient and
-        cross-shard statistic: the step it would have been). Returns whether the log works and no
-        step waits for its record."""
-        if self._log.failed:
-            try:
-                self._log.restart()
-            except OSError:
-                return False
-        unlogged, self._unlogged = self._unlogged, None
-        if unlogged is None:
-            return True
-        try:
-            self._reserve_room(steps=1)  # the cut gave room back
-            self._owner.reapply(unlogged)
-        except Unavailable:  # the disk failed again (a failed record waits once more)
-            if self._unlogged is None:
-                self._unlogged = unlogged
-            return False
-        if not self._log.syncs_each_record:
-            # the failure may have been an fsync's, which also loses records written (not yet
-            # synced) before the failed one: a checkpoint holds every step applied
-            try:
-                self.checkpoint(wait=True)
-            except OSError as exc:
-                _log.warning("event=checkpoint_after_log_recovery_failed %s version=%d error=%s", self._log_where,
-                             self._owner.version, log_value(str(exc)))
-        _log.warning("event=session_log_recovered %s version=%d order=write-ahead", self._log_where,
-                     self._owner.version)
-        return True
+        """See :meth:`LogRecovery.recover` (call through the session's ``recover_log``)."""
+        return self._recovery.recover()
 
     # ----------------------------------------------------------------- checkpoints
     def checkpoint(self, wait: bool = False) -> bool:
@@ -396,7 +325,7 @@ class StepJournal:
             return False
         if owner.half_gathered:  # mid sync step: its log position is not a step boundary
             return False
-        if self._unlogged is not None:  # its tickets count as applied: the state is one step behind
+        if self._recovery.step_waits:  # its tickets count as applied: the state is one step behind
             return False
         return self.checkpoint(wait=True)
 
