@@ -18,9 +18,11 @@ which is the SDK's numbering (``Session._header`` takes the next number once per
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import random
+import signal
 import time
 from typing import Callable, Optional
 
@@ -71,6 +73,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--pace", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID`: every thread's stack in WORKER.out (a stuck call)
 
     from optserve.client import Client
 

@@ -122,6 +122,7 @@ class SessionRun:
     version: int
     history: Sequence
     history_conflicts: tuple[str, ...] = ()
+    rollbacks: tuple[str, ...] = ()  # versions decided afresh after a restore (HistoryFollower.rollbacks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,36 +176,55 @@ def push_gradient(shapes: Mapping[str, tuple], client_id: str, sequence: int) ->
 
 class HistoryFollower:
     """Follows a session's history as a run goes (the home shard keeps only the latest versions):
-    :meth:`add` each ``history(since=self.since)`` answer. Records are kept as answered (a
-    version listed twice in an answer stays twice: the checker must see it). A version answered
-    again differently is a conflict (the history was rewritten, e.g. by a restart's rollback): it
-    is noted, and the latest answer, the server's word now, replaces the held one."""
+    :meth:`add` each ``history(since=self.since)`` answer, and :meth:`settle` with a final
+    ``history(since=0)``. Records are kept in version order; a version listed twice in one answer
+    stays twice (the checker must see it).
+
+    A version answered again differently was rolled back and decided afresh: a restore brings
+    every shard to the latest version all of them logged, so a version some shard had applied but
+    not logged when it died is decided again from the clients' retries. The held records from that
+    version on are dropped for the server's word, and the rollback is noted in ``rollbacks``. That
+    is no defect by itself (no acknowledgement covered the version: a push is acknowledged once
+    its step is logged on every shard it touches); a rolled-back version that held an acknowledged
+    push shows up as that push lost, or acknowledged at another version."""
 
     def __init__(self):
         self.records: list = []
-        self.conflicts: list[str] = []
-        self._index: dict[int, int] = {}  # version -> its first record's place in ``records``
+        self.conflicts: list[str] = []  # disagreements the run itself noticed (e.g. pulled vs status version)
+        self.rollbacks: list[str] = []
 
     @property
     def since(self) -> int:
-        return max(self._index, default=0)
+        return max((r.version for r in self.records if isinstance(r, RoundRecord)), default=0)
 
     def add(self, answer: Iterable) -> None:
-        since = self.since
+        since, listed = self.since, set()
         for record in answer:
             if not isinstance(record, RoundRecord):
                 if record.version > since:
                     self.records.append(record)
                 continue
-            if record.version <= since:
-                held = self._index.get(record.version)
-                if held is not None and _identity(self.records[held]) != _identity(record):
-                    self.conflicts.append(f"version {record.version} was {_identity(self.records[held])}, "
-                                          f"later answered as {_identity(record)}")
-                    self.records[held] = record
-                continue
-            self._index.setdefault(record.version, len(self.records))
-            self.records.append(record)
+            held = [r for r in self.records if isinstance(r, RoundRecord) and r.version == record.version]
+            if record.version in listed or not held:
+                self.records.append(record)
+            elif _identity(held[0]) != _identity(record):
+                self._roll_back(record.version, f"version {record.version} was {_identity(held[0])}, "
+                                                f"later answered as {_identity(record)}")
+                self.records.append(record)
+            listed.add(record.version)
+        self.records.sort(key=lambda r: r.version)
+
+    def settle(self, answer: Sequence) -> None:
+        """Adds a ``history(since=0)`` answer, the server's word on where the history ends now:
+        held versions past its last one were rolled back and not decided again."""
+        self.add(answer)
+        last = max((r.version for r in answer if isinstance(r, RoundRecord)), default=0)
+        if self.since > last:
+            self._roll_back(last + 1, f"versions {last + 1}-{self.since} rolled back, not decided again")
+
+    def _roll_back(self, version: int, note: str) -> None:
+        self.rollbacks.append(note)
+        self.records = [r for r in self.records if r.version < version]
 
 
 def _identity(record: RoundRecord) -> tuple:
@@ -232,6 +252,7 @@ class SessionCheck:
     foreign: tuple = ()
     malformed: tuple = ()
     history_conflicts: tuple = ()
+    rollbacks: tuple = ()
     replay_max_diff: float = math.inf
     replay_error: str = ""
     tolerance: float = DEFAULT_TOLERANCE
@@ -374,7 +395,7 @@ def check_session(run: SessionRun, calls: Sequence[CallRecord], tolerance: float
         lost=lost, duplicated=tuple(name for name, versions in applied.items() if len(versions) > 1),
         skipped_versions=skipped, repeated_versions=repeated, beyond_version=beyond, version_mismatches=mismatched,
         refused_but_applied=refused, foreign=foreign, malformed=tuple(malformed),
-        history_conflicts=tuple(run.history_conflicts), replay_max_diff=diff, replay_error=error, tolerance=tolerance)
+        history_conflicts=tuple(run.history_conflicts), rollbacks=tuple(run.rollbacks), replay_max_diff=diff, replay_error=error, tolerance=tolerance)
 
 
 def _acked_at(mode: str, acked: Optional[int], applied_at: int) -> bool:
@@ -475,6 +496,9 @@ def print_report(report: CheckReport, out=sys.stdout) -> None:
           f"{len(s.lost):>6}{len(s.duplicated):>5}{diff:>15}\n")
     w(f"steps acknowledged: {sum(s.acked for s in report.sessions)}, lost: {report.lost}, "
       f"duplicated: {report.duplicated}\n")
+    for s in report.sessions:
+        for note in s.rollbacks:  # versions no acknowledgement covered, decided again after a restore
+            w(f"rolled back ({s.name}): {note[:200]}\n")
     for kind, counts in sorted(report.statuses.items()):
         w(f"calls ({kind}): " + ", ".join(f"{k} {n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1])) + "\n")
     w("longest unavailability (fault injected -> next acknowledged step of each session; "

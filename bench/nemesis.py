@@ -229,13 +229,14 @@ class Nemesis:
                 session = client.session(p.name, worker_id="nemesis-final")
                 follower = self.followers[p.name]
                 follower.add(session.history(since=follower.since))
-                follower.add(session.history(since=0))  # what the home shard holds now must agree
+                follower.settle(session.history(since=0))  # the home shard's word on every version it holds
                 final = session.pull()
                 version = client.session_status(p.name).version
                 if session.version != version:
                     follower.conflicts.append(f"pulled version {session.version} != status version {version}")
                 runs.append(SessionRun(p.name, p.mode, p.optimizer, initial_params(self.o.seed, p.name), final,
-                                       version, list(follower.records), tuple(follower.conflicts)))
+                                       version, list(follower.records), tuple(follower.conflicts),
+                                       tuple(follower.rollbacks)))
                 session.detach()
         return runs
 

@@ -27,14 +27,14 @@ import concurrent.futures
 import dataclasses
 import threading
 import uuid
-from typing import Iterable, Mapping, Optional, Union
+from typing import Callable, Iterable, Mapping, Optional, Union
 
 import numpy as np
 
 from optserve.client import _fanout, _membership, _paths, _shm, _wire
 from optserve.client._inputs import check_worker_id, checked_gradients
 from optserve.client._session_tries import SessionTries
-from optserve.client.errors import InvalidArgumentError, LateError
+from optserve.client.errors import FutureBaseError, InvalidArgumentError, LateError
 from optserve.client.options import SessionOptions
 from optserve.client.status import HyperparamChange, RoundRecord, SessionStatus, StepOutcome, history_records
 from optserve.protos import contract
@@ -112,7 +112,7 @@ class Session:
         wire = None if wire == contract.INT8 else wire  # int8 encodes gradients only
         self._keep_membership()
         results = self._fanout.served(lambda: self._paths.pull(wire, out, views, evaluation))
-        self._see_version(min(version for version, _ in results))
+        self._set_version(min(version for version, _ in results))  # the server's word: lower after a rollback
         return {name: value for _, arrays in results for name, value in arrays.items()}
 
     def push(self, grads: Mapping[str, np.ndarray], wire_dtype: _wire.DTypeLike = "default",
@@ -136,13 +136,15 @@ class Session:
         grads = checked_gradients(grads, self.specs, self.name)
         wire = self._wire(wire_dtype)
         grads = self._tries.encode(grads, wire)
-        header = self._tries.header(base_version, loss, scalars, without_gradient)
         self._keep_membership()
-        try:
+
+        def tries(header):
             if self._paths.all_via_shm(wire):  # every shard's bytes in shared memory: a step that returns the version
-                version = self._fanout.served(lambda: self._tries.push_pull_once(header, grads, wire, reply=False))
-            else:
-                version = self._fanout.served(lambda: self._tries.push_once(header, grads, wire))
+                return self._fanout.served(lambda: self._tries.push_pull_once(header, grads, wire, reply=False))
+            return self._fanout.served(lambda: self._tries.push_once(header, grads, wire))
+
+        try:
+            version = self._from_current_base(tries, base_version, loss, scalars, without_gradient)
         except LateError as late:
             self._dropped_late(late)
             self.pull()
@@ -163,15 +165,33 @@ class Session:
         grads = checked_gradients(grads, self.specs, self.name)
         wire = self._wire(wire_dtype)
         grads = self._tries.encode(grads, wire)
-        header = self._tries.header(base_version, loss, scalars, without_gradient)
         self._keep_membership()
+
+        def tries(header):
+            return self._fanout.served(lambda: self._tries.push_pull_once(header, grads, wire, out, views=views))
+
         try:
-            params = self._fanout.served(lambda: self._tries.push_pull_once(header, grads, wire, out, views=views))
+            params = self._from_current_base(tries, base_version, loss, scalars, without_gradient)
         except LateError as late:
             self._dropped_late(late)
             return self.pull(out=out, views=views)
         self.last_step = StepOutcome(self._version, None, self._version)
         return params
+
+    def _from_current_base(self, tries: Callable, base_version: Optional[int], loss, scalars, without_gradient):
+        """``tries(header)`` for a fresh push header. A push stamped with this object's own view of
+        the version (``base_version`` None) that the session has not reached, because a restore
+        rolled back a version this object had pulled, is pushed again at once (a new push: the
+        refused one was applied nowhere) from the session's version; the view is corrected either way."""
+        try:
+            return tries(self._tries.header(base_version, loss, scalars, without_gradient))
+        except FutureBaseError as ahead:
+            if ahead.current_version is None:
+                raise
+            self._set_version(ahead.current_version)
+            if base_version is not None:
+                raise
+            return tries(self._tries.header(None, loss, scalars, without_gradient))
 
     def gradient_buffers(self) -> dict[str, np.ndarray]:
         """Float32 arrays, one per tensor, to write gradients into and pass to :meth:`push_pull`

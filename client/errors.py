@@ -38,6 +38,17 @@ class InvalidArgumentError(OptservError, ValueError):
     code = "INVALID_ARGUMENT"
 
 
+class FutureBaseError(InvalidArgumentError):
+    """A push refused because its base version is one the session has not reached (a restore
+    rolled back a version this client had pulled, never one acknowledged); ``current_version``
+    is the session's version then. A push whose base was this object's own view is retried at
+    once from that version; one given an explicit ``base_version`` raises this."""
+
+    def __init__(self, details: str, code: Optional[str] = None, current_version: Optional[int] = None):
+        super().__init__(details, code)
+        self.current_version = current_version
+
+
 class StaleError(OptservError):
     """A push refused as stale (ABORTED); ``current_version`` is the session's version then."""
 
@@ -138,6 +149,8 @@ def from_rpc_error(error: grpc.RpcError) -> OptservError:
     metadata = dict((error.trailing_metadata() or ()) if hasattr(error, "trailing_metadata") else ())
     if cls is StaleError and contract.PEER_REFUSED_KEY in metadata:
         return PeerRefusedError(details, code.name)
+    if cls is InvalidArgumentError and contract.CURRENT_VERSION_KEY in metadata:
+        return FutureBaseError(details, code.name, current_version=int(metadata[contract.CURRENT_VERSION_KEY]))
     if cls is StaleError:
         version = metadata.get(contract.CURRENT_VERSION_KEY)
         stale = LateError if contract.LATE_KEY in metadata else StaleError

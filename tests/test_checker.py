@@ -189,17 +189,34 @@ def test_unavailability_is_the_time_from_a_fault_to_each_sessions_next_acknowled
     assert worst["shard_kill"].recovered and worst["shard_kill"].seconds == pytest.approx(10.0)  # 20 -> 30
 
 
-def test_the_history_follower_keeps_versions_answered_twice_and_catches_a_rewritten_history():
+def test_the_history_follower_keeps_versions_answered_twice_and_follows_a_rollback():
     follower = HistoryFollower()
     follower.add(SYNC[:2])
     follower.add(SYNC[1:])  # an answer overlapping what is held: the same records, nothing new
-    assert [r.version for r in follower.records] == [1, 2, 3] and follower.conflicts == []
-    rewritten = sync_record(3, [(A, 9), (B, 9)])
-    follower.add([rewritten])  # version 3 answered differently: noted, and the server's latest word kept
-    assert len(follower.conflicts) == 1 and follower.records[2] == rewritten
+    assert [r.version for r in follower.records] == [1, 2, 3] and follower.rollbacks == []
+    redone = sync_record(2, [(A, 9), (B, 9)])
+    follower.add([redone])  # version 2 decided afresh after a restore: 2 and 3 held are dropped for it
+    assert follower.records == [SYNC[0], redone] and len(follower.rollbacks) == 1
+    follower.settle([SYNC[0], redone])
+    assert follower.records == [SYNC[0], redone] and len(follower.rollbacks) == 1
+    follower.add([SYNC[2]])
+    follower.settle([SYNC[0]])  # the server now ends at version 1: 2 and 3 were rolled back, not redone
+    assert follower.records == [SYNC[0]] and len(follower.rollbacks) == 2 and follower.conflicts == []
     twice = HistoryFollower()
     twice.add([SYNC[0], SYNC[0]])  # one answer listing a version twice is kept as answered
     assert [r.version for r in twice.records] == [1, 1]
+
+
+def test_a_rolled_back_version_that_held_acknowledged_pushes_shows_them_lost():
+    follower = HistoryFollower()
+    follower.add(SYNC)
+    follower.settle(SYNC[:2])  # version 3, acknowledged to A and B, is gone from the server's history
+    run = run_of(follower.records, "sync")
+    result = check([run], SYNC_CALLS, [])
+    assert sorted(result.sessions[0].lost) == sorted([(A, 3), (B, 3)]) and not result.clean
+    unacked = [c if c.sequence != 3 else dataclasses.replace(c, outcome="UNAVAILABLE", version=None)
+               for c in SYNC_CALLS]  # never acknowledged: rolling it back loses nothing
+    assert check([run], unacked, []).clean
 
 
 def test_the_printed_report_names_faults_steps_lost_duplicated_unavailability_and_the_verdict():

@@ -20,7 +20,7 @@ from typing import Optional
 from optserve.server.domain.clock_records import MAX_WORKERS_REPORTED, ROUND_CLOSER, ClockStatus, Ticket
 from optserve.server.domain.config import LatePolicy, Mode, SessionConfig, StalenessPolicy, worker_of
 from optserve.server.domain.durability import CheckpointPolicy
-from optserve.server.domain.errors import InvalidArgument, Late, OptservError, Stale
+from optserve.server.domain.errors import FutureBase, InvalidArgument, Late, OptservError, Stale
 from optserve.server.domain.hyperparam_book import HyperparamBook
 from optserve.server.domain.rounds import Rounds
 from optserve.server.domain.staleness import Decision, decide
@@ -113,8 +113,8 @@ class ClockState:
         returns the decision and why it commits the round (None: it stays open)."""
         worker, rounds, now = worker_of(client_id), self.rounds, time.monotonic()
         if base_version > self.version:
-            raise InvalidArgument(f"push from worker {worker!r} has base_version {base_version} > current version "
-                                  f"{self.version}")
+            raise FutureBase(f"push from worker {worker!r} has base_version {base_version} > current version "
+                             f"{self.version}", self.version)
         rounds.expire(now)
         rounds.touch(worker, now)
         staleness = self.version - base_version

@@ -39,6 +39,23 @@ class NonFinite(InvalidArgument):
     """NaN or Inf in a gradient of a session that does not allow them."""
 
 
+class FutureBase(InvalidArgument):
+    """A push computed from a version the session has not reached (INVALID_ARGUMENT): a rogue
+    base, or a client that saw a version a restore rolled back (one never acknowledged, only
+    pulled). Carries the session's version so a client can correct its view.
+
+    Attributes:
+      current_version: the session's version when the push was refused.
+    """
+
+    def __init__(self, message: str, current_version: int):
+        super().__init__(message)
+        self.current_version = current_version
+
+    def __reduce__(self):  # crosses Ray calls intact
+        return (FutureBase, (str(self), self.current_version))
+
+
 class Stale(OptservError):
     """A push too old for the session (async reject policy, or sync against another version).
 

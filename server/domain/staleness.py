@@ -10,7 +10,7 @@ import dataclasses
 from typing import Optional
 
 from optserve.server.domain.config import Mode, StalenessPolicy
-from optserve.server.domain.errors import InvalidArgument, Stale
+from optserve.server.domain.errors import FutureBase, InvalidArgument, Stale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,8 @@ def decide(
         sync step.
     """
     if base_version > version:
-        raise InvalidArgument(f"push from client {client_id!r} has base_version {base_version} > current version {version}")
+        raise FutureBase(f"push from client {client_id!r} has base_version {base_version} > current version {version}",
+                         version)
     if mode is Mode.SYNC:
         if base_version != version:
             raise Stale(
