@@ -148,8 +148,8 @@ class StepHandle:
         """Feeds the step's responses to ``on_response`` until it returns True (``done``);
         returns False if the call ended before that.
 
-        gRPC errors propagate (``grpc.RpcError``); a reused call found already ended raises
-        :class:`StreamBroken` (the step did not start: safe to retry).
+        gRPC errors propagate (``grpc.RpcError``); a reused call the shard had ended (CANCELLED
+        before any response) raises :class:`StreamBroken` (the step did not start: safe to resend).
         """
         started = False
         timeout = self._stream._timeout
@@ -172,7 +172,11 @@ class StepHandle:
             if self._expired:
                 raise DeadlineExceededError(f"the step was not done within the client's timeout of {timeout:g} s",
                                             "DEADLINE_EXCEEDED") from None
-            if self._reused and not started and exc.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
+            # CANCELLED alone: how a shard ends a call it found idle (crowded), before reading the step.
+            # UNAVAILABLE may be the shard's answer to this very step (its disk had no room): sent
+            # again on a fresh call as the same try, it would vote in a vote of its own that the
+            # other shards, which answered this try already, never join (a wait of the vote timeout).
+            if self._reused and not started and exc.code() == grpc.StatusCode.CANCELLED:
                 raise StreamBroken(exc.details()) from exc
             raise
         except BaseException:
