@@ -75,6 +75,7 @@ class Session:
                                                self.options.lease_s) if self.options.elastic else None)
         self._version = version
         self.last_staleness = 0  # staleness the server assigned to this object's latest push (async)
+        self.last_applied_version = 0  # the version this object's latest push_pull went into
         self._version_lock = threading.Lock()
         self._background = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="optserve-async")
         # same-host fast path (client/_shm.py): tensor bytes through shared memory, proven per shard
@@ -175,7 +176,7 @@ class Session:
         except LateError as late:
             self._dropped_late(late)
             return self.pull(out=out, views=views)
-        self.last_step = StepOutcome(self._version, None, self._version)
+        self.last_step = StepOutcome(self.last_applied_version, None, self._version)
         return params
 
     def _from_current_base(self, tries: Callable, base_version: Optional[int], loss, scalars, without_gradient):

@@ -72,6 +72,8 @@ class SessionTries:
         replies = session._paths.push_pull(header, grads, wire, out, views, reply)
         session.last_staleness = replies[0].done.staleness
         session._see_version(min(r.done.version for r in replies))
+        # the version the gradient went into: earlier than the parameters' for a retry of a push applied before
+        session.last_applied_version = max(r.done.applied_version or r.done.version for r in replies)
         if not reply:
-            return max(r.done.version for r in replies)
+            return session.last_applied_version
         return {name: value for r in replies for name, value in r.arrays.items()}

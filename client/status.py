@@ -26,8 +26,10 @@ __all__ = ["AcceptedPush", "DevicePlacement", "DurabilityStatus", "ElasticStatus
 class StepOutcome:
     """What became of a session object's latest push (``Session.last_step``).
 
-    ``version``: the version its gradient went into (None when dropped; for ``push_pull`` the
-    version of the parameters returned, which in async mode may include later pushes); ``dropped``: None, or
+    ``version``: the version its gradient went into (None when dropped), as the shards answered
+    it: for a retry of a push applied before (its first answer lost to a fault), that earlier
+    version; ``push_pull`` returns the parameters of ``current_version`` (async: they may include
+    later pushes); ``dropped``: None, or
     ``"late"`` (an elastic session's round had committed without it: ``late="drop"``);
     ``current_version``: the session's version when the push was answered."""
 

@@ -266,3 +266,23 @@ def test_a_client_attaching_before_the_creator_sent_initial_values_waits_for_the
             attacher.close_session(unique_name)
         creator.close()
         attacher.close()
+
+
+def test_a_retried_push_pull_applied_before_is_answered_with_the_version_it_went_into(client, unique_name):
+    """Its first answer lost (a fault), a push_pull is resent after other pushes moved the session
+    on: it applies nothing again, returns the parameters of now, and says the version its
+    gradient went into (``last_step.version``), not the current one."""
+    params = make_params(2)
+    session = client.create_session(unique_name, params, optimizer=SGD)
+    try:
+        header, grads = session._header(), make_grads(params, 0)
+        session._push_pull_once(header, grads, None)
+        assert session.last_applied_version == 1
+        other = client.session(unique_name)  # another session object (its own client id) steps: version 2
+        other.push_pull(make_grads(params, 1))
+        other.detach()
+        again = session._push_pull_once(header, grads, None)  # the retry of the first push
+        assert session.last_applied_version == 1 and session.version == 2
+        assert max_abs_diff(again, session.pull()) == 0.0 and session.status().pushes_accepted == 2
+    finally:
+        session.close()

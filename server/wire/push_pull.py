@@ -188,7 +188,8 @@ class PushPullCalls:
             sent = region.write_params(params)
             del params  # as in _answer: a held view would stop the next update from donating
             session.observer.sent(time.perf_counter() - started, sent)
-        done = data_pb2.StepDone(version=version, staleness=receipt.staleness, committed=True, stream_closing=closing)
+        done = data_pb2.StepDone(version=version, staleness=receipt.staleness, committed=True, stream_closing=closing,
+                                 applied_version=receipt.version)
         receipt.durable()  # `done` acknowledges the push: its step is in the step log first
         yield data_pb2.PushPullResponse(step_result=data_pb2.PushPullStepResult(done=done, in_shared_memory=reply))
         return closing
@@ -201,7 +202,8 @@ class PushPullCalls:
         dtype, chunk_bytes = reply
         version, params = session.snapshot()
         closing = self._streams.crowded()
-        done = data_pb2.StepDone(version=version, staleness=receipt.staleness, committed=True, stream_closing=closing)
+        done = data_pb2.StepDone(version=version, staleness=receipt.staleness, committed=True, stream_closing=closing,
+                                 applied_version=receipt.version)
         reply_bytes = sum(params[name].size * (dtype or spec.dtype).itemsize for name, spec in session.specs.items())
         if one_message and reply_bytes <= chunk_bytes:
             chunks = [tensor_chunk(*piece) for piece in param_slices(session, params, dtype, chunk_bytes)]
