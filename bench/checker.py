@@ -189,30 +189,36 @@ class HistoryFollower:
     push shows up as that push lost, or acknowledged at another version."""
 
     def __init__(self):
-        self.records: list = []
         self.conflicts: list[str] = []  # disagreements the run itself noticed (e.g. pulled vs status version)
         self.rollbacks: list[str] = []
+        self._rounds: dict[int, list[RoundRecord]] = {}  # version -> its record(s), as answered
+        self._changes: list = []  # HyperparamChange records
+
+    @property
+    def records(self) -> list:
+        """Every held record, in version order."""
+        held = [r for version in sorted(self._rounds) for r in self._rounds[version]] + self._changes
+        return sorted(held, key=lambda r: r.version)
 
     @property
     def since(self) -> int:
-        return max((r.version for r in self.records if isinstance(r, RoundRecord)), default=0)
+        return max(self._rounds, default=0)
 
     def add(self, answer: Iterable) -> None:
-        since, listed = self.since, set()
+        listed: dict[int, list[RoundRecord]] = {}
         for record in answer:
-            if not isinstance(record, RoundRecord):
-                if record.version > since:
-                    self.records.append(record)
-                continue
-            held = [r for r in self.records if isinstance(r, RoundRecord) and r.version == record.version]
-            if record.version in listed or not held:
-                self.records.append(record)
-            elif _identity(held[0]) != _identity(record):
-                self._roll_back(record.version, f"version {record.version} was {_identity(held[0])}, "
-                                                f"later answered as {_identity(record)}")
-                self.records.append(record)
-            listed.add(record.version)
-        self.records.sort(key=lambda r: r.version)
+            if isinstance(record, RoundRecord):
+                listed.setdefault(record.version, []).append(record)
+            elif record not in self._changes:
+                self._changes.append(record)
+        for version in sorted(listed):
+            answered, held = listed[version], self._rounds.get(version)
+            if held is not None and _identity(held[0]) != _identity(answered[0]):
+                self._roll_back(version, f"version {version} was {_identity(held[0])}, "
+                                         f"later answered as {_identity(answered[0])}")
+                held = None
+            if held is None or len(answered) > len(held):  # a version listed twice stays twice
+                self._rounds[version] = answered
 
     def settle(self, answer: Sequence) -> None:
         """Adds a ``history(since=0)`` answer, the server's word on where the history ends now:
@@ -224,7 +230,8 @@ class HistoryFollower:
 
     def _roll_back(self, version: int, note: str) -> None:
         self.rollbacks.append(note)
-        self.records = [r for r in self.records if r.version < version]
+        self._rounds = {v: held for v, held in self._rounds.items() if v < version}
+        self._changes = [c for c in self._changes if c.version < version]
 
 
 def _identity(record: RoundRecord) -> tuple:

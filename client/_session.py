@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import threading
 import uuid
 from typing import Callable, Iterable, Mapping, Optional, Union
 
@@ -34,6 +33,7 @@ import numpy as np
 from optserve.client import _fanout, _membership, _paths, _shm, _wire
 from optserve.client._inputs import check_worker_id, checked_gradients
 from optserve.client._session_tries import SessionTries
+from optserve.client._version_view import VersionView
 from optserve.client.errors import FutureBaseError, InvalidArgumentError, LateError
 from optserve.client.options import SessionOptions
 from optserve.client.status import HyperparamChange, RoundRecord, SessionStatus, StepOutcome, history_records
@@ -73,10 +73,9 @@ class Session:
         self.last_step: Optional[StepOutcome] = None
         self._member = (_membership.Membership(client, self.name, self.worker_id, lambda: self._shards[0].address,
                                                self.options.lease_s) if self.options.elastic else None)
-        self._version = version
+        self._versions = VersionView(version)
         self.last_staleness = 0  # staleness the server assigned to this object's latest push (async)
         self.last_applied_version = 0  # the version this object's latest push_pull went into
-        self._version_lock = threading.Lock()
         self._background = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="optserve-async")
         # same-host fast path (client/_shm.py): tensor bytes through shared memory, proven per shard
         self._shm = _shm.SessionRegions(client.shared_memory, client.shard_data, self.name, self.client_id,
@@ -95,8 +94,9 @@ class Session:
 
     @property
     def version(self) -> int:
-        """The latest parameter version this session object has seen (pull / push results)."""
-        return self._version
+        """The session's version as this object last heard it: raised by push answers, set by
+        pulls (lower after a restore rolled back a version this object had pulled)."""
+        return self._versions.value
 
     def pull(self, wire_dtype: _wire.DTypeLike = "default", out: Optional[Mapping[str, np.ndarray]] = None,
              views: bool = False, evaluation: bool = False) -> dict[str, np.ndarray]:
@@ -112,8 +112,9 @@ class Session:
         wire = self._wire(wire_dtype)
         wire = None if wire == contract.INT8 else wire  # int8 encodes gradients only
         self._keep_membership()
+        mark = self._versions.mark()
         results = self._fanout.served(lambda: self._paths.pull(wire, out, views, evaluation))
-        self._set_version(min(version for version, _ in results))  # the server's word: lower after a rollback
+        self._versions.settle(min(version for version, _ in results), mark)  # the server's word
         return {name: value for _, arrays in results for name, value in arrays.items()}
 
     def push(self, grads: Mapping[str, np.ndarray], wire_dtype: _wire.DTypeLike = "default",
@@ -149,7 +150,7 @@ class Session:
         except LateError as late:
             self._dropped_late(late)
             self.pull()
-            return self._version
+            return self.version
         self.last_step = StepOutcome(version, None, version)
         return version
 
@@ -176,23 +177,26 @@ class Session:
         except LateError as late:
             self._dropped_late(late)
             return self.pull(out=out, views=views)
-        self.last_step = StepOutcome(self.last_applied_version, None, self._version)
+        self.last_step = StepOutcome(self.last_applied_version, None, self.version)
         return params
 
     def _from_current_base(self, tries: Callable, base_version: Optional[int], loss, scalars, without_gradient):
         """``tries(header)`` for a fresh push header. A push stamped with this object's own view of
         the version (``base_version`` None) that the session has not reached, because a restore
-        rolled back a version this object had pulled, is pushed again at once (a new push: the
-        refused one was applied nowhere) from the session's version; the view is corrected either way."""
+        rolled back a version this object had pulled, is tried again at once from the session's
+        version (the same push and sequence number: the refused try was applied nowhere, and the
+        clock does not keep that refusal for its retries); the view is corrected either way."""
+        header = self._tries.header(base_version, loss, scalars, without_gradient)
         try:
-            return tries(self._tries.header(base_version, loss, scalars, without_gradient))
+            return tries(header)
         except FutureBaseError as ahead:
             if ahead.current_version is None:
                 raise
             self._set_version(ahead.current_version)
             if base_version is not None:
                 raise
-            return tries(self._tries.header(None, loss, scalars, without_gradient))
+            header.base_version = ahead.current_version  # the same push (sequence), a try of its own
+            return tries(header)
 
     def gradient_buffers(self) -> dict[str, np.ndarray]:
         """Float32 arrays, one per tensor, to write gradients into and pass to :meth:`push_pull`
@@ -295,7 +299,7 @@ class Session:
             self._member.keep_alive()
 
     def _dropped_late(self, late: LateError) -> None:
-        current = late.current_version if late.current_version is not None else self._version
+        current = late.current_version if late.current_version is not None else self.version
         self._see_version(current)
         self.last_step = StepOutcome(None, "late", current)
 
@@ -328,9 +332,7 @@ class Session:
         self._paths.initialize(params, self._client.client_id)
 
     def _see_version(self, version: int) -> None:
-        with self._version_lock:
-            self._version = max(self._version, version)
+        self._versions.see(version)
 
     def _set_version(self, version: int) -> None:
-        with self._version_lock:
-            self._version = version
+        self._versions.set(version)

@@ -29,6 +29,7 @@ import grpc
 
 from optserve.client._deadlines import DEADLINES
 from optserve.client.errors import DeadlineExceededError
+from optserve.protos import contract
 from optserve.protos.optserve.v1 import data_pb2
 
 _END = object()
@@ -130,6 +131,20 @@ class StepStream:
             yield from item
 
 
+def _never_started(exc: grpc.RpcError) -> bool:
+    """Whether a reused call's failure before any response means its step never reached the
+    shard: CANCELLED (a crowded shard ends a call it found idle), or UNAVAILABLE from the transport
+    (a dropped connection). An UNAVAILABLE the shard sent itself (``ANSWERED_KEY``: e.g. its disk
+    had no room) answered this very step: sent again on a fresh call as the same try, it would
+    vote in a vote of its own that the other shards, which answered the try already, never join."""
+    if exc.code() == grpc.StatusCode.CANCELLED:
+        return True
+    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    return not any(key == contract.ANSWERED_KEY for key, _ in (trailing or ()))
+
+
 class StepHandle:
     """The responses of one step started by :meth:`StepStream.start`."""
 
@@ -148,8 +163,8 @@ class StepHandle:
         """Feeds the step's responses to ``on_response`` until it returns True (``done``);
         returns False if the call ended before that.
 
-        gRPC errors propagate (``grpc.RpcError``); a reused call the shard had ended (CANCELLED
-        before any response) raises :class:`StreamBroken` (the step did not start: safe to resend).
+        gRPC errors propagate (``grpc.RpcError``); a reused call found ended before any response
+        (see :func:`_never_started`) raises :class:`StreamBroken` (the step did not start: safe to resend).
         """
         started = False
         timeout = self._stream._timeout
@@ -172,11 +187,7 @@ class StepHandle:
             if self._expired:
                 raise DeadlineExceededError(f"the step was not done within the client's timeout of {timeout:g} s",
                                             "DEADLINE_EXCEEDED") from None
-            # CANCELLED alone: how a shard ends a call it found idle (crowded), before reading the step.
-            # UNAVAILABLE may be the shard's answer to this very step (its disk had no room): sent
-            # again on a fresh call as the same try, it would vote in a vote of its own that the
-            # other shards, which answered this try already, never join (a wait of the vote timeout).
-            if self._reused and not started and exc.code() == grpc.StatusCode.CANCELLED:
+            if self._reused and not started and _never_started(exc):
                 raise StreamBroken(exc.details()) from exc
             raise
         except BaseException:

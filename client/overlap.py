@@ -21,6 +21,8 @@ from typing import Any, Mapping, Optional, Protocol
 
 import numpy as np
 
+from optserve.client.errors import FutureBaseError
+
 
 class _AsyncSession(Protocol):
     mode: str
@@ -80,6 +82,10 @@ class DelayedStepper:
         future, self._in_flight = self._in_flight, None
         if future is None:
             return None
-        params = future.result()
+        try:
+            params = future.result()
+        except FutureBaseError:  # stamped with a version a restore rolled back: hold the session's now
+            self._held_version = getattr(self._session, "version", None)
+            raise
         self._held_version = getattr(self._session, "version", None)
         return params

@@ -47,7 +47,7 @@ from optserve.client._torch_arrays import (checked_named_parameters, gradient_to
 from optserve.client._torch_groups import (GroupSync, group_labels, server_options, session_groups, split_groups,
                                            torch_defaults)
 from optserve.client._transport import ClientCert, TLSArg
-from optserve.client.errors import AlreadyExistsError, InvalidArgumentError, StaleError
+from optserve.client.errors import AlreadyExistsError, FutureBaseError, InvalidArgumentError, StaleError
 from optserve.client.options import SessionOptions
 from optserve.client.overlap import DelayedStepper
 
@@ -367,7 +367,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def _write_in_flight(self) -> None:
         try:
             params = self._stepper.wait()
-        except StaleError:
+        except (StaleError, FutureBaseError):  # refused (stale, or its base rolled back): the model pulls
             self._skip_stale()
             return
         if params is not None:

@@ -229,10 +229,14 @@ MAX_CLIENT_ID_CHARS = 256
 
 # --- metadata, reject reasons, gRPC options ----------------------------------------------------
 
-# Trailing metadata of an ABORTED push: the session's version when it was refused as stale ...
+# Trailing metadata of a refused push: the session's version when it was refused as stale
+# (ABORTED) or for a base version past it (INVALID_ARGUMENT) ...
 CURRENT_VERSION_KEY = "optserve-current-version"
 # ... or "1" when another shard refused its part of the push (applied nowhere).
 PEER_REFUSED_KEY = "optserve-peer-refused"
+# "1" on every error status a server sends itself (its answer to the call): a status without it
+# came from the transport (a dropped connection), so a step sent on a reused call never started.
+ANSWERED_KEY = "optserve-answered"
 # ... or "1" beside the current version when an elastic session dropped a late gradient.
 LATE_KEY = "optserve-late"
 

@@ -1,10 +1,11 @@
 """A client that saw a version a restore rolled back goes on: a durable server SIGKILLed, one shard's
 step log cut by a few bytes (its last record torn), the server started again on the same port and
 directory. The session comes back at the version every shard reached, one below what the client
-object saw (pulled, never acknowledged by every shard... here acknowledged, then lost to the damaged
-file). The same session object's next step is not refused forever for a base version from the future:
-it is pushed again from the session's version and trains on exactly; a pull lowers its view; a push
-with an explicit future base is refused naming the session's version."""
+object saw (here a version acknowledged, then lost to the damaged file; in a crash, one applied and
+pulled but not yet logged everywhere). The same session object's next step is not refused forever
+for a base version from the future: it is tried again, as the same push, from the session's version
+and trains on exactly; a pull lowers its view; a push with an explicit future base is refused naming
+the session's version."""
 
 from __future__ import annotations
 
@@ -73,6 +74,8 @@ def test_a_step_stamped_with_a_rolled_back_version_is_pushed_again_from_the_sess
         got, expected = session.push_pull(make_grads(params, step)), reference.step(make_grads(params, step))
         assert max_abs_diff(got, expected) <= 1e-6
     assert session.version == STEPS + 1
+    # the refused push was tried again as the same push: its sequence number, then the next one's
+    assert [r.sequences for r in session.history(since=STEPS - 1)] == [(STEPS + 1,), (STEPS + 2,)]
 
 
 def test_a_push_with_an_explicit_future_base_is_refused_naming_the_session_version(rolled_back):

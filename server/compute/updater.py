@@ -157,6 +157,7 @@ class Updater:
         self.device = jax.devices()[0]
         self.params: Optional[dict[str, Any]] = None
         self.opt_state: Any = None
+        self._host_copy: Optional[tuple] = None  # (params, their pinned host copies): accelerators only
         self.hyper = optimizer.hyperparams  # {group: {option: float32}}: what the next step runs with
         self._compiled: Optional[CompiledUpdate] = None
 
@@ -328,6 +329,7 @@ class Updater:
         """
         import jax
 
+        self._host_copy = None  # the pinned copy of the parameters before this step (replies hold their own views)
         # may_alias: on CPU the jitted step reads the pooled host buffers directly (no copy); they
         # return to the pool only after the step completed (block_until_ready below).
         grads = {name: jax.device_put(g, self.device, may_alias=True) for name, g in grads.items()}
@@ -387,10 +389,17 @@ class Updater:
         return to_host(jax.jit(self.optimizer.evaluation)(self.opt_state, self.params))
 
     def host_params(self) -> dict[str, np.ndarray]:
-        """Host views of the parameters (no copy on CPU; read-only pinned copies on an accelerator,
-        see :func:`~optserve.server.compute.host_transfer.to_host`). Drop them before the next
-        :meth:`apply`: a view that is still alive stops the update from donating its buffer."""
-        return to_host(self.params)
+        """The parameters as host arrays. On CPU, views of the device buffers (no copy): drop them
+        before the next :meth:`apply`, since a view still alive stops the update from donating its
+        buffer. On an accelerator, read-only views of one pinned host copy per version (see
+        :func:`~optserve.server.compute.host_transfer.to_host`), shared by every reply of it."""
+        held = self._host_copy
+        if held is not None and held[0] is self.params:
+            return held[1]
+        host = to_host(self.params)
+        if self.device.platform != "cpu":
+            self._host_copy = (self.params, host)
+        return host
 
     def host_state(self) -> tuple[dict[str, np.ndarray], Any]:
         """``(parameters, optimizer state)`` as host arrays (see :meth:`host_params`), for a checkpoint."""

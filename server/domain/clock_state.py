@@ -87,7 +87,8 @@ class ClockState:
                 )
         except OptservError as exc:
             self.stale += isinstance(exc, Stale) and not isinstance(exc, Late)
-            self.last[client_id] = (sequence, exc)
+            if not isinstance(exc, FutureBase):  # kept for the push's retries; a corrected base is decided afresh
+                self.last[client_id] = (sequence, exc)
             raise
         ticket = Ticket(self.next_ordinal, client_id, sequence, decision.staleness, decision.scale,
                         decision.closes_step, self.version + 1, decision.closes_step and self._checkpoint_due(),

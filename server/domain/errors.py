@@ -39,44 +39,31 @@ class NonFinite(InvalidArgument):
     """NaN or Inf in a gradient of a session that does not allow them."""
 
 
-class FutureBase(InvalidArgument):
+class _WithCurrentVersion:
+    """A refusal that carries the session's version (``current_version``), so a client can
+    correct its view; it crosses Ray calls intact."""
+
+    def __init__(self, message: str, current_version: int):
+        super().__init__(message)
+        self.current_version = current_version
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.current_version))
+
+
+class FutureBase(_WithCurrentVersion, InvalidArgument):
     """A push computed from a version the session has not reached (INVALID_ARGUMENT): a rogue
     base, or a client that saw a version a restore rolled back (one never acknowledged, only
-    pulled). Carries the session's version so a client can correct its view.
-
-    Attributes:
-      current_version: the session's version when the push was refused.
-    """
-
-    def __init__(self, message: str, current_version: int):
-        super().__init__(message)
-        self.current_version = current_version
-
-    def __reduce__(self):  # crosses Ray calls intact
-        return (FutureBase, (str(self), self.current_version))
+    pulled)."""
 
 
-class Stale(OptservError):
-    """A push too old for the session (async reject policy, or sync against another version).
-
-    Attributes:
-      current_version: the session's version when the push was refused.
-    """
-
-    def __init__(self, message: str, current_version: int):
-        super().__init__(message)
-        self.current_version = current_version
-
-    def __reduce__(self):  # crosses Ray calls intact
-        return (Stale, (str(self), self.current_version))
+class Stale(_WithCurrentVersion, OptservError):
+    """A push too old for the session (async reject policy, or sync against another version)."""
 
 
 class Late(Stale):
     """Elastic sync (late = drop): the push's round already closed; it was counted and dropped.
     Not a failure of the worker: it pulls the current version and goes on."""
-
-    def __reduce__(self):
-        return (Late, (str(self), self.current_version))
 
 
 class PeerRefused(OptservError):

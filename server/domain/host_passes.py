@@ -5,6 +5,7 @@ region (:func:`parallel_copy`), checking its gradients are finite (:func:`parall
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -37,14 +38,25 @@ def _executor() -> ThreadPoolExecutor:
 
 def _split(flat_arrays: tuple[np.ndarray, ...], work: Callable[..., Any], threads: Optional[int]) -> list:
     """``work(*pieces)`` over ``threads`` (default :func:`host_threads`) equal ranges of the
-    same-length 1-d ``flat_arrays``, in the pool (a pool thread may run several)."""
+    same-length 1-d ``flat_arrays``: the first in this thread, the others in the pool; the
+    results in no particular order."""
     threads = threads or host_threads()
     size = flat_arrays[0].size
     if threads == 1 or flat_arrays[0].nbytes < SPLIT_MIN_BYTES:
         return [work(*flat_arrays)]
     bounds = np.linspace(0, size, threads + 1).astype(np.int64)
-    jobs = [_executor().submit(work, *(a[lo:hi] for a in flat_arrays)) for lo, hi in zip(bounds, bounds[1:])]
-    return [job.result() for job in jobs]
+    pieces = [tuple(a[lo:hi] for a in flat_arrays) for lo, hi in zip(bounds, bounds[1:])]
+    jobs: list[concurrent.futures.Future] = []
+    try:
+        for piece in pieces[1:]:
+            jobs.append(_executor().submit(work, *piece))
+    except RuntimeError:  # the interpreter is shutting down: the pieces not handed out run here
+        pass
+    try:  # this thread does the first piece (and any not handed out)
+        results = [work(*piece) for piece in [pieces[0]] + pieces[1 + len(jobs):]]
+    finally:
+        concurrent.futures.wait(jobs)  # every piece has ended before anything is raised: none writes on after
+    return results + [job.result() for job in jobs]
 
 
 def parallel_copy(destination: np.ndarray, source: np.ndarray, threads: Optional[int] = None) -> None:

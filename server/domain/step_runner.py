@@ -31,7 +31,8 @@ from optserve.server.compute.updater import Updater
 from optserve.server.domain.clock_records import Ticket
 from optserve.server.domain.config import SessionConfig, TensorSpec
 from optserve.server.domain.durability import ShardProgress
-from optserve.server.domain.errors import OptservError, PeerRefused, RejectReason, SessionLost, Stale, Timeout, Unavailable
+from optserve.server.domain.errors import (InvalidArgument, OptservError, PeerRefused, RejectReason, SessionLost, Stale,
+                                           Timeout, Unavailable)
 from optserve.server.domain.refusals import log_value
 from optserve.server.domain.replay import replayed_tickets
 from optserve.server.domain.apply_queue import ApplyQueue, entry
@@ -116,6 +117,9 @@ class StepRunner:
             raise
         except (PeerRefused, Unavailable):
             self._staging.drop((client_id, sequence), RejectReason.ABORTED)
+            raise
+        except InvalidArgument:  # e.g. a base version from the future: its buffers go back at once
+            self._staging.drop((client_id, sequence), RejectReason.INVALID)
             raise
         self._run_through(ticket, until)
         return ticket

@@ -32,7 +32,7 @@ import grpc
 from optserve.protos.optserve.v1 import clock_pb2, clock_pb2_grpc
 from optserve.server.domain.clock import HomeClock
 from optserve.server.domain.clock_records import Ticket
-from optserve.server.domain.errors import (FailedPrecondition, InvalidArgument, NotFound, OptservError, PeerRefused,
+from optserve.server.domain.errors import (FailedPrecondition, FutureBase, InvalidArgument, NotFound, OptservError, PeerRefused,
                                            Stale, Timeout, Unavailable)
 from optserve.server.wire.errors import add_unary_service, grpc_errors
 from optserve.server.wire.security import InternalSecretInterceptor, InternalTrust
@@ -48,8 +48,9 @@ def _forget_call(future) -> None:
     with _IN_FLIGHT_LOCK:
         _IN_FLIGHT.discard(future)
 
-_KINDS: dict[type, int] = {
+_KINDS: dict[type, int] = {  # a subclass before its base: the first match is sent
     NotFound: clock_pb2.CLOCK_ERROR_KIND_NOT_FOUND,
+    FutureBase: clock_pb2.CLOCK_ERROR_KIND_FUTURE_BASE,
     Stale: clock_pb2.CLOCK_ERROR_KIND_STALE,
     PeerRefused: clock_pb2.CLOCK_ERROR_KIND_PEER_REFUSED,
     InvalidArgument: clock_pb2.CLOCK_ERROR_KIND_INVALID_ARGUMENT,
@@ -81,6 +82,8 @@ def _error_to_proto(exc: OptservError) -> clock_pb2.ClockError:
 def _error_from_proto(error: clock_pb2.ClockError) -> OptservError:
     if error.kind == clock_pb2.CLOCK_ERROR_KIND_STALE:
         return Stale(error.message, error.current_version)
+    if error.kind == clock_pb2.CLOCK_ERROR_KIND_FUTURE_BASE:
+        return FutureBase(error.message, error.current_version)
     return _CLASSES.get(error.kind, OptservError)(error.message)
 
 

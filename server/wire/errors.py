@@ -161,11 +161,13 @@ def _abort(context: grpc.ServicerContext, exc: BaseException, rpc: str = "", ref
     else:
         message = clean_message(str(inner))
         log_event(log, refusal_level, "rpc_refused", rpc=rpc, code=code.name, message=message)
+    trailing = ((contract.ANSWERED_KEY, "1"),)
     if isinstance(inner, (errors.Stale, errors.FutureBase)):
         late = ((contract.LATE_KEY, "1"),) if isinstance(inner, errors.Late) else ()
-        context.set_trailing_metadata(((contract.CURRENT_VERSION_KEY, str(inner.current_version)),) + late)
+        trailing += ((contract.CURRENT_VERSION_KEY, str(inner.current_version)),) + late
     elif isinstance(inner, errors.PeerRefused):
-        context.set_trailing_metadata(((contract.PEER_REFUSED_KEY, "1"),))
+        trailing += ((contract.PEER_REFUSED_KEY, "1"),)
+    context.set_trailing_metadata(trailing)
     context.abort(code, _bounded(message))
 
 

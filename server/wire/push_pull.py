@@ -207,9 +207,10 @@ class PushPullCalls:
         reply_bytes = sum(params[name].size * (dtype or spec.dtype).itemsize for name, spec in session.specs.items())
         if one_message and reply_bytes <= chunk_bytes:
             chunks = [tensor_chunk(*piece) for piece in param_slices(session, params, dtype, chunk_bytes)]
-            # The snapshot's arrays are views of the shard's device buffers: held while the stream
-            # waits for its next step, they would stop that step's update from donating (reusing)
-            # those buffers, and JAX would allocate fresh ones.
+            # On CPU the snapshot's arrays are views of the shard's device buffers: held while the
+            # stream waits for its next step, they would stop that step's update from donating
+            # (reusing) those buffers, and JAX would allocate fresh ones (on an accelerator they
+            # are views of a pinned host copy, harmless to hold but dropped all the same).
             del params
             session.observer.sent(time.perf_counter() - started, reply_bytes)
             receipt.durable()  # `done` acknowledges the push: its step is in the step log first
