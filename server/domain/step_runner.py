@@ -50,6 +50,13 @@ _ROUND_POLL_S = 0.02
 WAITING_NOTICE_S = 5.0  # a sync step still gathering its pushes this long is logged (once, per shard)
 
 
+def _dropped_as(refused: OptservError) -> RejectReason:
+    """Why a staged push whose decision was refused is dropped (counted and logged as)."""
+    if isinstance(refused, Stale):
+        return RejectReason.STALE
+    return RejectReason.INVALID if isinstance(refused, InvalidArgument) else RejectReason.ABORTED
+
+
 class StepRunner:
     """Applies a session's decided tickets on one shard (see the module's docstring).
 
@@ -112,14 +119,8 @@ class StepRunner:
         until ``until`` at most, see :meth:`_run_through`)."""
         try:
             ticket = ask(self._staging.base_version((client_id, sequence)))
-        except Stale:
-            self._staging.drop((client_id, sequence), RejectReason.STALE)
-            raise
-        except (PeerRefused, Unavailable):
-            self._staging.drop((client_id, sequence), RejectReason.ABORTED)
-            raise
-        except InvalidArgument:  # e.g. a base version from the future: its buffers go back at once
-            self._staging.drop((client_id, sequence), RejectReason.INVALID)
+        except (Stale, PeerRefused, Unavailable, InvalidArgument) as refused:  # its buffers go back at once
+            self._staging.drop((client_id, sequence), _dropped_as(refused))
             raise
         self._run_through(ticket, until)
         return ticket
