@@ -151,6 +151,15 @@ class DataPaths:
                     buffers[name] = self._grad_buffers.setdefault(name, np.zeros(self._specs[name][1], np.float32))
         return buffers
 
+    def parameter_buffers(self) -> dict[str, np.ndarray]:
+        """Float32 arrays over the reply parts of the regions the next step uses (see
+        ``Session.parameter_buffers``)."""
+        buffers = {}
+        for region in self.regions.free_regions(self.fanout.shards).values():
+            if region is not None:
+                buffers.update(region.parameters())
+        return buffers
+
     def close(self) -> None:
         """Drops the gradient buffers and the regions (the shards are told, best effort)."""
         self._grad_buffers = None

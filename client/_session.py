@@ -211,6 +211,19 @@ class Session:
         to overwrite once the step that pushed them is answered."""
         return self._paths.gradient_buffers()
 
+    def parameter_buffers(self) -> dict[str, np.ndarray]:
+        """Writable float32 arrays, one per float32 tensor on a shard reached through shared
+        memory (others are left out), over the reply part of the region this object's next step
+        uses: after a :meth:`pull` or :meth:`push_pull` answered through it they hold the
+        parameters it returned (the ``views`` it returned are views of them), and the next one
+        overwrites them in place. Writing into them changes nothing on the server.
+
+        The torch adapter keeps a model's parameters here, so a step copies no parameter on the
+        client. While steps take turns every call returns the same arrays; a region dropped
+        after a failed step (a shard restarted) is replaced by a fresh one, whose arrays are
+        filled by the next answered call."""
+        return self._paths.parameter_buffers()
+
     def data_paths(self) -> dict[int, str]:
         """Shard index -> "shared_memory" or "grpc": how this object's tensor bytes reach each shard."""
         return {index: "shared_memory" if region is not None else "grpc"

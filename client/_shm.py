@@ -67,6 +67,13 @@ class ShardRegion:
         source = grads.get(name)
         return isinstance(source, np.ndarray) and _same_memory(source, target)
 
+    def parameters(self) -> dict[str, np.ndarray]:
+        """Writable float32 arrays over the reply part's float32 slots (tensors stored otherwise
+        are left out): the parameters of the last step or pull answered through this region,
+        overwritten in place by the next one (:meth:`Session.parameter_buffers`)."""
+        return {name: raw.view(np.float32).reshape(self.push[name].shape)
+                for name, (dtype, raw) in self._reply.items() if dtype == contract.FLOAT32}
+
     def step(self, reply: bool) -> data_pb2.SharedMemoryStep:
         """The step message's reference to this region."""
         return data_pb2.SharedMemoryStep(region=self.region_id, nonce=self._nonce, reply=reply)

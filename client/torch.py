@@ -8,7 +8,10 @@ Swap ``torch.optim.AdamW(model.parameters(), ...)`` for::
 
 and keep the loop (``loss.backward(); opt.step(); opt.zero_grad()``). ``step()`` pushes the
 ``.grad`` of every named parameter and writes the parameters the server returns into the
-model in place, so their dtype, device, storage and ``requires_grad`` never change.
+model in place, so their dtype, device and ``requires_grad`` never change. On a server on the
+same host (shared memory), float32 CPU parameters and their gradients move, once, into the
+session's shared regions, so that a step copies nothing on the client (``zero_copy``); with
+``zero_copy=False`` their storage never changes either.
 
 Precision: the server holds a float32 master copy of every parameter and runs float32
 optimizer math; bfloat16 / float16 parameters receive the rounded float32 values. The wire
@@ -42,8 +45,9 @@ import torch
 
 from optserve.client import Client
 from optserve.client._diloco_torch import DiLoCo  # noqa: F401  (public here: optserve.client.torch.DiLoCo)
-from optserve.client._torch_arrays import (checked_named_parameters, gradient_to_numpy, tensor_to_numpy,
-                                           viewed_without_copy, write_numpy_)
+from optserve.client._torch_arrays import (checked_named_parameters, gradient_to_numpy, tensor_to_numpy,  # noqa: F401
+                                           write_numpy_)
+from optserve.client._torch_model import ModelTensors
 from optserve.client._torch_groups import (GroupSync, group_labels, server_options, session_groups, split_groups,
                                            torch_defaults)
 from optserve.client._transport import ClientCert, TLSArg
@@ -143,6 +147,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
         ``address`` is a ``Client`` (its own settings apply).
       shared_memory: with an address, ``Client(shared_memory=...)``: "auto" (default) moves the
         tensor bytes through shared memory where a shard proves it is on this host.
+      zero_copy: on shards reached through shared memory (and without ``overlap``), keep the
+        model's float32 CPU parameters and their ``.grad`` in the session's shared regions
+        (:mod:`optserve.client._torch_shared`): ``backward`` accumulates into the region and a step
+        copies no tensor on the client. Bound gradients are zeroed in place by :meth:`zero_grad`
+        (never ``None``; a parameter no backward reached afterwards is still pushed as having no
+        gradient). False: parameters and gradients keep their own storage and are copied.
       options: the session's other options by keyword (``mode``, ``num_workers``, ``wire_dtype``,
         ...: the fields of :class:`~optserve.client.SessionOptions`; see :class:`RemoteOptimizerConfig`).
 
@@ -151,6 +161,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
       version: the session version of the parameters now in the model.
       stale_pushes: pushes the server refused as stale (async, ``staleness_policy="reject"``);
         such a step is dropped and the model refreshed to the session's current parameters.
+      shared_tensors: names of the parameters whose storage is a shared region now (``zero_copy``).
     """
 
     def __init__(
@@ -167,6 +178,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         client_cert: Optional[ClientCert] = None,
         tls_server_name: Optional[str] = None,
         shared_memory: Union[bool, str] = "auto",
+        zero_copy: bool = True,
         **options: Any,
     ):
         named, groups = split_groups(named_parameters)
@@ -199,11 +211,15 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 self._client.close()
             raise
         self._stepper = DelayedStepper(self._session) if overlap else None
+        # overlap keeps a step in flight while the model changes: it copies
+        self._model = ModelTensors(self._named, self._session, zero_copy and not overlap)
         # Per call, so that a worker attaching to an existing session still gets its own choice.
         self._wire = {"wire_dtype": self.config.wire_dtype} if self.config.wire_dtype is not None else {}
         self.stale_pushes = 0
         if self.created:
             self.version = self._session.version
+            if self._model.zero_copy and self._session.parameter_buffers():
+                self._pull_into_model()  # fills the regions: the model's storage moves there
         else:
             self._pull_into_model()
             if self.version > 0:  # a rerun of a script attaches to the session its last run trained
@@ -213,6 +229,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                     f"values were replaced). To start fresh, close it first (optserve.client.Client(address)"
                     f".close_session({self.config.session!r})) or pick another session name.",
                     stacklevel=2)
+        self._model.bind_gradients()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only during construction: a session's tensors are fixed when it is created."""
@@ -233,7 +250,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
     @property
     def tensor_names(self) -> list[str]:
-        return [name for name, _ in self._named]
+        return self._model.names
+
+    @property
+    def shared_tensors(self) -> list[str]:
+        return self._model.shared
 
     # -- the training loop ---------------------------------------------------------------------
 
@@ -259,11 +280,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 result = closure()
         telemetry = loss if loss is not None else result
-        grads = self._gradients(copy=self.config.overlap)
+        grads, without = self._model.gradients(copy=self.config.overlap)
         if grads is None:
             return result
         push = dict(self._wire)
-        without = [name for name, p in self._named if p.grad is None]
         if without:
             push["without_gradient"] = without
         if telemetry is not None:
@@ -281,6 +301,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
             except StaleError:
                 self._skip_stale()
         return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's, except for gradients bound to a shared region (``zero_copy``): those are
+        zeroed in place, and with ``set_to_none`` remembered as none (see ``zero_copy``)."""
+        self._model.zero_grad(set_to_none)
 
     def synchronize(self) -> None:
         """With ``overlap=True``: waits for the push in flight and writes its parameters."""
@@ -331,6 +356,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             self._session.detach()
             self._session = self._client.session(state_dict["session"])
             self.config = self.config.with_session(state_dict["session"])
+            self._model.follow(self._session)
             if self._stepper is not None:
                 self._stepper = DelayedStepper(self._session)
         for group, saved in zip(self.param_groups, state_dict.get("param_groups", ())):
@@ -349,6 +375,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         """
         if self._stepper is not None:
             self._stepper.wait()
+        self._model.close()
         self._session.detach()
         if self._owns_client:
             self._client.close()
@@ -378,7 +405,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._pull_into_model()
 
     def _pull_into_model(self) -> None:
-        params = self._session.pull(**self._wire)
+        params = self._session.pull(views=True, **self._wire)
         missing = sorted(set(self.tensor_names) - set(params))
         extra = sorted(set(params) - set(self.tensor_names))
         if missing or extra:
@@ -388,25 +415,5 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._write(params)
 
     def _write(self, params: Mapping[str, np.ndarray]) -> None:
-        for name, parameter in self._named:
-            try:
-                write_numpy_(parameter, params[name])
-            except ValueError as exc:
-                raise ValueError(f"tensor {name!r}: {exc}") from None
+        self._model.write(params)
         self.version = self._session.version
-
-    def _gradients(self, *, copy: bool) -> Optional[dict[str, np.ndarray]]:
-        if all(p.grad is None for _, p in self._named):
-            return None
-        grads = {}
-        for name, p in self._named:
-            if p.grad is None:
-                grads[name] = np.zeros(tuple(p.shape), np.float32)
-            elif p.grad.is_sparse:
-                raise TypeError(f"tensor {name!r}: sparse gradients are not supported")
-            else:
-                g = gradient_to_numpy(p.grad)
-                if copy and viewed_without_copy(p.grad):
-                    g = g.copy()  # a view of .grad, which the next backward may overwrite in place
-                grads[name] = g
-        return grads

@@ -122,11 +122,11 @@ def test_remote_adafactor_hf_tracks_transformers_adafactor(server, unique_name, 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_step_writes_server_values_in_place_keeping_dtype_and_storage(server, unique_name, dtype):
+    """With ``zero_copy=False`` (tests/test_torch_zero_copy.py: the storage moves into shared memory)."""
     model = _model(dtype=dtype)
     before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
-    optimizer = RemoteOptimizer(
-        model.named_parameters(), server.address, {"name": "sgd", "args": {"learning_rate": 0.1}}, session=unique_name
-    )
+    optimizer = RemoteOptimizer(model.named_parameters(), server.address, {"name": "sgd", "args": {"learning_rate": 0.1}},
+                                session=unique_name, zero_copy=False)
     x, y = _data()
     _loss(model, x.to(dtype), y.to(dtype)).backward()
     grads = {n: p.grad.float().numpy().copy() for n, p in model.named_parameters()}
