@@ -122,11 +122,11 @@ def _add_limit_options(serve: argparse.ArgumentParser) -> None:
     """The bounds of :class:`~optserve.server.domain.config.Limits` (``Limits.FLAGS``)."""
     limits = serve.add_argument_group("limits", "exceeding one is RESOURCE_EXHAUSTED naming it (sizes in bytes)")
     limits.add_argument("--max-session-bytes", type=int, default=None,
-                        help="parameter bytes of one session (default: 1/8 of this machine's memory)")
+                        help="parameter bytes of one session (default: half of this machine's memory)")
     limits.add_argument("--shard-memory-bytes", type=int, default=None,
-                        help="memory budget of each shard: its sessions' parameters, estimated optimizer state "
-                             "(3 float32 copies) and gradient buffers (default: half of this machine's memory "
-                             "split over the shards)")
+                        help="memory budget of each shard: its sessions' parameters, the optimizer state their "
+                             "shapes need (traced from the optimizer itself) and gradient buffers (default: half "
+                             "of this machine's memory split over the shards)")
     limits.add_argument("--max-tensors", type=int, default=100_000, help="tensors in one session")
     limits.add_argument("--max-tensor-name-bytes", type=int, default=1024, help="bytes of a tensor's name")
     limits.add_argument("--max-tensor-rank", type=int, default=32, help="dimensions of a tensor")

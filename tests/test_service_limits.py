@@ -19,8 +19,10 @@ from optserve.client import Client, ResourceExhaustedError
 from optserve.protos.optserve.v1 import control_pb2, control_pb2_grpc, tensor_pb2
 
 SGD = control_pb2.OptimizerSpec(name="sgd", args_json='{"learning_rate": 0.1}')
+ADAM = control_pb2.OptimizerSpec(name="adam", args_json='{"learning_rate": 0.1}')
+ADAFACTOR = control_pb2.OptimizerSpec(name="adafactor", args_json='{"learning_rate": 0.1}')
 F32 = tensor_pb2.DTYPE_FLOAT32
-BUDGET = 4 << 20  # bytes per shard; a float32 element is estimated at 20 bytes (param, 3 state, 1 grad)
+BUDGET = 4 << 20  # bytes per shard; a float32 element of Adam is estimated at 16 bytes (param, 2 state, 1 grad)
 MAX_TENSORS = 40_000
 MAX_SESSIONS = 4
 
@@ -180,16 +182,32 @@ def test_a_4_tib_tensor_session_is_refused_at_create_naming_the_limit(control):
 
 
 def test_a_session_past_a_shards_memory_budget_is_refused_until_memory_is_freed(control):
-    per_shard = (BUDGET // 20) * 6 // 10  # float32 elements: 60% of a shard's budget each
-    first = _config("budget-first", [(per_shard,), (per_shard,)])  # one tensor on each shard
+    per_shard = (BUDGET // 16) * 6 // 10  # float32 elements: 60% of a shard's budget each
+    first = _config("budget-first", [(per_shard,), (per_shard,)], ADAM)  # one tensor on each shard
     assert _create(control, first) is None
     try:
-        second = _config("budget-second", [(per_shard,), (per_shard,)])
+        second = _config("budget-second", [(per_shard,), (per_shard,)], ADAM)
         _refused(control, second, grpc.StatusCode.RESOURCE_EXHAUSTED, "shard_memory_bytes", "--shard-memory-bytes")
     finally:
         control.CloseSession(control_pb2.CloseSessionRequest(name="budget-first"), timeout=30)
     assert _create(control, second) is None  # the first session's budget came back when it closed
     control.CloseSession(control_pb2.CloseSessionRequest(name="budget-second"), timeout=30)
+
+
+def test_the_shard_budget_counts_each_optimizers_own_state_and_a_refusal_names_the_figure(control):
+    # A 512 x 768 matrix: 1.5 MiB of parameters and 1.5 MiB of gradient buffer, 75% of a shard's
+    # budget. Factored Adafactor keeps a row and a column statistic (5 KiB): it fits, where three
+    # float32 copies of state (the former estimate for every optimizer) would not.
+    shape = (512, 768)
+    factored = _config("budget-adafactor", [shape], ADAFACTOR)
+    assert _create(control, factored) is None
+    control.CloseSession(control_pb2.CloseSessionRequest(name="budget-adafactor"), timeout=30)
+    # Adam's two moments (3 MiB, and its int32 step count) do not: the refusal says what the
+    # session needs, part by part.
+    params, state = 512 * 768 * 4, 2 * 512 * 768 * 4 + 4
+    _refused(control, _config("budget-adam", [shape], ADAM), grpc.StatusCode.RESOURCE_EXHAUSTED,
+             f"needs an estimated {2 * params + state} bytes ({params} of parameters, {state} of optimizer state, "
+             f"{params} of gradient buffer)", f"shard_memory_bytes={BUDGET}", "--shard-memory-bytes")
 
 
 def test_tensor_count_name_and_rank_past_their_limits_are_resource_exhausted(control):
@@ -293,7 +311,7 @@ def test_limit_defaults_come_from_the_machines_memory_and_bad_values_name_the_fl
     memory = machine_memory_bytes()
     assert memory > 1 << 30
     limits = ServerConfig().limits
-    assert limits.max_session_bytes == memory // 8
+    assert limits.max_session_bytes == memory // 2
     assert limits.shard_budget(2) == memory // 4 and limits.shard_budget(4) == memory // 8
     assert Limits(shard_memory_bytes=123).shard_budget(2) == 123
     for flag, field in (("--max-tensors", "max_tensors"), ("--max-json-depth", "max_json_depth"),

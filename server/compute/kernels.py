@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 
 def check_optimizer(name: str, args: Mapping[str, Any], tensors: Sequence[str] = ()) -> None:
@@ -23,3 +23,26 @@ def check_optimizer(name: str, args: Mapping[str, Any], tensors: Sequence[str] =
         check_group_tensors(name, args, tensors)
     except ImportError as exc:
         raise ValueError(f"optimizer {name!r} is not available: {exc}") from None
+
+
+def state_bytes(name: str, args: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> Optional[int]:
+    """Bytes of the state optimizer ``name`` (built with ``args``) keeps for float32 parameters of
+    ``shapes`` (tensor name -> shape): its own ``init`` traced abstractly (``jax.eval_shape``:
+    nothing allocated or compiled), so factored (Adafactor's row and column statistics), blocked
+    (Shampoo's statistics and roots), quantized or per-tensor states count what they are.
+
+    Returns None when ``init`` does not trace for these tensors (the shard opening the session
+    refuses it, naming why).
+    """
+    import jax
+    import numpy as np
+
+    from optserve.optim_kernels import build_optimizer
+
+    params = {tensor: jax.ShapeDtypeStruct(tuple(shape), np.float32) for tensor, shape in shapes.items()}
+    try:
+        state = jax.eval_shape(build_optimizer(name, dict(args)).transformation.init, params)
+    except Exception:  # noqa: BLE001 - the kernel's refusal; the shard's own check words it
+        return None
+    return sum(int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+               for leaf in jax.tree_util.tree_leaves(state))

@@ -268,18 +268,6 @@ def machine_memory_bytes() -> int:
         return 8 << 30
 
 
-# Optimizer state is estimated, before any exists, as this many float32 copies of the parameters
-# (Adam's two moments and Shampoo's blocks fit; factored Adafactor is far less), plus one float32
-# gradient buffer: a session's bytes on a shard = params as stored + 4 x 4 bytes per element.
-STATE_COPIES_ESTIMATE = 3
-
-
-def estimated_shard_bytes(tensors) -> int:
-    """Conservative host bytes a shard holds for ``tensors`` (:class:`TensorSpec`): parameters,
-    optimizer state (:data:`STATE_COPIES_ESTIMATE` float32 copies) and a float32 gradient buffer."""
-    return sum(t.nbytes + (STATE_COPIES_ESTIMATE + 1) * 4 * t.size for t in tensors)
-
-
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """What one request, session or tenant may ask of the server; each bound is checked before
@@ -287,10 +275,13 @@ class Limits:
     its ``optserve serve`` flag.
 
     Attributes:
-      max_session_bytes: parameter bytes of one session, as stored (default: 1/8 of this machine's
-        memory).
-      shard_memory_bytes: memory budget of each shard: the :func:`estimated_shard_bytes` of the
-        sessions it holds (None: half of this machine's memory, split evenly over the shards).
+      max_session_bytes: parameter bytes of one session, as stored (default: half of this
+        machine's memory, what every shard's default budget adds up to: a session is bounded by
+        what its shards can hold, checked next).
+      shard_memory_bytes: memory budget of each shard: the estimated bytes of the sessions it
+        holds (:mod:`~optserve.server.domain.memory_estimate`: parameters, the optimizer's own
+        state for their shapes, a gradient buffer) (None: half of this machine's memory, split
+        evenly over the shards).
       max_tensors: tensors in one session.
       max_tensor_name_bytes: UTF-8 bytes of a tensor's name.
       max_tensor_rank: dimensions of a tensor's shape.
@@ -304,7 +295,7 @@ class Limits:
       max_streams_per_tenant: PushPull calls one tenant may hold open on a shard at once.
     """
 
-    max_session_bytes: int = dataclasses.field(default_factory=lambda: machine_memory_bytes() // 8)
+    max_session_bytes: int = dataclasses.field(default_factory=lambda: machine_memory_bytes() // 2)
     shard_memory_bytes: Optional[int] = None
     max_tensors: int = 100_000
     max_tensor_name_bytes: int = 1024

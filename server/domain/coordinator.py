@@ -185,15 +185,14 @@ class Coordinator:
                                   shard_loads=self._table.shard_loads(num_shards))
         record = SessionRecord.placed(config, [(i, names) for i, names in enumerate(placement) if names],
                                       self._fleet.addresses, owner, creator)
-        budget, estimated = self.limits.shard_budget(num_shards), record.estimated_bytes()
-        for shard, needed in sorted(estimated.items()):
+        budget, estimates = self.limits.shard_budget(num_shards), record.memory_estimates()
+        for shard, needed in sorted(estimates.items()):
             held = self._table.estimated_on(shard)
-            if held + needed > budget:
+            if held + needed.total > budget:
                 raise self.limits.exceeded(
-                    "shard_memory_bytes", f"session {config.name!r}: shard {shard} would hold an estimated "
-                    f"{held + needed} bytes, {needed} of them this session's parameters, optimizer state and "
-                    f"gradient buffer", budget)
-        return record, estimated
+                    "shard_memory_bytes", f"session {config.name!r} needs an estimated {needed.describe()} on "
+                    f"shard {shard}, which holds an estimated {held} bytes of other sessions", budget)
+        return record, {shard: needed.total for shard, needed in estimates.items()}
 
     def _open_everywhere(self, record: SessionRecord) -> None:
         """Opens the session on its shards and saves it in the catalog; if either fails, closes

@@ -15,7 +15,8 @@ from typing import Iterable, Optional, Sequence
 
 from optserve.server.compute.devices import DeviceReport
 from optserve.server.domain.clock_records import ClockStatus
-from optserve.server.domain.config import Mode, PreconditionerOptions, SessionConfig, estimated_shard_bytes
+from optserve.server.domain.config import Mode, PreconditionerOptions, SessionConfig
+from optserve.server.domain.memory_estimate import MemoryEstimate, estimate
 from optserve.server.domain.shard_records import ShardSessionStatus
 
 
@@ -108,11 +109,13 @@ class SessionRecord:
                              None if a.shard_index == self.home else home_clock, self.owner, self.creator)
                 for a in self.assignments]
 
+    def memory_estimates(self) -> dict[int, MemoryEstimate]:
+        """Shard index -> what its part is estimated to hold (what the memory budget counts)."""
+        return {a.shard_index: estimate(self.config, a.tensor_names) for a in self.assignments}
+
     def estimated_bytes(self) -> dict[int, int]:
-        """Shard index -> the bytes its part is estimated to hold
-        (:func:`~optserve.server.domain.config.estimated_shard_bytes`: what the memory budget counts)."""
-        by_name = self.config.spec_by_name
-        return {a.shard_index: estimated_shard_bytes(by_name[n] for n in a.tensor_names) for a in self.assignments}
+        """Shard index -> the total of :meth:`memory_estimates`."""
+        return {index: found.total for index, found in self.memory_estimates().items()}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,49 @@
+"""What a session's part is estimated to hold in a shard's memory, before the shard holds anything:
+the figure the shard memory budget (``--shard-memory-bytes``) admits or refuses a session by."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+from optserve.server.compute.kernels import state_bytes
+from optserve.server.domain.config import SessionConfig
+
+# When the optimizer's state cannot be traced for the tensors (the shard will refuse the session,
+# naming why), it is counted as this many float32 copies of the parameters.
+FALLBACK_STATE_COPIES = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Host bytes of one session's part on one shard.
+
+    Attributes:
+      params: the parameters as stored.
+      state: the optimizer's state for these tensors, as its ``init`` builds it (traced
+        abstractly: :func:`~optserve.server.compute.kernels.state_bytes`).
+      gradients: one float32 gradient buffer (what a push stages).
+    """
+
+    params: int
+    state: int
+    gradients: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.state + self.gradients
+
+    def describe(self) -> str:
+        return (f"{self.total} bytes ({self.params} of parameters, {self.state} of optimizer state, "
+                f"{self.gradients} of gradient buffer)")
+
+
+def estimate(config: SessionConfig, names: Iterable[str]) -> MemoryEstimate:
+    """The estimate for the tensors ``names`` of session ``config`` on one shard."""
+    by_name = config.spec_by_name
+    specs = [by_name[name] for name in names]
+    elements = sum(spec.size for spec in specs)
+    state = state_bytes(config.optimizer_name, config.optimizer_args, {spec.name: spec.shape for spec in specs})
+    return MemoryEstimate(params=sum(spec.nbytes for spec in specs),
+                          state=FALLBACK_STATE_COPIES * 4 * elements if state is None else state,
+                          gradients=4 * elements)
