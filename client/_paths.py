@@ -91,17 +91,31 @@ class DataPaths:
 
     # ----------------------------------------------------------------- calls
     def initialize(self, params: Arrays, creator_id: str) -> None:
-        """Sends the session's initial values (every tensor, in its own dtype) to every shard.
+        """Sends the session's initial values to every shard: through a shared-memory region's
+        push part (as float32) where the shard has one, else as chunks in each tensor's own dtype.
         Only the creating client may: the first message names it (``creator_id``)."""
+        taken = self.regions.acquire(self.fanout.shards) if self.via_shm(None) else {}
+
         def send(shard: Shard):
+            region = taken.get(shard.index)
+
             def requests():
+                if region is not None:
+                    yield data_pb2.InitTensorsRequest(session=self.session, client_id=creator_id,
+                                                      shared_memory=region.step(False))
+                    return
                 yield data_pb2.InitTensorsRequest(session=self.session, client_id=creator_id)
                 yield from self.chunk_messages(shard, params, None)
 
+            if region is not None:
+                region.write(params)
             return _retry.call(lambda: shard.calls.init_tensors(requests(), timeout=self.client.timeout),
                                self.client.retry)
 
-        self.fanout.each(send)
+        try:
+            self._region_call(taken, lambda: self.fanout.each(send))
+        finally:
+            self.regions.release(taken)
 
     def pull(self, wire: Optional[int], out: Optional[Arrays], views: bool,
              evaluation: bool = False) -> list[tuple[int, dict[str, np.ndarray]]]:

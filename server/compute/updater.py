@@ -186,11 +186,16 @@ class Updater:
     def initialized(self) -> bool:
         return self.params is not None
 
-    def initialize(self, values: Mapping[str, np.ndarray]) -> None:
-        """Installs initial parameters (name -> array in the tensor's dtype) and the optimizer's state."""
+    def initialize(self, values: Mapping[str, np.ndarray], owned: bool = True) -> None:
+        """Installs initial parameters (name -> array in the tensor's dtype) and the optimizer's state.
+
+        ``owned``: the arrays are the updater's from now on (on a CPU device the parameters are
+        them: ``device_put`` of aligned host memory aliases it). False: someone else writes them
+        later (a client's shared-memory region): each is copied, one at a time."""
         import jax
 
-        params = {name: jax.device_put(value, self.device) for name, value in values.items()}
+        params = {name: jax.device_put(value if owned else np.array(value), self.device)
+                  for name, value in values.items()}
         functions = self._functions(params)
         if functions.compiled.is_set():
             self.opt_state = functions.init(params)

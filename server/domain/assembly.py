@@ -36,8 +36,8 @@ class TensorAssembler:
         the spec's dtype for initial values.
       check_finite: reject NaN/Inf values (naming the tensor).
       in_place: a float32 chunk covering a whole tensor whose bytes are aligned to
-        :data:`IN_PLACE_ALIGNMENT` (a shared-memory region's) is used where it lies instead of
-        being copied into its buffer: the caller guarantees the bytes stay unchanged until the
+        :data:`IN_PLACE_ALIGNMENT` (a shared-memory region's) and whose buffer is float32 is
+        used where it lies instead of being copied into its buffer: the caller guarantees the bytes stay unchanged until the
         push is applied or dropped.
     """
 
@@ -88,7 +88,8 @@ class TensorAssembler:
         self.received_bytes += len(data)
         if count == 0:
             return
-        if self._in_place and dtype is DType.FLOAT32 and count == spec.size and _aligned(data):
+        if (self._in_place and dtype is DType.FLOAT32 and count == spec.size and _aligned(data)
+                and self._flat[spec.name].dtype == np.float32):  # initial values of another dtype are cast
             destination = np.frombuffer(data, np.float32)
             self._adopted[spec.name] = destination.reshape(spec.shape)
             self._check(spec, destination, start, count)

@@ -160,17 +160,24 @@ class ShardSession:
     def initialized(self) -> bool:
         return self.updater.initialized
 
-    def initialize(self, chunks: Iterable, client_id: str = "") -> int:
-        """Installs the initial parameters from ``chunks`` (once), sent by client ``client_id``;
-        returns the version (0). Only the session's creator may send them."""
-        self.touch()
+    def check_creator(self, client_id: str) -> None:
+        """Raises PermissionDenied unless ``client_id`` created the session (it alone sends the initial values)."""
         if self.creator and client_id != self.creator:
             raise PermissionDenied(f"session {self.config.name!r}: only the client that created it may send "
                                    f"its initial values")
+
+    def initialize(self, chunks: Iterable, client_id: str = "", in_place: bool = False) -> int:
+        """Installs the initial parameters from ``chunks`` (once), sent by client ``client_id``;
+        returns the version (0). Only the session's creator may send them. ``in_place``: whole
+        float32 tensors in a shared-memory region are read where they lie (copied once, onto the
+        device) instead of into a host buffer first."""
+        self.touch()
+        self.check_creator(client_id)
         if self.initialized:
             raise FailedPrecondition(f"session {self.config.name!r}: parameters are already initialized")
+        # pages of a buffer a tensor read in place never uses are never touched (no memory)
         buffers = {s.name: np.empty(s.shape, s.dtype.numpy) for s in self.specs.values()}
-        assembler = TensorAssembler(self.specs, buffers, check_finite=False)
+        assembler = TensorAssembler(self.specs, buffers, check_finite=False, in_place=in_place)
         for chunk in chunks:
             assembler.add(chunk)
         values = assembler.finish()
@@ -178,7 +185,7 @@ class ShardSession:
             if self.initialized:
                 raise FailedPrecondition(f"session {self.config.name!r}: parameters are already initialized")
             try:
-                self.updater.initialize(values)
+                self.updater.initialize(values, owned=not in_place)
             except Exception as exc:  # noqa: BLE001 - OptservError passes through; the kernel's own failure
                 raise _init_failure(self.config, self.specs, self.shard_index, exc) from None
             if self._steps.journal.enabled:  # the initial values are durable before they are acknowledged

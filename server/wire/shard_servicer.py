@@ -18,6 +18,7 @@ import grpc
 
 from optserve.protos import chunk_codec
 from optserve.protos.optserve.v1 import data_pb2, data_pb2_grpc
+from optserve.server.domain.errors import InvalidArgument
 from optserve.server.domain.shard_registry import ShardRegistry
 from optserve.server.domain.shard_session import ShardSession
 from optserve.server.wire import data_requests
@@ -58,7 +59,15 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
     @grpc_errors
     def InitTensors(self, request_iterator, context):
         first = data_requests.first_message(request_iterator, "session", "InitTensors")
-        version = self._session(first.session, context).initialize((r.chunk for r in request_iterator), first.client_id)
+        session = self._session(first.session, context)
+        if first.HasField("shared_memory"):  # the values lie in the creating client's region
+            session.check_creator(first.client_id)  # before anything is read
+            region = self.regions.use(session, None, first.shared_memory)
+            if next(request_iterator, None) is not None:
+                raise InvalidArgument("InitTensors: chunks and shared_memory are exclusive")
+            version = session.initialize(region.gradient_chunks(), first.client_id, in_place=True)
+        else:
+            version = session.initialize((r.chunk for r in request_iterator), first.client_id)
         return data_pb2.InitTensorsResponse(version=version)
 
     @grpc_errors
