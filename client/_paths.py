@@ -92,7 +92,8 @@ class DataPaths:
     # ----------------------------------------------------------------- calls
     def initialize(self, params: Arrays, creator_id: str) -> None:
         """Sends the session's initial values to every shard: through a shared-memory region's
-        push part (as float32) where the shard has one, else as chunks in each tensor's own dtype.
+        reply part where the shard has one (they are then :meth:`parameter_buffers`' values),
+        else as chunks; each tensor in its own dtype.
         Only the creating client may: the first message names it (``creator_id``)."""
         taken = self.regions.acquire(self.fanout.shards) if self.via_shm(None) else {}
 
@@ -108,7 +109,7 @@ class DataPaths:
                 yield from self.chunk_messages(shard, params, None)
 
             if region is not None:
-                region.write(params)
+                region.write_parameters(params)
             return _retry.call(lambda: shard.calls.init_tensors(requests(), timeout=self.client.timeout),
                                self.client.retry)
 

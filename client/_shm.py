@@ -74,6 +74,12 @@ class ShardRegion:
         return {name: raw.view(np.float32).reshape(self.push[name].shape)
                 for name, (dtype, raw) in self._reply.items() if dtype == contract.FLOAT32}
 
+    def write_parameters(self, params: Mapping[str, np.ndarray]) -> None:
+        """Writes ``params`` into the reply part, each tensor in its slot's dtype (a session's
+        initial values: the shard reads them there, and :meth:`parameters` are then them)."""
+        for name, (dtype, raw) in self._reply.items():
+            np.copyto(raw, np.frombuffer(contract.wire_bytes(params[name], dtype), np.uint8))
+
     def step(self, reply: bool) -> data_pb2.SharedMemoryStep:
         """The step message's reference to this region."""
         return data_pb2.SharedMemoryStep(region=self.region_id, nonce=self._nonce, reply=reply)

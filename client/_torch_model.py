@@ -47,6 +47,12 @@ class ModelTensors:
         """Names of the parameters whose storage is a shared region now."""
         return [] if self._shared is None else self._shared.bound
 
+    def take_regions(self) -> None:
+        """After a create whose initial values went through the regions' reply parts: the
+        parameters whose values lie there take them as storage (nothing is copied)."""
+        if self._shared is not None:
+            self._shared.adopt(self._shared.session.parameter_buffers())
+
     def bind_gradients(self) -> None:
         """Preallocates ``.grad`` in the push regions, so that backward accumulates there."""
         if self._shared is not None:

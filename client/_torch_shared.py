@@ -54,7 +54,7 @@ class SharedModelMemory:
     """
 
     def __init__(self, session, named: Sequence[tuple[str, torch.nn.Parameter]]):
-        self._session = session
+        self.session = session
         self._named = [(name, p) for name, p in named if eligible(p)]
         self._cleared: set[str] = set()  # bound gradients that torch would hold as None
         self._hooks = [p.register_post_accumulate_grad_hook(lambda _p, name=name: self._cleared.discard(name))
@@ -63,14 +63,14 @@ class SharedModelMemory:
     @property
     def bound(self) -> list[str]:
         """Names of the parameters whose storage is a region's reply array now."""
-        buffers = self._session.parameter_buffers()
+        buffers = self.session.parameter_buffers()
         return [name for name, p in self._named if name in buffers and p.data_ptr() == _address(buffers[name])]
 
     def adopt(self, params: Mapping[str, np.ndarray]) -> set[str]:
         """After a pull or step was answered with ``params`` (``views=True``): every parameter whose
         values arrived as a view of a reply array takes that array as its storage. Returns the
         names that now need no copy."""
-        buffers = self._session.parameter_buffers()
+        buffers = self.session.parameter_buffers()
         adopted = set()
         for name, p in self._named:
             buffer, values = buffers.get(name), params.get(name)
@@ -87,7 +87,7 @@ class SharedModelMemory:
 
         A ``.grad`` that is not the push array (``None``, set by hand, or from before the region
         changed) is copied into it once and the push array bound in its place."""
-        buffers, shared = self._session.gradient_buffers(), self._session.parameter_buffers()
+        buffers, shared = self.session.gradient_buffers(), self.session.parameter_buffers()
         grads, without = {}, set()
         for name, p in self._named:
             buffer = buffers.get(name)
@@ -109,7 +109,7 @@ class SharedModelMemory:
     def zero_grad(self, set_to_none: bool) -> set[str]:
         """Zeroes the bound gradients in place (``set_to_none``: and remembers them as none);
         returns their names (the caller handles the others as torch does)."""
-        buffers = self._session.gradient_buffers()
+        buffers = self.session.gradient_buffers()
         zeroed = set()
         for name, p in self._named:
             buffer = buffers.get(name)

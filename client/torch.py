@@ -218,8 +218,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.stale_pushes = 0
         if self.created:
             self.version = self._session.version
-            if self._model.zero_copy and self._session.parameter_buffers():
-                self._pull_into_model()  # fills the regions: the model's storage moves there
+            # the initial values went through the regions' reply parts: the model's storage moves there
+            self._model.take_regions()
         else:
             self._pull_into_model()
             if self.version > 0:  # a rerun of a script attaches to the session its last run trained

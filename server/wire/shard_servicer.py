@@ -65,7 +65,7 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
             region = self.regions.use(session, None, first.shared_memory)
             if next(request_iterator, None) is not None:
                 raise InvalidArgument("InitTensors: chunks and shared_memory are exclusive")
-            version = session.initialize(region.gradient_chunks(), first.client_id, in_place=True)
+            version = session.initialize(region.parameter_chunks(), first.client_id, in_place=True)
         else:
             version = session.initialize((r.chunk for r in request_iterator), first.client_id)
         return data_pb2.InitTensorsResponse(version=version)

@@ -73,6 +73,13 @@ class Region:
             yield chunk_codec.ChunkView(slot.name, slot.dtype, slot.shape, 0,
                                         view[slot.offset: slot.offset + slot.nbytes])
 
+    def parameter_chunks(self) -> Iterator[chunk_codec.ChunkView]:
+        """The reply part as chunks, each tensor in its own dtype (a session's initial values)."""
+        view = memoryview(self._mapping)
+        for slot in self.layout.reply:
+            yield chunk_codec.ChunkView(slot.name, slot.dtype, slot.shape, 0,
+                                        view[slot.offset: slot.offset + slot.nbytes])
+
     def write_params(self, params: Mapping[str, np.ndarray]) -> int:
         """Writes the parameters into the reply part (one copy each); returns the bytes written."""
         written = 0
