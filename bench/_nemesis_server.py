@@ -14,6 +14,8 @@ import threading
 import time
 from typing import Optional, TextIO
 
+from bench.process_session import kill_session, session_pids, titled
+
 
 class NemesisServer:
     """``python -m optserve.server.cli serve --port PORT --shards 2 --min-shard-bytes 0 ARGS``, its
@@ -67,42 +69,17 @@ class NemesisServer:
 
     def session_pids(self) -> list[int]:
         """Every live process of the server's session (it was started as a session leader)."""
-        if self.process is None:
-            return []
-        out = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat") as fh:
-                        fields = fh.read().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue
-                if int(fields[3]) == self.process.pid and fields[0] != "Z":
-                    out.append(int(entry))
-        return out
+        return [] if self.process is None else session_pids(self.process.pid)
 
     def shard_pids(self) -> list[int]:
         """The shard actors' pids, ascending (a replaced shard's new process sorts where it falls)."""
-        pids = []
-        for pid in self.session_pids():
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                    title = fh.read().split(b"\0")[0]
-            except OSError:
-                continue
-            if title.startswith(b"ray::ShardActor"):
-                pids.append(pid)
-        return sorted(pids)
+        return titled(self.session_pids(), b"ray::ShardActor")
 
     def kill_tree(self) -> None:
         """SIGKILL of every process of the server's session, then waits for the server to exit."""
         if self.process is None:
             return
-        for pid in [self.process.pid] + self.session_pids():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_session(self.process.pid)
         self.process.wait(timeout=60)
         self._write(f"--- killed at {time.time():.3f}\n")
 

@@ -12,6 +12,8 @@ import threading
 import time
 from typing import Optional
 
+from bench.process_session import kill_session
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -58,9 +60,9 @@ class ServerProcess:
         return "".join(self.lines)
 
     def kill_group(self) -> None:
-        """SIGKILL of the server and everything it started (its Ray, its shard actors)."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
+        """SIGKILL of the server and everything it started (its Ray, its shard actors: every
+        process of its session, :func:`bench.process_session.kill_session`)."""
+        kill_session(self.process.pid)
         self.process.wait(timeout=60)
 
     def stop(self) -> int:

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from bench.process_session import kill_session
 from optserve.server.storage.dir_lock import LOCK_NAME, DirectoryLocked, DirLock, LockHolder
 from tests._service_helpers import InProcess, make_grads, make_params, max_abs_diff
 
@@ -156,8 +157,7 @@ class _Server:
             self.lines.append(line)
 
     def kill_group(self):
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
+        kill_session(self.process.pid)
         self.process.wait(timeout=30)
 
 

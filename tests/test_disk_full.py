@@ -18,6 +18,7 @@ from optserve.client import Client
 from optserve.client.errors import UnavailableError
 from bench import filesystems
 from bench.filesystems import fill
+from bench.process_session import session_pids, titled
 from tests._server_process import ServerProcess
 from tests._service_helpers import InProcess, make_grads, max_abs_diff
 
@@ -72,7 +73,12 @@ def test_a_full_disk_refuses_steps_applies_nothing_and_recovers_by_itself(small_
             status = session.status()
             assert [s.version for s in status.shards] == [4, 4]  # the refused pushes applied nowhere
             assert all(s.durability.degraded == "" for s in status.shards)
+        tree = session_pids(server.process.pid)
+        assert len(titled(tree, b"ray::ShardActor")) == 2, tree
         server.kill_group()
+        # the whole tree is gone at once, the shard actors too (Ray keeps them in process groups of
+        # their own): none is left writing the directory the restarted server opens
+        assert session_pids(server.process.pid) == []
 
         restarted = ServerProcess("--checkpoint-dir", root, "--checkpoint-every-steps", "1000").wait_listening()
         with Client(restarted.address, timeout=30.0) as client:

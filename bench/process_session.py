@@ -1,0 +1,48 @@
+"""The processes of a session a command was started as the leader of (``start_new_session=True``):
+a server, its embedded Ray and the Ray workers (shard actors) Ray started for it. Ray puts its
+workers in process groups of their own, so a process group kill misses them; they stay in the
+leader's session. Other servers on the machine, in sessions of their own, are never touched."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+def session_pids(leader: int) -> list[int]:
+    """Every live (not zombie) process of the session whose leader is ``leader``, ascending."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == leader and fields[0] != "Z":
+            found.append(int(entry))
+    return sorted(found)
+
+
+def titled(pids: list[int], prefix: bytes) -> list[int]:
+    """Those of ``pids`` whose process title (first word of the command line) starts with ``prefix``."""
+    matching = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                title = fh.read().split(b"\0")[0]
+        except OSError:
+            continue
+        if title.startswith(prefix):
+            matching.append(pid)
+    return matching
+
+
+def kill_session(leader: int) -> None:
+    """SIGKILL of every live process of the session (the leader among them while it lives)."""
+    for pid in session_pids(leader):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
