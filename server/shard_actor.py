@@ -60,7 +60,7 @@ class ShardActor:
     def __init__(self, index: int, config: ServerConfig, security, precond_pool=None, ports: tuple = (0, 0),
                  recovering: bool = False):
         if config.log_level is not None:
-            configure_logging(config.log_level)
+            configure_logging(config.log_level, exclusive=True)  # Ray forwards this process's stderr
         # first: where this actor's JAX runs; one given a GPU it cannot use serves nothing (the fleet refuses it)
         self._device = check_device(shard_device_request(config, index), ray_gpu_ids(), ray.util.get_node_ip_address())
         if self._device.problem:

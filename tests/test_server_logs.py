@@ -46,6 +46,7 @@ def captured():
         if handler not in handlers:
             logger.removeHandler(handler)
     logger.setLevel(level)
+    logger.propagate = True
 
 
 def _events(text: str) -> list[dict]:
@@ -135,3 +136,27 @@ def test_serve_logs_session_events_and_refused_pushes_on_stderr_without_tokens_o
     assert token not in text and "wrong-token" not in text
     assert str(MARKER) not in text and "1234.56" not in text
     assert "Traceback" not in text
+
+
+def test_a_shard_process_prints_each_record_once_whatever_root_handler_a_library_installed():
+    """A shard actor's process has a root handler of its own (Ray's worker, or a library's
+    basicConfig): the records configured exclusive reach only the optserve handler."""
+    from optserve.server.ops import logs
+
+    logger, root = logging.getLogger("optserve"), logging.getLogger()
+    level, handlers, propagate = logger.level, list(logger.handlers), logger.propagate
+    ours, theirs = io.StringIO(), io.StringIO()
+    foreign = logging.StreamHandler(theirs)
+    root.addHandler(foreign)
+    try:
+        logs.configure_logging("info", stream=ours, exclusive=True)
+        logging.getLogger("optserve.server.storage.shard_store").info("event=checkpoint_written session=s")
+        assert ours.getvalue().count("event=checkpoint_written") == 1
+        assert theirs.getvalue() == ""
+    finally:
+        root.removeHandler(foreign)
+        for handler in list(logger.handlers):
+            if handler not in handlers:
+                logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate

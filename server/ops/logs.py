@@ -19,11 +19,14 @@ class _Handler(logging.StreamHandler):
     """Marks the handler this module installed (so configuring twice replaces it)."""
 
 
-def configure_logging(level: str, stream=None) -> None:
+def configure_logging(level: str, stream=None, exclusive: bool = False) -> None:
     """Sends the ``optserve`` logger's records at ``level`` (one of :data:`LEVELS`) and above to
-    ``stream`` (default: stderr) in :data:`FORMAT`."""
+    ``stream`` (default: stderr) in :data:`FORMAT`. ``exclusive``: there only, not also to the
+    root logger's handlers (a shard actor's process has one a library installed, which printed
+    every record a second time in its own format)."""
     logger = logging.getLogger("optserve")
     logger.setLevel(level.upper())
+    logger.propagate = not exclusive
     for handler in [h for h in logger.handlers if isinstance(h, _Handler)]:
         logger.removeHandler(handler)
     handler = _Handler(stream if stream is not None else sys.stderr)
