@@ -152,3 +152,44 @@ def test_client_peak_memory_holds_no_second_copy_of_the_model(server, unique_nam
     assert bound["shared"] == 2 and copied["shared"] == 0
     assert bound["growth"] < 1.6, bound
     assert copied["growth"] > bound["growth"] + 0.8, (bound, copied)  # the bound can tell the two apart
+
+
+@pytest.mark.slow
+def test_a_model_in_the_regions_follows_a_restarted_shard_exactly(ray_local, tmp_path):
+    """A shard SIGKILLed mid-training (durable sessions): its regions are gone, the next step
+    negotiates fresh ones, and the model's parameters and gradients move there; every step equals
+    the same model trained with copies, bit for bit."""
+    import os
+    import signal
+
+    from optserve.server.app import start_server
+    from optserve.server.domain.config import ServerConfig
+    from optserve.server.domain.durability import DurabilityConfig
+
+    running = start_server(ServerConfig(host="127.0.0.1", port=0, shards=2, vote_timeout_s=8.0, min_shard_bytes=0,
+                                        durability=DurabilityConfig(str(tmp_path), every_steps=4)))
+    try:
+        bound_model, copied_model = _model(), _model()
+        bound = RemoteOptimizer(bound_model.named_parameters(), running.address, ADAM, session="bound")
+        copied = RemoteOptimizer(copied_model.named_parameters(), running.address, ADAM, session="copied",
+                                 zero_copy=False)
+        before = {n: p.data_ptr() for n, p in bound_model.named_parameters()}
+        x, y = _data()
+        for step in range(8):
+            if step == 4:
+                os.kill(running.fleet.pids()[0], signal.SIGKILL)
+            for model, optimizer in ((bound_model, bound), (copied_model, copied)):
+                optimizer.zero_grad()
+                _loss(model, x, y).backward()
+                optimizer.step()
+            for (name, a), b in zip(bound_model.named_parameters(), copied_model.parameters()):
+                assert torch.equal(a, b), (step, name)
+        assert bound.version == copied.version == 8
+        _assert_in_regions(bound_model, bound)
+        moved = {n for n, p in bound_model.named_parameters() if p.data_ptr() != before[n]}
+        on_killed = set(next(shard.names for shard in bound.session._shards if shard.index == 0))
+        assert on_killed <= moved, (moved, on_killed)  # into the fresh regions of the new shard process
+        bound.close()
+        copied.close()
+    finally:
+        running.stop()
