@@ -202,26 +202,18 @@ class Session:
         """Float32 arrays, one per tensor, to write gradients into and pass to :meth:`push_pull`
         / :meth:`push`: on shards reached through shared memory they live in a push region that
         no step of this object is using (no copy when pushed), elsewhere they are ordinary arrays.
-
-        While this object's steps take turns, every call returns the same arrays. While a step
-        is in flight (:meth:`push_pull_async`, overlap mode) it reads its gradients where they
-        lie until it is answered, so a call then returns the other set of a double-buffered pair
-        (a second region per shard, negotiated on first need): write the next gradient there
-        while the step runs. Call it once per step in overlap mode; the values are this object's
-        to overwrite once the step that pushed them is answered."""
+        While steps take turns every call returns the same arrays; while one is in flight (it
+        reads its gradients where they lie until answered: :meth:`push_pull_async`, overlap mode)
+        a call returns the other set of a double-buffered pair (a second region per shard):
+        call it once per step there, and write the next gradient while the step runs."""
         return self._paths.gradient_buffers()
 
     def parameter_buffers(self) -> dict[str, np.ndarray]:
-        """Writable float32 arrays, one per float32 tensor on a shard reached through shared
-        memory (others are left out), over the reply part of the region this object's next step
-        uses: after a :meth:`pull` or :meth:`push_pull` answered through it they hold the
-        parameters it returned (the ``views`` it returned are views of them), and the next one
-        overwrites them in place. Writing into them changes nothing on the server.
-
-        The torch adapter keeps a model's parameters here, so a step copies no parameter on the
-        client. While steps take turns every call returns the same arrays; a region dropped
-        after a failed step (a shard restarted) is replaced by a fresh one, whose arrays are
-        filled by the next answered call."""
+        """Writable float32 arrays over the reply part of the region this object's next step uses,
+        one per float32 tensor on a shard reached through shared memory: they hold the parameters
+        the last call answered through it returned (its ``views``), the next overwrites them in
+        place (writing them changes nothing on the server). The torch adapter keeps a model there.
+        A region dropped after a failed step is replaced by a fresh one, filled by the next call."""
         return self._paths.parameter_buffers()
 
     def data_paths(self) -> dict[int, str]:
