@@ -95,7 +95,10 @@ class DataPaths:
         reply part where the shard has one (they are then :meth:`parameter_buffers`' values),
         else as chunks; each tensor in its own dtype.
         Only the creating client may: the first message names it (``creator_id``)."""
-        taken = self.regions.acquire(self.fanout.shards) if self.via_shm(None) else {}
+        try:
+            taken = self.regions.acquire(self.fanout.shards) if self.via_shm(None) else {}
+        except UnavailableError:  # a shard not reachable yet (restarting): chunks, retried as they always were
+            taken = {}
 
         def send(shard: Shard):
             region = taken.get(shard.index)
