@@ -20,9 +20,10 @@ from typing import Callable, Sequence, TypeVar
 
 import grpc
 
-from optserve.client._step_stream import StepStream
-from optserve.client.errors import (NotFoundError, OptservError, PeerRefusedError, SessionLostError, UnavailableError,
-                                   from_rpc_error)
+from optserve.client._deadlines import DEADLINES
+from optserve.client._step_stream import current_group, joined, step_group, StepStream
+from optserve.client.errors import (DeadlineExceededError, NotFoundError, OptservError, PeerRefusedError,
+                                   SessionLostError, UnavailableError, from_rpc_error)
 from optserve.protos import chunk_codec
 from optserve.protos.optserve.v1 import control_pb2, data_pb2
 
@@ -129,7 +130,8 @@ class ShardFanout:
         shards = self.shards
         if len(shards) == 1:
             return [fn(shards[0])]
-        futures = [self._threads.submit(fn, shard) for shard in shards[1:]]
+        group = current_group()  # the attempt's steps, whichever thread starts them
+        futures = [self._threads.submit(joined, group, fn, shard) for shard in shards[1:]]
         # the first shard in the calling thread: one thread hand-off less per call
         return all_or_first_error([functools.partial(fn, shards[0])] + [future.result for future in futures])
 
@@ -141,17 +143,33 @@ class ShardFanout:
         :class:`SessionLostError` at once; otherwise the shard map is read again (a restarted
         shard or server serves at new addresses) and the attempt is retried with the same push
         identity (applied at most once), with backoff, for up to the client's ``timeout``.
+        A step of the attempt that failed ends its peers' at once (:class:`StepGroup`).
+
+        A step not done within the client's ``timeout`` (DEADLINE_EXCEEDED) may have waited on a
+        shard that moved (its host lost): if the shard map changed, it is sent again there (same
+        push identity), once per move; otherwise the error is raised.
         """
         policy = self._client.retry
         started = time.monotonic()
         deadline = started + self._client.timeout
+        waits = 0  # backoffs since the shard map last moved (a moved shard is tried again at once, then soon)
         for attempt_number in itertools.count():
             try:
-                return attempt()
+                with step_group() as group:
+                    watch = MoveWatch(self, group) if attempt_number else None  # a retry: the shard may move
+                    try:
+                        return attempt()
+                    finally:
+                        if watch is not None:
+                            watch.stop()
             except grpc.RpcError as rpc_error:
                 error: OptservError = from_rpc_error(rpc_error)
-            except (UnavailableError, NotFoundError) as exc:
+            except (UnavailableError, NotFoundError, DeadlineExceededError) as exc:
                 error = exc
+            if isinstance(error, DeadlineExceededError):
+                if not self.refresh():  # raises SessionLostError, or NotFoundError if the session is gone
+                    raise error
+                continue  # the shard moved: the step goes where it is now
             if not isinstance(error, (UnavailableError, NotFoundError)):
                 raise error
             moved = self.refresh()  # raises SessionLostError, or NotFoundError if the session is gone
@@ -166,10 +184,16 @@ class ShardFanout:
                 _log.warning("optserve: server %s does not serve session %r now (%s); retrying for up to %.0f s more",
                              self._client.address, self._session, error.details, max(0.0, deadline - time.monotonic()))
             if moved:  # a restarted shard or server serves at its new address now: no reason to wait
+                waits = 0
                 continue
-            backoff = min(policy.max_backoff_s, policy.initial_backoff_s * 2 ** attempt_number)
+            backoff = min(policy.max_backoff_s, policy.initial_backoff_s * 2 ** waits)
+            waits += 1
             time.sleep(min(backoff * random.uniform(0.8, 1.2), max(0.0, deadline - time.monotonic())))
         raise AssertionError("unreachable")
+
+    def same_map(self, info: control_pb2.SessionInfo) -> bool:
+        """Whether ``info``'s shard map is the one this object is connected to."""
+        return [(s.shard_index, s.address) for s in info.shards] == [(s.index, s.address) for s in self.shards]
 
     def refresh(self) -> bool:
         """Asks the coordinator for the session: raises SessionLostError (or NotFoundError) if it
@@ -183,7 +207,7 @@ class ShardFanout:
             if isinstance(error, (SessionLostError, NotFoundError)):
                 raise error from None
             return False
-        if [(s.shard_index, s.address) for s in info.shards] == [(s.index, s.address) for s in self.shards]:
+        if self.same_map(info):
             return False
         old, self.shards = self.shards, connect(self._client, info)
         for shard in old:
@@ -195,3 +219,39 @@ class ShardFanout:
         for shard in self.shards:
             shard.steps.close()
         self._threads.shutdown(wait=False)
+
+
+class MoveWatch:
+    """While a retried attempt runs, asks the coordinator every ``every_s`` whether the session's
+    shard map changed; once it has, ends the attempt's steps (:meth:`StepGroup.fail`), so the
+    attempt is sent where the shards are now instead of waiting on a dial to where one was (a host
+    that vanished answers no dial: each waits out its connect timeout). Asks without blocking a
+    thread (a future; the next ask is scheduled when the answer came)."""
+
+    def __init__(self, fanout: ShardFanout, group, every_s: float = 0.5):
+        self._fanout, self._group, self._every_s = fanout, group, every_s
+        self._request = control_pb2.GetSessionRequest(name=fanout._session)
+        self._stopped = False
+        self._timer = DEADLINES.call_later(every_s, self._ask)
+
+    def stop(self) -> None:
+        self._stopped = True
+        DEADLINES.cancel(self._timer)
+
+    def _ask(self) -> None:
+        if self._stopped:
+            return
+        future = self._fanout._client.control.GetSession.future(self._request, timeout=max(1.0, 4 * self._every_s))
+        future.add_done_callback(self._answered)
+
+    def _answered(self, future) -> None:
+        if self._stopped:
+            return
+        try:
+            moved = not self._fanout.same_map(future.result().session)
+        except grpc.RpcError:  # the coordinator did not answer: the attempt's own errors decide
+            moved = False
+        if moved:
+            self._group.fail("the session's shard map changed", None)
+        else:
+            self._timer = DEADLINES.call_later(self._every_s, self._ask)

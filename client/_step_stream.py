@@ -16,28 +16,88 @@ only ends a call that outlived its reuse).
 
 A step is atomic on the shard whatever happens to the call (a broken stream stages nothing) and
 retried steps reuse their sequence number, so reopening never applies a push twice.
+
+The steps one attempt sends to a session's shards form a :class:`StepGroup` (see
+:func:`step_group`): when one of their calls fails (UNAVAILABLE: its connection was found dead by
+keepalive, its shard is gone; or DEADLINE_EXCEEDED), the others are ended at once with
+:class:`~optserve.client.errors.UnavailableError`: they would wait on a vote that the failed shard
+cannot cast, and the attempt is sent again (same sequence) once the shard map has been read again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import grpc
 
 from optserve.client._deadlines import DEADLINES
-from optserve.client.errors import DeadlineExceededError
+from optserve.client.errors import DeadlineExceededError, UnavailableError
 from optserve.protos import contract
 from optserve.protos.optserve.v1 import data_pb2
 
 _END = object()
+_FAILED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # a call ended so ends its group
+_local = threading.local()  # .group: the StepGroup of the attempt this thread works for
 _GOODBYE = data_pb2.PushPullRequest(goodbye=True)  # the call ends on purpose: this client is alive
 
 
 class StreamBroken(Exception):
     """A reused call had already ended when a step was sent into it: the step did not start."""
+
+
+class StepGroup:
+    """The steps of one attempt on a session's shards: the first whose call fails ends the others."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._handles: list = []
+        self.failed: Optional[str] = None  # why the first failed call failed
+
+    def add(self, handle: "StepHandle") -> None:
+        with self._lock:
+            failed = self.failed
+            if failed is None:
+                self._handles.append(handle)
+        if failed is not None:
+            handle._abort(failed)
+
+    def fail(self, details: str, source: "StepHandle") -> None:
+        """``source``'s call failed: every other step of the attempt is ended (once)."""
+        with self._lock:
+            if self.failed is not None:
+                return
+            self.failed, handles = details, list(self._handles)
+        for handle in handles:
+            if handle is not source:
+                handle._abort(details)
+
+
+@contextlib.contextmanager
+def step_group() -> Iterator[StepGroup]:
+    """The steps this thread starts meanwhile form one :class:`StepGroup` (threads working for the
+    same attempt join it with :func:`joined`)."""
+    previous, _local.group = getattr(_local, "group", None), StepGroup()
+    try:
+        yield _local.group
+    finally:
+        _local.group = previous
+
+
+def current_group() -> Optional[StepGroup]:
+    return getattr(_local, "group", None)
+
+
+def joined(group: Optional[StepGroup], fn: Callable, *args):
+    """``fn(*args)`` in this thread as part of ``group`` (None: of no group)."""
+    previous, _local.group = getattr(_local, "group", None), group
+    try:
+        return fn(*args)
+    finally:
+        _local.group = previous
 
 
 class StepStream:
@@ -61,6 +121,7 @@ class StepStream:
         self._requests: Optional[queue.SimpleQueue] = None
         self._responses = None
         self._opened_at = 0.0
+        self._running: Optional[StepHandle] = None  # the step on the shared call now
 
     def step(self, messages: Iterable, on_response: Callable[[str, object], bool]) -> bool:
         """Sends one step's ``messages`` and feeds its responses to ``on_response`` until it
@@ -77,7 +138,10 @@ class StepStream:
         A step started while another runs goes on a call of its own.
         """
         if not self._busy.acquire(blocking=False):
-            return StepHandle(self, self._open_call(iter(messages), self._timeout), reused=False, owns=False)
+            responses = self._open_call(iter(messages), self._timeout)
+            handle = StepHandle(self, responses, reused=False, owns=False)
+            _on_end(responses, lambda call: handle._call_ended(call))
+            return _grouped(handle)
         try:
             with self._mutex:
                 reused = self._requests is not None and time.monotonic() - self._opened_at < self._reuse_s
@@ -85,7 +149,8 @@ class StepStream:
                     self._close_locked()
                     self._open_locked()
                 self._requests.put(messages)  # under the mutex: the idle check sees a non-empty queue
-                return StepHandle(self, self._responses, reused=reused, owns=True)
+                self._running = StepHandle(self, self._responses, reused=reused, owns=True)
+                return _grouped(self._running)
         except BaseException:
             self._busy.release()
             raise
@@ -104,8 +169,15 @@ class StepStream:
         requests: queue.SimpleQueue = queue.SimpleQueue()
         deadline = None if self._timeout is None else self._timeout + self._reuse_s
         self._requests = requests
-        self._responses = self._open_call(self._request_iterator(requests), deadline)
+        self._responses = responses = self._open_call(self._request_iterator(requests), deadline)
         self._opened_at = time.monotonic()
+        _on_end(responses, lambda call: self._call_ended(responses, call))
+
+    def _call_ended(self, responses, call) -> None:
+        """The shared call ended: a failure ends the group of the step running on it."""
+        running = self._running  # no lock: gRPC may run this at once, inside _open_locked
+        if running is not None and running._responses is responses:
+            running._call_ended(call)
 
     def _close_locked(self) -> None:
         if self._requests is not None:
@@ -131,6 +203,20 @@ class StepStream:
             yield from item
 
 
+def _on_end(call, fn: Callable) -> None:
+    """``fn(call)`` once ``call`` ends (calls without callbacks, e.g. a test's fake: never)."""
+    if hasattr(call, "add_done_callback"):
+        call.add_done_callback(fn)
+
+
+def _grouped(handle: "StepHandle") -> "StepHandle":
+    group = current_group()
+    if group is not None:
+        handle._group = group
+        group.add(handle)
+    return handle
+
+
 def _never_started(exc: grpc.RpcError) -> bool:
     """Whether a reused call's failure before any response means its step never reached the
     shard: CANCELLED (a crowded shard ends a call it found idle), or UNAVAILABLE from the transport
@@ -154,10 +240,28 @@ class StepHandle:
         self._reused = reused
         self._owns = owns  # the step runs on the stream's shared call (else on a call of its own)
         self._expired = False  # the step's deadline passed: its call was cancelled
+        self._group: Optional[StepGroup] = None
+        self._ended = False  # finish returned or raised
+        self._aborted: Optional[str] = None  # a peer's call failed: this step was ended (why)
 
     def _expire(self) -> None:
         self._expired = True
         self._responses.cancel()
+        if self._group is not None:  # the peers' parts end now too, not each after a deadline of its own
+            self._group.fail(f"DEADLINE_EXCEEDED: not done within {self._stream._timeout:g} s", self)
+
+    def _call_ended(self, call) -> None:
+        if self._group is not None and not self._ended and self._aborted is None:
+            code = call.code() if hasattr(call, "code") else None
+            if code in _FAILED:
+                self._group.fail(f"{code.name}: {call.details()}", self)
+
+    def _abort(self, why: str) -> None:
+        """A peer step's call failed: ends this one (its finish raises UnavailableError, or
+        DeadlineExceededError when the peer's step ran out of time)."""
+        if not self._ended and hasattr(self._responses, "cancel"):
+            self._aborted = why
+            self._responses.cancel()
 
     def finish(self, on_response: Callable[[str, object], bool]) -> bool:
         """Feeds the step's responses to ``on_response`` until it returns True (``done``);
@@ -184,18 +288,27 @@ class StepHandle:
         except grpc.RpcError as exc:
             if self._owns:
                 self._stream.close()
+            if self._aborted is not None:  # applied nowhere or once: resent with its sequence, applied once
+                error = DeadlineExceededError if self._aborted.startswith("DEADLINE_EXCEEDED") else UnavailableError
+                raise error(f"a peer shard's part of this step failed ({self._aborted})", error.code) from None
             if self._expired:
                 raise DeadlineExceededError(f"the step was not done within the client's timeout of {timeout:g} s",
                                             "DEADLINE_EXCEEDED") from None
             if self._reused and not started and _never_started(exc):
                 raise StreamBroken(exc.details()) from exc
+            if self._group is not None and exc.code() in _FAILED:  # (its done-callback may come later)
+                self._group.fail(f"{exc.code().name}: {exc.details()}", self)
             raise
         except BaseException:
             if self._owns:
                 self._stream.close()
             raise
         finally:
+            self._ended = True
             if timer is not None:
                 DEADLINES.cancel(timer)
             if self._owns:
+                with self._stream._mutex:
+                    if self._stream._running is self:
+                        self._stream._running = None
                 self._stream._busy.release()

@@ -4,10 +4,13 @@ The coordinator's channel and each shard's data-plane channel are opened by the 
 :class:`Transport`, so they share one set of credentials (plaintext, TLS, mutual TLS), the
 contract's channel options (:data:`optserve.protos.contract.CHANNEL_OPTIONS`, and
 :data:`~optserve.protos.contract.RECONNECT_OPTIONS`: dials at most a second apart while a server
-restarts) and the tenant token: a client interceptor (:class:`BearerTokenInterceptor`) adds
-``authorization: Bearer <token>`` to every call of every kind, including the custom-serializer
-stream calls of the data plane. The token is kept by the interceptor alone and never appears in a
-repr or an error message.
+restarts; and on channels to other machines keepalive,
+:data:`~optserve.protos.contract.KEEPALIVE_OPTIONS`: a connection to a host that vanished is found
+dead within seconds and its calls end UNAVAILABLE, which the SDK retries on a fresh connection
+after reading the shard map again) and the tenant token: a client interceptor
+(:class:`BearerTokenInterceptor`) adds ``authorization: Bearer <token>`` to every call of every
+kind, including the custom-serializer stream calls of the data plane. The token is kept by the
+interceptor alone and never appears in a repr or an error message.
 
 Arguments are checked here, before any channel is opened: errors are
 :class:`~optserve.client.errors.InvalidArgumentError` naming the argument.
@@ -16,6 +19,7 @@ Arguments are checked here, before any channel is opened: errors are
 from __future__ import annotations
 
 import collections
+import ipaddress
 import os
 from typing import Optional, Union
 
@@ -114,11 +118,13 @@ class Transport:
         return self._interceptor is not None
 
     def open(self, address: str) -> grpc.Channel:
-        """A new channel to ``address`` ("host:port")."""
+        """A new channel to ``address`` ("host:port"); with keepalive unless it is a loopback
+        address (a server on this machine cannot vanish without its connections being reset)."""
+        options = self._options if _is_loopback(address) else self._options + contract.KEEPALIVE_OPTIONS
         if self._credentials is None:
-            channel = grpc.insecure_channel(address, options=self._options)
+            channel = grpc.insecure_channel(address, options=options)
         else:
-            channel = grpc.secure_channel(address, self._credentials, options=self._options)
+            channel = grpc.secure_channel(address, self._credentials, options=options)
         return channel if self._interceptor is None else grpc.intercept_channel(channel, self._interceptor)
 
     def describe(self) -> str:
@@ -144,6 +150,19 @@ class Transport:
             chain = _read_pem(self._client_cert[0], "client_cert (certificate chain)")
             key = _read_pem(self._client_cert[1], "client_cert (private key)")
         return grpc.ssl_channel_credentials(root_certificates=root, private_key=key, certificate_chain=chain)
+
+
+def _is_loopback(address: str) -> bool:
+    """Whether ``address`` ("host:port", "[v6]:port", or a target such as "unix:...") stays on this machine."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return True
+    host = address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _checked_token(token) -> str:

@@ -268,10 +268,28 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
 INITIAL_RECONNECT_BACKOFF_MS = 250
 MAX_RECONNECT_BACKOFF_MS = 1000
 CONNECT_TIMEOUT_MS = 5000
+# The SDK's channels to other machines also have keepalive (client/_transport.py; loopback needs
+# none: a local peer's connections are reset when it dies): while one has calls open it pings every
+# KEEPALIVE_TIME_MS, and a connection whose ping is not answered within KEEPALIVE_TIMEOUT_MS is
+# closed, its calls ending UNAVAILABLE (retried on a new connection, the shard map read again).
+# Without it a call to a host that vanished (power, link: no reset ever comes) waits out its whole
+# deadline, and the next call rides the same dead connection. Servers accept pings that often
+# (SERVER_OPTIONS; gRPC's default answers a ping more often than every 5 minutes with GOAWAY).
+KEEPALIVE_TIME_MS = 2000
+KEEPALIVE_TIMEOUT_MS = 3000
+KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.max_pings_without_data", 0),  # a call waiting on a vote sends no data: ping anyway
+)
 RECONNECT_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.initial_reconnect_backoff_ms", INITIAL_RECONNECT_BACKOFF_MS),
     ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
     ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
 )
-# Servers also refuse to share their port with another process.
-SERVER_OPTIONS: tuple[tuple[str, int], ...] = CHANNEL_OPTIONS + (("grpc.so_reuseport", 0),)
+# Servers also refuse to share their port with another process, and accept keepalive pings while
+# calls are open (up to one per KEEPALIVE_TIME_MS / 2; a client pings only then).
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = CHANNEL_OPTIONS + (
+    ("grpc.so_reuseport", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+)

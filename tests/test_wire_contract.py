@@ -200,7 +200,10 @@ def test_grpc_options_for_channels_and_servers():
     channel = dict(contract.CHANNEL_OPTIONS)
     assert channel == {"grpc.max_receive_message_length": 64 << 20, "grpc.max_send_message_length": 64 << 20,
                        "grpc.http2.lookahead_bytes": 16 << 20}
-    assert dict(contract.SERVER_OPTIONS) == {**channel, "grpc.so_reuseport": 0}
+    # servers accept the keepalive pings of clients on other machines (contract.KEEPALIVE_OPTIONS)
+    assert dict(contract.SERVER_OPTIONS) == {**channel, "grpc.so_reuseport": 0,
+                                             "grpc.http2.min_ping_interval_without_data_ms": 1000}
+    assert contract.KEEPALIVE_TIME_MS // 2 == 1000
 
 
 def test_the_contract_imports_neither_grpc_nor_jax_nor_ml_dtypes():

@@ -1,0 +1,499 @@
+"""Separate hosts on one Linux machine: a test bed for optserve across machines, and its bench.
+
+    .venv/bin/python -m bench.netbed --runs 3     # host lost -> next step, partition heal -> next step
+
+Each host is a network namespace of its own (its own address in a private /24 the bed picks, its
+own loopback) plugged into one bridge, which lives in a namespace of its own too: nothing is added
+to the machine's own network. Namespaces share ``/dev/shm``, so each host is also a mount namespace
+with a private tmpfs on ``/dev/shm``: a client's same-host shared-memory proof succeeds only where
+client and shard really share a host. A host is one long-lived holder process (``sleep`` in the
+host's namespaces); every process of the host is started with ``nsenter`` into the holder's
+namespaces, in its own process group, its output in ``DIR/NAME.log``.
+
+:class:`NetBed` makes the hosts (root and iproute2 needed: :func:`unavailable_reason` says why not),
+:meth:`NetBed.lose_host` (link down, then SIGKILL of every process of the host: a machine whose
+power failed), :meth:`NetBed.partition` / :meth:`NetBed.heal` (the host's link down / up: packets
+vanish, nothing is reset). :func:`start_cluster` runs docs/operating.md's "More than one machine"
+commands as written: Ray head and ``optserve serve`` on h1, Ray nodes on h2 and h3 (the shards;
+the head offers Ray no CPU), clients on h4 (:class:`Workload`: a training client whose every call
+the chaos checker, bench/checker.py, reads). Closing the bed kills every process of every host and
+deletes its namespaces (with their links and bridge) and its folder, also after a failure
+(``OSNB_KEEP=1`` keeps the folder, logs included); a new bed first sweeps what a bed whose owner
+died left behind (namespaces named ``osnb-*``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pickle
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+from bench.ray_cluster import RAY, ray_env
+
+PREFIX = "osnb"  # every namespace of a bed is "osnb-TAG-HOST"; its folder /tmp/osnb-TAG
+RAY_PORT = 6379
+SERVE_PORT = 50051
+SHAPES = {"w": (16, 12), "b": (12,), "v": (40,), "u": (8, 4)}
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # `python -m bench.netbed` runs from here
+ADAM = {"name": "adam", "args": {"learning_rate": 0.01}}
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why hosts cannot be made here (one line), or None."""
+    if sys.platform != "linux":
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "nsenter", "unshare"):
+        if shutil.which(tool) is None:
+            return f"no `{tool}` command (iproute2 / util-linux)"
+    return None
+
+
+def _ip(*args: str) -> str:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout
+
+
+def _netns_inode(ns: str) -> Optional[int]:
+    try:
+        return os.stat(f"/run/netns/{ns}").st_ino
+    except OSError:
+        return None
+
+
+def pids_in_netns(ns: str) -> list[int]:
+    """Pids of the processes whose network namespace is ``ns``."""
+    inode, pids = _netns_inode(ns), []
+    if inode is None:
+        return pids
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.stat(f"/proc/{entry}/ns/net").st_ino == inode:
+                    pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def kill_netns(ns: str, timeout_s: float = 10.0) -> None:
+    """SIGKILL to every process of ``ns`` until none is left (or ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while (pids := pids_in_netns(ns)) and time.monotonic() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+
+
+def sweep() -> list[str]:
+    """Deletes the namespaces (and their processes, links and folder) of beds whose owner process
+    is gone; returns the namespaces deleted."""
+    swept = []
+    for line in _ip("netns", "list").splitlines():
+        ns = line.split()[0] if line.strip() else ""
+        if not ns.startswith(PREFIX + "-"):
+            continue
+        folder = os.path.join("/tmp", "-".join(ns.split("-")[:2]))
+        try:
+            with open(os.path.join(folder, "owner")) as f:
+                os.kill(int(f.read()), 0)
+            continue  # its owner runs
+        except (OSError, ValueError):
+            pass
+        kill_netns(ns)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        swept.append(ns)
+    return swept
+
+
+class Proc:
+    """A process of a host, in its own process group; its output in ``log_path``."""
+
+    def __init__(self, name: str, argv: list[str], log_path: str, env: dict):
+        self.name, self.log_path = name, log_path
+        with open(log_path, "w") as log:
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env=env, start_new_session=True, text=True)
+
+    def output(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def wait_for(self, text: str, timeout_s: float = 180.0) -> str:
+        """The first output line containing ``text``; RuntimeError if the process ends or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = next((line for line in self.output().splitlines() if text in line), None)
+            if line is not None:
+                return line
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.name} did not print {text!r} (exit {self.process.poll()}):\n{self.output()[-3000:]}")
+
+
+@dataclasses.dataclass
+class Host:
+    """One host: its namespace, address and holder process (whose namespaces its processes enter)."""
+
+    name: str
+    ns: str
+    address: str
+    port: str  # its link's end on the bridge
+    holder: subprocess.Popen
+    folder: str
+
+    def spawn(self, name: str, argv: list[str], env: Optional[dict] = None) -> Proc:
+        """``argv`` run on this host (its network, its /dev/shm), output in FOLDER/NAME.log."""
+        # entering a mount namespace moves to its root: work from the checkout, as the caller does
+        enter = ["nsenter", f"--target={self.holder.pid}", "--mount", "--net", f"--wd={REPO}", "--"]
+        return Proc(name, enter + list(argv), os.path.join(self.folder, f"{name}.log"),
+                    dict(env if env is not None else ray_env(), OSNB_HOST=self.name))
+
+
+class NetBed:
+    """Hosts ``names`` on one bridge (a context manager: closing removes everything it made).
+
+    Attributes:
+      hosts: name -> :class:`Host`; addresses ``10.213.N.1``, ``.2``, ... in host order.
+      folder: the bed's folder (logs, Ray temp dirs, the checkpoint folder every host sees).
+    """
+
+    def __init__(self, names=("h1", "h2", "h3", "h4")):
+        reason = unavailable_reason()
+        if reason:
+            raise RuntimeError(reason)
+        sweep()
+        self.folder = tempfile.mkdtemp(prefix=PREFIX + "-", dir="/tmp")  # short: Ray's socket paths live under it
+        with open(os.path.join(self.folder, "owner"), "w") as f:
+            f.write(str(os.getpid()))
+        self.tag = os.path.basename(self.folder).split("-", 1)[1]
+        self.switch = f"{PREFIX}-{self.tag}-sw"
+        self.hosts: dict[str, Host] = {}
+        self._namespaces: list[str] = []
+        try:
+            self._make(names)
+        except BaseException:
+            self.close()
+            raise
+
+    def _make(self, names) -> None:
+        subnet = _free_subnet()
+        self._add_namespace(self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        for i, name in enumerate(names, start=1):
+            ns = f"{PREFIX}-{self.tag}-{name}"
+            self._add_namespace(ns)
+            port = f"p{name}"
+            _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
+            address = f"{subnet}.{i}"
+            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            folder = os.path.join(self.folder, name)
+            os.mkdir(folder)
+            script = "mount -t tmpfs -o size=2g osnb-shm /dev/shm && echo ready && exec sleep 2147483647"
+            holder = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation", "private",
+                                       "sh", "-c", script], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                      start_new_session=True, text=True)
+            if holder.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"host {name}: could not mount a private /dev/shm")
+            self.hosts[name] = Host(name, ns, address, port, holder, folder)
+
+    def _add_namespace(self, ns: str) -> None:
+        _ip("netns", "add", ns)
+        self._namespaces.append(ns)
+
+    def partition(self, name: str) -> None:
+        """Cuts host ``name`` off: its link on the bridge goes down (packets vanish both ways)."""
+        _ip("-n", self.switch, "link", "set", self.hosts[name].port, "down")
+
+    def heal(self, name: str) -> None:
+        """Plugs host ``name`` back in."""
+        _ip("-n", self.switch, "link", "set", self.hosts[name].port, "up")
+
+    def lose_host(self, name: str) -> None:
+        """Host ``name`` fails as a machine does: its link goes down first (its peers get no reset,
+        no FIN), then every process of it is SIGKILLed."""
+        self.partition(name)
+        kill_netns(self.hosts[name].ns)
+
+    def close(self) -> None:
+        """Kills every process of every host, deletes the namespaces (links and bridge with them)
+        and the folder."""
+        for ns in reversed(self._namespaces):
+            kill_netns(ns)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        for host in self.hosts.values():
+            host.holder.wait(timeout=10)
+            host.holder.stdout.close()
+        self._namespaces.clear()
+        if os.environ.get("OSNB_KEEP"):  # a closer look at the logs: the folder stays (and says so)
+            print(f"netbed: kept {self.folder}", file=sys.stderr)
+            os.remove(os.path.join(self.folder, "owner"))
+        else:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def __enter__(self) -> "NetBed":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _free_subnet() -> str:
+    """``10.213.N`` for the first N whose /24 no route of this machine covers (the bed's hosts are
+    reachable only from each other: two beds never meet, whatever their subnets)."""
+    routed = _ip("route", "show", "table", "all")
+    for n in range(1, 255):
+        if f"10.213.{n}." not in routed and "10.213.0.0/16" not in routed and "10.0.0.0/8" not in routed:
+            return f"10.213.{n}"
+    raise RuntimeError("no free 10.213.N.0/24 on this machine")
+
+
+# ----------------------------------------------------------------------------- the deployment
+
+@dataclasses.dataclass
+class Cluster:
+    """The README's deployment on a bed: ``address`` is the server's control address."""
+
+    bed: NetBed
+    address: str
+    server: Proc
+    checkpoint_dir: str
+
+
+DOCS = os.path.join(REPO, "docs", "operating.md")
+DOCS_HEAD, DOCS_NODE, DOCS_SHARED = "10.0.0.1", "10.0.0.2", "/mnt/shared/optserve"  # the docs' placeholders
+
+
+def docs_commands(path: str = DOCS) -> list[tuple[dict, list[str]]]:
+    """The commands of the ``bash`` block in the "More than one machine" part of docs/operating.md,
+    as ``(environment assignments, argv)``, in order: the head's ``ray start``, another node's, the
+    server."""
+    import shlex
+
+    with open(path) as f:
+        text = f.read()
+    part = text[text.index("**More than one machine**"):]
+    block = part[part.index("```bash") + len("```bash"):part.index("```", part.index("```bash") + 7)]
+    commands = []
+    for line in block.replace("\\\n", " ").splitlines():
+        words = shlex.split(line, comments=True)
+        env = {}
+        while words and "=" in words[0] and not words[0].startswith("-"):
+            name, value = words.pop(0).split("=", 1)
+            env[name] = value
+        if words:
+            commands.append((env, words))
+    return commands
+
+
+def start_cluster(bed: NetBed, shards: int = 2) -> Cluster:
+    """docs/operating.md's "More than one machine" run as written (:func:`docs_commands`: its
+    addresses replaced by the hosts', its shared folder by one in the bed's folder, which every
+    host sees): the Ray head and ``optserve serve`` on h1, a Ray node on h2 and one on h3. The bed
+    adds only what its own bookkeeping needs (``--block``, a ``--temp-dir`` per host, a small
+    object store) and ``--shards``, ``--min-shard-bytes 0`` (small sessions spread too). Returns
+    once the server listens."""
+    (head_env, head_argv), (_, node_argv), (_, serve_argv) = docs_commands()
+    h1 = bed.hosts["h1"]
+    checkpoints = os.path.join(bed.folder, "checkpoints")
+
+    def placed(argv: list[str], host: Host) -> list[str]:
+        swap = {DOCS_HEAD: h1.address, DOCS_NODE: host.address, DOCS_SHARED: checkpoints}
+        return [swap.get(word, word.replace(DOCS_HEAD + ":", h1.address + ":")) for word in argv]
+
+    bookkeeping = ["--block", "--object-store-memory=100000000", "--disable-usage-stats"]
+    head = h1.spawn("ray-head", [*RAY, *placed(head_argv, h1)[1:], "--include-dashboard=false",
+                                 f"--temp-dir={h1.folder}/ray", *bookkeeping], dict(ray_env(), **head_env))
+    head.wait_for("Ray runtime started")
+    for name in ("h2", "h3"):
+        host = bed.hosts[name]
+        node = host.spawn(f"ray-{name}", [*RAY, *placed(node_argv, host)[1:], "--num-cpus=1",
+                                          f"--temp-dir={host.folder}/ray", *bookkeeping])
+        node.wait_for("Ray runtime started")
+    serve = placed(serve_argv, h1)
+    serve[serve.index("--shards") + 1] = str(shards)
+    server = h1.spawn("optserve", [sys.executable, "-m", "optserve.server.cli", *serve[1:], "--min-shard-bytes", "0"])
+    address = server.wait_for("optserve listening on ").split()[-1]
+    return Cluster(bed, address, server, checkpoints)
+
+
+# ----------------------------------------------------------------------------- a workload on h4
+
+class Workload:
+    """A sync session (one worker, adam) trained from a host (``h4``): its driver
+    (``python -m bench.netbed --drive``) creates the session, runs ``bench._nemesis_worker`` (every
+    call logged for the checker) and follows the session's history until :meth:`stop`, then pulls
+    the final parameters; :meth:`stop` returns the checker's verdict on the run."""
+
+    def __init__(self, cluster: Cluster, host: str = "h4", name: str = "netbed", timeout_s: float = 30.0):
+        self.folder = os.path.join(cluster.bed.hosts[host].folder, name)
+        os.mkdir(self.folder)
+        self.name, self.timeout_s = name, timeout_s
+        self.faults: list = []  # bench.checker.FaultRecord of each fault injected meanwhile
+        self.driver = cluster.bed.hosts[host].spawn(f"drive-{name}", [
+            sys.executable, "-m", "bench.netbed", "--drive", cluster.address, name, self.folder, str(timeout_s)])
+        self.driver.wait_for("training", timeout_s=120)
+
+    def acknowledged(self) -> list:
+        """The worker's acknowledged pushes so far (``bench.checker.CallRecord``), in order."""
+        from bench._nemesis_workers import load_calls
+
+        calls = load_calls([os.path.join(self.folder, "calls.jsonl")])
+        return sorted((c for c in calls if c.kind == "push" and c.outcome == "ok"), key=lambda c: c.ended)
+
+    def wait_steps(self, count: int, after: float = 0.0, timeout_s: float = 60.0) -> float:
+        """Waits for ``count`` acknowledged pushes that ended after unix time ``after``; returns the
+        first one's end time. RuntimeError after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            acked = [c.ended for c in self.acknowledged() if c.ended >= after]
+            if len(acked) >= count:
+                return acked[0]
+            if self.driver.process.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError(f"{count} steps after {after:.1f} not acknowledged in {timeout_s:.0f} s:\n"
+                           f"{self.driver.output()[-3000:]}")
+
+    def stop(self, timeout_s: float = 120.0):
+        """Stops training; returns the checker's report (``bench.checker.CheckReport``)."""
+        from bench._nemesis_workers import load_calls
+        from bench.checker import check
+
+        open(os.path.join(self.folder, "STOP"), "w").close()
+        self.driver.process.wait(timeout=timeout_s)
+        self.driver.wait_for("final", timeout_s=1)
+        with open(os.path.join(self.folder, "run.pkl"), "rb") as f:
+            run = pickle.load(f)
+        return check([run], load_calls([os.path.join(self.folder, "calls.jsonl")]), self.faults)
+
+
+def initial_params():
+    import numpy as np
+
+    rng = np.random.default_rng(42)
+    return {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+
+
+def drive(address: str, name: str, folder: str, timeout_s: float) -> None:
+    """The driver of a :class:`Workload` (runs on its host)."""
+    from bench.checker import HistoryFollower, SessionRun
+    from optserve.client import Client
+
+    client = Client(address, timeout=timeout_s)
+    client.create_session(name, initial_params(), ADAM, mode="sync", num_workers=1).detach()
+    stop = os.path.join(folder, "STOP")
+    worker = subprocess.Popen([sys.executable, "-m", "bench._nemesis_worker", address, name, "w0",
+                               os.path.join(folder, "calls.jsonl"), stop, "--timeout", str(timeout_s),
+                               "--pace", "0.05"], stdin=subprocess.DEVNULL)
+    print("training", flush=True)
+    follower, session = HistoryFollower(), client.session(name, worker_id="netbed-history")
+    while not os.path.exists(stop):
+        try:
+            follower.add(session.history(since=follower.since))
+        except Exception as exc:  # noqa: BLE001 - a host may be cut off: the next round asks again
+            print("history:", type(exc).__name__, flush=True)
+        time.sleep(1.0)
+    worker.wait()
+    follower.add(session.history(since=follower.since))
+    follower.settle(session.history(since=0))
+    final = session.pull()
+    version = client.session_status(name).version
+    run = SessionRun(name, "sync", ADAM, initial_params(), final, version, list(follower.records),
+                     tuple(follower.conflicts), tuple(follower.rollbacks))
+    with open(os.path.join(folder, "run.pkl"), "wb") as f:
+        pickle.dump(run, f)
+    print("final", version, flush=True)
+    client.close()
+
+
+# ----------------------------------------------------------------------------- the bench
+
+def one_run(partition_s: float = 3.0) -> dict:
+    """A fresh bed: a few steps, h3 partitioned for ``partition_s`` and healed, h2 lost; the figures."""
+    from bench.checker import FaultRecord
+
+    with NetBed() as bed:
+        started = time.monotonic()
+        cluster = start_cluster(bed)
+        work = Workload(cluster)
+        work.wait_steps(20)
+        cut = time.time()
+        bed.partition("h3")
+        time.sleep(partition_s)
+        healed = time.time()
+        bed.heal("h3")
+        work.faults.append(FaultRecord("partition", "h3", cut, healed))
+        work.wait_steps(20, after=healed)
+        lost_at = time.time()
+        bed.lose_host("h2")
+        work.faults.append(FaultRecord("host_lost", "h2", lost_at, lost_at))
+        work.wait_steps(20, after=lost_at, timeout_s=180)
+        acks = [c.ended for c in work.acknowledged()]
+        report = work.stop()
+        steps = report.statuses.get("push", {}).get("ok", 0)
+        return {"host_lost_s": stall(acks, lost_at), "heal_s": stall(acks, healed),
+                "acknowledged": steps, "lost": report.lost, "duplicated": report.duplicated,
+                "problems": report.problems(), "wall_s": time.monotonic() - started}
+
+
+def stall(acks: list, t: float, within: int = 10) -> float:
+    """The longest wait from unix time ``t`` (or from an acknowledgement after it) to the next
+    acknowledgement, over the first ``within`` after ``t``: a step answered just as a fault hit
+    does not hide the stall behind it."""
+    after = [a for a in sorted(acks) if a >= t][:within]
+    return max(b - a for a, b in zip([t] + after, after)) if after else float("inf")
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.netbed", description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--partition-s", type=float, default=3.0, help="how long h3 is cut off")
+    parser.add_argument("--drive", nargs=4, metavar=("ADDRESS", "SESSION", "DIR", "TIMEOUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.drive:
+        drive(*args.drive[:3], float(args.drive[3]))
+        return 0
+    reason = unavailable_reason()
+    if reason:
+        print(f"netbed: cannot make hosts here: {reason}")
+        return 2
+    runs = []
+    for index in range(args.runs):
+        run = one_run(args.partition_s)
+        runs.append(run)
+        print(f"run {index + 1}: host lost -> next step {run['host_lost_s']:.2f} s, partition ({args.partition_s:g} s)"
+              f" heal -> next step {run['heal_s']:.2f} s, steps acknowledged {run['acknowledged']} lost {run['lost']}"
+              f" duplicated {run['duplicated']}, run {run['wall_s']:.0f} s"
+              + (f", PROBLEMS: {run['problems']}" if run["problems"] else ""), flush=True)
+    median = {k: statistics.median(r[k] for r in runs) for k in ("host_lost_s", "heal_s", "acknowledged", "lost",
+                                                                 "duplicated", "wall_s")}
+    print(f"median of {len(runs)}: host lost -> next step {median['host_lost_s']:.2f} s, partition heal -> next step "
+          f"{median['heal_s']:.2f} s, steps acknowledged {median['acknowledged']:g} lost {median['lost']:g} "
+          f"duplicated {median['duplicated']:g}, run {median['wall_s']:.0f} s")
+    return 1 if any(r["problems"] for r in runs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""optserve across separate hosts (bench/netbed.py: Linux network namespaces on a bridge, each its
+own /dev/shm): the deployment docs/operating.md describes, a partition healed and a host lost
+while a client on a fourth host trains, every step checked by the chaos checker (bench/checker.py):
+nothing acknowledged lost, nothing applied twice, versions contiguous, the final parameters equal
+to an in-process replay of the session's history.
+
+One bed for the module, the tests in order: placement, the shared-memory path, a partition, a host
+lost, the verdict. Skipped where hosts cannot be made (not root, no iproute2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from bench.checker import FaultRecord
+from bench.netbed import NetBed, Workload, start_cluster, unavailable_reason
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(unavailable_reason() is not None, reason=f"no test bed: {unavailable_reason()}")]
+
+STEP_TIMEOUT_S = 30.0  # the training client's timeout: one step's deadline, its retries included
+PROBE = os.path.join(os.path.dirname(__file__), "_netbed_probe.py")
+
+
+@pytest.fixture(scope="module")
+def bed():
+    with NetBed() as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def cluster(bed):
+    return start_cluster(bed)
+
+
+@pytest.fixture(scope="module")
+def workload(cluster):
+    work = Workload(cluster, timeout_s=STEP_TIMEOUT_S)
+    work.wait_steps(5)
+    return work
+
+
+def probe(bed: NetBed, host: str, address: str, session: str) -> list[dict]:
+    """What a client on ``host`` sees of ``session``'s shards (tests/_netbed_probe.py)."""
+    run = bed.hosts[host].spawn(f"probe-{host}-{time.monotonic_ns()}", [sys.executable, PROBE, address, session])
+    assert run.process.wait(timeout=120) == 0, run.output()[-3000:]
+    return json.loads(run.output().strip().splitlines()[-1])["shards"]
+
+
+def test_shards_spread_over_the_ray_nodes_and_advertise_their_hosts_address(bed, cluster, workload):
+    shards = probe(bed, "h4", cluster.address, workload.name)
+    hosts = {h.address: name for name, h in bed.hosts.items()}
+    placed = sorted(hosts[s["address"].rsplit(":", 1)[0]] for s in shards)
+    assert placed == ["h2", "h3"], shards  # never 127.0.0.1, never the head (no CPU for tasks there)
+    assert len({s["node_id"] for s in shards}) == 2 and all(s["node_id"] for s in shards), shards
+
+
+def test_shared_memory_only_where_client_and_shard_share_a_host(bed, cluster, workload):
+    assert not any(s["shared_memory"] for s in probe(bed, "h4", cluster.address, workload.name))
+    on_h2 = probe(bed, "h2", cluster.address, workload.name)
+    local = {s["index"]: s["address"].startswith(bed.hosts["h2"].address + ":") for s in on_h2}
+    assert {s["index"]: s["shared_memory"] for s in on_h2} == local and sum(local.values()) == 1, on_h2
+
+
+def test_a_partitioned_shard_host_healed_trains_on(bed, workload):
+    cut = time.time()
+    bed.partition("h3")
+    time.sleep(2.0)  # shorter than Ray takes to declare a node dead (docs/operating.md: about 4.5 s)
+    healed = time.time()
+    bed.heal("h3")
+    workload.faults.append(FaultRecord("partition", "h3", cut, healed))
+    workload.wait_steps(10, after=healed, timeout_s=STEP_TIMEOUT_S)
+
+
+def test_a_lost_host_costs_the_client_one_slow_step_not_its_session(bed, workload):
+    """Link down, every process of h2 SIGKILLed: keepalive ends the client's calls to it, Ray
+    declares the node dead, the shard is restored on h3 from the checkpoint folder and step log,
+    and the client, reading the shard map again, resends its step there."""
+    lost = time.time()
+    bed.lose_host("h2")
+    workload.faults.append(FaultRecord("host_lost", "h2", lost, lost))
+    first = workload.wait_steps(10, after=lost, timeout_s=3 * STEP_TIMEOUT_S)
+    assert first - lost < STEP_TIMEOUT_S  # within the step's own deadline: never a dead connection's wait
+
+
+def test_every_acknowledged_step_applied_exactly_once_and_replays(workload):
+    report = workload.stop()
+    assert report.clean, report.problems()
+    (session,) = report.sessions
+    assert session.acked >= 25 and report.lost == 0 and report.duplicated == 0
+    assert session.replay_max_diff <= session.tolerance
