@@ -19,7 +19,6 @@ Arguments are checked here, before any channel is opened: errors are
 from __future__ import annotations
 
 import collections
-import ipaddress
 import os
 from typing import Optional, Union
 
@@ -120,7 +119,7 @@ class Transport:
     def open(self, address: str) -> grpc.Channel:
         """A new channel to ``address`` ("host:port"); with keepalive unless it is a loopback
         address (a server on this machine cannot vanish without its connections being reset)."""
-        options = self._options if _is_loopback(address) else self._options + contract.KEEPALIVE_OPTIONS
+        options = self._options + contract.keepalive_options(address)
         if self._credentials is None:
             channel = grpc.insecure_channel(address, options=options)
         else:
@@ -150,19 +149,6 @@ class Transport:
             chain = _read_pem(self._client_cert[0], "client_cert (certificate chain)")
             key = _read_pem(self._client_cert[1], "client_cert (private key)")
         return grpc.ssl_channel_credentials(root_certificates=root, private_key=key, certificate_chain=chain)
-
-
-def _is_loopback(address: str) -> bool:
-    """Whether ``address`` ("host:port", "[v6]:port", or a target such as "unix:...") stays on this machine."""
-    if address.startswith(("unix:", "unix-abstract:")):
-        return True
-    host = address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _checked_token(token) -> str:

@@ -19,6 +19,7 @@ on the wire are little-endian; NumPy's native order on every supported host.
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any, Iterator, Optional, Union
 
 import numpy as np
@@ -282,6 +283,22 @@ KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.http2.max_pings_without_data", 0),  # a call waiting on a vote sends no data: ping anyway
 )
+
+
+def keepalive_options(address: str) -> tuple[tuple[str, int], ...]:
+    """:data:`KEEPALIVE_OPTIONS` for a channel to ``address`` ("host:port", "[v6]:port", or a
+    target such as "unix:..."), none when it stays on this machine (loopback, a unix socket)."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return ()
+    host = address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
+    if host == "localhost":
+        return ()
+    try:
+        return () if ipaddress.ip_address(host).is_loopback else KEEPALIVE_OPTIONS
+    except ValueError:  # a name: another machine
+        return KEEPALIVE_OPTIONS
+
+
 RECONNECT_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.initial_reconnect_backoff_ms", INITIAL_RECONNECT_BACKOFF_MS),
     ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),

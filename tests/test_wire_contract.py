@@ -211,3 +211,10 @@ def test_the_contract_imports_neither_grpc_nor_jax_nor_ml_dtypes():
             "print(sorted(m for m in ('grpc', 'jax', 'ml_dtypes', 'ray') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_channels_to_other_machines_keep_alive_and_loopback_ones_do_not():
+    for address in ("127.0.0.1:5", "localhost:5", "[::1]:5", "unix:/tmp/s"):
+        assert contract.keepalive_options(address) == (), address
+    for address in ("10.213.0.2:5", "[fd00::2]:5", "shard-3.example:5"):
+        assert contract.keepalive_options(address) == contract.KEEPALIVE_OPTIONS, address

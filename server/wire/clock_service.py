@@ -29,6 +29,7 @@ from typing import Callable, Optional
 
 import grpc
 
+from optserve.protos import contract
 from optserve.protos.optserve.v1 import clock_pb2, clock_pb2_grpc
 from optserve.server.domain.clock import HomeClock
 from optserve.server.domain.clock_records import Ticket
@@ -171,7 +172,8 @@ class ClockServer:
         self._clocks: dict[str, HomeClock] = {}
         self._lock = threading.Lock()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="optserve-clock"),
-                                   interceptors=[InternalSecretInterceptor(trust.secret)])
+                                   interceptors=[InternalSecretInterceptor(trust.secret)],
+                                   options=contract.SERVER_OPTIONS)  # peers on other hosts ping (keepalive)
         _add_to_server(_ClockServicer(self._clock), self._server)
         credentials = trust.server_credentials()
 

@@ -171,10 +171,11 @@ class InternalTrust:
     def channel(self, address: str) -> grpc.Channel:
         """A channel to another server process's internal endpoint; it reconnects at most a
         second apart (a restarted home shard's peers vote again within a second of it serving)."""
+        options = contract.RECONNECT_OPTIONS + contract.keepalive_options(address)  # a peer host may vanish
         if self.tls is None:
-            return grpc.insecure_channel(address, options=contract.RECONNECT_OPTIONS)
+            return grpc.insecure_channel(address, options=options)
         credentials = grpc.ssl_channel_credentials(root_certificates=self.tls.cert)
-        return grpc.secure_channel(address, credentials, options=contract.RECONNECT_OPTIONS + (
+        return grpc.secure_channel(address, credentials, options=options + (
             ("grpc.ssl_target_name_override", INTERNAL_SERVER_NAME),))
 
     @property
