@@ -52,18 +52,24 @@ def _model(small: bool) -> dict[str, np.ndarray]:
     return {f"layer{i}/w": rng.standard_normal((dim, dim), dtype=np.float32) * 0.02 for i in range(6)}
 
 
+def start_listening(argv: list[str], log_dir: str) -> tuple[Started, str]:
+    """``argv`` (an ``optserve serve`` command line) started in ``log_dir``, once it listens, and
+    its address (stopped again if it never does)."""
+    process = Started(f"optserve-{len(os.listdir(log_dir))}", argv, log_dir)
+    try:
+        return process, process.wait_for("optserve listening on ", SERVER_START_S).split()[-1]
+    except BaseException:
+        process.stop()
+        raise
+
+
 class Server:
     """``optserve serve`` joining the cluster at ``ray_address`` (a process of its own)."""
 
     def __init__(self, ray_address: str, log_dir: str, rehearse: bool, *flags: str):
         argv = [sys.executable, "-m", "optserve.server.cli", "serve", "--port", "0", "--ray-address", ray_address,
                 "--min-shard-bytes", "0", *flags] + (["--rehearse-gpus"] if rehearse else [])
-        self._process = Started(f"optserve-{len(os.listdir(log_dir))}", argv, log_dir)
-        try:
-            self.address = self._process.wait_for("optserve listening on ", SERVER_START_S).split()[-1]
-        except BaseException:
-            self._process.stop()
-            raise
+        self._process, self.address = start_listening(argv, log_dir)
 
     def output(self) -> str:
         """What the server printed so far (its log)."""
