@@ -84,10 +84,17 @@ def connect(client, info: control_pb2.SessionInfo) -> list[Shard]:
 
 
 def call_shard(fn: Callable[[Shard], T], shard: Shard) -> T:
-    """``fn(shard)``, its gRPC errors converted to client errors (retries happen above)."""
+    """``fn(shard)``, its gRPC errors converted to client errors (retries happen above).
+
+    UNIMPLEMENTED is UnavailableError: the shard map said a shard serves at this address, so
+    another service answering there means the shard moved (a restarted server's shards took new
+    ports and something else took this one); the map is read again and the call retried."""
     try:
         return fn(shard)
     except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            raise UnavailableError(f"shard {shard.index}'s address {shard.address} is served by another service now "
+                                   f"({exc.details()}): the shard moved", "UNAVAILABLE") from None
         raise from_rpc_error(exc) from None
 
 
