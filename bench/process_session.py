@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 
 def session_pids(leader: int) -> list[int]:
@@ -39,10 +40,18 @@ def titled(pids: list[int], prefix: bytes) -> list[int]:
     return matching
 
 
-def kill_session(leader: int) -> None:
-    """SIGKILL of every live process of the session (the leader among them while it lives)."""
-    for pid in session_pids(leader):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def kill_session(leader: int, wait_s: float = 15.0) -> None:
+    """SIGKILL of every live process of the session (the leader among them while it lives), again
+    for any still there (a process dies a moment after its signal; one may have been starting),
+    until none is left or ``wait_s`` has passed."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        pids = session_pids(leader)
+        if not pids or time.monotonic() > deadline:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)

@@ -88,13 +88,16 @@ def call_shard(fn: Callable[[Shard], T], shard: Shard) -> T:
 
     UNIMPLEMENTED is UnavailableError: the shard map said a shard serves at this address, so
     another service answering there means the shard moved (a restarted server's shards took new
-    ports and something else took this one); the map is read again and the call retried."""
+    ports and something else took this one); the map is read again and the call retried (and
+    the UNIMPLEMENTED error raised if the map has not changed)."""
     try:
         return fn(shard)
     except grpc.RpcError as exc:
         if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-            raise UnavailableError(f"shard {shard.index}'s address {shard.address} is served by another service now "
-                                   f"({exc.details()}): the shard moved", "UNAVAILABLE") from None
+            moved = UnavailableError(f"shard {shard.index}'s address {shard.address} is served by another service "
+                                     f"now ({exc.details()}): the shard moved", "UNAVAILABLE")
+            moved.unmoved = from_rpc_error(exc)  # raised instead when the shard map has not changed
+            raise moved from None
         raise from_rpc_error(exc) from None
 
 
@@ -180,6 +183,8 @@ class ShardFanout:
             if not isinstance(error, (UnavailableError, NotFoundError)):
                 raise error
             moved = self.refresh()  # raises SessionLostError, or NotFoundError if the session is gone
+            if not moved and getattr(error, "unmoved", None) is not None:  # really not a shard (version skew)
+                raise error.unmoved
             retryable = isinstance(error, UnavailableError) or attempt_number == 0
             if not retryable or time.monotonic() >= deadline:
                 if attempt_number and isinstance(error, UnavailableError):  # name what the user gave, not a shard's port

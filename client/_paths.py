@@ -166,7 +166,9 @@ class DataPaths:
                 elif paths.get(shard.index) == "shared_memory":  # both regions busy: fresh arrays, copied when pushed
                     buffers[name] = np.zeros(self._specs[name][1], np.float32)
                 else:  # gRPC bytes: ordinary arrays, the same every call
-                    buffers[name] = self._grad_buffers.setdefault(name, np.zeros(self._specs[name][1], np.float32))
+                    if name not in self._grad_buffers:
+                        self._grad_buffers[name] = np.zeros(self._specs[name][1], np.float32)
+                    buffers[name] = self._grad_buffers[name]
         return buffers
 
     def parameter_buffers(self) -> dict[str, np.ndarray]:
@@ -185,7 +187,8 @@ class DataPaths:
 
     # ----------------------------------------------------------------- helpers
     def _pull_shard(self, shard: Shard, wire: Optional[int], out: Optional[Arrays], views: bool, evaluation: bool):
-        taken = self.regions.acquire([shard]) if self.via_shm(wire) else {}
+        # an evaluation pull goes as bytes: a model may live in the region (the torch adapter's)
+        taken = self.regions.acquire([shard]) if self.via_shm(wire) and not evaluation else {}
         if taken:  # the shard writes the parameters into this object's region
             try:
                 request = data_pb2.PullRequest(session=self.session, shared_memory=taken[shard.index].step(True),

@@ -107,7 +107,7 @@ class Session:
         region (no copy; valid until this session object's next step); elsewhere copies.
         ``evaluation``: the parameters to evaluate the model with: schedule-free optimizers
         (``optax.contrib.schedule_free_*``) train one sequence and evaluate another; for other
-        optimizers these are the trained parameters.
+        optimizers these are the trained parameters (as bytes: a torch model may live in the region).
         """
         wire = self._wire(wire_dtype)
         wire = None if wire == contract.INT8 else wire  # int8 encodes gradients only

@@ -15,6 +15,7 @@ import torch
 
 from optserve.client._torch_arrays import gradient_to_numpy, viewed_without_copy, write_numpy_
 from optserve.client._torch_shared import SharedModelMemory
+from optserve.client.errors import UnavailableError
 
 
 class ModelTensors:
@@ -35,8 +36,11 @@ class ModelTensors:
 
     def follow(self, session) -> None:
         """Trains in ``session`` from now on (regions of a former session are let go)."""
-        self.close()
-        self._shared = SharedModelMemory(session, self.named) if self._zero_copy else None
+        if self._shared is not None:
+            self._shared = self._shared.following(session)
+            self.bind_gradients()
+        elif self._zero_copy:
+            self._shared = SharedModelMemory(session, self.named)
 
     @property
     def zero_copy(self) -> bool:
@@ -48,10 +52,20 @@ class ModelTensors:
         return [] if self._shared is None else self._shared.bound
 
     def take_regions(self) -> None:
-        """After a create whose initial values went through the regions' reply parts: the
-        parameters whose values lie there take them as storage (nothing is copied)."""
+        """After a create: the parameters move into the regions' reply parts (their values copied
+        there: a shard whose initial values went as chunks left its part unwritten)."""
         if self._shared is not None:
-            self._shared.adopt(self._shared.session.parameter_buffers())
+            try:
+                buffers = self._shared.session.parameter_buffers()
+            except UnavailableError:  # a shard restarting: the parameters move after a later call
+                return
+            self._shared.adopt(buffers, written=False)
+
+    def detach(self) -> None:
+        """A step ended without its answer: the model leaves the regions (see
+        :meth:`SharedModelMemory.detach`)."""
+        if self._shared is not None:
+            self._shared.detach()
 
     def bind_gradients(self) -> None:
         """Preallocates ``.grad`` in the push regions, so that backward accumulates there."""

@@ -22,10 +22,12 @@ by gRPC, keep their own storage and are copied as before. Imports torch and NumP
 from __future__ import annotations
 
 import warnings
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 import torch
+
+from optserve.client.errors import UnavailableError
 
 
 def _address(array: np.ndarray) -> int:
@@ -38,91 +40,133 @@ def _as_tensor(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array)
 
 
-def eligible(parameter: torch.Tensor) -> bool:
-    """Whether ``parameter`` can live in a region: float32, on the CPU, dense and contiguous."""
-    return (parameter.dtype == torch.float32 and parameter.device.type == "cpu" and parameter.layout == torch.strided
-            and parameter.is_contiguous())
+def eligible(tensor: Optional[torch.Tensor]) -> bool:
+    """Whether ``tensor`` (a parameter or its gradient) can live in a region: float32, on the CPU,
+    dense and contiguous (checked at every call: a model moved or cast later is copied instead)."""
+    return (tensor is not None and tensor.dtype == torch.float32 and tensor.device.type == "cpu"
+            and tensor.layout == torch.strided and tensor.is_contiguous())
 
 
 class SharedModelMemory:
     """Binds a model's parameters and gradients to the regions of ``session`` and keeps them bound.
 
+    Only calls that the optimizer makes anyway (its step, its pulls) look the regions up; what is
+    bound is remembered (by address), so ``zero_grad`` and :attr:`bound` ask nothing of a shard.
+
     Args:
       session: the :class:`~optserve.client.Session` the model trains in.
-      named: ``(name, parameter)`` pairs (the session's tensor names); those that are not
-        :func:`eligible` are never bound.
+      named: ``(name, parameter)`` pairs (the session's tensor names).
+      cleared: names whose gradient torch would hold as None (carried over from a former binding).
     """
 
-    def __init__(self, session, named: Sequence[tuple[str, torch.nn.Parameter]]):
+    def __init__(self, session, named: Sequence[tuple[str, torch.nn.Parameter]], cleared: Optional[set] = None):
         self.session = session
-        self._named = [(name, p) for name, p in named if eligible(p)]
-        self._cleared: set[str] = set()  # bound gradients that torch would hold as None
-        self._hooks = [p.register_post_accumulate_grad_hook(lambda _p, name=name: self._cleared.discard(name))
+        self._named = list(named)
+        self.cleared: set[str] = set() if cleared is None else cleared  # bound gradients torch would hold as None
+        self._params: dict[str, int] = {}  # name -> address of the reply array the parameter's storage is
+        self._grads: dict[str, int] = {}  # name -> address of the push array its .grad is
+        touched = self.cleared  # the hooks hold the set only (not this object, its session or client)
+        self._hooks = [p.register_post_accumulate_grad_hook(lambda _p, name=name, touched=touched: touched.discard(name))
                        for name, p in self._named]
 
     @property
     def bound(self) -> list[str]:
         """Names of the parameters whose storage is a region's reply array now."""
-        buffers = self.session.parameter_buffers()
-        return [name for name, p in self._named if name in buffers and p.data_ptr() == _address(buffers[name])]
+        return [name for name, p in self._named if self._params.get(name) == p.data_ptr()]
 
-    def adopt(self, params: Mapping[str, np.ndarray]) -> set[str]:
+    def adopt(self, params: Mapping[str, np.ndarray], written: bool = True) -> set[str]:
         """After a pull or step was answered with ``params`` (``views=True``): every parameter whose
         values arrived as a view of a reply array takes that array as its storage. Returns the
-        names that now need no copy."""
-        buffers = self.session.parameter_buffers()
+        names that now need no copy. ``written=False`` (``params`` are the buffers themselves,
+        after a create): the parameter's values are copied into the array first."""
+        try:
+            buffers = self.session.parameter_buffers()
+        except UnavailableError:  # a shard restarting: copied this time, bound after a later call
+            return set()
         adopted = set()
         for name, p in self._named:
             buffer, values = buffers.get(name), params.get(name)
-            if buffer is None or values is None or _address(values) != _address(buffer) or values.shape != buffer.shape:
+            if (buffer is None or values is None or not eligible(p) or _address(values) != _address(buffer)
+                    or values.shape != buffer.shape):
                 continue
             if p.data_ptr() != _address(buffer):
+                if not written:
+                    np.copyto(buffer, p.detach().numpy())
                 p.data = _as_tensor(buffer)
+            self._params[name] = _address(buffer)
             adopted.add(name)
         return adopted
 
     def gradients(self) -> tuple[dict[str, np.ndarray], set[str]]:
-        """The bound parameters' gradients as the push arrays themselves, and the names among
-        them that have no gradient (``.grad`` cleared or ``None``: their array holds zeros).
+        """The bound parameters' gradients as the push arrays themselves, and the names that
+        have no gradient (``.grad`` cleared or ``None``; their array holds zeros).
 
         A ``.grad`` that is not the push array (``None``, set by hand, or from before the region
         changed) is copied into it once and the push array bound in its place."""
-        buffers, shared = self.session.gradient_buffers(), self.session.parameter_buffers()
+        try:
+            buffers, shared = self.session.gradient_buffers(), self.session.parameter_buffers()
+        except UnavailableError:  # a shard restarting: this step copies; bound gradients torch holds as None stay so
+            return {}, {name for name, p in self._named if name in self.cleared and self._is_bound_grad(name, p)}
         grads, without = {}, set()
         for name, p in self._named:
             buffer = buffers.get(name)
-            if buffer is None or name not in shared:  # a shard reached by gRPC bytes
-                continue
+            if buffer is None or name not in shared or not eligible(p) or (p.grad is not None and not eligible(p.grad)):
+                continue  # a shard reached by gRPC bytes, or a tensor moved or cast since
             if p.grad is None:
                 buffer.fill(0.0)
-                self._cleared.add(name)
+                self.cleared.add(name)
             elif p.grad.data_ptr() != _address(buffer):
                 np.copyto(buffer, p.grad.detach().numpy())
-                self._cleared.discard(name)
+                if not self._is_bound_grad(name, p):  # a gradient of its own (set by hand, or fresh)
+                    self.cleared.discard(name)
             if p.grad is None or p.grad.data_ptr() != _address(buffer):
                 p.grad = _as_tensor(buffer)
+            self._grads[name] = _address(buffer)
             grads[name] = buffer
-            if name in self._cleared:
+            if name in self.cleared:
                 without.add(name)
         return grads, without
 
     def zero_grad(self, set_to_none: bool) -> set[str]:
-        """Zeroes the bound gradients in place (``set_to_none``: and remembers them as none);
-        returns their names (the caller handles the others as torch does)."""
-        buffers = self.session.gradient_buffers()
+        """Zeroes the bound gradients in place (``set_to_none``: and remembers them as none, as
+        torch would hold them; otherwise they are zeros that count); returns their names (the
+        caller handles the others as torch does)."""
         zeroed = set()
         for name, p in self._named:
-            buffer = buffers.get(name)
-            if p.grad is not None and buffer is not None and p.grad.data_ptr() == _address(buffer):
+            if self._is_bound_grad(name, p):
                 p.grad.zero_()
                 if set_to_none:
-                    self._cleared.add(name)
+                    self.cleared.add(name)
+                else:
+                    self.cleared.discard(name)
                 zeroed.add(name)
         return zeroed
+
+    def detach(self) -> None:
+        """A step ended without its answer: the shard may still read the gradients where they lie
+        and write the parameters where the model reads them, later. The bound tensors move to
+        storage of their own (one copy) and are bound to fresh regions by the next step."""
+        with torch.no_grad():
+            for name, p in self._named:
+                if self._params.pop(name, None) == p.data_ptr():
+                    p.data = p.data.clone()
+                if self._is_bound_grad(name, p):
+                    p.grad = p.grad.clone()
+                    self._grads[name] = p.grad.data_ptr()  # ours still: copied into a region, it keeps what it was
+
+    def following(self, session) -> "SharedModelMemory":
+        """The same model bound to ``session`` from now on (which gradients torch would hold as
+        None is kept; this object's hooks are removed)."""
+        moved = SharedModelMemory(session, self._named, self.cleared)
+        moved._grads = dict(self._grads)  # copied into the new regions, they keep their meaning
+        self.close()
+        return moved
+
+    def _is_bound_grad(self, name: str, p: torch.nn.Parameter) -> bool:
+        return p.grad is not None and self._grads.get(name) == p.grad.data_ptr()
 
     def close(self) -> None:
         """Removes the gradient hooks (the tensors keep their storage, which outlives the regions)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-

@@ -300,6 +300,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 self._write(self._session.push_pull(grads, views=True, **push))
             except StaleError:
                 self._skip_stale()
+            except BaseException:  # unanswered, it may still be applied from the regions later
+                self._model.detach()
+                raise
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -193,3 +193,39 @@ def test_a_model_in_the_regions_follows_a_restarted_shard_exactly(ray_local, tmp
         copied.close()
     finally:
         running.stop()
+
+
+def test_an_evaluation_pull_leaves_the_training_parameters_in_the_regions_alone(server, unique_name):
+    """Schedule-free optimizers evaluate other parameters than they train: pulling those (as bytes)
+    must not write them where the model's training parameters live."""
+    spec = {"name": "optax.contrib.schedule_free_adamw", "args": {"learning_rate": 0.05, "warmup_steps": 4, "b1": 0.8}}
+    model = _model()
+    optimizer = RemoteOptimizer(model.named_parameters(), server.address, spec, session=unique_name)
+    _train(model, optimizer, steps=3)
+    training = {n: p.detach().clone() for n, p in model.named_parameters()}
+    evaluation = optimizer.session.pull(evaluation=True)
+    assert any(not np.array_equal(evaluation[n], t.numpy()) for n, t in training.items())  # they differ
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), training[name]), name
+    _assert_in_regions(model, optimizer)
+    optimizer.session.close()
+    optimizer.close()
+
+
+def test_a_step_that_ends_without_its_answer_moves_the_model_out_of_the_regions(server, unique_name):
+    """An unanswered step may still be applied from the regions later: the model takes storage of
+    its own at once (its values kept), and the next step binds it to fresh regions."""
+    model = _model()
+    optimizer = RemoteOptimizer(model.named_parameters(), server.address, ADAM, session=unique_name)
+    _train(model, optimizer, steps=2)
+    values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, y = _data()
+    optimizer.zero_grad()
+    _loss(model, x, y).backward()
+    optimizer.session.close()  # the next step finds no session: NotFound, unanswered by the step itself
+    with pytest.raises(Exception):
+        optimizer.step()
+    assert optimizer.shared_tensors == []
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), values[name]), name
+    optimizer.close()

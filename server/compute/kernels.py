@@ -34,15 +34,15 @@ def state_bytes(name: str, args: Mapping[str, Any], shapes: Mapping[str, tuple[i
     Returns None when ``init`` does not trace for these tensors (the shard opening the session
     refuses it, naming why).
     """
-    import jax
-    import numpy as np
-
-    from optserve.optim_kernels import build_optimizer
-
-    params = {tensor: jax.ShapeDtypeStruct(tuple(shape), np.float32) for tensor, shape in shapes.items()}
     try:
+        import jax
+        import numpy as np
+
+        from optserve.optim_kernels import build_optimizer
+
+        params = {tensor: jax.ShapeDtypeStruct(tuple(shape), np.float32) for tensor, shape in shapes.items()}
         state = jax.eval_shape(build_optimizer(name, dict(args)).transformation.init, params)
-    except Exception:  # noqa: BLE001 - the kernel's refusal; the shard's own check words it
+        return sum(int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.itemsize
+                   for leaf in jax.tree_util.tree_leaves(state))
+    except Exception:  # noqa: BLE001 - the kernel's refusal (the shard's own check words it), or a leaf of no size
         return None
-    return sum(int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
-               for leaf in jax.tree_util.tree_leaves(state))

@@ -25,7 +25,7 @@ import collections
 import dataclasses
 import json
 import threading
-from typing import Any, Callable, Hashable, Iterable, Mapping, Optional
+from typing import Any, Callable, Collection, Hashable, Iterable, Mapping, Optional
 
 import numpy as np
 
@@ -186,15 +186,17 @@ class Updater:
     def initialized(self) -> bool:
         return self.params is not None
 
-    def initialize(self, values: Mapping[str, np.ndarray], owned: bool = True) -> None:
+    def initialize(self, values: Mapping[str, np.ndarray], borrowed: Collection[str] = ()) -> None:
         """Installs initial parameters (name -> array in the tensor's dtype) and the optimizer's state.
 
-        ``owned``: the arrays are the updater's from now on (on a CPU device the parameters are
-        them: ``device_put`` of aligned host memory aliases it). False: someone else writes them
-        later (a client's shared-memory region): each is copied, one at a time."""
+        The arrays are the updater's from now on (on a CPU device the parameters are them:
+        ``device_put`` of aligned host memory aliases it), except those named in ``borrowed``,
+        which someone else writes later (a client's shared-memory region): on a CPU device each
+        of those is copied first (elsewhere ``device_put`` copies anyway)."""
         import jax
 
-        params = {name: jax.device_put(value if owned else np.array(value), self.device)
+        copy = set(borrowed) if self.device.platform == "cpu" else set()
+        params = {name: jax.device_put(np.array(value) if name in copy else value, self.device)
                   for name, value in values.items()}
         functions = self._functions(params)
         if functions.compiled.is_set():

@@ -185,7 +185,8 @@ class ShardSession:
             if self.initialized:
                 raise FailedPrecondition(f"session {self.config.name!r}: parameters are already initialized")
             try:
-                self.updater.initialize(values, owned=not in_place)
+                # read in place from a client's region: the client writes there again
+                self.updater.initialize(values, borrowed=[n for n, v in values.items() if v is not buffers[n]])
             except Exception as exc:  # noqa: BLE001 - OptservError passes through; the kernel's own failure
                 raise _init_failure(self.config, self.specs, self.shard_index, exc) from None
             if self._steps.journal.enabled:  # the initial values are durable before they are acknowledged
