@@ -29,7 +29,6 @@ import dataclasses
 import os
 import pickle
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ import tempfile
 import time
 from typing import Optional
 
+from bench.process_session import kill_until_gone
 from bench.ray_cluster import RAY, ray_env
 
 PREFIX = "osnb"  # every namespace of a bed is "osnb-TAG-HOST"; its folder /tmp/osnb-TAG
@@ -90,14 +90,7 @@ def pids_in_netns(ns: str) -> list[int]:
 
 def kill_netns(ns: str, timeout_s: float = 10.0) -> None:
     """SIGKILL to every process of ``ns`` until none is left (or ``timeout_s``)."""
-    deadline = time.monotonic() + timeout_s
-    while (pids := pids_in_netns(ns)) and time.monotonic() < deadline:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.1)
+    kill_until_gone(lambda: pids_in_netns(ns), timeout_s)
 
 
 def sweep() -> list[str]:

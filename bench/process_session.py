@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import Callable
 
 
 def session_pids(leader: int) -> list[int]:
@@ -41,14 +42,15 @@ def titled(pids: list[int], prefix: bytes) -> list[int]:
 
 
 def kill_session(leader: int, wait_s: float = 15.0) -> None:
-    """SIGKILL of every live process of the session (the leader among them while it lives), again
-    for any still there (a process dies a moment after its signal; one may have been starting),
-    until none is left or ``wait_s`` has passed."""
+    """SIGKILL of every live process of the session (the leader among them while it lives)."""
+    kill_until_gone(lambda: session_pids(leader), wait_s)
+
+
+def kill_until_gone(live: Callable[[], list[int]], wait_s: float) -> None:
+    """SIGKILL of every process ``live()`` lists, again for any still listed (a process dies a
+    moment after its signal; one may have been starting), until none is or ``wait_s`` has passed."""
     deadline = time.monotonic() + wait_s
-    while True:
-        pids = session_pids(leader)
-        if not pids or time.monotonic() > deadline:
-            return
+    while (pids := live()) and time.monotonic() < deadline:
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
