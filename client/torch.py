@@ -306,8 +306,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch's, except for gradients bound to a shared region (``zero_copy``): those are
-        zeroed in place, and with ``set_to_none`` remembered as none (see ``zero_copy``)."""
+        """As torch's; gradients in a shared region are zeroed in place (see ``zero_copy``)."""
         self._model.zero_grad(set_to_none)
 
     def synchronize(self) -> None:
