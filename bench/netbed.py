@@ -36,7 +36,7 @@ import tempfile
 import time
 from typing import Optional
 
-from bench.process_session import kill_until_gone
+from bench.process_session import kill_until_gone, titled
 from bench.ray_cluster import RAY, ray_env
 
 PREFIX = "osnb"  # every namespace of a bed is "osnb-TAG-HOST"; its folder /tmp/osnb-TAG
@@ -151,6 +151,10 @@ class Host:
     port: str  # its link's end on the bridge
     holder: subprocess.Popen
     folder: str
+
+    def shard_pids(self) -> list[int]:
+        """The shard actor processes running on this host."""
+        return titled(pids_in_netns(self.ns), b"ray::ShardActor")
 
     def spawn(self, name: str, argv: list[str], env: Optional[dict] = None) -> Proc:
         """``argv`` run on this host (its network, its /dev/shm), output in FOLDER/NAME.log."""
@@ -272,6 +276,15 @@ class Cluster:
     address: str
     server: Proc
     checkpoint_dir: str
+    node_argv: list  # the docs' ``ray start`` of a node (their placeholders: see :func:`placed`)
+
+    def rejoin(self, name: str) -> None:
+        """Host ``name`` (its link up) comes back as an operator brings back a machine Ray declared
+        dead: what is left of its processes is killed, its Ray node started again."""
+        host = self.bed.hosts[name]
+        kill_until_gone(lambda: [p for p in pids_in_netns(host.ns) if p != host.holder.pid], 10.0)
+        start_node(host, placed(self.node_argv, self.bed.hosts["h1"], host, self.checkpoint_dir),
+                   f"ray-{name}-{time.monotonic_ns()}")
 
 
 DOCS = os.path.join(REPO, "docs", "operating.md")
@@ -310,25 +323,34 @@ def start_cluster(bed: NetBed, shards: int = 2) -> Cluster:
     (head_env, head_argv), (_, node_argv), (_, serve_argv) = docs_commands()
     h1 = bed.hosts["h1"]
     checkpoints = os.path.join(bed.folder, "checkpoints")
-
-    def placed(argv: list[str], host: Host) -> list[str]:
-        swap = {DOCS_HEAD: h1.address, DOCS_NODE: host.address, DOCS_SHARED: checkpoints}
-        return [swap.get(word, word.replace(DOCS_HEAD + ":", h1.address + ":")) for word in argv]
-
-    bookkeeping = ["--block", "--object-store-memory=100000000", "--disable-usage-stats"]
-    head = h1.spawn("ray-head", [*RAY, *placed(head_argv, h1)[1:], "--include-dashboard=false",
-                                 f"--temp-dir={h1.folder}/ray", *bookkeeping], dict(ray_env(), **head_env))
+    head = h1.spawn("ray-head", [*RAY, *placed(head_argv, h1, h1, checkpoints)[1:], "--include-dashboard=false",
+                                 f"--temp-dir={h1.folder}/ray", *BOOKKEEPING], dict(ray_env(), **head_env))
     head.wait_for("Ray runtime started")
     for name in ("h2", "h3"):
-        host = bed.hosts[name]
-        node = host.spawn(f"ray-{name}", [*RAY, *placed(node_argv, host)[1:], "--num-cpus=1",
-                                          f"--temp-dir={host.folder}/ray", *bookkeeping])
-        node.wait_for("Ray runtime started")
-    serve = placed(serve_argv, h1)
+        start_node(bed.hosts[name], placed(node_argv, h1, bed.hosts[name], checkpoints), f"ray-{name}")
+    serve = placed(serve_argv, h1, h1, checkpoints)
     serve[serve.index("--shards") + 1] = str(shards)
     server = h1.spawn("optserve", [sys.executable, "-m", "optserve.server.cli", *serve[1:], "--min-shard-bytes", "0"])
     address = server.wait_for("optserve listening on ").split()[-1]
-    return Cluster(bed, address, server, checkpoints)
+    return Cluster(bed, address, server, checkpoints, node_argv)
+
+
+def placed(argv: list[str], head: Host, host: Host, checkpoints: str) -> list[str]:
+    """A docs command run on ``host``: the docs' head address replaced by ``head``'s, their node
+    address by ``host``'s, their shared folder by ``checkpoints``."""
+    swap = {DOCS_HEAD: head.address, DOCS_NODE: host.address, DOCS_SHARED: checkpoints}
+    return [swap.get(word, word.replace(DOCS_HEAD + ":", head.address + ":")) for word in argv]
+
+
+BOOKKEEPING = ["--block", "--object-store-memory=100000000", "--disable-usage-stats"]
+
+
+def start_node(host: Host, node_argv: list[str], name: str) -> Proc:
+    """A Ray node on ``host`` (``node_argv``: the docs' ``ray start --address ...`` with this
+    host's addresses in place), one CPU for its shards."""
+    node = host.spawn(name, [*RAY, *node_argv[1:], "--num-cpus=1", f"--temp-dir={host.folder}/ray", *BOOKKEEPING])
+    node.wait_for("Ray runtime started")
+    return node
 
 
 # ----------------------------------------------------------------------------- a workload on h4

@@ -33,6 +33,7 @@ from optserve.server.ops.health import Health
 from optserve.server.ops.logs import configure_logging
 from optserve.server.ops.metrics import resident_bytes, session_gauges, ShardMetrics
 from optserve.server.storage import CorruptCheckpoint, ShardStore, StepLogReader
+from optserve.server.storage.ownership import ShardFence
 from optserve.server.wire.clock_service import ClockServer, PeerClock
 from optserve.server.wire.limits import server_options
 from optserve.server.wire.shard_servicer import add_to_server
@@ -55,10 +56,13 @@ class ShardActor:
       recovering: durable servers: sessions are being restored onto this shard; until
         :meth:`recovered`, a call naming a session it does not hold yet is UNAVAILABLE (retry), not
         NOT_FOUND.
+      epoch: durable servers: the ownership epoch the server claimed for this actor
+        (:func:`~optserve.server.storage.ownership.claim_shard`; 0: not fenced). Once a newer
+        one is claimed (this shard was replaced while cut off), it exits before its next write.
     """
 
     def __init__(self, index: int, config: ServerConfig, security, precond_pool=None, ports: tuple = (0, 0),
-                 recovering: bool = False):
+                 recovering: bool = False, epoch: int = 0):
         if config.log_level is not None:
             configure_logging(config.log_level, exclusive=True)  # Ray forwards this process's stderr
         # first: where this actor's JAX runs; one given a GPU it cannot use serves nothing (the fleet refuses it)
@@ -68,6 +72,7 @@ class ShardActor:
         keep_large_buffers_on_heap()  # received chunks and each step's tensor-sized buffers reuse freed memory
         self._index = index
         self._config = config
+        self._fence = fence_of_shard(config, index, epoch)
         self._precond_pool = precond_pool.for_shard(index) if precond_pool is not None else None
         self._registry = ShardRegistry(recovering=recovering)
         self._security = security
@@ -176,7 +181,8 @@ class ShardActor:
                 raise InvalidArgument(f"session {config.name!r}: {problem}")
         store = None
         if durability is not None:
-            store = ShardStore(durability.checkpoint_dir, config.name, opening.shard_index, durability, home)
+            store = ShardStore(durability.checkpoint_dir, config.name, opening.shard_index, durability, home,
+                               self._fence)
         if home:
             clock = HomeClock(config, opening.participants, reduce_timeout_s=self._config.step_timeout_s,
                               checkpoints=durability.policy(config.gradient_bytes) if durability else None,
@@ -328,6 +334,28 @@ def shard_device_request(config: ServerConfig, index: int = -1) -> DeviceRequest
     """What shard ``index`` asks Ray for (any shard's Ray options: ``index`` -1)."""
     return DeviceRequest("shard" if index < 0 else f"shard {index}", "--gpus-per-shard", config.gpus_per_shard,
                          config.gpu_rehearsal)
+
+
+def fence_of_shard(config: ServerConfig, index: int, epoch: int) -> Optional[ShardFence]:
+    """Shard ``index``'s fence on its files (durable servers given an epoch), watched from now on;
+    a superseded shard logs ``event=shard_fenced`` and exits its process at once (see
+    :mod:`~optserve.server.storage.ownership`)."""
+    if config.durability is None or epoch <= 0:
+        return None
+    fence = ShardFence(config.durability.checkpoint_dir, index, epoch, on_superseded=_exit_fenced)
+    fence.check("serving")
+    fence.watch()
+    return fence
+
+
+def _exit_fenced(message: str) -> None:
+    log.error("event=shard_fenced %s", log_value(message))
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(FENCED_EXIT_CODE)
+
+
+FENCED_EXIT_CODE = 75  # a superseded shard's exit status (EX_TEMPFAIL)
 
 
 def _bind(add_port, port: int) -> int:

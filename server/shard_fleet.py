@@ -30,6 +30,7 @@ from optserve.server.domain.errors import unwrap, InvalidArgument, OptservError,
 from optserve.server.domain.session_records import ShardOpening, ShardSummary
 from optserve.server.domain.shard_records import ShardSessionStatus
 from optserve.server.shard_actor import ShardActor, shard_device_request
+from optserve.server.storage.ownership import claim_shard
 
 log = logging.getLogger(__name__)
 
@@ -346,11 +347,14 @@ def start_shards(config: ServerConfig, security, precond_pool=None) -> RayShardF
 
     def start_actor(index: int, ports: tuple = (0, 0), recovering: bool = False):
         named = {"name": actor_names[index], "namespace": DETACHED_NAMESPACE, "lifetime": "detached"} if detached else {}
+        # durable: the new actor owns the shard's files from now on; a predecessor still running
+        # (cut off, not dead) finds itself superseded before its next write and exits
+        epoch = claim_shard(config.durability.checkpoint_dir, index) if config.durability is not None else 0
         for attempt in range(50):  # a dead detached actor's name is freed shortly after its death
             try:
                 return cls.options(**options, **named, scheduling_strategy=PlacementGroupSchedulingStrategy(
                     group, placement_group_bundle_index=index)).remote(index, config, security, precond_pool, ports,
-                                                                       recovering)
+                                                                       recovering, epoch)
             except ValueError:
                 if not named or attempt == 49:
                     raise

@@ -4,8 +4,8 @@ while a client on a fourth host trains, every step checked by the chaos checker 
 nothing acknowledged lost, nothing applied twice, versions contiguous, the final parameters equal
 to an in-process replay of the session's history.
 
-One bed for the module, the tests in order: placement, the shared-memory path, a partition, a host
-lost, the verdict. Skipped where hosts cannot be made (not root, no iproute2).
+One bed for the module, the tests in order: placement, the shared-memory path, a partition, a
+partition long enough that the shard is replaced (the old one fenced), a host lost, the verdict. Skipped where hosts cannot be made (not root, no iproute2).
 """
 
 from __future__ import annotations
@@ -75,6 +75,44 @@ def test_a_partitioned_shard_host_healed_trains_on(bed, workload):
     bed.heal("h3")
     workload.faults.append(FaultRecord("partition", "h3", cut, healed))
     workload.wait_steps(10, after=healed, timeout_s=STEP_TIMEOUT_S)
+
+
+def test_a_shard_cut_off_past_rays_death_timeout_is_fenced_and_replaced(bed, cluster, workload):
+    """h3 cut off for longer than Ray takes to declare its node dead: the server restores h3's
+    shard on h2 from the checkpoint folder and training goes on while h3 is still cut off. The old
+    shard, alive on h3 and still seeing the shared folder, finds its ownership claimed by its
+    replacement and exits on its own (``event=shard_fenced``) before the link comes back: it
+    writes nothing after its replacement exists. Then h3 rejoins as a fresh Ray node."""
+    h3 = bed.hosts["h3"]
+    (old,) = h3.shard_pids()
+    cut = time.time()
+    bed.partition("h3")
+    try:
+        workload.wait_steps(5, after=cut, timeout_s=3 * STEP_TIMEOUT_S)  # served by the replacement on h2
+        deadline = time.monotonic() + 30.0
+        while old in h3.shard_pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert old not in h3.shard_pids(), "the replaced shard still runs on the cut-off host"
+        assert _fenced_in_logs(h3.folder), "the old shard did not exit as fenced"
+    finally:
+        healed = time.time()
+        bed.heal("h3")
+        workload.faults.append(FaultRecord("partition", "h3", cut, healed))
+    cluster.rejoin("h3")
+    workload.wait_steps(5, after=time.time(), timeout_s=STEP_TIMEOUT_S)
+
+
+def _fenced_in_logs(folder: str) -> bool:
+    """Whether a process's log under ``folder`` (a host's Ray logs) says a shard exited fenced."""
+    for where, _, names in os.walk(folder):
+        for name in names:
+            try:
+                with open(os.path.join(where, name), "rb") as f:
+                    if b"event=shard_fenced" in f.read():
+                        return True
+            except OSError:
+                pass
+    return False
 
 
 def test_a_lost_host_costs_the_client_one_slow_step_not_its_session(bed, workload):

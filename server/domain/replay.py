@@ -65,10 +65,11 @@ def replay(store: CheckpointPort, manifest: dict, updater: Updater, specs: Mappi
     applied: list[StepRecord] = []
     for segment in store.log.segments(manifest):
         reader = read_log(segment, fresh_buffers)
+        stray_after = store.log.stray_after(segment)
         for header, grads in reader:
             record = StepRecord.from_json(header)
-            if record.version <= progress.version:
-                continue
+            if record.version <= progress.version or (stray_after is not None and record.version > stray_after):
+                continue  # applied before; or a replaced owner's late write, after a later segment's start
             if upto is not None and record.version > upto:
                 store.log.cut(segment, reader.last_at, drop_later=True)
                 return progress, applied

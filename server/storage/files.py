@@ -10,6 +10,11 @@ One folder per session under ``DIR/sessions/`` (the name percent-quoted)::
     shard-<i>/steps-<k>.log          step log segment k (records after the checkpoint whose
                                      manifest names segment k, in order)
     shard-<i>/tickets-<k>.log        ticket journal segment k (home shard: one JSON line per ticket)
+    shard-<i>/seals.json             segment k -> the version it starts after, written by a shard
+                                     that took the log over (a restore; see step_log)
+
+and, once per server folder, ``DIR/owners/shard-<i>.json``: shard i's ownership epoch (fencing,
+see ownership).
 """
 
 from __future__ import annotations

@@ -52,16 +52,20 @@ class ShardStore:
       shard_index: this shard.
       config: the server's :class:`~optserve.server.domain.durability.DurabilityConfig`.
       home: this shard keeps the session's clock (writes the ticket journal).
+      fence: the shard's :class:`~.ownership.ShardFence` (None: not checked): checked where the
+        store writes (the log's records, a checkpoint before it is written, committed, and before
+        what it replaces is deleted).
 
     Attributes:
       log: the session's :class:`~.step_log.StepLog` on this shard.
     """
 
-    def __init__(self, root: str, session: str, shard_index: int, config, home: bool):
+    def __init__(self, root: str, session: str, shard_index: int, config, home: bool, fence=None):
         self.folder = os.path.join(session_dir(root, session), f"shard-{shard_index}")
         os.makedirs(self.folder, exist_ok=True)
         self._session, self._shard = session, shard_index
-        self.log = StepLog(self.folder, session, shard_index, config, home)
+        self._fence = fence
+        self.log = StepLog(self.folder, session, shard_index, config, home, fence)
         self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="optserve-ckpt")
         self._snapshots = Snapshots()
         self._pending: Optional[tuple] = None  # (version, snapshot, manifest) waiting for the writer
@@ -120,8 +124,10 @@ class ShardStore:
         buffers = arrays()
         last = checkpoint
         for segment in self.log.segments(manifest):
+            stray_after = self.log.stray_after(segment)
             for header, _ in StepLogReader(segment, lambda: buffers):
-                last = max(last, int(header["version"]))
+                if stray_after is None or int(header["version"]) <= stray_after:
+                    last = max(last, int(header["version"]))
         return LogReach(checkpoint, last, manifest["path"])
 
     # ------------------------------------------------------------- checkpoints
@@ -188,12 +194,14 @@ class ShardStore:
         path = os.path.join(self.folder, f"checkpoint-{version}")
         closed_fds = manifest.pop("closed_fds")  # the segments this checkpoint replaces
         try:
+            self._check_owner(f"writing {path}")
             if os.path.exists(path):  # a checkpoint of this version without a manifest, or a re-save
                 shutil.rmtree(path)
             # Uncompressed: zstd would cost more CPU than the step itself on a busy host; the
             # format is orbax's own (a StandardCheckpointHandler restores it).
             ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)).save(
                 path, args=ocp.args.PyTreeSave(tree))
+            self._check_owner(f"committing {path}")
             commit_manifest(path, manifest, leaves(tree), time.time())
         except BaseException as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"
@@ -202,6 +210,7 @@ class ShardStore:
             close_segments(closed_fds, flush=True)  # they stay the only copy of their steps
             raise
         close_segments(closed_fds, flush=False)  # replaced by the committed checkpoint
+        self._check_owner(f"deleting what {path} replaces")
         drop_checkpoints_older_than(self.folder, version)
         self.log.drop_before(manifest)
         self.durable_version = version
@@ -209,6 +218,10 @@ class ShardStore:
         self.checkpoints_written += 1
         log.info("event=checkpoint_written session=%s shard=%d version=%d seconds=%.3f", self._session, self._shard,
                  version, self.checkpoint_seconds)
+
+    def _check_owner(self, before: str) -> None:
+        if self._fence is not None:
+            self._fence.check(before)
 
     @property
     def checkpoint_writing(self) -> bool:

@@ -14,6 +14,11 @@ and fsync in the folder) and refuses while that fails, so no further step is app
 disk takes writes again: in the overlapped order the session writes a checkpoint of everything it
 applied (the steps whose records were lost included) and :meth:`StepLog.recovered` starts the log
 afresh; in write-ahead order :meth:`StepLog.restart` cuts the failed record off and the log goes on.
+
+A shard that takes over a log (a restore) never appends to its predecessor's segments: it opens a
+fresh one and *seals* it first (``seals.json``: segment index -> the version it starts after). A
+record that a predecessor still wrote into an older segment past that version (a replaced shard,
+cut off, finishing its last write) is then no part of the log (:meth:`StepLog.stray_after`).
 """
 
 from __future__ import annotations
@@ -26,12 +31,14 @@ import threading
 from typing import Callable, Optional
 
 from optserve.server.storage.disk_health import DiskHealth
+from optserve.server.storage.files import write_atomically
 from optserve.server.storage.log_reader import read_journal
 from optserve.server.storage.segments import (BLOCK, PREFIX, STEPS, TICKETS, Segments, close_segments, segment_indices,
                                               segment_number)
 
 log = logging.getLogger(__name__)
 
+SEALS = "seals.json"
 _HEADER_ROOM = 64 << 10  # bytes reserved for a record's header (its tickets: one per pushing worker)
 
 
@@ -43,10 +50,14 @@ class StepLog:
       session / shard: names for messages and log lines.
       config: the server's ``DurabilityConfig`` (fsync policy, log I/O mode).
       home: this shard keeps the session's clock (writes the ticket journal).
+      fence: the shard's :class:`~.ownership.ShardFence` (None: not checked), checked before each
+        write and once more before a record counts as logged (so a replaced shard acknowledges
+        nothing it wrote while its replacement was taking over).
     """
 
-    def __init__(self, folder: str, session: str, shard: int, config, home: bool):
+    def __init__(self, folder: str, session: str, shard: int, config, home: bool, fence=None):
         self.folder, self._session, self._shard = folder, session, shard
+        self._fence = fence
         self._config, self._home = config, home
         self.write_ahead = bool(config.write_ahead)  # records are written before their steps are applied
         self.syncs_each_record = config.fsync_due(1)  # every record is flushed before its step is acknowledged
@@ -78,10 +89,34 @@ class StepLog:
             out.extend(read_journal(os.path.join(self.folder, f"{TICKETS}-{i}.log")))
         return out
 
+    def stray_after(self, segment: str) -> Optional[int]:
+        """The version past which ``segment``'s records are not part of the log (a later segment
+        was sealed to start after it: records past it are a replaced owner's late writes); None:
+        no bound."""
+        index = segment_number(segment)
+        return min((v for i, v in self._seals().items() if i > index), default=None)
+
+    def _seals(self) -> dict[int, int]:
+        try:
+            with open(os.path.join(self.folder, SEALS), "rb") as fh:
+                return {int(i): int(v) for i, v in json.loads(fh.read()).items()}
+        except FileNotFoundError:
+            return {}
+
+    def _seal(self, index: int, version: int) -> None:
+        """Segment ``index`` (not written yet) starts after ``version``; seals of segments at or
+        past it (a rolled-back log's) are dropped."""
+        existing = set(segment_indices(self.folder, STEPS, 0))
+        seals = {i: v for i, v in self._seals().items() if i < index and i in existing}
+        seals[index] = version
+        self._check_owner(f"sealing segment {index}")
+        write_atomically(os.path.join(self.folder, SEALS), json.dumps(seals, sort_keys=True).encode())
+
     def cut(self, segment: str, at: int, drop_later: bool) -> None:
         """Drops the log from byte ``at`` of ``segment`` on: a torn record (``drop_later`` False),
         or the steps after a version every shard of the session reaches, which a restore rolls
         back (``drop_later``: every later segment too)."""
+        self._check_owner(f"cutting {segment}")
         os.truncate(segment, at)
         later = []
         if drop_later:
@@ -99,6 +134,8 @@ class StepLog:
         tickets_from = manifest["tickets_from"] if manifest else 0
         next_steps = max(segment_indices(self.folder, STEPS, steps_from), default=steps_from - 1) + 1
         next_tickets = max(segment_indices(self.folder, TICKETS, tickets_from), default=tickets_from - 1) + 1
+        if next_steps > steps_from or self._seals():  # a predecessor's segments: sealed before this owner writes
+            self._seal(next_steps, version)
         self._steps = Segments(self.folder, STEPS, next_steps, direct=self._config.log_io.tries_direct,
                                quiet_fallback=self._config.log_io.value == "auto")
         if self._home:
@@ -109,6 +146,7 @@ class StepLog:
         under the clock's lock)."""
         line = (json.dumps(entry) + "\n").encode()
         with self._journal_lock:
+            self._check_owner("a ticket journal line")
             self._tickets.reserve(len(line))
             self._tickets.write([line])
             self._tickets_since_sync += 1
@@ -192,6 +230,7 @@ class StepLog:
         if self._error is not None:
             return
         try:
+            self._check_owner("a step record")
             self._steps.write_payload(grads)
         except BaseException as exc:  # noqa: BLE001 - every later wait_logged raises it
             log.exception("event=step_log_failed session=%s shard=%d", self._session, self._shard)
@@ -202,6 +241,7 @@ class StepLog:
             if self._error is not None:
                 return
             header = json.dumps(record.to_json() if record is not None else {"aborted": True}).encode()
+            self._check_owner("a step record's end")
             self._steps.write_record_end(header)
             if record is None:
                 return
@@ -209,6 +249,8 @@ class StepLog:
             if self._config.fsync_due(self._records_since_sync):
                 self._steps.fsync()
                 self._records_since_sync = 0
+            self._check_owner(f"acknowledging step {record.version}")  # a replacement that claimed meanwhile
+            # may have read the log before this record: the step must not count as logged here
         except BaseException as exc:  # noqa: BLE001 - every later wait_logged raises it
             log.exception("event=step_log_failed session=%s shard=%d", self._session, self._shard)
             self._fail(exc)
@@ -219,6 +261,10 @@ class StepLog:
         with self._logged:
             self._logged_version = max(self._logged_version, record.version)
             self._logged.notify_all()
+
+    def _check_owner(self, before: str) -> None:
+        if self._fence is not None:
+            self._fence.check(before)
 
     def _fail(self, exc: BaseException) -> None:
         with self._logged:
@@ -286,6 +332,7 @@ class StepLog:
         journal's rotation under the clock's lock. Returns ``(steps_from, tickets_from,
         closed descriptors, clock state)``."""
         self._thread.submit(lambda: None).result()
+        self._check_owner("starting a fresh segment")
         steps_from, closed = self._steps.rotate()
         closed_fds = [closed]
         clock_state, tickets_from = None, 0
