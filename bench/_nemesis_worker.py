@@ -1,12 +1,12 @@
 """One nemesis worker, as its own process (bench/nemesis.py starts them):
 
-    python -m bench._nemesis_worker ADDRESS SESSION WORKER_ID LOG STOP [--shm] [--timeout T] [--pace P] [--seed S]
+    python -m bench._nemesis_worker ADDRESS SESSION WORKER_ID LOG STOP [--shm | --shm-auto] [--timeout T] [--pace P] [--seed S]
 
 Attaches to SESSION as WORKER_ID (an elastic session: joins), then trains until the file STOP
 exists: each step pushes the gradient :func:`bench.checker.push_gradient` gives for its push's
 name ``(Session.client_id, sequence)`` with ``push_pull`` (from the version it last saw), sleeping
-up to P seconds between steps. ``--shm``: ``Client(shared_memory=True)`` (same host, proven), else
-``shared_memory=False`` (gRPC bytes).
+up to P seconds between steps. ``--shm``: ``Client(shared_memory=True)`` (same host, proven);
+``--shm-auto``: ``"auto"`` (with the shards on this host only); else ``shared_memory=False``.
 
 Every call is logged to LOG as JSON lines (the fields of :class:`bench.checker.CallRecord` plus
 ``id``): one line before the call (no outcome: a process killed mid-call leaves it so) and one
@@ -69,6 +69,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     for name in ("address", "session", "worker_id", "log", "stop"):
         parser.add_argument(name)
     parser.add_argument("--shm", action="store_true")
+    parser.add_argument("--shm-auto", action="store_true", help="shared memory with the shards on this host only")
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--pace", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
@@ -82,7 +83,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     # the SDK's bounds: retries until `timeout`, the last attempt its own `timeout`, a refresh, a backoff
     push_deadline = 2 * args.timeout + 8.0
     attach_deadline = 5 * args.timeout + 10.0  # control calls: 5 attempts of `timeout` each
-    client = Client(args.address, timeout=args.timeout, shared_memory=True if args.shm else False)
+    client = Client(args.address, timeout=args.timeout,
+                    shared_memory="auto" if args.shm_auto else True if args.shm else False)
     session = None
 
     def attach() -> int:
@@ -126,6 +128,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 failures = 0
         time.sleep(rng.uniform(0.0, args.pace))
     if session is not None:
+        print("data paths", json.dumps(session.data_paths(), sort_keys=True), flush=True)  # for the bed's tests
         session.detach()
     client.close()
 

@@ -1,6 +1,6 @@
 """Separate hosts on one Linux machine: a test bed for optserve across machines, and its bench.
 
-    .venv/bin/python -m bench.netbed --runs 3     # host lost -> next step, partition heal -> next step
+    .venv/bin/python -m bench.netbed --runs 3     # host lost, partition healed, cut off until replaced: next step
 
 Each host is a network namespace of its own (its own address in a private /24 the bed picks, its
 own loopback) plugged into one bridge, which lives in a namespace of its own too: nothing is added
@@ -361,13 +361,15 @@ class Workload:
     call logged for the checker) and follows the session's history until :meth:`stop`, then pulls
     the final parameters; :meth:`stop` returns the checker's verdict on the run."""
 
-    def __init__(self, cluster: Cluster, host: str = "h4", name: str = "netbed", timeout_s: float = 30.0):
+    def __init__(self, cluster: Cluster, host: str = "h4", name: str = "netbed", timeout_s: float = 30.0,
+                 shared_memory: bool = False):
         self.folder = os.path.join(cluster.bed.hosts[host].folder, name)
         os.mkdir(self.folder)
         self.name, self.timeout_s = name, timeout_s
         self.faults: list = []  # bench.checker.FaultRecord of each fault injected meanwhile
         self.driver = cluster.bed.hosts[host].spawn(f"drive-{name}", [
-            sys.executable, "-m", "bench.netbed", "--drive", cluster.address, name, self.folder, str(timeout_s)])
+            sys.executable, "-m", "bench.netbed", "--drive", cluster.address, name, self.folder, str(timeout_s),
+            *(["--shm"] if shared_memory else [])])
         self.driver.wait_for("training", timeout_s=120)
 
     def acknowledged(self) -> list:
@@ -391,6 +393,13 @@ class Workload:
         raise RuntimeError(f"{count} steps after {after:.1f} not acknowledged in {timeout_s:.0f} s:\n"
                            f"{self.driver.output()[-3000:]}")
 
+    def data_paths(self) -> dict:
+        """The worker's data path per shard index at its end (after :meth:`stop`)."""
+        import json
+
+        line = self.driver.wait_for("data paths", timeout_s=1)
+        return {int(k): v for k, v in json.loads(line.split("data paths", 1)[1]).items()}
+
     def stop(self, timeout_s: float = 120.0):
         """Stops training; returns the checker's report (``bench.checker.CheckReport``)."""
         from bench._nemesis_workers import load_calls
@@ -411,7 +420,7 @@ def initial_params():
     return {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
 
 
-def drive(address: str, name: str, folder: str, timeout_s: float) -> None:
+def drive(address: str, name: str, folder: str, timeout_s: float, shared_memory: bool = False) -> None:
     """The driver of a :class:`Workload` (runs on its host)."""
     from bench.checker import HistoryFollower, SessionRun
     from optserve.client import Client
@@ -421,7 +430,7 @@ def drive(address: str, name: str, folder: str, timeout_s: float) -> None:
     stop = os.path.join(folder, "STOP")
     worker = subprocess.Popen([sys.executable, "-m", "bench._nemesis_worker", address, name, "w0",
                                os.path.join(folder, "calls.jsonl"), stop, "--timeout", str(timeout_s),
-                               "--pace", "0.05"], stdin=subprocess.DEVNULL)
+                               "--pace", "0.05", *(["--shm-auto"] if shared_memory else [])], stdin=subprocess.DEVNULL)
     print("training", flush=True)
     follower, session = HistoryFollower(), client.session(name, worker_id="netbed-history")
     while not os.path.exists(stop):
@@ -446,7 +455,8 @@ def drive(address: str, name: str, folder: str, timeout_s: float) -> None:
 # ----------------------------------------------------------------------------- the bench
 
 def one_run(partition_s: float = 3.0) -> dict:
-    """A fresh bed: a few steps, h3 partitioned for ``partition_s`` and healed, h2 lost; the figures."""
+    """A fresh bed: a few steps, h3 partitioned for ``partition_s`` and healed, h3 cut off until its
+    shard is replaced (the old one fenced) and rejoined, h2 lost; the figures."""
     from bench.checker import FaultRecord
 
     with NetBed() as bed:
@@ -461,6 +471,7 @@ def one_run(partition_s: float = 3.0) -> dict:
         bed.heal("h3")
         work.faults.append(FaultRecord("partition", "h3", cut, healed))
         work.wait_steps(20, after=healed)
+        replaced_s, fenced = cut_off_until_replaced(cluster, work)
         lost_at = time.time()
         bed.lose_host("h2")
         work.faults.append(FaultRecord("host_lost", "h2", lost_at, lost_at))
@@ -468,9 +479,31 @@ def one_run(partition_s: float = 3.0) -> dict:
         acks = [c.ended for c in work.acknowledged()]
         report = work.stop()
         steps = report.statuses.get("push", {}).get("ok", 0)
-        return {"host_lost_s": stall(acks, lost_at), "heal_s": stall(acks, healed),
+        return {"host_lost_s": stall(acks, lost_at), "heal_s": stall(acks, healed), "replaced_s": replaced_s,
+                "fenced": fenced,
                 "acknowledged": steps, "lost": report.lost, "duplicated": report.duplicated,
                 "problems": report.problems(), "wall_s": time.monotonic() - started}
+
+
+def cut_off_until_replaced(cluster: Cluster, work: Workload, host: str = "h3") -> tuple[float, bool]:
+    """``host`` cut off until its shard is restored elsewhere and the old one exited (fenced: it
+    still sees the checkpoint folder), then healed and rejoined as a fresh Ray node. Returns the
+    wait from the cut to the next acknowledged step, and whether the old shard exited while cut off."""
+    from bench.checker import FaultRecord
+
+    shards = cluster.bed.hosts[host].shard_pids()
+    cut = time.time()
+    cluster.bed.partition(host)
+    work.wait_steps(5, after=cut, timeout_s=120)
+    deadline = time.monotonic() + 30.0
+    while set(shards) & set(cluster.bed.hosts[host].shard_pids()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    fenced = not set(shards) & set(cluster.bed.hosts[host].shard_pids())
+    healed = time.time()
+    cluster.bed.heal(host)
+    work.faults.append(FaultRecord("partition", host, cut, healed))
+    cluster.rejoin(host)
+    return stall([c.ended for c in work.acknowledged()], cut), fenced
 
 
 def stall(acks: list, t: float, within: int = 10) -> float:
@@ -486,9 +519,10 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--partition-s", type=float, default=3.0, help="how long h3 is cut off")
     parser.add_argument("--drive", nargs=4, metavar=("ADDRESS", "SESSION", "DIR", "TIMEOUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--shm", action="store_true", help=argparse.SUPPRESS)  # the driven worker shares memory
     args = parser.parse_args(argv)
     if args.drive:
-        drive(*args.drive[:3], float(args.drive[3]))
+        drive(*args.drive[:3], float(args.drive[3]), args.shm)
         return 0
     reason = unavailable_reason()
     if reason:
@@ -499,15 +533,18 @@ def main(argv: Optional[list] = None) -> int:
         run = one_run(args.partition_s)
         runs.append(run)
         print(f"run {index + 1}: host lost -> next step {run['host_lost_s']:.2f} s, partition ({args.partition_s:g} s)"
-              f" heal -> next step {run['heal_s']:.2f} s, steps acknowledged {run['acknowledged']} lost {run['lost']}"
+              f" heal -> next step {run['heal_s']:.2f} s, cut off until replaced -> next step {run['replaced_s']:.2f} s"
+              f" (old shard {'fenced' if run['fenced'] else 'NOT FENCED'}),"
+              f" steps acknowledged {run['acknowledged']} lost {run['lost']}"
               f" duplicated {run['duplicated']}, run {run['wall_s']:.0f} s"
               + (f", PROBLEMS: {run['problems']}" if run["problems"] else ""), flush=True)
-    median = {k: statistics.median(r[k] for r in runs) for k in ("host_lost_s", "heal_s", "acknowledged", "lost",
-                                                                 "duplicated", "wall_s")}
+    median = {k: statistics.median(r[k] for r in runs) for k in ("host_lost_s", "heal_s", "replaced_s", "acknowledged",
+                                                                 "lost", "duplicated", "wall_s")}
     print(f"median of {len(runs)}: host lost -> next step {median['host_lost_s']:.2f} s, partition heal -> next step "
-          f"{median['heal_s']:.2f} s, steps acknowledged {median['acknowledged']:g} lost {median['lost']:g} "
+          f"{median['heal_s']:.2f} s, cut off until replaced -> next step {median['replaced_s']:.2f} s (fenced in "
+          f"{sum(r['fenced'] for r in runs)} of {len(runs)}), steps acknowledged {median['acknowledged']:g} lost {median['lost']:g} "
           f"duplicated {median['duplicated']:g}, run {median['wall_s']:.0f} s")
-    return 1 if any(r["problems"] for r in runs) else 0
+    return 1 if any(r["problems"] or not r["fenced"] for r in runs) else 0
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ class RayShardFleet:
     def restart(self, index: int, recovering: bool = False) -> str:
         """Replaces shard ``index``'s (dead) actor by a new one in the same placement bundle, on
         its predecessor's ports if they are free; returns its data-plane address. The shard's
-        sessions are not restored here (see ``Coordinator.shard_restarted``)."""
+        sessions are not restored here (see ``Coordinator.shards_restarted``)."""
         if self._start_actor is None:
             raise RuntimeError("this fleet cannot start shard actors")
         ray.kill(self.actors[index])

@@ -147,6 +147,33 @@ def test_async_two_clients_every_acknowledged_push_applies_exactly_once_across_a
     other.close()
 
 
+def test_a_session_whose_every_shard_dies_at_once_is_restored_at_one_version_and_trains_on(durable_server,
+                                                                                            unique_name):
+    """Both shards SIGKILLed together, as a lost machine holding them both takes them: they are
+    restarted side by side and the session, with no live part left, is restored at the version
+    both logged (a step its clock decided that no shard logged is forgotten, not left decided and
+    applied nowhere). The same client object trains on; the result equals an uninterrupted run."""
+    optimizer = {"name": "adam", "args": {"learning_rate": 0.01}}
+    params = make_params(6)
+    reference = InProcess(optimizer["name"], optimizer["args"], params)
+    with Client(durable_server.address, timeout=90.0) as client:
+        session = client.create_session(unique_name, params, optimizer=optimizer)
+        for step in range(5):
+            session.push_pull(make_grads(params, step))
+            reference.step(make_grads(params, step))
+        pids = durable_server.fleet.pids()
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        for step in range(5, 10):
+            got = session.push_pull(make_grads(params, step))
+            expected = reference.step(make_grads(params, step))
+        assert not set(durable_server.fleet.pids()) & set(pids)
+        assert session.status().version == 10
+        for name in params:
+            np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-6)
+        session.close()
+
+
 def _shard_folder(checkpoint_dir: str, session: str, shard: int) -> str:
     import urllib.parse
 

@@ -80,6 +80,28 @@ def test_clock_marks_checkpoint_due_steps_and_a_restored_clock_decides_the_same_
         clock.status(), last_activity_unix_s=0, workers=())
 
 
+def test_tickets_a_restore_settled_away_stay_forgotten_by_the_next_restore():
+    """A restore settled the clock at version 2 (the shards logged no later step), forgetting
+    tickets 3 and 4 that are still lines of the journal; then one new push was decided (3). A
+    second restore from the same journal must not take the forgotten ticket 4 for a decided step
+    (its version and history would hold a step no shard applied)."""
+    journal: list = []
+    clock = HomeClock(_config(), journal=journal.append)
+    decided = [clock.commit("a", s, s - 1) for s in range(1, 5)]
+    settled = HomeClock(_config(), journal=journal.append)
+    settled.restore(None, list(journal), settle_at=(2, decided[2].ordinal))
+    settled.journal_settled()
+    fresh = settled.commit("b", 1, 2)
+    assert (fresh.target_version, settled.status().version) == (3, 3)
+
+    again = HomeClock(_config())
+    again.restore(None, json.loads(json.dumps(journal)))
+    assert again.status().version == 3
+    assert [(r.version, r.participants) for r in again.history(0)] == [(1, ("a",)), (2, ("a",)), (3, ("b",))]
+    assert again.commit("b", 1, 2) == fresh  # a retry of the new push gets its ticket
+    assert again.commit("a", 4, 2).target_version == 4  # the forgotten push is decided afresh, after it
+
+
 def test_a_restarted_clock_answers_a_cross_shard_sum_from_its_journal():
     import threading
 

@@ -5,7 +5,8 @@ nothing acknowledged lost, nothing applied twice, versions contiguous, the final
 to an in-process replay of the session's history.
 
 One bed for the module, the tests in order: placement, the shared-memory path, a partition, a
-partition long enough that the shard is replaced (the old one fenced), a host lost, the verdict. Skipped where hosts cannot be made (not root, no iproute2).
+partition long enough that the shard is replaced (the old one fenced), the verdict on a second
+client on h2 (shared memory with the shards there), a host lost, the verdict on the client on h4. Skipped where hosts cannot be made (not root, no iproute2).
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ def workload(cluster):
     return work
 
 
+@pytest.fixture(scope="module")
+def neighbour(cluster):
+    """A second training client, on h2, sharing memory with the shards on its own host."""
+    work = Workload(cluster, host="h2", name="netbed-h2", timeout_s=STEP_TIMEOUT_S, shared_memory=True)
+    work.wait_steps(5)
+    return work
+
+
 def probe(bed: NetBed, host: str, address: str, session: str) -> list[dict]:
     """What a client on ``host`` sees of ``session``'s shards (tests/_netbed_probe.py)."""
     run = bed.hosts[host].spawn(f"probe-{host}-{time.monotonic_ns()}", [sys.executable, PROBE, address, session])
@@ -67,17 +76,19 @@ def test_shared_memory_only_where_client_and_shard_share_a_host(bed, cluster, wo
     assert {s["index"]: s["shared_memory"] for s in on_h2} == local and sum(local.values()) == 1, on_h2
 
 
-def test_a_partitioned_shard_host_healed_trains_on(bed, workload):
+def test_a_partitioned_shard_host_healed_trains_on(bed, workload, neighbour):
     cut = time.time()
     bed.partition("h3")
     time.sleep(2.0)  # shorter than Ray takes to declare a node dead (docs/operating.md: about 4.5 s)
     healed = time.time()
     bed.heal("h3")
-    workload.faults.append(FaultRecord("partition", "h3", cut, healed))
-    workload.wait_steps(10, after=healed, timeout_s=STEP_TIMEOUT_S)
+    for work in (workload, neighbour):
+        work.faults.append(FaultRecord("partition", "h3", cut, healed))
+    for work in (workload, neighbour):
+        work.wait_steps(10, after=healed, timeout_s=STEP_TIMEOUT_S)
 
 
-def test_a_shard_cut_off_past_rays_death_timeout_is_fenced_and_replaced(bed, cluster, workload):
+def test_a_shard_cut_off_past_rays_death_timeout_is_fenced_and_replaced(bed, cluster, workload, neighbour):
     """h3 cut off for longer than Ray takes to declare its node dead: the server restores h3's
     shard on h2 from the checkpoint folder and training goes on while h3 is still cut off. The old
     shard, alive on h3 and still seeing the shared folder, finds its ownership claimed by its
@@ -88,7 +99,8 @@ def test_a_shard_cut_off_past_rays_death_timeout_is_fenced_and_replaced(bed, clu
     cut = time.time()
     bed.partition("h3")
     try:
-        workload.wait_steps(5, after=cut, timeout_s=3 * STEP_TIMEOUT_S)  # served by the replacement on h2
+        for work in (workload, neighbour):  # served by the replacement on h2
+            work.wait_steps(5, after=cut, timeout_s=3 * STEP_TIMEOUT_S)
         deadline = time.monotonic() + 30.0
         while old in h3.shard_pids() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -97,9 +109,19 @@ def test_a_shard_cut_off_past_rays_death_timeout_is_fenced_and_replaced(bed, clu
     finally:
         healed = time.time()
         bed.heal("h3")
-        workload.faults.append(FaultRecord("partition", "h3", cut, healed))
+        for work in (workload, neighbour):
+            work.faults.append(FaultRecord("partition", "h3", cut, healed))
     cluster.rejoin("h3")
     workload.wait_steps(5, after=time.time(), timeout_s=STEP_TIMEOUT_S)
+
+
+def test_a_client_on_a_shard_host_shares_memory_with_its_shards_and_loses_nothing(neighbour):
+    """The h2 client through both partitions: once h3's shard was restored on h2, it reaches both
+    shards through shared memory; every step it was acknowledged applied exactly once."""
+    report = neighbour.stop()
+    assert report.clean, report.problems()
+    assert report.lost == 0 and report.duplicated == 0 and report.sessions[0].acked >= 20
+    assert neighbour.data_paths() == {0: "shared_memory", 1: "shared_memory"}
 
 
 def _fenced_in_logs(folder: str) -> bool:

@@ -251,20 +251,37 @@ class HomeClock:
                 self._state.restore(state)
                 for key, total in state.get("sums", {}).items():
                     self._sums.remember(int(key), float(total))
-            tickets, records, hyper = _read_journal(journal, self._sums)
-            for ticket in replayed:
-                tickets.setdefault(ticket.ordinal, ticket)
-            for ordinal in sorted(tickets):
-                if ordinal >= self._state.next_ordinal:
-                    self._state.record(tickets[ordinal])
-            for record in records:  # the journal's records are exact (replayed ones lack timings)
-                if record.version <= self._state.version:
-                    self._state.history.keep(record)
-            for values in hyper:  # changes asked for that no ticket carried are pending again
-                self._state.hyper.request(values, self._state.version)
+            parts = _settled_parts(journal)
+            for number, (entries, settled) in enumerate(parts):
+                tickets, records, hyper = _read_journal(entries, self._sums)
+                if number == len(parts) - 1:
+                    for ticket in replayed:
+                        tickets.setdefault(ticket.ordinal, ticket)
+                for ordinal in sorted(tickets):
+                    if ordinal >= self._state.next_ordinal:
+                        self._state.record(tickets[ordinal])
+                for record in records:  # the journal's records are exact (replayed ones lack timings)
+                    if record.version <= self._state.version:
+                        self._state.history.keep(record)
+                for values in hyper:  # changes asked for that no ticket carried are pending again
+                    self._state.hyper.request(values, self._state.version)
+                if settled is not None:  # an earlier restore settled here: what it forgot stays forgotten
+                    self._state.truncate(*settled)
             self._state.hyper.settle()
             if settle_at is not None:
                 self._state.truncate(*settle_at)
+
+    def journal_settled(self) -> None:
+        """After a restore that settled the clock (``settle_at``): journals where it settled, so a
+        later restore reading the same journal (its forgotten tickets are still in it, before this
+        line) forgets them again instead of taking them for decided steps.
+
+        Raises:
+          OSError: the journal could not be written.
+        """
+        with self._cond:
+            if self._journal is not None:
+                self._journal({"settle": [self._state.version, self._state.next_ordinal]})
 
     def durable_state(self, rotate: Callable[[], None]) -> dict:
         """The clock's state for a checkpoint, with ``rotate()`` (start a new journal segment)
@@ -291,6 +308,19 @@ class HomeClock:
     def peer_up(self, shard_index: int) -> None:
         """Shard ``shard_index`` serves the session again."""
         self._votes.peer_up(shard_index)
+
+
+def _settled_parts(journal: list) -> list[tuple[list, Optional[tuple[int, int]]]]:
+    """The journal cut at its settle lines: ``[(entries, (version, next_ordinal) or None)]``."""
+    parts, entries = [], []
+    for entry in journal:
+        if isinstance(entry, dict) and "settle" in entry:
+            parts.append((entries, (int(entry["settle"][0]), int(entry["settle"][1]))))
+            entries = []
+        else:
+            entries.append(entry)
+    parts.append((entries, None))
+    return parts
 
 
 def _read_journal(journal: list, sums: CrossShardSums) -> tuple[dict[int, Ticket], list[RoundRecord], list[dict]]:

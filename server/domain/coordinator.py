@@ -18,7 +18,7 @@ until its owner closes it; it stays listed, so the owner sees what happened.
 
 Durable sessions (a :class:`SessionCatalog`): each session's definition and shard map are saved
 at creation. A dead shard is replaced and its part of every session restored from its checkpoint
-and step log (:meth:`Coordinator.shard_down`, then :meth:`Coordinator.shard_restarted`); a
+and step log (:meth:`Coordinator.shard_down`, then :meth:`Coordinator.shards_restarted`); a
 restarted server restores every saved session (:meth:`Coordinator.restore_all`). A session whose
 part cannot be restored (a damaged checkpoint) is lost, with the reason.
 
@@ -252,19 +252,38 @@ class Coordinator:
                 self._fleet.peer_down(home, shard_index, names)
         return sorted(n for names in by_home.values() for n in names)
 
-    def shard_restarted(self, shard_index: int) -> list[str]:
-        """Durable servers: shard ``shard_index`` runs again (at ``fleet.addresses[shard_index]``):
-        restores its part of each of its sessions, points peers at a moved home clock, and
-        returns the sessions that could not be restored (now lost)."""
-        address = self._fleet.addresses[shard_index]
+    def shards_restarted(self, shard_indices: Sequence[int]) -> list[str]:
+        """Durable servers: shards ``shard_indices``, restarted together, run again (at
+        ``fleet.addresses``): restores their parts of their sessions and returns the sessions that
+        could not be restored (now lost).
+
+        A session with a shard still running restores each restarted part to all it logged (the
+        live shards hold its state in memory) and points the peers at a moved home clock. A
+        session all of whose shards were restarted (a machine holding them all was lost) has no
+        live part: it is restored as a whole server restores it, at the version every shard
+        logged (:func:`~.session_restore.restore_consistently`), so a step its clock decided that
+        no shard logged, never acknowledged, is forgotten and its client's retry decided afresh.
+        """
+        restarted = set(shard_indices)
         lost = {}
         with self._membership:
-            for name in [n for names in self._table.live_on(shard_index).values() for n in names]:
-                record = self._table.moved(name, shard_index, address)
-                why = restore_shard(self._fleet, record, shard_index) if record is not None else None
+            names = sorted({n for i in restarted for names in self._table.live_on(i).values() for n in names})
+            for name in names:
+                record = None
+                for index in sorted(restarted):
+                    record = self._table.moved(name, index, self._fleet.addresses[index]) or record
+                if record is None:
+                    continue
+                held = {a.shard_index for a in record.assignments}
+                if held <= restarted:
+                    why = self._restore(record)
+                else:
+                    why = next(filter(None, (restore_shard(self._fleet, record, i) for i in sorted(held & restarted))),
+                               None)
                 if why is not None:
                     lost[name] = why
-            self._fleet.recovered(shard_index)
+            for index in sorted(restarted):
+                self._fleet.recovered(index)
             if lost:
                 self._lose(lost)
         return sorted(lost)

@@ -350,6 +350,8 @@ class StepRunner:
                     self._clock.restore(manifest.get("clock"), journal_tickets(manifest),
                                         replayed=replayed_tickets(records, start), settle_at=settle_at)
             self.journal.resume(store, manifest, self.version)
+            if restored is not None and self._is_home and upto is not None:
+                self._clock.journal_settled()
             self.cond.notify_all()
             return self.version
 

@@ -15,6 +15,7 @@ serving new sessions.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 
@@ -43,20 +44,36 @@ class ShardWatch(Periodic):
         """One check: replaces every dead shard (durable servers restore its sessions on the new
         one; others mark them lost first); returns their indices."""
         dead = self._fleet.dead_shards()
+        if not dead:
+            return dead
+        if self._coordinator.durable:
+            self._restore(dead)
+            return dead
         for index in dead:
             address = self._fleet.addresses[index]
-            if self._coordinator.durable:
-                started = time.monotonic()
-                sessions = self._coordinator.shard_down(index)
-                log.error("event=shard_died shard=%d address=%s restoring_sessions=%s", index, address,
-                          ",".join(sessions) or "-")
-                new_address = self._fleet.restart(index, recovering=True)
-                lost = self._coordinator.shard_restarted(index)
-                log.warning("event=shard_recovered shard=%d address=%s sessions=%d lost=%s seconds=%.2f", index,
-                            new_address, len(sessions), ",".join(lost) or "-", time.monotonic() - started)
-                continue
             lost = self._coordinator.shard_lost(index, address, "its process exited")
             log.error("event=shard_died shard=%d address=%s lost_sessions=%s", index, address, ",".join(lost) or "-")
             new_address = self._fleet.restart(index)
             log.warning("event=shard_restarted shard=%d address=%s", index, new_address)
         return dead
+
+    def _restore(self, dead: list[int]) -> None:
+        """Durable servers: the dead shards are started again at once, side by side (a lost
+        machine takes all its shards), then their sessions are restored on them together (a
+        session whose every shard died is restored at one version, see
+        ``Coordinator.shards_restarted``)."""
+        started = time.monotonic()
+        for index in dead:
+            sessions = self._coordinator.shard_down(index)
+            log.error("event=shard_died shard=%d address=%s restoring_sessions=%s", index,
+                      self._fleet.addresses[index], ",".join(sessions) or "-")
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(dead)) as pool:
+            starts = {index: pool.submit(self._fleet.restart, index, True) for index in dead}
+        failed = {index: start.exception() for index, start in starts.items() if start.exception() is not None}
+        back = [index for index in dead if index not in failed]  # a shard that failed to start: the next check
+        lost = self._coordinator.shards_restarted(back) if back else []
+        for index in back:
+            log.warning("event=shard_recovered shard=%d address=%s lost=%s seconds=%.2f", index,
+                        self._fleet.addresses[index], ",".join(lost) or "-", time.monotonic() - started)
+        if failed:
+            raise next(iter(failed.values()))
