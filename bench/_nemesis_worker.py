@@ -78,6 +78,12 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     from optserve.client import Client
 
+    if os.environ.get("OPTSERVE_DEBUG_RETRIES"):  # each failed attempt of the SDK, timed, on stderr
+        import logging
+
+        logging.basicConfig(format="%(asctime)s %(message)s")
+        logging.getLogger("optserve.client").setLevel(logging.DEBUG)
+
     rng = random.Random(args.seed)
     log = CallLog(args.log, args.session, args.worker_id)
     # the SDK's bounds: retries until `timeout`, the last attempt its own `timeout`, a refresh, a backoff

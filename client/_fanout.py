@@ -177,12 +177,16 @@ class ShardFanout:
             except (UnavailableError, NotFoundError, DeadlineExceededError) as exc:
                 error = exc
             if isinstance(error, DeadlineExceededError):
+                _log.debug("optserve: session %r attempt %d ran out of time (%s)", self._session, attempt_number,
+                           error.details)
                 if not self.refresh():  # raises SessionLostError, or NotFoundError if the session is gone
                     raise error
                 continue  # the shard moved: the step goes where it is now
             if not isinstance(error, (UnavailableError, NotFoundError)):
                 raise error
             moved = self.refresh()  # raises SessionLostError, or NotFoundError if the session is gone
+            _log.debug("optserve: session %r attempt %d failed (%s: %s); shard map moved: %s", self._session,
+                       attempt_number, error.code, error.details, moved)
             if not moved and getattr(error, "unmoved", None) is not None:  # really not a shard (version skew)
                 raise error.unmoved
             retryable = isinstance(error, UnavailableError) or attempt_number == 0

@@ -144,7 +144,8 @@ class StepStream:
             return _grouped(handle)
         try:
             with self._mutex:
-                reused = self._requests is not None and time.monotonic() - self._opened_at < self._reuse_s
+                reused = (self._requests is not None and time.monotonic() - self._opened_at < self._reuse_s
+                          and not _has_ended(self._responses))  # an ended call would never carry the step
                 if not reused:
                     self._close_locked()
                     self._open_locked()
@@ -214,7 +215,17 @@ def _grouped(handle: "StepHandle") -> "StepHandle":
     if group is not None:
         handle._group = group
         group.add(handle)
+        if not handle._reused and _has_ended(handle._responses):
+            # its call failed before the handle joined the group (a shard that refuses at once:
+            # its end callback found no step or no group to tell): the peers' parts end now, not
+            # after waiting on a vote this shard will never cast
+            handle._call_ended(handle._responses)
     return handle
+
+
+def _has_ended(call) -> bool:
+    """Whether ``call`` (a gRPC call) has ended (calls without ``done``, e.g. a test's: never)."""
+    return call is not None and hasattr(call, "done") and call.done()
 
 
 def _never_started(exc: grpc.RpcError) -> bool:

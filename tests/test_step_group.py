@@ -1,0 +1,119 @@
+"""The steps of one attempt end together (client/_step_stream.py): a shard whose call fails ends
+its peers' parts at once, also when its call failed before the step had joined the attempt's
+group (a shard that refuses at once, e.g. while it restores its sessions). Otherwise the peer
+part read first waits on a vote the failed shard never casts: the vote timeout, then the step's
+own deadline.
+
+The gRPC calls here are stand-ins with grpc's call interface (iteration, ``cancel``, ``done``,
+``add_done_callback``, ``code``); the stream, handle and group are the SDK's own.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from optserve.client._step_stream import StepStream, step_group
+from optserve.client.errors import UnavailableError
+
+
+class _Failure(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+    def trailing_metadata(self):
+        return ()
+
+
+class _RefusedCall(_Failure):
+    """A call the shard ended with UNAVAILABLE before anything read it; gRPC runs a done
+    callback added to an ended call at once."""
+
+    def __init__(self):
+        super().__init__(grpc.StatusCode.UNAVAILABLE, "session 'x': this shard is restoring its sessions; retry")
+
+    def __iter__(self):
+        raise self
+
+    def done(self):
+        return True
+
+    def cancel(self):
+        return False
+
+    def add_done_callback(self, fn):
+        fn(self)
+
+
+class _WaitingCall:
+    """A call whose shard waits (on a vote) until the client cancels it."""
+
+    def __init__(self):
+        self._cancelled = threading.Event()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self._cancelled.wait()
+        raise _Failure(grpc.StatusCode.CANCELLED, "Locally cancelled by application!")
+
+    def cancel(self):
+        self._cancelled.set()
+        return True
+
+    def done(self):
+        return self._cancelled.is_set()
+
+    def add_done_callback(self, fn):
+        pass
+
+
+def test_a_part_refused_before_it_joined_the_attempt_ends_the_waiting_part_at_once():
+    waiting = _WaitingCall()
+    home = StepStream(lambda requests, timeout: waiting, timeout=3.0)
+    peer = StepStream(lambda requests, timeout: _RefusedCall(), timeout=3.0)
+    with step_group():
+        handles = [home.start([]), peer.start([])]  # the peer's call has failed by the time start returns
+    started = time.monotonic()
+    with pytest.raises(UnavailableError, match="restoring its sessions"):
+        handles[0].finish(lambda kind, value: False)
+    assert time.monotonic() - started < 1.0  # not the step's deadline (3 s here, the client's timeout in use)
+    with pytest.raises(grpc.RpcError):
+        handles[1].finish(lambda kind, value: False)
+
+
+class _AnsweringCall(_WaitingCall):
+    """A call that answers each step with ``done``, until the shard ends it."""
+
+    def __next__(self):
+        if self._cancelled.is_set():
+            raise _Failure(grpc.StatusCode.CANCELLED, "ended by the shard while idle")
+        return "done", None
+
+
+def test_a_step_is_never_sent_into_a_call_that_ended_while_idle():
+    """A shard may end an idle call (crowded, or on its way down): the next step opens a fresh
+    call instead of being sent into the ended one (where no shard reads it)."""
+    calls = []
+
+    def open_call(requests, timeout):
+        calls.append(_AnsweringCall())
+        return calls[-1]
+
+    stream = StepStream(open_call, timeout=3.0)
+    assert stream.start([]).finish(lambda kind, value: kind == "done")
+    calls[0].cancel()  # the shard ends the idle call
+    second = stream.start([])
+    assert len(calls) == 2 and second._responses is calls[1] and not second._reused
+    assert second.finish(lambda kind, value: kind == "done")
