@@ -15,6 +15,7 @@ import pytest
 from optserve.client import _wire
 from optserve.client.errors import InvalidArgumentError
 from optserve.protos import contract, tensor_chunks
+from tests._grpc_fakes import FailedCall
 
 
 def test_client_imports_neither_jax_nor_ray_nor_ml_dtypes():
@@ -250,27 +251,13 @@ def test_status_is_decoded_once_into_typed_records():
 # --- errors and the token interceptor ------------------------------------------------------------
 
 
-class _FailedCall(grpc.RpcError):
-    def __init__(self, code, details):
-        self._code, self._details = code, details
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return self._details
-
-    def trailing_metadata(self):
-        return ()
-
-
 @pytest.mark.parametrize("code, cls_name", [(grpc.StatusCode.UNAUTHENTICATED, "UnauthenticatedError"),
                                             (grpc.StatusCode.PERMISSION_DENIED, "PermissionDeniedError")])
 def test_auth_status_codes_map_to_their_own_error_classes(code, cls_name):
     import optserve.client as oc
     from optserve.client.errors import from_rpc_error
 
-    error = from_rpc_error(_FailedCall(code, "refused"))
+    error = from_rpc_error(FailedCall(code, "refused"))
     assert type(error) is getattr(oc, cls_name) and isinstance(error, oc.OptservError)
     assert (error.code, str(error)) == (code.name, "refused")
 

@@ -102,6 +102,27 @@ def test_tickets_a_restore_settled_away_stay_forgotten_by_the_next_restore():
     assert again.commit("a", 4, 2).target_version == 4  # the forgotten push is decided afresh, after it
 
 
+def test_a_settled_restore_forgets_the_cross_shard_sums_of_the_steps_it_forgot():
+    """Step 3's sum was journaled, then the restore settled at 2: step 3 is decided afresh (maybe of
+    other pushes), so its sum is reduced afresh, not answered from the journal."""
+    import threading
+
+    journal: list = []
+    clock = HomeClock(_config(), participants=2, journal=journal.append)
+    other = threading.Thread(target=clock.reduce_sum, args=(3, 1, 2.5))
+    other.start()
+    assert clock.reduce_sum(3, 0, 1.0) == 3.5
+    other.join()
+    restored = HomeClock(_config(), participants=2)
+    restored.restore(None, journal, settle_at=(2, 0))
+    results = {}
+    other = threading.Thread(target=lambda: results.update(one=restored.reduce_sum(3, 1, 4.0)))
+    other.start()
+    results["zero"] = restored.reduce_sum(3, 0, 1.0)
+    other.join()
+    assert results == {"zero": 5.0, "one": 5.0}
+
+
 def test_a_restarted_clock_answers_a_cross_shard_sum_from_its_journal():
     import threading
 

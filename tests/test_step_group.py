@@ -18,24 +18,10 @@ import pytest
 
 from optserve.client._step_stream import StepStream, step_group
 from optserve.client.errors import UnavailableError
+from tests._grpc_fakes import FailedCall
 
 
-class _Failure(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return self._details
-
-    def trailing_metadata(self):
-        return ()
-
-
-class _RefusedCall(_Failure):
+class _RefusedCall(FailedCall):
     """A call the shard ended with UNAVAILABLE before anything read it; gRPC runs a done
     callback added to an ended call at once."""
 
@@ -66,7 +52,7 @@ class _WaitingCall:
 
     def __next__(self):
         self._cancelled.wait()
-        raise _Failure(grpc.StatusCode.CANCELLED, "Locally cancelled by application!")
+        raise FailedCall(grpc.StatusCode.CANCELLED, "Locally cancelled by application!")
 
     def cancel(self):
         self._cancelled.set()
@@ -98,7 +84,7 @@ class _AnsweringCall(_WaitingCall):
 
     def __next__(self):
         if self._cancelled.is_set():
-            raise _Failure(grpc.StatusCode.CANCELLED, "ended by the shard while idle")
+            raise FailedCall(grpc.StatusCode.CANCELLED, "ended by the shard while idle")
         return "done", None
 
 

@@ -266,10 +266,15 @@ class HomeClock:
                 for values in hyper:  # changes asked for that no ticket carried are pending again
                     self._state.hyper.request(values, self._state.version)
                 if settled is not None:  # an earlier restore settled here: what it forgot stays forgotten
-                    self._state.truncate(*settled)
+                    self._settle(*settled)
             self._state.hyper.settle()
             if settle_at is not None:
-                self._state.truncate(*settle_at)
+                self._settle(*settle_at)
+
+    def _settle(self, version: int, next_ordinal: int) -> None:
+        """Forgets the tickets and cross-shard sums of the steps after ``version`` (lock held)."""
+        self._state.truncate(version, next_ordinal)
+        self._sums.forget_after(version)
 
     def journal_settled(self) -> None:
         """After a restore that settled the clock (``settle_at``): journals where it settled, so a

@@ -48,7 +48,7 @@ from optserve.server.domain.events import log_event
 from optserve.server.domain.placement import place_tensors
 from optserve.server.domain.session_records import (AttachExpectation, SessionRecord, SessionStatus, ShardOpening,
                                                     ShardSummary)
-from optserve.server.domain.session_restore import record_from_catalog, restore_consistently, restore_shard
+from optserve.server.domain.session_restore import record_from_catalog, restore_consistently, restore_restarted
 from optserve.server.domain.session_table import SessionState, SessionTable
 from optserve.server.domain.shard_records import ShardSessionStatus
 
@@ -252,41 +252,19 @@ class Coordinator:
                 self._fleet.peer_down(home, shard_index, names)
         return sorted(n for names in by_home.values() for n in names)
 
-    def shards_restarted(self, shard_indices: Sequence[int]) -> list[str]:
+    def shards_restarted(self, shard_indices: Sequence[int], waiting: Sequence[int] = ()) -> tuple[list[str], set[int]]:
         """Durable servers: shards ``shard_indices``, restarted together, run again (at
-        ``fleet.addresses``): restores their parts of their sessions and returns the sessions that
-        could not be restored (now lost).
-
-        A session with a shard still running restores each restarted part to all it logged (the
-        live shards hold its state in memory) and points the peers at a moved home clock. A
-        session all of whose shards were restarted (a machine holding them all was lost) has no
-        live part: it is restored as a whole server restores it, at the version every shard
-        logged (:func:`~.session_restore.restore_consistently`), so a step its clock decided that
-        no shard logged, never acknowledged, is forgotten and its client's retry decided afresh.
-        """
-        restarted = set(shard_indices)
-        lost = {}
+        ``fleet.addresses``): restores their parts of their sessions, but those on a shard of
+        ``waiting`` (its restart failed; see :func:`~.session_restore.restore_restarted`).
+        Returns the sessions that could not be restored (now lost), and the restarted shards
+        still holding back a session (pass them again once ``waiting`` is back)."""
         with self._membership:
-            names = sorted({n for i in restarted for names in self._table.live_on(i).values() for n in names})
-            for name in names:
-                record = None
-                for index in sorted(restarted):
-                    record = self._table.moved(name, index, self._fleet.addresses[index]) or record
-                if record is None:
-                    continue
-                held = {a.shard_index for a in record.assignments}
-                if held <= restarted:
-                    why = self._restore(record)
-                else:
-                    why = next(filter(None, (restore_shard(self._fleet, record, i) for i in sorted(held & restarted))),
-                               None)
-                if why is not None:
-                    lost[name] = why
-            for index in sorted(restarted):
-                self._fleet.recovered(index)
+            lost, rolled_back, pending = restore_restarted(self._fleet, self._table, shard_indices, waiting)
+            for name, logged in rolled_back.items():
+                self._table.rolled_back(name, logged)
             if lost:
                 self._lose(lost)
-        return sorted(lost)
+        return sorted(lost), pending
 
     def shard_lost(self, shard_index: int, address: str, cause: str) -> list[str]:
         """Shard ``shard_index`` (at ``address``) died of ``cause``: its sessions are lost.

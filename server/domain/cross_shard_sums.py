@@ -106,6 +106,12 @@ class CrossShardSums:
         """A total decided before a restart (from a checkpoint or the journal); lock held."""
         self._totals[key] = total
 
+    def forget_after(self, version: int) -> None:
+        """A restore settled the session at ``version``: the totals of later steps go (those
+        steps are decided afresh, maybe of other pushes); lock held."""
+        for key in [k for k in self._totals if k > version]:
+            del self._totals[key]
+
     def durable_state(self) -> dict[str, float]:
         """The remembered totals, for a checkpoint (``{str(key): total}``); lock held."""
         return {str(k): v for k, v in self._totals.items()}

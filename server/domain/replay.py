@@ -53,7 +53,8 @@ def replay(store: CheckpointPort, manifest: dict, updater: Updater, specs: Mappi
     byte offset of the record it gave last (``last_at``) and of a torn tail (``torn_at``). Each
     step reuses the cross-shard statistic logged with it (no peer is asked). A torn tail is cut
     off its segment; with ``upto``, the log is cut before the first step after it (those steps
-    are rolled back, on every shard alike).
+    are rolled back, on every shard alike). A segment a later one was sealed after
+    (``store.log.stray_after``) is read up to the sealed version only.
     """
     def fresh_buffers() -> dict[str, np.ndarray]:
         return {name: aligned_empty(spec.shape, np.float32) for name, spec in specs.items()}
@@ -68,15 +69,19 @@ def replay(store: CheckpointPort, manifest: dict, updater: Updater, specs: Mappi
         stray_after = store.log.stray_after(segment)
         for header, grads in reader:
             record = StepRecord.from_json(header)
-            if record.version <= progress.version or (stray_after is not None and record.version > stray_after):
-                continue  # applied before; or a replaced owner's late write, after a later segment's start
-            if upto is not None and record.version > upto:
-                store.log.cut(segment, reader.last_at, drop_later=True)
-                return progress, applied
-            updater.set_hyper(record.hyper)
-            updater.apply(grads, record.scale, lambda _partial, s=record.global_stat: s, absent=record.absent)
-            progress = progress.after(record)
-            applied.append(record)
-        if reader.torn_at is not None:
-            store.log.cut(segment, reader.torn_at, drop_later=False)
+            if stray_after is not None and record.version > stray_after:
+                break  # a replaced owner's late write: the log goes on in a later segment
+            if record.version > progress.version:
+                if upto is not None and record.version > upto:
+                    store.log.cut(segment, reader.last_at, drop_later=True)
+                    return progress, applied
+                updater.set_hyper(record.hyper)
+                updater.apply(grads, record.scale, lambda _partial, s=record.global_stat: s, absent=record.absent)
+                progress = progress.after(record)
+                applied.append(record)
+            if record.version == stray_after:
+                break  # what follows is a replaced owner's, maybe half written: never read, never cut
+        else:
+            if reader.torn_at is not None:
+                store.log.cut(segment, reader.torn_at, drop_later=False)
     return progress, applied

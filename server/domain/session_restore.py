@@ -96,6 +96,52 @@ def restore_shard(fleet: "ShardFleet", record: SessionRecord, shard_index: int) 
     return None
 
 
+def restore_restarted(fleet: "ShardFleet", table, restarted: Sequence[int],
+                      waiting: Sequence[int] = ()) -> tuple[dict[str, str], dict[str, int], set[int]]:
+    """Shards ``restarted``, started again together, restore their parts of their LIVE sessions
+    (``table``: the coordinator's :class:`~.session_table.SessionTable`, whose records learn the
+    shards' new addresses from ``fleet.addresses``); then each is told it is recovered. Returns
+    ``(why each lost session is lost, the version each rolled-back session had logged, the
+    restarted shards still holding back a session)``.
+
+    A session with a shard still running restores each restarted part to all it logged (the live
+    shards hold its state in memory) and points the peers at a moved home clock
+    (:func:`restore_shard`). A session all of whose shards were restarted (a machine holding them
+    all was lost) has no live part: it is restored as a whole server restores it, at the version
+    every shard logged (:func:`restore_consistently`), so a step its clock decided that no shard
+    logged, never acknowledged, is forgotten and its client's retry decided afresh. A session on
+    a shard of ``waiting`` (dead, its restart failed) waits for it: it is restored once that shard
+    is back (its restarted shards are not told they are recovered meanwhile: calls naming it are
+    UNAVAILABLE there, retried).
+    """
+    restarted, waiting = set(restarted), set(waiting)
+    lost, rolled_back, pending = {}, {}, set()
+    try:
+        for name in sorted({n for i in restarted for names in table.live_on(i).values() for n in names}):
+            record = None
+            for index in sorted(restarted):
+                record = table.moved(name, index, fleet.addresses[index]) or record
+            if record is None:
+                continue
+            held = {a.shard_index for a in record.assignments}
+            if held & waiting:
+                pending |= held & restarted
+                continue
+            if held <= restarted:
+                outcome = restore_consistently(fleet, record)
+                why = outcome.why_lost
+                if outcome.rolled_back_from:
+                    rolled_back[name] = outcome.rolled_back_from
+            else:
+                why = next(filter(None, (restore_shard(fleet, record, i) for i in sorted(held & restarted))), None)
+            if why is not None:
+                lost[name] = why
+    finally:
+        for index in sorted(restarted - pending):
+            fleet.recovered(index)
+    return lost, rolled_back, pending
+
+
 def common_version(name: str, reaches: dict[int, tuple[int, int, str]]) -> tuple[int, int, Optional[str]]:
     """``(common, logged, why)`` for session ``name`` whose shards reach ``reaches`` (shard index
     -> ``(checkpoint version, last logged version, checkpoint path)``, -1: none): the version

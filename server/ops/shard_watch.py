@@ -39,6 +39,7 @@ class ShardWatch(Periodic):
         super().__init__("optserve-shard-watch", period_s)
         self._fleet = fleet
         self._coordinator = coordinator
+        self._holding: set[int] = set()  # restarted shards whose sessions wait for a shard that failed to start
 
     def check_once(self) -> list[int]:
         """One check: replaces every dead shard (durable servers restore its sessions on the new
@@ -70,9 +71,9 @@ class ShardWatch(Periodic):
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(dead)) as pool:
             starts = {index: pool.submit(self._fleet.restart, index, True) for index in dead}
         failed = {index: start.exception() for index, start in starts.items() if start.exception() is not None}
-        back = [index for index in dead if index not in failed]  # a shard that failed to start: the next check
-        lost = self._coordinator.shards_restarted(back) if back else []
-        for index in back:
+        back = {index for index in dead if index not in failed} | self._holding  # failed: the next check
+        lost, self._holding = self._coordinator.shards_restarted(sorted(back), waiting=sorted(failed))
+        for index in sorted(back - self._holding):
             log.warning("event=shard_recovered shard=%d address=%s lost=%s seconds=%.2f", index,
                         self._fleet.addresses[index], ",".join(lost) or "-", time.monotonic() - started)
         if failed:

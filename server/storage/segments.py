@@ -149,13 +149,15 @@ class Segments:
         self._direct_fd = -1
         self._open(start)
 
-    def _open(self, index: int) -> None:
+    def _open(self, index: int, fresh: bool = False) -> None:
+        """Opens segment ``index`` for appending; ``fresh``: it must not exist yet (FileExistsError)."""
         path = self.path(index)
+        exclusive = os.O_EXCL if fresh else 0
         if not self.direct:
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | exclusive, 0o600)
             self._offset = None
         else:
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | exclusive, 0o600)
             self._offset = os.fstat(self._fd).st_size
             try:
                 self._direct_fd = os.open(path, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
@@ -194,11 +196,16 @@ class Segments:
         Raises:
           OSError: the next segment could not be started (no room for its header, a failing
             disk): it is removed, and records go on to the current segment as before.
+            FileExistsError: it exists already (written by a shard that replaced this one): it
+            is left as it is.
         """
         before = (self._fd, self._direct_fd, self._offset, self._record_at)
         self._direct_fd = -1
         try:
-            self._open(self.index + 1)
+            self._open(self.index + 1, fresh=True)
+        except FileExistsError:  # another process (this shard's replacement) writes it: never touched here
+            self._fd, self._direct_fd, self._offset, self._record_at = before
+            raise
         except OSError:
             self._abandon_next(before[0])
             self._fd, self._direct_fd, self._offset, self._record_at = before

@@ -126,8 +126,12 @@ class ShardStore:
         for segment in self.log.segments(manifest):
             stray_after = self.log.stray_after(segment)
             for header, _ in StepLogReader(segment, lambda: buffers):
-                if stray_after is None or int(header["version"]) <= stray_after:
-                    last = max(last, int(header["version"]))
+                version = int(header["version"])
+                if stray_after is not None and version > stray_after:
+                    break  # a replaced owner's late write (see LogFiles.stray_after)
+                last = max(last, version)
+                if version == stray_after:
+                    break
         return LogReach(checkpoint, last, manifest["path"])
 
     # ------------------------------------------------------------- checkpoints
@@ -210,7 +214,13 @@ class ShardStore:
             close_segments(closed_fds, flush=True)  # they stay the only copy of their steps
             raise
         close_segments(closed_fds, flush=False)  # replaced by the committed checkpoint
-        self._check_owner(f"deleting what {path} replaces")
+        try:
+            self._check_owner(f"deleting what {path} replaces")
+        except OSError as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            log.error("event=checkpoint_not_pruned session=%s shard=%d version=%d error=%s", self._session,
+                      self._shard, version, exc)
+            raise
         drop_checkpoints_older_than(self.folder, version)
         self.log.drop_before(manifest)
         self.durable_version = version

@@ -15,10 +15,7 @@ disk takes writes again: in the overlapped order the session writes a checkpoint
 applied (the steps whose records were lost included) and :meth:`StepLog.recovered` starts the log
 afresh; in write-ahead order :meth:`StepLog.restart` cuts the failed record off and the log goes on.
 
-A shard that takes over a log (a restore) never appends to its predecessor's segments: it opens a
-fresh one and *seals* it first (``seals.json``: segment index -> the version it starts after). A
-record that a predecessor still wrote into an older segment past that version (a replaced shard,
-cut off, finishing its last write) is then no part of the log (:meth:`StepLog.stray_after`).
+Reading the files back, sealing a fresh segment and cutting the log are :class:`~.log_files.LogFiles`'s.
 """
 
 from __future__ import annotations
@@ -26,23 +23,19 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import os
 import threading
 from typing import Callable, Optional
 
 from optserve.server.storage.disk_health import DiskHealth
-from optserve.server.storage.files import write_atomically
-from optserve.server.storage.log_reader import read_journal
-from optserve.server.storage.segments import (BLOCK, PREFIX, STEPS, TICKETS, Segments, close_segments, segment_indices,
-                                              segment_number)
+from optserve.server.storage.log_files import LogFiles
+from optserve.server.storage.segments import BLOCK, PREFIX, STEPS, TICKETS, Segments, close_segments, segment_indices
 
 log = logging.getLogger(__name__)
 
-SEALS = "seals.json"
 _HEADER_ROOM = 64 << 10  # bytes reserved for a record's header (its tickets: one per pushing worker)
 
 
-class StepLog:
+class StepLog(LogFiles):
     """The log files of one durable session on one shard.
 
     Args:
@@ -56,8 +49,7 @@ class StepLog:
     """
 
     def __init__(self, folder: str, session: str, shard: int, config, home: bool, fence=None):
-        self.folder, self._session, self._shard = folder, session, shard
-        self._fence = fence
+        super().__init__(folder, session, shard, fence)
         self._config, self._home = config, home
         self.write_ahead = bool(config.write_ahead)  # records are written before their steps are applied
         self.syncs_each_record = config.fsync_due(1)  # every record is flushed before its step is acknowledged
@@ -75,57 +67,6 @@ class StepLog:
         self._begun_bytes = 0  # the gradient bytes of the record begun last
         self._disk = DiskHealth(folder, session, shard)  # degraded after a failed write, until it takes writes
 
-    # ------------------------------------------------------------- reading
-    def segments(self, manifest: Optional[dict]) -> list[str]:
-        """The step-log segments after ``manifest``'s checkpoint (all: None), in order."""
-        start = manifest["steps_from"] if manifest else 0
-        return [os.path.join(self.folder, f"{STEPS}-{i}.log") for i in segment_indices(self.folder, STEPS, start)]
-
-    def journal(self, manifest: Optional[dict]) -> list:
-        """The clock's journal entries after ``manifest``'s checkpoint (all: None), in order."""
-        start = manifest["tickets_from"] if manifest else 0
-        out = []
-        for i in segment_indices(self.folder, TICKETS, start):
-            out.extend(read_journal(os.path.join(self.folder, f"{TICKETS}-{i}.log")))
-        return out
-
-    def stray_after(self, segment: str) -> Optional[int]:
-        """The version past which ``segment``'s records are not part of the log (a later segment
-        was sealed to start after it: records past it are a replaced owner's late writes); None:
-        no bound."""
-        index = segment_number(segment)
-        return min((v for i, v in self._seals().items() if i > index), default=None)
-
-    def _seals(self) -> dict[int, int]:
-        try:
-            with open(os.path.join(self.folder, SEALS), "rb") as fh:
-                return {int(i): int(v) for i, v in json.loads(fh.read()).items()}
-        except FileNotFoundError:
-            return {}
-
-    def _seal(self, index: int, version: int) -> None:
-        """Segment ``index`` (not written yet) starts after ``version``; seals of segments at or
-        past it (a rolled-back log's) are dropped."""
-        existing = set(segment_indices(self.folder, STEPS, 0))
-        seals = {i: v for i, v in self._seals().items() if i < index and i in existing}
-        seals[index] = version
-        self._check_owner(f"sealing segment {index}")
-        write_atomically(os.path.join(self.folder, SEALS), json.dumps(seals, sort_keys=True).encode())
-
-    def cut(self, segment: str, at: int, drop_later: bool) -> None:
-        """Drops the log from byte ``at`` of ``segment`` on: a torn record (``drop_later`` False),
-        or the steps after a version every shard of the session reaches, which a restore rolls
-        back (``drop_later``: every later segment too)."""
-        self._check_owner(f"cutting {segment}")
-        os.truncate(segment, at)
-        later = []
-        if drop_later:
-            later = [path for path in self.segments(None) if segment_number(path) > segment_number(segment)]
-        for path in later:
-            os.unlink(path)
-        log.warning("event=step_log_cut session=%s shard=%d path=%s at=%d later_segments_dropped=%d", self._session,
-                    self._shard, segment, at, len(later))
-
     # ------------------------------------------------------------- writing
     def open(self, manifest: Optional[dict], version: int) -> None:
         """Opens fresh segments after everything on disk (the log reached ``version``)."""
@@ -134,8 +75,8 @@ class StepLog:
         tickets_from = manifest["tickets_from"] if manifest else 0
         next_steps = max(segment_indices(self.folder, STEPS, steps_from), default=steps_from - 1) + 1
         next_tickets = max(segment_indices(self.folder, TICKETS, tickets_from), default=tickets_from - 1) + 1
-        if next_steps > steps_from or self._seals():  # a predecessor's segments: sealed before this owner writes
-            self._seal(next_steps, version)
+        if next_steps > steps_from or self.seals():  # a predecessor's segments: sealed before this owner writes
+            self.seal(next_steps, version)
         self._steps = Segments(self.folder, STEPS, next_steps, direct=self._config.log_io.tries_direct,
                                quiet_fallback=self._config.log_io.value == "auto")
         if self._home:
@@ -261,10 +202,6 @@ class StepLog:
         with self._logged:
             self._logged_version = max(self._logged_version, record.version)
             self._logged.notify_all()
-
-    def _check_owner(self, before: str) -> None:
-        if self._fence is not None:
-            self._fence.check(before)
 
     def _fail(self, exc: BaseException) -> None:
         with self._logged:
