@@ -121,9 +121,37 @@ def test_a_late_record_of_a_replaced_owner_past_its_successors_seal_is_no_part_o
             reader.close()
 
     assert reach() == 2
+    with open(old.log.segments(None)[-2], "ab") as fh:  # more of the old owner's bytes, half a record
+        fh.write(b"OSLR" + bytes(40))
+    assert reach() == 2  # never read: no CorruptCheckpoint for what lies past the seal
     log_step(new.log, StepRecord(3, ((3, "c", 3),), 1.0, 0.0), _grads(3))
     new.log.wait_logged(3)
     assert reach() == 3
+    old.close()
+    new.close()
+
+
+def test_a_replaced_owner_never_rotates_into_its_successors_segment(tmp_path):
+    """The old owner passed its check just before the claim and rotates (a checkpoint) after its
+    successor opened its fresh segment: it does not open that segment (nor remove it)."""
+    root = str(tmp_path)
+    old = ShardStore(root, "fenced", 0, DurabilityConfig(root), home=True)  # its check passed: no fence to stop it
+    old.start_logs(None)
+    log_step(old.log, StepRecord(1, ((1, "c", 1),), 1.0, 0.0), _grads(1))
+    old.log.wait_logged(1)
+    new = _fenced_store(root, claim_shard(root, 0))
+    new.start_logs(None, 1)
+    log_step(new.log, StepRecord(2, ((2, "c", 2),), 1.0, 0.0), _grads(2))
+    new.log.wait_logged(2)
+    successor = new.log.segments(None)[-1]
+    size = os.path.getsize(successor)
+    params, state = {"b": np.zeros(3, np.float32), "w": np.zeros((4, 3), np.float32)}, (np.array(1, np.int32),)
+    with pytest.raises(FileExistsError):
+        old.checkpoint(ShardProgress(1, 1, {"c": 1}), params, state,
+                       clock_state_fn=lambda rotate: (rotate(), {})[1], wait=True)
+    assert os.path.getsize(successor) == size and old.latest() is None
+    versions = [StepRecord.from_json(h).version for h, _ in read_step_log(successor, _buffers)]
+    assert versions == [2]
     old.close()
     new.close()
 
