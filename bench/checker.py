@@ -174,6 +174,9 @@ def push_gradient(shapes: Mapping[str, tuple], client_id: str, sequence: int) ->
     return {n: (rng.standard_normal(shapes[n]) * 0.1).astype(np.float32) for n in sorted(shapes)}
 
 
+REREAD = 64  # versions a follower asks for again each time (see HistoryFollower.since)
+
+
 class HistoryFollower:
     """Follows a session's history as a run goes (the home shard keeps only the latest versions):
     :meth:`add` each ``history(since=self.since)`` answer, and :meth:`settle` with a final
@@ -202,6 +205,14 @@ class HistoryFollower:
 
     @property
     def since(self) -> int:
+        """The ``since`` to ask with next: the last :data:`REREAD` versions held are asked again,
+        so a version a restore rolled back and decided afresh after this follower read it (the
+        last one or two, those some shard had not logged) is seen answered differently."""
+        return max(0, self.last - REREAD)
+
+    @property
+    def last(self) -> int:
+        """The latest version held."""
         return max(self._rounds, default=0)
 
     def add(self, answer: Iterable) -> None:
@@ -225,8 +236,8 @@ class HistoryFollower:
         held versions past its last one were rolled back and not decided again."""
         self.add(answer)
         last = max((r.version for r in answer if isinstance(r, RoundRecord)), default=0)
-        if self.since > last:
-            self._roll_back(last + 1, f"versions {last + 1}-{self.since} rolled back, not decided again")
+        if self.last > last:
+            self._roll_back(last + 1, f"versions {last + 1}-{self.last} rolled back, not decided again")
 
     def _roll_back(self, version: int, note: str) -> None:
         self.rollbacks.append(note)

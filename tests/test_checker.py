@@ -207,6 +207,17 @@ def test_the_history_follower_keeps_versions_answered_twice_and_follows_a_rollba
     assert [r.version for r in twice.records] == [1, 1]
 
 
+def test_a_follower_asking_as_it_goes_sees_its_last_version_decided_afresh():
+    """The follower read version 3; a restore rolled 3 back and it was decided again (then 4):
+    asking with ``since`` it sees 3's new record, not only 4."""
+    follower = HistoryFollower()
+    follower.add(SYNC)
+    redone = sync_record(3, [(A, 9), (B, 9)])
+    server = [SYNC[0], SYNC[1], redone, sync_record(4, [(A, 10), (B, 10)])]
+    follower.add([r for r in server if r.version > follower.since])
+    assert follower.records == server and len(follower.rollbacks) == 1
+
+
 def test_a_rolled_back_version_that_held_acknowledged_pushes_shows_them_lost():
     follower = HistoryFollower()
     follower.add(SYNC)
