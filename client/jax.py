@@ -101,12 +101,19 @@ class TreeCodec:
             named[name] = array if array.dtype == np.float32 else array.astype(np.float32)
         return named
 
-    def from_named(self, named: Mapping[str, np.ndarray]) -> PyTree:
-        """The pytree of jax arrays (original leaf dtypes) holding ``named``'s values."""
+    def from_named(self, named: Mapping[str, np.ndarray],
+                   aliased: Optional[Mapping[str, np.ndarray]] = None) -> PyTree:
+        """The pytree of jax arrays (original leaf dtypes) holding ``named``'s values.
+
+        ``aliased``: writable float32 host arrays holding the same values (a session's reply
+        region): each float32 leaf found there becomes a jax array over that memory where the
+        platform allows it (a CPU device: no copy), the others are copied."""
         missing = [n for n in self.names if n not in named]
         if missing:
             raise ValueError(f"tensors {missing} missing from the server's answer")
-        leaves = [jnp.asarray(named[n], dtype=dtype) for n, dtype in zip(self.names, self.dtypes)]
+        aliased = aliased or {}
+        leaves = [jax.device_put(aliased[n], may_alias=True) if n in aliased and dtype == jnp.float32
+                  else jnp.asarray(named[n], dtype=dtype) for n, dtype in zip(self.names, self.dtypes)]
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
 
@@ -137,8 +144,21 @@ class PytreeSession:
     def push(self, grads: PyTree, **kwargs: Any) -> None:
         self.raw.push(self.codec.to_named(grads), **kwargs)
 
-    def push_pull(self, grads: PyTree, **kwargs: Any) -> PyTree:
-        return self.codec.from_named(self.raw.push_pull(self.codec.to_named(grads), **kwargs))
+    def push_pull(self, grads: PyTree, views: bool = False, **kwargs: Any) -> PyTree:
+        """Pushes ``grads`` and returns the parameters of the step they joined.
+
+        ``views``: on shards reached through shared memory, each float32 leaf returned is a jax
+        array over the session's reply region on a CPU device (no copy; elsewhere a copy), valid
+        until this session's next step, which overwrites it in place: read it (compute the next
+        gradient) before then, copy what you keep longer. The gradients go into the push region
+        in one copy (jax computed them in memory of its own)."""
+        if not views:
+            return self.codec.from_named(self.raw.push_pull(self.codec.to_named(grads), **kwargs))
+        buffers = self.raw.gradient_buffers()
+        for name, value in self.codec.to_named(grads).items():
+            np.copyto(buffers[name], value)
+        answered = self.raw.push_pull(buffers, views=True, **kwargs)
+        return self.codec.from_named(answered, self.raw.parameter_buffers())
 
     def push_pull_async(self, grads: PyTree, **kwargs: Any) -> concurrent.futures.Future:
         """Starts a push_pull; the future resolves to the updated parameter pytree."""

@@ -22,7 +22,8 @@ from optserve.protos import contract
 from optserve.server.compute.buffers import aligned_empty
 from optserve.server.compute.devices import check_device, DeviceReport, DeviceRequest, ray_gpu_ids
 from optserve.server.compute.heap import keep_large_buffers_on_heap, release_free_memory
-from optserve.server.compute.updater import compile_stats, Updater
+from optserve.server.compute.compile_cache import compile_stats
+from optserve.server.compute.updater import Updater
 from optserve.server.domain.clock import HomeClock
 from optserve.server.domain.config import ServerConfig
 from optserve.server.domain.errors import InvalidArgument, SessionLost, Unavailable
@@ -279,7 +280,7 @@ class ShardActor:
 
     def compile_stats(self) -> dict:
         """This process's XLA compilations and shared compiled updates
-        (:func:`~optserve.server.compute.updater.compile_stats`)."""
+        (:func:`~optserve.server.compute.compile_cache.compile_stats`)."""
 
         return compile_stats()
 

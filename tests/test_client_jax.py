@@ -151,3 +151,31 @@ def test_jax_adapter_refuses_bad_preconditioners_naming_the_option():
     with pytest.raises(InvalidArgumentError, match="max_age"):
         ojax.create_session("127.0.0.1:1", "s", _init_mlp(),
                             optimizer={"name": "shampoo", "preconditioners": {"max_age": -2}})
+
+
+def test_views_return_jax_arrays_over_the_reply_region_and_train_exactly(server, unique_name):
+    """``push_pull(grads, views=True)`` on a same-host server: every float32 leaf is a jax array
+    over the session's reply region (no parameter byte copied on the client), and training
+    equals in-process optax."""
+    x, y = _data()
+    grad_fn = jax.jit(jax.value_and_grad(_loss))
+    params = _init_mlp(3)
+    session = ojax.create_session(server.address, unique_name, params, optimizer={"name": "adam",
+                                                                                   "args": {"learning_rate": 1e-2}})
+    local, reference = _init_mlp(3), optax.adam(1e-2)
+    state = reference.init(local)
+    for _ in range(5):
+        _, grads = grad_fn(params, x, y)
+        params = session.push_pull(grads, views=True)
+        updates, state = reference.update(grad_fn(local, x, y)[1], state, local)
+        local = optax.apply_updates(local, updates)
+    assert set(session.raw.data_paths().values()) == {"shared_memory"}
+    region = session.raw.parameter_buffers()
+    for name, leaf in zip(session.codec.names, jax.tree_util.tree_leaves(params)):
+        assert leaf.unsafe_buffer_pointer() == region[name].ctypes.data, name  # the region's memory itself
+    for remote_leaf, local_leaf in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(local)):
+        np.testing.assert_allclose(np.asarray(remote_leaf), np.asarray(local_leaf), rtol=1e-5, atol=1e-6)
+    copied = session.push_pull(grad_fn(params, x, y)[1])  # without views: arrays of their own
+    assert all(leaf.unsafe_buffer_pointer() != region[name].ctypes.data
+               for name, leaf in zip(session.codec.names, jax.tree_util.tree_leaves(copied)))
+    session.close()

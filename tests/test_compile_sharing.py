@@ -11,8 +11,9 @@ import pytest
 
 from optserve.client import Client
 from optserve.optim_kernels import build_optimizer
-from optserve.server.compute import updater as updater_module
-from optserve.server.compute.updater import Updater, compile_stats
+from optserve.server.compute import compile_cache
+from optserve.server.compute.compile_cache import compile_stats
+from optserve.server.compute.updater import Updater
 
 from _service_helpers import InProcess, make_grads, make_params
 
@@ -84,10 +85,10 @@ def test_other_options_or_shapes_get_their_own_compiled_update():
 
 
 def test_compiled_updates_are_bounded():
-    cache = updater_module.CompiledUpdates(capacity=2)
+    cache = compile_cache.CompiledUpdates(capacity=2)
     built = []
     for key in ["a", "b", "a", "c", "b"]:
-        cache.get(key, lambda: built.append(key) or updater_module.CompiledUpdate(len, None, len))
+        cache.get(key, lambda: built.append(key) or compile_cache.CompiledUpdate(len, None, len))
     assert built == ["a", "b", "c", "b"]  # "b" was the least recently used when "c" came
     assert cache.stats() == {"entries": 2, "hits": 1, "misses": 4}
 

@@ -374,3 +374,28 @@ def test_a_durable_session_idle_past_its_lease_is_unloaded_and_comes_back_on_its
         client.close()
     finally:
         server.stop()
+
+
+def test_a_session_of_many_tensors_whose_state_is_chunked_survives_a_shard_sigkill_exactly(durable_server,
+                                                                                          checkpoint_dir, unique_name):
+    """150 small tensors (75 per shard: each shard's optimizer state is kept in chunks, see
+    chunked_update) with a cross-shard sum: the checkpoint records the layout and the restored
+    shard reads it back."""
+    client = Client(durable_server.address, timeout=90.0)
+    params = make_params(8, {f"blocks/{i:03d}/{kind}": shape for i in range(75)
+                             for kind, shape in (("w", (5, 4)), ("b", (4,)))})
+    session = client.create_session(unique_name, params, optimizer=CLIPPED)
+    reference = InProcess(CLIPPED["name"], CLIPPED["args"], params)
+    for step in range(6):  # a checkpoint at 4, steps 5-6 only in the log
+        got, expected = session.push_pull(make_grads(params, step)), reference.step(make_grads(params, step))
+    _wait_durable(session, 4)
+    from optserve.server.storage.manifests import latest_manifest
+
+    assert latest_manifest(_shard_folder(checkpoint_dir, unique_name, 1))["progress"]["state_chunks"] == 64
+    _kill_shard(durable_server, 1)
+    for step in range(6, 9):
+        got, expected = session.push_pull(make_grads(params, step)), reference.step(make_grads(params, step))
+    assert max_abs_diff(got, expected) <= 1e-6
+    assert [s.durability.recoveries for s in session.status().shards] == [0, 1]
+    session.close()
+    client.close()

@@ -14,7 +14,8 @@ from _service_helpers import make_grads, make_params, max_abs_diff
 from optserve.client import Client, InvalidArgumentError
 from optserve.client.status import HyperparamChange
 from optserve.optim_kernels import build_optimizer
-from optserve.server.compute.updater import Updater, compile_stats
+from optserve.server.compute.compile_cache import compile_stats
+from optserve.server.compute.updater import Updater
 
 SHAPES = {"embed": (16, 12), "hidden/w": (12, 10), "hidden/b": (10,)}
 

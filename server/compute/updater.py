@@ -17,124 +17,22 @@ first session of a key compiles its step when it is initialized (ahead of time, 
 the step will see), so even its first step is a dispatch.
 Options that are not plain JSON (a callable passed in process) make the key None: that session
 compiles its own.
+
+A shard with more than :data:`~optserve.server.compute.chunked_update.CHUNK_TENSORS` tensors (and
+no offloaded roots) is updated in chunks instead (:mod:`~optserve.server.compute.chunked_update`):
+its optimizer state is then the tuple of its chunks' states.
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import json
-import threading
-from typing import Any, Callable, Collection, Hashable, Iterable, Mapping, Optional
+from typing import Any, Callable, Collection, Iterable, Mapping, Optional
 
 import numpy as np
 
+from optserve.server.compute.chunked_update import CHUNK_TENSORS, ChunkedUpdate, plan_chunks
+from optserve.server.compute.compile_cache import COMPILED, CompiledUpdate, count_compiles, update_key
 from optserve.server.compute.host_transfer import to_host
 from optserve.server.compute.kernel_words import error_line, failing_alone
-
-
-@dataclasses.dataclass(frozen=True)
-class CompiledUpdate:
-    """The jitted functions of one (optimizer, tensor structure): ``step(params, state, grads,
-    scale, global_stat, hyper) -> (params, state)`` (donates params and state; ``hyper``: the
-    step's hyperparameters, see :mod:`optserve.optim_kernels.hyperparams`), ``partial(grads, state,
-    params) -> scalar`` (None without a cross-shard statistic) and ``init(params) -> state``."""
-
-    step: Callable
-    partial: Optional[Callable]
-    init: Callable
-    masked: Optional[Callable] = None  # step(..., hyper, keep): tensors with keep[name] left alone; compiles on first use
-    compiled: threading.Event = dataclasses.field(default_factory=threading.Event, compare=False)  # see Updater
-    compiling: threading.Lock = dataclasses.field(default_factory=threading.Lock, compare=False)
-
-
-class CompiledUpdates:
-    """A process-wide, bounded (least recently used) cache of :class:`CompiledUpdate` by key.
-
-    ``hits`` / ``misses`` count lookups (a miss builds new jitted functions, which compile on
-    their first call). Thread-safe.
-    """
-
-    def __init__(self, capacity: int = 256):
-        self.capacity = capacity
-        self.hits = 0
-        self.misses = 0
-        self._entries: collections.OrderedDict[Hashable, CompiledUpdate] = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: Optional[Hashable], build: Callable[[], CompiledUpdate]) -> CompiledUpdate:
-        """The entry for ``key``, built by ``build()`` on a miss (``key`` None: built, not kept)."""
-        with self._lock:
-            entry = self._entries.get(key) if key is not None else None
-            if entry is not None:
-                self._entries.move_to_end(key)
-                self.hits += 1
-                return entry
-            self.misses += 1
-        entry = build()
-        if key is not None:
-            with self._lock:
-                entry = self._entries.setdefault(key, entry)  # a concurrent miss may have built one first
-                self._entries.move_to_end(key)
-                while len(self._entries) > self.capacity:
-                    self._entries.popitem(last=False)
-        return entry
-
-    def stats(self) -> dict[str, int]:
-        """``{"entries", "hits", "misses"}`` now."""
-        with self._lock:
-            return {"entries": len(self._entries), "hits": self.hits, "misses": self.misses}
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-
-
-COMPILED = CompiledUpdates()
-
-_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per XLA compilation
-_compiles = 0
-_listening = False
-_listen_lock = threading.Lock()
-
-
-def count_compiles() -> None:
-    """Starts counting this process's XLA compilations (idempotent; see :func:`compile_stats`)."""
-    global _listening
-    import jax
-
-    with _listen_lock:
-        if _listening:
-            return
-        _listening = True
-
-    def listener(event: str, duration_s: float, **_) -> None:
-        global _compiles
-        if event == _BACKEND_COMPILE_EVENT:
-            _compiles += 1
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-
-
-def compile_stats() -> dict[str, int]:
-    """``{"compiles"}``: XLA compilations in this process since :func:`count_compiles` (every
-    jitted function, not only updates), plus :data:`COMPILED`'s ``entries`` / ``hits`` / ``misses``."""
-    return {"compiles": _compiles, **COMPILED.stats()}
-
-
-def update_key(optimizer, offloaded: bool, params: Mapping[str, Any]) -> Optional[tuple]:
-    """The cache key of ``optimizer`` over ``params`` (name -> array), or None if its options are
-    not plain JSON (then no two sessions can be shown to run the same function).
-
-    ``offloaded``: Shampoo's roots come from the workers (the state the step sees is then fed
-    by the preconditioner object; its options already differ, keyed anyway for clarity).
-    """
-    try:
-        args = json.dumps(optimizer.args, sort_keys=True, allow_nan=True)
-    except (TypeError, ValueError):
-        return None
-    structure = tuple((name, tuple(np.shape(params[name])), str(_dtype(params[name]))) for name in sorted(params))
-    return optimizer.name, args, bool(offloaded), structure
 
 
 class Updater:
@@ -160,6 +58,25 @@ class Updater:
         self._host_copy: Optional[tuple] = None  # (params, their pinned host copies): accelerators only
         self.hyper = optimizer.hyperparams  # {group: {option: float32}}: what the next step runs with
         self._compiled: Optional[CompiledUpdate] = None
+        many = len(self._param_specs) > CHUNK_TENSORS and preconditioners is None
+        self.chunk_tensors = CHUNK_TENSORS if many else 0  # 0: one step over the whole tree
+        self._chunked: Optional[ChunkedUpdate] = None
+        self._chunks_compiled = False
+
+    def use_chunks(self, chunk_tensors: int) -> None:
+        """Lays the state out as a checkpoint recorded it (``chunk_tensors``: 0 for one tree);
+        call before :meth:`abstract_state` and :meth:`restore`."""
+        self.chunk_tensors = int(chunk_tensors)
+        self._chunked = None
+
+    def _chunks(self) -> Optional[ChunkedUpdate]:
+        """The chunked step of this shard's tensors, or None when it has one tree."""
+        if self.chunk_tensors and self._chunked is None:
+            chunks = plan_chunks(self._param_specs, self.chunk_tensors)
+            key = update_key(self.optimizer, False, {})
+            self._chunked = ChunkedUpdate(self.optimizer, step_function(self.optimizer),
+                                          _masked_step_function(self.optimizer), chunks, key)
+        return self._chunked
 
     def _functions(self, params: Optional[Mapping[str, Any]] = None) -> CompiledUpdate:
         """The jitted functions for this optimizer over the structure of ``params`` (default: the
@@ -198,6 +115,11 @@ class Updater:
         copy = set(borrowed) if self.device.platform == "cpu" else set()
         params = {name: jax.device_put(np.array(value) if name in copy else value, self.device)
                   for name, value in values.items()}
+        chunked = self._chunks()
+        if chunked is not None:
+            self.opt_state, self.params = chunked.init(params), params
+            self._compile_chunks()
+            return
         functions = self._functions(params)
         if functions.compiled.is_set():
             self.opt_state = functions.init(params)
@@ -232,6 +154,16 @@ class Updater:
         except Exception:  # noqa: BLE001 - an optimization only
             return
         functions.compiled.set()
+
+    def _compile_chunks(self) -> Optional[Exception]:
+        """Compiles every chunk's step for these shapes (once); what failed, or None."""
+        if not self._chunks_compiled:
+            try:
+                self._chunks().compile_ahead(self.params, self.opt_state, self.hyper)
+            except Exception as exc:  # noqa: BLE001 - the kernel's refusal (step_problem words it)
+                return exc
+            self._chunks_compiled = True
+        return None
 
     def init_problem(self) -> Optional[str]:
         """Why the optimizer cannot build its state for this shard's tensors (``param_specs``), or
@@ -284,6 +216,10 @@ class Updater:
         """
         import jax
 
+        if self._chunks() is not None:
+            failed = self._compile_chunks()
+            return None if failed is None else (
+                f"optimizer {self.optimizer.name!r} cannot update {self._failing_tensors()}: {error_line(failed)}")
         functions = self._functions()
         if functions.compiled.is_set():  # this optimizer compiled for these tensors: it runs
             return None
@@ -311,6 +247,8 @@ class Updater:
         import jax
 
         params = _abstract_params(self._param_specs)
+        if self._chunks() is not None:
+            return {"params": params, "opt_state": self._chunks().abstract_state(params)}
         return {"params": params, "opt_state": jax.eval_shape(self.optimizer.transformation.init, params)}
 
     def restore(self, params: Mapping[str, np.ndarray], opt_state: Any) -> None:
@@ -319,6 +257,8 @@ class Updater:
 
         self.params = {name: jax.device_put(np.asarray(value), self.device) for name, value in params.items()}
         self.opt_state = jax.tree.map(lambda x: jax.device_put(np.asarray(x), self.device), opt_state)
+        if self._chunks() is not None:
+            self._chunks().adopt(self.opt_state)
 
     def apply(self, grads: Mapping[str, np.ndarray], scale: float, reduce: Callable[[float], float],
               before: Optional[Callable[[float], None]] = None, absent: Iterable[str] = ()) -> float:
@@ -340,6 +280,8 @@ class Updater:
         # may_alias: on CPU the jitted step reads the pooled host buffers directly (no copy); they
         # return to the pool only after the step completed (block_until_ready below).
         grads = {name: jax.device_put(g, self.device, may_alias=True) for name, g in grads.items()}
+        if self._chunks() is not None:
+            return self._apply_chunks(grads, scale, reduce, before, absent)
         functions = self._functions()
         global_stat = np.float32(0.0)
         if functions.partial is not None:
@@ -359,6 +301,21 @@ class Updater:
         jax.block_until_ready(self.params)
         if self.preconditioners is not None:  # sends the statistics for new roots, without waiting
             self.opt_state = self.preconditioners.after_update(self.opt_state)
+        return float(global_stat)
+
+    def _apply_chunks(self, grads, scale: float, reduce, before, absent: Iterable[str]) -> float:
+        """:meth:`apply` chunk by chunk (see :mod:`~optserve.server.compute.chunked_update`)."""
+        import jax
+
+        chunked = self._chunks()
+        global_stat = np.float32(0.0)
+        if self.optimizer.partial_statistic is not None:
+            global_stat = np.float32(reduce(chunked.partial(grads, self.opt_state, self.params)))
+        if before is not None:
+            before(float(global_stat))
+        self.params, self.opt_state = chunked.step(self.params, self.opt_state, grads, np.float32(scale), global_stat,
+                                                   self.hyper, frozenset(absent) & frozenset(self.params))
+        jax.block_until_ready(self.params)
         return float(global_stat)
 
     def param_bytes(self) -> int:
@@ -393,6 +350,8 @@ class Updater:
 
         if self.optimizer.evaluation is None:
             return None
+        if self._chunks() is not None:
+            return to_host(self._chunks().evaluation(self.opt_state, self.params))
         return to_host(jax.jit(self.optimizer.evaluation)(self.opt_state, self.params))
 
     def host_params(self) -> dict[str, np.ndarray]:

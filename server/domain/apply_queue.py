@@ -198,10 +198,10 @@ class ApplyQueue:
                 f"clients={log_value(','.join(arrived))} step_timeout_s={self._step_timeout_s:g}")
 
     # ----------------------------------------------------------------- durability
-    def progress(self, version: int, hyper: dict) -> ShardProgress:
+    def progress(self, version: int, hyper: dict, state_chunks: int = 0) -> ShardProgress:
         """The bookkeeping a checkpoint at ``version`` saves beside the tensors (``hyper``: the
-        hyperparameters of the next step)."""
-        return ShardProgress(version, self.next_ordinal, dict(self.applied_sequence), hyper)
+        hyperparameters of the next step; ``state_chunks``: the optimizer state's layout)."""
+        return ShardProgress(version, self.next_ordinal, dict(self.applied_sequence), hyper, state_chunks)
 
     def restore(self, progress: ShardProgress) -> None:
         """Recovery: continues from ``progress`` (a checkpoint's, after its log's replay)."""

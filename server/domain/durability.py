@@ -200,24 +200,32 @@ class ShardProgress:
       applied_sequence: client id -> last applied push sequence (the idempotency table).
       hyper: the hyperparameters of the next step, ``{group: {option: value}}`` (empty: as the
         optimizer was built).
+      state_chunks: how the optimizer state is laid out: 0, one state over the shard's tensors;
+        N, a tuple of states over chunks of at most N tensors (see
+        :mod:`~optserve.server.compute.chunked_update`). Checkpoints written before chunks
+        existed have 0.
     """
 
     version: int
     next_ordinal: int
     applied_sequence: dict[str, int]
     hyper: dict = dataclasses.field(default_factory=dict)
+    state_chunks: int = 0
 
     def to_json(self) -> dict:
         data = {"version": self.version, "next_ordinal": self.next_ordinal,
                 "applied_sequence": dict(self.applied_sequence)}
         if self.hyper:
             data["hyper"] = self.hyper
+        if self.state_chunks:
+            data["state_chunks"] = self.state_chunks
         return data
 
     @classmethod
     def from_json(cls, data: dict) -> "ShardProgress":
         return cls(int(data["version"]), int(data["next_ordinal"]),
-                   {str(k): int(v) for k, v in data["applied_sequence"].items()}, _hyper_from_json(data.get("hyper")))
+                   {str(k): int(v) for k, v in data["applied_sequence"].items()}, _hyper_from_json(data.get("hyper")),
+                   int(data.get("state_chunks", 0)))
 
     def after(self, record: StepRecord) -> "ShardProgress":
         """The progress once ``record``'s step is applied."""
@@ -225,7 +233,7 @@ class ShardProgress:
         for _, client_id, sequence in record.tickets:
             applied[client_id] = sequence
         next_ordinal = record.tickets[-1][0] + 1 if record.tickets else self.next_ordinal
-        return ShardProgress(record.version, next_ordinal, applied, record.hyper or self.hyper)
+        return ShardProgress(record.version, next_ordinal, applied, record.hyper or self.hyper, self.state_chunks)
 
 
 def _hyper_from_json(data: Optional[dict]) -> dict:

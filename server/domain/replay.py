@@ -59,9 +59,10 @@ def replay(store: CheckpointPort, manifest: dict, updater: Updater, specs: Mappi
     def fresh_buffers() -> dict[str, np.ndarray]:
         return {name: aligned_empty(spec.shape, np.float32) for name, spec in specs.items()}
 
+    progress = ShardProgress.from_json(manifest["progress"])
+    updater.use_chunks(progress.state_chunks)
     restored = store.restore_arrays(manifest, updater.abstract_state())
     updater.restore(restored["params"], restored["opt_state"])
-    progress = ShardProgress.from_json(manifest["progress"])
     updater.set_hyper(progress.hyper)
     applied: list[StepRecord] = []
     for segment in store.log.segments(manifest):

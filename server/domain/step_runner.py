@@ -292,7 +292,7 @@ class StepRunner:
         """What a checkpoint saves (call with ``cond`` held, between steps): the progress, the
         parameters, the optimizer state and, on the home shard, its clock's state."""
         clock_state = self._clock.durable_state if self._is_home else None
-        progress = self.queue.progress(self.version, _plain(self.updater.hyper))
+        progress = self.queue.progress(self.version, _plain(self.updater.hyper), self.updater.chunk_tensors)
         params, opt_state = self.updater.host_state()
         return progress, params, opt_state, clock_state
 

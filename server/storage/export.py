@@ -21,7 +21,10 @@ def load_checkpoint(root: str, session: str) -> dict:
     shard's ``opt_state`` is the optimizer's state over that shard's tensors (a pytree of NumPy
     arrays in the optimizer's own structure: rebuild it with ``optimizer.init`` on those tensors
     and ``jax.tree.unflatten``, or read it with orbax directly from
-    ``DIR/sessions/<name>/shard-<i>/checkpoint-<v>``).
+    ``DIR/sessions/<name>/shard-<i>/checkpoint-<v>``). A shard of more than 64 tensors keeps one
+    state per chunk of its tensors (its manifest's ``progress.state_chunks`` says how many per
+    chunk; :func:`optserve.server.compute.chunked_update.plan_chunks` says which): its
+    ``opt_state`` is then the list of those states.
 
     Raises:
       FileNotFoundError: no such session, or a shard has no checkpoint.

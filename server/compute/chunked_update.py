@@ -1,0 +1,293 @@
+"""A shard with many tensors updated in chunks: compile cost that grows with shapes, not tensors.
+
+XLA's compile time of one step over the whole pytree grows faster than the tensor count (a few
+hundred tensors compile in seconds, a few thousand in minutes). A shard holding more than
+:data:`CHUNK_TENSORS` tensors is therefore updated chunk by chunk: its tensors sorted by (rank,
+shape, dtype, name) and cut into chunks of at most that many, each chunk's step, partial statistic,
+masked step and state init one jitted function over *flat* tuples of arrays (the tensor names live
+in the traced function, so kernels that read paths, such as T5X's factor rules, see them).
+
+Chunks whose lowered programs are identical (same shapes and dtypes, and an optimizer whose
+computation does not depend on the names) share one compiled executable, found by the hash of
+the program's text (:data:`EXECUTABLES`, process-wide, so sessions share them too): a model of
+thousands of tensors of a few shapes compiles a few programs; only tracing is per tensor.
+
+Semantics are those of the whole-tree step: the tensors of a session are already split across
+shards, each running the optimizer over its part and summing the partial statistic; a chunk is one
+more such part (its partial statistics are summed with the shard's). The optimizer state of a
+chunked shard is the tuple of its chunks' states (checkpoints record the chunk size, see
+:attr:`~optserve.server.domain.durability.ShardProgress.state_chunks`).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import threading
+from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
+
+import numpy as np
+
+CHUNK_TENSORS = 64
+"""A shard with more tensors than this is updated in chunks of at most this many."""
+
+
+def plan_chunks(specs: Mapping[str, tuple], chunk_tensors: int) -> list[tuple[str, ...]]:
+    """The chunks of tensors ``specs`` (name -> (shape, dtype)), each of at most ``chunk_tensors``
+    names in name order: the tensors of each (shape, dtype) cut into full chunks of their own (one
+    program for all of them), what is left of every kind then cut together, sorted by (rank,
+    shape, dtype, name). Deterministic: a restore plans the chunks a checkpoint was written in."""
+    def kind(name):
+        return len(specs[name][0]), tuple(specs[name][0]), np.dtype(specs[name][1]).str
+
+    by_kind: dict[tuple, list[str]] = {}
+    for name in sorted(specs, key=lambda n: (kind(n), n)):
+        by_kind.setdefault(kind(name), []).append(name)
+    chunks, rest = [], []
+    for names in by_kind.values():
+        full = len(names) - len(names) % chunk_tensors
+        chunks += [tuple(names[i:i + chunk_tensors]) for i in range(0, full, chunk_tensors)]
+        rest += names[full:]
+    chunks += [tuple(sorted(rest[i:i + chunk_tensors])) for i in range(0, len(rest), chunk_tensors)]
+    return chunks
+
+
+class Executables:
+    """A process-wide, bounded (least recently used) cache of compiled XLA programs by key: the
+    chunk's own structure first (names included: a second session of the same model traces
+    nothing), then the hash of a lowered program's text (chunks of other names, same program)."""
+
+    def __init__(self, capacity: int = 1024):
+        self.capacity = capacity
+        self._entries: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.compiles = 0
+
+    def get(self, key: Hashable):
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+            return found
+
+    def put(self, key: Hashable, compiled) -> None:
+        with self._lock:
+            self._entries[key] = compiled
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+
+    def compiled_for(self, structure_key: Optional[Hashable], lower: Callable[[], Any]):
+        """The executable for ``structure_key`` (None: not keyable), else for the program
+        ``lower()`` gives (lowered once here, compiled only if no identical program was)."""
+        found = self.get(structure_key) if structure_key is not None else None
+        if found is not None:
+            return found
+        lowered = lower()
+        text_key = ("hlo", hashlib.sha256(lowered.as_text(debug_info=False).encode()).hexdigest())
+        found = self.get(text_key)
+        if found is None:
+            found = lowered.compile()
+            with self._lock:
+                self.compiles += 1
+            self.put(text_key, found)
+        if structure_key is not None:
+            self.put(structure_key, found)
+        return found
+
+
+EXECUTABLES = Executables()
+
+
+def _strong(tree):
+    """``tree`` with no weakly typed leaf (dtypes kept), so the state a step returns has the
+    types of the state it was given and one compiled program serves every step."""
+    import jax
+    from jax import lax
+
+    return jax.tree.map(lambda leaf: lax.convert_element_type(leaf, leaf.dtype), tree)
+
+
+class ChunkedUpdate:
+    """The step of one optimizer over a shard's tensors, chunk by chunk.
+
+    Args:
+      optimizer: the ``BuiltOptimizer``.
+      step: ``step(params, state, grads, scale, global_stat, hyper) -> (params, state)`` over a
+        dict of tensors (:func:`~optserve.server.compute.updater.step_function`).
+      masked: the same with a last argument ``keep`` (name -> bool: tensor left alone).
+      chunks: the tensor names of each chunk (:func:`plan_chunks`).
+      key: the optimizer's cache key prefix (None: nothing is shared by structure).
+
+    The state is a tuple with one optimizer state per chunk. Not thread-safe (the updater's
+    caller serialises).
+    """
+
+    def __init__(self, optimizer, step: Callable, masked: Callable, chunks: Sequence[tuple[str, ...]],
+                 key: Optional[Hashable]):
+        self.optimizer = optimizer
+        self.chunks = [tuple(c) for c in chunks]
+        self._step, self._masked, self._key = step, masked, key
+        self._programs: list[dict[str, Any]] = [{} for _ in self.chunks]  # per chunk: kind -> executable
+        self._state_defs: list[Any] = [None] * len(self.chunks)
+
+    # ------------------------------------------------------------------ keys and lowering
+    def _structure_key(self, kind: str, index: int, args) -> Optional[tuple]:
+        if self._key is None:
+            return None
+        import jax
+
+        avals = tuple((tuple(np.shape(x)), str(getattr(x, "dtype", np.asarray(x).dtype)),
+                       bool(getattr(x, "weak_type", False))) for x in jax.tree.leaves(args))
+        return self._key, kind, self.chunks[index], avals
+
+    def _program(self, kind: str, index: int, function: Callable, args, donate=()):
+        """The executable of ``function`` (over flat tuples) for chunk ``index`` and ``args``."""
+        import jax
+
+        programs = self._programs[index]
+        if kind not in programs:
+            programs[kind] = EXECUTABLES.compiled_for(
+                self._structure_key(kind, index, args),
+                lambda: jax.jit(function, donate_argnums=donate).lower(*args))
+        return programs[kind]
+
+    def _call(self, kind: str, index: int, function: Callable, args, donate=()):
+        """Runs chunk ``index``'s ``kind`` program; lowers it again once if the arguments' types
+        moved (a state whose dtypes a step changes)."""
+        try:
+            return self._program(kind, index, function, args, donate)(*args)
+        except TypeError:
+            self._programs[index].pop(kind, None)
+            key = self._structure_key(kind, index, args)
+            import jax
+
+            compiled = jax.jit(function, donate_argnums=donate).lower(*args).compile()
+            if key is not None:
+                EXECUTABLES.put(key, compiled)
+            self._programs[index][kind] = compiled
+            return compiled(*args)
+
+    # ------------------------------------------------------------------ the functions, flat
+    def _init_function(self, index: int) -> Callable:
+        import jax
+
+        names = self.chunks[index]
+
+        def init(params):
+            state = _strong(self.optimizer.transformation.init(dict(zip(names, params))))
+            leaves, self._state_defs[index] = jax.tree.flatten(state)
+            return leaves
+        return init
+
+    def _step_function(self, index: int, masked: bool) -> Callable:
+        import jax
+
+        names, state_def = self.chunks[index], self._state_defs[index]
+
+        def step(params, state, grads, scale, global_stat, hyper, *keep):
+            args = (dict(zip(names, params)), state_def.unflatten(state), dict(zip(names, grads)),
+                    scale, global_stat, hyper)
+            if masked:
+                new_params, new_state = self._masked(*args, dict(zip(names, keep[0])))
+            else:
+                new_params, new_state = self._step(*args)
+            return tuple(new_params[n] for n in names), jax.tree.leaves(_strong(new_state))
+        return step
+
+    def _partial_function(self, index: int) -> Callable:
+        names, state_def = self.chunks[index], self._state_defs[index]
+        partial = self.optimizer.partial_statistic
+
+        def total(grads, state, params):
+            import jax
+
+            grads = dict(zip(names, grads))
+            params = dict(zip(names, params))
+            return partial(jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params),
+                           state_def.unflatten(state), params)
+        return total
+
+    # ------------------------------------------------------------------ what the updater calls
+    def init(self, params: Mapping[str, Any]) -> tuple:
+        """Each chunk's optimizer state for ``params`` (name -> device array)."""
+        states = []
+        for index, names in enumerate(self.chunks):
+            args = (tuple(params[n] for n in names),)
+            leaves = self._call("init", index, self._init_function(index), args)
+            if self._state_defs[index] is None:  # a shared executable: trace once for the structure
+                import jax
+
+                jax.eval_shape(self._init_function(index), *args)
+            states.append(self._state_defs[index].unflatten(leaves))
+        return tuple(states)
+
+    def adopt(self, states: Sequence[Any]) -> None:
+        """Learns each chunk's state structure from ``states`` (restored from a checkpoint)."""
+        import jax
+
+        for index, state in enumerate(states):
+            self._state_defs[index] = jax.tree.structure(state)
+
+    def abstract_state(self, params: Mapping[str, Any]) -> tuple:
+        """Each chunk's state as ``jax.ShapeDtypeStruct`` (a checkpoint restores into it)."""
+        import jax
+
+        return tuple(jax.eval_shape(lambda p: _strong(self.optimizer.transformation.init(p)),
+                                    {n: params[n] for n in names}) for names in self.chunks)
+
+    def compile_ahead(self, params: Mapping[str, Any], states: tuple, hyper) -> None:
+        """Compiles every chunk's step (and partial statistic) for these shapes now."""
+        import jax
+
+        scalar = jax.ShapeDtypeStruct((), np.float32)
+        for index, names in enumerate(self.chunks):
+            ps = tuple(jax.ShapeDtypeStruct(params[n].shape, params[n].dtype) for n in names)
+            gs = tuple(jax.ShapeDtypeStruct(params[n].shape, np.float32) for n in names)
+            leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
+                      for x in jax.tree.leaves(states[index])]
+            self._program("step", index, self._step_function(index, False),
+                          (ps, leaves, gs, scalar, scalar, hyper), donate=(0, 1))
+            if self.optimizer.partial_statistic is not None:
+                self._program("partial", index, self._partial_function(index), (gs, leaves, ps))
+
+    def partial(self, grads: Mapping[str, Any], states: tuple, params: Mapping[str, Any]) -> float:
+        """The shard's partial statistic: the sum of its chunks'."""
+        import jax
+
+        total = 0.0
+        for index, names in enumerate(self.chunks):
+            args = (tuple(grads[n] for n in names), jax.tree.leaves(states[index]), tuple(params[n] for n in names))
+            total += float(self._call("partial", index, self._partial_function(index), args))
+        return total
+
+    def step(self, params: dict, states: tuple, grads: Mapping[str, Any], scale, global_stat, hyper,
+             absent: frozenset = frozenset()) -> tuple[dict, tuple]:
+        """One step of every chunk (tensors in ``absent`` left alone, as the masked step leaves
+        them). Donates ``params``' arrays and ``states``; returns the new ones."""
+        import jax
+
+        new_params, new_states = dict(params), []
+        for index, names in enumerate(self.chunks):
+            args = (tuple(params[n] for n in names), jax.tree.leaves(states[index]),
+                    tuple(grads[n] for n in names), scale, global_stat, hyper)
+            keep = tuple(np.bool_(n in absent) for n in names)
+            if any(keep):
+                out_params, out_state = self._call("masked", index, self._step_function(index, True),
+                                                   args + (keep,), donate=(0, 1))
+            else:
+                out_params, out_state = self._call("step", index, self._step_function(index, False),
+                                                   args, donate=(0, 1))
+            new_params.update(zip(names, out_params))
+            new_states.append(self._state_defs[index].unflatten(out_state))
+        return new_params, tuple(new_states)
+
+    def evaluation(self, states: tuple, params: Mapping[str, Any]) -> dict:
+        """The optimizer's evaluation parameters (schedule-free), chunk by chunk."""
+        import jax
+
+        evaluate = jax.jit(self.optimizer.evaluation)
+        out: dict = {}
+        for index, names in enumerate(self.chunks):
+            out.update(evaluate(states[index], {n: params[n] for n in names}))
+        return out

@@ -1,0 +1,116 @@
+"""Compiled updates shared by sessions: a process-wide cache of jitted step, partial-statistic and
+init functions keyed by the optimizer and the tensor structure, and a count of XLA compilations."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import threading
+from typing import Any, Callable, Hashable, Mapping, Optional
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledUpdate:
+    """The jitted functions of one (optimizer, tensor structure): ``step(params, state, grads,
+    scale, global_stat, hyper) -> (params, state)`` (donates params and state; ``hyper``: the
+    step's hyperparameters, see :mod:`optserve.optim_kernels.hyperparams`), ``partial(grads, state,
+    params) -> scalar`` (None without a cross-shard statistic) and ``init(params) -> state``."""
+
+    step: Callable
+    partial: Optional[Callable]
+    init: Callable
+    masked: Optional[Callable] = None  # step(..., hyper, keep): tensors with keep[name] left alone; compiles on first use
+    compiled: threading.Event = dataclasses.field(default_factory=threading.Event, compare=False)  # see Updater
+    compiling: threading.Lock = dataclasses.field(default_factory=threading.Lock, compare=False)
+
+
+class CompiledUpdates:
+    """A process-wide, bounded (least recently used) cache of :class:`CompiledUpdate` by key.
+
+    ``hits`` / ``misses`` count lookups (a miss builds new jitted functions, which compile on
+    their first call). Thread-safe.
+    """
+
+    def __init__(self, capacity: int = 256):
+        self.capacity = capacity
+        self.hits = 0
+        self.misses = 0
+        self._entries: collections.OrderedDict[Hashable, CompiledUpdate] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Optional[Hashable], build: Callable[[], CompiledUpdate]) -> CompiledUpdate:
+        """The entry for ``key``, built by ``build()`` on a miss (``key`` None: built, not kept)."""
+        with self._lock:
+            entry = self._entries.get(key) if key is not None else None
+            if entry is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+                return entry
+            self.misses += 1
+        entry = build()
+        if key is not None:
+            with self._lock:
+                entry = self._entries.setdefault(key, entry)  # a concurrent miss may have built one first
+                self._entries.move_to_end(key)
+                while len(self._entries) > self.capacity:
+                    self._entries.popitem(last=False)
+        return entry
+
+    def stats(self) -> dict[str, int]:
+        """``{"entries", "hits", "misses"}`` now."""
+        with self._lock:
+            return {"entries": len(self._entries), "hits": self.hits, "misses": self.misses}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+COMPILED = CompiledUpdates()
+
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per XLA compilation
+_compiles = 0
+_listening = False
+_listen_lock = threading.Lock()
+
+
+def count_compiles() -> None:
+    """Starts counting this process's XLA compilations (idempotent; see :func:`compile_stats`)."""
+    global _listening
+    import jax
+
+    with _listen_lock:
+        if _listening:
+            return
+        _listening = True
+
+    def listener(event: str, duration_s: float, **_) -> None:
+        global _compiles
+        if event == _BACKEND_COMPILE_EVENT:
+            _compiles += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+
+
+def compile_stats() -> dict[str, int]:
+    """``{"compiles"}``: XLA compilations in this process since :func:`count_compiles` (every
+    jitted function, not only updates), plus :data:`COMPILED`'s ``entries`` / ``hits`` / ``misses``."""
+    return {"compiles": _compiles, **COMPILED.stats()}
+
+
+def update_key(optimizer, offloaded: bool, params: Mapping[str, Any]) -> Optional[tuple]:
+    """The cache key of ``optimizer`` over ``params`` (name -> array), or None if its options are
+    not plain JSON (then no two sessions can be shown to run the same function).
+
+    ``offloaded``: Shampoo's roots come from the workers (the state the step sees is then fed
+    by the preconditioner object; its options already differ, keyed anyway for clarity).
+    """
+    try:
+        args = json.dumps(optimizer.args, sort_keys=True, allow_nan=True)
+    except (TypeError, ValueError):
+        return None
+    structure = tuple((name, tuple(np.shape(params[name])), str(params[name].dtype if hasattr(params[name], 'dtype') else np.asarray(params[name]).dtype)) for name in sorted(params))
+    return optimizer.name, args, bool(offloaded), structure
