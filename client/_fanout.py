@@ -163,6 +163,7 @@ class ShardFanout:
         started = time.monotonic()
         deadline = started + self._client.timeout
         waits = 0  # backoffs since the shard map last moved (a moved shard is tried again at once, then soon)
+        renegotiated = False  # the previous attempt ended on a shared-memory region its shard did not know
         for attempt_number in itertools.count():
             try:
                 with step_group() as group:
@@ -201,7 +202,15 @@ class ShardFanout:
                              self._client.address, self._session, error.details, max(0.0, deadline - time.monotonic()))
             if moved:  # a restarted shard or server serves at its new address now: no reason to wait
                 waits = 0
+                renegotiated = False
                 continue
+            if getattr(error, "renegotiate", False) and not renegotiated:
+                # a shard restarted at its predecessor's address answered: it is up, and the regions
+                # it did not know are dropped (the next attempt negotiates fresh ones). Tried again
+                # at once, as a moved shard is (once: a second such answer in a row waits as usual)
+                renegotiated = True
+                continue
+            renegotiated = getattr(error, "renegotiate", False)
             backoff = min(policy.max_backoff_s, policy.initial_backoff_s * 2 ** waits)
             waits += 1
             time.sleep(min(backoff * random.uniform(0.8, 1.2), max(0.0, deadline - time.monotonic())))

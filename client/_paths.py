@@ -239,7 +239,11 @@ class DataPaths:
         except NotFoundError as exc:
             if taken and shm_contract.REGION_UNKNOWN in str(exc):
                 self._forget_regions(taken)
-                raise UnavailableError(str(exc), "UNAVAILABLE") from None
+                unknown = UnavailableError(str(exc), "UNAVAILABLE")
+                # the shard answered (a restarted one serves at its predecessor's address, knowing
+                # none of its regions): the step is tried again at once, on fresh regions
+                unknown.renegotiate = True
+                raise unknown from None
             raise
         except BaseException as exc:
             if taken and not isinstance(exc, _ANSWERED_REFUSALS):

@@ -50,3 +50,31 @@ def test_a_pull_naming_a_region_its_shard_dropped_is_unavailable_and_a_fresh_reg
                 np.testing.assert_array_equal(pulled[name], expected[name])
         finally:
             session.close()
+
+
+def test_a_step_on_regions_its_shard_no_longer_knows_is_tried_again_at_once_on_fresh_ones(server, unique_name):
+    """As after a shard restarted at its predecessor's address: the shard answered, so the step
+    is sent again without a backoff (here 20 s: the call would take at least 16 s), applied once."""
+    import time
+
+    from optserve.client._retry import RetryPolicy
+
+    params = make_params(7)
+    slow = RetryPolicy(initial_backoff_s=20.0, max_backoff_s=20.0)
+    with Client(server.address, timeout=60.0, shared_memory=True, retry=slow) as client:
+        session = client.create_session(unique_name, params, optimizer=SGD)
+        try:
+            session.push_pull(make_grads(params, 0))
+            regions = session._shm.acquire(session._shards)
+            session._shm.release(regions)
+            for shard in session._shards:  # the shards drop this object's regions
+                client.shard_data(shard.address).CloseSharedMemory(
+                    data_pb2.CloseSharedMemoryRequest(session=unique_name, region=regions[shard.index].region_id),
+                    timeout=10)
+            started = time.monotonic()
+            session.push_pull(make_grads(params, 1))
+            assert time.monotonic() - started < 8.0, "the step waited a backoff"
+            assert session.version == 2  # applied once
+            assert set(session.data_paths().values()) == {"shared_memory"}
+        finally:
+            session.close()

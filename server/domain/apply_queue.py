@@ -126,7 +126,8 @@ class ApplyQueue:
         waiting = self.arrived.get(self.next_ordinal)  # arrived, but its push is not staged here
         what = (f"ticket {self.next_ordinal} never arrived on shard {self._shard_index}" if waiting is None else
                 f"push {waiting.sequence} of client {waiting.client_id!r} (ticket {waiting.ordinal}) was decided "
-                f"before shard {self._shard_index} restarted and its client has not sent it again")
+                f"but is not staged on shard {self._shard_index} (the shard restarted, or the push's own call was "
+                f"refused after its ticket was decided) and its client has not sent it again")
         return Timeout(f"session {self._config.name!r}: {what}")
 
     def advance(self, ticket: Ticket) -> None:

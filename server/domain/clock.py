@@ -150,6 +150,8 @@ class HomeClock:
             try:
                 self._write_journal(ticket)
             except OSError as exc:  # decided all the same: a restore rebuilds it from the shards' step logs
+                _log.error("event=ticket_not_journaled version=%d ordinal=%d sequence=%d error=%s",
+                           ticket.target_version, ticket.ordinal, sequence, exc)
                 raise Unavailable(f"push {sequence} of client {client_id!r}: the ticket journal could not be "
                                   f"written ({exc}); retry") from None
         return ticket

@@ -197,8 +197,10 @@ class StepRunner:
 
     def _awaits_resend(self, ticket: Ticket) -> bool:
         """A durable session's ticket whose push is not staged here: it was decided before this
-        shard restarted (its staged copy died with the process) and is applied once its client,
-        retrying, sends it again. (Without durability such a ticket is a fault: see _apply_ticket.)"""
+        shard restarted (its staged copy died with the process), or decided though its call heard
+        a refusal (the clock's ticket journal could not be written: its staged copy was dropped),
+        and is applied once its client, retrying, sends it again. (Without durability such a
+        ticket is a fault: see _apply_ticket.)"""
         return (self.journal.enabled and not ticket.closes_round
                 and not self._staging.holds((ticket.client_id, ticket.sequence)))
 
@@ -226,6 +228,16 @@ class StepRunner:
             self._update(mean, ticket, tickets, scale=1.0, absent=absent)
             return
         staged = self._staging.take((ticket.client_id, ticket.sequence))
+        if staged is None and self.journal.enabled:
+            # It was staged when its turn came (see _awaits_resend) and was dropped since: its own
+            # call heard a refusal for a ticket the clock decided all the same (the ticket journal
+            # could not be written), and its client sends it again with the same sequence. Like a
+            # ticket decided before a restart, it keeps its turn until that retry stages it here:
+            # taking its turn without its gradient would leave this shard a push short of its step
+            # for good (the clock past the step, this shard never reaching it) while its peers apply
+            # the retry. Nothing was applied; the hyperparameters set above are the ticket's own.
+            self.queue.arrive(ticket)
+            return
         self.queue.advance(ticket)
         if staged is None:
             raise Timeout(

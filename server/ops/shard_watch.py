@@ -35,7 +35,9 @@ class ShardWatch(Periodic):
 
     failure_event = "shard_watch_failed"
 
-    def __init__(self, fleet, coordinator, period_s: float = 1.0):
+    def __init__(self, fleet, coordinator, period_s: float = 0.25):
+        # a check is one cheap actor call per shard; a dead shard is found 0.125 s after its death
+        # on average (1 s checks cost 0.5 s on average, up to 1 s, of every shard restart's outage)
         super().__init__("optserve-shard-watch", period_s)
         self._fleet = fleet
         self._coordinator = coordinator
