@@ -167,6 +167,10 @@ def _add_durability_options(serve: argparse.ArgumentParser) -> None:
                          help="write each step's log record before its update runs, so a step whose write fails "
                               "(EIO) is applied nowhere on its shard; costs the write's time on every step (by "
                               "default the record is written while the update runs)")
+    durable.add_argument("--checkpoint-copy-max-bytes", type=int, default=1 << 30,
+                         help="a shard's part of a session up to this many bytes (parameters + optimizer state) is "
+                              "copied for a checkpoint so its steps go on while it is written; a larger part is "
+                              "written in place while its steps wait, with no copy (default 1 GiB; 0: never copy)")
 
 
 SERVER_EXTRA = "pip install -e '.[server]'"  # what a client-only install lacks to serve
@@ -268,7 +272,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
             args.checkpoint_dir, every_steps=args.checkpoint_every_steps, every_s=args.checkpoint_every_s,
             max_log_bytes=args.max_log_bytes, fsync=FsyncPolicy(args.fsync),
             fsync_every_steps=args.fsync_every_steps, log_io=LogIO(args.log_io),
-            write_ahead=args.write_ahead),
+            write_ahead=args.write_ahead, checkpoint_copy_max_bytes=args.checkpoint_copy_max_bytes),
     )
 
 

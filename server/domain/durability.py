@@ -90,6 +90,11 @@ class DurabilityConfig:
         written while the update runs, which hides the write's time; such a step is then applied
         but not acknowledged, and its retry is answered without applying it again). A full disk
         refuses a push before it is applied either way: its room is reserved when it is staged.
+      checkpoint_copy_max_bytes: a shard's part of a session (its parameters and optimizer state)
+        up to this many bytes is copied for a checkpoint, so its steps go on while the copy is
+        written (the copy's memory is kept for the next checkpoint); a larger part is written
+        from where it lies while its steps wait (no copy: a shard's memory stays the size of its
+        state). 0: never copy.
     """
 
     checkpoint_dir: str
@@ -100,6 +105,7 @@ class DurabilityConfig:
     fsync_every_steps: int = 100
     log_io: LogIO = LogIO.AUTO
     write_ahead: bool = False
+    checkpoint_copy_max_bytes: int = 1 << 30
 
     def __post_init__(self):
         if not self.checkpoint_dir:
@@ -112,6 +118,8 @@ class DurabilityConfig:
             raise InvalidArgument(f"--max-log-bytes must be >= 1, got {self.max_log_bytes}")
         if self.fsync_every_steps < 1:
             raise InvalidArgument(f"--fsync-every-steps must be >= 1, got {self.fsync_every_steps}")
+        if self.checkpoint_copy_max_bytes < 0:
+            raise InvalidArgument(f"--checkpoint-copy-max-bytes must be >= 0, got {self.checkpoint_copy_max_bytes}")
 
     def policy(self, session_param_bytes: int) -> "CheckpointPolicy":
         """The checkpoint policy of a session holding ``session_param_bytes`` parameter bytes."""

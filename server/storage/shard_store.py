@@ -68,6 +68,7 @@ class ShardStore:
         self.log = StepLog(self.folder, session, shard_index, config, home, fence)
         self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="optserve-ckpt")
         self._snapshots = Snapshots()
+        self._copy_max_bytes = getattr(config, "checkpoint_copy_max_bytes", 1 << 30)
         self._pending: Optional[tuple] = None  # (version, snapshot, manifest) waiting for the writer
         self._busy = False  # the writer thread is draining _pending
         self._done = threading.Condition()
@@ -141,7 +142,9 @@ class ShardStore:
         returning with ``wait``); later log records go to a fresh segment.
 
         One checkpoint is written at a time; one that is due while another is being written
-        waits for it, and a newer one supersedes it. ``clock_state_fn(rotate)``: the home
+        waits for it, and a newer one supersedes it. A state larger than the configuration's
+        ``checkpoint_copy_max_bytes`` is not copied: it is written from where it lies before this
+        returns (the caller's steps wait). ``clock_state_fn(rotate)``: the home
         shard's clock state, taken with the ticket journal's rotation under the clock's lock.
         Returns True.
 
@@ -149,7 +152,10 @@ class ShardStore:
           OSError: the log could not start its fresh segments (no checkpoint is taken; the log
             keeps every step in the segments it writes).
         """
-        tree = self._snapshots.take({"params": params, "opt_state": opt_state})
+        state = {"params": params, "opt_state": opt_state}
+        copy = self._copies(state)
+        wait = wait or not copy  # written from the live state: the steps wait for it
+        tree = self._snapshots.take(state, copy)
         try:
             steps_from, tickets_from, closed_fds, clock_state = self.log.rotate(clock_state_fn)
         except BaseException:  # no fresh segment (a full disk): no checkpoint; the log goes on as it was
@@ -172,6 +178,11 @@ class ShardStore:
         if wait:
             self.wait()
         return True
+
+    def _copies(self, state: dict) -> bool:
+        """Whether a checkpoint of ``state`` is taken as a copy (see ``checkpoint_copy_max_bytes``)."""
+        size = sum(int(getattr(leaf, "nbytes", 0)) for leaf in leaves(state))
+        return size <= self._copy_max_bytes
 
     def _drain(self) -> None:
         """The writer thread: writes the pending checkpoint until there is none."""

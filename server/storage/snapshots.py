@@ -1,4 +1,4 @@
-"""Host copies of a shard's state for checkpoints, and the writer threads' CPU priority."""
+"""Host copies (or views) of a shard's state for checkpoints, and the writer threads' CPU priority."""
 
 from __future__ import annotations
 
@@ -63,12 +63,19 @@ class Snapshots:
     def __init__(self):
         self._spare = None
         self._lock = threading.Lock()
+        self._borrowed: set[int] = set()  # ids of views handed out instead of copies
 
-    def take(self, tree) -> Any:
-        """A host copy of ``tree`` (device or host arrays)."""
+    def take(self, tree, copy: bool = True) -> Any:
+        """A host copy of ``tree`` (device or host arrays); ``copy`` False: host views of it
+        instead (no memory; the caller keeps the live state unchanged until it is given back)."""
         import jax
 
         live = _host_tree(tree)
+        if not copy:
+            with self._lock:
+                self._spare = None  # a state too large to copy keeps no spare copy either
+                self._borrowed.add(id(live))
+            return live
         with self._lock:
             spare, self._spare = self._spare, None
         if spare is None or not _same_layout(spare, live):
@@ -77,6 +84,9 @@ class Snapshots:
         return spare
 
     def give_back(self, tree) -> None:
-        """Takes back a copy once written (or superseded)."""
+        """Takes back a copy once written (or superseded); views are dropped."""
         with self._lock:
+            if id(tree) in self._borrowed:
+                self._borrowed.discard(id(tree))
+                return
             self._spare = tree
