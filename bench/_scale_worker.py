@@ -80,7 +80,8 @@ def _distinct_buffers(params, state):
 
 
 class KernelRole:
-    """The in-process baseline: ``optimizer``'s jitted step with params and state donated."""
+    """The in-process baseline: ``optimizer``'s jitted step with params and state donated (over
+    more than 64 tensors: the shard's own chunked update, see chunked_update)."""
 
     def __init__(self, shapes: Shapes, optimizer: Mapping[str, Any], **_):
         import jax
@@ -88,12 +89,23 @@ class KernelRole:
 
         from optserve.optim_kernels import build_optimizer
         from optserve.optim_kernels.registry import optimizer_entry
+        from optserve.server.compute.chunked_update import CHUNK_TENSORS
 
         args = dict(optimizer.get("args") or {})
         offload = optimizer_entry(optimizer["name"]).root_offload
         if offload is not None and not (optimizer.get("preconditioners") or {}).get("in_process", True):
             args = offload.without_inline_roots(args)  # what a shard runs when the roots are elsewhere
-        tx = build_optimizer(optimizer["name"], args).transformation
+        built = build_optimizer(optimizer["name"], args)
+        tx = built.transformation
+        self._chunked = None
+        if len(shapes) > CHUNK_TENSORS:  # as a shard runs it: in chunks (one program over 10,000 tensors
+            from optserve.server.compute.updater import Updater  # takes XLA many minutes to compile)
+
+            model = numpy_model(shapes, 0, 0.02)
+            self._chunked = Updater(built, param_specs={k: (v.shape, v.dtype) for k, v in model.items()})
+            self._chunked.initialize(model)
+            self._grads = numpy_model(shapes, 1, 1e-3)
+            return
         params = {k: jax.device_put(v) for k, v in numpy_model(shapes, 0, 0.02).items()}
         self._grads = {k: jax.device_put(v) for k, v in numpy_model(shapes, 1, 1e-3).items()}
         state = _distinct_buffers(params, tx.init(params))
@@ -107,11 +119,16 @@ class KernelRole:
         self._jax = jax
 
     def step(self) -> None:
+        if self._chunked is not None:
+            self._chunked.apply(self._grads, 1.0, lambda partial: partial)
+            return
         self._holder[0], self._holder[1] = self._update(self._holder[0], self._holder[1], self._grads)
         self._jax.block_until_ready(self._holder[0])
 
     def close(self) -> None:
-        self._holder.clear()
+        self._chunked = None
+        if hasattr(self, "_holder"):
+            self._holder.clear()
 
 
 class _ClientRole:

@@ -147,9 +147,9 @@ def _abort(context: grpc.ServicerContext, exc: BaseException, rpc: str = "", ref
     """Ends the RPC with the exception's status. One log line: a server fault (INTERNAL) as
     ``event=server_error`` at ERROR with its traceback; a refusal as ``event=rpc_refused`` at
     ``refusal_level`` (the servicer's; the shards log refused pushes themselves)."""
-    if not context.is_active():  # the client went away: nobody to tell
+    if not context.is_active():  # the client went away: nobody to tell, and no response to serialize
         log.debug("RPC ended by the client: %s", exc)
-        return
+        context.abort(grpc.StatusCode.CANCELLED, "the client went away")
     inner = errors.unwrap(exc)
     code = status_code_for(inner)
     if code is grpc.StatusCode.INTERNAL:
