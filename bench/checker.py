@@ -300,13 +300,16 @@ class Unavailability:
     ``recovered`` False: no acknowledged step followed before the run ended (``seconds``: until
     then). ``after_end_s``: the longest time from such a fault's end (a process continued, the
     disk freed, a restarted server listening) to a session's next acknowledged step (None: the
-    faults of this kind have no end, or no step followed one)."""
+    faults of this kind have no end, or no step followed one). ``alone_s``: the longest such time
+    over the faults of this kind that no other fault followed before the session's next step (the
+    fault's own outage; None: every one was overlapped)."""
 
     seconds: float
     session: str
     fault_index: int
     recovered: bool
     after_end_s: Optional[float] = None
+    alone_s: Optional[float] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -484,6 +487,8 @@ def unavailability(faults: Sequence[FaultRecord], calls: Sequence[CallRecord], s
 
     worst: dict = {}
     after_end: dict = {}
+    alone: dict = {}
+    injected = sorted(f.injected for f in faults)
     for index, fault in enumerate(faults):
         for session, times in acks.items():
             after = next_ack(times, fault.injected)
@@ -492,10 +497,14 @@ def unavailability(faults: Sequence[FaultRecord], calls: Sequence[CallRecord], s
             held = worst.get(fault.kind)
             if held is None or (not u.recovered, u.seconds) > (not held.recovered, held.seconds):
                 worst[fault.kind] = u
+            overlapped = any(fault.injected < t < (after if after is not None else end) for t in injected)
+            if after is not None and not overlapped:
+                alone[fault.kind] = max(alone.get(fault.kind, 0.0), u.seconds)
             lifted = next_ack(times, fault.ended) if fault.ended is not None else None
             if lifted is not None:
                 after_end[fault.kind] = max(after_end.get(fault.kind, 0.0), lifted - fault.ended)
-    return {kind: dataclasses.replace(u, after_end_s=after_end.get(kind)) for kind, u in worst.items()}
+    return {kind: dataclasses.replace(u, after_end_s=after_end.get(kind), alone_s=alone.get(kind))
+            for kind, u in worst.items()}
 
 
 # ----------------------------------------------------------------------------- the printer
@@ -519,12 +528,13 @@ def print_report(report: CheckReport, out=sys.stdout) -> None:
             w(f"rolled back ({s.name}): {note[:200]}\n")
     for kind, counts in sorted(report.statuses.items()):
         w(f"calls ({kind}): " + ", ".join(f"{k} {n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1])) + "\n")
-    w("longest unavailability (fault injected -> next acknowledged step of each session; "
-      "and from the fault's end):\n")
+    w("longest unavailability (fault injected -> next acknowledged step of each session; from the fault's "
+      "end; and over the faults no other fault followed before that step):\n")
     for kind, u in sorted(report.unavailability.items()):
         what = f"{u.seconds:.1f} s" if u.recovered else f">= {u.seconds:.1f} s (no step before the end)"
         lifted = f"{u.after_end_s:.1f} s after its end" if u.after_end_s is not None else ""
-        w(f"  {kind:<14}{what:<34}{lifted:<22}({u.session}, fault #{u.fault_index})\n")
+        alone = f"alone {u.alone_s:.1f} s" if u.alone_s is not None else "alone -"
+        w(f"  {kind:<14}{what:<34}{lifted:<22}{alone:<14}({u.session}, fault #{u.fault_index})\n")
     problems = report.problems()
     w("verdict: " + ("clean" if not problems else f"{len(problems)} problem(s)") + "\n")
     for p in problems:

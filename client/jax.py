@@ -158,7 +158,9 @@ class PytreeSession:
         for name, value in self.codec.to_named(grads).items():
             np.copyto(buffers[name], value)
         answered = self.raw.push_pull(buffers, views=True, **kwargs)
-        return self.codec.from_named(answered, self.raw.parameter_buffers())
+        region = self.raw.parameter_buffers()  # the step's reply, where it came through this region
+        return self.codec.from_named(answered, {name: array for name, array in region.items()
+                                                if name in answered and np.shares_memory(array, answered[name])})
 
     def push_pull_async(self, grads: PyTree, **kwargs: Any) -> concurrent.futures.Future:
         """Starts a push_pull; the future resolves to the updated parameter pytree."""

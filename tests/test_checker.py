@@ -187,6 +187,10 @@ def test_unavailability_is_the_time_from_a_fault_to_each_sessions_next_acknowled
     assert worst["disk_full"].seconds == pytest.approx(11.0) and not worst["disk_full"].recovered
     worst = unavailability(faults, calls[:3], ["s"], run_ended=40.0)
     assert worst["shard_kill"].recovered and worst["shard_kill"].seconds == pytest.approx(10.0)  # 20 -> 30
+    # the kill at 20 was followed by the disk fault at 29 before its next step: its own outage is the
+    # kill at 11's (11 -> 14)
+    assert worst["shard_kill"].alone_s == pytest.approx(3.0)
+    assert worst["disk_full"].alone_s == pytest.approx(1.0)
 
 
 def test_the_history_follower_keeps_versions_answered_twice_and_follows_a_rollback():

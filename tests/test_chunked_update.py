@@ -116,3 +116,23 @@ def test_chunks_of_one_program_compile_it_once():
     updater.apply(make_grads(params, 0), 1.0, lambda partial: partial)
     updater.apply(make_grads(params, 1), 1.0, lambda partial: partial)
     assert compile_stats()["compiles"] - before == 0
+
+
+def test_chunks_of_two_parameter_groups_each_run_with_their_own_hyperparameters():
+    """Same-shaped tensors in two groups of different learning rates: each chunk's program reads
+    its own group's hyperparameters (chunks of the two groups must not share an executable), and
+    the result equals one step over the whole tree."""
+    params = make_params(9, {f"{part}/{i:03d}/w": (4, 3) for part in ("enc", "dec") for i in range(70)})
+    spec = {"name": "adamw", "args": {"learning_rate": 1e-2, "weight_decay": 0.0,
+                                      "param_groups": [{"tensors": [n for n in params if n.startswith("dec/")],
+                                                        "learning_rate": 1e-4}]}}
+    chunked, whole = _updater(spec, params), _updater(spec, params, chunk_tensors=0)
+    assert chunked.chunk_tensors == CHUNK_TENSORS
+    for step in range(2):
+        for updater in (chunked, whole):
+            updater.apply(make_grads(params, step), 1.0, lambda partial: partial)
+    got = _host(chunked)
+    assert max_abs_diff(got, _host(whole)) <= 1e-6
+    moved = {part: max(float(np.max(np.abs(got[n] - params[n]))) for n in params if n.startswith(part))
+             for part in ("enc", "dec")}
+    assert moved["dec"] < 0.05 * moved["enc"], moved  # the small learning rate reached the decoder's chunks

@@ -179,3 +179,21 @@ def test_views_return_jax_arrays_over_the_reply_region_and_train_exactly(server,
     assert all(leaf.unsafe_buffer_pointer() != region[name].ctypes.data
                for name, leaf in zip(session.codec.names, jax.tree_util.tree_leaves(copied)))
     session.close()
+
+
+def test_views_over_a_step_that_went_over_grpc_are_that_steps_parameters_not_the_regions(server, unique_name):
+    """A bfloat16 wire sends the step over gRPC: the leaves returned are its answer (copied), not
+    the reply region's older contents."""
+    x, y = _data()
+    grad_fn = jax.jit(jax.value_and_grad(_loss))
+    params = _init_mlp(4)
+    session = ojax.create_session(server.address, unique_name, params, optimizer={"name": "sgd",
+                                                                                   "args": {"learning_rate": 0.1}})
+    first = session.push_pull(grad_fn(params, x, y)[1], views=True)  # through the regions
+    second = session.push_pull(grad_fn(first, x, y)[1], views=True, wire_dtype="bfloat16")
+    pulled = session.pull(wire_dtype="bfloat16")  # the same version, as the step's answer came
+    for got, expected in zip(jax.tree_util.tree_leaves(second), jax.tree_util.tree_leaves(pulled)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    assert not all(np.array_equal(np.asarray(a), np.asarray(b))
+                   for a, b in zip(jax.tree_util.tree_leaves(first), jax.tree_util.tree_leaves(second)))
+    session.close()

@@ -142,14 +142,18 @@ class ChunkedUpdate:
         return self._key, kind, self.chunks[index], avals
 
     def _program(self, kind: str, index: int, function: Callable, args, donate=()):
-        """The executable of ``function`` (over flat tuples) for chunk ``index`` and ``args``."""
+        """The executable of ``function`` (over flat tuples) for chunk ``index`` and ``args``.
+
+        Lowered with every input kept (``keep_unused``): an executable picks its arguments by the
+        inputs it kept, which its text need not show, so two chunks reading different inputs (the
+        hyperparameters of different parameter groups) must not share one through equal texts."""
         import jax
 
         programs = self._programs[index]
         if kind not in programs:
             programs[kind] = EXECUTABLES.compiled_for(
                 self._structure_key(kind, index, args),
-                lambda: jax.jit(function, donate_argnums=donate).lower(*args))
+                lambda: jax.jit(function, donate_argnums=donate, keep_unused=True).lower(*args))
         return programs[kind]
 
     def _call(self, kind: str, index: int, function: Callable, args, donate=()):
@@ -162,7 +166,7 @@ class ChunkedUpdate:
             key = self._structure_key(kind, index, args)
             import jax
 
-            compiled = jax.jit(function, donate_argnums=donate).lower(*args).compile()
+            compiled = jax.jit(function, donate_argnums=donate, keep_unused=True).lower(*args).compile()
             if key is not None:
                 EXECUTABLES.put(key, compiled)
             self._programs[index][kind] = compiled
