@@ -25,7 +25,7 @@ promise for it, and no call outlived its deadline (a call without an outcome cou
 unless its process was killed by the nemesis, :attr:`FaultRecord.victims`).
 
 It measures, per fault kind (:class:`FaultRecord`), the longest unavailability: the time from a
-fault's injection to the next acknowledged step of each session.
+fault's injection to the next acknowledged step of each session (:mod:`bench.outages`).
 
 The history's fields are mapped to pushes in one place, :func:`pushes_of`.
 """
@@ -41,6 +41,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from bench.outages import unavailability
 from optserve.protos.status_records import HyperparamChange, RoundRecord
 
 # A call's outcome: "ok", "late" (an elastic push dropped as late), a gRPC status code name, or
@@ -294,25 +295,6 @@ class SessionCheck:
 
 
 @dataclasses.dataclass(frozen=True)
-class Unavailability:
-    """The longest time from a fault of one kind to a session's next acknowledged step.
-
-    ``recovered`` False: no acknowledged step followed before the run ended (``seconds``: until
-    then). ``after_end_s``: the longest time from such a fault's end (a process continued, the
-    disk freed, a restarted server listening) to a session's next acknowledged step (None: the
-    faults of this kind have no end, or no step followed one). ``alone_s``: the longest such time
-    over the faults of this kind that no other fault followed before the session's next step (the
-    fault's own outage; None: every one was overlapped)."""
-
-    seconds: float
-    session: str
-    fault_index: int
-    recovered: bool
-    after_end_s: Optional[float] = None
-    alone_s: Optional[float] = None
-
-
-@dataclasses.dataclass(frozen=True)
 class CheckReport:
     """Everything :func:`check` proved or refuted; :attr:`clean` when nothing was wrong."""
 
@@ -470,41 +452,6 @@ def replay(optimizer: Mapping, initial: Mapping[str, np.ndarray], records: Seque
         total = partial(update, state, params) if partial is not None else np.float32(0.0)
         params, state = step(params, state, update, scale, np.float32(total), built.hyperparams)
     return {k: np.asarray(v) for k, v in params.items()}
-
-
-# ----------------------------------------------------------------------------- unavailability
-
-def unavailability(faults: Sequence[FaultRecord], calls: Sequence[CallRecord], sessions: Sequence[str],
-                   run_ended: Optional[float] = None) -> dict:
-    """Fault kind -> the longest :class:`Unavailability` after a fault of that kind: for each
-    fault and session, the time from the injection to the session's next acknowledged push."""
-    acks = {s: sorted(c.ended for c in calls if c.session == s and c.kind == "push" and c.outcome == "ok"
-                      and c.ended is not None) for s in sessions}
-    end = run_ended if run_ended is not None else max((c.ended or c.started for c in calls), default=0.0)
-
-    def next_ack(times: list[float], t: float) -> Optional[float]:
-        return next((a for a in times if a >= t), None)
-
-    worst: dict = {}
-    after_end: dict = {}
-    alone: dict = {}
-    injected = sorted(f.injected for f in faults)
-    for index, fault in enumerate(faults):
-        for session, times in acks.items():
-            after = next_ack(times, fault.injected)
-            u = Unavailability(max(0.0, (after if after is not None else end) - fault.injected), session, index,
-                               after is not None)
-            held = worst.get(fault.kind)
-            if held is None or (not u.recovered, u.seconds) > (not held.recovered, held.seconds):
-                worst[fault.kind] = u
-            overlapped = any(fault.injected < t < (after if after is not None else end) for t in injected)
-            if after is not None and not overlapped:
-                alone[fault.kind] = max(alone.get(fault.kind, 0.0), u.seconds)
-            lifted = next_ack(times, fault.ended) if fault.ended is not None else None
-            if lifted is not None:
-                after_end[fault.kind] = max(after_end.get(fault.kind, 0.0), lifted - fault.ended)
-    return {kind: dataclasses.replace(u, after_end_s=after_end.get(kind), alone_s=alone.get(kind))
-            for kind, u in worst.items()}
 
 
 # ----------------------------------------------------------------------------- the printer
