@@ -114,3 +114,28 @@ def update_key(optimizer, offloaded: bool, params: Mapping[str, Any]) -> Optiona
         return None
     structure = tuple((name, tuple(np.shape(params[name])), str(params[name].dtype if hasattr(params[name], 'dtype') else np.asarray(params[name]).dtype)) for name in sorted(params))
     return optimizer.name, args, bool(offloaded), structure
+
+
+def compile_ahead(functions: CompiledUpdate, device, params, state, hyper) -> None:
+    """Compiles ``functions``' step (and partial statistic) for ``params`` and ``state`` (arrays
+    on ``device``; ``hyper``: abstract hyperparameters) now, so the first step is a dispatch (jit's
+    cache keeps the result), then marks them compiled. Best effort: if it fails, the first step
+    compiles as it would have."""
+    import jax
+
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    grads = {name: jax.ShapeDtypeStruct(p.shape, np.float32, sharding=sharding) for name, p in params.items()}
+    scalar = jax.ShapeDtypeStruct((), np.float32)
+    try:
+        # twice: for the state init made, then for the state a step makes (its leaves' types can
+        # differ, e.g. weakly typed counters), which every later step sees
+        for _ in range(2):
+            functions.step.lower(params, state, grads, scalar, scalar, hyper).compile()
+            if functions.partial is not None:
+                functions.partial.lower(grads, state, params).compile()
+            params, state = jax.tree.map(
+                lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type, sharding=sharding),
+                jax.eval_shape(functions.step, params, state, grads, scalar, scalar, hyper))
+    except Exception:  # noqa: BLE001 - an optimization only
+        return
+    functions.compiled.set()

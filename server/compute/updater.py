@@ -30,7 +30,7 @@ from typing import Any, Callable, Collection, Iterable, Mapping, Optional
 import numpy as np
 
 from optserve.server.compute.chunked_update import CHUNK_TENSORS, ChunkedUpdate, plan_chunks
-from optserve.server.compute.compile_cache import COMPILED, CompiledUpdate, count_compiles, update_key
+from optserve.server.compute.compile_cache import COMPILED, CompiledUpdate, compile_ahead, count_compiles, update_key
 from optserve.server.compute.host_transfer import to_host
 from optserve.server.compute.kernel_words import error_line, failing_alone
 
@@ -129,31 +129,7 @@ class Updater:
             self.opt_state = functions.init(params)
             self.params = params
             if not functions.compiled.is_set():
-                self._compile_ahead(functions)
-
-    def _compile_ahead(self, functions: CompiledUpdate) -> None:
-        """Compiles the step (and partial statistic) for this session's shapes now, so its first
-        :meth:`apply` is a dispatch (jit's cache keeps the result). Best effort: if it fails, the
-        first step compiles as it would have."""
-        import jax
-
-        sharding = jax.sharding.SingleDeviceSharding(self.device)
-        grads = {name: jax.ShapeDtypeStruct(p.shape, np.float32, sharding=sharding) for name, p in self.params.items()}
-        scalar = jax.ShapeDtypeStruct((), np.float32)
-        params, state, hyper = self.params, self.opt_state, _abstract_hyper(self.hyper)
-        try:
-            # twice: for the state init made, then for the state a step makes (its leaves' types can
-            # differ, e.g. weakly typed counters), which every later step sees
-            for _ in range(2):
-                functions.step.lower(params, state, grads, scalar, scalar, hyper).compile()
-                if functions.partial is not None:
-                    functions.partial.lower(grads, state, params).compile()
-                params, state = jax.tree.map(
-                    lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type, sharding=sharding),
-                    jax.eval_shape(functions.step, params, state, grads, scalar, scalar, hyper))
-        except Exception:  # noqa: BLE001 - an optimization only
-            return
-        functions.compiled.set()
+                compile_ahead(functions, self.device, self.params, self.opt_state, _abstract_hyper(self.hyper))
 
     def _compile_chunks(self) -> Optional[Exception]:
         """Compiles every chunk's step for these shapes (once); what failed, or None."""
@@ -189,15 +165,8 @@ class Updater:
             jax.eval_shape(self._functions(params).init, params)
         except Exception as exc:  # noqa: BLE001 - any failure to trace init is the kernel's refusal
             return (f"optimizer {self.optimizer.name!r} cannot build its state for "
-                    f"{self._failing_init_tensors(params)}: {error_line(exc)}")
+                    f"{_failing_init_tensors(self.optimizer, params)}: {error_line(exc)}")
         return None
-
-    def _failing_init_tensors(self, params: Mapping[str, Any]) -> str:
-        """The tensors of ``params`` (abstract) whose state fails to build alone, in words."""
-        import jax
-
-        init = self.optimizer.transformation.init
-        return failing_alone(params, lambda alone: jax.eval_shape(init, alone))
 
     def step_problem(self) -> Optional[str]:
         """Why the optimizer's step cannot run on this shard's tensors, or None when it can.
@@ -219,7 +188,7 @@ class Updater:
         if self._chunks() is not None:
             failed = self._compile_chunks()
             return None if failed is None else (
-                f"optimizer {self.optimizer.name!r} cannot update {self._failing_tensors()}: {error_line(failed)}")
+                f"optimizer {self.optimizer.name!r} cannot update {_failing_step_tensors(self.optimizer, self.params, self.hyper)}: {error_line(failed)}")
         functions = self._functions()
         if functions.compiled.is_set():  # this optimizer compiled for these tensors: it runs
             return None
@@ -229,18 +198,8 @@ class Updater:
             if functions.partial is not None:
                 jax.eval_shape(functions.partial, grads, self.opt_state, self.params)
         except Exception as exc:  # noqa: BLE001 - any failure to trace the step is the kernel's refusal
-            return f"optimizer {self.optimizer.name!r} cannot update {self._failing_tensors()}: {error_line(exc)}"
+            return f"optimizer {self.optimizer.name!r} cannot update {_failing_step_tensors(self.optimizer, self.params, self.hyper)}: {error_line(exc)}"
         return None
-
-    def _failing_tensors(self) -> str:
-        """The shard's tensors whose step fails when traced alone, in words."""
-        import jax
-
-        tx, step = self.optimizer.transformation, step_function(self.optimizer)
-        scalar = jax.ShapeDtypeStruct((), np.float32)
-        params = {name: jax.ShapeDtypeStruct(value.shape, value.dtype) for name, value in self.params.items()}
-        return failing_alone(params, lambda alone: jax.eval_shape(
-            step, alone, jax.eval_shape(tx.init, alone), _abstract_grads(alone), scalar, scalar, self.hyper))
 
     def abstract_state(self) -> dict:
         """``{"params", "opt_state"}`` as ``jax.ShapeDtypeStruct`` trees (what a checkpoint restores into)."""
@@ -417,6 +376,25 @@ def _masked_step_function(optimizer) -> Callable:
         return new_params, jax.tree_util.tree_map_with_path(pick, state, new_state)
 
     return masked
+
+
+def _failing_init_tensors(optimizer, params: Mapping[str, Any]) -> str:
+    """The tensors of ``params`` (abstract) whose state ``optimizer`` fails to build alone, in words."""
+    import jax
+
+    init = optimizer.transformation.init
+    return failing_alone(params, lambda alone: jax.eval_shape(init, alone))
+
+
+def _failing_step_tensors(optimizer, params: Mapping[str, Any], hyper) -> str:
+    """The tensors of ``params`` whose step of ``optimizer`` fails when traced alone, in words."""
+    import jax
+
+    tx, step = optimizer.transformation, step_function(optimizer)
+    scalar = jax.ShapeDtypeStruct((), np.float32)
+    params = {name: jax.ShapeDtypeStruct(value.shape, value.dtype) for name, value in params.items()}
+    return failing_alone(params, lambda alone: jax.eval_shape(
+        step, alone, jax.eval_shape(tx.init, alone), _abstract_grads(alone), scalar, scalar, hyper))
 
 
 def _abstract_params(specs: Mapping[str, tuple]) -> dict:

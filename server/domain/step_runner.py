@@ -169,7 +169,8 @@ class StepRunner:
                     if self._noticed_version < ticket.target_version:
                         self._notice_waiting(ticket, time.monotonic() - started)
                     continue
-                raise Timeout(self._step_timeout_message(ticket, time.monotonic() - started))
+                raise Timeout(step_timeout_message(self.queue, self._clock.status() if self._elastic else None,
+                                                  self.config.min_workers, ticket, time.monotonic() - started))
 
     def _wait_until(self, ticket: Ticket, started: float, deadline: float) -> float:
         """When a wait for ``ticket``'s step ends: its deadline, or first the time to say that a
@@ -183,17 +184,6 @@ class StepRunner:
         once (which clients pushed, how many are missing, how long), long before its timeout."""
         self._noticed_version = ticket.target_version
         _log.warning("event=sync_step_waiting %s", self.queue.waiting_fields(ticket, waited_s))
-
-    def _step_timeout_message(self, ticket: Ticket, waited_s: float) -> str:
-        """Why ``ticket``'s step did not complete (an elastic session's home shard names the members
-        that did not push)."""
-        message = self.queue.step_timeout_message(ticket, waited_s)
-        status = self._clock.status() if self._elastic else None
-        if status is None or status.elastic is None:
-            return message
-        missing = sorted(set(status.elastic.members) - set(self.queue.step.workers))
-        return (f"{message}; min_workers={self.config.min_workers}, members now: "
-                f"{', '.join(status.elastic.members) or 'none'}; not pushed: {', '.join(missing) or 'none'}")
 
     def _awaits_resend(self, ticket: Ticket) -> bool:
         """A durable session's ticket whose push is not staged here: it was decided before this
@@ -366,6 +356,17 @@ class StepRunner:
                 self._clock.journal_settled()
             self.cond.notify_all()
             return self.version
+
+
+def step_timeout_message(queue, status, min_workers: int, ticket: Ticket, waited_s: float) -> str:
+    """Why ``ticket``'s step did not complete; with an elastic session's clock ``status`` (its home
+    shard), naming the members that did not push."""
+    message = queue.step_timeout_message(ticket, waited_s)
+    if status is None or status.elastic is None:
+        return message
+    missing = sorted(set(status.elastic.members) - set(queue.step.workers))
+    return (f"{message}; min_workers={min_workers}, members now: "
+            f"{', '.join(status.elastic.members) or 'none'}; not pushed: {', '.join(missing) or 'none'}")
 
 
 def _plain(hyper: Mapping[str, Mapping[str, Any]]) -> dict:
