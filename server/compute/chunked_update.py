@@ -77,15 +77,17 @@ class Executables:
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
 
-    def compiled_for(self, structure_key: Optional[Hashable], lower: Callable[[], Any]):
+    def compiled_for(self, structure_key: Optional[Hashable], lower: Callable[[], Any], fresh: bool = False):
         """The executable for ``structure_key`` (None: not keyable), else for the program
-        ``lower()`` gives (lowered once here, compiled only if no identical program was)."""
-        found = self.get(structure_key) if structure_key is not None else None
+        ``lower()`` gives (lowered once here, compiled only if no identical program was).
+        ``fresh``: look nothing up (an executable found before refused its arguments); lower,
+        compile and file the result under both keys."""
+        found = self.get(structure_key) if structure_key is not None and not fresh else None
         if found is not None:
             return found
         lowered = lower()
         text_key = ("hlo", hashlib.sha256(lowered.as_text(debug_info=False).encode()).hexdigest())
-        found = self.get(text_key)
+        found = None if fresh else self.get(text_key)
         if found is None:
             found = lowered.compile()
             with self._lock:
@@ -141,7 +143,7 @@ class ChunkedUpdate:
                        bool(getattr(x, "weak_type", False))) for x in jax.tree.leaves(args))
         return self._key, kind, self.chunks[index], avals
 
-    def _program(self, kind: str, index: int, function: Callable, args, donate=()):
+    def _program(self, kind: str, index: int, function: Callable, args, donate=(), fresh: bool = False):
         """The executable of ``function`` (over flat tuples) for chunk ``index`` and ``args``.
 
         Lowered with every input kept (``keep_unused``): an executable picks its arguments by the
@@ -150,10 +152,10 @@ class ChunkedUpdate:
         import jax
 
         programs = self._programs[index]
-        if kind not in programs:
+        if fresh or kind not in programs:
             programs[kind] = EXECUTABLES.compiled_for(
                 self._structure_key(kind, index, args),
-                lambda: jax.jit(function, donate_argnums=donate, keep_unused=True).lower(*args))
+                lambda: jax.jit(function, donate_argnums=donate, keep_unused=True).lower(*args), fresh=fresh)
         return programs[kind]
 
     def _call(self, kind: str, index: int, function: Callable, args, donate=()):
@@ -162,15 +164,7 @@ class ChunkedUpdate:
         try:
             return self._program(kind, index, function, args, donate)(*args)
         except TypeError:
-            self._programs[index].pop(kind, None)
-            key = self._structure_key(kind, index, args)
-            import jax
-
-            compiled = jax.jit(function, donate_argnums=donate, keep_unused=True).lower(*args).compile()
-            if key is not None:
-                EXECUTABLES.put(key, compiled)
-            self._programs[index][kind] = compiled
-            return compiled(*args)
+            return self._program(kind, index, function, args, donate, fresh=True)(*args)
 
     # ------------------------------------------------------------------ the functions, flat
     def _init_function(self, index: int) -> Callable:
@@ -259,11 +253,12 @@ class ChunkedUpdate:
         """The shard's partial statistic: the sum of its chunks'."""
         import jax
 
-        total = 0.0
+        parts = []
         for index, names in enumerate(self.chunks):
             args = (tuple(grads[n] for n in names), jax.tree.leaves(states[index]), tuple(params[n] for n in names))
-            total += float(self._call("partial", index, self._partial_function(index), args))
-        return total
+            parts.append(self._call("partial", index, self._partial_function(index), args))
+        # One wait for all of them (the chunks' programs run back to back), summed in float64.
+        return float(np.sum(np.asarray(jax.device_get(parts), dtype=np.float64)))
 
     def step(self, params: dict, states: tuple, grads: Mapping[str, Any], scale, global_stat, hyper,
              absent: frozenset = frozenset()) -> tuple[dict, tuple]:
