@@ -220,8 +220,12 @@ class ShardStore:
             commit_manifest(path, manifest, leaves(tree), time.time())
         except BaseException as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"
-            log.exception("event=checkpoint_failed session=%s shard=%d version=%d", self._session, self._shard,
-                          version)
+            if _storage_error(exc):  # a full or failing disk: one line, the log keeps every step
+                log.error("event=checkpoint_failed session=%s shard=%d version=%d error=%s", self._session,
+                          self._shard, version, _first_line(self.last_error))
+            else:
+                log.exception("event=checkpoint_failed session=%s shard=%d version=%d", self._session,
+                              self._shard, version)
             close_segments(closed_fds, flush=True)  # they stay the only copy of their steps
             raise
         close_segments(closed_fds, flush=False)  # replaced by the committed checkpoint
@@ -259,3 +263,15 @@ class ShardStore:
         self.log.close()
         self.wait()
         self._writer.shutdown(wait=True)
+
+
+def _storage_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is the file system refusing (no space, an I/O error, a read-only disk):
+    an ``OSError``, or tensorstore's error carrying an ``os_error_code`` as orbax raises it."""
+    return isinstance(exc, OSError) or "os_error_code" in str(exc)
+
+
+def _first_line(text: str) -> str:
+    """The first line of ``text`` without the ``[tensorstore_spec=...]`` tensorstore appends."""
+    line = text.splitlines()[0] if text else ""
+    return line.split(" [tensorstore_spec=", 1)[0]
