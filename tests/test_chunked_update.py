@@ -136,3 +136,26 @@ def test_chunks_of_two_parameter_groups_each_run_with_their_own_hyperparameters(
     moved = {part: max(float(np.max(np.abs(got[n] - params[n]))) for n in params if n.startswith(part))
              for part in ("enc", "dec")}
     assert moved["dec"] < 0.05 * moved["enc"], moved  # the small learning rate reached the decoder's chunks
+
+
+def test_evaluation_of_chunks_of_one_program_compiles_it_once():
+    """Schedule-free's evaluation parameters over 320 tensors of one shape (five chunks): one
+    program, shared as the chunks' steps share theirs, not one compile per chunk."""
+    import jax
+
+    params = make_params(6, {f"block{i:04d}/w": (4, 3) for i in range(320)})
+    updater = _updater(SCHEDULE_FREE, params)
+    updater.apply(make_grads(params, 0), 1.0, lambda partial: partial)
+    compiles = []
+
+    def count(event: str, seconds: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        first = updater.evaluation_params()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert len(first) == 320
+    assert len(compiles) <= 1, len(compiles)

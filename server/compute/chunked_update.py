@@ -206,6 +206,15 @@ class ChunkedUpdate:
                            state_def.unflatten(state), params)
         return total
 
+    def _evaluation_function(self, index: int) -> Callable:
+        names, state_def = self.chunks[index], self._state_defs[index]
+        evaluation = self.optimizer.evaluation
+
+        def evaluate(state, params):
+            out = evaluation(state_def.unflatten(state), dict(zip(names, params)))
+            return tuple(out[n] for n in names)
+        return evaluate
+
     # ------------------------------------------------------------------ what the updater calls
     def init(self, params: Mapping[str, Any]) -> tuple:
         """Each chunk's optimizer state for ``params`` (name -> device array)."""
@@ -282,11 +291,12 @@ class ChunkedUpdate:
         return new_params, tuple(new_states)
 
     def evaluation(self, states: tuple, params: Mapping[str, Any]) -> dict:
-        """The optimizer's evaluation parameters (schedule-free), chunk by chunk."""
+        """The optimizer's evaluation parameters (schedule-free), chunk by chunk (chunks of one
+        program share its executable, as their steps do)."""
         import jax
 
-        evaluate = jax.jit(self.optimizer.evaluation)
         out: dict = {}
         for index, names in enumerate(self.chunks):
-            out.update(evaluate(states[index], {n: params[n] for n in names}))
+            args = (jax.tree.leaves(states[index]), tuple(params[n] for n in names))
+            out.update(zip(names, self._call("evaluation", index, self._evaluation_function(index), args)))
         return out
