@@ -79,33 +79,28 @@ def _distinct_buffers(params, state):
     return jax.tree.map(distinct, state)
 
 
-class KernelRole:
-    """The in-process baseline: ``optimizer``'s jitted step with params and state donated (over
-    more than 64 tensors: the shard's own chunked update, see chunked_update)."""
+def _kernel_optimizer(optimizer: Mapping[str, Any]):
+    """The built optimizer a shard runs for ``optimizer`` (without inline roots where they are
+    computed elsewhere)."""
+    from optserve.optim_kernels import build_optimizer
+    from optserve.optim_kernels.registry import optimizer_entry
 
-    def __init__(self, shapes: Shapes, optimizer: Mapping[str, Any], **_):
+    args = dict(optimizer.get("args") or {})
+    offload = optimizer_entry(optimizer["name"]).root_offload
+    if offload is not None and not (optimizer.get("preconditioners") or {}).get("in_process", True):
+        args = offload.without_inline_roots(args)
+    return build_optimizer(optimizer["name"], args)
+
+
+class WholeTreeKernel:
+    """The in-process baseline: ``optimizer``'s jitted step over the whole tree, params and state
+    donated."""
+
+    def __init__(self, shapes: Shapes, optimizer: Mapping[str, Any]):
         import jax
         import optax
 
-        from optserve.optim_kernels import build_optimizer
-        from optserve.optim_kernels.registry import optimizer_entry
-        from optserve.server.compute.chunked_update import CHUNK_TENSORS
-
-        args = dict(optimizer.get("args") or {})
-        offload = optimizer_entry(optimizer["name"]).root_offload
-        if offload is not None and not (optimizer.get("preconditioners") or {}).get("in_process", True):
-            args = offload.without_inline_roots(args)  # what a shard runs when the roots are elsewhere
-        built = build_optimizer(optimizer["name"], args)
-        tx = built.transformation
-        self._chunked = None
-        if len(shapes) > CHUNK_TENSORS:  # as a shard runs it: in chunks (one program over 10,000 tensors
-            from optserve.server.compute.updater import Updater  # takes XLA many minutes to compile)
-
-            model = numpy_model(shapes, 0, 0.02)
-            self._chunked = Updater(built, param_specs={k: (v.shape, v.dtype) for k, v in model.items()})
-            self._chunked.initialize(model)
-            self._grads = numpy_model(shapes, 1, 1e-3)
-            return
+        tx = _kernel_optimizer(optimizer).transformation
         params = {k: jax.device_put(v) for k, v in numpy_model(shapes, 0, 0.02).items()}
         self._grads = {k: jax.device_put(v) for k, v in numpy_model(shapes, 1, 1e-3).items()}
         state = _distinct_buffers(params, tx.init(params))
@@ -119,16 +114,38 @@ class KernelRole:
         self._jax = jax
 
     def step(self) -> None:
-        if self._chunked is not None:
-            self._chunked.apply(self._grads, 1.0, lambda partial: partial)
-            return
         self._holder[0], self._holder[1] = self._update(self._holder[0], self._holder[1], self._grads)
         self._jax.block_until_ready(self._holder[0])
 
     def close(self) -> None:
-        self._chunked = None
-        if hasattr(self, "_holder"):
-            self._holder.clear()
+        self._holder.clear()
+
+
+class ChunkedKernel:
+    """The in-process baseline over more than ``CHUNK_TENSORS`` tensors: the shard's own chunked
+    update (one program over 10,000 tensors takes XLA many minutes to compile)."""
+
+    def __init__(self, shapes: Shapes, optimizer: Mapping[str, Any]):
+        from optserve.server.compute.updater import Updater
+
+        model = numpy_model(shapes, 0, 0.02)
+        self._updater = Updater(_kernel_optimizer(optimizer),
+                                param_specs={k: (v.shape, v.dtype) for k, v in model.items()})
+        self._updater.initialize(model)
+        self._grads = numpy_model(shapes, 1, 1e-3)
+
+    def step(self) -> None:
+        self._updater.apply(self._grads, 1.0, lambda partial: partial)
+
+    def close(self) -> None:
+        self._updater = None
+
+
+def kernel_role(shapes: Shapes, optimizer: Mapping[str, Any], **_):
+    """The in-process baseline as a shard runs it: whole-tree, or chunked over many tensors."""
+    from optserve.server.compute.chunked_update import CHUNK_TENSORS
+
+    return (ChunkedKernel if len(shapes) > CHUNK_TENSORS else WholeTreeKernel)(shapes, optimizer)
 
 
 class _ClientRole:
@@ -225,7 +242,7 @@ class TorchRole(_ClientRole):
         self.opt.close()
 
 
-ROLES: dict[str, Callable[..., Any]] = {"kernel": KernelRole, "numpy": NumpyRole, "views": ViewsRole,
+ROLES: dict[str, Callable[..., Any]] = {"kernel": kernel_role, "numpy": NumpyRole, "views": ViewsRole,
                                         "torch": TorchRole}
 
 
