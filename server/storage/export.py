@@ -10,6 +10,7 @@ import numpy as np
 from optserve.server.storage.files import session_dir
 from optserve.server.storage.format import CorruptCheckpoint, format_of
 from optserve.server.storage.manifests import checkpoint_versions, checksums_match, read_manifest
+from optserve.server.storage.orbax_trees import restore_tree
 from optserve.server.storage.snapshots import leaves
 
 
@@ -31,7 +32,6 @@ def load_checkpoint(root: str, session: str) -> dict:
       CorruptCheckpoint: a checkpoint's arrays do not match their checksums.
       UnsupportedFormat: a newer optserve wrote the session's files.
     """
-    import orbax.checkpoint as ocp
 
     folder = session_dir(os.path.abspath(root), session)  # orbax reads absolute paths only
     entry_path = os.path.join(folder, "session.json")
@@ -47,7 +47,7 @@ def load_checkpoint(root: str, session: str) -> dict:
     params, states = {}, []
     for index in shards:
         manifest = read_manifest(os.path.join(folder, f"shard-{index}"), version)
-        tree = ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(manifest["path"])
+        tree = restore_tree(manifest["path"])
         if not checksums_match(manifest, leaves(tree), ordered=False):  # no optimizer structure: order may differ
             raise CorruptCheckpoint(f"checkpoint {manifest['path']} does not match its checksums")
         params.update({k: np.asarray(v) for k, v in tree["params"].items()})

@@ -24,6 +24,7 @@ from optserve.server.storage.format import CorruptCheckpoint
 from optserve.server.storage.manifests import (checksums_match, commit_manifest, drop_checkpoints_older_than,
                                                latest_manifest)
 from optserve.server.storage.log_reader import StepLogReader
+from optserve.server.storage.orbax_trees import restore_tree, write_tree
 from optserve.server.storage.segments import close_segments
 from optserve.server.storage.snapshots import Snapshots, leaves, yield_cpu_to_steps
 from optserve.server.storage.step_log import StepLog
@@ -98,12 +99,10 @@ class ShardStore:
     def restore_arrays(self, manifest: dict, abstract: dict) -> dict:
         """The checkpoint's ``{"params", "opt_state"}`` (NumPy leaves), checked against the
         manifest's checksums. ``abstract``: the same tree of ``jax.ShapeDtypeStruct``."""
-        import orbax.checkpoint as ocp
 
         path = manifest["path"]
         try:
-            restored = ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(
-                path, args=ocp.args.StandardRestore(abstract))
+            restored = restore_tree(path, abstract)
         except Exception as exc:  # noqa: BLE001 - orbax raises many kinds on damaged files
             raise CorruptCheckpoint(f"checkpoint {path} cannot be read: {type(exc).__name__}: {exc}") from None
         if not checksums_match(manifest, [np.asarray(x) for x in leaves(restored)]):
@@ -203,7 +202,6 @@ class ShardStore:
             del job
 
     def _write(self, version: int, tree: dict, manifest: dict) -> None:
-        import orbax.checkpoint as ocp
 
         started = time.monotonic()
         path = os.path.join(self.folder, f"checkpoint-{version}")
@@ -213,9 +211,9 @@ class ShardStore:
             if os.path.exists(path):  # a checkpoint of this version without a manifest, or a re-save
                 shutil.rmtree(path)
             # Uncompressed: zstd would cost more CPU than the step itself on a busy host; the
-            # format is orbax's own (a StandardCheckpointHandler restores it).
-            ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)).save(
-                path, args=ocp.args.PyTreeSave(tree))
+            # format is orbax's own (a StandardCheckpointHandler restores it), written with no
+            # copy of the tree (the snapshot is given back, or the steps resume, after this).
+            write_tree(path, tree)
             self._check_owner(f"committing {path}")
             commit_manifest(path, manifest, leaves(tree), time.time())
         except BaseException as exc:

@@ -21,6 +21,7 @@ import numpy as np
 from optserve.server.storage.format import CorruptCheckpoint, format_of
 from optserve.server.storage.log_reader import StepLogReader, read_journal
 from optserve.server.storage.manifests import checkpoint_versions, checksums_match, read_manifest
+from optserve.server.storage.orbax_trees import restore_tree
 from optserve.server.storage.segments import STEPS, TICKETS, segment_indices
 from optserve.server.storage.snapshots import leaves
 
@@ -125,11 +126,10 @@ def _verify_shard(folder: str, shapes: dict) -> Iterator[FileVerdict]:
 
 
 def _verify_checkpoint(folder: str, version: int) -> FileVerdict:
-    import orbax.checkpoint as ocp
 
     try:
         manifest = read_manifest(folder, version)
-        tree = ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(manifest["path"])
+        tree = restore_tree(manifest["path"])
         if not checksums_match(manifest, leaves(tree), ordered=False):
             return FileVerdict(manifest["path"], CORRUPT, "its arrays do not match the manifest's checksums")
     except CorruptCheckpoint as exc:
