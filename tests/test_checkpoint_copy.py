@@ -19,7 +19,7 @@ import numpy as np
 from optserve.server.domain.durability import DurabilityConfig, ShardProgress
 from optserve.server.storage import ShardStore
 
-folder, copy_max = sys.argv[1], int(sys.argv[2])
+folder, copy_max, copied = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "copied"
 state_bytes = 96 << 20
 params = {"w": np.random.default_rng(0).standard_normal(state_bytes // 8, dtype=np.float32)}
 opt_state = {"m": np.ones(state_bytes // 8, np.float32)}
@@ -37,7 +37,7 @@ with open("/proc/self/clear_refs", "w") as fh:
     fh.write("5")  # the peak resident set starts again from here (orbax loaded and warm)
 before = rss("VmRSS")
 for version in (1, 2):
-    store.checkpoint(ShardProgress(version, 0, {}), params, opt_state)
+    store.checkpoint(ShardProgress(version, 0, {}), params, opt_state, copied=copied)
     written = store.durable_version  # read before waiting: a checkpoint written in place is done already
     store.wait()
 growth, kept = (rss("VmHWM") - before) / state_bytes, (rss("VmRSS") - before) / state_bytes
@@ -48,9 +48,10 @@ print(json.dumps({"growth": growth, "kept": kept, "written_at_return": written, 
 """
 
 
-def _run(tmp_path, copy_max: int) -> dict:
-    folder = str(tmp_path / f"copy-{copy_max}")
-    out = subprocess.run([sys.executable, "-c", _CHILD, folder, str(copy_max)], capture_output=True, text=True,
+def _run(tmp_path, copy_max: int, copied: bool = False) -> dict:
+    folder = str(tmp_path / f"copy-{copy_max}-{copied}")
+    out = subprocess.run([sys.executable, "-c", _CHILD, folder, str(copy_max), "copied" if copied else "live"],
+                         capture_output=True, text=True,
                          timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -65,3 +66,13 @@ def test_a_state_over_the_copy_bound_is_checkpointed_in_place_and_a_smaller_one_
     assert 0.9 < copied["growth"] < 1.4, copied  # one copy, so the steps could go on, and no other
     assert in_place["kept"] < 0.3, in_place  # nothing held between checkpoints
     assert copied["kept"] > 0.9, copied  # the copy's memory, kept for the next checkpoint
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
+def test_a_host_copy_made_elsewhere_is_written_as_it_is_without_waiting_or_a_spare(tmp_path):
+    """An accelerator's state arrives as a host copy already (``copied``): over the copy bound it
+    is neither copied again nor written while the steps wait, and no spare copy is kept."""
+    adopted = _run(tmp_path, 0, copied=True)
+    assert adopted["exact"]
+    assert adopted["written_at_return"] == 1, adopted  # version 2 was still being written: no wait
+    assert adopted["growth"] < 0.3 and adopted["kept"] < 0.3, adopted

@@ -82,3 +82,33 @@ def test_parameters_come_back_through_pinned_host_memory_unchanged():
     assert _pinned_target(on_device["w"]).memory_kind == "pinned_host"  # the path to_host takes for it
     host = to_host(on_device)
     assert np.array_equal(host["w"], values["w"]) and int(host["count"]) == 7
+
+
+@pytest.mark.skipif(REHEARSAL, reason="a GPU's state reaches the host as a copy; a CPU device's as views")
+def test_a_gpu_shards_checkpoint_is_its_host_copy_written_without_waiting_and_restores_exactly(tmp_path):
+    import jax
+    import numpy as np
+
+    from optserve.optim_kernels import build_optimizer
+    from optserve.server.compute.updater import Updater
+    from optserve.server.domain.durability import DurabilityConfig, ShardProgress
+    from optserve.server.storage import ShardStore
+
+    params = make_params(3, {"w": (256, 128), "b": (128,)})
+    updater = Updater(build_optimizer("adam", {"learning_rate": 0.01}),
+                      param_specs={k: (v.shape, v.dtype) for k, v in params.items()})
+    updater.initialize(params)
+    updater.apply(make_grads(params, 0), 1.0, lambda partial: partial)
+    assert updater.device.platform == "gpu" and updater.host_state_is_copy
+    store = ShardStore(str(tmp_path), "gpu", 0, DurabilityConfig(str(tmp_path), checkpoint_copy_max_bytes=0),
+                       home=False)
+    store.start_logs(None)
+    saved_params, saved_state = updater.host_state()
+    store.checkpoint(ShardProgress(1, 0, {}), saved_params, saved_state, copied=True)
+    store.wait()
+    abstract = {"params": saved_params, "opt_state": saved_state}
+    restored = store.restore_arrays(store.latest(), abstract)
+    assert max_abs_diff(restored["params"], updater.host_params()) == 0.0
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(restored["opt_state"]),
+                                                    jax.tree.leaves(saved_state)))
+    store.close()

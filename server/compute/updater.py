@@ -330,6 +330,11 @@ class Updater:
         """``(parameters, optimizer state)`` as host arrays (see :meth:`host_params`), for a checkpoint."""
         return to_host((self.params, self.opt_state))
 
+    @property
+    def host_state_is_copy(self) -> bool:
+        """Whether :meth:`host_state` is a copy (on an accelerator), not views of the live state."""
+        return self.device.platform != "cpu"
+
 
 def step_function(optimizer) -> Callable:
     """``step(params, state, grads, scale, global_stat, hyper) -> (params, state)`` of ``optimizer``,

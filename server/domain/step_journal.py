@@ -85,9 +85,10 @@ class JournalOwner(Protocol):
     initialized: bool  # the initial values are installed
     half_gathered: bool  # a sync step is gathering its pushes here (not a step boundary)
 
-    def checkpoint_state(self) -> tuple[ShardProgress, dict, Any, Optional[Callable]]:
-        """``(progress, params, opt_state, clock_state_fn)`` at the current version (the last:
-        the home clock's ``durable_state``, None elsewhere)."""
+    def checkpoint_state(self) -> tuple[ShardProgress, dict, Any, Optional[Callable], bool]:
+        """``(progress, params, opt_state, clock_state_fn, copied)`` at the current version
+        (``clock_state_fn``: the home clock's ``durable_state``, None elsewhere; ``copied``: the
+        arrays are a host copy, not views of the live state)."""
 
     def recover_log(self) -> bool:
         """Takes the session's lock and :meth:`StepJournal.recover`\\ s (raising if the session ended)."""
@@ -313,8 +314,8 @@ class StepJournal:
     def checkpoint(self, wait: bool = False) -> bool:
         """Snapshots the state at the current version into the store (between steps); the home
         shard adds its clock's state."""
-        progress, params, opt_state, clock_state_fn = self._owner.checkpoint_state()
-        return self._store.checkpoint(progress, params, opt_state, clock_state_fn, wait=wait)
+        progress, params, opt_state, clock_state_fn, copied = self._owner.checkpoint_state()
+        return self._store.checkpoint(progress, params, opt_state, clock_state_fn, wait=wait, copied=copied)
 
     def checkpoint_now(self) -> bool:
         """A checkpoint of the current state, written before this returns (server shutdown);

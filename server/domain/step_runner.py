@@ -290,13 +290,14 @@ class StepRunner:
         """A sync step is gathering its pushes here: the state is not at a step boundary."""
         return self.queue.half_gathered
 
-    def checkpoint_state(self) -> tuple[ShardProgress, dict, Any, Optional[Callable]]:
+    def checkpoint_state(self) -> tuple[ShardProgress, dict, Any, Optional[Callable], bool]:
         """What a checkpoint saves (call with ``cond`` held, between steps): the progress, the
-        parameters, the optimizer state and, on the home shard, its clock's state."""
+        parameters, the optimizer state, on the home shard its clock's state, and whether the
+        parameters and state are a host copy (an accelerator's) rather than views of the live state."""
         clock_state = self._clock.durable_state if self._is_home else None
         progress = self.queue.progress(self.version, _plain(self.updater.hyper), self.updater.chunk_tensors)
         params, opt_state = self.updater.host_state()
-        return progress, params, opt_state, clock_state
+        return progress, params, opt_state, clock_state, self.updater.host_state_is_copy
 
     def _step_failed(self, ticket: Ticket, exc: Exception) -> SessionLost:
         """The kernel raised while running the step of ``ticket`` (call with ``cond`` held): the

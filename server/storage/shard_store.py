@@ -136,14 +136,16 @@ class ShardStore:
 
     # ------------------------------------------------------------- checkpoints
     def checkpoint(self, progress, params: dict, opt_state: Any, clock_state_fn: Optional[Callable] = None,
-                   wait: bool = False) -> bool:
+                   wait: bool = False, copied: bool = False) -> bool:
         """Snapshots the state at ``progress.version`` and writes it in the background (before
         returning with ``wait``); later log records go to a fresh segment.
 
         One checkpoint is written at a time; one that is due while another is being written
         waits for it, and a newer one supersedes it. A state larger than the configuration's
         ``checkpoint_copy_max_bytes`` is not copied: it is written from where it lies before this
-        returns (the caller's steps wait). ``clock_state_fn(rotate)``: the home
+        returns (the caller's steps wait). ``copied``: ``params`` and ``opt_state`` are a host copy
+        already (an accelerator's state): written as they are, neither copied nor waited for.
+        ``clock_state_fn(rotate)``: the home
         shard's clock state, taken with the ticket journal's rotation under the clock's lock.
         Returns True.
 
@@ -152,9 +154,12 @@ class ShardStore:
             keeps every step in the segments it writes).
         """
         state = {"params": params, "opt_state": opt_state}
-        copy = self._copies(state)
-        wait = wait or not copy  # written from the live state: the steps wait for it
-        tree = self._snapshots.take(state, copy)
+        if copied:
+            tree = self._snapshots.adopt(state)
+        else:
+            copy = self._copies(state)
+            wait = wait or not copy  # written from the live state: the steps wait for it
+            tree = self._snapshots.take(state, copy)
         try:
             steps_from, tickets_from, closed_fds, clock_state = self.log.rotate(clock_state_fn)
         except BaseException:  # no fresh segment (a full disk): no checkpoint; the log goes on as it was
