@@ -54,7 +54,10 @@ def _registry(group_bytes: int = RESTORE_GROUP_BYTES):
         groups of at most ``group_bytes`` on restore."""
 
         def __init__(self):
-            super().__init__(deepcopy_host_arrays=False)
+            try:
+                super().__init__(deepcopy_host_arrays=False)
+            except TypeError:  # an orbax before the option (copying or not, as that version does)
+                super().__init__()
 
         async def deserialize(self, infos, args=None):
             args = list(args) if args is not None else [handlers.RestoreArgs() for _ in infos]
