@@ -46,6 +46,7 @@ import numpy as np
 from optserve.optim_kernels import BuiltOptimizer, build_optimizer, resolve_schedules
 from optserve.optim_kernels.registry import optimizer_entry
 from optserve.protos.status_records import PreconditionerBlockStatus, RootOffloadStatus, RootStatus
+from optserve.server.compute.heap import release_free_memory
 from optserve.server.compute.preconditioner_pool import PreconditionerPool, RootJob
 from optserve.server.compute.preconditioner_worker import RootComputation
 
@@ -147,8 +148,10 @@ class OffloadedPreconditioners(ShardPreconditioners):
         self._computation = RootComputation(seam.compute_roots, seam.root_config(config))
         self._export_pending = jax.jit(lambda state, grads: seam.export(state, config, grads))
         self._export_current = jax.jit(lambda state: seam.export(state, config))
+        # The state is donated: its unchanged leaves (statistics, momenta, parameters' state) are
+        # kept in place, not copied into a whole new state beside the old one at every install.
         self._install = jax.jit(lambda state, roots, errors, step: seam.install(
-            state, config, roots, errors, step))  # unchanged leaves are forwarded, not copied
+            state, config, roots, errors, step), donate_argnums=(0,))
         self._jobs: collections.deque[RootJob] = collections.deque()
         self._offered = -1  # step of the newest installed export (whatever its blocks' outcome)
         self._exported = -1  # step of the newest export sent
@@ -218,13 +221,37 @@ class OffloadedPreconditioners(ShardPreconditioners):
         for _ in range(index + 1):
             self.resubmits += self._jobs.popleft().resubmits
         roots, errors = self.pool.result(job)
-        state = self._install(state, roots, errors, np.int32(job.step))
+        state = self._install(_distinct_buffers(state), roots, errors, np.int32(job.step))
         self._offered = max(self._offered, job.step)
         self.roots_installed += 1
+        del roots, errors, job
+        # The export, the roots and the install's temporaries (a few times the statistics) are
+        # free now; the heap keeps freed memory for the steps' reuse, so hand these pages back.
+        release_free_memory()
         return state
 
     def _resubmits(self) -> int:
         return self.resubmits + sum(job.resubmits for job in list(self._jobs))
+
+
+def _distinct_buffers(state):
+    """``state`` with no two leaves in one device buffer (a state built eagerly may share one
+    between equal leaves), so it can be donated whole: a repeated buffer is copied."""
+    import jax
+    import jax.numpy as jnp
+
+    seen: set = set()
+
+    def once(leaf):
+        try:
+            key = leaf.unsafe_buffer_pointer()
+        except Exception:  # noqa: BLE001 - not a single-buffer device array: its identity will do
+            key = id(leaf)
+        if key in seen:
+            return jnp.array(leaf, copy=True)
+        seen.add(key)
+        return leaf
+    return jax.tree.map(once, state)
 
 
 def build_shard_optimizer(name: str, args: Mapping[str, Any], shapes: Mapping[str, Sequence[int]],
