@@ -161,6 +161,7 @@ class _Batch:
     ref: Any
     attempts: int = 1
     result: Optional[tuple[np.ndarray, np.ndarray]] = None
+    inputs: Optional[list] = None  # ObjectRefs of the batch's arrays, put once (resends reuse them)
 
 
 @dataclasses.dataclass
@@ -171,18 +172,21 @@ class RootJob:
       step: the export's step (the last update whose gradient its statistics contain).
       blocks: ``B``, the number of real matrices.
       batches: the worker calls, in block order.
+      statistics / previous: the export's stacked matrices until every batch is in the object
+        store (then None: the batches' ``inputs`` hold them, once).
       resubmits: calls sent again after a worker error.
     """
 
     step: int
     blocks: int
     batches: list[_Batch]
-    statistics: np.ndarray = dataclasses.field(repr=False)
+    statistics: Optional[np.ndarray] = dataclasses.field(repr=False)
     exponents: np.ndarray = dataclasses.field(repr=False)
     sizes: np.ndarray = dataclasses.field(repr=False)
     computation: RootComputation = dataclasses.field(repr=False)
     resubmits: int = 0
     previous: np.ndarray | None = dataclasses.field(default=None, repr=False)
+    matrix_size: int = 0  # n
 
     @property
     def done(self) -> bool:
@@ -235,11 +239,14 @@ class PreconditionerPool:
         sizes = np.asarray(sizes, np.int32)
         blocks = statistics.shape[0]
         b = batch_size(blocks, self.config.batch_blocks)
-        job = RootJob(int(step), blocks, [], statistics, exponents, sizes, computation, previous=previous)
+        job = RootJob(int(step), blocks, [], statistics, exponents, sizes, computation, previous=previous,
+                      matrix_size=int(statistics.shape[1]))
         for start in range(0, blocks, b):
             batch = _Batch(start, min(start + b, blocks), -1, None)
             self._send(job, batch, b)
             job.batches.append(batch)
+        if all(batch.inputs is not None or batch.result is not None for batch in job.batches):
+            job.statistics = job.previous = None  # the object store holds them: not a second copy here
         return job
 
     def _send(self, job: RootJob, batch: _Batch, b: int) -> None:
@@ -247,13 +254,13 @@ class PreconditionerPool:
         self._check_suspects()
         live = [i for i in range(len(self.workers)) if i not in self._suspects]
         if not live:
-            batch.result = self._compute_locally(job, batch.start, b)
+            batch.result = self._compute_locally(job, batch, b)
             return
         while self._next in self._suspects:
             self._next = (self._next + 1) % len(self.workers)
         batch.worker = self._next
         self._next = (self._next + 1) % len(self.workers)
-        batch.ref = self._call(job, batch.start, b, batch.worker)
+        batch.ref = self._call(job, batch, b, batch.worker)
 
     def _batch_arrays(self, job: RootJob, start: int, b: int) -> tuple:
         """The batch at ``start``, padded to ``b`` matrices with identities (size n, p = 2):
@@ -264,14 +271,22 @@ class PreconditionerPool:
             arrays.append(job.previous[start:stop])
         missing = b - (stop - start)
         if missing:
-            n = job.statistics.shape[1]
+            n = job.matrix_size
             identities = np.broadcast_to(np.eye(n, dtype=np.float32), (missing, n, n))
             pads = [identities, np.full((missing,), 2, np.int32), np.full((missing,), n, np.int32), identities]
             arrays = [np.concatenate([a, pad]) for a, pad in zip(arrays, pads)]
         return tuple(arrays)
 
-    def _call(self, job: RootJob, start: int, b: int, worker: int):
-        stats, exps, sizes, *previous = self._batch_arrays(job, start, b)
+    def _inputs(self, job: RootJob, batch: _Batch, b: int) -> list:
+        """The batch's arrays in the object store (put at its first send; a resend reuses them)."""
+        if batch.inputs is None:
+            import ray
+
+            batch.inputs = [ray.put(array) for array in self._batch_arrays(job, batch.start, b)]
+        return batch.inputs
+
+    def _call(self, job: RootJob, batch: _Batch, b: int, worker: int):
+        stats, exps, sizes, *previous = self._inputs(job, batch, b)
         return self.workers[worker].compute.remote(stats, exps, sizes, job.computation, *previous)
 
     # ---------------------------------------------------------------- collect
@@ -324,7 +339,7 @@ class PreconditionerPool:
             if batch.attempts >= self.config.max_attempts:
                 log.warning("root batch [%d, %d) of step %d failed %d times (%s); computing it locally",
                             batch.start, batch.stop, job.step, batch.attempts, type(exc).__name__)
-                batch.result = self._compute_locally(job, batch.start, b)
+                batch.result = self._compute_locally(job, batch, b)
                 return
             batch.attempts += 1
             job.resubmits += 1
@@ -332,7 +347,7 @@ class PreconditionerPool:
         except rex.RayTaskError as exc:
             log.warning("root batch [%d, %d) of step %d raised %s; its roots count as failed",
                         batch.start, batch.stop, job.step, exc)
-            n = job.statistics.shape[1]
+            n = job.matrix_size
             batch.result = (np.zeros((b, n, n), np.float32), np.full((b,), np.inf, np.float32))
 
     def _check_suspects(self) -> None:
@@ -356,11 +371,17 @@ class PreconditionerPool:
         b = batch_size(job.blocks, self.config.batch_blocks)
         for batch in job.batches:
             if batch.result is None:
-                batch.result = self._compute_locally(job, batch.start, b)
+                batch.result = self._compute_locally(job, batch, b)
 
-    def _compute_locally(self, job: RootJob, start: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+    def _compute_locally(self, job: RootJob, batch: _Batch, b: int) -> tuple[np.ndarray, np.ndarray]:
         fn = self._local_fns.get(job.computation)
         if fn is None:
             fn = self._local_fns[job.computation] = compute_roots_fn(job.computation)
-        roots, errors = fn(*self._batch_arrays(job, start, b))
+        if batch.inputs is not None:
+            import ray
+
+            arrays = ray.get(batch.inputs)
+        else:
+            arrays = self._batch_arrays(job, batch.start, b)
+        roots, errors = fn(*arrays)
         return np.asarray(roots, np.float32), np.asarray(errors, np.float32)
