@@ -210,6 +210,18 @@ def test_the_shard_budget_counts_each_optimizers_own_state_and_a_refusal_names_t
              f"{params} of gradient buffer)", f"shard_memory_bytes={BUDGET}", "--shard-memory-bytes")
 
 
+def test_the_shard_budget_counts_shampoos_roots_in_flight(control):
+    # 256 x 384 with blocks of 128: parameters, state and gradient buffer (3.1 MB) fit the 4 MiB
+    # budget, but a shard also holds the exported statistics, the roots coming back and their
+    # copy while roots are exchanged (3 x 8 bytes per parameter here), and that does not fit.
+    shampoo = control_pb2.OptimizerSpec(name="shampoo", args_json='{"learning_rate": 0.1, "block_size": 128}')
+    roots = 3 * 8 * 256 * 384
+    _refused(control, _config("budget-shampoo", [(256, 384)], shampoo), grpc.StatusCode.RESOURCE_EXHAUSTED,
+             f"{roots} of preconditioner roots in flight", "--shard-memory-bytes")
+    assert _create(control, _config("budget-shampoo-small", [(128, 256)], shampoo)) is None
+    control.CloseSession(control_pb2.CloseSessionRequest(name="budget-shampoo-small"), timeout=30)
+
+
 def test_tensor_count_name_and_rank_past_their_limits_are_resource_exhausted(control):
     _refused(control, _config("many-tensors", [(2,)] * (MAX_TENSORS + 1)), grpc.StatusCode.RESOURCE_EXHAUSTED,
              f"max_tensors={MAX_TENSORS}", "--max-tensors")

@@ -46,3 +46,35 @@ def state_bytes(name: str, args: Mapping[str, Any], shapes: Mapping[str, tuple[i
                    for leaf in jax.tree_util.tree_leaves(state))
     except Exception:  # noqa: BLE001 - the kernel's refusal (the shard's own check words it), or a leaf of no size
         return None
+
+
+ROOT_EXCHANGE_COPIES = 3
+"""Stacked statistics a shard holds at once while roots are exchanged: the export (until it is in
+the object store), the roots received, and their copy into the update's memory."""
+
+
+def root_exchange_bytes(name: str, args: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """Bytes beyond its state that a shard of optimizer ``name`` holds while its matrix roots
+    (Shampoo) or eigenbases (SOAP) are exchanged with the preconditioner workers, or computed in
+    its update: :data:`ROOT_EXCHANGE_COPIES` times the stacked statistics of an export (traced
+    abstractly, as :func:`state_bytes`). 0 for an optimizer without such roots, or when the
+    export does not trace for these tensors."""
+    try:
+        import jax
+        import numpy as np
+
+        from optserve.optim_kernels import build_optimizer, resolve_schedules
+        from optserve.optim_kernels.registry import optimizer_entry
+
+        seam = optimizer_entry(name).root_offload
+        if seam is None:
+            return 0
+        config = seam.config(**resolve_schedules(name, dict(args)))
+        params = {tensor: jax.ShapeDtypeStruct(tuple(shape), np.float32) for tensor, shape in shapes.items()}
+        state = jax.eval_shape(build_optimizer(name, dict(args)).transformation.init, params)
+        exported = jax.eval_shape(lambda s: seam.export(s, config), state)
+        stacked = [exported.statistics] + ([exported.previous] if getattr(exported, "previous", None) is not None
+                                           else [])
+        return ROOT_EXCHANGE_COPIES * sum(int(np.prod(x.shape, dtype=np.int64)) * x.dtype.itemsize for x in stacked)
+    except Exception:  # noqa: BLE001 - as state_bytes: the shard's own check words the refusal
+        return 0
