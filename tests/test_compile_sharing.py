@@ -51,6 +51,22 @@ def test_first_updater_compiles_when_initialized_so_its_first_step_compiles_noth
                                rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["adam", "shampoo"])
+def test_the_step_compiles_once_the_state_init_makes_being_the_state_a_step_returns(name):
+    """init's state has the step's types and placement, so initialize compiles init and one step
+    program (it compiled the step twice: for init's uncommitted state, then for the step's)."""
+    args = {"learning_rate": 1e-2, **({"block_size": 4} if name == "shampoo" else {})}
+    params = make_params(seed=8, shapes={f"{name}/once/w": (6, 9), f"{name}/once/b": (9,)})
+    updater = Updater(build_optimizer(name, args))
+    before = _compiles()
+    updater.initialize(params)
+    assert _compiles() - before == 2, "init and one step program"
+    before = _compiles()
+    for step in range(3):
+        updater.apply(make_grads(params, step), 1.0, lambda partial: partial)
+    assert _compiles() - before == 0
+
+
 @pytest.mark.parametrize("spec", [ADAFACTOR, T5X], ids=lambda s: s["name"])
 def test_second_updater_with_same_structure_and_optimizer_compiles_nothing(spec):
     params = make_params(seed=3, shapes={f"{spec['name']}/sharing/w": (7, 5), "b": (5,)})

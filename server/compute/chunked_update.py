@@ -101,7 +101,7 @@ class Executables:
 EXECUTABLES = Executables()
 
 
-def _strong(tree):
+def strongly_typed(tree):
     """``tree`` with no weakly typed leaf (dtypes kept), so the state a step returns has the
     types of the state it was given and one compiled program serves every step."""
     import jax
@@ -173,7 +173,7 @@ class ChunkedUpdate:
         names = self.chunks[index]
 
         def init(params):
-            state = _strong(self.optimizer.transformation.init(dict(zip(names, params))))
+            state = strongly_typed(self.optimizer.transformation.init(dict(zip(names, params))))
             leaves, self._state_defs[index] = jax.tree.flatten(state)
             return leaves
         return init
@@ -190,7 +190,7 @@ class ChunkedUpdate:
                 new_params, new_state = self._masked(*args, dict(zip(names, keep[0])))
             else:
                 new_params, new_state = self._step(*args)
-            return tuple(new_params[n] for n in names), jax.tree.leaves(_strong(new_state))
+            return tuple(new_params[n] for n in names), jax.tree.leaves(strongly_typed(new_state))
         return step
 
     def _partial_function(self, index: int) -> Callable:
@@ -240,7 +240,7 @@ class ChunkedUpdate:
         """Each chunk's state as ``jax.ShapeDtypeStruct`` (a checkpoint restores into it)."""
         import jax
 
-        return tuple(jax.eval_shape(lambda p: _strong(self.optimizer.transformation.init(p)),
+        return tuple(jax.eval_shape(lambda p: strongly_typed(self.optimizer.transformation.init(p)),
                                     {n: params[n] for n in names}) for names in self.chunks)
 
     def compile_ahead(self, params: Mapping[str, Any], states: tuple, hyper) -> None:

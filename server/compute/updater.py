@@ -29,7 +29,7 @@ from typing import Any, Callable, Collection, Iterable, Mapping, Optional
 
 import numpy as np
 
-from optserve.server.compute.chunked_update import CHUNK_TENSORS, ChunkedUpdate, plan_chunks
+from optserve.server.compute.chunked_update import CHUNK_TENSORS, ChunkedUpdate, strongly_typed, plan_chunks
 from optserve.server.compute.compile_cache import COMPILED, CompiledUpdate, compile_ahead, count_compiles, update_key
 from optserve.server.compute.host_transfer import to_host
 from optserve.server.compute.kernel_words import error_line, failing_alone
@@ -84,20 +84,8 @@ class Updater:
         if self._compiled is None:
             params = self.params if params is None else params
             key = update_key(self.optimizer, getattr(self.preconditioners, "offloaded", False), params)
-            self._compiled = COMPILED.get(key, self._build)
+            self._compiled = COMPILED.get(key, lambda: compiled_update(self.optimizer, self.device))
         return self._compiled
-
-    def _build(self) -> CompiledUpdate:
-        import jax
-
-        partial = self.optimizer.partial_statistic
-        step_fn = jax.jit(step_function(self.optimizer), donate_argnums=(0, 1))
-        partial_fn = None
-        if partial is not None:
-            partial_fn = jax.jit(lambda grads, state, params: partial(
-                jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), state, params))
-        masked_fn = jax.jit(_masked_step_function(self.optimizer), donate_argnums=(0, 1))
-        return CompiledUpdate(step_fn, partial_fn, jax.jit(self.optimizer.transformation.init), masked_fn)
 
     @property
     def initialized(self) -> bool:
@@ -334,6 +322,26 @@ class Updater:
     def host_state_is_copy(self) -> bool:
         """Whether :meth:`host_state` is a copy (on an accelerator), not views of the live state."""
         return self.device.platform != "cpu"
+
+
+def compiled_update(optimizer, device) -> CompiledUpdate:
+    """Fresh jitted step, masked step, partial statistic and init of ``optimizer`` on ``device``
+    (they compile on first use or in :func:`~.compile_cache.compile_ahead`)."""
+    import jax
+
+    partial = optimizer.partial_statistic
+    step_fn = jax.jit(step_function(optimizer), donate_argnums=(0, 1))
+    partial_fn = None
+    if partial is not None:
+        partial_fn = jax.jit(lambda grads, state, params: partial(
+            jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), state, params))
+    masked_fn = jax.jit(_masked_step_function(optimizer), donate_argnums=(0, 1))
+    # The state init makes has the types and placement (committed to the device) of the state a
+    # step returns, so the step compiles once, not once for each.
+    init = optimizer.transformation.init
+    init_fn = jax.jit(lambda params: strongly_typed(init(params)),
+                      out_shardings=jax.sharding.SingleDeviceSharding(device))
+    return CompiledUpdate(step_fn, partial_fn, init_fn, masked_fn)
 
 
 def step_function(optimizer) -> Callable:
