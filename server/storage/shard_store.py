@@ -144,7 +144,8 @@ class ShardStore:
         waits for it, and a newer one supersedes it. A state larger than the configuration's
         ``checkpoint_copy_max_bytes`` is not copied: it is written from where it lies before this
         returns (the caller's steps wait). ``copied``: ``params`` and ``opt_state`` are a host copy
-        already (an accelerator's state): written as they are, neither copied nor waited for.
+        already (an accelerator's state): written as they are, never copied again (over the bound
+        the steps still wait, so no second host copy is made while it is written).
         ``clock_state_fn(rotate)``: the home
         shard's clock state, taken with the ticket journal's rotation under the clock's lock.
         Returns True.
@@ -154,12 +155,11 @@ class ShardStore:
             keeps every step in the segments it writes).
         """
         state = {"params": params, "opt_state": opt_state}
-        if copied:
-            tree = self._snapshots.adopt(state)
-        else:
-            copy = self._copies(state)
-            wait = wait or not copy  # written from the live state: the steps wait for it
-            tree = self._snapshots.take(state, copy)
+        copy = self._copies(state)
+        # Over the copy bound the steps wait while it is written: from the live state, or from the
+        # one host copy an accelerator's state needs (no second one made while it is written).
+        wait = wait or not copy
+        tree = self._snapshots.adopt(state) if copied else self._snapshots.take(state, copy)
         try:
             steps_from, tickets_from, closed_fds, clock_state = self.log.rotate(clock_state_fn)
         except BaseException:  # no fresh segment (a full disk): no checkpoint; the log goes on as it was
