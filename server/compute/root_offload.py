@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -58,6 +59,10 @@ def required_source_step(step: int, every: int, max_age: int, lag: int = 0) -> i
     with ``s = step - lag`` (the seam's ``lag``)."""
     scheduled = step - lag
     return min(scheduled - scheduled % every, step - max_age)
+
+
+TRIM_INTERVAL_S = 5.0
+"""Least seconds between two hand-backs of a shard's free heap pages after root installs."""
 
 
 def default_max_age(every: int) -> int:
@@ -153,6 +158,8 @@ class OffloadedPreconditioners(ShardPreconditioners):
         self._install = jax.jit(lambda state, roots, errors, step: seam.install(
             state, config, roots, errors, step), donate_argnums=(0,))
         self._jobs: collections.deque[RootJob] = collections.deque()
+        self._trim_due = False  # an install freed an export and its roots since the heap last gave pages back
+        self._trimmed_at = -TRIM_INTERVAL_S
         self._offered = -1  # step of the newest installed export (whatever its blocks' outcome)
         self._exported = -1  # step of the newest export sent
 
@@ -180,6 +187,7 @@ class OffloadedPreconditioners(ShardPreconditioners):
         return self._install_job(state, len(self._jobs) - 1)
 
     def after_update(self, state):
+        self._release_exchange_memory()
         if self.labels:
             step = int(self.seam.progress(state)[0]) - 1
             if step % self._every == 0 and step > self._exported:
@@ -191,6 +199,16 @@ class OffloadedPreconditioners(ShardPreconditioners):
         """Waits for the exports still in flight and drops them (before shutting Ray down)."""
         while self._jobs:
             self._finish(self._jobs.popleft())
+
+    def _release_exchange_memory(self) -> None:
+        """Hands the heap's free pages back after an install (its export, roots and temporaries,
+        a few times the statistics, are free once the step is done), at most every
+        :data:`TRIM_INTERVAL_S`: the heap otherwise keeps freed memory for the steps' reuse, and
+        a step after a trim page-faults its temporaries afresh."""
+        now = time.monotonic()
+        if self._trim_due and now - self._trimmed_at >= TRIM_INTERVAL_S:
+            release_free_memory()
+            self._trim_due, self._trimmed_at = False, now
 
     # ---------------------------------------------------------------- jobs
     def _submit(self, exported) -> None:
@@ -224,10 +242,7 @@ class OffloadedPreconditioners(ShardPreconditioners):
         state = self._install(_distinct_buffers(state), roots, errors, np.int32(job.step))
         self._offered = max(self._offered, job.step)
         self.roots_installed += 1
-        del roots, errors, job
-        # The export, the roots and the install's temporaries (a few times the statistics) are
-        # free now; the heap keeps freed memory for the steps' reuse, so hand these pages back.
-        release_free_memory()
+        self._trim_due = True
         return state
 
     def _resubmits(self) -> int:
