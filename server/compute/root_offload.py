@@ -201,10 +201,10 @@ class OffloadedPreconditioners(ShardPreconditioners):
             self._finish(self._jobs.popleft())
 
     def _release_exchange_memory(self) -> None:
-        """Hands the heap's free pages back after an install (its export, roots and temporaries,
-        a few times the statistics, are free once the step is done), at most every
-        :data:`TRIM_INTERVAL_S`: the heap otherwise keeps freed memory for the steps' reuse, and
-        a step after a trim page-faults its temporaries afresh."""
+        """Hands the heap's free pages back after an install (its roots and temporaries, a few
+        times the statistics, are free then; one skipped for the interval is done after a later
+        step), at most every :data:`TRIM_INTERVAL_S`: the heap otherwise keeps freed memory for
+        the steps' reuse, and a step after a trim page-faults its temporaries afresh."""
         now = time.monotonic()
         if self._trim_due and now - self._trimmed_at >= TRIM_INTERVAL_S:
             release_free_memory()
@@ -242,7 +242,9 @@ class OffloadedPreconditioners(ShardPreconditioners):
         state = self._install(_distinct_buffers(state), roots, errors, np.int32(job.step))
         self._offered = max(self._offered, job.step)
         self.roots_installed += 1
+        del roots, errors  # the export's batches are views of the object store: not on this heap
         self._trim_due = True
+        self._release_exchange_memory()  # before the step: its temporaries then fit in what is left
         return state
 
     def _resubmits(self) -> int:
