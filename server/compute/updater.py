@@ -83,6 +83,8 @@ class Updater:
         current parameters), from :data:`COMPILED`; looked up once per updater."""
         if self._compiled is None:
             params = self.params if params is None else params
+            # No device in the key: every updater of a process runs on its first device (init's
+            # output placement is that device's).
             key = update_key(self.optimizer, getattr(self.preconditioners, "offloaded", False), params)
             self._compiled = COMPILED.get(key, lambda: compiled_update(self.optimizer, self.device))
         return self._compiled
