@@ -25,56 +25,47 @@ def check_optimizer(name: str, args: Mapping[str, Any], tensors: Sequence[str] =
         raise ValueError(f"optimizer {name!r} is not available: {exc}") from None
 
 
-def state_bytes(name: str, args: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> Optional[int]:
-    """Bytes of the state optimizer ``name`` (built with ``args``) keeps for float32 parameters of
-    ``shapes`` (tensor name -> shape): its own ``init`` traced abstractly (``jax.eval_shape``:
-    nothing allocated or compiled), so factored (Adafactor's row and column statistics), blocked
-    (Shampoo's statistics and roots), quantized or per-tensor states count what they are.
-
-    Returns None when ``init`` does not trace for these tensors (the shard opening the session
-    refuses it, naming why).
-    """
-    try:
-        import jax
-        import numpy as np
-
-        from optserve.optim_kernels import build_optimizer
-
-        params = {tensor: jax.ShapeDtypeStruct(tuple(shape), np.float32) for tensor, shape in shapes.items()}
-        state = jax.eval_shape(build_optimizer(name, dict(args)).transformation.init, params)
-        return sum(int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.itemsize
-                   for leaf in jax.tree_util.tree_leaves(state))
-    except Exception:  # noqa: BLE001 - the kernel's refusal (the shard's own check words it), or a leaf of no size
-        return None
-
-
 ROOT_EXCHANGE_COPIES = 3
 """Stacked statistics a shard holds at once while roots are exchanged: the export (until it is in
 the object store), the roots received, and their copy into the update's memory."""
 
 
-def root_exchange_bytes(name: str, args: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> int:
-    """Bytes beyond its state that a shard of optimizer ``name`` holds while its matrix roots
-    (Shampoo) or eigenbases (SOAP) are exchanged with the preconditioner workers, or computed in
-    its update: :data:`ROOT_EXCHANGE_COPIES` times the stacked statistics of an export (traced
-    abstractly, as :func:`state_bytes`). 0 for an optimizer without such roots, or when the
-    export does not trace for these tensors."""
+def traced_bytes(name: str, args: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]
+                 ) -> tuple[Optional[int], int]:
+    """``(state, roots)``: bytes optimizer ``name`` (built with ``args``) keeps for float32
+    parameters of ``shapes`` (tensor name -> shape), traced abstractly once (``jax.eval_shape``:
+    nothing allocated or compiled).
+
+    ``state``: its own ``init``'s state, so factored (Adafactor's row and column statistics),
+    blocked (Shampoo's statistics and roots), quantized or per-tensor states count what they are;
+    None when ``init`` does not trace for these tensors (the shard opening the session refuses
+    it, naming why). ``roots``: what a shard holds beyond it while matrix roots (Shampoo) or
+    eigenbases (SOAP) are exchanged with the preconditioner workers or computed in its update,
+    :data:`ROOT_EXCHANGE_COPIES` times an export's stacked statistics; 0 for an optimizer without
+    such roots, or when its export does not trace.
+    """
+    import jax
+    import numpy as np
+
+    from optserve.optim_kernels import build_optimizer, resolve_schedules
+    from optserve.optim_kernels.registry import optimizer_entry
+
+    def nbytes(tree) -> int:
+        return sum(int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
     try:
-        import jax
-        import numpy as np
-
-        from optserve.optim_kernels import build_optimizer, resolve_schedules
-        from optserve.optim_kernels.registry import optimizer_entry
-
-        seam = optimizer_entry(name).root_offload
-        if seam is None:
-            return 0
-        config = seam.config(**resolve_schedules(name, dict(args)))
         params = {tensor: jax.ShapeDtypeStruct(tuple(shape), np.float32) for tensor, shape in shapes.items()}
         state = jax.eval_shape(build_optimizer(name, dict(args)).transformation.init, params)
+        state_total = nbytes(state)
+    except Exception:  # noqa: BLE001 - the kernel's refusal (the shard's own check words it), or a leaf of no size
+        return None, 0
+    try:
+        seam = optimizer_entry(name).root_offload
+        if seam is None:
+            return state_total, 0
+        config = seam.config(**resolve_schedules(name, dict(args)))
         exported = jax.eval_shape(lambda s: seam.export(s, config), state)
-        stacked = [exported.statistics] + ([exported.previous] if getattr(exported, "previous", None) is not None
-                                           else [])
-        return ROOT_EXCHANGE_COPIES * sum(int(np.prod(x.shape, dtype=np.int64)) * x.dtype.itemsize for x in stacked)
-    except Exception:  # noqa: BLE001 - as state_bytes: the shard's own check words the refusal
-        return 0
+        stacked = [exported.statistics, getattr(exported, "previous", None)]
+        return state_total, ROOT_EXCHANGE_COPIES * nbytes([x for x in stacked if x is not None])
+    except Exception:  # noqa: BLE001 - as above: the shard's own check words the refusal
+        return state_total, 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable
 
-from optserve.server.compute.kernels import root_exchange_bytes, state_bytes
+from optserve.server.compute.kernels import traced_bytes
 from optserve.server.domain.config import SessionConfig
 
 # When the optimizer's state cannot be traced for the tensors (the shard will refuse the session,
@@ -21,10 +21,10 @@ class MemoryEstimate:
     Attributes:
       params: the parameters as stored.
       state: the optimizer's state for these tensors, as its ``init`` builds it (traced
-        abstractly: :func:`~optserve.server.compute.kernels.state_bytes`).
+        abstractly: :func:`~optserve.server.compute.kernels.traced_bytes`).
       gradients: one float32 gradient buffer (what a push stages).
       roots: statistics and roots in flight while matrix roots are exchanged (Shampoo, SOAP:
-        :func:`~optserve.server.compute.kernels.root_exchange_bytes`; 0 for other optimizers).
+        :func:`~optserve.server.compute.kernels.traced_bytes`; 0 for other optimizers).
     """
 
     params: int
@@ -48,8 +48,8 @@ def estimate(config: SessionConfig, names: Iterable[str]) -> MemoryEstimate:
     specs = [by_name[name] for name in names]
     elements = sum(spec.size for spec in specs)
     shapes = {spec.name: spec.shape for spec in specs}
-    state = state_bytes(config.optimizer_name, config.optimizer_args, shapes)
+    state, roots = traced_bytes(config.optimizer_name, config.optimizer_args, shapes)
     return MemoryEstimate(params=sum(spec.nbytes for spec in specs),
                           state=FALLBACK_STATE_COPIES * 4 * elements if state is None else state,
                           gradients=4 * elements,
-                          roots=root_exchange_bytes(config.optimizer_name, config.optimizer_args, shapes))
+                          roots=roots)

@@ -99,7 +99,6 @@ class ShardStore:
     def restore_arrays(self, manifest: dict, abstract: dict) -> dict:
         """The checkpoint's ``{"params", "opt_state"}`` (NumPy leaves), checked against the
         manifest's checksums. ``abstract``: the same tree of ``jax.ShapeDtypeStruct``."""
-
         path = manifest["path"]
         try:
             restored = restore_tree(path, abstract)
@@ -159,7 +158,8 @@ class ShardStore:
         # Over the copy bound the steps wait while it is written: from the live state, or from the
         # one host copy an accelerator's state needs (no second one made while it is written).
         wait = wait or not copy
-        tree = self._snapshots.adopt(state) if copied else self._snapshots.take(state, copy)
+        # A host copy made already (copied) is written where it lies, as a view of the live state is.
+        tree = self._snapshots.take(state, copy and not copied)
         try:
             steps_from, tickets_from, closed_fds, clock_state = self.log.rotate(clock_state_fn)
         except BaseException:  # no fresh segment (a full disk): no checkpoint; the log goes on as it was
@@ -207,7 +207,6 @@ class ShardStore:
             del job
 
     def _write(self, version: int, tree: dict, manifest: dict) -> None:
-
         started = time.monotonic()
         path = os.path.join(self.folder, f"checkpoint-{version}")
         closed_fds = manifest.pop("closed_fds")  # the segments this checkpoint replaces

@@ -63,7 +63,7 @@ class Snapshots:
     def __init__(self):
         self._spare = None
         self._lock = threading.Lock()
-        self._borrowed: set[int] = set()  # ids of trees dropped when given back: views, adopted copies
+        self._borrowed: set[int] = set()  # ids of views handed out instead of copies
 
     def take(self, tree, copy: bool = True) -> Any:
         """A host copy of ``tree`` (device or host arrays); ``copy`` False: host views of it
@@ -83,16 +83,8 @@ class Snapshots:
         jax.tree.map(np.copyto, spare, live)
         return spare
 
-    def adopt(self, tree) -> Any:
-        """``tree`` itself, a host copy made elsewhere (an accelerator's state read to the host):
-        written as it is and dropped when given back (no spare kept for it)."""
-        with self._lock:
-            self._spare = None
-            self._borrowed.add(id(tree))
-        return tree
-
     def give_back(self, tree) -> None:
-        """Takes back a copy once written (or superseded); views and adopted copies are dropped."""
+        """Takes back a copy once written (or superseded); views are dropped."""
         with self._lock:
             if id(tree) in self._borrowed:
                 self._borrowed.discard(id(tree))
