@@ -223,7 +223,9 @@ def serve(args: argparse.Namespace) -> int:
     bad flag value or a failed start (port in use, Ray unreachable, resources Ray lacks, a
     checkpoint folder another server holds) is one line on stderr and status 2, and unless
     ``--verbose`` nothing else is printed: the ports, the folder and the Ray cluster are checked
-    in a few seconds at most, before Ray starts."""
+    in a few seconds at most, before Ray starts. SIGUSR1 prints every thread's stack on stderr
+    (a server that hangs, starting or serving, tells where)."""
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     if not args.verbose:
         _quiet_grpc()
     try:  # the whole server: gRPC and its health and reflection services, then Ray and JAX as it starts

@@ -9,8 +9,11 @@ endpoint). The coordinator reaches the actors over Ray; clients reach them over 
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
 import os
+import signal
+import sys
 from concurrent import futures
 from typing import Optional, Sequence
 
@@ -66,6 +69,7 @@ class ShardActor:
                  recovering: bool = False, epoch: int = 0):
         if config.log_level is not None:
             configure_logging(config.log_level, exclusive=True)  # Ray forwards this process's stderr
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # where a shard hangs
         # first: where this actor's JAX runs; one given a GPU it cannot use serves nothing (the fleet refuses it)
         self._device = check_device(shard_device_request(config, index), ray_gpu_ids(), ray.util.get_node_ip_address())
         if self._device.problem:

@@ -3,6 +3,7 @@ kill a whole server or start one on files they prepared."""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import socket
@@ -12,7 +13,7 @@ import threading
 import time
 from typing import Optional
 
-from bench.process_session import kill_session
+from bench.process_session import kill_session, session_pids, titled
 
 
 def free_port() -> int:
@@ -37,24 +38,49 @@ class ServerProcess:
                         "2", "--min-shard-bytes", "0", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
         self.lines: list[str] = []
+        self._listening = threading.Event()
+        threading.Thread(target=self._drain, daemon=True).start()
 
     def wait_listening(self, timeout_s: float = 180.0) -> "ServerProcess":
+        """Returns once the server printed its address; fails with its output (and, if it is
+        still starting, the Python stacks of its threads) after ``timeout_s`` or once it exits."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            line = self.process.stdout.readline()
-            if not line:
-                break
-            self.lines.append(line)
-            if line.startswith("optserve listening on "):
-                self.address = line.split()[3]
-                self.port = int(self.address.rsplit(":", 1)[1])
-                threading.Thread(target=self._drain, daemon=True).start()
-                return self
-        raise AssertionError("server did not start:\n" + "".join(self.lines[-40:]))
+        while not self._listening.wait(0.2):
+            if self.process.poll() is not None:
+                self._listening.wait(1.0)  # its last lines
+                if self._listening.is_set():
+                    break
+                raise AssertionError("server did not start:\n" + "".join(self.lines[-40:]))
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"server not listening after {timeout_s:.0f} s; its output and stacks:\n"
+                                     + self._stacks())
+        return self
+
+    def _stacks(self) -> str:
+        """The server's output after asking it and its shard actors for their threads' stacks
+        (both dump them on SIGUSR1; an actor's go to its Ray log file, whose tail is added)."""
+        seen = len(self.lines)
+        shards = titled(session_pids(self.process.pid), b"ray::ShardActor")
+        for pid in [self.process.pid, *shards]:
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(2.0)
+        text = "".join(self.lines[max(0, seen - 40):])
+        for pid in shards:
+            for path in glob.glob(f"/tmp/ray/session_*/logs/*-{pid}.err"):
+                with open(path, errors="replace") as fh:
+                    text += f"\n--- shard actor {pid} ({path}):\n" + fh.read()[-6000:]
+        return text
 
     def _drain(self) -> None:
         for line in self.process.stdout:
             self.lines.append(line)
+            if line.startswith("optserve listening on ") and not self._listening.is_set():
+                self.address = line.split()[3]
+                self.port = int(self.address.rsplit(":", 1)[1])
+                self._listening.set()
 
     def output(self) -> str:
         return "".join(self.lines)

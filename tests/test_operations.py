@@ -164,7 +164,7 @@ def test_status_lists_sessions_and_shards_as_a_table_and_as_json(observed):
 
 
 @pytest.mark.slow
-def test_sigterm_drains_health_to_not_serving_before_stopping():
+def test_sigusr1_prints_every_threads_stack_and_sigterm_drains_health_to_not_serving_before_stopping():
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen(_optserve("serve", "--port", "0", "--shards", "1", "--drain-s", "4"), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -178,6 +178,12 @@ def test_sigterm_drains_health_to_not_serving_before_stopping():
         assert address, "the server did not start"
         stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
         request = health_pb2.HealthCheckRequest(service="optserve.v1.Control")
+        assert stub.Check(request, timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+        proc.send_signal(signal.SIGUSR1)  # a hung server tells where: every thread's stack, and it goes on
+        dumped, deadline = [], time.monotonic() + 30
+        while not any("_serve_until_signalled" in line for line in dumped) and time.monotonic() < deadline:
+            dumped.append(proc.stdout.readline())
+        assert any("_serve_until_signalled" in line for line in dumped), "".join(dumped[-20:])
         assert stub.Check(request, timeout=10).status == health_pb2.HealthCheckResponse.SERVING
         proc.send_signal(signal.SIGTERM)
         seen = None
