@@ -218,8 +218,24 @@ def test_the_shard_budget_counts_shampoos_roots_in_flight(control):
     roots = 3 * 8 * 256 * 384
     _refused(control, _config("budget-shampoo", [(256, 384)], shampoo), grpc.StatusCode.RESOURCE_EXHAUSTED,
              f"{roots} of preconditioner roots in flight", "--shard-memory-bytes")
-    assert _create(control, _config("budget-shampoo-small", [(128, 256)], shampoo)) is None
+    assert _create(control, _config("budget-shampoo-small", [(128, 128)], shampoo)) is None
     control.CloseSession(control_pb2.CloseSessionRequest(name="budget-shampoo-small"), timeout=30)
+
+
+def test_a_session_whose_step_needs_more_working_memory_than_the_budget_leaves_is_refused_naming_it(control):
+    # 128 x 256 with blocks of 128: the estimate (parameters, state, gradient buffer, roots in
+    # flight: 1.8 MB) fits the 4 MiB budget, but with no preconditioner workers its step computes
+    # the matrix roots itself, and XLA's temporaries for that (about 3 MB, measured by compiling
+    # the step at create) do not fit what is left: refused before any step could run out of memory.
+    shampoo = control_pb2.OptimizerSpec(name="shampoo", args_json='{"learning_rate": 0.1, "block_size": 128}')
+    error = _refused(control, _config("budget-working", [(128, 256)], shampoo), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                     "bytes of working memory (XLA temporaries) on shard", f"shard_memory_bytes={BUDGET}",
+                     "--shard-memory-bytes")
+    working = int(error.details().split("its step needs ")[1].split()[0])
+    left = int(error.details().split("budget leaves ")[1].split()[0])
+    assert working > left > 0, error.details()
+    assert _create(control, _config("budget-working", [(128, 128)], shampoo)) is None  # the name is free
+    control.CloseSession(control_pb2.CloseSessionRequest(name="budget-working"), timeout=30)
 
 
 def test_tensor_count_name_and_rank_past_their_limits_are_resource_exhausted(control):

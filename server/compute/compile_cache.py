@@ -139,3 +139,26 @@ def compile_ahead(functions: CompiledUpdate, device, params, state, hyper) -> No
     except Exception:  # noqa: BLE001 - an optimization only
         return
     functions.compiled.set()
+
+
+def step_working_bytes(functions: CompiledUpdate, device, specs: Mapping[str, tuple], hyper) -> Optional[int]:
+    """Bytes of XLA temporaries one step of ``functions`` allocates for tensors ``specs`` (name ->
+    (shape, dtype)) on ``device``, beyond its inputs and outputs: its compiled program's working
+    memory (``memory_analysis().temp_size_in_bytes``; for Shampoo with its roots computed inside
+    the step, several times the parameters). The step is compiled for the shapes now, and its
+    later calls (:func:`compile_ahead`, the first step) reuse that compilation. ``hyper``:
+    abstract hyperparameters. None when it cannot be compiled (initialize reports why)."""
+    import jax
+
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    params = {name: jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding) for name, (shape, dtype) in specs.items()}
+    grads = {name: jax.ShapeDtypeStruct(p.shape, np.float32, sharding=sharding) for name, p in params.items()}
+    scalar = jax.ShapeDtypeStruct((), np.float32)
+    try:
+        state = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type,
+                                                               sharding=sharding),
+                             jax.eval_shape(functions.init, params))
+        compiled = functions.step.lower(params, state, grads, scalar, scalar, hyper).compile()
+        return int(compiled.memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 - the step's own failure is reported where it runs
+        return None

@@ -30,7 +30,8 @@ from typing import Any, Callable, Collection, Iterable, Mapping, Optional
 import numpy as np
 
 from optserve.server.compute.chunked_update import CHUNK_TENSORS, ChunkedUpdate, strongly_typed, plan_chunks
-from optserve.server.compute.compile_cache import COMPILED, CompiledUpdate, compile_ahead, count_compiles, update_key
+from optserve.server.compute.compile_cache import (COMPILED, CompiledUpdate, compile_ahead, count_compiles,
+                                                   step_working_bytes, update_key)
 from optserve.server.compute.host_transfer import to_host
 from optserve.server.compute.kernel_words import error_line, failing_alone
 
@@ -157,6 +158,17 @@ class Updater:
             return (f"optimizer {self.optimizer.name!r} cannot build its state for "
                     f"{_failing_init_tensors(self.optimizer, params)}: {error_line(exc)}")
         return None
+
+    def step_working_bytes(self) -> Optional[int]:
+        """Host bytes of XLA temporaries one step over this shard's tensors allocates beyond the
+        state (:func:`~.compile_cache.step_working_bytes`: compiles the step now; the first step
+        reuses it). None: not measured: a chunked state (programs of 64 tensors each), an
+        accelerator (its temporaries are in its own memory) or a step that does not compile."""
+        if not self._param_specs or self.device.platform != "cpu" or self._chunks() is not None:
+            return None
+        functions = self._functions(_abstract_params(self._param_specs))
+        with functions.compiling:
+            return step_working_bytes(functions, self.device, self._param_specs, _abstract_hyper(self.hyper))
 
     def step_problem(self) -> Optional[str]:
         """Why the optimizer's step cannot run on this shard's tensors, or None when it can.

@@ -159,10 +159,10 @@ class Coordinator:
             owned = len(self._table.records(owner))
             if owned >= self.limits.max_sessions_per_tenant:
                 raise self.limits.exceeded("max_sessions_per_tenant", f"tenant {owner!r}: {owned + 1} open sessions")
-            record, estimated = self._place(config, owner, creator)
+            record, estimated, left = self._place(config, owner, creator)
             self._table.opening(record, estimated)
             try:
-                self._open_everywhere(record)
+                self._open_everywhere(record, left)
             except BaseException:
                 self._table.abandoned(config.name)
                 raise
@@ -173,9 +173,11 @@ class Coordinator:
                   param_bytes=sum(a.param_bytes for a in record.assignments))
         return record
 
-    def _place(self, config: SessionConfig, owner: str, creator: str) -> tuple[SessionRecord, dict[int, int]]:
-        """The new session placed over the shards, and its estimated bytes on each (within every
-        shard's memory budget).
+    def _place(self, config: SessionConfig, owner: str, creator: str) -> tuple[SessionRecord, dict[int, int],
+                                                                                dict[int, int]]:
+        """The new session placed over the shards, its estimated bytes on each (within every
+        shard's memory budget), and what each shard's budget has left beyond that estimate (a
+        shard refuses the part if its step's working memory needs more).
 
         Raises:
           ResourceExhausted: its estimated bytes would take a shard past its budget.
@@ -186,20 +188,23 @@ class Coordinator:
         record = SessionRecord.placed(config, [(i, names) for i, names in enumerate(placement) if names],
                                       self._fleet.addresses, owner, creator)
         budget, estimates = self.limits.shard_budget(num_shards), record.memory_estimates()
+        left = {}
         for shard, needed in sorted(estimates.items()):
             held = self._table.estimated_on(shard)
             if held + needed.total > budget:
                 raise self.limits.exceeded(
                     "shard_memory_bytes", f"session {config.name!r} needs an estimated {needed.describe()} on "
                     f"shard {shard}, which holds an estimated {held} bytes of other sessions", budget)
-        return record, {shard: needed.total for shard, needed in estimates.items()}
+            left[shard] = budget - held - needed.total
+        return record, {shard: needed.total for shard, needed in estimates.items()}, left
 
-    def _open_everywhere(self, record: SessionRecord) -> None:
-        """Opens the session on its shards and saves it in the catalog; if either fails, closes
-        what was opened and removes the entry before raising."""
+    def _open_everywhere(self, record: SessionRecord, memory_left: Mapping[int, int]) -> None:
+        """Opens the session on its shards (each with ``memory_left`` of its budget beyond the
+        part's estimate) and saves it in the catalog; if either fails, closes what was opened and
+        removes the entry before raising."""
         name = record.config.name
         try:
-            self._fleet.open_session(record.openings(self._fleet.clock_addresses))
+            self._fleet.open_session(record.openings(self._fleet.clock_addresses, memory_left))
             if self._catalog is not None:
                 try:
                     self._catalog.save(name, record.to_json())

@@ -11,7 +11,7 @@ to the coordinator (:class:`AttachExpectation`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 from optserve.server.compute.devices import DeviceReport
 from optserve.server.domain.clock_records import ClockStatus
@@ -48,6 +48,9 @@ class ShardOpening:
       participants: shards holding the session (votes and sums wait for all of them).
       home_clock: the home shard's clock address; None on the home shard (it keeps the clock).
       owner / creator: as :class:`SessionRecord`.
+      memory_left: bytes of the shard's memory budget left beyond this part's estimate (the
+        shard refuses the part if its step's working memory, measured by compiling it, needs
+        more); None: not checked (a restore).
     """
 
     shard_index: int
@@ -57,6 +60,7 @@ class ShardOpening:
     home_clock: Optional[str]
     owner: str = ""
     creator: str = ""
+    memory_left: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,12 +105,16 @@ class SessionRecord:
         return dataclasses.replace(self, assignments=tuple(
             dataclasses.replace(a, address=address) if a.shard_index == shard_index else a for a in self.assignments))
 
-    def openings(self, clock_addresses: Sequence[str]) -> list[ShardOpening]:
+    def openings(self, clock_addresses: Sequence[str],
+                 memory_left: Optional[Mapping[int, int]] = None) -> list[ShardOpening]:
         """What each of its shards opens it with (in assignment order); ``clock_addresses`` are
-        the shards' clock endpoints by shard index (the home shard's is where the others vote)."""
+        the shards' clock endpoints by shard index (the home shard's is where the others vote);
+        ``memory_left``: shard index -> :attr:`ShardOpening.memory_left` (None: unchecked)."""
         home_clock = clock_addresses[self.home]
+        left = memory_left or {}
         return [ShardOpening(a.shard_index, self.config, a.tensor_names, len(self.assignments),
-                             None if a.shard_index == self.home else home_clock, self.owner, self.creator)
+                             None if a.shard_index == self.home else home_clock, self.owner, self.creator,
+                             left.get(a.shard_index))
                 for a in self.assignments]
 
     def memory_estimates(self) -> dict[int, MemoryEstimate]:
