@@ -67,6 +67,26 @@ def test_the_step_compiles_once_the_state_init_makes_being_the_state_a_step_retu
     assert _compiles() - before == 0
 
 
+@pytest.mark.parametrize("name", ["adam", "shampoo"])
+def test_the_step_a_shard_compiles_to_measure_its_working_memory_is_the_one_its_steps_run(name):
+    """At create a shard compiles the step abstractly for its memory figure: initialize then
+    compiles only init, and the steps nothing."""
+    args = {"learning_rate": 1e-2, **({"block_size": 4} if name == "shampoo" else {})}
+    params = make_params(seed=9, shapes={f"{name}/measured/w": (7, 9), f"{name}/measured/b": (9,)})
+    specs = {key: (value.shape, value.dtype) for key, value in params.items()}
+    updater = Updater(build_optimizer(name, args), param_specs=specs)
+    before = _compiles()
+    working = updater.step_working_bytes()
+    assert working is not None and working >= 0 and _compiles() - before == 1, "the step, once"
+    before = _compiles()
+    updater.initialize(params)
+    assert _compiles() - before == 1, "init only: the step compiled already"
+    before = _compiles()
+    for step in range(3):
+        updater.apply(make_grads(params, step), 1.0, lambda partial: partial)
+    assert _compiles() - before == 0
+
+
 @pytest.mark.parametrize("spec", [ADAFACTOR, T5X], ids=lambda s: s["name"])
 def test_second_updater_with_same_structure_and_optimizer_compiles_nothing(spec):
     params = make_params(seed=3, shapes={f"{spec['name']}/sharing/w": (7, 5), "b": (5,)})
