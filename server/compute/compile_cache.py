@@ -127,15 +127,18 @@ def compile_ahead(functions: CompiledUpdate, device, params, state, hyper) -> No
     grads = {name: jax.ShapeDtypeStruct(p.shape, np.float32, sharding=sharding) for name, p in params.items()}
     scalar = jax.ShapeDtypeStruct((), np.float32)
     try:
-        # twice: for the state init made, then for the state a step makes (its leaves' types can
-        # differ, e.g. weakly typed counters), which every later step sees
+        # for the state init made, then, if a step changes its leaves' types (e.g. weakly typed
+        # counters), for the state a step makes, which every later step sees
         for _ in range(2):
             functions.step.lower(params, state, grads, scalar, scalar, hyper).compile()
             if functions.partial is not None:
                 functions.partial.lower(grads, state, params).compile()
-            params, state = jax.tree.map(
+            after = jax.tree.map(
                 lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type, sharding=sharding),
                 jax.eval_shape(functions.step, params, state, grads, scalar, scalar, hyper))
+            if jax.tree.leaves(after) == jax.tree.leaves((params, state)):
+                break  # the step keeps the types it was compiled for (lowering it again costs seconds)
+            params, state = after
     except Exception:  # noqa: BLE001 - an optimization only
         return
     functions.compiled.set()
