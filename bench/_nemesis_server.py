@@ -42,25 +42,38 @@ class NemesisServer:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
         self.starts += 1
         self._write(f"--- start {self.starts} at {time.time():.3f}\n")
+        lines: list[str] = []
+        listening = threading.Event()
+        threading.Thread(target=self._drain, args=(self.process, lines, listening), daemon=True).start()
         deadline = time.monotonic() + timeout_s
-        lines = []
-        while time.monotonic() < deadline:
-            line = self.process.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            self._write(line)
-            if line.startswith("optserve listening on "):
-                self.address = line.split()[3]
-                self.port = int(self.address.rsplit(":", 1)[1])
-                threading.Thread(target=self._drain, args=(self.process,), daemon=True).start()
-                return time.time()
-        self.kill_tree()
-        raise RuntimeError("the server did not start:\n" + "".join(lines[-30:]))
+        while not listening.wait(0.2):
+            if self.process.poll() is not None or time.monotonic() >= deadline:
+                if self.process.poll() is None:  # hung while starting: where, in the log
+                    self.dump_stacks()
+                self.kill_tree()
+                raise RuntimeError(f"the server did not start (within {timeout_s:.0f} s):\n" + "".join(lines[-30:]))
+        address = next(line for line in lines if line.startswith("optserve listening on "))
+        self.address = address.split()[3]
+        self.port = int(self.address.rsplit(":", 1)[1])
+        return time.time()
 
-    def _drain(self, process: subprocess.Popen) -> None:
+    def _drain(self, process: subprocess.Popen, lines: list, listening: threading.Event) -> None:
         for line in process.stdout:
             self._write(line)
+            if not listening.is_set():
+                lines.append(line)
+                if line.startswith("optserve listening on "):
+                    listening.set()
+
+    def dump_stacks(self) -> None:
+        """Every thread's stack of the server (into its output, so the log) and of its shard
+        actors (into their Ray logs): both dump them on SIGUSR1."""
+        for pid in [self.process.pid, *self.shard_pids()] if self.process is not None else []:
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(2.0)
 
     def _write(self, text: str) -> None:
         with self._log_lock:

@@ -163,6 +163,7 @@ class Nemesis:
             self._inject_until(time.monotonic() + self.o.minutes * 60)
             self.say(f"faults over; settling {self.o.settle_s:g} s")
             time.sleep(self.o.settle_s)
+            self.server.dump_stacks()  # into server.log: where a session that stalled waits
             self.workers.stop_all(2 * self.o.timeout_s + 15)
             run_ended = time.time()
             self._stop_following.set()
