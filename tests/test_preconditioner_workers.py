@@ -7,9 +7,6 @@ the offload schedule, the failure handling and the worker restarts without gRPC.
 
 from __future__ import annotations
 
-import os
-import signal
-
 import jax
 import numpy as np
 import optax
@@ -228,37 +225,3 @@ def test_f64_workers_compute_in_float64_and_return_float32_roots(ray_local, pool
             assert np.max(np.abs(root - exact)) <= 1e-5 * np.max(np.abs(exact))
     finally:
         ray.kill(worker)
-
-
-def test_a_batch_whose_inputs_the_object_store_lost_counts_as_failed_roots_when_computed_on_the_shard(pool):
-    # The shard keeps no copy of an export once its batches are in Ray's object store. If their
-    # objects are lost (the process or node holding them died) and the batches end up computed on
-    # the shard, they count as failed roots (each block keeps the roots in use), as a worker's
-    # error does: nothing raises into the step.
-    import ray
-
-    from optserve.optim_kernels import OPTIMIZERS
-
-    @ray.remote(num_cpus=0, max_retries=0)
-    def dies():  # its result is an object no one can ever read (WorkerCrashedError)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    seam = OPTIMIZERS["shampoo"].root_offload
-    params = make_params(7)
-    po = _offloaded(pool, ARGS, params, max_age=0)
-    _, state = _drive(po, params, 3)
-    exported = seam.export(state, po.config)
-    job = pool.submit(np.asarray(exported.statistics), np.asarray(exported.exponents), np.asarray(exported.sizes),
-                      int(exported.step), po._computation)
-    assert job.statistics is None  # the store holds the only copy
-    assert pool.wait(job, timeout_s=60)
-    lost = dies.remote()
-    for batch in job.batches[1:]:  # as if the workers had not answered, and these inputs were lost
-        batch.result = None
-        batch.inputs = [lost] * len(batch.inputs)
-    job.batches[0].result = None  # its inputs are still there: computed here
-    pool.finish_locally(job)
-    roots, errors = pool.result(job)
-    first = job.batches[0].stop
-    assert roots.shape[0] == exported.statistics.shape[0] and len(job.batches) > 1
-    assert np.all(np.isfinite(errors[:first])) and np.all(np.isinf(errors[first:]))

@@ -347,7 +347,8 @@ class PreconditionerPool:
         except rex.RayTaskError as exc:
             log.warning("root batch [%d, %d) of step %d raised %s; its roots count as failed",
                         batch.start, batch.stop, job.step, exc)
-            batch.result = _failed_roots(b, job.matrix_size)
+            n = job.matrix_size
+            batch.result = (np.zeros((b, n, n), np.float32), np.full((b,), np.inf, np.float32))
 
     def _check_suspects(self) -> None:
         """Takes back the suspect workers whose probe answered (restarted); never blocks."""
@@ -379,20 +380,8 @@ class PreconditionerPool:
         if batch.inputs is not None:
             import ray
 
-            try:
-                arrays = ray.get(batch.inputs)
-            except ray.exceptions.RayError as exc:  # the store lost them (its node died): nothing to compute from
-                log.warning("root batch [%d, %d) of step %d: its inputs are lost from the object store (%s); its "
-                            "roots count as failed (its blocks keep their roots until the next export)",
-                            batch.start, batch.stop, job.step, type(exc).__name__)
-                return _failed_roots(b, job.matrix_size)
+            arrays = ray.get(batch.inputs)
         else:
             arrays = self._batch_arrays(job, batch.start, b)
         roots, errors = fn(*arrays)
         return np.asarray(roots, np.float32), np.asarray(errors, np.float32)
-
-
-def _failed_roots(b: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """A batch of ``b`` blocks whose roots failed: zeros, and an infinite error for each (the
-    install keeps each block's roots in use)."""
-    return np.zeros((b, n, n), np.float32), np.full((b,), np.inf, np.float32)
