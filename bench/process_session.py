@@ -57,3 +57,14 @@ def kill_until_gone(live: Callable[[], list[int]], wait_s: float) -> None:
             except ProcessLookupError:
                 pass
         time.sleep(0.05)
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for signal ``sig`` (``SigCgt`` in /proc): one that has
+    not would be ended by it (SIGUSR1, SIGUSR2)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            caught = next(line.split()[1] for line in fh if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caught, 16) >> (sig - 1) & 1)

@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Optional
 
-from bench.process_session import kill_session, session_pids, titled
+from bench.process_session import catches, kill_session, session_pids, titled
 
 
 def free_port() -> int:
@@ -52,16 +52,21 @@ class ServerProcess:
                     break
                 raise AssertionError("server did not start:\n" + "".join(self.lines[-40:]))
             if time.monotonic() >= deadline:
+                stacks = self._stacks()
+                self.kill_group()  # the caller never gets this object to clean up
                 raise AssertionError(f"server not listening after {timeout_s:.0f} s; its output and stacks:\n"
-                                     + self._stacks())
+                                     + stacks)
         return self
 
     def _stacks(self) -> str:
         """The server's output after asking it and its shard actors for their threads' stacks
         (both dump them on SIGUSR1; an actor's go to its Ray log file, whose tail is added)."""
         seen = len(self.lines)
+        # only processes that registered the dump: SIGUSR1 ends one that has not (yet)
         shards = titled(session_pids(self.process.pid), b"ray::ShardActor")
         for pid in [self.process.pid, *shards]:
+            if not catches(pid, signal.SIGUSR1):
+                continue
             try:
                 os.kill(pid, signal.SIGUSR1)
             except ProcessLookupError:
@@ -69,7 +74,7 @@ class ServerProcess:
         time.sleep(2.0)
         text = "".join(self.lines[max(0, seen - 40):])
         for pid in shards:
-            for path in glob.glob(f"/tmp/ray/session_*/logs/*-{pid}.err"):
+            for path in glob.glob(f"/tmp/ray/session_latest/logs/*-{pid}.err"):
                 with open(path, errors="replace") as fh:
                     text += f"\n--- shard actor {pid} ({path}):\n" + fh.read()[-6000:]
         return text
@@ -100,3 +105,4 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.kill_group()
         return self.process.wait()
+

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -180,10 +181,12 @@ def test_sigusr1_prints_every_threads_stack_and_sigterm_drains_health_to_not_ser
         request = health_pb2.HealthCheckRequest(service="optserve.v1.Control")
         assert stub.Check(request, timeout=10).status == health_pb2.HealthCheckResponse.SERVING
         proc.send_signal(signal.SIGUSR1)  # a hung server tells where: every thread's stack, and it goes on
-        dumped, deadline = [], time.monotonic() + 30
-        while not any("_serve_until_signalled" in line for line in dumped) and time.monotonic() < deadline:
-            dumped.append(proc.stdout.readline())
-        assert any("_serve_until_signalled" in line for line in dumped), "".join(dumped[-20:])
+        dumped = []
+        threading.Thread(target=lambda: dumped.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+        deadline = time.monotonic() + 30
+        while not any("_serve_until_signalled" in line for line in list(dumped)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert any("_serve_until_signalled" in line for line in list(dumped)), "".join(dumped[-20:])
         assert stub.Check(request, timeout=10).status == health_pb2.HealthCheckResponse.SERVING
         proc.send_signal(signal.SIGTERM)
         seen = None

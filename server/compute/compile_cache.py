@@ -23,6 +23,7 @@ class CompiledUpdate:
     partial: Optional[Callable]
     init: Callable
     masked: Optional[Callable] = None  # step(..., hyper, keep): tensors with keep[name] left alone; compiles on first use
+    measured: dict = dataclasses.field(default_factory=dict, compare=False)  # "working": step_working_bytes' figure
     compiled: threading.Event = dataclasses.field(default_factory=threading.Event, compare=False)  # see Updater
     compiling: threading.Lock = dataclasses.field(default_factory=threading.Lock, compare=False)
 
@@ -127,18 +128,15 @@ def compile_ahead(functions: CompiledUpdate, device, params, state, hyper) -> No
     grads = {name: jax.ShapeDtypeStruct(p.shape, np.float32, sharding=sharding) for name, p in params.items()}
     scalar = jax.ShapeDtypeStruct((), np.float32)
     try:
-        # for the state init made, then, if a step changes its leaves' types (e.g. weakly typed
-        # counters), for the state a step makes, which every later step sees
+        # twice: for the state init made, then for the state a step makes (its leaves' types can
+        # differ, e.g. weakly typed counters), which every later step sees
         for _ in range(2):
             functions.step.lower(params, state, grads, scalar, scalar, hyper).compile()
             if functions.partial is not None:
                 functions.partial.lower(grads, state, params).compile()
-            after = jax.tree.map(
+            params, state = jax.tree.map(
                 lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type, sharding=sharding),
                 jax.eval_shape(functions.step, params, state, grads, scalar, scalar, hyper))
-            if jax.tree.leaves(after) == jax.tree.leaves((params, state)):
-                break  # the step keeps the types it was compiled for (lowering it again costs seconds)
-            params, state = after
     except Exception:  # noqa: BLE001 - an optimization only
         return
     functions.compiled.set()

@@ -167,8 +167,12 @@ class Updater:
         if not self._param_specs or self.device.platform != "cpu" or self._chunks() is not None:
             return None
         functions = self._functions(_abstract_params(self._param_specs))
-        with functions.compiling:
-            return step_working_bytes(functions, self.device, self._param_specs, _abstract_hyper(self.hyper))
+        if "working" not in functions.measured:  # once per optimizer and tensor structure (it lowers the step)
+            with functions.compiling:
+                if "working" not in functions.measured:
+                    functions.measured["working"] = step_working_bytes(functions, self.device, self._param_specs,
+                                                                       _abstract_hyper(self.hyper))
+        return functions.measured["working"]
 
     def step_problem(self) -> Optional[str]:
         """Why the optimizer's step cannot run on this shard's tensors, or None when it can.
