@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Optional, TextIO
 
-from bench.process_session import catches, kill_session, session_pids, titled
+from bench.process_session import ask_for_stacks, kill_session, session_pids, titled
 
 
 class NemesisServer:
@@ -68,14 +68,8 @@ class NemesisServer:
     def dump_stacks(self) -> None:
         """Every thread's stack of the server (into its output, so the log) and of its shard
         actors (into their Ray logs): both dump them on SIGUSR1."""
-        for pid in [self.process.pid, *self.shard_pids()] if self.process is not None else []:
-            if not catches(pid, signal.SIGUSR1):  # not registered yet: the signal would end it
-                continue
-            try:
-                os.kill(pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
-        time.sleep(2.0)
+        if self.process is not None:
+            ask_for_stacks([self.process.pid, *self.shard_pids()])
 
     def _write(self, text: str) -> None:
         with self._log_lock:

@@ -68,3 +68,17 @@ def catches(pid: int, sig: int) -> bool:
     except (OSError, StopIteration):
         return False
     return bool(int(caught, 16) >> (sig - 1) & 1)
+
+
+def ask_for_stacks(pids: list[int], wait_s: float = 2.0) -> None:
+    """SIGUSR1 to each of ``pids`` that catches it (``optserve serve`` and its shard actors then
+    print every thread's stack; one that has not registered the dump yet is spared: the signal
+    would end it), then ``wait_s`` for the dumps to be written."""
+    for pid in pids:
+        if not catches(pid, signal.SIGUSR1):
+            continue
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(wait_s)

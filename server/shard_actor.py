@@ -184,7 +184,7 @@ class ShardActor:
                 log.info("event=session_refused session=%s shard=%d reason=%s", log_value(config.name),
                          opening.shard_index, log_value(problem))
                 raise InvalidArgument(f"session {config.name!r}: {problem}")
-            self._admit_working_memory(opening, updater)
+            admit_working_memory(opening, updater, self._config)
         store = None
         if durability is not None:
             store = ShardStore(durability.checkpoint_dir, config.name, opening.shard_index, durability, home,
@@ -219,27 +219,6 @@ class ShardActor:
             log.warning("event=session_restored session=%s shard=%d version=%d", config.name, opening.shard_index,
                         session.version)
         return session.version
-
-    def _admit_working_memory(self, opening: ShardOpening, updater: Updater) -> None:
-        """Compiles the new part's step (its first step reuses it) and refuses the part if the
-        step's working memory (XLA temporaries) does not fit what the budget leaves beyond its
-        estimate (``opening.memory_left``), naming both figures.
-
-        Raises:
-          ResourceExhausted: it does not fit (``shard_memory_bytes``, ``--shard-memory-bytes``).
-        """
-        if opening.memory_left is None:
-            return
-        working = updater.step_working_bytes()
-        if working is None or working <= opening.memory_left:
-            return
-        name, limits = opening.config.name, self._config.limits
-        log.info("event=session_refused session=%s shard=%d reason=working_memory working_bytes=%d left_bytes=%d",
-                 log_value(name), opening.shard_index, working, opening.memory_left)
-        raise limits.exceeded(
-            "shard_memory_bytes", f"session {name!r}: its step needs {working} bytes of working memory (XLA "
-            f"temporaries) on shard {opening.shard_index}, where the shard's budget leaves {opening.memory_left} "
-            f"bytes beyond the session's estimate", limits.shard_budget(self._config.shards))
 
     def recovered(self) -> None:
         """Every session this shard should hold is restored (see ``recovering``)."""
@@ -393,3 +372,25 @@ def _bind(add_port, port: int) -> int:
         except RuntimeError:
             log.warning("port %d is taken: the restarted shard listens on another one", port)
     return add_port(0)
+
+
+def admit_working_memory(opening: ShardOpening, updater: Updater, config: ServerConfig) -> None:
+    """Compiles a new part's step (its first step reuses it) and refuses the part if the step's
+    working memory (XLA temporaries) does not fit what the budget leaves beyond the estimates
+    (``opening.memory_left``; None: unchecked), naming both figures.
+
+    Raises:
+      ResourceExhausted: it does not fit (``shard_memory_bytes``, ``--shard-memory-bytes``).
+    """
+    if opening.memory_left is None:
+        return
+    working = updater.step_working_bytes()
+    if working is None or working <= opening.memory_left:
+        return
+    name, limits = opening.config.name, config.limits
+    log.info("event=session_refused session=%s shard=%d reason=working_memory working_bytes=%d left_bytes=%d",
+             log_value(name), opening.shard_index, working, opening.memory_left)
+    raise limits.exceeded(
+        "shard_memory_bytes", f"session {name!r}: its step needs {working} bytes of working memory (XLA "
+        f"temporaries) on shard {opening.shard_index}, where the shard's budget leaves {opening.memory_left} "
+        f"bytes beyond the session's estimate", limits.shard_budget(config.shards))

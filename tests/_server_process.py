@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Optional
 
-from bench.process_session import catches, kill_session, session_pids, titled
+from bench.process_session import ask_for_stacks, kill_session, session_pids, titled
 
 
 def free_port() -> int:
@@ -62,16 +62,8 @@ class ServerProcess:
         """The server's output after asking it and its shard actors for their threads' stacks
         (both dump them on SIGUSR1; an actor's go to its Ray log file, whose tail is added)."""
         seen = len(self.lines)
-        # only processes that registered the dump: SIGUSR1 ends one that has not (yet)
         shards = titled(session_pids(self.process.pid), b"ray::ShardActor")
-        for pid in [self.process.pid, *shards]:
-            if not catches(pid, signal.SIGUSR1):
-                continue
-            try:
-                os.kill(pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
-        time.sleep(2.0)
+        ask_for_stacks([self.process.pid, *shards])
         text = "".join(self.lines[max(0, seen - 40):])
         for pid in shards:
             for path in glob.glob(f"/tmp/ray/session_latest/logs/*-{pid}.err"):

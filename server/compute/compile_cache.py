@@ -146,9 +146,18 @@ def step_working_bytes(functions: CompiledUpdate, device, specs: Mapping[str, tu
     """Bytes of XLA temporaries one step of ``functions`` allocates for tensors ``specs`` (name ->
     (shape, dtype)) on ``device``, beyond its inputs and outputs: its compiled program's working
     memory (``memory_analysis().temp_size_in_bytes``; for Shampoo with its roots computed inside
-    the step, several times the parameters). The step is compiled for the shapes now, and its
-    later calls (:func:`compile_ahead`, the first step) reuse that compilation. ``hyper``:
-    abstract hyperparameters. None when it cannot be compiled (initialize reports why)."""
+    the step, several times the parameters). Measured once per ``functions`` (kept in its
+    ``measured``): the step is compiled for the shapes then, and its later calls
+    (:func:`compile_ahead`, the first step) reuse that compilation. ``hyper``: abstract
+    hyperparameters. None when it cannot be compiled (initialize reports why)."""
+    if "working" not in functions.measured:
+        with functions.compiling:
+            if "working" not in functions.measured:
+                functions.measured["working"] = _compiled_temporaries(functions, device, specs, hyper)
+    return functions.measured["working"]
+
+
+def _compiled_temporaries(functions: CompiledUpdate, device, specs: Mapping[str, tuple], hyper) -> Optional[int]:
     import jax
 
     sharding = jax.sharding.SingleDeviceSharding(device)

@@ -160,19 +160,12 @@ class Updater:
         return None
 
     def step_working_bytes(self) -> Optional[int]:
-        """Host bytes of XLA temporaries one step over this shard's tensors allocates beyond the
-        state (:func:`~.compile_cache.step_working_bytes`: compiles the step now; the first step
-        reuses it). None: not measured: a chunked state (programs of 64 tensors each), an
-        accelerator (its temporaries are in its own memory) or a step that does not compile."""
+        """The step's working memory on the host (:func:`~.compile_cache.step_working_bytes`); None
+        for a chunked state (programs of 64 tensors each) or an accelerator (its own memory)."""
         if not self._param_specs or self.device.platform != "cpu" or self._chunks() is not None:
             return None
-        functions = self._functions(_abstract_params(self._param_specs))
-        if "working" not in functions.measured:  # once per optimizer and tensor structure (it lowers the step)
-            with functions.compiling:
-                if "working" not in functions.measured:
-                    functions.measured["working"] = step_working_bytes(functions, self.device, self._param_specs,
-                                                                       _abstract_hyper(self.hyper))
-        return functions.measured["working"]
+        return step_working_bytes(self._functions(_abstract_params(self._param_specs)), self.device,
+                                  self._param_specs, _abstract_hyper(self.hyper))
 
     def step_problem(self) -> Optional[str]:
         """Why the optimizer's step cannot run on this shard's tensors, or None when it can.
