@@ -175,7 +175,8 @@ def _start_coordinator(config: ServerConfig, fleet, teardown: contextlib.ExitSta
     if config.durability is not None:
         catalog = SessionCatalog(config.durability.checkpoint_dir)
         teardown.callback(_final_checkpoints, fleet)  # after the servers stopped, before the fleet
-    coordinator = Coordinator(fleet, min_shard_bytes=config.min_shard_bytes, catalog=catalog, limits=config.limits)
+    coordinator = Coordinator(fleet, min_shard_bytes=config.min_shard_bytes, catalog=catalog, limits=config.limits,
+                              precond_workers=config.precond_workers > 0)
     if catalog is not None:
         restored = coordinator.restore_all()
         for index in range(config.shards):

@@ -42,6 +42,19 @@ def limited_server(ray_local):
 
 
 @pytest.fixture(scope="module")
+def control_with_workers(ray_local):
+    """A server like ``limited_server`` with a preconditioner worker (roots exchanged with it)."""
+    from optserve.server.app import start_server
+    from optserve.server.domain.config import Limits, ServerConfig
+
+    running = start_server(ServerConfig(host="127.0.0.1", port=0, shards=1, min_shard_bytes=0, precond_workers=1,
+                                        limits=Limits(shard_memory_bytes=BUDGET)))
+    with grpc.insecure_channel(running.address) as ch:
+        yield control_pb2_grpc.ControlStub(ch)
+    running.stop()
+
+
+@pytest.fixture(scope="module")
 def channel(limited_server):
     with grpc.insecure_channel(limited_server.address) as ch:
         yield ch
@@ -210,10 +223,11 @@ def test_the_shard_budget_counts_each_optimizers_own_state_and_a_refusal_names_t
              f"{params} of gradient buffer)", f"shard_memory_bytes={BUDGET}", "--shard-memory-bytes")
 
 
-def test_the_shard_budget_counts_shampoos_roots_in_flight(control):
+def test_the_shard_budget_counts_shampoos_roots_in_flight_when_workers_compute_them(control_with_workers):
     # 256 x 384 with blocks of 128: parameters, state and gradient buffer (3.1 MB) fit the 4 MiB
     # budget, but a shard also holds the exported statistics, the roots coming back and their
     # copy while roots are exchanged (3 x 8 bytes per parameter here), and that does not fit.
+    control = control_with_workers
     shampoo = control_pb2.OptimizerSpec(name="shampoo", args_json='{"learning_rate": 0.1, "block_size": 128}')
     roots = 3 * 8 * 256 * 384
     _refused(control, _config("budget-shampoo", [(256, 384)], shampoo), grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -223,19 +237,24 @@ def test_the_shard_budget_counts_shampoos_roots_in_flight(control):
 
 
 def test_a_session_whose_step_needs_more_working_memory_than_the_budget_leaves_is_refused_naming_it(control):
-    # 128 x 256 with blocks of 128: the estimate (parameters, state, gradient buffer, roots in
-    # flight: 1.8 MB) fits the 4 MiB budget, but with no preconditioner workers its step computes
-    # the matrix roots itself, and XLA's temporaries for that (about 3 MB, measured by compiling
-    # the step at create) do not fit what is left: refused before any step could run out of memory.
+    # 128 x 384 with blocks of 128: the estimate (parameters, state, gradient buffer: 1.6 MB) fits
+    # the 4 MiB budget, but with no preconditioner workers the step computes the matrix roots
+    # itself, and XLA's temporaries for that (about 4.6 MB, measured by compiling the step at
+    # create) do not fit what is left: refused before any step could run out of memory. Nothing
+    # is counted for roots in flight: none are exchanged.
     shampoo = control_pb2.OptimizerSpec(name="shampoo", args_json='{"learning_rate": 0.1, "block_size": 128}')
-    error = _refused(control, _config("budget-working", [(128, 256)], shampoo), grpc.StatusCode.RESOURCE_EXHAUSTED,
+    error = _refused(control, _config("budget-working", [(128, 384)], shampoo), grpc.StatusCode.RESOURCE_EXHAUSTED,
                      "bytes of working memory (XLA temporaries) on shard", f"shard_memory_bytes={BUDGET}",
                      "--shard-memory-bytes")
     working = int(error.details().split("its step needs ")[1].split()[0])
     left = int(error.details().split("budget leaves ")[1].split()[0])
-    assert working > left > 0, error.details()
+    assert working > left > 0 and "roots in flight" not in error.details(), error.details()
     assert _create(control, _config("budget-working", [(128, 128)], shampoo)) is None  # the name is free
     control.CloseSession(control_pb2.CloseSessionRequest(name="budget-working"), timeout=30)
+    # 128 x 256: its estimate (1.05 MB) and its step's working memory (3.08 MB) fit together; it
+    # was refused while roots in flight (0.79 MB more), which no worker exchanges here, were counted
+    assert _create(control, _config("budget-no-roots", [(128, 256)], shampoo)) is None
+    control.CloseSession(control_pb2.CloseSessionRequest(name="budget-no-roots"), timeout=30)
 
 
 def test_tensor_count_name_and_rank_past_their_limits_are_resource_exhausted(control):

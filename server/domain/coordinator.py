@@ -121,8 +121,9 @@ class Coordinator:
     """
 
     def __init__(self, fleet: ShardFleet, *, min_shard_bytes: int = 0, catalog: Optional[SessionCatalog] = None,
-                 limits: Optional[Limits] = None):
+                 limits: Optional[Limits] = None, precond_workers: bool = False):
         self._fleet = fleet
+        self._workers = precond_workers  # roots are exchanged with workers (the estimates count them in flight)
         self._catalog = catalog
         self._min_shard_bytes = min_shard_bytes
         self.limits = limits or Limits()
@@ -187,7 +188,7 @@ class Coordinator:
                                   shard_loads=self._table.shard_loads(num_shards))
         record = SessionRecord.placed(config, [(i, names) for i, names in enumerate(placement) if names],
                                       self._fleet.addresses, owner, creator)
-        budget, estimates = self.limits.shard_budget(num_shards), record.memory_estimates()
+        budget, estimates = self.limits.shard_budget(num_shards), record.memory_estimates(self._workers)
         left = {}
         for shard, needed in sorted(estimates.items()):
             held = self._table.estimated_on(shard)
@@ -229,7 +230,7 @@ class Coordinator:
                 record = record_from_catalog(entry, self._fleet.addresses)
                 if record is None:
                     continue
-                self._table.restored(record, record.estimated_bytes())
+                self._table.restored(record, record.estimated_bytes(self._workers))
                 why = self._restore(record)
                 if why is not None:
                     self._lose({record.config.name: why})

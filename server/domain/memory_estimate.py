@@ -23,8 +23,10 @@ class MemoryEstimate:
       state: the optimizer's state for these tensors, as its ``init`` builds it (traced
         abstractly: :func:`~optserve.server.compute.kernels.traced_bytes`).
       gradients: one float32 gradient buffer (what a push stages).
-      roots: statistics and roots in flight while matrix roots are exchanged (Shampoo, SOAP:
-        :func:`~optserve.server.compute.kernels.traced_bytes`; 0 for other optimizers).
+      roots: statistics and roots in flight while matrix roots are exchanged with preconditioner
+        workers (Shampoo, SOAP: :func:`~optserve.server.compute.kernels.traced_bytes`; 0 for
+        other optimizers, and for roots computed inside the step, whose memory is the step's
+        working memory, measured by the shard at create).
     """
 
     params: int
@@ -42,8 +44,10 @@ class MemoryEstimate:
                 f"{self.gradients} of gradient buffer{roots})")
 
 
-def estimate(config: SessionConfig, names: Iterable[str]) -> MemoryEstimate:
-    """The estimate for the tensors ``names`` of session ``config`` on one shard."""
+def estimate(config: SessionConfig, names: Iterable[str], workers: bool = True) -> MemoryEstimate:
+    """The estimate for the tensors ``names`` of session ``config`` on one shard; ``workers``: the
+    server has preconditioner workers (roots are exchanged unless the session computes them in
+    process)."""
     by_name = config.spec_by_name
     specs = [by_name[name] for name in names]
     elements = sum(spec.size for spec in specs)
@@ -52,4 +56,4 @@ def estimate(config: SessionConfig, names: Iterable[str]) -> MemoryEstimate:
     return MemoryEstimate(params=sum(spec.nbytes for spec in specs),
                           state=FALLBACK_STATE_COPIES * 4 * elements if state is None else state,
                           gradients=4 * elements,
-                          roots=roots)
+                          roots=roots if workers and not config.preconditioners.in_process else 0)
