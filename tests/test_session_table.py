@@ -25,7 +25,7 @@ def test_a_placed_record_builds_its_openings_and_estimate_from_one_placement():
         (0, "h:0", ("w",), 48), (1, "h:1", ("b",), 12)]
     openings = record.openings(["c:0", "c:1"])
     assert [(o.shard_index, o.participants, o.home_clock) for o in openings] == [(0, 2, None), (1, 2, "c:0")]
-    estimated = record.estimated_bytes()
+    estimated = record.estimated_bytes(workers=False)
     assert set(estimated) == {0, 1} and estimated[0] > 48 and estimated[1] > 12
 
 

@@ -124,9 +124,7 @@ def compile_ahead(functions: CompiledUpdate, device, params, state, hyper) -> No
     compiles as it would have."""
     import jax
 
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    grads = {name: jax.ShapeDtypeStruct(p.shape, np.float32, sharding=sharding) for name, p in params.items()}
-    scalar = jax.ShapeDtypeStruct((), np.float32)
+    grads, scalar = _step_inputs(device, params)
     try:
         # twice: for the state init made, then for the state a step makes (its leaves' types can
         # differ, e.g. weakly typed counters), which every later step sees
@@ -134,9 +132,7 @@ def compile_ahead(functions: CompiledUpdate, device, params, state, hyper) -> No
             functions.step.lower(params, state, grads, scalar, scalar, hyper).compile()
             if functions.partial is not None:
                 functions.partial.lower(grads, state, params).compile()
-            params, state = jax.tree.map(
-                lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type, sharding=sharding),
-                jax.eval_shape(functions.step, params, state, grads, scalar, scalar, hyper))
+            params, state = _placed(device, jax.eval_shape(functions.step, params, state, grads, scalar, scalar, hyper))
     except Exception:  # noqa: BLE001 - an optimization only
         return
     functions.compiled.set()
@@ -160,15 +156,31 @@ def step_working_bytes(functions: CompiledUpdate, device, specs: Mapping[str, tu
 def _compiled_temporaries(functions: CompiledUpdate, device, specs: Mapping[str, tuple], hyper) -> Optional[int]:
     import jax
 
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    params = {name: jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding) for name, (shape, dtype) in specs.items()}
-    grads = {name: jax.ShapeDtypeStruct(p.shape, np.float32, sharding=sharding) for name, p in params.items()}
-    scalar = jax.ShapeDtypeStruct((), np.float32)
+    params = _placed(device, {name: jax.ShapeDtypeStruct(tuple(shape), dtype) for name, (shape, dtype) in specs.items()})
+    grads, scalar = _step_inputs(device, params)
     try:
-        state = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type,
-                                                               sharding=sharding),
-                             jax.eval_shape(functions.init, params))
+        state = _placed(device, jax.eval_shape(functions.init, params))
         compiled = functions.step.lower(params, state, grads, scalar, scalar, hyper).compile()
         return int(compiled.memory_analysis().temp_size_in_bytes)
     except Exception:  # noqa: BLE001 - the step's own failure is reported where it runs
         return None
+
+
+def _placed(device, tree):
+    """``jax.ShapeDtypeStruct``s like ``tree``'s leaves (arrays or abstract values), placed on
+    ``device``: what a step's compilation for arrays held there takes."""
+    import jax
+
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=getattr(leaf, "weak_type", False),
+                                          sharding=sharding), tree)
+
+
+def _step_inputs(device, params) -> tuple[dict, Any]:
+    """A step's abstract float32 gradients for ``params`` (placed on ``device``) and its scalar
+    (the gradient scale and the global statistic)."""
+    import jax
+
+    grads = _placed(device, {name: jax.ShapeDtypeStruct(p.shape, np.float32) for name, p in params.items()})
+    return grads, jax.ShapeDtypeStruct((), np.float32)

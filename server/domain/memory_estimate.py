@@ -44,7 +44,7 @@ class MemoryEstimate:
                 f"{self.gradients} of gradient buffer{roots})")
 
 
-def estimate(config: SessionConfig, names: Iterable[str], workers: bool = True) -> MemoryEstimate:
+def estimate(config: SessionConfig, names: Iterable[str], workers: bool) -> MemoryEstimate:
     """The estimate for the tensors ``names`` of session ``config`` on one shard; ``workers``: the
     server has preconditioner workers (roots are exchanged unless the session computes them in
     process)."""

@@ -117,12 +117,12 @@ class SessionRecord:
                              left.get(a.shard_index))
                 for a in self.assignments]
 
-    def memory_estimates(self, workers: bool = True) -> dict[int, MemoryEstimate]:
+    def memory_estimates(self, workers: bool) -> dict[int, MemoryEstimate]:
         """Shard index -> what its part is estimated to hold (what the memory budget counts);
         ``workers``: the server has preconditioner workers (see :func:`estimate`)."""
         return {a.shard_index: estimate(self.config, a.tensor_names, workers) for a in self.assignments}
 
-    def estimated_bytes(self, workers: bool = True) -> dict[int, int]:
+    def estimated_bytes(self, workers: bool) -> dict[int, int]:
         """Shard index -> the total of :meth:`memory_estimates`."""
         return {index: found.total for index, found in self.memory_estimates(workers).items()}
 
