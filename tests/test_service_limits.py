@@ -297,6 +297,37 @@ def test_a_session_of_40000_tensors_is_created_while_listing_answers_at_once(con
     control.CloseSession(control_pb2.CloseSessionRequest(name="wide"), timeout=30)
 
 
+def test_small_sessions_are_created_while_a_large_one_opens_on_the_shards(control):
+    # The coordinator held its lock while the shards opened a session (tracing and compiling its
+    # step: a minute for a large Shampoo model), so every other create waited for the largest.
+    import threading
+
+    outcome, waits = {}, []
+    assert _create(control, _config("small-warm", [(2, 2)])) is None  # its compilation out of the timed creates
+    control.CloseSession(control_pb2.CloseSessionRequest(name="small-warm"), timeout=30)
+
+    def create_large():
+        started = time.perf_counter()
+        outcome["error"] = _create(control, _config("wide-opening", [(3,)] * MAX_TENSORS))
+        outcome["seconds"] = time.perf_counter() - started
+
+    creating = threading.Thread(target=create_large)
+    creating.start()
+    small = 0
+    while creating.is_alive():
+        started = time.perf_counter()
+        error = _create(control, _config(f"small-{small}", [(2, 2)]))
+        waits.append(time.perf_counter() - started)
+        assert error is None, error.details()
+        control.CloseSession(control_pb2.CloseSessionRequest(name=f"small-{small}"), timeout=30)
+        small += 1
+    creating.join()
+    assert outcome["error"] is None, outcome["error"].details()
+    assert "wide-opening" in _listed(control)
+    control.CloseSession(control_pb2.CloseSessionRequest(name="wide-opening"), timeout=30)
+    assert max(waits) < max(1.0, outcome["seconds"] / 2), (waits, outcome)
+
+
 def test_sessions_past_the_tenants_limit_are_resource_exhausted_and_the_sdk_names_it(limited_server, control):
     existing = len(_listed(control))  # the anchor
     names = [f"tenant-{i}" for i in range(MAX_SESSIONS - existing)]

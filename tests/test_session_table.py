@@ -29,23 +29,77 @@ def test_a_placed_record_builds_its_openings_and_estimate_from_one_placement():
     assert set(estimated) == {0, 1} and estimated[0] > 48 and estimated[1] > 12
 
 
-def test_an_opening_session_takes_its_name_but_no_call_finds_it_until_opened():
+def test_an_opening_session_takes_its_name_and_its_memory_but_no_call_finds_it_until_opened():
     table = SessionTable()
     table.opening(_record(), {0: 10})
     with pytest.raises(AlreadyExists):
-        table.wait_until_free("s", timeout_s=0.0)
+        table.wait_until_free("s", closing_s=0.0, opening_s=0.0)
+    with pytest.raises(AlreadyExists):  # a second create that got past the wait
+        table.opening(_record(), {0: 10})
     with pytest.raises(NotFound):
         table.owned("s", "alice")
-    assert table.records() == {} and table.estimated_on(0) == 0
+    # other creates, placed while it opens, count it: budget, placement and the tenant's sessions
+    assert table.records() == {} and table.estimated_on(0) == 10 and table.shard_loads(2) == [48, 12]
+    assert table.held_by("alice") == 1 and table.held_by("bob") == 0
     table.opened("s")
     assert table.owned("s", "alice").state is SessionState.LIVE and table.estimated_on(0) == 10
+
+
+def test_a_create_of_an_opening_name_waits_for_it_to_be_opened_then_finds_it():
+    import threading
+
+    table = SessionTable()
+    table.opening(_record(), {0: 10})
+    outcome = []
+
+    def create_again():
+        try:
+            table.wait_until_free("s", closing_s=0.0, opening_s=60.0)
+            outcome.append("free")
+        except AlreadyExists:
+            outcome.append("exists")
+
+    waiting = threading.Thread(target=create_again)
+    waiting.start()
+    waiting.join(0.3)
+    assert waiting.is_alive() and outcome == []  # still opening: it waits
+    table.opened("s")
+    waiting.join(10)
+    assert outcome == ["exists"] and table.owned("s", "alice").state is SessionState.LIVE
+
+
+def test_a_create_waiting_for_a_closing_name_waits_again_when_another_create_opens_it():
+    import threading
+
+    table = SessionTable()
+    table.restored(_record(), {})
+    table.closing("s", "alice")
+    outcome = []
+
+    def create_again():
+        try:
+            table.wait_until_free("s", closing_s=60.0, opening_s=60.0)
+            outcome.append("free")
+        except AlreadyExists:
+            outcome.append("exists")
+
+    waiting = threading.Thread(target=create_again)
+    waiting.start()
+    waiting.join(0.2)  # waiting for the close
+    table.dropped("s")
+    table.opening(_record(), {0: 10})  # another create took the name as it was dropped
+    waiting.join(0.3)
+    assert waiting.is_alive() and outcome == []  # it waits for that create, not refused at once
+    table.opened("s")
+    waiting.join(10)
+    assert outcome == ["exists"] and table.owned("s", "alice").state is SessionState.LIVE
 
 
 def test_an_abandoned_opening_leaves_the_name_free():
     table = SessionTable()
     table.opening(_record(), {0: 10})
     table.abandoned("s")
-    table.wait_until_free("s", timeout_s=0.0)
+    table.wait_until_free("s", closing_s=0.0, opening_s=0.0)
     assert table.entry("s") is None
 
 
@@ -60,9 +114,9 @@ def test_a_lost_session_stays_listed_and_counted_until_closed_and_dropped():
     table.closing("s", "alice")
     assert table.records() == {} and table.estimated_on(0) == 0 and table.lost_sessions() == {}
     with pytest.raises(AlreadyExists):  # still closing
-        table.wait_until_free("s", timeout_s=0.0)
+        table.wait_until_free("s", closing_s=0.0, opening_s=0.0)
     table.dropped("s")
-    table.wait_until_free("s", timeout_s=0.0)
+    table.wait_until_free("s", closing_s=0.0, opening_s=0.0)
 
 
 def test_only_a_live_session_is_lost_unloaded_or_reloaded():

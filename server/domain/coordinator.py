@@ -36,18 +36,19 @@ Every session event is one log line (:mod:`~optserve.server.domain.events`):
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
 from typing import Mapping, Optional, Protocol, Sequence
 
-from optserve.server.compute.kernels import check_optimizer
+from optserve.server.domain.admission import check_request, place_session
 from optserve.server.domain.config import Limits, SessionConfig
-from optserve.server.domain.errors import FailedPrecondition, InvalidArgument, SessionLost, Unavailable
+from optserve.server.domain.errors import FailedPrecondition, SessionLost, Unavailable
 from optserve.server.domain.events import log_event
-from optserve.server.domain.placement import place_tensors
 from optserve.server.domain.session_records import (AttachExpectation, SessionRecord, SessionStatus, ShardOpening,
                                                     ShardSummary)
+from optserve.server.domain.session_open import open_on_shards, undo_open
 from optserve.server.domain.session_restore import record_from_catalog, restore_consistently, restore_restarted
 from optserve.server.domain.session_table import SessionState, SessionTable
 from optserve.server.domain.shard_records import ShardSessionStatus
@@ -55,6 +56,8 @@ from optserve.server.domain.shard_records import ShardSessionStatus
 log = logging.getLogger(__name__)
 
 _CLOSING_WAIT_S = 10.0  # how long a create waits for a closing session of its name to be gone
+_OPENING_WAIT_S = 600.0  # ... and for a session of its name that another create is opening
+_OPENS_AT_ONCE = 4  # creates whose shards open (compile) at once: the rest of a shard's threads serve calls
 ADMIN_TENANT = "admin"  # the tenant whose token sees every tenant's figures in the server's status
 
 
@@ -115,9 +118,11 @@ class Coordinator:
       limits: bounds a new session must keep (bytes, memory budget per shard, sessions per tenant).
 
     Locks: the session table's own lock is held only briefly, so listing and status answer while
-    a session is being created; ``_membership`` is held while sessions are added (the shards
-    opening a new one) or a shard's sessions change hands (lost, down, restarted, unloaded,
-    reloaded), so those never see a session half created.
+    a session is being created; ``_membership`` is held while a new session is placed and taken
+    live, and while a shard's sessions change hands (lost, down, restarted, unloaded, reloaded).
+    The shards open a new session (compiling its step: a minute for a large Shampoo model)
+    outside it, so other creates and a shard's failure are handled meanwhile; a create whose
+    shard died or restarted while opening is undone (:meth:`_take_live`).
     """
 
     def __init__(self, fleet: ShardFleet, *, min_shard_bytes: int = 0, catalog: Optional[SessionCatalog] = None,
@@ -129,6 +134,8 @@ class Coordinator:
         self.limits = limits or Limits()
         self._table = SessionTable()
         self._membership = threading.Lock()
+        self._shard_changes: collections.Counter = collections.Counter()  # shard -> deaths and restarts seen
+        self._opens = threading.BoundedSemaphore(_OPENS_AT_ONCE)
 
     @property
     def durable(self) -> bool:
@@ -138,88 +145,65 @@ class Coordinator:
         """Places and opens a session owned by tenant ``owner``, created by client ``creator``.
 
         Raises:
-          AlreadyExists: a session of this name exists (or is still closing after a short wait).
+          AlreadyExists: a session of this name exists (one still closing, or being opened by
+            another create, is waited for first).
           ResourceExhausted: the session is larger than ``max_session_bytes``, its tensors would
             take a shard past its memory budget, or ``owner`` holds ``max_sessions_per_tenant``
             sessions (checked before any shard allocates anything).
           InvalidArgument: a bad optimizer option, or a shard refused to open its part: the
             optimizer cannot build its state for the shard's tensors (checked abstractly, before
-            the shard holds anything). Either way nothing is left: no shard holds the session and
-            its name is free.
+            the shard holds anything).
+          Unavailable: a shard died or restarted while opening it.
+        Whatever is raised, nothing is left: no shard holds the session and its name is free.
         """
-        session_bytes = sum(t.nbytes for t in config.tensors)
-        if session_bytes > self.limits.max_session_bytes:
-            raise self.limits.exceeded("max_session_bytes", f"session {config.name!r}: {session_bytes} parameter bytes")
+        check_request(config, self.limits)
+        record = None
+        while record is None:  # until no other create of this name is opening it
+            self._table.wait_until_free(config.name, _CLOSING_WAIT_S, _OPENING_WAIT_S)
+            with self._membership:  # placed one at a time, each counting those being opened
+                if self._table.state_of(config.name) is SessionState.OPENING:
+                    continue  # placed by another create since the wait: wait for that one
+                owned = self._table.held_by(owner)
+                if owned >= self.limits.max_sessions_per_tenant:
+                    raise self.limits.exceeded("max_sessions_per_tenant", f"tenant {owner!r}: {owned + 1} open sessions")
+                record, estimated, left = place_session(
+                    config, owner, creator, addresses=self._fleet.addresses, table=self._table, limits=self.limits,
+                    workers=self._workers, min_shard_bytes=self._min_shard_bytes)
+                self._table.opening(record, estimated)
+                changes = {a.shard_index: self._shard_changes[a.shard_index] for a in record.assignments}
         try:
-            check_optimizer(config.optimizer_name, config.optimizer_args, [t.name for t in config.tensors])
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from None
-        with self._membership:  # one create at a time; listing and status go on meanwhile
-            # a name whose shards are still closing is free in a moment: wait for it, briefly
-            self._table.wait_until_free(config.name, _CLOSING_WAIT_S)
-            owned = len(self._table.records(owner))
-            if owned >= self.limits.max_sessions_per_tenant:
-                raise self.limits.exceeded("max_sessions_per_tenant", f"tenant {owner!r}: {owned + 1} open sessions")
-            record, estimated, left = self._place(config, owner, creator)
-            self._table.opening(record, estimated)
-            try:
-                self._open_everywhere(record, left)
-            except BaseException:
-                self._table.abandoned(config.name)
-                raise
-            self._table.opened(config.name)
+            with self._opens:
+                open_on_shards(self._fleet, self._catalog, record, left)
+        except BaseException:
+            self._table.abandoned(config.name)
+            raise
+        self._take_live(record, changes)
         log_event(log, logging.INFO, "session_created", session=config.name, optimizer=config.optimizer_name,
                   mode=config.mode.name.lower(), tensors=len(config.tensors),
                   shards=",".join(str(a.shard_index) for a in record.assignments),
                   param_bytes=sum(a.param_bytes for a in record.assignments))
         return record
 
-    def _place(self, config: SessionConfig, owner: str, creator: str) -> tuple[SessionRecord, dict[int, int],
-                                                                                dict[int, int]]:
-        """The new session placed over the shards, its estimated bytes on each (within every
-        shard's memory budget), and what each shard's budget has left beyond that estimate (a
-        shard refuses the part if its step's working memory needs more).
+    def _take_live(self, record: SessionRecord, changes: Mapping[int, int]) -> None:
+        """Its shards opened the new session: it is live, unless one of them died or restarted
+        since it was placed (``changes``: each shard's count then). Such a shard holds no part
+        of it, and its failure's handling did not see a session not live yet: it is undone.
 
         Raises:
-          ResourceExhausted: its estimated bytes would take a shard past its budget.
+          Unavailable: a shard died or restarted meanwhile; nothing was created.
         """
-        num_shards = len(self._fleet.addresses)
-        placement = place_tensors(config.tensors, num_shards, min_shard_bytes=self._min_shard_bytes,
-                                  shard_loads=self._table.shard_loads(num_shards))
-        record = SessionRecord.placed(config, [(i, names) for i, names in enumerate(placement) if names],
-                                      self._fleet.addresses, owner, creator)
-        budget, estimates = self.limits.shard_budget(num_shards), record.memory_estimates(self._workers)
-        left = {}
-        for shard, needed in sorted(estimates.items()):
-            held = self._table.estimated_on(shard)
-            if held + needed.total > budget:
-                raise self.limits.exceeded(
-                    "shard_memory_bytes", f"session {config.name!r} needs an estimated {needed.describe()} on "
-                    f"shard {shard}, which holds an estimated {held} bytes of other sessions", budget)
-            left[shard] = budget - held - needed.total
-        return record, {shard: needed.total for shard, needed in estimates.items()}, left
-
-    def _open_everywhere(self, record: SessionRecord, memory_left: Mapping[int, int]) -> None:
-        """Opens the session on its shards (each with ``memory_left`` of its budget beyond the
-        part's estimate) and saves it in the catalog; if either fails, closes what was opened and
-        removes the entry before raising."""
         name = record.config.name
-        try:
-            self._fleet.open_session(record.openings(self._fleet.clock_addresses, memory_left))
-            if self._catalog is not None:
-                try:
-                    self._catalog.save(name, record.to_json())
-                except OSError as exc:
-                    raise Unavailable(f"session {name!r}: {exc.strerror}; nothing was created, retry once the disk "
-                                      f"takes writes again") from None
-        except BaseException:
-            self._fleet.close_session(name)
-            if self._catalog is not None:
-                try:
-                    self._catalog.remove(name)
-                except OSError:  # the disk that refused the entry: the next start sets the folder aside
-                    log.exception("event=catalog_remove_failed session=%s", name)
-            raise
+        with self._membership:
+            changed = sorted(i for i, seen in changes.items() if self._shard_changes[i] != seen)
+            if not changed:
+                self._table.opened(name)
+                return
+        try:  # outside the lock: no one else changes an OPENING session
+            undo_open(self._fleet, self._catalog, name)
+        finally:
+            self._table.abandoned(name)
+        raise Unavailable(f"session {name!r}: shard {', '.join(map(str, changed))} died or restarted while the "
+                          f"session was being created; nothing was created, retry")
 
     def restore_all(self) -> list[str]:
         """Durable servers, at start: restores every session of the catalog on the shards (its
@@ -252,6 +236,7 @@ class Coordinator:
         """Durable servers: shard ``shard_index`` died and is being restarted. Votes waiting for it
         on its sessions' home shards end now (the clients retry); returns those sessions."""
         with self._membership:
+            self._shard_changes[shard_index] += 1
             by_home = self._table.live_on(shard_index)
         for home, names in by_home.items():
             if home != shard_index:
@@ -265,12 +250,18 @@ class Coordinator:
         Returns the sessions that could not be restored (now lost), and the restarted shards
         still holding back a session (pass them again once ``waiting`` is back)."""
         with self._membership:
+            self._shard_changes.update(shard_indices)
             lost, rolled_back, pending = restore_restarted(self._fleet, self._table, shard_indices, waiting)
             for name, logged in rolled_back.items():
                 self._table.rolled_back(name, logged)
             if lost:
                 self._lose(lost)
         return sorted(lost), pending
+
+    def shard_replaced(self, shard_index: int) -> None:
+        """A lost shard's replacement runs (maybe at a new address): a create placed before is undone."""
+        with self._membership:
+            self._shard_changes[shard_index] += 1
 
     def shard_lost(self, shard_index: int, address: str, cause: str) -> list[str]:
         """Shard ``shard_index`` (at ``address``) died of ``cause``: its sessions are lost.
@@ -279,6 +270,7 @@ class Coordinator:
         and returns their names. Sessions already lost are left as they are.
         """
         with self._membership:
+            self._shard_changes[shard_index] += 1
             names = [n for names in self._table.live_on(shard_index).values() for n in names]
         lost = {name: (f"session {name!r} is lost: shard {shard_index} ({address}), which held part of it, died "
                        f"({cause}) and the server keeps no copy of its state; close the session and create it again")

@@ -10,8 +10,9 @@ in one state and half in another::
               LIVE --unloaded--> UNLOADED --reloaded--> LIVE or LOST   (durable, idle)
               LIVE / LOST / UNLOADED --closing--> CLOSING --dropped--> gone   (closed or expired)
 
-Calls find, listing shows and the memory budget counts the *listed* states (LIVE, LOST,
-UNLOADED); an OPENING or CLOSING session is not found, but its name is taken. A session's last
+Calls find and listing shows the *listed* states (LIVE, LOST, UNLOADED); an OPENING or CLOSING
+session is not found, but its name is taken. The memory budget, placement and the tenant's
+session count also count OPENING sessions (*held*): creates run at once, each counting the others. A session's last
 restore may have rolled it back below what one of its shards logged: that is a fact its status
 reports (:attr:`SessionEntry.rolled_back_from`), not a state, since the session is then live,
 unloaded or lost like any other.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import threading
+import time
 from typing import Mapping, Optional
 
 from optserve.server.domain.errors import AlreadyExists, NotFound, PermissionDenied
@@ -37,6 +39,7 @@ class SessionState(enum.Enum):
 
 
 LISTED = frozenset({SessionState.LIVE, SessionState.LOST, SessionState.UNLOADED})
+HELD = LISTED | {SessionState.OPENING}  # what the shards hold or are opening: memory, placement, quota
 
 
 @dataclasses.dataclass
@@ -64,37 +67,48 @@ class SessionTable:
     def __init__(self):
         self._entries: dict[str, SessionEntry] = {}
         self._lock = threading.Lock()
-        self._dropped = threading.Condition(self._lock)  # notified when a CLOSING name is gone
+        self._settled = threading.Condition(self._lock)  # notified when an OPENING or CLOSING name settles
 
     # transitions
 
-    def wait_until_free(self, name: str, timeout_s: float) -> None:
-        """Waits up to ``timeout_s`` for a CLOSING session of this name to be gone.
+    def wait_until_free(self, name: str, closing_s: float, opening_s: float) -> None:
+        """Waits up to ``closing_s`` for a CLOSING session of this name to be gone, and up to
+        ``opening_s`` for an OPENING one to be opened or abandoned (a create of the same name
+        then finds the session, or the name free).
 
         Raises:
-          AlreadyExists: a session of this name exists (or is still closing).
+          AlreadyExists: a session of this name exists (or is still closing or opening).
         """
-        with self._lock:
-            self._dropped.wait_for(lambda: self._state(name) is not SessionState.CLOSING, timeout=timeout_s)
-            if name in self._entries:
-                raise AlreadyExists(f"session {name!r} already exists: attach to it with client.session({name!r}) "
-                                    f"to go on training it, or end it with client.close_session({name!r}) "
-                                    f"(`optserve sessions close {name}`) to create it afresh, or pick a new name")
+        now = time.monotonic()
+        deadlines = {SessionState.OPENING: now + opening_s, SessionState.CLOSING: now + closing_s}
+        with self._lock:  # a name can go from CLOSING to OPENING (another create): wait for each in turn
+            while (state := self._state(name)) in deadlines and time.monotonic() < deadlines[state]:
+                self._settled.wait(deadlines[state] - time.monotonic())
+            self._refuse_taken(name)
 
     def opening(self, record: SessionRecord, estimated: dict[int, int]) -> None:
-        """A new session whose shards are opening it (its name is taken from now on)."""
+        """A new session whose shards are opening it (its name is taken from now on).
+
+        Raises:
+          AlreadyExists: the name was taken meanwhile (after :meth:`wait_until_free`).
+        """
         with self._lock:
+            self._refuse_taken(record.config.name)
             self._entries[record.config.name] = SessionEntry(record, SessionState.OPENING, estimated)
 
     def opened(self, name: str) -> None:
         """OPENING -> LIVE: every shard holds its part."""
-        self._move(name, (SessionState.OPENING,), SessionState.LIVE)
+        with self._lock:
+            if self._state(name) is SessionState.OPENING:
+                self._entries[name].state = SessionState.LIVE
+            self._settled.notify_all()
 
     def abandoned(self, name: str) -> None:
         """OPENING -> gone: a shard refused to open it (what the others opened is closed)."""
         with self._lock:
             if self._state(name) is SessionState.OPENING:
                 del self._entries[name]
+            self._settled.notify_all()
 
     def restored(self, record: SessionRecord, estimated: dict[int, int]) -> None:
         """A durable session of the catalog, at start: LIVE while its shards restore it."""
@@ -164,7 +178,7 @@ class SessionTable:
         with self._lock:
             if self._state(name) is SessionState.CLOSING:
                 del self._entries[name]
-            self._dropped.notify_all()
+            self._settled.notify_all()
 
     # queries
 
@@ -189,6 +203,16 @@ class SessionTable:
         with self._lock:
             return {name: e.record for name, e in self._entries.items()
                     if e.state in LISTED and (tenant is None or e.record.owner == tenant)}
+
+    def state_of(self, name: str) -> Optional[SessionState]:
+        """The session's state (None: no such session)."""
+        with self._lock:
+            return self._state(name)
+
+    def held_by(self, tenant: str) -> int:
+        """How many sessions ``tenant`` holds (listed or opening: its quota counts them)."""
+        with self._lock:
+            return sum(1 for e in self._entries.values() if e.state in HELD and e.record.owner == tenant)
 
     def why_lost(self, name: str) -> Optional[str]:
         """The message calls naming a LOST session are refused with (None: it is not lost)."""
@@ -217,19 +241,19 @@ class SessionTable:
         return out
 
     def shard_loads(self, num_shards: int) -> list[int]:
-        """Parameter bytes each shard holds for the listed sessions."""
+        """Parameter bytes each shard holds (or is opening) for the held sessions."""
         loads = [0] * num_shards
         with self._lock:
             for entry in self._entries.values():
-                if entry.state in LISTED:
+                if entry.state in HELD:
                     for a in entry.record.assignments:
                         loads[a.shard_index] += a.param_bytes
         return loads
 
     def estimated_on(self, shard_index: int) -> int:
-        """Bytes the listed sessions are estimated to hold on shard ``shard_index``."""
+        """Bytes the held sessions (listed or opening) are estimated to hold on shard ``shard_index``."""
         with self._lock:
-            return sum(e.estimated.get(shard_index, 0) for e in self._entries.values() if e.state in LISTED)
+            return sum(e.estimated.get(shard_index, 0) for e in self._entries.values() if e.state in HELD)
 
     def _state(self, name: str) -> Optional[SessionState]:
         entry = self._entries.get(name)
@@ -242,6 +266,12 @@ class SessionTable:
                 return False
             entry.state = target
             return True
+
+    def _refuse_taken(self, name: str) -> None:
+        if name in self._entries:
+            raise AlreadyExists(f"session {name!r} already exists: attach to it with client.session({name!r}) "
+                                f"to go on training it, or end it with client.close_session({name!r}) "
+                                f"(`optserve sessions close {name}`) to create it afresh, or pick a new name")
 
     def _owned_locked(self, name: str, tenant: str) -> SessionEntry:
         entry = self._entries.get(name)

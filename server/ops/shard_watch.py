@@ -57,6 +57,7 @@ class ShardWatch(Periodic):
             lost = self._coordinator.shard_lost(index, address, "its process exited")
             log.error("event=shard_died shard=%d address=%s lost_sessions=%s", index, address, ",".join(lost) or "-")
             new_address = self._fleet.restart(index)
+            self._coordinator.shard_replaced(index)
             log.warning("event=shard_restarted shard=%d address=%s", index, new_address)
         return dead
 
