@@ -6,15 +6,14 @@ are never touched)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from typing import Optional, TextIO
 
 from bench.process_session import ask_for_stacks, kill_session, session_pids, titled
+from bench.serve_output import ServeOutput, serve_argv, serve_env, start_serve
 
 
 class NemesisServer:
@@ -33,37 +32,18 @@ class NemesisServer:
     def start(self, timeout_s: float = 180.0) -> float:
         """Starts the server (on the port of its first start) and waits until it listens; returns
         the unix time it said so."""
-        env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", RAY_DEDUP_LOGS="0",
-                   PYTHONUNBUFFERED="1")
-        env.pop("RAY_ADDRESS", None)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "optserve.server.cli", "serve", "--port", str(self.port), "--shards", "2",
-             "--min-shard-bytes", "0", *self.args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        self.process = start_serve(serve_argv(self.port, *self.args), serve_env(RAY_DEDUP_LOGS="0"))
         self.starts += 1
         self._write(f"--- start {self.starts} at {time.time():.3f}\n")
-        lines: list[str] = []
-        listening = threading.Event()
-        threading.Thread(target=self._drain, args=(self.process, lines, listening), daemon=True).start()
-        deadline = time.monotonic() + timeout_s
-        while not listening.wait(0.2):
-            if self.process.poll() is not None or time.monotonic() >= deadline:
-                if self.process.poll() is None:  # hung while starting: where, in the log
-                    self.dump_stacks()
-                self.kill_tree()
-                raise RuntimeError(f"the server did not start (within {timeout_s:.0f} s):\n" + "".join(lines[-30:]))
-        address = next(line for line in lines if line.startswith("optserve listening on "))
-        self.address = address.split()[3]
-        self.port = int(self.address.rsplit(":", 1)[1])
+        output = ServeOutput(self.process, echo=self._write, keep_all=False)
+        why = output.wait_listening(timeout_s)
+        if why is not None:
+            if why == "timeout":  # hung while starting: where, in the log
+                self.dump_stacks()
+            self.kill_tree()
+            raise RuntimeError(f"the server did not start (within {timeout_s:.0f} s):\n" + output.tail(30))
+        self.address, self.port = output.address, output.port
         return time.time()
-
-    def _drain(self, process: subprocess.Popen, lines: list, listening: threading.Event) -> None:
-        for line in process.stdout:
-            self._write(line)
-            if not listening.is_set():
-                lines.append(line)
-                if line.startswith("optserve listening on "):
-                    listening.set()
 
     def dump_stacks(self) -> None:
         """Every thread's stack of the server (into its output, so the log) and of its shard

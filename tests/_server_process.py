@@ -4,16 +4,13 @@ kill a whole server or start one on files they prepared."""
 from __future__ import annotations
 
 import glob
-import os
 import signal
 import socket
 import subprocess
-import sys
-import threading
-import time
 from typing import Optional
 
 from bench.process_session import ask_for_stacks, kill_session, session_pids, titled
+from bench.serve_output import ServeOutput, serve_argv, serve_env, start_serve
 
 
 def free_port() -> int:
@@ -29,34 +26,31 @@ class ServerProcess:
 
     def __init__(self, *extra: str, port: int = 0, command: Optional[list[str]] = None):
         """``command``: the whole command line to run instead (its ``--port`` is ``port``)."""
-        self.port = port  # 0: the server picks a free one (a port probed here could be taken by Ray meanwhile)
-        self.address = f"127.0.0.1:{port}"
-        env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
-        env.pop("RAY_ADDRESS", None)
-        self.process = subprocess.Popen(
-            command or [sys.executable, "-m", "optserve.server.cli", "serve", "--port", str(self.port), "--shards",
-                        "2", "--min-shard-bytes", "0", *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-        self.lines: list[str] = []
-        self._listening = threading.Event()
-        threading.Thread(target=self._drain, daemon=True).start()
+        self._asked_port = port  # 0: the server picks a free one (a port probed here could be taken by Ray meanwhile)
+        self.process = start_serve(command or serve_argv(port, *extra), serve_env())
+        self._output = ServeOutput(self.process)
+        self.lines = self._output.lines
 
     def wait_listening(self, timeout_s: float = 180.0) -> "ServerProcess":
         """Returns once the server printed its address; fails with its output (and, if it is
         still starting, the Python stacks of its threads) after ``timeout_s`` or once it exits."""
-        deadline = time.monotonic() + timeout_s
-        while not self._listening.wait(0.2):
-            if self.process.poll() is not None:
-                self._listening.wait(1.0)  # its last lines
-                if self._listening.is_set():
-                    break
-                raise AssertionError("server did not start:\n" + "".join(self.lines[-40:]))
-            if time.monotonic() >= deadline:
-                stacks = self._stacks()
-                self.kill_group()  # the caller never gets this object to clean up
-                raise AssertionError(f"server not listening after {timeout_s:.0f} s; its output and stacks:\n"
-                                     + stacks)
+        why = self._output.wait_listening(timeout_s)
+        if why == "exited":
+            raise AssertionError("server did not start:\n" + self._output.tail())
+        if why == "timeout":
+            stacks = self._stacks()
+            self.kill_group()  # the caller never gets this object to clean up
+            raise AssertionError(f"server not listening after {timeout_s:.0f} s; its output and stacks:\n" + stacks)
         return self
+
+    @property
+    def address(self) -> str:
+        """``HOST:PORT`` it listens on (before it says so: the port asked for)."""
+        return self._output.address or f"127.0.0.1:{self._asked_port}"
+
+    @property
+    def port(self) -> int:
+        return self._output.port or self._asked_port
 
     def _stacks(self) -> str:
         """The server's output after asking it and its shard actors for their threads' stacks
@@ -70,14 +64,6 @@ class ServerProcess:
                 with open(path, errors="replace") as fh:
                     text += f"\n--- shard actor {pid} ({path}):\n" + fh.read()[-6000:]
         return text
-
-    def _drain(self) -> None:
-        for line in self.process.stdout:
-            self.lines.append(line)
-            if line.startswith("optserve listening on ") and not self._listening.is_set():
-                self.address = line.split()[3]
-                self.port = int(self.address.rsplit(":", 1)[1])
-                self._listening.set()
 
     def output(self) -> str:
         return "".join(self.lines)

@@ -11,12 +11,11 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
-from bench.process_session import kill_session
+from tests._server_process import ServerProcess
 from optserve.server.storage.dir_lock import LOCK_NAME, DirectoryLocked, DirLock, LockHolder
 from tests._service_helpers import InProcess, make_grads, make_params, max_abs_diff
 
@@ -132,33 +131,9 @@ def _argv(checkpoint_dir: str) -> list[str]:
             "--checkpoint-dir", checkpoint_dir, "--checkpoint-every-steps", "3"]
 
 
-class _Server:
-    """``optserve serve`` in its own process group, started and waited for."""
-
-    def __init__(self, checkpoint_dir: str):
-        self.process = subprocess.Popen(_argv(checkpoint_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, env=_env(), start_new_session=True)
-        self.lines: list[str] = []
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = self.process.stdout.readline()
-            if not line:
-                break
-            self.lines.append(line)
-            if line.startswith("optserve listening on "):
-                self.address = line.split()[-1]
-                threading.Thread(target=self._drain, daemon=True).start()
-                return
-        self.kill_group()
-        raise AssertionError("server did not start:\n" + "".join(self.lines[-30:]))
-
-    def _drain(self):
-        for line in self.process.stdout:
-            self.lines.append(line)
-
-    def kill_group(self):
-        kill_session(self.process.pid)
-        self.process.wait(timeout=30)
+def _server(checkpoint_dir: str) -> ServerProcess:
+    """``optserve serve`` on the folder (one shard), in a process session of its own, listening."""
+    return ServerProcess(command=_argv(checkpoint_dir)).wait_listening()
 
 
 @pytest.mark.slow
@@ -168,7 +143,7 @@ def test_one_server_per_checkpoint_dir_and_a_killed_servers_lock_is_taken_over(t
     checkpoint_dir = str(tmp_path / "ckpt")
     params = make_params(5)
     reference = InProcess(OPTIMIZER["name"], OPTIMIZER["args"], params)
-    first = _Server(checkpoint_dir)
+    first = _server(checkpoint_dir)
     third = None
     try:
         # A second server on the folder is refused at once, naming the first; the first is untouched.
@@ -193,7 +168,7 @@ def test_one_server_per_checkpoint_dir_and_a_killed_servers_lock_is_taken_over(t
 
         # The first dies without releasing: the next server takes the lock over and restores the session.
         first.kill_group()
-        third = _Server(checkpoint_dir)
+        third = _server(checkpoint_dir)
         taken_over = [line for line in third.lines if "event=checkpoint_dir_lock_taken_over" in line]
         assert taken_over and f"previous_pid={first.process.pid}" in taken_over[0], "".join(third.lines[-30:])
         with Client(third.address, timeout=120.0) as fresh_client:

@@ -4,6 +4,8 @@ its transitions (server/domain/session_table.py), the records built from a place
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from optserve.server.domain.config import DType, SessionConfig, TensorSpec
@@ -45,22 +47,26 @@ def test_an_opening_session_takes_its_name_and_its_memory_but_no_call_finds_it_u
     assert table.owned("s", "alice").state is SessionState.LIVE and table.estimated_on(0) == 10
 
 
-def test_a_create_of_an_opening_name_waits_for_it_to_be_opened_then_finds_it():
-    import threading
+def _create_in_a_thread(table: SessionTable) -> tuple[threading.Thread, list[str]]:
+    """A create of "s" waiting for the name (up to 60 s): its outcome, "free" or "exists", once it ends."""
+    outcome: list[str] = []
 
-    table = SessionTable()
-    table.opening(_record(), {0: 10})
-    outcome = []
-
-    def create_again():
+    def create():
         try:
-            table.wait_until_free("s", closing_s=0.0, opening_s=60.0)
+            table.wait_until_free("s", closing_s=60.0, opening_s=60.0)
             outcome.append("free")
         except AlreadyExists:
             outcome.append("exists")
 
-    waiting = threading.Thread(target=create_again)
+    waiting = threading.Thread(target=create)
     waiting.start()
+    return waiting, outcome
+
+
+def test_a_create_of_an_opening_name_waits_for_it_to_be_opened_then_finds_it():
+    table = SessionTable()
+    table.opening(_record(), {0: 10})
+    waiting, outcome = _create_in_a_thread(table)
     waiting.join(0.3)
     assert waiting.is_alive() and outcome == []  # still opening: it waits
     table.opened("s")
@@ -69,22 +75,10 @@ def test_a_create_of_an_opening_name_waits_for_it_to_be_opened_then_finds_it():
 
 
 def test_a_create_waiting_for_a_closing_name_waits_again_when_another_create_opens_it():
-    import threading
-
     table = SessionTable()
     table.restored(_record(), {})
     table.closing("s", "alice")
-    outcome = []
-
-    def create_again():
-        try:
-            table.wait_until_free("s", closing_s=60.0, opening_s=60.0)
-            outcome.append("free")
-        except AlreadyExists:
-            outcome.append("exists")
-
-    waiting = threading.Thread(target=create_again)
-    waiting.start()
+    waiting, outcome = _create_in_a_thread(table)
     waiting.join(0.2)  # waiting for the close
     table.dropped("s")
     table.opening(_record(), {0: 10})  # another create took the name as it was dropped
