@@ -18,7 +18,7 @@ import time
 from typing import Optional, Sequence
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import OutOfMemoryError, RayActorError, WorkerCrashedError
 from ray.util import get_placement_group
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -33,6 +33,11 @@ from optserve.server.shard_actor import ShardActor, shard_device_request
 from optserve.server.storage.ownership import claim_shard
 
 log = logging.getLogger(__name__)
+
+# What a call to an actor raises once its process is gone: it died (RayActorError: ActorDiedError,
+# ActorUnavailableError while Ray restarts it), Ray's memory monitor killed it (OutOfMemoryError,
+# raised by every later call too), or it crashed mid-call (WorkerCrashedError).
+ACTOR_GONE = (RayActorError, OutOfMemoryError, WorkerCrashedError)
 
 
 class RayShardFleet:
@@ -60,7 +65,7 @@ class RayShardFleet:
             if ref in done:
                 try:
                     ray.get(ref)
-                except RayActorError:
+                except ACTOR_GONE:
                     dead.append(index)
         return dead
 
@@ -203,7 +208,7 @@ def _tell(ref) -> None:
     more: a durable one restores its sessions when it is restarted, and hears of its peers then)."""
     try:
         ray.get(ref)
-    except RayActorError:
+    except ACTOR_GONE:
         pass
     except Exception as exc:  # re-raise the domain error inside a RayTaskError
         raise _domain_error(exc) from None
@@ -226,7 +231,7 @@ def _ray_get(refs):
     retries)."""
     try:
         return ray.get(refs)
-    except ray.exceptions.RayActorError as exc:  # ActorDiedError, ActorUnavailableError: a shard restarting
+    except ACTOR_GONE as exc:  # a shard restarting
         raise Unavailable(f"a shard of this server is restarting ({type(exc).__name__}); retry") from None
     except Exception as exc:  # re-raise the domain error inside a RayTaskError
         raise _domain_error(exc) from None

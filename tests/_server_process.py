@@ -24,10 +24,12 @@ class ServerProcess:
     (0: one the server picks); ``wait_listening()`` returns once it serves, with ``address`` set
     (or fails with its output)."""
 
-    def __init__(self, *extra: str, port: int = 0, command: Optional[list[str]] = None):
-        """``command``: the whole command line to run instead (its ``--port`` is ``port``)."""
+    def __init__(self, *extra: str, port: int = 0, command: Optional[list[str]] = None,
+                 env: Optional[dict] = None):
+        """``command``: the whole command line to run instead (its ``--port`` is ``port``);
+        ``env``: variables to set for it."""
         self._asked_port = port  # 0: the server picks a free one (a port probed here could be taken by Ray meanwhile)
-        self.process = start_serve(command or serve_argv(port, *extra), serve_env())
+        self.process = start_serve(command or serve_argv(port, *extra), serve_env(**(env or {})))
         self._output = ServeOutput(self.process)
         self.lines = self._output.lines
 

@@ -332,7 +332,7 @@ class PreconditionerPool:
         b = batch_size(job.blocks, self.config.batch_blocks)
         try:
             batch.result = ray.get(batch.ref)
-        except (rex.RayActorError, rex.WorkerCrashedError, rex.ObjectLostError) as exc:
+        except (rex.RayActorError, rex.WorkerCrashedError, rex.OutOfMemoryError, rex.ObjectLostError) as exc:
             if isinstance(exc, rex.ActorDiedError) and batch.worker not in self._suspects:
                 # Its process died: Ray may be restarting it, or it is gone for good; a probe tells.
                 self._suspects[batch.worker] = self.workers[batch.worker].info.remote()
