@@ -50,14 +50,16 @@ class ServeOutput:
         self.port = 0
         self._echo = echo
         self._listening = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def wait_listening(self, timeout_s: float) -> Optional[str]:
         """Waits until the server says it listens: None then, else why not ("exited" or "timeout")."""
         deadline = time.monotonic() + timeout_s
         while not self._listening.wait(0.2):
             if self.process.poll() is not None:
-                return None if self._listening.wait(1.0) else "exited"  # 1 s: its last lines
+                self._reader.join(5.0)  # its last lines
+                return None if self._listening.is_set() else "exited"
             if time.monotonic() >= deadline:
                 return "timeout"
         return None

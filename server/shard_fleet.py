@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from optserve.server.compute.devices import refuse_problems
 from optserve.server.compute.preconditioner_pool import check_gpus
 from optserve.server.domain.config import ServerConfig
-from optserve.server.domain.errors import unwrap, InvalidArgument, OptservError, Unavailable
+from optserve.server.domain.errors import unwrap, InvalidArgument, OptservError, ResourceExhausted, Unavailable
 from optserve.server.domain.session_records import ShardOpening, ShardSummary
 from optserve.server.domain.shard_records import ShardSessionStatus
 from optserve.server.shard_actor import ShardActor, shard_device_request
@@ -227,10 +227,15 @@ def _domain_error(exc: BaseException) -> BaseException:
 
 def _ray_get(refs):
     """``ray.get(refs)``, with what Ray raises turned into what the layers below speak: the domain
-    error inside a task's error, and a dead or restarting shard actor as Unavailable (the client
-    retries)."""
+    error inside a task's error, a dead or restarting shard actor as Unavailable (the client
+    retries), but one Ray's memory monitor killed as ResourceExhausted (a retry, e.g. of the create
+    that filled the node, would only kill a shard again, and lose its other sessions)."""
     try:
         return ray.get(refs)
+    except OutOfMemoryError:
+        raise ResourceExhausted("a shard of this server was killed by Ray's memory monitor: the node ran out of "
+                                "memory (see RAY_memory_usage_threshold); the shard is replaced, but what needs "
+                                "that memory will not fit") from None
     except ACTOR_GONE as exc:  # a shard restarting
         raise Unavailable(f"a shard of this server is restarting ({type(exc).__name__}); retry") from None
     except Exception as exc:  # re-raise the domain error inside a RayTaskError

@@ -38,6 +38,7 @@ class ServerProcess:
         still starting, the Python stacks of its threads) after ``timeout_s`` or once it exits."""
         why = self._output.wait_listening(timeout_s)
         if why == "exited":
+            self.kill_group()  # what it started (its Ray) may still run
             raise AssertionError("server did not start:\n" + self._output.tail())
         if why == "timeout":
             stacks = self._stacks()
