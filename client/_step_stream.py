@@ -41,6 +41,12 @@ from optserve.protos.optserve.v1 import data_pb2
 
 _END = object()
 _FAILED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # a call ended so ends its group
+# A shard's own DEADLINE_EXCEEDED ends its peers' parts this much later: they wait on the same step
+# with the same deadline, so each answers its own within moments, and the home shard's answer names
+# what the step waited for (an elastic session's members that did not push); a peer that does not
+# answer (its host gone) is ended then, still before the client's own deadline (a shard answers
+# ``_ANSWER_MARGIN_S`` = 1 s before it)
+PEER_DEADLINE_GRACE_S = 0.5
 _local = threading.local()  # .group: the StepGroup of the attempt this thread works for
 _GOODBYE = data_pb2.PushPullRequest(goodbye=True)  # the call ends on purpose: this client is alive
 
@@ -265,7 +271,16 @@ class StepHandle:
         if self._group is not None and not self._ended and self._aborted is None:
             code = call.code() if hasattr(call, "code") else None
             if code in _FAILED:
-                self._group.fail(f"{code.name}: {call.details()}", self)
+                self._shard_failed(code, call.details())
+
+    def _shard_failed(self, code: grpc.StatusCode, details: str) -> None:
+        """The shard ended this step's call with ``code`` (one of ``_FAILED``): the peers' parts
+        end now, or after :data:`PEER_DEADLINE_GRACE_S` when the shard ran out of the step's time."""
+        group, why = self._group, f"{code.name}: {details}"
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            DEADLINES.call_later(PEER_DEADLINE_GRACE_S, lambda: group.fail(why, self))
+        else:
+            group.fail(why, self)
 
     def _abort(self, why: str) -> None:
         """A peer step's call failed: ends this one (its finish raises UnavailableError, or
@@ -308,7 +323,7 @@ class StepHandle:
             if self._reused and not started and _never_started(exc):
                 raise StreamBroken(exc.details()) from exc
             if self._group is not None and exc.code() in _FAILED:  # (its done-callback may come later)
-                self._group.fail(f"{exc.code().name}: {exc.details()}", self)
+                self._shard_failed(exc.code(), exc.details())
             raise
         except BaseException:
             if self._owns:

@@ -2,7 +2,8 @@
 its peers' parts at once, also when its call failed before the step had joined the attempt's
 group (a shard that refuses at once, e.g. while it restores its sessions). Otherwise the peer
 part read first waits on a vote the failed shard never casts: the vote timeout, then the step's
-own deadline.
+own deadline. A shard that answers DEADLINE_EXCEEDED ends its peers' parts half a second later:
+they wait on the same step with the same deadline, and the home shard's own answer says more.
 
 The gRPC calls here are stand-ins with grpc's call interface (iteration, ``cancel``, ``done``,
 ``add_done_callback``, ``code``); the stream, handle and group are the SDK's own.
@@ -16,8 +17,8 @@ import time
 import grpc
 import pytest
 
-from optserve.client._step_stream import StepStream, step_group
-from optserve.client.errors import UnavailableError
+from optserve.client._step_stream import PEER_DEADLINE_GRACE_S, StepStream, step_group
+from optserve.client.errors import DeadlineExceededError, UnavailableError
 from tests._grpc_fakes import FailedCall
 
 
@@ -77,6 +78,52 @@ def test_a_part_refused_before_it_joined_the_attempt_ends_the_waiting_part_at_on
     assert time.monotonic() - started < 1.0  # not the step's deadline (3 s here, the client's timeout in use)
     with pytest.raises(grpc.RpcError):
         handles[1].finish(lambda kind, value: False)
+
+
+class _TimingOutCall(_WaitingCall):
+    """A call whose shard answers DEADLINE_EXCEEDED after ``after_s`` (its wait for the step ran
+    out), or CANCELLED if the client cancels it first."""
+
+    def __init__(self, after_s: float, details: str):
+        super().__init__()
+        self._after_s, self._details = after_s, details
+
+    def __next__(self):
+        if self._cancelled.wait(self._after_s):
+            raise FailedCall(grpc.StatusCode.CANCELLED, "Locally cancelled by application!")
+        raise FailedCall(grpc.StatusCode.DEADLINE_EXCEEDED, self._details)
+
+
+def test_the_home_shards_own_deadline_answer_is_kept_when_a_peers_comes_first():
+    """Both shards wait on the same step with the same deadline: the home shard's answer (which
+    names an elastic session's members that did not push) is not cut off by a peer's that came
+    a moment earlier."""
+    members = "step 1 did not complete within 2.0 s; min_workers=2, members now: a, b; not pushed: b"
+    home = StepStream(lambda requests, timeout: _TimingOutCall(0.05, members), timeout=3.0)
+    peer = StepStream(lambda requests, timeout: _TimingOutCall(0.0, "step 1 did not complete within 2.0 s"), timeout=3.0)
+    with step_group():
+        handles = [home.start([]), peer.start([])]
+    with pytest.raises(grpc.RpcError) as peer_error:
+        handles[1].finish(lambda kind, value: False)
+    with pytest.raises(grpc.RpcError) as home_error:
+        handles[0].finish(lambda kind, value: False)
+    assert peer_error.value.code() == home_error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "not pushed: b" in home_error.value.details()
+
+
+def test_a_peer_that_does_not_answer_is_ended_soon_after_a_shards_deadline_answer():
+    waiting = _WaitingCall()  # its host is gone: no answer until the client gives up on it
+    home = StepStream(lambda requests, timeout: _TimingOutCall(0.0, "step 1 did not complete within 2.0 s"),
+                      timeout=3.0)
+    peer = StepStream(lambda requests, timeout: waiting, timeout=3.0)
+    with step_group():
+        handles = [home.start([]), peer.start([])]
+    with pytest.raises(grpc.RpcError):
+        handles[0].finish(lambda kind, value: False)
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceededError, match="a peer shard's part of this step failed"):
+        handles[1].finish(lambda kind, value: False)
+    assert time.monotonic() - started < PEER_DEADLINE_GRACE_S + 1.0  # not the step's deadline (3 s)
 
 
 class _AnsweringCall(_WaitingCall):
