@@ -237,24 +237,40 @@ def test_the_shard_budget_counts_shampoos_roots_in_flight_when_workers_compute_t
 
 
 def test_a_session_whose_step_needs_more_working_memory_than_the_budget_leaves_is_refused_naming_it(control):
-    # 128 x 384 with blocks of 128: the estimate (parameters, state, gradient buffer: 1.6 MB) fits
-    # the 4 MiB budget, but with no preconditioner workers the step computes the matrix roots
-    # itself, and XLA's temporaries for that (about 4.6 MB, measured by compiling the step at
-    # create) do not fit what is left: refused before any step could run out of memory. Nothing
-    # is counted for roots in flight: none are exchanged.
-    shampoo = control_pb2.OptimizerSpec(name="shampoo", args_json='{"learning_rate": 0.1, "block_size": 128}')
-    error = _refused(control, _config("budget-working", [(128, 384)], shampoo), grpc.StatusCode.RESOURCE_EXHAUSTED,
+    # Muon on a 384 x 384 matrix: the estimate (parameters, momentum, gradient buffer: 1.8 MB)
+    # fits the 4 MiB budget, but XLA's temporaries for its Newton-Schulz iterations (about 5.3 MB,
+    # measured by compiling the step at create) do not fit what is left: refused before any step
+    # could run out of memory.
+    muon = control_pb2.OptimizerSpec(name="muon", args_json='{"learning_rate": 0.1}')
+    error = _refused(control, _config("budget-working", [(384, 384)], muon), grpc.StatusCode.RESOURCE_EXHAUSTED,
                      "bytes of working memory (XLA temporaries) on shard", f"shard_memory_bytes={BUDGET}",
                      "--shard-memory-bytes")
     working = int(error.details().split("its step needs ")[1].split()[0])
     left = int(error.details().split("budget leaves ")[1].split()[0])
-    assert working > left > 0 and "roots in flight" not in error.details(), error.details()
-    assert _create(control, _config("budget-working", [(128, 128)], shampoo)) is None  # the name is free
+    assert working > left > 0, error.details()
+    assert _create(control, _config("budget-working", [(128, 128)], muon)) is None  # the name is free
     control.CloseSession(control_pb2.CloseSessionRequest(name="budget-working"), timeout=30)
-    # 128 x 256: its estimate (1.05 MB) and its step's working memory (3.08 MB) fit together; it
-    # was refused while roots in flight (0.79 MB more), which no worker exchanges here, were counted
-    assert _create(control, _config("budget-no-roots", [(128, 256)], shampoo)) is None
-    control.CloseSession(control_pb2.CloseSessionRequest(name="budget-no-roots"), timeout=30)
+
+
+def test_the_shard_budget_counts_a_blocked_steps_compiled_code_and_a_refusal_names_it(control, control_with_workers):
+    # Shampoo's update is unrolled per block, and its compiled step keeps host memory per tensor
+    # and per block (XLA on the CPU reports no size: the figures are measured, bench/code_size.py).
+    # 128 x 384 in blocks of 128 with the roots computed inside the step: 1.6 MB of parameters,
+    # state and gradient buffer fit the 4 MiB budget; with its compiled step (one tensor, three
+    # blocks) they do not. Nothing is counted for roots in flight: none are exchanged.
+    from optserve.server.compute.kernels import COMPILED_STEP_COSTS
+
+    shampoo = control_pb2.OptimizerSpec(name="shampoo", args_json='{"learning_rate": 0.1, "block_size": 128}')
+    in_step = COMPILED_STEP_COSTS["shampoo", True]
+    error = _refused(control, _config("budget-code", [(128, 384)], shampoo), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                     f"{in_step.per_tensor + 3 * in_step.per_block} of compiled step", f"shard_memory_bytes={BUDGET}")
+    assert "roots in flight" not in error.details(), error.details()
+    # With the roots on a worker the step is smaller, but a 128 x 128 matrix in 64 blocks of 16
+    # (0.2 MB of parameters and state) still needs 64 blocks of it.
+    offloaded = COMPILED_STEP_COSTS["shampoo", False]
+    tiny_blocks = control_pb2.OptimizerSpec(name="shampoo", args_json='{"learning_rate": 0.1, "block_size": 16}')
+    _refused(control_with_workers, _config("budget-code-blocks", [(128, 128)], tiny_blocks),
+             grpc.StatusCode.RESOURCE_EXHAUSTED, f"{offloaded.per_tensor + 64 * offloaded.per_block} of compiled step")
 
 
 def test_tensor_count_name_and_rank_past_their_limits_are_resource_exhausted(control):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable
 
-from optserve.server.compute.kernels import traced_bytes
+from optserve.server.compute.kernels import compiled_step_bytes, traced_bytes
 from optserve.server.domain.config import SessionConfig
 
 # When the optimizer's state cannot be traced for the tensors (the shard will refuse the session,
@@ -27,21 +27,25 @@ class MemoryEstimate:
         workers (Shampoo, SOAP: :func:`~optserve.server.compute.kernels.traced_bytes`; 0 for
         other optimizers, and for roots computed inside the step, whose memory is the step's
         working memory, measured by the shard at create).
+      code: the compiled step of a blocked update (Shampoo, SOAP), which grows with the blocks
+        (:func:`~optserve.server.compute.kernels.compiled_step_bytes`; 0 for other optimizers).
     """
 
     params: int
     state: int
     gradients: int
     roots: int = 0
+    code: int = 0
 
     @property
     def total(self) -> int:
-        return self.params + self.state + self.gradients + self.roots
+        return self.params + self.state + self.gradients + self.roots + self.code
 
     def describe(self) -> str:
         roots = f", {self.roots} of preconditioner roots in flight" if self.roots else ""
+        code = f", {self.code} of compiled step" if self.code else ""
         return (f"{self.total} bytes ({self.params} of parameters, {self.state} of optimizer state, "
-                f"{self.gradients} of gradient buffer{roots})")
+                f"{self.gradients} of gradient buffer{roots}{code})")
 
 
 def estimate(config: SessionConfig, names: Iterable[str], workers: bool) -> MemoryEstimate:
@@ -53,7 +57,10 @@ def estimate(config: SessionConfig, names: Iterable[str], workers: bool) -> Memo
     elements = sum(spec.size for spec in specs)
     shapes = {spec.name: spec.shape for spec in specs}
     state, roots = traced_bytes(config.optimizer_name, config.optimizer_args, shapes)
+    offloaded = workers and not config.preconditioners.in_process
     return MemoryEstimate(params=sum(spec.nbytes for spec in specs),
                           state=FALLBACK_STATE_COPIES * 4 * elements if state is None else state,
                           gradients=4 * elements,
-                          roots=roots if workers and not config.preconditioners.in_process else 0)
+                          roots=roots if offloaded else 0,
+                          code=compiled_step_bytes(config.optimizer_name, config.optimizer_args, shapes,
+                                                   roots_in_step=not offloaded))
