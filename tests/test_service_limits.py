@@ -11,7 +11,6 @@ import gc
 import time
 
 import grpc
-import numpy as np
 import pytest
 
 from _service_helpers import make_grads, make_params
