@@ -30,6 +30,7 @@ from typing import Any, Callable, Collection, Iterable, Mapping, Optional
 import numpy as np
 
 from optserve.server.compute.chunked_update import CHUNK_TENSORS, ChunkedUpdate, strongly_typed, plan_chunks
+from optserve.server.compute.heap import release_free_memory
 from optserve.server.compute.compile_cache import (COMPILED, CompiledUpdate, compile_ahead, count_compiles,
                                                    step_working_bytes, update_key)
 from optserve.server.compute.host_transfer import to_host
@@ -110,6 +111,7 @@ class Updater:
         if chunked is not None:
             self.opt_state, self.params = chunked.init(params), params
             self._compile_chunks()
+            release_free_memory()  # what the compiler freed (several times the code) goes back now
             return
         functions = self._functions(params)
         if functions.compiled.is_set():
@@ -121,6 +123,7 @@ class Updater:
             self.params = params
             if not functions.compiled.is_set():
                 compile_ahead(functions, self.device, self.params, self.opt_state, _abstract_hyper(self.hyper))
+        release_free_memory()  # as above: a shard keeps up to 1 GiB of free heap between steps otherwise
 
     def _compile_chunks(self) -> Optional[Exception]:
         """Compiles every chunk's step for these shapes (once); what failed, or None."""
