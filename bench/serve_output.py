@@ -64,6 +64,13 @@ class ServeOutput:
                 return "timeout"
         return None
 
+    def wait_exit(self, timeout_s: float) -> int:
+        """The server's exit status once it exited (``subprocess.TimeoutExpired`` after
+        ``timeout_s``), with every line it wrote read."""
+        code = self.process.wait(timeout=timeout_s)
+        self._reader.join(5.0)
+        return code
+
     def tail(self, lines: int = 40) -> str:
         return "".join(self.lines[-lines:])
 

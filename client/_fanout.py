@@ -153,7 +153,8 @@ class ShardFanout:
         :class:`SessionLostError` at once; otherwise the shard map is read again (a restarted
         shard or server serves at new addresses) and the attempt is retried with the same push
         identity (applied at most once), with backoff, for up to the client's ``timeout``.
-        A step of the attempt that failed ends its peers' at once (:class:`StepGroup`).
+        A step of the attempt that failed ends its peers' at once, or half a second after a shard's
+        own DEADLINE_EXCEEDED (:class:`StepGroup`).
 
         A step not done within the client's ``timeout`` (DEADLINE_EXCEEDED) may have waited on a
         shard that moved (its host lost): if the shard map changed, it is sent again there (same

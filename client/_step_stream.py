@@ -19,9 +19,12 @@ retried steps reuse their sequence number, so reopening never applies a push twi
 
 The steps one attempt sends to a session's shards form a :class:`StepGroup` (see
 :func:`step_group`): when one of their calls fails (UNAVAILABLE: its connection was found dead by
-keepalive, its shard is gone; or DEADLINE_EXCEEDED), the others are ended at once with
-:class:`~optserve.client.errors.UnavailableError`: they would wait on a vote that the failed shard
-cannot cast, and the attempt is sent again (same sequence) once the shard map has been read again.
+keepalive, its shard is gone; or DEADLINE_EXCEEDED), the others are ended at once (their finish
+raises :class:`~optserve.client.errors.UnavailableError`, or DeadlineExceededError after a
+deadline): they would wait on a vote that the failed shard cannot cast, and the attempt is sent
+again (same sequence) once the shard map has been read again. A DEADLINE_EXCEEDED the shard sent
+itself ends the others :data:`PEER_DEADLINE_GRACE_S` later: they wait on the same step with the
+same deadline and answer their own, the home shard's naming what the step waited for.
 """
 
 from __future__ import annotations
@@ -234,6 +237,13 @@ def _has_ended(call) -> bool:
     return call is not None and hasattr(call, "done") and call.done()
 
 
+def _answered(call) -> bool:
+    """Whether the shard itself ended ``call`` (a failed gRPC call or its error) with its status
+    (``ANSWERED_KEY`` in the trailing metadata), not the transport or the call's own deadline."""
+    trailing = call.trailing_metadata() if hasattr(call, "trailing_metadata") else None
+    return any(key == contract.ANSWERED_KEY for key, _ in (trailing or ()))
+
+
 def _never_started(exc: grpc.RpcError) -> bool:
     """Whether a reused call's failure before any response means its step never reached the
     shard: CANCELLED (a crowded shard ends a call it found idle), or UNAVAILABLE from the transport
@@ -242,10 +252,7 @@ def _never_started(exc: grpc.RpcError) -> bool:
     vote in a vote of its own that the other shards, which answered the try already, never join."""
     if exc.code() == grpc.StatusCode.CANCELLED:
         return True
-    if exc.code() != grpc.StatusCode.UNAVAILABLE:
-        return False
-    trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
-    return not any(key == contract.ANSWERED_KEY for key, _ in (trailing or ()))
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and not _answered(exc)
 
 
 class StepHandle:
@@ -271,21 +278,24 @@ class StepHandle:
         if self._group is not None and not self._ended and self._aborted is None:
             code = call.code() if hasattr(call, "code") else None
             if code in _FAILED:
-                self._shard_failed(code, call.details())
+                self._call_failed(call)
 
-    def _shard_failed(self, code: grpc.StatusCode, details: str) -> None:
-        """The shard ended this step's call with ``code`` (one of ``_FAILED``): the peers' parts
-        end now, or after :data:`PEER_DEADLINE_GRACE_S` when the shard ran out of the step's time."""
-        group, why = self._group, f"{code.name}: {details}"
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+    def _call_failed(self, call) -> None:
+        """This step's call ended with a status of ``_FAILED`` (``call``: the call or its error):
+        the peers' parts end now, or after :data:`PEER_DEADLINE_GRACE_S` when the shard itself
+        answered that the step ran out of time."""
+        code = call.code()
+        group, why = self._group, f"{code.name}: {call.details()}"
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and _answered(call):
             DEADLINES.call_later(PEER_DEADLINE_GRACE_S, lambda: group.fail(why, self))
         else:
             group.fail(why, self)
 
     def _abort(self, why: str) -> None:
         """A peer step's call failed: ends this one (its finish raises UnavailableError, or
-        DeadlineExceededError when the peer's step ran out of time)."""
-        if not self._ended and hasattr(self._responses, "cancel"):
+        DeadlineExceededError when the peer's step ran out of time), unless its call has ended
+        already (its own answer is what its finish raises)."""
+        if not self._ended and not _has_ended(self._responses) and hasattr(self._responses, "cancel"):
             self._aborted = why
             self._responses.cancel()
 
@@ -314,7 +324,8 @@ class StepHandle:
         except grpc.RpcError as exc:
             if self._owns:
                 self._stream.close()
-            if self._aborted is not None:  # applied nowhere or once: resent with its sequence, applied once
+            if self._aborted is not None and exc.code() == grpc.StatusCode.CANCELLED:  # ended by _abort: applied
+                # nowhere or once, resent with its sequence, applied once
                 error = DeadlineExceededError if self._aborted.startswith("DEADLINE_EXCEEDED") else UnavailableError
                 raise error(f"a peer shard's part of this step failed ({self._aborted})", error.code) from None
             if self._expired:
@@ -323,7 +334,7 @@ class StepHandle:
             if self._reused and not started and _never_started(exc):
                 raise StreamBroken(exc.details()) from exc
             if self._group is not None and exc.code() in _FAILED:  # (its done-callback may come later)
-                self._shard_failed(exc.code(), exc.details())
+                self._call_failed(exc)
             raise
         except BaseException:
             if self._owns:

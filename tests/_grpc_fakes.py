@@ -6,11 +6,11 @@ import grpc
 
 
 class FailedCall(grpc.RpcError):
-    """A failed call as grpc raises it: a status code, details, no trailing metadata."""
+    """A failed call as grpc raises it: a status code, details, trailing metadata (none by default)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str):
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple = ()):
         super().__init__(details)
-        self._code, self._details = code, details
+        self._code, self._details, self._trailing = code, details, trailing
 
     def code(self):
         return self._code
@@ -19,4 +19,4 @@ class FailedCall(grpc.RpcError):
         return self._details
 
     def trailing_metadata(self):
-        return ()
+        return self._trailing

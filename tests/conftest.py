@@ -20,8 +20,11 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # The suite's XLA compiles with the backend's (LLVM's) optimisation off, in this process and in every
 # server, shard and worker it starts (they inherit the environment): its shapes are small, so most
-# of a kernel test is compiling, which level 0 halves; the programs compute the same (XLA on the CPU
-# does no fast math). `optserve serve`, the demo and the benchmarks compile at XLA's default.
+# of a kernel test is compiling, which level 0 halves. Results may differ in the last bits from the
+# default level's (no fused multiply-adds are formed), so every comparison in the suite is of two
+# computations that both ran here, except against files a default-level server wrote, whose tests
+# start their servers without this flag. `optserve serve`, the demo and the benchmarks compile at
+# XLA's default.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 

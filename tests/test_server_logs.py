@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+from bench.serve_output import ServeOutput
 from optserve.client import Client
 from optserve.client.errors import AlreadyExistsError, InvalidArgumentError
 
@@ -101,15 +102,10 @@ def test_serve_logs_session_events_and_refused_pushes_on_stderr_without_tokens_o
         [sys.executable, "-m", "optserve.server.cli", "serve", "--port", "0", "--shards", "1",
          "--auth-tokens", str(tokens), "--log-level", "info"],
         stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, start_new_session=True)
+    output = ServeOutput(process)
     try:
-        address, deadline = None, time.monotonic() + 180
-        while address is None and time.monotonic() < deadline:
-            line = process.stdout.readline()
-            if not line:
-                break
-            if line.startswith("optserve listening on "):
-                address = line.split()[-1]
-        assert address, open(tmp_path / "stderr.txt").read()[-3000:]
+        assert output.wait_listening(180) is None, open(tmp_path / "stderr.txt").read()[-3000:]
+        address = output.address
         with Client(address, token=token, timeout=60) as client:
             session = client.create_session(unique_name, _params(), optimizer=OPTIMIZER)
             with pytest.raises(InvalidArgumentError):

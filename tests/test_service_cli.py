@@ -6,43 +6,31 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
+from bench.serve_output import ServeOutput, serve_env, start_serve
 from optserve.client import Client
 
 
 @pytest.mark.slow
 def test_serve_prints_its_address_serves_and_shuts_down_on_sigterm():
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "optserve.server.cli", "serve", "--port", "0", "--shards", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
+    process = start_serve([sys.executable, "-m", "optserve.server.cli", "serve", "--port", "0", "--shards", "1"],
+                          serve_env())
+    output = ServeOutput(process)
     try:
-        deadline = time.monotonic() + 180
-        address = None
-        lines = []
-        while address is None and time.monotonic() < deadline:
-            line = process.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("optserve listening on "):
-                address = line.split()[-1]
-        assert address, "".join(lines[-20:])
-        with Client(address, timeout=60) as client:
+        assert output.wait_listening(180) is None, output.tail()
+        with Client(output.address, timeout=60) as client:
             session = client.create_session("cli", {"w": np.ones(3, np.float32)},
                                             optimizer={"name": "sgd", "args": {"learning_rate": 0.5}})
             np.testing.assert_allclose(session.push_pull({"w": np.ones(3, np.float32)})["w"], 0.5)
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0
-        assert "optserve shutting down" in process.stdout.read()
+        assert output.wait_exit(60) == 0
+        assert "optserve shutting down" in output.tail(), output.tail()
     finally:
         if process.poll() is None:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)
             process.wait()
 
 
