@@ -11,6 +11,7 @@ from optserve.client._retry import RetryPolicy
 from optserve.client._session import Session
 from optserve.client.core import Client
 from optserve.client.errors import (
+    AbortedError,
     AlreadyExistsError,
     DeadlineExceededError,
     FailedPreconditionError,
@@ -31,6 +32,7 @@ from optserve.client.options import PreconditionerOptions, SessionOptions
 from optserve.client.status import PreconditionerBlockStatus, RootOffloadStatus, SessionStatus, ShardStatus
 
 __all__ = [
+    "AbortedError",
     "AlreadyExistsError",
     "Client",
     "DeadlineExceededError",

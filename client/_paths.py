@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional
 
 import numpy as np
 
-from optserve.client import _retry, _shm, _wire
+from optserve.client import _retry, _saved_state, _shm, _wire
 from optserve.client._fanout import Shard, ShardFanout, all_or_first_error, call_shard
 from optserve.client._step_stream import StepHandle, StreamBroken
 from optserve.client.errors import (FailedPreconditionError, InvalidArgumentError, NotFoundError, PeerRefusedError,
@@ -90,11 +90,15 @@ class DataPaths:
             return False
 
     # ----------------------------------------------------------------- calls
-    def initialize(self, params: Arrays, creator_id: str) -> None:
+    def initialize(self, params: Arrays, creator_id: str, state: Optional[Mapping] = None) -> None:
         """Sends the session's initial values to every shard: through a shared-memory region's
         reply part where the shard has one (they are then :meth:`parameter_buffers`' values),
         else as chunks; each tensor in its own dtype.
-        Only the creating client may: the first message names it (``creator_id``)."""
+        Only the creating client may: the first message names it (``creator_id``).
+        ``state``: a saved state (:mod:`~optserve.client._saved_state`) the session starts from:
+        each shard gets its tensors' optimizer state, the shared state, the version and the
+        hyperparameters after the values."""
+        start = {} if state is None else {"start": _saved_state.start_message(state)}
         try:
             taken = self.regions.acquire(self.fanout.shards) if self.via_shm(None) else {}
         except UnavailableError:  # a shard not reachable yet (restarting): chunks, retried as they always were
@@ -106,10 +110,12 @@ class DataPaths:
             def requests():
                 if region is not None:
                     yield data_pb2.InitTensorsRequest(session=self.session, client_id=creator_id,
-                                                      shared_memory=region.step(False))
-                    return
-                yield data_pb2.InitTensorsRequest(session=self.session, client_id=creator_id)
-                yield from self.chunk_messages(shard, params, None)
+                                                      shared_memory=region.step(False), **start)
+                else:
+                    yield data_pb2.InitTensorsRequest(session=self.session, client_id=creator_id, **start)
+                    yield from self.chunk_messages(shard, params, None)
+                if state is not None:
+                    yield from _saved_state.state_requests(state, shard.names)
 
             if region is not None:
                 region.write_parameters(params)

@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Mapping, Optional, Union
 
 import numpy as np
 
-from optserve.client import _fanout, _membership, _paths, _shm, _wire
+from optserve.client import _fanout, _membership, _paths, _saved_state, _shm, _wire
 from optserve.client._inputs import check_worker_id, checked_gradients
 from optserve.client._session_tries import SessionTries
 from optserve.client._version_view import VersionView
@@ -275,6 +275,20 @@ class Session:
         request = data_pb2.HistoryRequest(session=self.name, since=int(since))
         return history_records(self._fanout.served(lambda: self._home().History(request, timeout=self._client.timeout)))
 
+    def state(self) -> dict:
+        """The session's whole state at one version of every shard, as a pytree of NumPy arrays:
+        its parameters, the optimizer state kept for each tensor (moments, factored statistics,
+        Shampoo's statistics and roots, ...) and the state its tensors share (a step count), the
+        hyperparameters in force, and the version (layout: :mod:`optserve.client._saved_state`).
+        ``Client.create_session(..., state=...)`` starts a session from it, on this server or
+        another, with any number of shards. Take it between steps: a session whose shards keep
+        answering at different versions raises :class:`~optserve.client.errors.AbortedError`.
+
+        Raises:
+          AbortedError; FailedPreconditionError: the optimizer's state cannot be named by tensor.
+        """
+        return _saved_state.read_state(self)
+
     def set_hyperparams(self, group: Union[None, int, str] = None, **values: float) -> int:
         """Changes hyperparameters from the session's next step on (``set_hyperparams(learning_rate=3e-4)``);
         returns the version of the first step that runs with them.
@@ -332,9 +346,12 @@ class Session:
         return _wire.wire_option_enum(requested, what="wire_dtype")
 
     # ----------------------------------------------------------------- initial values; the version seen
-    def _initialize(self, params: Mapping[str, np.ndarray]) -> None:
-        """Sends the session's initial values to its shards (the creating client, once)."""
-        self._paths.initialize(params, self._client.client_id)
+    def _initialize(self, params: Mapping[str, np.ndarray], state: Optional[Mapping] = None) -> None:
+        """Sends the session's initial values to its shards (the creating client, once); with
+        ``state`` (a checked saved state), the optimizer state, version and hyperparameters too."""
+        self._paths.initialize(params, self._client.client_id, state)
+        if state is not None:
+            self._set_version(int(state["version"]))
 
     def _see_version(self, version: int) -> None:
         self._versions.see(version)

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Optional
 import grpc
 import numpy as np
 
-from optserve.client import _heap, _retry, _shm
+from optserve.client import _heap, _retry, _saved_state, _shm
 from optserve.client._inputs import check_worker_id
 from optserve.client._session import Session
 from optserve.client._transport import ClientCert, TLSArg, Transport
@@ -124,11 +124,15 @@ class Client:
         """``method(request)`` on :attr:`control` with this client's deadline, retried by its policy."""
         return _retry.call(lambda: method(request, timeout=self.timeout), self.retry)
 
-    def create_session(self, name: str, params: Mapping[str, np.ndarray], optimizer: Mapping[str, Any], *,
-                       worker_id: Optional[str] = None, **options: Any) -> Session:
+    def create_session(self, name: str, params: Optional[Mapping[str, np.ndarray]] = None,
+                       optimizer: Optional[Mapping[str, Any]] = None, *, worker_id: Optional[str] = None,
+                       state: Optional[Mapping[str, Any]] = None, **options: Any) -> Session:
         """Creates a session holding ``params`` (name -> array; float32/bfloat16/float16; float64 is kept as float32).
 
-        The keyword form of :meth:`create_session_with`.
+        The keyword form of :meth:`create_session_with`. With ``state`` (a
+        :meth:`Session.state`, e.g. saved with ``optserve sessions save``), ``params`` and
+        ``optimizer`` default to the state's, and the session starts where the state was: its
+        parameters, optimizer state, version and hyperparameters.
 
         Args:
           optimizer: ``{"name": registry name, "args": {keyword arguments}}``; Shampoo also takes
@@ -145,19 +149,29 @@ class Client:
           AlreadyExistsError, InvalidArgumentError (naming the option or tensor); TypeError: a
           keyword that is no session option.
         """
+        if state is not None:
+            params = state["params"] if params is None else params
+            optimizer = state.get("optimizer") if optimizer is None else optimizer
+            options.setdefault("mode", state.get("mode", "sync"))
+        if params is None or optimizer is None:
+            raise TypeError("create_session needs params and optimizer (or a saved state that holds them)")
         return self.create_session_with(name, params, SessionOptions.from_spec(optimizer, **options),
-                                        worker_id=worker_id)
+                                        worker_id=worker_id, state=state)
 
     def create_session_with(self, name: str, params: Mapping[str, np.ndarray], options: SessionOptions,
-                            worker_id: Optional[str] = None) -> Session:
+                            worker_id: Optional[str] = None, state: Optional[Mapping[str, Any]] = None) -> Session:
         """Creates session ``name`` holding ``params`` (name -> array; float32/bfloat16/float16; float64 as float32),
-        configured by ``options``, and sends the initial values to its shards.
+        configured by ``options``, and sends the initial values to its shards. ``state``: a saved
+        state (:meth:`Session.state`) of the same tensors and optimizer the session starts from
+        (its optimizer state, version and hyperparameters; ``params`` are the values it starts with).
 
         Raises:
-          AlreadyExistsError, InvalidArgumentError (naming the option or tensor).
+          AlreadyExistsError, InvalidArgumentError (naming the option, tensor or state leaf).
         """
         if not isinstance(options, SessionOptions):
             raise TypeError(f"options must be a SessionOptions, got {type(options).__name__}")
+        if state is not None:
+            _saved_state.checked(state, params)
         # float64 (NumPy's default) is kept as float32: the server's math is float32
         arrays = {n: np.asarray(v, dtype=np.float32) if np.asarray(v).dtype == np.float64 else np.asarray(v)
                   for n, v in params.items()}
@@ -168,7 +182,7 @@ class Client:
         if options.wire_dtype == contract.INT8_NAME:  # a client-side gradient encoding (see Session.wire_dtype)
             session.wire_dtype = contract.INT8
         try:
-            session._initialize(arrays)
+            session._initialize(arrays, state)
         except BaseException:
             self.close_session(name)
             session.detach()

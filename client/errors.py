@@ -65,6 +65,13 @@ class LateError(StaleError):
     version and report the drop in ``Session.last_step``."""
 
 
+class AbortedError(OptservError):
+    """An operation the client gave up on because the session kept changing under it (reading a
+    session's state while steps kept landing); nothing changed on the server."""
+
+    code = "ABORTED"
+
+
 class FailedPreconditionError(OptservError):
     code = "FAILED_PRECONDITION"
 

@@ -41,6 +41,9 @@ class RootOffloadSeam:
       compute_steps: ``config -> int``, updates between two root computations.
       progress: ``state -> (count, source_step [B], failures [B], last_error [B])`` as arrays,
         for status reports (``source_step`` -1: no root installed yet).
+      per_statistic_state: paths in the kernel's state (dot-separated, as
+        ``server/compute/state_leaves.py`` writes them) of leaves stacked over the shard's
+        statistics in export order (one row per ``BlockLabel``): a saved state splits them by tensor.
       lag: in the in-process kernel, the updates between the last gradient a computation's
         statistics hold and the first update using its result: 0 for Shampoo (its update folds
         the gradient in, then computes and uses the roots), 1 for SOAP (its update uses the
@@ -57,6 +60,7 @@ class RootOffloadSeam:
     compute_steps: Callable[[Any], int]
     progress: Callable[[Any], tuple]
     lag: int = 0
+    per_statistic_state: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

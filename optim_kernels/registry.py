@@ -105,6 +105,7 @@ _SHAMPOO_ROOT_OFFLOAD = RootOffloadSeam(
     compute_roots=inverse_pth_roots,
     compute_steps=shampoo_seam.compute_steps,
     progress=shampoo_seam.progress,
+    per_statistic_state=("preconditioner_info",),
 )
 
 _SOAP_ROOT_OFFLOAD = RootOffloadSeam(
@@ -118,6 +119,7 @@ _SOAP_ROOT_OFFLOAD = RootOffloadSeam(
     compute_steps=soap_seam.compute_steps,
     progress=soap_seam.progress,
     lag=soap_seam.LAG,
+    per_statistic_state=("basis_info",),
 )
 
 # Value rules of the optax baselines (their own constructors check none of these). eps = 0 is

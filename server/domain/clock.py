@@ -240,6 +240,14 @@ class HomeClock:
             return self._state.hyper.since(since)
 
     # ----------------------------------------------------------------- durability (home only)
+    def start_at(self, version: int) -> None:
+        """A session created from a saved state: it is at ``version`` before any ticket (its
+        first step decides ``version + 1``; a checkpoint is next due counted from there)."""
+        with self._cond:
+            if self._state.next_ordinal:
+                raise RuntimeError("start_at: the clock already decided tickets")
+            self._state.version = self._state.checkpoint_version = int(version)
+
     def restore(self, state: Optional[dict], journal: list, replayed: Sequence[Ticket] = (),
                 settle_at: Optional[tuple[int, int]] = None) -> None:
         """Durable sessions, at recovery: the clock state of the latest checkpoint (None: none),

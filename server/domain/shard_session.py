@@ -48,7 +48,9 @@ from optserve.server.domain.durability import CheckpointPort
 from optserve.server.domain.home_calls import HomeCalls
 from optserve.server.domain.errors import (FailedPrecondition, InvalidArgument, OptservError, PermissionDenied,
                                            RejectReason, ResourceExhausted, Unavailable)
+from optserve.server.domain import saved_state
 from optserve.server.domain.refusals import Refusals, log_value
+from optserve.server.domain.saved_state import StartState
 from optserve.server.domain.shard_records import PushHeader, Receipt, ShardSessionStatus, StepObserver
 from optserve.server.domain.shard_registry import ShardRegistry
 from optserve.server.domain.staging import StagingArea
@@ -166,11 +168,20 @@ class ShardSession:
             raise PermissionDenied(f"session {self.config.name!r}: only the client that created it may send "
                                    f"its initial values")
 
-    def initialize(self, chunks: Iterable, client_id: str = "", in_place: bool = False) -> int:
+    def initialize(self, chunks: Iterable, client_id: str = "", in_place: bool = False,
+                   start: Optional[StartState] = None, state_chunks: Iterable = ()) -> int:
         """Installs the initial parameters from ``chunks`` (once), sent by client ``client_id``;
-        returns the version (0). Only the session's creator may send them. ``in_place``: whole
-        float32 tensors in a shared-memory region are read where they lie (copied once, onto the
-        device) instead of into a host buffer first."""
+        returns the version (0, or ``start.version``). Only the session's creator may send them.
+        ``in_place``: whole float32 tensors in a shared-memory region are read where they lie
+        (copied once, onto the device) instead of into a host buffer first. ``start``: the
+        session starts from a saved state whose optimizer-state leaves ``state_chunks`` carry
+        (read after ``chunks``; see :mod:`~optserve.server.domain.saved_state`): the state, the
+        version and the hyperparameters are in place before any step runs.
+
+        Raises:
+          InvalidArgument: naming the tensor or the saved state's leaf that does not fit
+            (nothing is installed).
+        """
         self.touch()
         self.check_creator(client_id)
         if self.initialized:
@@ -181,6 +192,9 @@ class ShardSession:
         for chunk in chunks:
             assembler.add(chunk)
         values = assembler.finish()
+        leaves = None
+        if start is not None:
+            leaves = saved_state.assemble_leaves(self.where, saved_state.expected_leaves(self.updater), state_chunks)
         with self._cond:
             if self.initialized:
                 raise FailedPrecondition(f"session {self.config.name!r}: parameters are already initialized")
@@ -189,10 +203,32 @@ class ShardSession:
                 self.updater.initialize(values, borrowed=[n for n, v in values.items() if v is not buffers[n]])
             except Exception as exc:  # noqa: BLE001 - OptservError passes through; the kernel's own failure
                 raise _init_failure(self.config, self.specs, self.shard_index, exc) from None
+            if start is not None:
+                self._start_from(start, leaves)
             if self._steps.journal.enabled:  # the initial values are durable before they are acknowledged
                 self._steps.journal.checkpoint(wait=True)
             self._cond.notify_all()  # pushes and pulls that arrived first (see _require_initialized)
             return self.version
+
+    def _start_from(self, start: StartState, leaves: dict) -> None:
+        """Installs a saved state over the initial one (``cond`` held); a state that does not fit
+        leaves the session uninitialised, as before the call."""
+        try:
+            saved_state.install(self.updater, leaves)
+        except BaseException:
+            self.updater.params = self.updater.opt_state = None
+            raise
+        self.updater.set_hyper(start.hyper)
+        self._steps.start_at(start.version)
+
+    def export_state(self) -> saved_state.SavedState:
+        """This shard's part of the session's state at its current version (taken between steps:
+        the pushes of a sync step still gathering are not in it, and were not acknowledged; on a
+        CPU device, views that later steps leave unchanged)."""
+        self.touch()
+        self._require_initialized()
+        with self._cond:
+            return saved_state.read_state(self.updater, self.version)
 
     def _require_initialized(self) -> None:
         """Waits a moment (at most :data:`_INIT_WAIT_S`) for the initial values, then refuses with

@@ -8,8 +8,11 @@ for one message, as ``TensorChunk`` messages.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Iterator, Optional
+
+import numpy as np
 
 from optserve.protos import chunk_codec, contract
 from optserve.protos.optserve.v1 import data_pb2, tensor_pb2
@@ -60,3 +63,18 @@ def pull_into_region(session: ShardSession, region, started: float, evaluation: 
     del params  # a held view would stop the next update from donating the shard's buffers
     session.observer.sent(time.perf_counter() - started, sent)
     yield data_pb2.PullResponse(version=version)
+
+
+def state_replies(saved, chunk_bytes: int) -> Iterator[data_pb2.ExportStateResponse]:
+    """An ``ExportState``'s reply: the header, then every leaf of ``saved`` (a
+    :class:`~optserve.server.domain.saved_state.SavedState`) in pieces of at most ``chunk_bytes``."""
+    yield data_pb2.ExportStateResponse(header=data_pb2.ExportStateHeader(
+        version=saved.version, hyperparams_json=json.dumps(saved.hyper, sort_keys=True)))
+    for key, array in saved.leaves.items():
+        array = array if array.flags.c_contiguous else array.copy()  # (ascontiguousarray makes 0-d 1-d)
+        flat = array.reshape(-1).view(np.uint8)
+        dtype = "bfloat16" if array.dtype.name == "bfloat16" else array.dtype.str
+        for offset in range(0, max(flat.size, 1), chunk_bytes):
+            yield data_pb2.ExportStateResponse(state=data_pb2.StateChunk(
+                key=key, dtype=dtype, shape=list(array.shape), offset=offset,
+                data=flat[offset:offset + chunk_bytes].tobytes()))

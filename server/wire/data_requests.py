@@ -8,6 +8,7 @@ Each function reads one part of a request and either returns what the domain tak
 
 from __future__ import annotations
 
+import json
 from typing import Iterator, Optional
 
 from optserve.protos import contract
@@ -15,6 +16,7 @@ from optserve.protos.optserve.v1 import data_pb2, tensor_pb2
 from optserve.server.domain.assembly import wire_dtype
 from optserve.server.domain.config import MAX_WORKER_ID, WORKER_SEPARATOR, DType
 from optserve.server.domain.errors import InvalidArgument
+from optserve.server.domain.saved_state import StartState
 from optserve.server.domain.shard_records import PushHeader
 from optserve.server.domain.telemetry import Telemetry
 
@@ -77,3 +79,53 @@ def pull_options(request: data_pb2.PullRequest) -> tuple[Optional[DType], int]:
     """How the parameters go back: ``(wire dtype or None for each tensor's own, chunk bytes)``."""
     dtype = None if request.wire_dtype == tensor_pb2.DTYPE_UNSPECIFIED else wire_dtype(request.wire_dtype, what="pull wire_dtype")
     return dtype, contract.clamp_chunk_bytes(request.max_chunk_bytes or None)
+
+
+def chunk_bytes(requested: int) -> int:
+    """A reply's largest piece in bytes (0: the default), clamped as a pull's."""
+    return contract.clamp_chunk_bytes(requested or None)
+
+
+def start_state(first: data_pb2.InitTensorsRequest) -> Optional[StartState]:
+    """The saved state an InitTensors starts the session from (its first message's ``start``), or None."""
+    if not first.HasField("start"):
+        return None
+    text = first.start.hyperparams_json or "{}"
+    try:
+        hyper = json.loads(text)
+    except ValueError:
+        raise InvalidArgument(f"InitTensors: start.hyperparams_json is not JSON: {text[:80]!r}") from None
+    return StartState(int(first.start.version), hyper)
+
+
+def init_items(requests: Iterator, with_state: bool) -> tuple[Iterator, Iterator]:
+    """An InitTensors stream after its first message, as ``(value chunks, state chunks)``: the
+    values come first, then (with a saved state) the state's leaves. Read the values to their end
+    before the state.
+
+    Raises (while read):
+      InvalidArgument: a state piece without ``start``, a value after the state, or a message that
+        is neither.
+    """
+    pending: list = []
+
+    def values() -> Iterator:
+        for request in requests:
+            kind = request.WhichOneof("item")
+            if kind == "chunk":
+                yield request.chunk
+            elif kind == "state" and with_state:
+                pending.append(request.state)
+                return
+            else:
+                raise InvalidArgument(f"InitTensors: unexpected {kind or 'empty'} message after the first "
+                                      f"(a saved state's leaves need `start` in the first message)")
+
+    def states() -> Iterator:
+        yield from pending
+        for request in requests:
+            if request.WhichOneof("item") != "state":
+                raise InvalidArgument("InitTensors: the values come before the saved state's leaves, not after")
+            yield request.state
+
+    return values(), states()

@@ -22,7 +22,7 @@ from optserve.server.domain.errors import InvalidArgument
 from optserve.server.domain.shard_registry import ShardRegistry
 from optserve.server.domain.shard_session import ShardSession
 from optserve.server.wire import data_requests
-from optserve.server.wire.data_replies import pull_chunks, pull_into_region, push_response
+from optserve.server.wire.data_replies import pull_chunks, pull_into_region, push_response, state_replies
 from optserve.server.wire.errors import grpc_errors, safe_decoder
 from optserve.server.wire.open_streams import OpenStreams
 from optserve.server.wire.push_pull import PushPullCalls
@@ -60,15 +60,23 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
     def InitTensors(self, request_iterator, context):
         first = data_requests.first_message(request_iterator, "session", "InitTensors")
         session = self._session(first.session, context)
+        start = data_requests.start_state(first)
+        values, states = data_requests.init_items(request_iterator, with_state=start is not None)
         if first.HasField("shared_memory"):  # the values lie in the creating client's region
             session.check_creator(first.client_id)  # before anything is read
             region = self.regions.use(session, None, first.shared_memory)
-            if next(request_iterator, None) is not None:
+            if next(values, None) is not None:
                 raise InvalidArgument("InitTensors: chunks and shared_memory are exclusive")
-            version = session.initialize(region.parameter_chunks(), first.client_id, in_place=True)
+            version = session.initialize(region.parameter_chunks(), first.client_id, in_place=True, start=start,
+                                         state_chunks=states)
         else:
-            version = session.initialize((r.chunk for r in request_iterator), first.client_id)
+            version = session.initialize(values, first.client_id, start=start, state_chunks=states)
         return data_pb2.InitTensorsResponse(version=version)
+
+    @grpc_errors
+    def ExportState(self, request, context):
+        saved = self._session(request.session, context).export_state()
+        yield from state_replies(saved, data_requests.chunk_bytes(request.max_chunk_bytes))
 
     @grpc_errors
     def Push(self, request_iterator, context):
@@ -208,6 +216,9 @@ def add_to_server(registry: ShardRegistry, server: grpc.Server, max_open_streams
         "Pull": grpc.unary_stream_rpc_method_handler(
             servicer.Pull, request_deserializer=safe_decoder(data_pb2.PullRequest.FromString),
             response_serializer=chunk_codec.serialize),
+        "ExportState": grpc.unary_stream_rpc_method_handler(
+            servicer.ExportState, request_deserializer=safe_decoder(data_pb2.ExportStateRequest.FromString),
+            response_serializer=data_pb2.ExportStateResponse.SerializeToString),
         "PushPull": grpc.stream_stream_rpc_method_handler(
             servicer.PushPull, request_deserializer=_request_decoder(data_pb2.PushPullRequest),
             response_serializer=chunk_codec.serialize),

@@ -94,6 +94,11 @@ class ShardDataStub:
                 request_serializer=optserve_dot_v1_dot_data__pb2.SetHyperparamsRequest.SerializeToString,
                 response_deserializer=optserve_dot_v1_dot_data__pb2.SetHyperparamsResponse.FromString,
                 _registered_method=True)
+        self.ExportState = channel.unary_stream(
+                '/optserve.v1.ShardData/ExportState',
+                request_serializer=optserve_dot_v1_dot_data__pb2.ExportStateRequest.SerializeToString,
+                response_deserializer=optserve_dot_v1_dot_data__pb2.ExportStateResponse.FromString,
+                _registered_method=True)
 
 
 class ShardDataServicer:
@@ -201,6 +206,16 @@ class ShardDataServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportState(self, request, context):
+        """Streams this shard's part of the session's whole state at one version: its parameters, the
+        optimizer state kept for each of its tensors and the state its tensors share (a step count),
+        as StateChunk messages named by StateChunk.key. A checkpoint a user holds is made of these.
+        Errors: NOT_FOUND, FAILED_PRECONDITION (not initialized).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardDataServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -263,6 +278,11 @@ def add_ShardDataServicer_to_server(servicer, server):
                     servicer.SetHyperparams,
                     request_deserializer=optserve_dot_v1_dot_data__pb2.SetHyperparamsRequest.FromString,
                     response_serializer=optserve_dot_v1_dot_data__pb2.SetHyperparamsResponse.SerializeToString,
+            ),
+            'ExportState': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportState,
+                    request_deserializer=optserve_dot_v1_dot_data__pb2.ExportStateRequest.FromString,
+                    response_serializer=optserve_dot_v1_dot_data__pb2.ExportStateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -589,6 +609,33 @@ class ShardData:
             '/optserve.v1.ShardData/SetHyperparams',
             optserve_dot_v1_dot_data__pb2.SetHyperparamsRequest.SerializeToString,
             optserve_dot_v1_dot_data__pb2.SetHyperparamsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/optserve.v1.ShardData/ExportState',
+            optserve_dot_v1_dot_data__pb2.ExportStateRequest.SerializeToString,
+            optserve_dot_v1_dot_data__pb2.ExportStateResponse.FromString,
             options,
             channel_credentials,
             insecure,
