@@ -109,7 +109,7 @@ def _merged(session, version: int, parts) -> dict[str, Any]:
                                        f"at version {version}", "ABORTED")
                 shared[path] = array
     return {"format": FORMAT, "session": session.name, "version": int(version),
-            "optimizer": {"name": session.options.optimizer, "args": dict(session.options.optimizer_args)},
+            "optimizer": session.options.spec,
             "mode": session.mode, "hyperparams": hyper, "params": params, "tensors": tensors, "shared": shared}
 
 

@@ -34,7 +34,6 @@ Imports torch and the NumPy client only (never jax or ray).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import uuid
 import warnings
@@ -51,11 +50,11 @@ from optserve.client._torch_model import ModelTensors
 from optserve.client._torch_groups import (GroupSync, group_labels, server_options, session_groups, split_groups,
                                            torch_defaults)
 from optserve.client._transport import ClientCert, TLSArg
-from optserve.client.errors import AlreadyExistsError, FutureBaseError, InvalidArgumentError, StaleError
+from optserve.client._torch_checkpoint import from_torch, to_torch
+from optserve.client.errors import AlreadyExistsError, FutureBaseError, InvalidArgumentError, NotFoundError, StaleError
 from optserve.client.options import SessionOptions
 from optserve.client.overlap import DelayedStepper
 
-_STATE_FORMAT = "optserve.RemoteOptimizer/1"
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -108,12 +107,6 @@ class RemoteOptimizerConfig:
         if name != "options" and name in SessionOptions.__dataclass_fields__:
             return getattr(self.options, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    def with_session(self, session: str) -> "RemoteOptimizerConfig":
-        """The same configuration for session ``session``."""
-        renamed = copy.copy(self)
-        object.__setattr__(renamed, "session", session)
-        return renamed
 
 
 # --- the optimizer -----------------------------------------------------------------------------
@@ -197,9 +190,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
                         [{**g, "params": [p for _, p in g["params"] if id(p) in kept]} for g in groups])
         super().__init__(torch_groups, defaults=torch_defaults(name, self.config.options.optimizer_args))
         self._tensors_fixed = True
-        self._groups_sync = GroupSync(self.config.options.optimizer, ["default"] if groups is None else
-                                      group_labels(self.param_groups),
-                                      [server_options(self.config.options.optimizer, g) for g in self.param_groups])
+        self._group_labels = ["default"] if groups is None else group_labels(self.param_groups)
+        self._created_options = [server_options(self.config.options.optimizer, g) for g in self.param_groups]
+        self._groups_sync = GroupSync(self.config.options.optimizer, self._group_labels, self._created_options)
         self._client = address if isinstance(address, Client) else Client(
             address, token=token, tls=tls, client_cert=client_cert, tls_server_name=tls_server_name,
             shared_memory=shared_memory)
@@ -322,53 +315,48 @@ class RemoteOptimizer(torch.optim.Optimizer):
     # -- checkpoints -----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Which session (and which version of it) the model's parameters belong to.
+        """The optimizer's whole state, as torch's optimizers lay it out: what a checkpoint needs.
 
-        The optimizer's moments live on the server, so the dictionary is small; save it next
-        to ``model.state_dict()``. With ``overlap=True`` a push may still be in flight; call
-        :meth:`synchronize` first to checkpoint after it.
-        """
-        return {
-            "format": _STATE_FORMAT,
-            "session": self.config.session,
-            "version": int(self.version),
-            "tensor_names": self.tensor_names,
-            "optimizer": self.config.options.spec,
-            "mode": self.config.options.mode,
-            "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups],
-        }
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Reattaches to ``state_dict``'s session and loads its current parameters into the model.
+        ``state`` holds, by parameter index, the server optimizer's state for that tensor as
+        tensors (moments, factored statistics, Shampoo's and SOAP's statistics and roots, Muon's
+        momentum, and the step counts the tensors share); ``param_groups`` the options in force;
+        ``optserve`` the session's name and version, its parameters at that version and its
+        hyperparameters (layout: :mod:`optserve.client._torch_checkpoint`). It is one version
+        of every shard (``Session.state``); save it with ``torch.save`` beside the model's.
+        With ``overlap=True`` the step in flight is waited for first.
 
         Raises:
-          ValueError: not a :meth:`state_dict` of this class, its tensor names differ from this
-            optimizer's, or the session is behind the checkpoint's version (it is not the
-            session the checkpoint came from).
+          AbortedError: other workers' steps kept landing while the state was read.
         """
-        if state_dict.get("format") != _STATE_FORMAT:
-            raise ValueError(f"not a RemoteOptimizer state_dict (format {state_dict.get('format')!r})")
-        if list(state_dict["tensor_names"]) != self.tensor_names:
-            raise ValueError(
-                f"state_dict's tensors {list(state_dict['tensor_names'])} differ from this optimizer's {self.tensor_names}"
-            )
+        self.synchronize()
+        return to_torch(self._session.state(), self.tensor_names, self.param_groups)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Puts this optimizer's session, and the model, exactly where ``state_dict`` was.
+
+        The session (this optimizer's: ``session=``) is replaced by one created from the
+        checkpoint: its parameters, optimizer state, version and hyperparameters, whether the
+        session is ahead of the checkpoint (it is rewound), behind it, closed, or on a server
+        that never saw it. The checkpoint's parameters are written into the model, so the
+        order a trainer loads the model and the optimizer in does not matter, and
+        ``param_groups`` take the checkpoint's options (a scheduler's position is its own
+        ``state_dict``). Other workers attached to the session find it replaced at their next
+        step (their calls fail; they attach again, as at a start).
+
+        Raises:
+          ValueError: not a :meth:`state_dict` of this class (an older optserve's holds no
+            optimizer state and is refused, saying so), or of other tensors.
+          InvalidArgumentError: the checkpoint's state does not fit this optimizer (another
+            optimizer or options): the message names the leaf; the session is then gone.
+        """
+        saved = from_torch(state_dict, self.tensor_names)
         if self._stepper is not None:
             self._stepper.wait()
-        if state_dict["session"] != self.config.session:
-            self._session.detach()
-            self._session = self._client.session(state_dict["session"])
-            self.config = self.config.with_session(state_dict["session"])
-            self._model.follow(self._session)
-            if self._stepper is not None:
-                self._stepper = DelayedStepper(self._session)
-        for group, saved in zip(self.param_groups, state_dict.get("param_groups", ())):
-            group.update(saved)  # the values the next step sends (a scheduler's position is its own state_dict)
-        self._pull_into_model()
-        if self.version < int(state_dict["version"]):
-            raise ValueError(
-                f"session {state_dict['session']!r} is at version {self.version}, behind the checkpoint's "
-                f"version {state_dict['version']}: it is not the session the checkpoint was taken from"
-            )
+        self._replace_session(saved)
+        saved_groups = state_dict.get("param_groups", ())
+        for group, saved_group in zip(self.param_groups, saved_groups):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+        self._groups_sync = self._group_sync(saved["hyperparams"])
 
     def close(self) -> None:
         """Waits for a push in flight and closes the connection; the session stays on the server.
@@ -392,6 +380,31 @@ class RemoteOptimizer(torch.optim.Optimizer):
             return session, True
         except AlreadyExistsError:  # another worker created it first: attach, if it is what we asked for
             return self._client.session(self.config.session, expect=self.config.options, worker_id=self._worker_id), False
+
+    def _replace_session(self, saved: Mapping[str, Any]) -> None:
+        """This optimizer's session becomes one created from ``saved`` (the former one, if any,
+        is closed); the model takes its parameters."""
+        name = self.config.session
+        self._session.detach()
+        try:
+            self._client.close_session(name)
+        except NotFoundError:  # closed, lost with a restarted server, or never created there
+            pass
+        self._session = self._client.create_session_with(name, saved["params"], self.config.options,
+                                                         worker_id=self._worker_id, state=saved)
+        self.created = True
+        self._model.follow(self._session)
+        if self._stepper is not None:
+            self._stepper = DelayedStepper(self._session)
+        self._pull_into_model()
+        self._model.bind_gradients()
+
+    def _group_sync(self, hyperparams: Mapping[str, Mapping[str, float]]) -> GroupSync:
+        """What the groups' options are on the server: as the session was created, with the
+        hyperparameters in force (``hyperparams``, by group label) over them."""
+        sent = [{**created, **hyperparams.get(label, {})} if label is not None else created
+                for label, created in zip(self._group_labels, self._created_options)]
+        return GroupSync(self.config.options.optimizer, self._group_labels, sent)
 
     def _write_in_flight(self) -> None:
         try:

@@ -183,37 +183,39 @@ def test_tensor_to_numpy_views_float32_and_widens_bfloat16_exactly():
     assert np.shares_memory(g, b.view(torch.int16).numpy()) == (g.dtype.name == "bfloat16")
 
 
-def test_state_dict_names_session_and_version_and_load_resumes_it(server, unique_name):
+def test_state_dict_holds_the_session_and_load_puts_another_optimizers_session_there(server, unique_name):
+    spec = {"name": "adam", "args": {"learning_rate": 1e-2}}
     model = _model()
-    optimizer = RemoteOptimizer(
-        model.named_parameters(), server.address, {"name": "adam", "args": {"learning_rate": 1e-2}}, session=unique_name
-    )
+    optimizer = RemoteOptimizer(model.named_parameters(), server.address, spec, session=unique_name)
     _train(model, optimizer, steps=3)
     state = optimizer.state_dict()
-    assert state["session"] == unique_name and state["version"] == 3
-    assert state["tensor_names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    meta = state["optserve"]
+    assert meta["session"] == unique_name and meta["version"] == 3
+    assert meta["tensor_names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert sorted(state["state"]) == [0, 1, 2, 3] and {"0.mu", "0.nu", "0.count"} <= set(state["state"][0])
 
-    # A fresh process (here: a fresh model and optimizer on another session) resumes from it.
+    # A fresh process (here: a fresh model and optimizer on another session) resumes from it:
+    # its own session takes the checkpoint's state, and the model the checkpoint's parameters.
     other = _model(seed=7)
-    resumed = RemoteOptimizer(
-        other.named_parameters(), server.address, {"name": "adam", "args": {"learning_rate": 1e-2}}, session=unique_name + "-b"
-    )
+    resumed = RemoteOptimizer(other.named_parameters(), server.address, spec, session=unique_name + "-b")
     resumed.load_state_dict(state)
-    assert resumed.session_name == unique_name and resumed.version == 3
+    assert resumed.session_name == unique_name + "-b" and resumed.version == 3
     for (n, p), (_, q) in zip(model.named_parameters(), other.named_parameters()):
         assert torch.equal(p, q), n
-    # Both optimizers now drive the same session: the next step continues its trajectory.
-    _train(other, resumed, steps=1)
-    assert resumed.version == 4
+    # Both continue alike: the moments came along.
+    _train(model, optimizer, steps=2)
+    _train(other, resumed, steps=2)
+    assert resumed.version == optimizer.version == 5
+    for (n, p), (_, q) in zip(model.named_parameters(), other.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6, msg=n)
     unrelated = RemoteOptimizer(torch.nn.Linear(2, 2).named_parameters(), server.address,
                                 {"name": "sgd", "args": {"learning_rate": 0.1}}, session=unique_name + "-c")
     with pytest.raises(ValueError, match="differ"):
         unrelated.load_state_dict(state)
     unrelated.session.close()
     for opt in (optimizer, resumed):
+        opt.session.close()
         opt.close()
-    Client(server.address).session(unique_name).close()
-    Client(server.address).session(unique_name + "-b").close()
 
 
 def test_second_optimizer_naming_a_session_attaches_and_starts_from_its_parameters(server, unique_name):
@@ -272,7 +274,7 @@ def test_preconditioners_option_reaches_the_server_through_the_torch_adapter(ser
         assert attached.options.preconditioners == expected
         assert attached.options.optimizer == "shampoo" and attached.options.optimizer_args == SHAMPOO_ARGS
         attached.detach()
-    assert optimizer.state_dict()["optimizer"]["preconditioners"] == {"in_process": False, "max_age": None,
+    assert optimizer.state_dict()["optserve"]["optimizer"]["preconditioners"] == {"in_process": False, "max_age": None,
                                                                      **preconditioners}
     status = optimizer.session.status()
     # The test server has no preconditioner workers: roots are computed in the update, per block.

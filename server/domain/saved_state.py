@@ -90,7 +90,9 @@ def expected_leaves(updater) -> dict[str, tuple]:
 
 def assemble_leaves(where: str, specs: Mapping[str, tuple], chunks: Iterable) -> dict[str, np.ndarray]:
     """The leaves ``chunks`` carry (each with ``key``, ``dtype``, ``shape``, ``offset``, ``data``;
-    a leaf's pieces consecutive, in order), checked against ``specs``.
+    a leaf's pieces consecutive, in order), checked against ``specs``. A session's shared leaves
+    go to each of its shards; those a shard does not keep (a parameter group's step count where
+    no tensor of the group is) are skipped.
 
     Raises:
       InvalidArgument: naming the leaf that is unknown, misshapen, of another dtype, sent twice,
@@ -100,6 +102,8 @@ def assemble_leaves(where: str, specs: Mapping[str, tuple], chunks: Iterable) ->
     filled: dict[str, int] = {}
     for chunk in chunks:
         key = chunk.key
+        if key not in specs and key.startswith(state_leaves.SHARED):
+            continue  # another shard's (a parameter group with no tensor here keeps its count there)
         if key not in specs:
             raise InvalidArgument(f"{where}: the saved state has a leaf {key!r} that the optimizer's state for this "
                                   f"shard's tensors does not have")
