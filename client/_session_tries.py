@@ -42,7 +42,8 @@ class SessionTries:
         base = session.version if base_version is None else int(base_version)
         header = data_pb2.PushHeader(session=session.name, client_id=session.client_id, sequence=next(self._sequence),
                                      base_version=base, auto_commit=True, wait_s=session._client.timeout,
-                                     without_gradient=sorted(without_gradient))
+                                     without_gradient=sorted(without_gradient),
+                                     incarnation=session.info.config.incarnation)
         return add_telemetry(header, loss, scalars)
 
     def encode(self, grads: dict[str, np.ndarray], wire: Optional[int]) -> dict:

@@ -76,6 +76,12 @@ class FailedPreconditionError(OptservError):
     code = "FAILED_PRECONDITION"
 
 
+class SessionReplacedError(FailedPreconditionError):
+    """A push refused because the session was replaced (closed and created again under its name,
+    e.g. restored from a checkpoint) after this object attached: applied nowhere. Attach again
+    (``Client.session``) and pull; ``RemoteOptimizer`` does so itself."""
+
+
 class UnavailableError(OptservError):
     code = "UNAVAILABLE"
 
@@ -156,6 +162,8 @@ def from_rpc_error(error: grpc.RpcError) -> OptservError:
     metadata = dict((error.trailing_metadata() or ()) if hasattr(error, "trailing_metadata") else ())
     if cls is StaleError and contract.PEER_REFUSED_KEY in metadata:
         return PeerRefusedError(details, code.name)
+    if cls is FailedPreconditionError and contract.REPLACED_KEY in metadata:
+        return SessionReplacedError(details, code.name)
     if cls is InvalidArgumentError and contract.CURRENT_VERSION_KEY in metadata:
         return FutureBaseError(details, code.name, current_version=int(metadata[contract.CURRENT_VERSION_KEY]))
     if cls is StaleError:

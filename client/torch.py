@@ -51,7 +51,8 @@ from optserve.client._torch_groups import (GroupSync, group_labels, server_optio
                                            torch_defaults)
 from optserve.client._transport import ClientCert, TLSArg
 from optserve.client._torch_checkpoint import from_torch, to_torch
-from optserve.client.errors import AlreadyExistsError, FutureBaseError, InvalidArgumentError, NotFoundError, StaleError
+from optserve.client.errors import (AlreadyExistsError, FutureBaseError, InvalidArgumentError, NotFoundError,
+                                    SessionReplacedError, StaleError)
 from optserve.client.options import SessionOptions
 from optserve.client.overlap import DelayedStepper
 
@@ -293,6 +294,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 self._write(self._session.push_pull(grads, views=True, **push))
             except StaleError:
                 self._skip_stale()
+            except SessionReplacedError as replaced:
+                self._reattach(replaced)
             except BaseException:  # unanswered, it may still be applied from the regions later
                 self._model.detach()
                 raise
@@ -412,8 +415,30 @@ class RemoteOptimizer(torch.optim.Optimizer):
         except (StaleError, FutureBaseError):  # refused (stale, or its base rolled back): the model pulls
             self._skip_stale()
             return
+        except SessionReplacedError as replaced:
+            self._reattach(replaced)
+            return
         if params is not None:
             self._write(params)
+
+    def _reattach(self, replaced: SessionReplacedError) -> None:
+        """The session was replaced (another worker loaded a checkpoint into it) after this
+        optimizer attached: the step is dropped, and the optimizer attaches to the new session
+        and loads its parameters into the model; a warning says so."""
+        self._session.detach()
+        self._session = self._client.session(self.config.session, expect=self.config.options,
+                                             worker_id=self._worker_id)
+        self.created = False
+        self._model.follow(self._session)
+        if self._stepper is not None:
+            self._stepper = DelayedStepper(self._session)
+        self.stale_pushes += 1
+        self._pull_into_model()
+        self._model.bind_gradients()
+        self._groups_sync = self._group_sync(self._session.status().hyperparams)
+        warnings.warn(f"optserve: {replaced.details}. This step was dropped; the optimizer attached to the "
+                      f"session again and the model now holds its parameters (version {self.version}).",
+                      stacklevel=3)
 
     def _skip_stale(self) -> None:
         self.stale_pushes += 1

@@ -240,6 +240,9 @@ PEER_REFUSED_KEY = "optserve-peer-refused"
 ANSWERED_KEY = "optserve-answered"
 # ... or "1" beside the current version when an elastic session dropped a late gradient.
 LATE_KEY = "optserve-late"
+# "1" on a push refused because the session was replaced (closed and created again under its name)
+# after the pushing client attached (FAILED_PRECONDITION).
+REPLACED_KEY = "optserve-session-replaced"
 
 # How status reports and clients name each RejectReason.
 REJECT_REASON_NAMES: dict[int, str] = {

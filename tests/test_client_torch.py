@@ -447,3 +447,28 @@ def test_rerun_attaching_to_a_trained_session_warns_that_the_model_was_replaced(
     with pytest.warns(UserWarning, match="already existed at version 1"):
         second = RemoteOptimizer(torch.nn.Linear(2, 2).named_parameters(), server.address, spec, session=unique_name)
     second.session.close()
+
+
+def test_a_worker_whose_session_another_restored_is_refused_naming_it_and_resyncs(server, unique_name):
+    spec = {"name": "adam", "args": {"learning_rate": 1e-2}}
+    model_a, model_b = _model(), _model()
+    a = RemoteOptimizer(model_a.named_parameters(), server.address, spec, session=unique_name, mode="async")
+    _train(model_a, a, steps=2)
+    checkpoint = a.state_dict()
+    with pytest.warns(UserWarning, match="already existed"):
+        b = RemoteOptimizer(model_b.named_parameters(), server.address, spec, session=unique_name, mode="async")
+    _train(model_a, a, steps=2)
+    _train(model_b, b, steps=1)
+    assert b.version == 5  # async: b's push from version 2 was applied
+    a.load_state_dict(checkpoint)  # the session is rewound to version 2 under b's feet
+    assert a.version == 2
+    with pytest.warns(UserWarning, match="was replaced"):
+        _train(model_b, b, steps=1)  # b's gradient belongs to the former session: dropped, b re-synced
+    assert b.version == 2 and b.stale_pushes == 1 and a.session.status().version == 2
+    for (n, p), (_, q) in zip(model_a.named_parameters(), model_b.named_parameters()):
+        assert torch.equal(p, q), n
+    _train(model_b, b, steps=1)  # and trains on in the restored session
+    assert b.version == 3
+    a.session.close()
+    for opt in (a, b):
+        opt.close()

@@ -178,6 +178,8 @@ class SessionConfig:
       wire_dtype: default wire dtype advertised to clients (None: each tensor's own).
       preconditioners: Shampoo and SOAP: where their roots (SOAP: eigenbases) are computed, and their age bound.
       elastic: sync: membership and rounds (``min_workers``, ``max_workers``, leases, stragglers).
+      incarnation: which creation of a session of this name this is ("" in sessions made before
+        it existed): pushes for another are refused (see ``PushHeader.incarnation``).
     """
 
     name: str
@@ -192,6 +194,7 @@ class SessionConfig:
     wire_dtype: Optional[DType] = None
     preconditioners: PreconditionerOptions = dataclasses.field(default_factory=PreconditionerOptions)
     elastic: ElasticOptions = dataclasses.field(default_factory=ElasticOptions)
+    incarnation: str = ""
 
     def __post_init__(self):
         if not 1 <= len(self.name) <= 200:
@@ -244,6 +247,7 @@ class SessionConfig:
             "wire_dtype": self.wire_dtype.name if self.wire_dtype is not None else None,
             "preconditioners": dataclasses.asdict(self.preconditioners),
             "elastic": self.elastic.to_json(),
+            "incarnation": self.incarnation,
         }
 
     @classmethod
@@ -257,6 +261,7 @@ class SessionConfig:
             wire_dtype=DType[data["wire_dtype"]] if data["wire_dtype"] else None,
             preconditioners=PreconditionerOptions(**data["preconditioners"]),
             elastic=ElasticOptions.from_json(data.get("elastic")),
+            incarnation=str(data.get("incarnation", "")),
         )
 
 

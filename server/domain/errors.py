@@ -75,6 +75,11 @@ class FailedPrecondition(OptservError):
     the session the caller expects (another optimizer or mode)."""
 
 
+class Replaced(FailedPrecondition):
+    """A push for a former session of this name: it was closed and created again (restored from
+    a user's checkpoint, say) after the pushing client attached. Applied nowhere."""
+
+
 class PermissionDenied(OptservError):
     """The caller may not touch this session (another tenant's, or not its creator's to initialize)."""
 

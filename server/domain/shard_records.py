@@ -28,6 +28,7 @@ class PushHeader:
       without_gradient: the tensors the push has no gradient for (see ``StagedPush``).
       attempt: the client's try of this push (1, 2, ...; 0: unnumbered): each try is voted on
         apart (:class:`~optserve.server.domain.votes.ShardVotes`).
+      incarnation: the session's incarnation the client attached to ("": any).
     """
 
     client_id: str
@@ -37,6 +38,7 @@ class PushHeader:
     telemetry: Telemetry = Telemetry()
     without_gradient: frozenset = frozenset()
     attempt: int = 0
+    incarnation: str = ""
 
     def validate(self) -> None:
         """Raises InvalidArgument naming what is wrong (called inside the push, so a bad header

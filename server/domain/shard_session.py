@@ -47,7 +47,7 @@ from optserve.server.domain.config import Limits, SessionConfig, TensorSpec
 from optserve.server.domain.durability import CheckpointPort
 from optserve.server.domain.home_calls import HomeCalls
 from optserve.server.domain.errors import (FailedPrecondition, InvalidArgument, OptservError, PermissionDenied,
-                                           RejectReason, ResourceExhausted, Unavailable)
+                                           RejectReason, Replaced, ResourceExhausted, Unavailable)
 from optserve.server.domain import saved_state
 from optserve.server.domain.refusals import Refusals, log_value
 from optserve.server.domain.saved_state import StartState
@@ -316,6 +316,11 @@ class ShardSession:
                  in_place: bool = False) -> bool:
         """Assembles and stages the push; returns True if it had been applied (nothing staged)."""
         self._require_initialized()
+        if header.incarnation and self.config.incarnation and header.incarnation != self.config.incarnation:
+            raise Replaced(f"session {self.config.name!r} was replaced after client {header.client_id!r} attached "
+                           f"(closed and created again under its name, e.g. restored from a checkpoint at version "
+                           f"{self.version}): its push {header.sequence} belongs to the former session and was "
+                           f"applied nowhere; attach again and pull the parameters")
         unknown = sorted(header.without_gradient - set(self.config.spec_by_name))
         if unknown:
             raise InvalidArgument(f"{self.where}: push {header.sequence} of client {header.client_id!r} names "

@@ -7,6 +7,7 @@ typed status records into ``GetStatusResponse``.
 from __future__ import annotations
 
 import json
+import secrets
 from typing import Optional
 
 from optserve.protos.optserve.v1 import control_pb2, tensor_pb2
@@ -50,7 +51,15 @@ def session_config_from_proto(message: control_pb2.SessionConfig, limits: Option
         allow_nonfinite=message.allow_nonfinite,
         wire_dtype=wire,
         elastic=_elastic_options(message),
+        incarnation=_incarnation(message.incarnation),
     )
+
+
+def _incarnation(given: str) -> str:
+    """A new session's incarnation: the one a request carries (a restore names its own), else fresh."""
+    if len(given) > 64:
+        raise InvalidArgument(f"incarnation must have at most 64 characters, got {len(given)}")
+    return given or secrets.token_hex(8)
 
 
 def _elastic_options(message: control_pb2.SessionConfig) -> ElasticOptions:
@@ -112,6 +121,7 @@ def session_config_to_proto(config: SessionConfig) -> control_pb2.SessionConfig:
         wire_dtype=config.wire_dtype.value if config.wire_dtype else tensor_pb2.DTYPE_UNSPECIFIED,
         min_workers=config.elastic.min_workers or 0, max_workers=config.elastic.max_workers or 0,
         lease_s=config.elastic.lease_s, straggler_s=config.elastic.straggler_s or 0.0, late=config.elastic.late.value,
+        incarnation=config.incarnation,
     )
 
 

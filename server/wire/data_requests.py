@@ -63,7 +63,7 @@ def push_header(message: data_pb2.PushHeader) -> PushHeader:
     client_id(message.client_id, "push header")
     telemetry = Telemetry(message.loss if message.HasField("loss") else None, dict(message.scalars))
     return PushHeader(message.client_id, message.sequence, message.base_version, message.auto_commit, telemetry,
-                      frozenset(message.without_gradient), message.attempt)
+                      frozenset(message.without_gradient), message.attempt, message.incarnation)
 
 
 def wait_s(context, header: data_pb2.PushHeader) -> Optional[float]:

@@ -167,6 +167,8 @@ def _abort(context: grpc.ServicerContext, exc: BaseException, rpc: str = "", ref
         trailing += ((contract.CURRENT_VERSION_KEY, str(inner.current_version)),) + late
     elif isinstance(inner, errors.PeerRefused):
         trailing += ((contract.PEER_REFUSED_KEY, "1"),)
+    elif isinstance(inner, errors.Replaced):
+        trailing += ((contract.REPLACED_KEY, "1"),)
     context.set_trailing_metadata(trailing)
     context.abort(code, _bounded(message))
 
