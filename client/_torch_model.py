@@ -94,6 +94,11 @@ class ModelTensors:
         ``copy``: gradients that would be views of ``.grad`` are copied (the step is still in
         flight when the next backward runs).
 
+        A parameter is without a gradient where torch would hold ``None``: its ``.grad`` is
+        ``None``, or it is bound to a region and none (cleared by ``zero_grad`` or at the binding,
+        and given no value since: :mod:`optserve.client._torch_shared`). Any other ``.grad``
+        counts, zeros included (after ``zero_grad(set_to_none=False)``, or assigned).
+
         Raises:
           TypeError: a sparse gradient.
         """
@@ -104,7 +109,7 @@ class ModelTensors:
         for name, p in self.named:
             if name in grads:
                 continue
-            if p.grad is None:
+            if name in without:  # None, or bound and none (zeros) on a shard this step copies to
                 grads[name] = np.zeros(tuple(p.shape), np.float32)
             elif p.grad.is_sparse:
                 raise TypeError(f"tensor {name!r}: sparse gradients are not supported")
@@ -116,8 +121,10 @@ class ModelTensors:
         return grads, [name for name in self.names if name in without]
 
     def zero_grad(self, set_to_none: bool) -> None:
-        """As torch's ``Optimizer.zero_grad``, except that gradients bound to a region are zeroed
-        in place (with ``set_to_none``: and remembered as none)."""
+        """As torch's ``Optimizer.zero_grad``: a ``None`` gradient stays ``None``, and the others
+        are set to ``None`` (``set_to_none``) or zeroed (a gradient of zeros, which counts),
+        except that gradients bound to a region are zeroed in place and, with ``set_to_none``,
+        remembered as none (:meth:`SharedModelMemory.zero_grad`)."""
         bound = self._shared.zero_grad(set_to_none) if self._shared is not None else set()
         for name, p in self.named:
             if name in bound or p.grad is None:

@@ -8,15 +8,34 @@ its reply part (:meth:`Session.gradient_buffers`, :meth:`Session.parameter_buffe
 tensor on the client.
 
 What stays as torch has it: the ``Parameter`` objects (only their storage moves, through
-``.data``), their dtype, shape and ``requires_grad``. What differs: once bound, ``.grad`` is
-never ``None``; ``zero_grad(set_to_none=True)`` zeroes it in place and remembers that torch
-would have made it ``None``, so a parameter that no ``backward`` reaches afterwards is still
-pushed as having no gradient (``without_gradient``), as a torch optimizer leaves it alone.
-``model.zero_grad()`` (setting ``.grad`` to ``None``) and any ``.grad`` assigned by hand are
-fine: such a gradient is copied into the region once, and the region's array is bound again.
+``.data``), their dtype, shape and ``requires_grad``, and what a step does with each gradient.
+What differs: once bound, ``.grad`` is never ``None`` (``backward`` must find the region there to
+accumulate into it). Where torch would hold ``None`` (right after the binding, after
+``zero_grad(set_to_none=True)``, after ``p.grad = None``) the bound gradient holds zeros and is
+remembered as *none* ("cleared"), and a step leaves its parameter and the optimizer state kept
+for it alone (``without_gradient``), as a torch optimizer skips a ``None`` gradient.
+
+A cleared gradient counts again (is pushed, zeros included) once anything gave it a value, as
+torch would then hold a tensor:
+
+- a ``backward`` reached it (its post-accumulate hook; zeros from backward count too);
+- ``.grad`` was assigned another tensor (``p.grad = g``, ``backward(create_graph=True)``): it is
+  copied into the region once and the region's array is bound again;
+- its values are no longer all zeros: an in-place write (``fill_``, ``copy_``, ``add_``, also
+  through ``.data`` or a NumPy view), such as the ``else`` branch of
+  ``if p.grad is None: p.grad = g else: p.grad.add_(g)``.
+
+An in-place operation that leaves a cleared gradient all zeros keeps it none. Code that guards
+with ``if p.grad is not None`` skips a ``None`` gradient in torch, and on the bound zeros it
+leaves them zeros: ``clip_grad_norm_`` (its ``mul_``), a grad scaler's unscale,
+``zero_grad(set_to_none=False)`` of the optimizer or of the model. The tensor's version counter
+(``_version``) cannot tell those from a write: they move it too (and a write through ``.data``
+does not). What the values cannot tell is an in-place write of exact zeros into a cleared
+gradient; it stays none: assign ``p.grad = torch.zeros_like(p)`` to push a zero gradient there.
 
 Parameters that are not float32, not on the CPU or not contiguous, and tensors on shards reached
-by gRPC, keep their own storage and are copied as before. Imports torch and NumPy only.
+by gRPC, keep their own storage and torch's own ``None``, and are copied as before. Imports torch
+and NumPy only.
 """
 
 from __future__ import annotations
@@ -98,16 +117,19 @@ class SharedModelMemory:
         return adopted
 
     def gradients(self) -> tuple[dict[str, np.ndarray], set[str]]:
-        """The bound parameters' gradients as the push arrays themselves, and the names that
-        have no gradient (``.grad`` cleared or ``None``; their array holds zeros).
+        """The bound parameters' gradients as the push arrays themselves, and the names whose
+        gradient torch would hold as ``None`` (their array holds zeros; see the module's docstring).
 
         A ``.grad`` that is not the push array (``None``, set by hand, or from before the region
-        changed) is copied into it once and the push array bound in its place."""
+        changed) is copied into it once and the push array bound in its place: a ``None`` one as
+        none, one set by hand as a gradient. A shard restarting (no regions this time) returns no
+        arrays, only the names that are none (the caller copies the others)."""
+        self._settle()
         try:
             buffers, shared = self.session.gradient_buffers(), self.session.parameter_buffers()
         except UnavailableError:  # a shard restarting: this step copies; bound gradients torch holds as None stay so
-            return {}, {name for name, p in self._named if name in self.cleared and self._is_bound_grad(name, p)}
-        grads, without = {}, set()
+            return {}, self._none()
+        grads = {}
         for name, p in self._named:
             buffer = buffers.get(name)
             if buffer is None or name not in shared or not eligible(p) or (p.grad is not None and not eligible(p.grad)):
@@ -115,30 +137,33 @@ class SharedModelMemory:
             if p.grad is None:
                 buffer.fill(0.0)
                 self.cleared.add(name)
-            elif p.grad.data_ptr() != _address(buffer):
+            elif p.grad.data_ptr() != _address(buffer):  # set by hand (it counts: settled), or a former region's
                 np.copyto(buffer, p.grad.detach().numpy())
-                if not self._is_bound_grad(name, p):  # a gradient of its own (set by hand, or fresh)
-                    self.cleared.discard(name)
             if p.grad is None or p.grad.data_ptr() != _address(buffer):
                 p.grad = _as_tensor(buffer)
             self._grads[name] = _address(buffer)
             grads[name] = buffer
-            if name in self.cleared:
-                without.add(name)
-        return grads, without
+        return grads, self._none()
+
+    def _none(self) -> set[str]:
+        """Names of the bound gradients that torch would hold as ``None`` (after :meth:`_settle`):
+        cleared, and given no value since (see the module's docstring)."""
+        return {name for name, p in self._named if name in self.cleared and self._is_bound_grad(name, p)}
 
     def zero_grad(self, set_to_none: bool) -> set[str]:
-        """Zeroes the bound gradients in place (``set_to_none``: and remembers them as none, as
-        torch would hold them; otherwise they are zeros that count); returns their names (the
-        caller handles the others as torch does)."""
+        """Zeroes the bound gradients in place and returns their names (the caller handles the
+        others as torch does). ``set_to_none``: they are none from now on, as torch would hold
+        them. Otherwise each keeps its meaning, as torch zeroes only a gradient it holds: one
+        that has a gradient (backward, a write or an assignment since it was cleared) is a
+        gradient of zeros from now on, which a step pushes; one that is none stays none."""
+        if not set_to_none:
+            self._settle()  # before the values that tell a write are zeroed
         zeroed = set()
         for name, p in self._named:
             if self._is_bound_grad(name, p):
                 p.grad.zero_()
                 if set_to_none:
                     self.cleared.add(name)
-                else:
-                    self.cleared.discard(name)
                 zeroed.add(name)
         return zeroed
 
@@ -164,6 +189,17 @@ class SharedModelMemory:
 
     def _is_bound_grad(self, name: str, p: torch.nn.Parameter) -> bool:
         return p.grad is not None and self._grads.get(name) == p.grad.data_ptr()
+
+    def _settle(self) -> None:
+        """Un-clears each cleared gradient given a value since it was cleared: its ``.grad`` is
+        another tensor than the one bound (assigned), or its values are no longer all zeros
+        (written in place, by any means). A ``backward`` un-clears it at once (the hooks); a
+        ``.grad`` set to ``None`` stays cleared. Reads only the cleared gradients (those no
+        backward reached since they were cleared)."""
+        for name, p in self._named:
+            if name in self.cleared and p.grad is not None and (
+                    not self._is_bound_grad(name, p) or bool(p.grad.detach().any())):
+                self.cleared.discard(name)
 
     def close(self) -> None:
         """Removes the gradient hooks (the tensors keep their storage, which outlives the regions)."""
