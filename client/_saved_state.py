@@ -100,7 +100,7 @@ def _merged(session, version: int, parts) -> dict[str, Any]:
             if key.startswith(_PARAM):
                 params[key[len(_PARAM):]] = array
             elif key.startswith(_TENSOR):
-                tensor, _, path = key[len(_TENSOR):].partition("/")
+                tensor, _, path = key[len(_TENSOR):].rpartition("/")  # a tensor's name may hold "/", a path not
                 tensors.setdefault(tensor, {})[path] = array
             elif key.startswith(_SHARED):
                 path = key[len(_SHARED):]

@@ -162,8 +162,9 @@ class Client:
                             worker_id: Optional[str] = None, state: Optional[Mapping[str, Any]] = None) -> Session:
         """Creates session ``name`` holding ``params`` (name -> array; float32/bfloat16/float16; float64 as float32),
         configured by ``options``, and sends the initial values to its shards. ``state``: a saved
-        state (:meth:`Session.state`) of the same tensors and optimizer the session starts from
-        (its optimizer state, version and hyperparameters; ``params`` are the values it starts with).
+        state (:meth:`Session.state`) the session starts from: its parameters (``params`` then
+        only name the tensors, which must be the state's), optimizer state, version and
+        hyperparameters.
 
         Raises:
           AlreadyExistsError, InvalidArgumentError (naming the option, tensor or state leaf).
@@ -171,7 +172,7 @@ class Client:
         if not isinstance(options, SessionOptions):
             raise TypeError(f"options must be a SessionOptions, got {type(options).__name__}")
         if state is not None:
-            _saved_state.checked(state, params)
+            params = _saved_state.checked(state, params)["params"]
         # float64 (NumPy's default) is kept as float32: the server's math is float32
         arrays = {n: np.asarray(v, dtype=np.float32) if np.asarray(v).dtype == np.float64 else np.asarray(v)
                   for n, v in params.items()}

@@ -141,6 +141,12 @@ class PytreeSession:
     def pull(self, **kwargs: Any) -> PyTree:
         return self.codec.from_named(self.raw.pull(**kwargs))
 
+    def state(self) -> dict:
+        """The session's whole state at one version (``optserve.client.Session.state``; tensors by
+        their session names): save it with ``optserve.client.state_files.save_state``, start a
+        session from it with :func:`create_session` ``(..., state=...)``."""
+        return self.raw.state()
+
     def push(self, grads: PyTree, **kwargs: Any) -> None:
         self.raw.push(self.codec.to_named(grads), **kwargs)
 
@@ -239,7 +245,7 @@ def _client(client_or_address: Any, **security: Any) -> Any:
 def create_session(client: Any, name: str, params: PyTree, optimizer: Mapping[str, Any] | SessionOptions,
                    *, token: Optional[str] = None, tls: TLSArg = False, client_cert: Optional[ClientCert] = None,
                    tls_server_name: Optional[str] = None, shared_memory: Any = "auto", worker_id: Optional[str] = None,
-                   **kwargs: Any) -> PytreeSession:
+                   state: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> PytreeSession:
     """Creates session ``name`` holding ``params``.
 
     Args:
@@ -254,15 +260,17 @@ def create_session(client: Any, name: str, params: PyTree, optimizer: Mapping[st
         elastic ``min_workers``, ``max_workers``, ``lease_s``, ``straggler_s``, ``late``); with a
         ``SessionOptions`` they replace its fields.
       worker_id: the session object's worker id (see ``optserve.client.Session``).
+      state: a saved state (:meth:`PytreeSession.state`) the session starts from: its parameters
+        (``params`` then gives the tree's structure only), optimizer state, version and hyperparameters.
 
     Raises:
-      InvalidArgumentError: naming the option, before the server is contacted.
+      InvalidArgumentError: naming the option (or the saved state's leaf), before anything is trained.
     """
     options = SessionOptions.from_spec(optimizer, **kwargs)
     codec = TreeCodec(params)
     connection = _client(client, token=token, tls=tls, client_cert=client_cert, tls_server_name=tls_server_name,
                          shared_memory=shared_memory)
-    session = connection.create_session_with(name, codec.to_named(params), options, worker_id=worker_id)
+    session = connection.create_session_with(name, codec.to_named(params), options, worker_id=worker_id, state=state)
     return PytreeSession(session, codec)
 
 

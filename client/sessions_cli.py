@@ -2,12 +2,18 @@
 
     optserve sessions [--address HOST:PORT] [--token T] [--tls CA.pem] [--json]
     optserve sessions close NAME [NAME ...] [--address ...]
+    optserve sessions save NAME DIR [--address ...]       # its whole state, as an orbax checkpoint
+    optserve sessions restore NAME DIR [--address ...]    # a new session NAME from a saved state
 
 A client-side command (``optserve[client]`` only), found by ``optserve`` through the
 ``optserve.commands`` entry point. The tenant rules are the SDK's: a token sees and closes its own
 sessions only. Closing is what ``client.close_session(name)`` does: the session's state is dropped
 on every shard (and its checkpoints on a durable server), so a script that crashed can be rerun
-with other options under the same name. Errors are one line, exit status 2.
+with other options under the same name. ``save`` writes the session's state at one version
+(``Session.state()``: parameters, optimizer state, hyperparameters) into a new directory
+(:mod:`optserve.client.state_files`); ``restore`` creates a session that starts there, on this
+server or another (it needs orbax-checkpoint, part of ``optserve[server]``). Errors are one
+line, exit status 2.
 """
 
 from __future__ import annotations
@@ -20,15 +26,28 @@ from typing import Optional, Sequence
 
 from optserve.client.cli import OneLineArgumentParser, add_connection_options, collect, connect, error_line, table
 from optserve.client.errors import OptservError
+from optserve.client.state_files import load_state, save_state
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog="optserve sessions", description="List or close the caller's sessions.")
     add_connection_options(parser)
-    parser.add_argument("action", nargs="?", choices=["list", "close"], default="list",
-                        help="list (the default) or close the sessions named")
-    parser.add_argument("names", nargs="*", help="close: the sessions to close")
+    parser.add_argument("action", nargs="?", choices=["list", "close", "save", "restore"], default="list",
+                        help="list (the default), close the sessions named, save NAME DIR, restore NAME DIR")
+    parser.add_argument("names", nargs="*", help="close: the sessions to close; save / restore: NAME DIR")
     return parser
+
+
+def _save_or_restore(client, action: str, name: str, directory: str) -> str:
+    """Saves session ``name`` into ``directory``, or creates it from the state saved there; the line to print."""
+    if action == "save":
+        state = client.session(name).state()
+        save_state(state, directory)
+        return f"saved {name} at version {state['version']} into {directory}"
+    session = client.create_session(name, state=load_state(directory))
+    version = session.version
+    session.detach()
+    return f"restored {name} at version {version} from {directory}"
 
 
 def _rows(report: dict, now: float) -> list[list[object]]:
@@ -47,6 +66,8 @@ def sessions_main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.action == "close" and not args.names:
         parser.error("close: name the sessions to close")
+    if args.action in ("save", "restore") and len(args.names) != 2:
+        parser.error(f"{args.action}: give NAME DIR, got {args.names}")
     if args.action == "list" and args.names:
         parser.error(f"unexpected names {args.names}: to close them, `optserve sessions close NAME ...`")
     try:
@@ -56,8 +77,12 @@ def sessions_main(argv: Optional[Sequence[str]] = None) -> int:
                     client.close_session(name)
                     print(json.dumps({"closed": name}) if args.json else f"closed {name}")
                 return 0
+            if args.action in ("save", "restore"):
+                line = _save_or_restore(client, args.action, *args.names)
+                print(json.dumps({args.action: args.names[0], "directory": args.names[1]}) if args.json else line)
+                return 0
             report = collect(client)
-    except (OptservError, ValueError) as exc:
+    except (OptservError, ValueError, OSError, RuntimeError) as exc:
         print(error_line("sessions", args.address, exc), file=sys.stderr)
         return 2
     if args.json:

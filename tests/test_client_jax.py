@@ -197,3 +197,31 @@ def test_views_over_a_step_that_went_over_grpc_are_that_steps_parameters_not_the
     assert not all(np.array_equal(np.asarray(a), np.asarray(b))
                    for a, b in zip(jax.tree_util.tree_leaves(first), jax.tree_util.tree_leaves(second)))
     session.close()
+
+
+def test_a_jax_session_created_from_another_ones_state_continues_as_optax_does(server, unique_name):
+    x, y = _data()
+    grad_fn = jax.jit(jax.grad(_loss))
+    spec = {"name": "adam", "args": {"learning_rate": 0.01}}
+    params = _init_mlp()
+    first = ojax.create_session(server.address, f"{unique_name}-a", params, optimizer=spec)
+    for _ in range(3):
+        params = first.push_pull(grad_fn(params, x, y))
+    saved = first.state()
+    assert saved["version"] == 3 and set(saved["params"]) == set(ojax.tensor_names(params))
+    first.close()
+
+    second = ojax.create_session(server.address, f"{unique_name}-b", _init_mlp(seed=5), optimizer=spec, state=saved)
+    assert second.version == 3
+    resumed = second.pull()
+    local = _init_mlp()
+    reference = optax.adam(0.01)
+    state = reference.init(local)
+    for _ in range(5):  # the uninterrupted run: 3 steps before the save, 2 after
+        updates, state = reference.update(grad_fn(local, x, y), state, local)
+        local = optax.apply_updates(local, updates)
+    for _ in range(2):
+        resumed = second.push_pull(grad_fn(resumed, x, y))
+    for remote_leaf, local_leaf in zip(jax.tree_util.tree_leaves(resumed), jax.tree_util.tree_leaves(local)):
+        np.testing.assert_allclose(np.asarray(remote_leaf), np.asarray(local_leaf), rtol=1e-5, atol=1e-6)
+    second.close()

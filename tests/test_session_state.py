@@ -122,3 +122,40 @@ def test_a_durable_session_created_from_a_saved_state_survives_a_server_restart(
         for process in (first, second):
             if process is not None:
                 process.stop()
+
+
+def test_sessions_save_writes_an_orbax_checkpoint_that_restore_starts_a_session_from(server, client, unique_name,
+                                                                                      tmp_path):
+    import subprocess
+    import sys
+
+    import orbax.checkpoint as ocp
+
+    source = client.create_session(f"{unique_name}-a", _params(), OPTIMIZERS[0])
+    _train(source, range(3))
+    directory = str(tmp_path / "saved")
+
+    def optserve(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-c", "import sys; from optserve.server.cli import main; sys.exit(main())",
+                   "sessions", *args, "--address", server.address]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+    saved = optserve("save", f"{unique_name}-a", directory)
+    assert saved.returncode == 0, saved.stderr
+    assert f"at version 3 into {directory}" in saved.stdout
+    arrays = ocp.PyTreeCheckpointer().restore(f"{directory}/arrays")  # orbax alone reads it
+    assert len(arrays["params"]) == len(SHAPES)
+    uninterrupted = _train(source, range(3, 5))
+    restored = optserve("restore", f"{unique_name}-b", directory)
+    assert restored.returncode == 0, restored.stderr
+    assert "at version 3" in restored.stdout
+    again = client.session(f"{unique_name}-b")
+    assert again.version == 3
+    continued = _train(again, range(3, 5))
+    for name in SHAPES:
+        np.testing.assert_allclose(continued[name], uninterrupted[name], rtol=1e-6, atol=1e-6, err_msg=name)
+    refused = optserve("save", f"{unique_name}-a", directory)  # the directory exists: one line, exit 2
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+    assert "exists" in refused.stderr
+    source.close()
+    again.close()

@@ -8,7 +8,8 @@ parameters and optimizer state become a flat ``{key: array}``:
 - ``tensor/<tensor>/<path>``: a leaf of the optimizer state kept for one tensor (Adam's
   moments, Adafactor's factored statistics, Shampoo's statistics and roots, ...): a leaf whose
   path in the state passes through a dict key that names one of the shard's tensors; ``path``
-  is the rest of the path, dot-separated (``0.mu`` for the first moment of ``optax.adam``);
+  is the rest of the path, dot-separated (``0.mu`` for the first moment of ``optax.adam``; a
+  ``/`` in a step of it is written ``%2F``, so the key splits at its last ``/``);
 - ``shared/<path>``: a leaf no tensor owns (a step count), the same on every shard of a session
   and in every chunk of one shard (a shard updated in chunks keeps one state per chunk: the
   chunk's index is not part of the path).
@@ -39,10 +40,11 @@ class StateMismatch(ValueError):
 
 
 def _key_part(key) -> str:
+    """One step of a path, without "/" (keys split at their last "/": tensor names may hold it)."""
     for attribute in ("name", "key", "idx"):
         if hasattr(key, attribute):
-            return str(getattr(key, attribute))
-    return str(key)
+            return str(getattr(key, attribute)).replace("/", "%2F")
+    return str(key).replace("/", "%2F")
 
 
 def _leaf_key(path, tensors: frozenset) -> str:
