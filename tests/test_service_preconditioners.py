@@ -183,3 +183,34 @@ def test_negative_max_age_is_rejected_naming_the_option(client, unique_name):
     with pytest.raises(InvalidArgumentError, match="max_age"):
         client.create_session(unique_name, make_params(seed=8, shapes=SHAPES),
                               optimizer={"name": "shampoo", "args": ARGS, "preconditioners": {"max_age": -1}})
+
+
+def test_a_session_started_from_a_saved_state_with_offloaded_roots_continues_as_the_uninterrupted_one(
+        client, unique_name):
+    params = make_params(seed=6, shapes=SHAPES)
+    optimizer = {"name": "shampoo", "args": {**ARGS, "preconditioning_compute_steps": 2},
+                 "preconditioners": {"max_age": 0}}
+    original = client.create_session(f"{unique_name}-a", params, optimizer=optimizer)
+    restored = None
+    try:
+        for step in range(5):
+            original.push_pull(make_grads(params, step, seed=8))
+        saved = original.state()
+        assert {"params.statistics.0", "params.preconditioners.0", "preconditioner_info.source_step"} <= set(
+            saved["tensors"]["embed"])
+        restored = client.create_session(f"{unique_name}-b", state=saved)
+        for step in range(5, 9):
+            grads = make_grads(params, step, seed=8)
+            uninterrupted, continued = original.push_pull(grads), restored.push_pull(grads)
+            assert max_abs_diff(continued, uninterrupted) <= 1e-6, step
+        final_a, final_b = original.state(), restored.state()
+        assert final_a["version"] == final_b["version"] == 9
+        for tensor, leaves in final_a["tensors"].items():
+            for path, value in leaves.items():
+                np.testing.assert_allclose(final_b["tensors"][tensor][path], value, rtol=1e-6, atol=1e-6,
+                                           err_msg=f"{tensor} {path}")
+        assert all(s.root_offload.offloaded for s in restored.status().shards)
+    finally:
+        original.close()
+        if restored is not None:
+            restored.close()

@@ -102,6 +102,11 @@ class ShardPreconditioners:
         self._record(state)
         return state
 
+    def resume(self, state) -> None:
+        """A state installed from a user's saved state (not reached by this object's updates):
+        its status is recorded as after an update."""
+        self._record(state)
+
     def _record(self, state) -> None:
         import jax
 
@@ -194,6 +199,23 @@ class OffloadedPreconditioners(ShardPreconditioners):
                 self._submit(self._export_current(state))
         self._record(state)
         return state
+
+    def resume(self, state) -> None:
+        """A state installed from a user's saved state: continues as the updates that made it
+        would have, knowing the newest roots it holds (the export they came from is the newest
+        offered and sent) and exporting the statistics of its last update if that one was due
+        to export (its roots were in flight when the state was saved)."""
+        import jax
+
+        super().resume(state)
+        if not self.labels:
+            return
+        count, source = (int(v) if np.ndim(v) == 0 else np.asarray(v) for v in
+                         jax.device_get(self.seam.progress(state)[:2]))
+        self._offered = self._exported = int(source.max()) if source.size else -1
+        step = count - 1
+        if step >= 0 and step % self._every == 0 and step > self._exported:
+            self._submit(self._export_current(state))
 
     def drain(self) -> None:
         """Waits for the exports still in flight and drops them (before shutting Ray down)."""
