@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-BENCHMARKS = ("adafactor", "shampoo", "service", "tls", "metrics", "durability", "torch_loop", "preconditioners",
+BENCHMARKS = ("adafactor", "shampoo", "service", "tls", "metrics", "durability", "torch_loop", "checkpoint", "preconditioners",
               "fuzz", "int8_codec", "elastic", "muon", "soap", "diloco", "nemesis")
 
 
