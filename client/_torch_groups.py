@@ -6,6 +6,17 @@ Here each group's torch options map onto the server optimizer's options (:func:`
 the groups become the session's ``param_groups`` (per-tensor options on the server), and before
 each push :class:`GroupSync` sends the values a scheduler (or the user) changed, so the values in
 the groups at ``step()`` are the ones that step runs with.
+
+Momentum coefficients: a torch scheduler cycling momentum (``OneCycleLR`` / ``CyclicLR`` with
+``cycle_momentum``) edits ``group["betas"]`` where the optimizer's ``defaults`` have ``betas``,
+else ``group["momentum"]``. ``betas`` are among the defaults of the optimizers whose server
+optimizer takes ``b1`` / ``b2`` as hyperparameters (``adam``, ``adamw``: optserve's Adam carries
+each rate with its complement, so a changed rate runs as torch runs it and an unchanged one as
+optax does), with the server optimizer's defaults (0.9, 0.999) where the session's arguments give
+none; ``momentum`` is there when the arguments give it (``sgd``: give ``momentum=0.0`` for a
+scheduler to cycle it, as ``torch.optim.SGD`` defaults to 0). Other optimizers fix their betas at
+creation: their ``defaults`` have no ``betas`` (torch's scheduler then refuses ``cycle_momentum``
+at once, naming it), and a changed ``betas`` is refused before anything is sent.
 """
 
 from __future__ import annotations
@@ -18,7 +29,10 @@ from optserve.client.errors import InvalidArgumentError
 # Options named as in PyTorch by some server optimizers (others call the learning rate learning_rate).
 _TORCH_NAMED_LR = frozenset({"adafactor_hf", "scaled_adam"})
 GROUP_OPTIONS = ("lr", "weight_decay", "betas", "eps", "momentum")
-_FIXED_ON_SERVER = frozenset({"b1", "b2"})  # momentum coefficients: no hyperparameter (optim_kernels.hyperparams)
+_BETAS = ("b1", "b2")  # the server options a torch group's ``betas`` sets
+# Server optimizers whose b1 / b2 are hyperparameters (optim_kernels.registry's decay rates), with
+# their default betas (optax.adam's; the client does not import the kernels).
+_CHANGEABLE_BETAS = {"adam": (0.9, 0.999), "adamw": (0.9, 0.999)}
 
 
 def lr_option(optimizer: str) -> str:
@@ -40,9 +54,11 @@ def server_options(optimizer: str, group: Mapping[str, Any]) -> dict[str, float]
 
 def torch_defaults(optimizer: str, args: Mapping[str, Any]) -> dict[str, Any]:
     """A torch optimizer's ``defaults`` for the server optimizer's ``args``: the options given as
-    numbers, under their torch names (so ``group["lr"]`` exists for schedulers). ``betas`` are
-    left out: the server fixes them at creation, and a scheduler cycling them (OneCycleLR's
-    ``cycle_momentum``) then says at once that it needs ``cycle_momentum=False``."""
+    numbers, under their torch names (so ``group["lr"]`` exists for schedulers), and ``betas``
+    (a tuple) where the server lets them change (see the module docstring): the arguments' ``b1``
+    / ``b2``, else the server optimizer's defaults. Elsewhere ``betas`` are left out: the server
+    fixes them at creation, and a scheduler cycling them (OneCycleLR's ``cycle_momentum``) then
+    says at once that it needs ``cycle_momentum=False``."""
     defaults: dict[str, Any] = {}
     lr = args.get(lr_option(optimizer))
     if _is_number(lr):
@@ -50,6 +66,11 @@ def torch_defaults(optimizer: str, args: Mapping[str, Any]) -> dict[str, Any]:
     for key in ("weight_decay", "eps", "momentum"):
         if _is_number(args.get(key)):
             defaults[key] = float(args[key])
+    betas = _CHANGEABLE_BETAS.get(optimizer)
+    if betas is not None:
+        given = [args.get(option, default) for option, default in zip(_BETAS, betas)]
+        if all(_is_number(b) for b in given):
+            defaults["betas"] = tuple(float(b) for b in given)
     return defaults
 
 
@@ -118,14 +139,15 @@ class GroupSync:
         """Calls ``set_hyperparams(group, **changed)`` for each group whose values changed.
 
         Raises:
-          InvalidArgumentError: a group's ``betas`` changed (the server fixes them at creation);
-            nothing is sent for any group.
+          InvalidArgumentError: a group's ``betas`` changed where the server fixes them at
+            creation (optimizers other than adam / adamw); nothing is sent for any group.
         """
         changes = []
+        fixed_on_server = frozenset() if self._optimizer in _CHANGEABLE_BETAS else frozenset(_BETAS)
         for index, (label, group) in enumerate(zip(self._labels, groups)):
             now = server_options(self._optimizer, group)
             changed = {option: value for option, value in now.items() if self._sent[index].get(option) != value}
-            fixed = sorted(set(changed) & _FIXED_ON_SERVER)
+            fixed = sorted(set(changed) & fixed_on_server)
             if fixed:
                 raise InvalidArgumentError(
                     f"parameter group {index}: 'betas' changed to {group.get('betas')!r}, but the server fixes "

@@ -10,7 +10,22 @@ compiled step. A hyperparameter given as a schedule spec follows its schedule an
 (it cannot be set). How each reaches the constructor:
 
 - declared options: the traced value itself (the optimizer state keeps its structure);
+- declared *decay rates* (:class:`Decay`): the traced rate together with its traced complement;
 - other schedulable options: a constant schedule returning the traced value.
+
+Decay rates
+-----------
+A kernel computing ``(1 - b) * g + b * m`` from a decay rate ``b`` (Adam's ``b1``, ``b2``) cannot
+take ``b`` alone as a float32 value: ``1 - float32(b)`` is not ``float32(1 - b)`` (for ``b2 =
+0.999``: 9.99987e-4 against 1.0e-3, a relative 1.3e-5), and the second is what the kernel computes
+from a Python number, so every step would move off the reference. A decay rate declared by the
+registry therefore reaches the step as two values, ``b`` and its complement ``1 - b`` computed in
+double precision where the value is set (:func:`starting_values`, :func:`check_hyperparams`) and
+rounded to float32 once, carried in :class:`HyperValues` under :func:`complement_key` (``"1-b1"``)
+beside ``b``; the constructor receives a :class:`Decay`. An unchanged rate thus runs the very
+numbers a constant ``b`` gives, and a changed one the float32 of the exact difference, as
+``torch.optim`` computes it. The complement is no option of its own (it cannot be set; setting
+``b`` sets both, and a change's record lists both).
 
 Parameter groups
 ----------------
@@ -29,7 +44,7 @@ import dataclasses
 import inspect
 import math
 import numbers
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import numpy as np
@@ -44,6 +59,27 @@ DEFAULT_GROUP = "default"
 _FLOAT32_MAX = float(np.finfo(np.float32).max)  # a step runs its hyperparameters in float32
 
 HyperValues = dict  # {group label: {option: float32 scalar}}: the hyperparameters a step runs with
+_COMPLEMENT = "1-"
+
+
+def complement_key(option: str) -> str:
+    """The key of decay rate ``option``'s complement in :data:`HyperValues` (``"1-b1"``)."""
+    return _COMPLEMENT + option
+
+
+class Decay(NamedTuple):
+    """A decay rate as a step runs it: ``rate`` (b) and ``complement`` (1 - b), each a number or a
+    traced float32 scalar. The complement is computed where the rate is set, in double precision
+    (see the module docstring), never inside the step."""
+
+    rate: Any
+    complement: Any
+
+    @classmethod
+    def of(cls, value: Any) -> "Decay":
+        """``value`` itself if it is a :class:`Decay`, else ``Decay(value, 1 - value)`` (for a Python
+        number, the difference in double precision)."""
+        return value if isinstance(value, Decay) else cls(value, 1 - value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +93,8 @@ class Group:
       hyper: ``{option: float}``: its hyperparameters given as numbers (their starting values).
       by_value: the hyperparameters passed to the constructor as traced values (the others as
         constant schedules).
+      decays: those of ``by_value`` that are decay rates, passed as a :class:`Decay` (the rate and
+        its complement ``1 - rate`` from :data:`HyperValues`).
     """
 
     label: str
@@ -64,6 +102,7 @@ class Group:
     values: dict
     hyper: dict
     by_value: frozenset
+    decays: frozenset = frozenset()
 
     def members(self, names: Sequence[str], grouped: frozenset) -> list[str]:
         """Which of ``names`` belong to this group (``grouped``: the names some group lists)."""
@@ -78,8 +117,20 @@ class Group:
         args = dict(self.values)
         for option, start in self.hyper.items():
             value = hyper.get(option, start)
-            args[option] = value if option in self.by_value else _constant(value)
+            if option in self.decays:
+                complement = hyper.get(complement_key(option))
+                args[option] = Decay.of(value) if complement is None else Decay(value, complement)
+            else:
+                args[option] = value if option in self.by_value else _constant(value)
         return args
+
+    def step_values(self, hyper: Mapping[str, float]) -> dict:
+        """``hyper`` (``{option: number}``, options of this group) as a step runs them: each
+        decay rate joined by its complement ``1 - rate`` (computed here, in double precision)."""
+        values = {option: float(value) for option, value in hyper.items()}
+        for option in sorted(self.decays & set(values)):
+            values[complement_key(option)] = 1.0 - values[option]
+        return values
 
 
 def _constant(value):
@@ -147,14 +198,18 @@ def check_group_tensors(name: str, args: Mapping[str, Any], session_tensors: Seq
 
 
 def build_groups(name: str, entry: KernelEntry, base: Mapping[str, Any], overrides: Sequence[Mapping[str, Any]],
-                 check: Callable[[str, Mapping[str, Any]], dict]) -> list[Group]:
+                 check: Callable[[str, Mapping[str, Any]], dict], decays: Sequence[str] = ()) -> list[Group]:
     """The groups of an optimizer: the default one, then one per override.
 
     ``check(where, args) -> values``: validates a group's full options and returns them with
-    schedules resolved (the registry's checks; raises ``ValueError``).
+    schedules resolved (the registry's checks; raises ``ValueError``). ``decays``: the declared
+    hyperparameters that are decay rates (passed as a :class:`Decay`).
     """
     names = hyperparameter_options(entry)
     declared = frozenset(entry.hyperparameters or ())  # the others reach the constructor as constant schedules
+    if not set(decays) <= declared:
+        raise ValueError(f"optimizer {name!r}: decay rates {sorted(set(decays) - declared)} are not among its "
+                         f"declared hyperparameters")
     defaults = {option: p.default for option, p in inspect.signature(entry.constructor).parameters.items()
                 if p.default is not p.empty}
     groups = []
@@ -167,7 +222,7 @@ def build_groups(name: str, entry: KernelEntry, base: Mapping[str, Any], overrid
         hyper = {option: float(full[option]) for option in sorted(names & set(full))
                  if _is_number(full[option]) and not is_schedule_spec(args.get(option))}
         tensors = None if given is None else frozenset(given[GROUP_TENSORS])
-        groups.append(Group(label, tensors, values, hyper, declared))
+        groups.append(Group(label, tensors, values, hyper, declared, frozenset(decays) & set(hyper)))
     return groups
 
 
@@ -203,7 +258,7 @@ def check_hyperparams(name: str, entry: KernelEntry, groups: Sequence[Group], va
         if error is not None:
             raise error
         for holder in holders:
-            out.setdefault(holder.label, {})[option] = float(value)
+            out.setdefault(holder.label, {}).update(holder.step_values({option: value}))
     return out
 
 
@@ -214,7 +269,8 @@ def values_at(groups: Sequence[Group], hyper: Mapping[str, Mapping[str, float]],
     rows = []
     for group in groups:
         for option, value in sorted(hyper.get(group.label, group.hyper).items()):
-            rows.append((group.label, option, float(value), False))
+            if option in group.hyper:  # a decay rate's complement is no option of its own
+                rows.append((group.label, option, float(value), False))
         for option, value in sorted(group.values.items()):
             if callable(value) and option not in group.hyper:
                 try:
@@ -225,9 +281,10 @@ def values_at(groups: Sequence[Group], hyper: Mapping[str, Mapping[str, float]],
 
 
 def starting_values(groups: Sequence[Group]) -> HyperValues:
-    """The groups' hyperparameters as given: ``{label: {option: float}}`` (Python numbers: a jitted
-    step traces them as weakly typed float32, so a bfloat16 model's updates stay bfloat16)."""
-    return {g.label: {option: float(value) for option, value in sorted(g.hyper.items())} for g in groups}
+    """The groups' hyperparameters as given: ``{label: {option: float}}``, each decay rate joined by
+    its complement (Python numbers: a jitted step traces them as weakly typed float32, so a
+    bfloat16 model's updates stay bfloat16)."""
+    return {g.label: dict(sorted(g.step_values(g.hyper).items())) for g in groups}
 
 
 def grouped(constructor: Callable[..., optax.GradientTransformation], groups: Sequence[Group],

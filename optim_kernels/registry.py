@@ -54,6 +54,8 @@ import numpy as np
 import optax
 
 from optserve.optim_kernels import arg_rules as rules
+from optserve.optim_kernels.adam import DECAY_RATES as ADAM_DECAY_RATES
+from optserve.optim_kernels.adam import adam, adamw
 from optserve.optim_kernels.adafactor import adafactor, adafactor_hf, adafactor_partial_statistic, adafactor_t2t
 from optserve.optim_kernels.adafactor.kernel import (
     ADAFACTOR_ARG_RULES,
@@ -122,10 +124,12 @@ _SOAP_ROOT_OFFLOAD = RootOffloadSeam(
     per_statistic_state=("basis_info",),
 )
 
-# Value rules of the optax baselines (their own constructors check none of these). eps = 0 is
-# admitted, as in optax and PyTorch: eps_root may keep the denominator away from 0 instead.
+# Value rules of the optax baselines (their own constructors check none of these): what
+# torch.optim.Adam / AdamW / SGD admit under the same names. A learning rate of 0 is admitted (every
+# warmup from 0 starts there; the parameters then stay as they are), as are eps = 0 (eps_root may keep
+# the denominator away from 0 instead) and an SGD momentum of 1 or more (torch's rule is momentum >= 0).
 _ADAM_ARG_RULES = (
-    rules.positive("learning_rate", schedule=True),
+    rules.non_negative("learning_rate", schedule=True),
     rules.unit_interval("b1"),
     rules.unit_interval("b2"),
     rules.non_negative("eps"),
@@ -141,17 +145,20 @@ ADAMW_ARG_RULES = ArgRules(
                             "returning one"),
 )
 SGD_ARG_RULES = ArgRules(
-    rules.positive("learning_rate", schedule=True),
-    rules.unit_interval("momentum", none=True),
+    rules.non_negative("learning_rate", schedule=True),
+    rules.non_negative("momentum", none=True),
     rules.flag("nesterov"),
     rules.dtype("accumulator_dtype", none=True),
 )
 
 # Options each constructor takes as traced values (see optim_kernels.hyperparams); an entry that
 # declares none has its schedulable options as hyperparameters (passed as constant schedules).
-# Momentum coefficients (b1, b2, beta) are left out: ``1 - b`` of a float32 b rounds differently
+# A momentum coefficient b whose kernel computes ``1 - b`` is one only where the kernel takes it with
+# its complement (``_DECAY_RATES``, a hyperparams.Decay): ``1 - b`` of a float32 b rounds differently
 # from the same difference of the Python number, which would move every step off the reference.
-_ADAM_HYPERPARAMETERS = ("eps", "eps_root", "learning_rate")
+# SGD's momentum is one as it is (optax.sgd never takes its complement).
+_ADAM_HYPERPARAMETERS = ADAM_DECAY_RATES + ("eps", "eps_root", "learning_rate")
+_DECAY_RATES: dict[str, tuple[str, ...]] = {"adam": ADAM_DECAY_RATES, "adamw": ADAM_DECAY_RATES}
 
 OPTIMIZERS: dict[str, KernelEntry] = {
     "adafactor": KernelEntry(adafactor, adafactor_partial_statistic, arg_rules=ADAFACTOR_ARG_RULES,
@@ -166,9 +173,10 @@ OPTIMIZERS: dict[str, KernelEntry] = {
     "soap": KernelEntry(soap, root_offload=_SOAP_ROOT_OFFLOAD, arg_rules=SOAP_ARG_RULES,
                         hyperparameters=("eps", "learning_rate")),
     "delayed_nesterov": KernelEntry(delayed_nesterov, arg_rules=DELAYED_NESTEROV_ARG_RULES),
-    # Baselines, straight from optax.
-    "adam": KernelEntry(optax.adam, arg_rules=ADAM_ARG_RULES, hyperparameters=_ADAM_HYPERPARAMETERS),
-    "adamw": KernelEntry(optax.adamw, arg_rules=ADAMW_ARG_RULES, tensor_tree_args=("mask",),
+    # Baselines: optax's Adam / AdamW (options, defaults, state) taking b1 / b2 with their complements
+    # (optim_kernels.adam), and optax.sgd itself.
+    "adam": KernelEntry(adam, arg_rules=ADAM_ARG_RULES, hyperparameters=_ADAM_HYPERPARAMETERS),
+    "adamw": KernelEntry(adamw, arg_rules=ADAMW_ARG_RULES, tensor_tree_args=("mask",),
                          hyperparameters=_ADAM_HYPERPARAMETERS + ("weight_decay",)),
     "sgd": KernelEntry(optax.sgd, arg_rules=SGD_ARG_RULES, hyperparameters=("learning_rate", "momentum")),
 }
@@ -202,12 +210,15 @@ class BuiltOptimizer(NamedTuple):
 
     @property
     def hyperparams(self) -> dict:
-        """``{group label: {option: float}}``: the hyperparameters as given (each can be set)."""
+        """``{group label: {option: float}}``: the values a step starts with: the hyperparameters as
+        given (each can be set), and beside each decay rate ``b`` its complement under ``"1-b"``
+        (see :class:`~optserve.optim_kernels.hyperparams.Decay`)."""
         return starting_values(self.groups)
 
     def checked_hyperparams(self, values: Mapping[str, Any], group: Optional[str] = None) -> dict:
         """``values`` (``{option: number}``) for ``group`` (a label; None: every group that has
-        the option) as ``{label: {option: float}}``, each value checked against its option's rule.
+        the option) as ``{label: {option: float}}``, each value checked against its option's rule
+        (a decay rate ``b`` joined by its complement ``"1-b"``, computed in double precision).
 
         Raises:
           ValueError: an unknown group, an option that is no hyperparameter of this optimizer (or
@@ -251,7 +262,7 @@ def build_optimizer(name: str, args: Optional[Mapping[str, Any]] = None) -> Buil
         except ValueError as exc:
             raise ValueError(f"{PARAM_GROUPS}[{label}]: {exc}") from None
 
-    groups = tuple(build_groups(name, entry, base, overrides, check))
+    groups = tuple(build_groups(name, entry, base, overrides, check, _DECAY_RATES.get(name, ())))
     transformation, evaluation = grouped(entry.constructor, groups, entry.evaluation)
     try:  # one statistic over all tensors, if any group's options need it (each group's kernel reads it)
         partials = [entry.partial_statistic(**g.values) for g in groups] if entry.partial_statistic is not None else []

@@ -132,7 +132,7 @@ def test_parameter_groups_each_run_their_own_options_as_optax_partition_would(se
 
 @pytest.mark.parametrize("group, values, named", [
     (None, {"lr": 0.1}, ["'lr'", "can be set", "'learning_rate'"]),
-    (None, {"learning_rate": -1.0}, ["'learning_rate'", "-1.0", "> 0"]),
+    (None, {"learning_rate": -1.0}, ["'learning_rate'", "-1.0", ">= 0"]),
     (None, {"learning_rate": float("nan")}, ["'learning_rate'", "finite"]),
     ("3", {"learning_rate": 0.1}, ["group '3'", "'default'"]),
     (None, {}, ["no hyperparameter given"]),

@@ -144,11 +144,12 @@ def test_a_group_of_frozen_parameters_stays_off_the_server_and_the_others_follow
         optimizer.close()
 
 
-def test_a_scheduler_cycling_betas_is_refused_at_once_saying_what_to_do(server, unique_name):
-    model = _model()
+def test_a_scheduler_cycling_betas_the_server_fixes_is_refused_at_once_saying_what_to_do(server, unique_name):
+    model = _model()  # Lion's b1 / b2 are fixed at creation (Adam's and AdamW's may change: test_torch_one_cycle)
     optimizer = RemoteOptimizer(model.named_parameters(), server.address,
-                                {"name": "adam", "args": {"learning_rate": 0.01}}, session=unique_name)
+                                {"name": "optax.lion", "args": {"learning_rate": 0.01}}, session=unique_name)
     try:
+        assert "betas" not in optimizer.defaults
         with pytest.raises(ValueError, match="cycle_momentum"):  # torch's own check: no betas among the defaults
             torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.01, total_steps=10)
         optimizer.param_groups[0]["betas"] = (0.8, 0.99)

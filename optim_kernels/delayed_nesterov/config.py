@@ -20,7 +20,7 @@ __all__ = ["DELAYED_NESTEROV_ARG_RULES", "DelayedNesterovConfig"]
 NAME = "delayed_nesterov"
 
 DELAYED_NESTEROV_ARG_RULES = rules.ArgRules(
-    rules.positive("learning_rate", schedule=True),
+    rules.non_negative("learning_rate", schedule=True),
     rules.unit_interval("momentum"),
     rules.integer("delay", 1),
     # The upper end is 1 / delay; DelayedNesterovConfig checks it against the delay given.

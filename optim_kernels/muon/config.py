@@ -36,7 +36,7 @@ _DIMENSION_NUMBERS_NOTE = ("None, or a mapping from fnmatch patterns of tensor n
                            "{'reduction_axis': int or [int, ...], 'output_axis': int or [int, ...]}")
 
 MUON_ARG_RULES = rules.ArgRules(
-    rules.positive("learning_rate", schedule=True),
+    rules.non_negative("learning_rate", schedule=True),
     rules.delegated("ns_coeffs", _NS_COEFFS_NOTE),
     rules.integer("ns_steps", 1),
     rules.unit_interval("beta"),
@@ -51,7 +51,7 @@ MUON_ARG_RULES = rules.ArgRules(
     rules.unit_interval("adam_b2"),
     rules.non_negative("adam_eps_root"),
     rules.non_negative("adam_weight_decay", schedule=True),
-    rules.positive("adam_learning_rate", none=True, schedule=True),
+    rules.non_negative("adam_learning_rate", none=True, schedule=True),
     rules.delegated("muon_weight_dimension_numbers", _DIMENSION_NUMBERS_NOTE),
     rules.positive("consistent_rms", none=True),
     rules.delegated("adam_tensors", _PATTERNS_NOTE),

@@ -18,7 +18,7 @@ __all__ = ["SCALED_ADAM_ARG_RULES", "ScaledAdamConfig"]
 # The value of each option (each field of ScaledAdamConfig, each keyword of ``scaled_adam``): the
 # registry checks the given ones, ScaledAdamConfig all of them (and param_max_rms >= param_min_rms).
 SCALED_ADAM_ARG_RULES = rules.ArgRules(
-    rules.positive("lr", schedule=True),
+    rules.non_negative("lr", schedule=True),
     rules.positive("clipping_scale", none=True),
     rules.pair("betas", rules.unit_interval("betas[0]"), rules.unit_interval("betas[1]")),
     rules.non_negative("scalar_lr_scale"),

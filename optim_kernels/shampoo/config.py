@@ -38,13 +38,15 @@ __all__ = ["SHAMPOO_ARG_RULES", "ScalarOrSchedule", "ShampooConfig", "shampoo_co
 ScalarOrSchedule = Union[float, Callable[[jax.Array], jax.Array]]
 
 # The value of each option (each field of ShampooConfig, each keyword of ``shampoo``): the registry
-# checks the given ones, ShampooConfig all of them. beta2 = 1 is the seed's plain sum (AdaGrad);
+# checks the given ones, ShampooConfig all of them. beta2 = 1 is the seed's plain sum (AdaGrad), beta2 = 0
+# keeps only the latest gradient's statistics (the seed admits both); a learning rate of 0 leaves the
+# parameters as they are;
 # block_size 0 means no blocking; exponent_override 0 means the default root.
 SHAMPOO_ARG_RULES = rules.ArgRules(
-    rules.positive("learning_rate", schedule=True),
+    rules.non_negative("learning_rate", schedule=True),
     rules.integer("block_size", 0),
     rules.unit_interval("beta1"),
-    rules.real("beta2", 0, 1, low_inclusive=False),
+    rules.real("beta2", 0, 1),
     rules.non_negative("diagonal_epsilon"),
     rules.non_negative("matrix_epsilon"),
     rules.non_negative("weight_decay"),

@@ -27,7 +27,7 @@ DATA_FORMATS = ("channels_first", "channels_last")
 # The value of each option (each field of SoapConfig, each keyword of ``soap``): the registry checks
 # the given ones, SoapConfig all of them. shampoo_beta None means "the second moment's beta".
 SOAP_ARG_RULES = rules.ArgRules(
-    rules.positive("learning_rate", schedule=True),
+    rules.non_negative("learning_rate", schedule=True),
     rules.pair("betas", rules.unit_interval("betas[0]"), rules.unit_interval("betas[1]")),
     rules.unit_interval("shampoo_beta", none=True),
     rules.non_negative("weight_decay"),
