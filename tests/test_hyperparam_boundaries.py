@@ -28,8 +28,6 @@ from optserve.server.compute.compile_cache import compile_stats
 from optserve.server.compute.updater import Updater, step_function
 
 SHAPES = {"w": (6, 4), "b": (4,)}
-ADAFACTOR_RULE = ("the rule lives in optim_kernels/adafactor/kernel.py (lr > 0 there), which this change does not "
-                  "own; the kernels leave the parameters unchanged at lr 0 once the rule admits it")
 
 # Each optimizer at a learning rate of 0, with its other options at their defaults (those that
 # need one given: their usual values; SGD with momentum, Shampoo / SOAP preconditioning at once).
@@ -85,8 +83,7 @@ class Shard:
 
 def _lr_zero_cases():
     for name in sorted(AT_LR_ZERO):
-        marks = [pytest.mark.xfail(strict=True, reason=ADAFACTOR_RULE)] if name.startswith("adafactor") else []
-        yield pytest.param(name, marks=marks, id=name)
+        yield pytest.param(name, id=name)
 
 
 def test_every_registry_optimizer_has_a_learning_rate_zero_case():

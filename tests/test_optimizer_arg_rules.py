@@ -57,7 +57,7 @@ BOUNDARIES = [
     ("sgd", "momentum", 0.0, -1e-8, "momentum >= 0"),
     ("sgd", "momentum", None, -0.5, "momentum >= 0"),
     # adafactor (T5X)
-    ("adafactor", "learning_rate", TINY, 0.0, "learning_rate > 0"),
+    ("adafactor", "learning_rate", 0.0, -1e-8, "learning_rate >= 0"),
     ("adafactor", "beta1", 0.0, 1.0, "0 <= beta1 < 1"),
     ("adafactor", "decay_rate", 0.0, -0.1, "decay_rate >= 0"),
     ("adafactor", "step_offset", 0, -1, "step_offset >= 0"),
@@ -71,7 +71,7 @@ BOUNDARIES = [
     ("adafactor", "global_norm_clip_threshold", TINY, 0.0, "global_norm_clip_threshold > 0"),
     ("adafactor", "max_parameter_scale", TINY, 0.0, "max_parameter_scale > 0"),
     # adafactor (HuggingFace)
-    ("adafactor_hf", "lr", TINY, 0.0, "lr > 0"),
+    ("adafactor_hf", "lr", 0.0, -1e-8, "lr >= 0"),
     ("adafactor_hf", "eps", [TINY, 0.0], [0.0, 1e-3], "eps[0] > 0 and eps[1] >= 0"),
     ("adafactor_hf", "eps", (TINY, 0.0), [TINY, -1e-3], "eps[0] > 0 and eps[1] >= 0"),
     ("adafactor_hf", "clip_threshold", TINY, 0.0, "clip_threshold > 0"),
@@ -79,7 +79,7 @@ BOUNDARIES = [
     ("adafactor_hf", "beta1", 0.0, 1.0, "0 <= beta1 < 1"),
     ("adafactor_hf", "weight_decay", 0.0, -0.1, "weight_decay >= 0"),
     # adafactor (tensor2tensor)
-    ("adafactor_t2t", "learning_rate", TINY, 0.0, "learning_rate > 0"),
+    ("adafactor_t2t", "learning_rate", 0.0, -1e-8, "learning_rate >= 0"),
     ("adafactor_t2t", "decay_rate", 0.0, 1.0, "0 <= decay_rate < 1"),
     ("adafactor_t2t", "beta1", 0.0, 1.0, "0 <= beta1 < 1"),
     ("adafactor_t2t", "clipping_threshold", TINY, 0.0, "clipping_threshold > 0"),
@@ -248,7 +248,7 @@ def _re(text):
                                           ("scaled_adam", "lr"), ("adafactor", "learning_rate")])
 def test_a_non_finite_learning_rate_is_refused(name, option, value):
     error = _refusal(name, {**BASE[name], option: value})
-    _assert_names(error, name, option, value, f"{option} >" if name.startswith("adafactor") else f"{option} >= 0")
+    _assert_names(error, name, option, value, f"{option} >= 0")
     assert "not finite" in str(error)
 
 

@@ -73,6 +73,7 @@ def test_one_cycle_lr_cycling_betas_drives_adamw_as_it_drives_torch_adamw(server
         _assert_same_parameters(remote, local)
         served = [c.values for c in optimizer.session.history() if isinstance(c, HyperparamChange)]
         assert served[0]["b1"] == pytest.approx(0.95)  # OneCycleLR starts at its max_momentum
+        assert not [key for values in served for key in values if key.startswith("1-")]  # the kernel's own
     finally:
         _closed(optimizer)
 

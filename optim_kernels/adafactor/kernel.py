@@ -55,7 +55,7 @@ RuleSource = Callable[[str], Any]
 # constructor). Decay exponent >= 0 keeps the second-moment decay 1 - t**-decay_rate in [0, 1);
 # epsilon1 > 0 keeps an all-zero gradient from dividing 0 by 0.
 ADAFACTOR_ARG_RULES = rules.ArgRules(
-    rules.positive("learning_rate", none=True, schedule=True),  # None: refused below as required
+    rules.non_negative("learning_rate", none=True, schedule=True),  # None: refused below as required
     rules.flag("factored"),
     rules.delegated("multiply_by_parameter_scale", "a bool, or a {regex: bool} map searched in order"),
     rules.unit_interval("beta1", none=True),
@@ -276,7 +276,7 @@ def _flatten_paths(tree, option: str, prefix: str = "") -> dict:
 # The value of each option of :func:`adafactor_hf`. HF's beta2 at step t is 1 - t**decay_rate,
 # in [0, 1) only for decay_rate <= 0; eps[0] > 0 keeps an all-zero gradient from dividing 0 by 0.
 ADAFACTOR_HF_ARG_RULES = rules.ArgRules(
-    rules.positive("lr", none=True, schedule=True),
+    rules.non_negative("lr", none=True, schedule=True),
     rules.pair("eps", rules.positive("eps[0]"), rules.non_negative("eps[1]")),
     rules.positive("clip_threshold"),
     rules.real("decay_rate", high=0),
@@ -353,7 +353,7 @@ def adafactor_hf(
 # decay itself, in [0, 1) like beta2; memory_exponent >= 0 keeps 1 - t**-memory_exponent there.
 ADAFACTOR_T2T_ARG_RULES = rules.ArgRules(
     rules.flag("multiply_by_parameter_scale"),
-    rules.positive("learning_rate", none=True, schedule=True),
+    rules.non_negative("learning_rate", none=True, schedule=True),
     rules.unit_interval("decay_rate", none=True, schedule=True),
     rules.unit_interval("beta1"),
     rules.positive("clipping_threshold", none=True),

@@ -3,6 +3,7 @@ hyperparameter changes (each goes through the session clock that lives there).""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Mapping, Optional
 
 from optserve.server.domain.config import worker_of
@@ -44,8 +45,14 @@ class HomeCalls:
 
     def hyperparam_history(self, since: int) -> list:
         """The hyperparameter changes in force from a version after ``since``, oldest first
-        (:class:`~optserve.server.domain.hyperparam_book.HyperparamChange`)."""
-        return self._home_clock("history").hyperparam_history(since)
+        (:class:`~optserve.server.domain.hyperparam_book.HyperparamChange`), with the options a
+        caller can set only (a decay rate's complement, which the kernel carries beside it, is
+        left out)."""
+        settable = {option for group in self._optimizer().groups for option in group.hyper}
+        changes = self._home_clock("history").hyperparam_history(since)
+        return [dataclasses.replace(change, values={group: {o: v for o, v in values.items() if o in settable}
+                                                    for group, values in change.values.items()})
+                for change in changes]
 
     def set_hyperparams(self, values: Mapping[str, float], group: Optional[str] = None) -> tuple[int, bool]:
         """Changes hyperparameters ``{option: value}`` of ``group`` (None: every group having
