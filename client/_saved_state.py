@@ -5,7 +5,7 @@ optimizer state kept for each tensor and the state the tensors share (a step cou
 hyperparameters in force. Its leaves are named by tensor, not by shard (see the server's
 ``server/compute/state_leaves.py``), so it loads on a server with any number of shards::
 
-    {"format": "optserve.state/1", "session": name, "version": v,
+    {"format": "optserve.state/1", "session": name, "version": v, "incarnation": "...",
      "optimizer": {"name": ..., "args": {...}}, "mode": "sync" | "async",
      "hyperparams": {group: {option: value}},
      "params": {tensor: array},
@@ -47,13 +47,14 @@ def _dtype_name(array: np.ndarray) -> str:
     return "bfloat16" if array.dtype.name == "bfloat16" else array.dtype.str
 
 
-def _read_shard(responses) -> tuple[int, dict, dict[str, np.ndarray]]:
-    """``(version, hyperparams, {key: array})`` of one shard's ``ExportState`` answer; each leaf
-    is written into its own array as its pieces arrive (no copy of the whole answer)."""
+def _read_shard(responses) -> tuple[tuple[int, str], dict, dict[str, np.ndarray]]:
+    """``((version, incarnation), hyperparams, {key: array})`` of one shard's ``ExportState``
+    answer; each leaf is written into its own array as its pieces arrive (no copy of the whole answer)."""
     version, hyper, leaves, filled = None, {}, {}, {}
     for response in responses:
         if response.WhichOneof("item") == "header":
-            version, hyper = response.header.version, json.loads(response.header.hyperparams_json or "{}")
+            version = (response.header.version, response.header.incarnation)
+            hyper = json.loads(response.header.hyperparams_json or "{}")
             continue
         piece = response.state
         if piece.key not in leaves:
@@ -82,8 +83,8 @@ def read_state(session) -> dict[str, Any]:
             lambda s: _read_shard(session._client.shard_data(s.address).ExportState(request, timeout=timeout)),
             shard)))
         versions = sorted({version for version, _, _ in parts})
-        if len(versions) == 1:
-            return _merged(session, versions[0], parts)
+        if len(versions) == 1:  # one version of one incarnation
+            return _merged(session, *versions[0], parts)
         seen.append(versions)
         time.sleep(min(0.01 * 2 ** attempt, 0.5))
     raise AbortedError(f"session {session.name!r}: its shards kept answering at different versions "
@@ -91,7 +92,7 @@ def read_state(session) -> dict[str, Any]:
                        "ABORTED")
 
 
-def _merged(session, version: int, parts) -> dict[str, Any]:
+def _merged(session, version: int, incarnation: str, parts) -> dict[str, Any]:
     params, tensors, shared, hyper = {}, {}, {}, {}
     for _, shard_hyper, leaves in reversed(parts):  # the home shard's (first) values win
         for group, values in shard_hyper.items():
@@ -108,7 +109,7 @@ def _merged(session, version: int, parts) -> dict[str, Any]:
                     raise AbortedError(f"session {session.name!r}: shared state {path!r} differs between its shards "
                                        f"at version {version}", "ABORTED")
                 shared[path] = array
-    return {"format": FORMAT, "session": session.name, "version": int(version),
+    return {"format": FORMAT, "session": session.name, "version": int(version), "incarnation": incarnation,
             "optimizer": session.options.spec,
             "mode": session.mode, "hyperparams": hyper, "params": params, "tensors": tensors, "shared": shared}
 

@@ -9,7 +9,7 @@ resume, on any server::
                                            # and the shared leaves ("0.count") repeated, as torch
                                            # keeps a "step" per parameter
      "param_groups": [{"lr": ..., ..., "params": [i, ...]}],
-     "optserve": {"format": FORMAT, "session": name, "version": v, "tensor_names": [...],
+     "optserve": {"format": FORMAT, "session": name, "version": v, "incarnation": ..., "tensor_names": [...],
                   "optimizer": {...}, "mode": ..., "hyperparams": {group: {option: value}},
                   "params": {tensor: tensor}, "shared": {path: tensor}}}
 
@@ -49,6 +49,7 @@ def to_torch(saved: Mapping[str, Any], tensor_names: Sequence[str], param_groups
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": numbered})
     return {"state": state, "param_groups": groups,
             "optserve": {"format": FORMAT, "session": saved["session"], "version": int(saved["version"]),
+                         "incarnation": saved.get("incarnation", ""),
                          "tensor_names": list(tensor_names), "optimizer": saved["optimizer"], "mode": saved["mode"],
                          "hyperparams": saved["hyperparams"],
                          "params": {name: torch.from_numpy(np.asarray(value)) for name, value in saved["params"].items()},
@@ -77,7 +78,8 @@ def from_torch(state_dict: Mapping[str, Any], tensor_names: Sequence[str]) -> di
         entry = state_dict["state"].get(i, state_dict["state"].get(str(i), {}))
         tensors[name] = {path: _array(value) for path, value in entry.items() if path not in shared}
     return _saved_state.checked({"format": _saved_state.FORMAT, "session": meta["session"],
-                                 "version": int(meta["version"]), "optimizer": meta["optimizer"],
+                                 "version": int(meta["version"]), "incarnation": meta.get("incarnation", ""),
+                                 "optimizer": meta["optimizer"],
                                  "mode": meta["mode"], "hyperparams": meta["hyperparams"],
                                  "params": {name: _array(value) for name, value in meta["params"].items()},
                                  "tensors": tensors, "shared": shared}, names)

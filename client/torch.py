@@ -344,7 +344,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
         order a trainer loads the model and the optimizer in does not matter, and
         ``param_groups`` take the checkpoint's options (a scheduler's position is its own
         ``state_dict``). Other workers attached to the session find it replaced at their next
-        step (their calls fail; they attach again, as at a start).
+        step (refused, ``SessionReplacedError``; a ``RemoteOptimizer`` attaches again and warns).
+        A checkpoint of the session's very state (same session, incarnation and version: a round
+        trip such as accelerate's ``prepare`` makes) replaces nothing: the model takes its
+        parameters and the groups their options.
 
         Raises:
           ValueError: not a :meth:`state_dict` of this class (an older optserve's holds no
@@ -355,10 +358,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
         saved = from_torch(state_dict, self.tensor_names)
         if self._stepper is not None:
             self._stepper.wait()
-        self._replace_session(saved)
         saved_groups = state_dict.get("param_groups", ())
         for group, saved_group in zip(self.param_groups, saved_groups):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
+        if self._holds(saved):  # the session is where the checkpoint was (a round trip, as accelerate's prepare does)
+            self._model.write(saved["params"])
+        else:
+            self._replace_session(saved)
         self._groups_sync = self._group_sync(saved["hyperparams"])
 
     def close(self) -> None:
@@ -383,6 +389,14 @@ class RemoteOptimizer(torch.optim.Optimizer):
             return session, True
         except AlreadyExistsError:  # another worker created it first: attach, if it is what we asked for
             return self._client.session(self.config.session, expect=self.config.options, worker_id=self._worker_id), False
+
+    def _holds(self, saved: Mapping[str, Any]) -> bool:
+        """Whether this optimizer's session is, now, the very state ``saved`` holds: the same
+        session, incarnation and version (a version's state is one per incarnation)."""
+        incarnation = self._session.info.config.incarnation
+        if saved["session"] != self.config.session or not incarnation or saved.get("incarnation") != incarnation:
+            return False
+        return self._session.status().version == int(saved["version"])
 
     def _replace_session(self, saved: Mapping[str, Any]) -> None:
         """This optimizer's session becomes one created from ``saved`` (the former one, if any,

@@ -472,3 +472,26 @@ def test_a_worker_whose_session_another_restored_is_refused_naming_it_and_resync
     a.session.close()
     for opt in (a, b):
         opt.close()
+
+
+def test_loading_the_sessions_own_current_state_replaces_nothing(server, unique_name):
+    """accelerate's prepare does opt.load_state_dict(opt.state_dict()): the session stays, so a
+    worker attached to it trains on undisturbed."""
+    spec = {"name": "adam", "args": {"learning_rate": 1e-2}}
+    model_a, model_b = _model(), _model()
+    a = RemoteOptimizer(model_a.named_parameters(), server.address, spec, session=unique_name, mode="async")
+    _train(model_a, a, steps=2)
+    with pytest.warns(UserWarning, match="already existed"):
+        b = RemoteOptimizer(model_b.named_parameters(), server.address, spec, session=unique_name, mode="async")
+    a.load_state_dict(a.state_dict())
+    assert a.session.info.config.incarnation == b.session.info.config.incarnation
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "was replaced"
+        _train(model_b, b, steps=1)
+    assert b.version == 3 and b.stale_pushes == 0
+    _train(model_a, a, steps=1)
+    assert a.version == 4
+    a.session.close()
+    for opt in (a, b):
+        opt.close()

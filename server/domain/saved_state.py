@@ -33,11 +33,13 @@ class SavedState:
       hyper: the hyperparameters in force for the next step, ``{group: {option: value}}``.
       leaves: ``{key: host array}`` (see :mod:`~optserve.server.compute.state_leaves`); on a CPU
         device views of the state at ``version`` (a later step does not change them).
+      incarnation: the session's incarnation (``SessionConfig.incarnation``).
     """
 
     version: int
     hyper: dict
     leaves: dict
+    incarnation: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +68,7 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def read_state(updater, version: int) -> SavedState:
+def read_state(updater, version: int, incarnation: str = "") -> SavedState:
     """The shard's state now (call between steps, with the session's lock held).
 
     Raises:
@@ -78,7 +80,7 @@ def read_state(updater, version: int) -> SavedState:
         raise FailedPrecondition(f"the optimizer's state cannot be saved: {exc}") from None
     hyper = {group: {option: float(value) for option, value in values.items()}
              for group, values in updater.hyper.items()}
-    return SavedState(version, hyper, leaves)
+    return SavedState(version, hyper, leaves, incarnation)
 
 
 def expected_leaves(updater) -> dict[str, tuple]:

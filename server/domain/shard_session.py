@@ -228,7 +228,7 @@ class ShardSession:
         self.touch()
         self._require_initialized()
         with self._cond:
-            return saved_state.read_state(self.updater, self.version)
+            return saved_state.read_state(self.updater, self.version, self.config.incarnation)
 
     def _require_initialized(self) -> None:
         """Waits a moment (at most :data:`_INIT_WAIT_S`) for the initial values, then refuses with

@@ -69,7 +69,8 @@ def state_replies(saved, chunk_bytes: int) -> Iterator[data_pb2.ExportStateRespo
     """An ``ExportState``'s reply: the header, then every leaf of ``saved`` (a
     :class:`~optserve.server.domain.saved_state.SavedState`) in pieces of at most ``chunk_bytes``."""
     yield data_pb2.ExportStateResponse(header=data_pb2.ExportStateHeader(
-        version=saved.version, hyperparams_json=json.dumps(saved.hyper, sort_keys=True)))
+        version=saved.version, hyperparams_json=json.dumps(saved.hyper, sort_keys=True),
+        incarnation=saved.incarnation))
     for key, array in saved.leaves.items():
         array = array if array.flags.c_contiguous else array.copy()  # (ascontiguousarray makes 0-d 1-d)
         flat = array.reshape(-1).view(np.uint8)
