@@ -220,7 +220,9 @@ def test_skip_nan_updates_keeps_the_param_and_state_entries_that_would_turn_nan(
     grads[1]["bad"] = grads[1]["bad"].at[0, 0].set(jnp.nan)
     kw = dict(learning_rate=0.1, beta1=0.9)
     kept, kept_state = _run(adafactor(skip_nan_updates=True, **kw), params, grads)
-    first, first_state = _run(adafactor(**kw), params, grads[:1])
+    # The state before the NaN step, from the same program (another program may round its first
+    # step differently in the last bit: XLA fuses each program its own way).
+    first, first_state = _run(adafactor(skip_nan_updates=True, **kw), params, grads[:1])
     plain, plain_state = _run(adafactor(**kw), params, grads)
     # One NaN gradient entry poisons the clipped update of the whole tensor: all of it is kept.
     assert np.isnan(np.asarray(plain["bad"])).all()
