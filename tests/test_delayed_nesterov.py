@@ -172,7 +172,7 @@ def test_accumulator_dtype_sets_the_state_dtype_and_updates_keep_the_param_dtype
 
 
 @pytest.mark.parametrize("args, option", [
-    ({"learning_rate": 0.0, "delay": 2}, "learning_rate"),
+    ({"learning_rate": -0.1, "delay": 2}, "learning_rate"),
     ({"learning_rate": float("inf"), "delay": 2}, "learning_rate"),
     ({"learning_rate": 0.1, "delay": 2, "momentum": 1.0}, "momentum"),
     ({"learning_rate": 0.1, "delay": 2, "momentum": -0.1}, "momentum"),

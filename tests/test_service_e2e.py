@@ -234,9 +234,9 @@ def test_a_client_attaching_before_the_creator_sent_initial_values_waits_for_the
     release = threading.Event()
     send_initial_values = Session._initialize
 
-    def held_initialize(self, arrays):
+    def held_initialize(self, arrays, *rest):
         assert release.wait(60)
-        send_initial_values(self, arrays)
+        send_initial_values(self, arrays, *rest)
 
     monkeypatch.setattr(Session, "_initialize", held_initialize)
     params = make_params()

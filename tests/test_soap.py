@@ -238,7 +238,7 @@ def test_the_flat_constructor_mirrors_the_typed_config_option_for_option():
 
 
 @pytest.mark.parametrize("option, value", [
-    ("learning_rate", 0.0),
+    ("learning_rate", -0.01),
     ("learning_rate", float("nan")),
     ("betas", [0.9, 1.0]),
     ("betas", [0.9]),
