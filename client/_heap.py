@@ -18,17 +18,9 @@ handed back when a session closes); the client leaves the rest of its host progr
 
 from __future__ import annotations
 
-import ctypes
-import platform
-import threading
+from optserve.protos.malloc_settings import DEFAULT_KEEP_BYTES, MMAP_THRESHOLD_BYTES, keep_freed_memory
 
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's maximum on 64-bit; chunks are at most contract.MAX_CHUNK_BYTES (4 MiB)
-DEFAULT_KEEP_BYTES = 1 << 30
-
-_lock = threading.Lock()
-_kept_bytes = 0  # the keep_bytes applied so far (0: none); guarded by _lock
+__all__ = ["DEFAULT_KEEP_BYTES", "MMAP_THRESHOLD_BYTES", "retain_freed_memory"]
 
 
 def retain_freed_memory(keep_bytes: int = DEFAULT_KEEP_BYTES) -> bool:
@@ -38,29 +30,4 @@ def retain_freed_memory(keep_bytes: int = DEFAULT_KEEP_BYTES) -> bool:
     Raises:
       ValueError: ``keep_bytes`` outside [32 MiB, 2**31) (mallopt takes an int).
     """
-    global _kept_bytes
-    if not MMAP_THRESHOLD_BYTES <= keep_bytes < 1 << 31:
-        raise ValueError(f"keep_bytes must be in [{MMAP_THRESHOLD_BYTES}, 2**31) (mallopt takes an int), got {keep_bytes}")
-    with _lock:
-        if _kept_bytes >= keep_bytes:
-            return True
-        mallopt = _glibc_mallopt()
-        if mallopt is None:
-            return False
-        if not (mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) and mallopt(_M_TRIM_THRESHOLD, keep_bytes)):
-            return False
-        _kept_bytes = keep_bytes
-        return True
-
-
-def _glibc_mallopt():
-    """glibc's ``mallopt(int, int) -> int``, or None on another libc."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return None
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt.restype = ctypes.c_int
-    return mallopt
+    return keep_freed_memory(keep_bytes)

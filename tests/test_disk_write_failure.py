@@ -99,6 +99,9 @@ def test_a_write_failing_mid_step_is_not_acknowledged_applies_nothing_more_and_r
             assert [s.version for s in status.shards] == [3, 3]
             degraded = [s.durability.degraded for s in status.shards if s.durability.degraded]
             assert degraded and all(d.startswith("disk: ") and root in d for d in degraded), degraded
+            # the step log's refusal is an expected condition: one line naming it (no traceback)
+            failures = [line for line in server.output().splitlines() if "event=step_log_failed" in line]
+            assert failures and all("error=OSError" in line for line in failures), failures
 
             # While the disk fails, nothing more is applied: the SDK keeps retrying this step.
             with concurrent.futures.ThreadPoolExecutor(1) as pool:

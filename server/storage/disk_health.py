@@ -6,8 +6,68 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import Optional
 
 log = logging.getLogger(__name__)
+
+def storage_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is the file system refusing (no space, an I/O error, a read-only disk):
+    an ``OSError``, or tensorstore's error as orbax raises it: carrying an ``os_error_code``, or
+    ``RESOURCE_EXHAUSTED`` (tensorstore's word for a full disk). An expected condition on a server
+    with a disk: logged as one line, not a traceback."""
+    text = str(exc)
+    return isinstance(exc, OSError) or "os_error_code" in text or text.startswith("RESOURCE_EXHAUSTED: ")
+
+
+def error_line(exc: BaseException) -> str:
+    """``Type: message``, its first line, without the ``[tensorstore_spec=...]`` tensorstore appends."""
+    text = f"{type(exc).__name__}: {exc}"
+    line = text.splitlines()[0] if text else ""
+    return line.split(" [tensorstore_spec=", 1)[0]
+
+
+def log_write_failure(logger: logging.Logger, event: str, exc: BaseException, **fields) -> None:
+    """Logs a failed write: one ERROR line naming the error for the disk's own refusals
+    (:func:`storage_error`), the traceback for anything else (a defect)."""
+    text = "".join(f" {key}={value}" for key, value in fields.items())
+    if storage_error(exc):
+        logger.error("event=%s%s error=%s", event, text, error_line(exc))
+    else:
+        logger.error("event=%s%s", event, text, exc_info=exc)
+
+
+def _expected(exc: Optional[BaseException]) -> bool:
+    """The disk refusing, or an event loop closed under a writer while the process shuts down."""
+    closed_loop = isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc)
+    return exc is not None and (storage_error(exc) or closed_loop)
+
+
+class _OneLine(logging.Filter):
+    """Keeps a library's record of an expected write error to its first line, without traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and _expected(record.exc_info[1]):
+            line = record.getMessage().splitlines()[0] if record.getMessage() else ""
+            record.msg, record.args = line.split(" [tensorstore_spec=", 1)[0], None
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def quiet_expected_thread_errors() -> None:
+    """Makes orbax's records of the expected errors of its own writer threads (the disk refusing,
+    or their event loop closed while the process shuts down) one line each, once per process:
+    orbax logs them on the ``absl`` logger with a traceback. The call that started the write
+    raises the disk's error to its caller too, which logs and reports it. (tensorstore's callbacks
+    that find their event loop closed still print tracebacks of their own.)"""
+    global _hook_installed
+    with _hook_lock:
+        if not _hook_installed:
+            logging.getLogger("absl").addFilter(_OneLine())
+            _hook_installed = True
+
+
+_hook_lock = threading.Lock()
+_hook_installed = False
 
 PROBE_NAME = ".write-probe"  # the file a failed log writes, fsyncs and deletes to see the disk work again
 _PROBE_BYTES = b"\0" * 4096

@@ -24,6 +24,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from optserve.server.storage.disk_health import quiet_expected_thread_errors
+
 RESTORE_GROUP_BYTES = 128 << 20
 """At most this many bytes of leaves are read at once on restore (a larger leaf is read alone)."""
 
@@ -75,9 +77,12 @@ def _registry(group_bytes: int = RESTORE_GROUP_BYTES):
 
 def write_tree(path: str, tree: Any) -> None:
     """Writes ``tree`` (nested dicts, lists or tuples of NumPy arrays) as an orbax checkpoint at
-    ``path``, uncompressed, holding no copy of it. The arrays must not change until this returns."""
+    ``path``, uncompressed, holding no copy of it. The arrays must not change until this returns.
+    A full or failing disk raises here; orbax's writer threads it ends log one line each
+    (:func:`~optserve.server.storage.disk_health.quiet_expected_thread_errors`)."""
     import orbax.checkpoint as ocp
 
+    quiet_expected_thread_errors()
     handler = ocp.PyTreeCheckpointHandler(use_compression=False, type_handler_registry=_registry())
     ocp.Checkpointer(handler).save(path, args=ocp.args.PyTreeSave(tree))
 

@@ -33,6 +33,7 @@ import threading
 import numpy as np
 
 from optserve.server.storage.checksums import crc32c_extend
+from optserve.server.storage.disk_health import log_write_failure
 from optserve.server.storage.format import FORMAT_KEY, FORMAT_VERSION, SEGMENT_HEADER, SEGMENT_MAGIC
 
 log = logging.getLogger(__name__)
@@ -338,7 +339,7 @@ def close_segments(fds: list, flush: bool) -> None:
         try:
             if flush:
                 os.fsync(fd)
-        except OSError:
-            log.exception("event=step_log_flush_failed")
+        except OSError as exc:  # the disk refusing: one line
+            log_write_failure(log, "step_log_flush_failed", exc)
         finally:
             os.close(fd)

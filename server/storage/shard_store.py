@@ -19,6 +19,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 
+from optserve.server.storage.disk_health import log_write_failure
 from optserve.server.storage.files import session_dir
 from optserve.server.storage.format import CorruptCheckpoint
 from optserve.server.storage.manifests import (checksums_match, commit_manifest, drop_checkpoints_older_than,
@@ -222,12 +223,8 @@ class ShardStore:
             commit_manifest(path, manifest, leaves(tree), time.time())
         except BaseException as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"
-            if _storage_error(exc):  # a full or failing disk: one line, the log keeps every step
-                log.error("event=checkpoint_failed session=%s shard=%d version=%d error=%s", self._session,
-                          self._shard, version, _first_line(self.last_error))
-            else:
-                log.exception("event=checkpoint_failed session=%s shard=%d version=%d", self._session,
-                              self._shard, version)
+            # a full or failing disk: one line (the log keeps every step); anything else: its traceback
+            log_write_failure(log, "checkpoint_failed", exc, session=self._session, shard=self._shard, version=version)
             close_segments(closed_fds, flush=True)  # they stay the only copy of their steps
             raise
         close_segments(closed_fds, flush=False)  # replaced by the committed checkpoint
@@ -265,15 +262,3 @@ class ShardStore:
         self.log.close()
         self.wait()
         self._writer.shutdown(wait=True)
-
-
-def _storage_error(exc: BaseException) -> bool:
-    """Whether ``exc`` is the file system refusing (no space, an I/O error, a read-only disk):
-    an ``OSError``, or tensorstore's error carrying an ``os_error_code`` as orbax raises it."""
-    return isinstance(exc, OSError) or "os_error_code" in str(exc)
-
-
-def _first_line(text: str) -> str:
-    """The first line of ``text`` without the ``[tensorstore_spec=...]`` tensorstore appends."""
-    line = text.splitlines()[0] if text else ""
-    return line.split(" [tensorstore_spec=", 1)[0]

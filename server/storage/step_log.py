@@ -26,7 +26,7 @@ import logging
 import threading
 from typing import Callable, Optional
 
-from optserve.server.storage.disk_health import DiskHealth
+from optserve.server.storage.disk_health import DiskHealth, log_write_failure
 from optserve.server.storage.log_files import LogFiles
 from optserve.server.storage.segments import BLOCK, PREFIX, STEPS, TICKETS, Segments, close_segments, segment_indices
 
@@ -174,7 +174,7 @@ class StepLog(LogFiles):
             self._check_owner("a step record")
             self._steps.write_payload(grads)
         except BaseException as exc:  # noqa: BLE001 - every later wait_logged raises it
-            log.exception("event=step_log_failed session=%s shard=%d", self._session, self._shard)
+            log_write_failure(log, "step_log_failed", exc, session=self._session, shard=self._shard)
             self._fail(exc)
 
     def _append_header(self, record, release: Optional[Callable[[], None]]) -> None:
@@ -193,7 +193,7 @@ class StepLog(LogFiles):
             self._check_owner(f"acknowledging step {record.version}")  # a replacement that claimed meanwhile
             # may have read the log before this record: the step must not count as logged here
         except BaseException as exc:  # noqa: BLE001 - every later wait_logged raises it
-            log.exception("event=step_log_failed session=%s shard=%d", self._session, self._shard)
+            log_write_failure(log, "step_log_failed", exc, session=self._session, shard=self._shard)
             self._fail(exc)
             return
         finally:
