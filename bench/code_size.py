@@ -1,5 +1,5 @@
 """What a compiled step keeps in host memory per preconditioned tensor and per block: the figures
-behind ``COMPILED_STEP_COSTS`` (:mod:`optserve.server.compute.kernels`), which the shard memory
+behind each root seam's ``code_cost`` (:mod:`optserve.optim_kernels.registry`), which the shard memory
 budget counts. XLA on the CPU reports no code size, so each figure is the anonymous memory a
 process keeps after compiling a step (its heap trimmed), beyond a process that compiled the same
 optimizer once before (the runtime's first-compile costs are out).

@@ -5,11 +5,21 @@ elsewhere). See :mod:`optserve.optim_kernels.registry` for how they are used."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import optax
 
 from optserve.optim_kernels.arg_rules import ArgRules
+
+
+class CodeCost(NamedTuple):
+    """Host bytes a compiled step keeps (XLA's executable on the CPU and what JAX caches with it)
+    for the blocked update of an optimizer with matrix roots: it is unrolled per block, so it grows
+    with the blocks, not with their size. ``per_tensor``: each preconditioned tensor; ``per_block``:
+    each of its blocks (SOAP: a tensor is one block). Measured by ``python -m bench.code_size``."""
+
+    per_tensor: int
+    per_block: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +51,8 @@ class RootOffloadSeam:
       compute_steps: ``config -> int``, updates between two root computations.
       progress: ``state -> (count, source_step [B], failures [B], last_error [B])`` as arrays,
         for status reports (``source_step`` -1: no root installed yet).
+      code_cost: ``{roots computed inside the step: CodeCost}``, what the kernel's compiled step
+        keeps beside its state, which a server's memory budget counts (empty: not counted).
       per_statistic_state: paths in the kernel's state (dot-separated, as
         ``server/compute/state_leaves.py`` writes them) of leaves stacked over the shard's
         statistics in export order (one row per ``BlockLabel``): a saved state splits them by tensor.
@@ -61,6 +73,7 @@ class RootOffloadSeam:
     progress: Callable[[Any], tuple]
     lag: int = 0
     per_statistic_state: tuple[str, ...] = ()
+    code_cost: Mapping[bool, CodeCost] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

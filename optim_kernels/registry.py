@@ -63,7 +63,7 @@ from optserve.optim_kernels.adafactor.kernel import (
     ADAFACTOR_T2T_ARG_RULES,
 )
 from optserve.optim_kernels.arg_rules import ArgRules
-from optserve.optim_kernels.entries import KernelEntry, RootOffloadSeam
+from optserve.optim_kernels.entries import CodeCost, KernelEntry, RootOffloadSeam
 from optserve.optim_kernels.delayed_nesterov import DELAYED_NESTEROV_ARG_RULES, delayed_nesterov
 from optserve.optim_kernels.hyperparams import (DEFAULT_GROUP, PARAM_GROUPS, build_groups, check_hyperparams,
                                                 grouped, grouped_statistic, split_groups, starting_values)
@@ -108,6 +108,10 @@ _SHAMPOO_ROOT_OFFLOAD = RootOffloadSeam(
     compute_steps=shampoo_seam.compute_steps,
     progress=shampoo_seam.progress,
     per_statistic_state=("preconditioner_info",),
+    # `python -m bench.code_size` (a step of 8 one-block tensors and one of 2 tensors of 16 blocks,
+    # at the default block of 256), rounded up
+    code_cost={False: CodeCost(per_tensor=256 << 10, per_block=384 << 10),
+               True: CodeCost(per_tensor=1 << 20, per_block=1088 << 10)},
 )
 
 _SOAP_ROOT_OFFLOAD = RootOffloadSeam(
@@ -122,6 +126,7 @@ _SOAP_ROOT_OFFLOAD = RootOffloadSeam(
     progress=soap_seam.progress,
     lag=soap_seam.LAG,
     per_statistic_state=("basis_info",),
+    code_cost={False: CodeCost(per_tensor=768 << 10, per_block=0), True: CodeCost(per_tensor=2816 << 10, per_block=0)},
 )
 
 # Value rules of the optax baselines (their own constructors check none of these): what

@@ -257,16 +257,16 @@ def test_the_shard_budget_counts_a_blocked_steps_compiled_code_and_a_refusal_nam
     # 128 x 384 in blocks of 128 with the roots computed inside the step: 1.6 MB of parameters,
     # state and gradient buffer fit the 4 MiB budget; with its compiled step (one tensor, three
     # blocks) they do not. Nothing is counted for roots in flight: none are exchanged.
-    from optserve.server.compute.kernels import COMPILED_STEP_COSTS
+    from optserve.optim_kernels.registry import optimizer_entry
 
     shampoo = control_pb2.OptimizerSpec(name="shampoo", args_json='{"learning_rate": 0.1, "block_size": 128}')
-    in_step = COMPILED_STEP_COSTS["shampoo", True]
+    in_step = optimizer_entry("shampoo").root_offload.code_cost[True]
     error = _refused(control, _config("budget-code", [(128, 384)], shampoo), grpc.StatusCode.RESOURCE_EXHAUSTED,
                      f"{in_step.per_tensor + 3 * in_step.per_block} of compiled step", f"shard_memory_bytes={BUDGET}")
     assert "roots in flight" not in error.details(), error.details()
     # With the roots on a worker the step is smaller, but a 128 x 128 matrix in 64 blocks of 16
     # (0.2 MB of parameters and state) still needs 64 blocks of it.
-    offloaded = COMPILED_STEP_COSTS["shampoo", False]
+    offloaded = optimizer_entry("shampoo").root_offload.code_cost[False]
     tiny_blocks = control_pb2.OptimizerSpec(name="shampoo", args_json='{"learning_rate": 0.1, "block_size": 16}')
     _refused(control_with_workers, _config("budget-code-blocks", [(128, 128)], tiny_blocks),
              grpc.StatusCode.RESOURCE_EXHAUSTED, f"{offloaded.per_tensor + 64 * offloaded.per_block} of compiled step")
@@ -371,7 +371,7 @@ def test_oversized_request_metadata_is_resource_exhausted_and_the_server_keeps_s
 
 def test_a_session_of_40000_tensors_is_validated_and_placed_in_near_linear_time():
     from optserve.server.domain.config import DType, Limits, SessionConfig, TensorSpec
-    from optserve.server.domain.placement import place_tensors
+    from optserve.server.domain.sessions.placement import place_tensors
 
     def once(n):
         started = time.perf_counter()

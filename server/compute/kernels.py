@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 
 def check_optimizer(name: str, args: Mapping[str, Any], tensors: Sequence[str] = ()) -> None:
@@ -71,44 +71,25 @@ def traced_bytes(name: str, args: Mapping[str, Any], shapes: Mapping[str, tuple[
         return state_total, 0
 
 
-class CodeCost(NamedTuple):
-    """Host bytes a compiled step keeps (XLA's executable on the CPU and what JAX caches with it)
-    for the blocked update of an optimizer with matrix roots: it is unrolled per block, so it grows
-    with the blocks, not with their size. ``per_tensor``: each preconditioned tensor; ``per_block``:
-    each of its blocks (SOAP: a tensor is one block)."""
-
-    per_tensor: int
-    per_block: int
-
-
-COMPILED_STEP_COSTS: dict[tuple[str, bool], CodeCost] = {
-    # (optimizer, roots computed inside the step) -> cost: `python -m bench.code_size` (a step of
-    # 8 one-block tensors and one of 2 tensors of 16 blocks, at Shampoo's default block of 256),
-    # rounded up
-    ("shampoo", False): CodeCost(per_tensor=256 << 10, per_block=384 << 10),
-    ("shampoo", True): CodeCost(per_tensor=1 << 20, per_block=1088 << 10),
-    ("soap", False): CodeCost(per_tensor=768 << 10, per_block=0),
-    ("soap", True): CodeCost(per_tensor=2816 << 10, per_block=0),
-}
-"""What the memory budget counts for a compiled step. Steps of other optimizers are not counted:
-their code grows with the tensors of one program, which a shard caps by updating many tensors in
-chunks whose programs are shared (``chunked_update``), and sessions of one model share a step."""
-
-
 def compiled_step_bytes(name: str, args: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]],
                         roots_in_step: bool) -> int:
     """Host bytes the compiled step of optimizer ``name`` (built with ``args``) keeps for float32
-    parameters of ``shapes`` (tensor name -> shape): :data:`COMPILED_STEP_COSTS` times its
-    preconditioned tensors and blocks (``seam.block_labels``); 0 for an optimizer not listed
-    there, or whose options do not build (the shard's own check words that refusal)."""
+    parameters of ``shapes`` (tensor name -> shape): its seam's ``code_cost`` times its
+    preconditioned tensors and blocks (``seam.block_labels``); 0 for an optimizer that declares
+    none (its code grows with the tensors of one program, which a shard caps by updating many
+    tensors in chunks whose programs are shared, and sessions of one model share a step), or whose
+    options do not build (the shard's own check words that refusal)."""
     from optserve.optim_kernels import resolve_schedules
     from optserve.optim_kernels.registry import optimizer_entry
 
-    cost = COMPILED_STEP_COSTS.get((name, roots_in_step))
+    try:
+        seam = optimizer_entry(name).root_offload
+    except ValueError:  # no such optimizer: the shard's own check words that refusal
+        return 0
+    cost = seam.code_cost.get(roots_in_step) if seam is not None else None
     if cost is None:
         return 0
     try:
-        seam = optimizer_entry(name).root_offload
         labels = seam.block_labels(seam.config(**resolve_schedules(name, dict(args))), shapes)
     except Exception:  # noqa: BLE001 - as in traced_bytes
         return 0
