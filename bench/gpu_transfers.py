@@ -38,8 +38,8 @@ def transfer_rows(params: dict[str, np.ndarray], grads: dict[str, np.ndarray], r
     import jax
 
     from optserve.server.compute.host_transfer import to_host
-    from optserve.server.domain.assembly import all_finite
-    from optserve.server.domain.host_passes import parallel_copy
+    from optserve.server.domain.shard.assembly import all_finite
+    from optserve.server.domain.shard.host_passes import parallel_copy
 
     device = jax.devices()[0]
     nbytes = sum(v.nbytes for v in grads.values())

@@ -11,16 +11,13 @@ staleness the server assigned.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Iterable, Mapping, Optional, Union
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import numpy as np
 
 from optserve.client._inputs import add_telemetry
 from optserve.protos import contract
 from optserve.protos.optserve.v1 import data_pb2
-
-if TYPE_CHECKING:
-    from optserve.client._session import Session
 
 
 class SessionTries:
@@ -32,7 +29,7 @@ class SessionTries:
         answered try sets its ``last_staleness`` and the version it has seen.
     """
 
-    def __init__(self, session: Session):
+    def __init__(self, session: Any):  # the Session that owns this object (it imports this module)
         self._session = session
         self._sequence = itertools.count(1)  # each push's sequence number (its retries reuse it)
 

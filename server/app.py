@@ -23,8 +23,8 @@ import grpc
 from optserve.protos import contract
 from optserve.server.compute.preconditioner_pool import PoolConfig, PreconditionerPool, start_workers
 from optserve.server.domain.config import ServerConfig
-from optserve.server.domain.coordinator import Coordinator
 from optserve.server.domain.events import log_event
+from optserve.server.domain.sessions import Coordinator
 from optserve.server.ops.health import Health, enable_reflection
 from optserve.server.ops.leases import SessionLeases
 from optserve.server.ops.shard_watch import ShardWatch

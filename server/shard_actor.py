@@ -23,16 +23,15 @@ import ray
 
 from optserve.protos import contract
 from optserve.server.compute.buffers import aligned_empty
+from optserve.server.compute.compile_cache import compile_stats
 from optserve.server.compute.devices import check_device, DeviceReport, DeviceRequest, ray_gpu_ids
 from optserve.server.compute.heap import keep_large_buffers_on_heap, release_free_memory
-from optserve.server.compute.compile_cache import compile_stats
 from optserve.server.compute.updater import Updater
 from optserve.server.domain.clock import HomeClock
 from optserve.server.domain.config import ServerConfig
 from optserve.server.domain.errors import InvalidArgument, SessionLost, Unavailable
-from optserve.server.domain.refusals import log_value
-from optserve.server.domain.session_records import ShardOpening
-from optserve.server.domain.shard_session import ShardRegistry, ShardSession, ShardSessionStatus, StepObserver
+from optserve.server.domain.sessions import ShardOpening
+from optserve.server.domain.shard import ShardRegistry, ShardSession, ShardSessionStatus, StepObserver, log_value
 from optserve.server.ops.health import Health
 from optserve.server.ops.logs import configure_logging
 from optserve.server.ops.metrics import resident_bytes, session_gauges, ShardMetrics

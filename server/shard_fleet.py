@@ -1,5 +1,5 @@
 """The coordinator's handle on the shard actors: :class:`RayShardFleet` (the coordinator's
-:class:`~optserve.server.domain.coordinator.ShardFleet` over Ray), and :func:`start_shards`,
+:class:`~optserve.server.domain.sessions.coordinator.ShardFleet` over Ray), and :func:`start_shards`,
 which starts them: one SPREAD placement group with a bundle per shard, actor options in one
 place, and, for a durable server on a Ray cluster, detached names a restarted coordinator finds
 them by (:func:`detached_names`).
@@ -27,8 +27,8 @@ from optserve.server.compute.devices import refuse_problems
 from optserve.server.compute.preconditioner_pool import check_gpus
 from optserve.server.domain.config import ServerConfig
 from optserve.server.domain.errors import unwrap, InvalidArgument, OptservError, ResourceExhausted, Unavailable
-from optserve.server.domain.session_records import ShardOpening, ShardSummary
-from optserve.server.domain.shard_records import ShardSessionStatus
+from optserve.server.domain.sessions import ShardOpening, ShardSummary
+from optserve.server.domain.shard import ShardSessionStatus
 from optserve.server.shard_actor import ShardActor, shard_device_request
 from optserve.server.storage.ownership import claim_shard
 
@@ -41,7 +41,7 @@ ACTOR_GONE = (RayActorError, OutOfMemoryError, WorkerCrashedError)
 
 
 class RayShardFleet:
-    """The coordinator's :class:`~optserve.server.domain.coordinator.ShardFleet` over Ray actors.
+    """The coordinator's :class:`~optserve.server.domain.sessions.coordinator.ShardFleet` over Ray actors.
 
     Args:
       actors: shard actor handles, index = position.

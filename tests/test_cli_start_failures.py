@@ -160,8 +160,8 @@ def test_a_ray_client_address_is_only_connected_to(monkeypatch):
 
 
 def test_check_ports_accepts_free_ports_and_a_port_left_in_time_wait():
-    from optserve.server.preflight import check_ports
     from optserve.server.domain.config import ServerConfig
+    from optserve.server.preflight import check_ports
 
     with socket.socket() as listener:  # a connection the server side closed first: TIME_WAIT on its port
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's listeners do

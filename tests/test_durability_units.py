@@ -11,12 +11,12 @@ import zlib
 import numpy as np
 import pytest
 
+from optserve.server.domain.clock.home_clock import HomeClock, Ticket
+from optserve.server.domain.config import DType, Mode, SessionConfig, TensorSpec
 from optserve.server.storage import CorruptCheckpoint, ShardStore, read_step_log
 from optserve.server.storage.format import SEGMENT_HEADER
-from optserve.server.domain.clock import HomeClock, Ticket
-from optserve.server.domain.config import DType, Mode, SessionConfig, TensorSpec
-from optserve.server.domain.durability import (MIN_DEFAULT_LOG_BYTES, CheckpointPolicy, DurabilityConfig,
-                                               FsyncPolicy, LogIO, ShardProgress, StepRecord)
+from optserve.server.domain.durability import (MIN_DEFAULT_LOG_BYTES, CheckpointPolicy, DurabilityConfig, FsyncPolicy,
+                                               LogIO, ShardProgress, StepRecord)
 from optserve.server.domain.errors import InvalidArgument
 from tests._store_helpers import log_step
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 
 from optserve.protos.status_records import RoundRecord
-from optserve.server.domain.clock import HomeClock
+from optserve.server.domain.clock.home_clock import HomeClock
+from optserve.server.domain.clock.version_history import VersionHistory
 from optserve.server.domain.config import DType, Mode, SessionConfig, StalenessPolicy, TensorSpec
-from optserve.server.domain.version_history import VersionHistory
 
 
 def _config(mode: Mode, num_workers: int = 1, **kwargs) -> SessionConfig:

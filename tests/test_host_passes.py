@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from optserve.server.domain.assembly import all_finite, _all_finite_piece
-from optserve.server.domain.host_passes import SPLIT_MIN_BYTES, parallel_all_finite, parallel_copy
+from optserve.server.domain.shard.assembly import all_finite, _all_finite_piece
+from optserve.server.domain.shard.host_passes import SPLIT_MIN_BYTES, parallel_all_finite, parallel_copy
 
 SIZE = SPLIT_MIN_BYTES // 4 * 3 + 7  # float32 elements: over the split size, not divisible by the threads
 

@@ -11,10 +11,10 @@ import pytest
 
 from optserve.optim_kernels import build_optimizer
 from optserve.server.compute.updater import Updater
-from optserve.server.domain.clock import HomeClock
+from optserve.server.domain.clock.home_clock import HomeClock
 from optserve.server.domain.config import DType, Mode, SessionConfig, TensorSpec
 from optserve.server.domain.durability import StepRecord
-from optserve.server.domain.replay import replayed_tickets
+from optserve.server.domain.shard.replay import replayed_tickets
 
 LR = {"default": {"learning_rate": 0.05}}
 

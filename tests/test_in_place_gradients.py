@@ -1,5 +1,5 @@
 """Gradients read where they lie: a shared-memory push's whole float32 tensors are used in place
-by the shard (server/domain/assembly.py), and a client never writes again into a region whose
+by the shard (server/domain/shard/assembly.py), and a client never writes again into a region whose
 step it gave up on (client/_session.py), since the shard may still read it."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from optserve.client import Client
 from optserve.client.errors import DeadlineExceededError
 from optserve.protos import chunk_codec, contract
 from optserve.server.compute.buffers import BufferPool, aligned_empty
-from optserve.server.domain.assembly import IN_PLACE_ALIGNMENT, TensorAssembler
 from optserve.server.domain.config import DType, TensorSpec
 from optserve.server.domain.errors import NonFinite
+from optserve.server.domain.shard.assembly import IN_PLACE_ALIGNMENT, TensorAssembler
 
 SPECS = {"w": TensorSpec("w", DType.FLOAT32, (64, 32)), "b": TensorSpec("b", DType.FLOAT32, (32,))}
 SGD = {"name": "sgd", "args": {"learning_rate": 0.1}}
@@ -103,7 +103,7 @@ def test_a_step_the_client_gave_up_on_leaves_its_regions_unwritten(server, uniqu
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_the_finiteness_check_finds_any_non_finite_value_and_accepts_huge_finite_ones(bad):
-    from optserve.server.domain.assembly import all_finite
+    from optserve.server.domain.shard.assembly import all_finite
 
     values = np.ones(10_000, np.float32)
     assert all_finite(values)

@@ -177,10 +177,10 @@ def _init_fails_on_huge_values():
 def test_init_failing_only_when_run_is_invalid_argument_and_installs_nothing():
     from optserve.protos.optserve.v1 import tensor_pb2
     from optserve.server.compute.updater import Updater
-    from optserve.server.domain.clock import HomeClock
+    from optserve.server.domain.clock.home_clock import HomeClock
     from optserve.server.domain.config import DType, SessionConfig, TensorSpec
     from optserve.server.domain.errors import InvalidArgument
-    from optserve.server.domain.shard_session import ShardSession
+    from optserve.server.domain.shard.shard_session import ShardSession
 
     config = SessionConfig(name="init at run time", tensors=(TensorSpec("w", DType.FLOAT32, (4,)),),
                            optimizer_name="init_fails_on_huge_values", optimizer_args={})

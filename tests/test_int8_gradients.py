@@ -9,9 +9,9 @@ import pytest
 
 from optserve.client import Client
 from optserve.protos import chunk_codec, contract, int8_codec
-from optserve.server.domain.assembly import TensorAssembler
 from optserve.server.domain.config import DType, TensorSpec
 from optserve.server.domain.errors import InvalidArgument
+from optserve.server.domain.shard.assembly import TensorAssembler
 from test_overlap_and_compression import _bytes_for_steps, byte_counter  # noqa: F401 - a fixture
 
 SGD1 = {"name": "sgd", "args": {"learning_rate": 1.0}}

@@ -159,9 +159,9 @@ def _explodes_on_huge_gradients():
 
 def _local_session(name: str, num_workers: int = 1):
     from optserve.server.compute.updater import Updater
-    from optserve.server.domain.clock import HomeClock
+    from optserve.server.domain.clock.home_clock import HomeClock
     from optserve.server.domain.config import DType, Mode, SessionConfig, TensorSpec
-    from optserve.server.domain.shard_session import ShardSession
+    from optserve.server.domain.shard.shard_session import ShardSession
 
     config = SessionConfig(name=name, tensors=(TensorSpec("w", DType.FLOAT32, (4,)),),
                            optimizer_name="explodes_on_huge_gradients", optimizer_args={}, mode=Mode.SYNC,
@@ -178,7 +178,7 @@ def _chunk(name, array):
 
 
 def _header(client_id, sequence, base_version):
-    from optserve.server.domain.shard_session import PushHeader
+    from optserve.server.domain.shard.shard_session import PushHeader
 
     return PushHeader(client_id=client_id, sequence=sequence, base_version=base_version, auto_commit=True)
 

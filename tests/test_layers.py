@@ -108,7 +108,7 @@ def test_importing_the_client_loads_neither_jax_nor_ray_nor_the_server():
     assert out.stdout.strip() == "[]"
 
 
-# A session's clock is a Clock (server/domain/clock.py): the home shard's HomeClock or a
+# A session's clock is a Clock (server/domain/clock/home_clock.py): the home shard's HomeClock or a
 # PeerClock handle; callers tell them apart by ``clock.is_home``, never by probing for methods.
 _CLOCK_PROBE = re.compile(r"\b(?:getattr|hasattr)\(\s*[\w.]*clock\w*\s*,", re.IGNORECASE)
 
@@ -155,4 +155,126 @@ def test_the_client_calls_through_the_generated_stubs_with_no_hand_written_metho
     assert method_path_strings('rpc = channel.unary_unary("/optserve.v1.ShardData/History")\n') == [1]
     found = [f"{path.relative_to(REPO).as_posix()}:{line}" for path in sorted((REPO / "client").rglob("*.py"))
              for line in method_path_strings(path.read_text())]
+    assert found == []
+
+
+def _string_constants(tree: ast.AST) -> list[tuple[str, int]]:
+    """(value, line) of every string constant in a module that is not a docstring."""
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [(node.value, node.lineno) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
+
+
+def optimizer_names_in_server(root: pathlib.Path = REPO) -> list[str]:
+    """'path:line names NAME' for each optimizer name written in server code (outside docstrings)."""
+    from optserve.optim_kernels.registry import optimizer_names
+
+    names = set(optimizer_names())
+    found = []
+    for path in sorted((root / "server").rglob("*.py")):
+        relative = path.relative_to(root).as_posix()
+        found += [f"{relative}:{line} names {value!r}" for value, line in _string_constants(ast.parse(path.read_text()))
+                  if value in names]
+    return found
+
+
+def test_no_server_module_names_an_optimizer():
+    """What the server knows of an optimizer comes from its registry entry (costs, seams, rules)."""
+    assert optimizer_names_in_server() == []
+
+
+def test_the_optimizer_name_check_catches_a_table_keyed_by_name(tmp_path):
+    (tmp_path / "server").mkdir()
+    (tmp_path / "server" / "costs.py").write_text('"""Costs: shampoo is named here, in a docstring."""\n'
+                                                  'COSTS = {"shampoo": 1}\n')
+    assert optimizer_names_in_server(tmp_path) == ["server/costs.py:2 names 'shampoo'"]
+
+
+def _module_name(root: pathlib.Path, path: pathlib.Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(["optserve"] + parts)
+
+
+def import_graph(root: pathlib.Path = REPO, folders=("server", "client")) -> dict[str, set[str]]:
+    """Module -> the modules of ``folders`` it imports anywhere (at the top, in a function, or for
+    type checkers only): ``from package import name`` is an edge to the submodule ``name`` when
+    there is one, else to the package (its ``__init__``)."""
+    paths = {_module_name(root, p): p for folder in folders for p in sorted((root / folder).rglob("*.py"))
+             if "_pb2" not in p.name}
+    graph = {}
+    for name, path in paths.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {alias.name for alias in node.names if alias.name in paths}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    target = f"{node.module}.{alias.name}"
+                    edges.add(target if target in paths else node.module)
+        graph[name] = {target for target in edges if target in paths and target != name}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, circles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(node):
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(circles)
+
+
+def test_no_import_circle_in_the_server_or_the_client():
+    """Type-checking and function-level imports count: a circle is two modules that need each other."""
+    assert import_circles(import_graph()) == []
+
+
+def test_the_circle_check_finds_a_circle_made_for_type_checkers_only(tmp_path):
+    (tmp_path / "client").mkdir()
+    (tmp_path / "client" / "a.py").write_text("from optserve.client.b import B\n")
+    (tmp_path / "client" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                              "    from optserve.client.a import A\n")
+    assert import_circles(import_graph(tmp_path, ("client",))) == [["optserve.client.a", "optserve.client.b"]]
+
+
+def test_other_subsystems_import_a_domain_package_only_through_its_exports():
+    """server code outside domain/clock, domain/shard and domain/sessions names their modules never,
+    only the package (what its __init__ exports)."""
+    found = []
+    for path in sorted((REPO / "server").rglob("*.py")):
+        relative = path.relative_to(REPO).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
+                       [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            for module in modules:
+                match = re.match(r"optserve\.server\.domain\.(clock|shard|sessions)\.", module)
+                if match and not relative.startswith(f"server/domain/{match.group(1)}/"):
+                    found.append(f"{relative}:{node.lineno} imports {module}")
     assert found == []

@@ -21,9 +21,9 @@ from tests.test_kernel_failure_clock import HUGE, _chunk, _explodes_on_huge_grad
 
 def _async_session(name: str, store=None):
     from optserve.server.compute.updater import Updater
-    from optserve.server.domain.clock import HomeClock
+    from optserve.server.domain.clock.home_clock import HomeClock
     from optserve.server.domain.config import DType, Mode, SessionConfig, TensorSpec
-    from optserve.server.domain.shard_session import ShardSession
+    from optserve.server.domain.shard.shard_session import ShardSession
 
     config = SessionConfig(name=name, tensors=(TensorSpec("w", DType.FLOAT32, (4,)),),
                            optimizer_name="explodes_on_huge_gradients", optimizer_args={}, mode=Mode.ASYNC)

@@ -77,7 +77,7 @@ def test_session_events_and_refusals_are_one_key_value_line_each_at_info(server,
     assert kinds == ["session_created", "rpc_refused", "rpc_refused", "session_closed"], text
     created, exists, invalid, _ = events
     assert created["session"] == unique_name and created["optimizer"] == "sgd" and created["tensors"] == "2"
-    assert created["level"] == "INFO" and created["logger"] == "optserve.server.domain.coordinator"
+    assert created["level"] == "INFO" and created["logger"] == "optserve.server.domain.sessions.coordinator"
     assert exists["code"] == "ALREADY_EXISTS" and exists["rpc"] == "Control/CreateSession"
     assert invalid["code"] == "INVALID_ARGUMENT" and "lr_typo" in invalid["message"]
     assert str(MARKER) not in text and "1234.56" not in text

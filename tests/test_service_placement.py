@@ -5,7 +5,7 @@ import pytest
 
 from optserve.client import Client
 from optserve.server.domain.config import DType, TensorSpec
-from optserve.server.domain.placement import place_tensors
+from optserve.server.domain.sessions.placement import place_tensors
 
 
 def _spec(name, *shape):

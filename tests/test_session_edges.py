@@ -116,9 +116,9 @@ def _local_session(name="edge", ttl_s=60.0, num_workers=1, limits=None, step_tim
     """A one-shard session as the shard actor builds it: HomeClock, Updater, SGD; initialized to ones."""
     from optserve.server.compute.root_offload import build_shard_optimizer
     from optserve.server.compute.updater import Updater
-    from optserve.server.domain.clock import HomeClock
+    from optserve.server.domain.clock.home_clock import HomeClock
     from optserve.server.domain.config import DType, SessionConfig, TensorSpec
-    from optserve.server.domain.shard_session import ShardSession
+    from optserve.server.domain.shard.shard_session import ShardSession
 
     config = SessionConfig(name=name, tensors=(TensorSpec("w", DType.FLOAT32, (4,)),), optimizer_name="sgd",
                            optimizer_args={"learning_rate": 0.5}, num_workers=num_workers)
@@ -131,13 +131,13 @@ def _local_session(name="edge", ttl_s=60.0, num_workers=1, limits=None, step_tim
 
 
 def _header(client_id, sequence, base_version, auto_commit=True):
-    from optserve.server.domain.shard_session import PushHeader
+    from optserve.server.domain.shard.shard_session import PushHeader
 
     return PushHeader(client_id=client_id, sequence=sequence, base_version=base_version, auto_commit=auto_commit)
 
 
 def test_refused_push_is_logged_once_as_key_values_without_tensor_values(caplog):
-    from optserve.server.domain import shard_session
+    from optserve.server.domain.shard import shard_session
     from optserve.server.domain.errors import Stale
 
     session = _local_session("logged session")
@@ -153,7 +153,7 @@ def test_refused_push_is_logged_once_as_key_values_without_tensor_values(caplog)
 
 
 def test_a_sync_step_missing_a_worker_says_so_after_a_few_seconds_naming_who_pushed(caplog):
-    from optserve.server.domain import step_runner
+    from optserve.server.domain.shard import step_runner
 
     session = _local_session("waiting", num_workers=2, step_timeout_s=60.0)
     caplog.set_level(logging.WARNING, logger=step_runner.__name__)
@@ -178,7 +178,7 @@ def test_a_sync_step_missing_a_worker_says_so_after_a_few_seconds_naming_who_pus
 
 
 def test_expired_staged_push_is_dropped_counted_aborted_and_logged(caplog):
-    from optserve.server.domain import shard_session
+    from optserve.server.domain.shard import shard_session
     from optserve.server.domain.errors import NotFound, RejectReason
 
     session = _local_session(ttl_s=0.05)
@@ -271,14 +271,14 @@ def test_expired_staged_pushes_give_their_memory_back_without_further_calls():
     script = textwrap.dedent("""
         import os, sys, time
         import numpy as np
-        from optserve.server.compute.heap import keep_large_buffers_on_heap
         from optserve.protos.optserve.v1 import tensor_pb2
+        from optserve.server.compute.heap import keep_large_buffers_on_heap
         from optserve.server.compute.root_offload import build_shard_optimizer
         from optserve.server.compute.updater import Updater
-        from optserve.server.domain.clock import HomeClock
+        from optserve.server.domain.clock.home_clock import HomeClock
         from optserve.server.domain.config import DType, SessionConfig, TensorSpec
         from optserve.server.domain.errors import RejectReason
-        from optserve.server.domain.shard_session import PushHeader, ShardSession
+        from optserve.server.domain.shard.shard_session import PushHeader, ShardSession
 
         def rss_mib():
             with open("/proc/self/statm") as f:

@@ -86,7 +86,7 @@ def test_status_and_the_cli_show_which_workers_push_most_recent_first(server, un
 
 
 def test_idle_session_expires_after_its_lease_and_is_logged(leased_server, unique_name, caplog):
-    caplog.set_level(logging.INFO, logger="optserve.server.domain.coordinator")
+    caplog.set_level(logging.INFO, logger="optserve.server.domain.sessions.coordinator")
     client = Client(leased_server.address)
     params = make_params()
     client.create_session(unique_name, params, optimizer=OPTIMIZER)

@@ -1,5 +1,5 @@
 """The coordinator's session table and consistent restore, without Ray: each session's state and
-its transitions (server/domain/session_table.py), the records built from a placement
+its transitions (server/domain/sessions/session_table.py), the records built from a placement
 (session_records.py), and the choice of the one version every shard restores to (session_restore.py)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 
 from optserve.server.domain.config import DType, SessionConfig, TensorSpec
 from optserve.server.domain.errors import AlreadyExists, NotFound, PermissionDenied
-from optserve.server.domain.session_records import SessionRecord
-from optserve.server.domain.session_restore import common_version
-from optserve.server.domain.session_table import SessionState, SessionTable
+from optserve.server.domain.sessions.session_records import SessionRecord
+from optserve.server.domain.sessions.session_restore import common_version
+from optserve.server.domain.sessions.session_table import SessionState, SessionTable
 
 
 def _record(name: str = "s", owner: str = "alice") -> SessionRecord:

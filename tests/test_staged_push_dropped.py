@@ -18,11 +18,11 @@ import pytest
 from optserve.optim_kernels import build_optimizer
 from optserve.protos.optserve.v1 import tensor_pb2
 from optserve.server.compute.updater import Updater
-from optserve.server.domain.clock import HomeClock
+from optserve.server.domain.clock.home_clock import HomeClock
 from optserve.server.domain.config import DType, Mode, SessionConfig, TensorSpec
 from optserve.server.domain.durability import DurabilityConfig
 from optserve.server.domain.errors import RejectReason, Timeout
-from optserve.server.domain.shard_session import PushHeader, ShardSession
+from optserve.server.domain.shard.shard_session import PushHeader, ShardSession
 from optserve.server.storage import ShardStore
 
 

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from optserve.server.domain.clock_records import Ticket
+from optserve.server.domain.clock.clock_records import Ticket
+from optserve.server.domain.clock.votes import ShardVotes
 from optserve.server.domain.errors import PeerRefused
-from optserve.server.domain.votes import ShardVotes
 
 TIMEOUT_S = 5.0
 

@@ -8,7 +8,7 @@ import pytest
 from optserve.protos import contract
 from optserve.protos.optserve.v1 import control_pb2
 from optserve.server.domain import errors
-from optserve.server.domain.clock_records import Ticket
+from optserve.server.domain.clock.clock_records import Ticket
 from optserve.server.wire import clock_service
 from optserve.server.wire.errors import status_code_for
 

@@ -72,7 +72,7 @@ def worker_of(client_id: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ElasticOptions:
-    """Sync sessions whose workers come and go (see :mod:`optserve.server.domain.rounds`).
+    """Sync sessions whose workers come and go (see :mod:`optserve.server.domain.clock.rounds`).
 
     Attributes:
       min_workers: a round may commit with this many pushes (at the straggler deadline, or once
@@ -284,7 +284,7 @@ class Limits:
         machine's memory, what every shard's default budget adds up to: a session is bounded by
         what its shards can hold, checked next).
       shard_memory_bytes: memory budget of each shard: the estimated bytes of the sessions it
-        holds (:mod:`~optserve.server.domain.memory_estimate`: parameters, the optimizer's own
+        holds (:mod:`~optserve.server.domain.sessions.memory_estimate`: parameters, the optimizer's own
         state for their shapes, a gradient buffer) (None: half of this machine's memory, split
         evenly over the shards).
       max_tensors: tensors in one session.
@@ -360,7 +360,7 @@ class ServerConfig:
         few threads, a crowd of clients stalls for ``vote_timeout_s`` at a time. The default keeps
         a few hundred clients per shard clear of it.
       min_shard_bytes: a session spreads over only as many shards as give each at least this
-        many parameter bytes (:func:`~optserve.server.domain.placement.place_tensors`); smaller models
+        many parameter bytes (:func:`~optserve.server.domain.sessions.placement.place_tensors`); smaller models
         stay on one shard, where a step needs no cross-shard round trips. 0: every session uses
         every shard.
       step_timeout_s: longest wait for a sync barrier or a cross-shard reduction.

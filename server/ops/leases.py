@@ -1,7 +1,7 @@
 """Idle sessions end: a daemon thread that closes sessions idle past ``--session-idle-s``.
 
 The policy (what counts as activity, which sessions are idle) is the coordinator's
-(:meth:`~optserve.server.domain.coordinator.Coordinator.expire_idle`); this host only runs it
+(:meth:`~optserve.server.domain.sessions.coordinator.Coordinator.expire_idle`); this host only runs it
 on a period of a quarter of the lease (at most one second), so a session is closed at most that
 much later than its lease ends.
 """

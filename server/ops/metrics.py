@@ -1,7 +1,7 @@
 """Prometheus metrics: their names, the shard actors' collectors, and the coordinator's endpoint.
 
 Each shard actor keeps its own metrics (:class:`ShardMetrics`): event metrics its sessions report
-through a :class:`~optserve.server.domain.shard_session.StepObserver` (one per session, label
+through a :class:`~optserve.server.domain.shard.shard_session.StepObserver` (one per session, label
 children bound once), and gauges read from its sessions when scraped. The coordinator serves
 ``/metrics`` (``--metrics-port``): at each scrape it asks every shard for its families over Ray
 and merges them (:class:`FleetCollector`). :data:`METRICS` is the contract dashboards rely on.
@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from optserve.server.domain.errors import RejectReason
-from optserve.server.domain.shard_session import StepObserver
+from optserve.server.domain.shard import StepObserver
 
 
 # name -> (type, labels, help)

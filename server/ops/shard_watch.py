@@ -29,7 +29,7 @@ class ShardWatch(Periodic):
 
     Args:
       fleet: the :class:`~optserve.server.shard_fleet.RayShardFleet`.
-      coordinator: the :class:`~optserve.server.domain.coordinator.Coordinator`.
+      coordinator: the :class:`~optserve.server.domain.sessions.coordinator.Coordinator`.
       period_s: seconds between checks.
     """
 

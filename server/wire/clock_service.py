@@ -1,9 +1,9 @@
 """The session clock over gRPC: the home shard serves it, the session's other shards call it.
 
 Every shard actor runs a :class:`ClockServer` next to its data plane, serving the
-:class:`~optserve.server.domain.clock.HomeClock` of each multi-shard session it is home to
+:class:`~optserve.server.domain.clock.home_clock.HomeClock` of each multi-shard session it is home to
 (``optserve.v1.SessionClock`` in ``clock.proto``). The other shards of such a session hold a
-:class:`PeerClock`: the :class:`~optserve.server.domain.clock.Clock` every shard calls (``is_home``
+:class:`PeerClock`: the :class:`~optserve.server.domain.clock.home_clock.Clock` every shard calls (``is_home``
 False), each method one unary call answered in the home shard's process, domain refusals carried
 back in the reply and raised again.
 
@@ -31,10 +31,9 @@ import grpc
 
 from optserve.protos import contract
 from optserve.protos.optserve.v1 import clock_pb2, clock_pb2_grpc
-from optserve.server.domain.clock import HomeClock
-from optserve.server.domain.clock_records import Ticket
-from optserve.server.domain.errors import (FailedPrecondition, FutureBase, InvalidArgument, NotFound, OptservError, PeerRefused,
-                                           Stale, Timeout, Unavailable)
+from optserve.server.domain.clock import HomeClock, Ticket
+from optserve.server.domain.errors import (FailedPrecondition, FutureBase, InvalidArgument, NotFound, OptservError,
+                                           PeerRefused, Stale, Timeout, Unavailable)
 from optserve.server.wire.errors import add_unary_service, grpc_errors
 from optserve.server.wire.security import InternalSecretInterceptor, InternalTrust
 
@@ -226,7 +225,7 @@ class _Stubs:
 
 
 class PeerClock:
-    """A non-home shard's handle on its session's clock: a :class:`~optserve.server.domain.clock.Clock`
+    """A non-home shard's handle on its session's clock: a :class:`~optserve.server.domain.clock.home_clock.Clock`
     whose ``is_home`` is False (the home-only calls are made on the home shard itself).
 
     Args:

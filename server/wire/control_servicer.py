@@ -8,7 +8,7 @@ from typing import Optional
 import grpc
 
 from optserve.protos.optserve.v1 import control_pb2, control_pb2_grpc
-from optserve.server.domain.coordinator import Coordinator
+from optserve.server.domain.sessions import Coordinator
 from optserve.server.wire.convert import (attach_expectation_from_proto, series_to_proto, server_status_to_proto,
                                           session_config_from_proto, session_info_to_proto, status_to_proto)
 from optserve.server.wire.errors import add_unary_service, grpc_errors

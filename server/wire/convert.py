@@ -12,11 +12,11 @@ from typing import Optional
 
 from optserve.protos.optserve.v1 import control_pb2, tensor_pb2
 from optserve.protos.status_records import RootStatus
-from optserve.server.domain.assembly import wire_dtype
+from optserve.server.domain.shard import wire_dtype
 from optserve.server.domain.config import (DEFAULT_LEASE_S, ElasticOptions, LatePolicy, Limits, Mode,
                                            PreconditionerOptions, SessionConfig, StalenessPolicy, TensorSpec)
 from optserve.server.domain.errors import InvalidArgument, RejectReason
-from optserve.server.domain.session_records import AttachExpectation, SessionRecord, SessionStatus
+from optserve.server.domain.sessions import AttachExpectation, SessionRecord, SessionStatus
 from optserve.server.wire.limits import check_optimizer_args, check_session_request
 
 
@@ -213,7 +213,7 @@ def device_to_proto(report) -> "control_pb2.DevicePlacement | None":
 
 def series_to_proto(series) -> control_pb2.GetSeriesResponse:
     """``(accepted, refused, rounds)`` records of :mod:`~optserve.server.domain.telemetry` and
-    :mod:`~optserve.server.domain.rounds` -> the wire."""
+    :mod:`~optserve.server.domain.clock.rounds` -> the wire."""
     accepted, refused, rounds = series
     response = control_pb2.GetSeriesResponse()
     for push in accepted:

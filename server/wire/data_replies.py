@@ -17,8 +17,7 @@ import numpy as np
 from optserve.protos import chunk_codec, contract
 from optserve.protos.optserve.v1 import data_pb2, tensor_pb2
 from optserve.server.domain.config import DType
-from optserve.server.domain.shard_records import Receipt
-from optserve.server.domain.shard_session import ShardSession
+from optserve.server.domain.shard import Receipt, ShardSession
 
 
 def push_response(receipt: Receipt) -> data_pb2.PushResponse:
@@ -67,7 +66,7 @@ def pull_into_region(session: ShardSession, region, started: float, evaluation: 
 
 def state_replies(saved, chunk_bytes: int) -> Iterator[data_pb2.ExportStateResponse]:
     """An ``ExportState``'s reply: the header, then every leaf of ``saved`` (a
-    :class:`~optserve.server.domain.saved_state.SavedState`) in pieces of at most ``chunk_bytes``."""
+    :class:`~optserve.server.domain.shard.saved_state.SavedState`) in pieces of at most ``chunk_bytes``."""
     yield data_pb2.ExportStateResponse(header=data_pb2.ExportStateHeader(
         version=saved.version, hyperparams_json=json.dumps(saved.hyper, sort_keys=True),
         incarnation=saved.incarnation))

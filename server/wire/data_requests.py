@@ -1,7 +1,7 @@
 """ShardData requests decoded and checked for the domain: ids, push headers, waits, reply options.
 
 Each function reads one part of a request and either returns what the domain takes (a
-:class:`~optserve.server.domain.shard_records.PushHeader`, a worker id, a wire dtype) or raises
+:class:`~optserve.server.domain.shard.shard_records.PushHeader`, a worker id, a wire dtype) or raises
 :class:`~optserve.server.domain.errors.InvalidArgument` naming the field, which the error table
 (:mod:`optserve.server.wire.errors`) answers INVALID_ARGUMENT.
 """
@@ -13,11 +13,9 @@ from typing import Iterator, Optional
 
 from optserve.protos import contract
 from optserve.protos.optserve.v1 import data_pb2, tensor_pb2
-from optserve.server.domain.assembly import wire_dtype
 from optserve.server.domain.config import MAX_WORKER_ID, WORKER_SEPARATOR, DType
 from optserve.server.domain.errors import InvalidArgument
-from optserve.server.domain.saved_state import StartState
-from optserve.server.domain.shard_records import PushHeader
+from optserve.server.domain.shard import PushHeader, StartState, wire_dtype
 from optserve.server.domain.telemetry import Telemetry
 
 _MEMBERSHIP_ACTIONS = {data_pb2.MEMBERSHIP_JOIN: "join", data_pb2.MEMBERSHIP_RENEW: "renew",

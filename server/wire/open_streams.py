@@ -13,7 +13,7 @@ import time
 from typing import Optional
 
 from optserve.server.domain.errors import ResourceExhausted
-from optserve.server.domain.shard_session import ShardSession
+from optserve.server.domain.shard import ShardSession
 
 _log = logging.getLogger(__name__)
 

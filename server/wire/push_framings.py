@@ -14,7 +14,7 @@ from optserve.protos import contract
 from optserve.protos.optserve.v1 import data_pb2
 from optserve.server.domain.config import DType
 from optserve.server.domain.errors import InvalidArgument
-from optserve.server.domain.shard_session import ShardSession
+from optserve.server.domain.shard import ShardSession
 from optserve.server.wire.data_requests import pull_options
 from optserve.server.wire.shared_memory import RegionTable
 

@@ -26,8 +26,7 @@ from optserve.protos import chunk_codec
 from optserve.protos.optserve.v1 import data_pb2
 from optserve.server.domain.config import DType
 from optserve.server.domain.errors import Cancelled, InvalidArgument, OptservError
-from optserve.server.domain.shard_records import Receipt
-from optserve.server.domain.shard_session import ShardSession
+from optserve.server.domain.shard import Receipt, ShardSession
 from optserve.server.wire import data_requests
 from optserve.server.wire.data_replies import param_slices, push_response, tensor_chunk
 from optserve.server.wire.open_streams import OpenStream, OpenStreams

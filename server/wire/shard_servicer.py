@@ -1,7 +1,7 @@
 """Wire layer of a shard: the ShardData gRPC service.
 
 Each method decodes its request (:mod:`~optserve.server.wire.data_requests`), makes one call on
-the session's :class:`~optserve.server.domain.shard_session.ShardSession` and encodes the answer
+the session's :class:`~optserve.server.domain.shard.shard_session.ShardSession` and encodes the answer
 (:mod:`~optserve.server.wire.data_replies`); the domain error table
 (:mod:`optserve.server.wire.errors`) turns refusals into statuses. ``PushPull``, the training
 step's stream, is served by :mod:`~optserve.server.wire.push_pull`; the same-host shared-memory
@@ -19,8 +19,7 @@ import grpc
 from optserve.protos import chunk_codec
 from optserve.protos.optserve.v1 import data_pb2, data_pb2_grpc
 from optserve.server.domain.errors import InvalidArgument
-from optserve.server.domain.shard_registry import ShardRegistry
-from optserve.server.domain.shard_session import ShardSession
+from optserve.server.domain.shard import ShardRegistry, ShardSession
 from optserve.server.wire import data_requests
 from optserve.server.wire.data_replies import pull_chunks, pull_into_region, push_response, state_replies
 from optserve.server.wire.errors import grpc_errors, safe_decoder

@@ -3,13 +3,13 @@
 The contract (names, layout, OS calls) is :mod:`optserve.protos.shared_memory`. The shard owns
 every region it serves: it creates them, unlinks their names within ``NAME_TTL_S`` (the client
 unlinks them as soon as it has mapped them), and unmaps them when the session closes (its
-:class:`~optserve.server.domain.shard_session.ShardSession` is no longer the registry's), when
+:class:`~optserve.server.domain.shard.shard_session.ShardSession` is no longer the registry's), when
 the client closes them, when the client process is gone (it holds a shared lock on the region
 while it lives: :func:`~optserve.protos.shared_memory.peer_alive`), or when they go unused for
 ``idle_s``. A reaper thread checks every ``sweep_s``.
 
 A region is read only while serving a step message that names it with the right nonce; the
-gradients are read through the same :class:`~optserve.server.domain.assembly.TensorAssembler`
+gradients are read through the same :class:`~optserve.server.domain.shard.assembly.TensorAssembler`
 as chunks (validation, finiteness, staging in pooled buffers), so a region written without its
 step, or a client killed while writing it, applies nothing.
 """
@@ -31,9 +31,8 @@ import numpy as np
 
 from optserve.protos import chunk_codec
 from optserve.protos import shared_memory as shm
-from optserve.server.domain.host_passes import parallel_copy
 from optserve.server.domain.errors import InvalidArgument, NotFound, PermissionDenied
-from optserve.server.domain.shard_session import ShardRegistry, ShardSession
+from optserve.server.domain.shard import ShardRegistry, ShardSession, parallel_copy
 
 _log = logging.getLogger(__name__)
 

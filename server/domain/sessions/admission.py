@@ -10,9 +10,9 @@ from typing import NamedTuple, Sequence
 from optserve.server.compute.kernels import check_optimizer
 from optserve.server.domain.config import Limits, SessionConfig
 from optserve.server.domain.errors import InvalidArgument
-from optserve.server.domain.placement import place_tensors
-from optserve.server.domain.session_records import SessionRecord
-from optserve.server.domain.session_table import SessionTable
+from optserve.server.domain.sessions.placement import place_tensors
+from optserve.server.domain.sessions.session_records import SessionRecord
+from optserve.server.domain.sessions.session_table import SessionTable
 
 
 class Placed(NamedTuple):
@@ -45,7 +45,7 @@ def place_session(config: SessionConfig, owner: str, creator: str, *, addresses:
                   table: SessionTable, limits: Limits, workers: bool, min_shard_bytes: int) -> Placed:
     """Places the session over the shards at ``addresses`` (balancing what ``table`` holds),
     within every shard's memory budget; ``workers``: the server has preconditioner workers
-    (see :func:`~optserve.server.domain.memory_estimate.estimate`).
+    (see :func:`~optserve.server.domain.sessions.memory_estimate.estimate`).
 
     Raises:
       ResourceExhausted: its estimated bytes would take a shard past its budget.

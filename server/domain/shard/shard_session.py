@@ -21,11 +21,11 @@ still fails when the initial values arrive is answered INVALID_ARGUMENT, and not
 
 :class:`ShardSession` is the facade the wire layer and the shard actor call: the receive side
 (initial values, pushes assembled, validated and staged, votes and commits), reading and status.
-It hands each job to a collaborator: :mod:`~optserve.server.domain.staging` (staged pushes, their
-expiry after ``staged_push_ttl_s``, ``max_staged_bytes``), :mod:`~optserve.server.domain.step_runner`
-(decided tickets applied in order through the apply queue, :mod:`~optserve.server.domain.apply_queue`,
-each update a step of :mod:`~optserve.server.domain.step_journal`: log space, the log order, the
-unlogged step and its recovery, checkpoints, restore) and :mod:`~optserve.server.domain.refusals`:
+It hands each job to a collaborator: :mod:`~optserve.server.domain.shard.staging` (staged pushes, their
+expiry after ``staged_push_ttl_s``, ``max_staged_bytes``), :mod:`~optserve.server.domain.shard.step_runner`
+(decided tickets applied in order through the apply queue, :mod:`~optserve.server.domain.shard.apply_queue`,
+each update a step of :mod:`~optserve.server.domain.shard.step_journal`: log space, the log order, the
+unlogged step and its recovery, checkpoints, restore) and :mod:`~optserve.server.domain.shard.refusals`:
 every push refused or dropped is logged once on this module's logger (INFO, ``event=push_refused
 session=... shard=... client=... sequence=... reason=...``; never values). Locks: the step
 runner's ``cond`` guards the version, the apply queue, the journal and the updater's state; the
@@ -42,22 +42,21 @@ import numpy as np
 
 from optserve.server.compute.kernel_words import error_line, tensors_in_words
 from optserve.server.compute.updater import Updater
-from optserve.server.domain.assembly import TensorAssembler
+from optserve.server.domain.clock import HomeCalls
 from optserve.server.domain.config import Limits, SessionConfig, TensorSpec
 from optserve.server.domain.durability import CheckpointPort
-from optserve.server.domain.home_calls import HomeCalls
+from optserve.server.domain.shard.assembly import TensorAssembler
 from optserve.server.domain.errors import (FailedPrecondition, InvalidArgument, OptservError, PermissionDenied,
                                            RejectReason, Replaced, ResourceExhausted, Unavailable)
-from optserve.server.domain import saved_state
-from optserve.server.domain.refusals import Refusals, log_value
-from optserve.server.domain.saved_state import StartState
-from optserve.server.domain.shard_records import PushHeader, Receipt, ShardSessionStatus, StepObserver
-from optserve.server.domain.shard_registry import ShardRegistry
-from optserve.server.domain.staging import StagingArea
-from optserve.server.domain.step_runner import StepRunner
+from optserve.server.domain.shard import saved_state
+from optserve.server.domain.shard.refusals import Refusals, log_value
+from optserve.server.domain.shard.saved_state import StartState
+from optserve.server.domain.shard.shard_records import PushHeader, Receipt, ShardSessionStatus, StepObserver
+from optserve.server.domain.shard.staging import StagingArea
+from optserve.server.domain.shard.step_runner import StepRunner
 from optserve.server.domain.telemetry import SessionSeries
 
-__all__ = ["PushHeader", "Receipt", "ShardRegistry", "ShardSession", "ShardSessionStatus", "StepObserver"]
+__all__ = ["PushHeader", "Receipt", "ShardSession", "ShardSessionStatus", "StepObserver"]
 
 _log = logging.getLogger(__name__)
 
@@ -92,7 +91,7 @@ class ShardSession:
       config: the session.
       tensor_names: the tensors this shard holds (a subset of ``config.tensors``, in order).
       shard_index: this shard's index (its vote and its part of cross-shard sums).
-      clock: the session's :class:`~optserve.server.domain.clock.Clock` (``is_home`` on its home
+      clock: the session's :class:`~optserve.server.domain.clock.home_clock.Clock` (``is_home`` on its home
         shard: the one that keeps the session's order; a handle on that one elsewhere).
       updater: the compute side (parameters, optimizer state, the jitted step).
       step_timeout_s: longest wait for a sync barrier, a missing ticket or a reduction.
@@ -175,7 +174,7 @@ class ShardSession:
         ``in_place``: whole float32 tensors in a shared-memory region are read where they lie
         (copied once, onto the device) instead of into a host buffer first. ``start``: the
         session starts from a saved state whose optimizer-state leaves ``state_chunks`` carry
-        (read after ``chunks``; see :mod:`~optserve.server.domain.saved_state`): the state, the
+        (read after ``chunks``; see :mod:`~optserve.server.domain.shard.saved_state`): the state, the
         version and the hyperparameters are in place before any step runs.
 
         Raises:
@@ -257,7 +256,7 @@ class ShardSession:
             comes first, so the caller hears the shard's Timeout rather than its own deadline.
           in_place: the chunks' bytes stay unchanged until this push is answered (a shared-memory
             region, which its client writes only between steps): whole float32 tensors are read
-            where they lie (see :class:`~optserve.server.domain.assembly.TensorAssembler`).
+            where they lie (see :class:`~optserve.server.domain.shard.assembly.TensorAssembler`).
 
         Returns:
           auto_commit: the applied push's receipt; else the staged push's (``committed=False``).

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 from optserve.server.domain.config import SessionConfig
 from optserve.server.domain.errors import OptservError, SessionLost
 from optserve.server.domain.events import log_event
-from optserve.server.domain.session_records import SessionRecord
-
-if TYPE_CHECKING:  # the coordinator's port, named for the reader only
-    from optserve.server.domain.coordinator import ShardFleet
+from optserve.server.domain.sessions.ports import ShardFleet
+from optserve.server.domain.sessions.session_records import SessionRecord
 
 log = logging.getLogger(__name__)
 

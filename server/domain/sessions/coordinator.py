@@ -1,7 +1,7 @@
 """The coordinator: sessions, their placement over the shards, and their status.
 
 The coordinator never sees tensor values: it validates a session's configuration, places its
-tensors (:func:`~optserve.server.domain.placement.place_tensors`), opens the session on the
+tensors (:func:`~optserve.server.domain.sessions.placement.place_tensors`), opens the session on the
 shards it chose (through a :class:`ShardFleet`, which the process host implements over Ray) and
 answers with the shard map; clients then talk to the shards directly.
 
@@ -26,9 +26,9 @@ Idle sessions: with a lease (:meth:`Coordinator.expire_idle`), a session no clie
 committed on, pulled from or initialized for that long is closed, as its owner would close it.
 
 Each session's state (opening, live, lost, unloaded, closing) is kept in one
-:class:`~optserve.server.domain.session_table.SessionTable`, whose methods are its transitions;
+:class:`~optserve.server.domain.sessions.session_table.SessionTable`, whose methods are its transitions;
 restoring a durable session at one version on all its shards is
-:mod:`~optserve.server.domain.session_restore`'s job.
+:mod:`~optserve.server.domain.sessions.session_restore`'s job.
 
 Every session event is one log line (:mod:`~optserve.server.domain.events`):
 ``event=session_created``, ``session_closed``, ``session_expired``, ``session_lost``.
@@ -40,18 +40,18 @@ import collections
 import logging
 import threading
 import time
-from typing import Mapping, Optional, Protocol, Sequence
+from typing import Mapping, Optional, Sequence
 
-from optserve.server.domain.admission import check_request, place_session
 from optserve.server.domain.config import Limits, SessionConfig
 from optserve.server.domain.errors import FailedPrecondition, SessionLost, Unavailable
 from optserve.server.domain.events import log_event
-from optserve.server.domain.session_records import (AttachExpectation, SessionRecord, SessionStatus, ShardOpening,
-                                                    ShardSummary)
-from optserve.server.domain.session_open import open_on_shards, undo_open
-from optserve.server.domain.session_restore import record_from_catalog, restore_consistently, restore_restarted
-from optserve.server.domain.session_table import SessionState, SessionTable
-from optserve.server.domain.shard_records import ShardSessionStatus
+from optserve.server.domain.sessions.admission import check_request, place_session
+from optserve.server.domain.sessions.ports import SessionCatalog, ShardFleet
+from optserve.server.domain.sessions.session_records import (AttachExpectation, SessionRecord, SessionStatus,
+                                                             ShardSummary)
+from optserve.server.domain.sessions.session_open import open_on_shards, undo_open
+from optserve.server.domain.sessions.session_restore import record_from_catalog, restore_consistently, restore_restarted
+from optserve.server.domain.sessions.session_table import SessionState, SessionTable
 
 log = logging.getLogger(__name__)
 
@@ -61,59 +61,12 @@ _OPENS_AT_ONCE = 4  # creates whose shards open (compile) at once: the rest of a
 ADMIN_TENANT = "admin"  # the tenant whose token sees every tenant's figures in the server's status
 
 
-class ShardFleet(Protocol):
-    """The shard actors as the coordinator sees them. Calls run on all named shards at once and
-    raise the first domain error any of them raised."""
-
-    addresses: Sequence[str]  # data-plane "host:port" by shard index
-    clock_addresses: Sequence[str]  # clock endpoints by shard index
-
-    def open_session(self, openings: Sequence[ShardOpening]) -> None: ...
-
-    def close_session(self, name: str, reason: str = "") -> None: ...  # on every shard (idempotent);
-    # calls still waiting in the session fail with ``reason`` (a lost session's message) if given
-
-    def session_status(self, name: str, shard_indices: Sequence[int]) -> list[ShardSessionStatus]: ...
-
-    def shard_summaries(self) -> list[ShardSummary]: ...  # every shard, answering or not
-
-    def session_series(self, name: str, shard_index: int): ...  # (accepted, refused) of the home shard
-
-    def session_activity(self) -> Mapping[str, float]: ...  # session -> latest activity on any shard (unix s)
-
-    # durable servers only
-    def restore_session(self, opening: ShardOpening, upto: Optional[int] = None) -> int: ...  # opens + restores
-    # one shard's part (to version ``upto``; None: all it logged); returns its version; raises SessionLost
-    def reachable(self, opening: ShardOpening) -> tuple[int, int, str]: ...  # one shard's part on disk:
-    # (checkpoint version, last logged version, checkpoint path), nothing loaded; raises SessionLost
-
-    def peer_down(self, home_index: int, shard_index: int, names: Sequence[str]) -> None: ...
-
-    def peer_up(self, home_index: int, shard_index: int, names: Sequence[str]) -> None: ...
-
-    def set_home_clock(self, shard_index: int, name: str, address: str) -> None: ...
-
-    def unload_session(self, name: str) -> None: ...  # checkpoint, then free it on every shard
-
-    def recovered(self, shard_index: int) -> None: ...  # the shard answers for unknown sessions again
-
-
-class SessionCatalog(Protocol):
-    """Where a durable server keeps its sessions' definitions (one entry per session)."""
-
-    def save(self, name: str, entry: dict) -> None: ...
-
-    def remove(self, name: str) -> None: ...
-
-    def entries(self) -> list[dict]: ...
-
-
 class Coordinator:
     """Sessions on one server.
 
     Args:
       fleet: the shard actors.
-      min_shard_bytes: see :func:`~optserve.server.domain.placement.place_tensors`.
+      min_shard_bytes: see :func:`~optserve.server.domain.sessions.placement.place_tensors`.
       catalog: durable servers: where sessions' definitions are saved (None: not durable).
       limits: bounds a new session must keep (bytes, memory budget per shard, sessions per tenant).
 
@@ -226,7 +179,7 @@ class Coordinator:
 
     def _restore(self, record: SessionRecord) -> Optional[str]:
         """Restores a durable session on all its shards at one version (see
-        :mod:`~optserve.server.domain.session_restore`); returns why it is lost, or None."""
+        :mod:`~optserve.server.domain.sessions.session_restore`); returns why it is lost, or None."""
         outcome = restore_consistently(self._fleet, record)
         if outcome.rolled_back_from:
             self._table.rolled_back(record.config.name, outcome.rolled_back_from)

@@ -1,11 +1,11 @@
 """The session clock's ordering state: versions, tickets, elastic rounds, the history, checkpoint timing.
 
 :class:`ClockState` decides each push the first time it is asked (via
-:func:`optserve.server.domain.staleness.decide`, or the elastic round rules of
-:mod:`optserve.server.domain.rounds`) and answers every later ask for the same
-``(client_id, sequence)`` with the same :class:`~optserve.server.domain.clock_records.Ticket`, so
+:func:`optserve.server.domain.clock.staleness.decide`, or the elastic round rules of
+:mod:`optserve.server.domain.clock.rounds`) and answers every later ask for the same
+``(client_id, sequence)`` with the same :class:`~optserve.server.domain.clock.clock_records.Ticket`, so
 all shards agree on acceptance, staleness and order. Accepted pushes get consecutive ordinals.
-It also keeps the record of each version (:mod:`~optserve.server.domain.version_history`), marks
+It also keeps the record of each version (:mod:`~optserve.server.domain.clock.version_history`), marks
 checkpoint-due steps and keeps the counters of :class:`ClockStatus`; its durable part round-trips
 through :meth:`ClockState.to_json` / :meth:`ClockState.restore`.
 """
@@ -17,14 +17,14 @@ import json
 import time
 from typing import Optional
 
-from optserve.server.domain.clock_records import MAX_WORKERS_REPORTED, ROUND_CLOSER, ClockStatus, Ticket
+from optserve.server.domain.clock.clock_records import MAX_WORKERS_REPORTED, ROUND_CLOSER, ClockStatus, Ticket
+from optserve.server.domain.clock.hyperparam_book import HyperparamBook
+from optserve.server.domain.clock.rounds import Rounds
+from optserve.server.domain.clock.staleness import Decision, decide
+from optserve.server.domain.clock.version_history import OpenStep, VersionHistory
 from optserve.server.domain.config import LatePolicy, Mode, SessionConfig, StalenessPolicy, worker_of
 from optserve.server.domain.durability import CheckpointPolicy
 from optserve.server.domain.errors import FutureBase, InvalidArgument, Late, OptservError, Stale
-from optserve.server.domain.hyperparam_book import HyperparamBook
-from optserve.server.domain.rounds import Rounds
-from optserve.server.domain.staleness import Decision, decide
-from optserve.server.domain.version_history import OpenStep, VersionHistory
 
 _KEEP_TICKETS = 4096  # recent tickets kept by ordinal (shards ask for the one whose turn it is)
 _MAX_WORKERS_KEPT = 4096  # workers whose last push a clock remembers (the oldest are forgotten)
@@ -34,10 +34,10 @@ _MAX_WORKERS_KEPT = 4096  # workers whose last push a clock remembers (the oldes
 class ClockState:
     """One session's ordering state: its version, the ticket book (each client's latest push and
     the recent tickets by ordinal), the counters of its status, the elastic membership and rounds
-    (:class:`~optserve.server.domain.rounds.Rounds`), the record of each version
-    (:class:`~optserve.server.domain.version_history.VersionHistory`) and when a checkpoint is next due.
+    (:class:`~optserve.server.domain.clock.rounds.Rounds`), the record of each version
+    (:class:`~optserve.server.domain.clock.version_history.VersionHistory`) and when a checkpoint is next due.
 
-    Not thread-safe: the home clock (:class:`~optserve.server.domain.clock.HomeClock`) calls it
+    Not thread-safe: the home clock (:class:`~optserve.server.domain.clock.home_clock.HomeClock`) calls it
     under its lock. Build it for a session with :func:`clock_state_for`.
     """
 
@@ -110,7 +110,7 @@ class ClockState:
             self.version + 1 - self.checkpoint_version, time.monotonic() - self.checkpoint_time)
 
     def _decide_elastic(self, client_id: str, base_version: int) -> tuple[Decision, Optional[str]]:
-        """Elastic sync: decides a push into the open round (see :mod:`~optserve.server.domain.rounds`);
+        """Elastic sync: decides a push into the open round (see :mod:`~optserve.server.domain.clock.rounds`);
         returns the decision and why it commits the round (None: it stays open)."""
         worker, rounds, now = worker_of(client_id), self.rounds, time.monotonic()
         if base_version > self.version:

@@ -27,7 +27,7 @@ import time
 from typing import Mapping, Optional
 
 from optserve.server.domain.errors import AlreadyExists, NotFound, PermissionDenied
-from optserve.server.domain.session_records import SessionRecord
+from optserve.server.domain.sessions.session_records import SessionRecord
 
 
 class SessionState(enum.Enum):

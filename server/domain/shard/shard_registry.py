@@ -1,17 +1,17 @@
-"""The sessions one shard holds, by name (re-exported by :mod:`optserve.server.domain.shard_session`)."""
+"""The sessions one shard holds, by name."""
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Optional
+from typing import Generic, Optional, TypeVar
 
 from optserve.server.domain.errors import NotFound, PermissionDenied, Unavailable
 
-if TYPE_CHECKING:
-    from optserve.server.domain.shard_session import ShardSession
+# a shard_session.ShardSession: the registry reads its ``config.name``, ``owner`` and ``last_activity_unix_s``
+ShardSession = TypeVar("ShardSession")
 
 
-class ShardRegistry:
+class ShardRegistry(Generic[ShardSession]):
     """The sessions one shard holds, by name (thread-safe).
 
     Args:

@@ -40,12 +40,12 @@ class HomeCalls:
     def history(self, since: int) -> list:
         """The :class:`~optserve.protos.status_records.RoundRecord` of each version after
         ``since``, oldest first, in every mode (sync: one per round; async: one per push; see
-        :mod:`~optserve.server.domain.version_history`)."""
+        :mod:`~optserve.server.domain.clock.version_history`)."""
         return self._home_clock("history").history(since)
 
     def hyperparam_history(self, since: int) -> list:
         """The hyperparameter changes in force from a version after ``since``, oldest first
-        (:class:`~optserve.server.domain.hyperparam_book.HyperparamChange`), with the options a
+        (:class:`~optserve.server.domain.clock.hyperparam_book.HyperparamChange`), with the options a
         caller can set only (a decay rate's complement, which the kernel carries beside it, is
         left out)."""
         settable = {option for group in self._optimizer().groups for option in group.hyper}

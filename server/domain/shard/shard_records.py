@@ -1,6 +1,6 @@
 """What a shard session takes in and hands out: push headers, receipts, status, its observer.
 
-Plain values, no behaviour beyond validation; :mod:`optserve.server.domain.shard_session`
+Plain values, no behaviour beyond validation; :mod:`optserve.server.domain.shard.shard_session`
 re-exports them (callers import them from there).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping, Optional
 
-from optserve.server.domain.clock_records import ClockStatus
+from optserve.server.domain.clock import ClockStatus
 from optserve.server.domain.durability import DurabilityStatus
 from optserve.server.domain.errors import InvalidArgument, RejectReason
 from optserve.server.domain.telemetry import Telemetry
@@ -27,7 +27,7 @@ class PushHeader:
       telemetry: the loss and scalars the client attached (kept in the session's series).
       without_gradient: the tensors the push has no gradient for (see ``StagedPush``).
       attempt: the client's try of this push (1, 2, ...; 0: unnumbered): each try is voted on
-        apart (:class:`~optserve.server.domain.votes.ShardVotes`).
+        apart (:class:`~optserve.server.domain.clock.votes.ShardVotes`).
       incarnation: the session's incarnation the client attached to ("": any).
     """
 

@@ -14,10 +14,10 @@ import dataclasses
 from typing import Iterable, Mapping, Optional, Sequence
 
 from optserve.server.compute.devices import DeviceReport
-from optserve.server.domain.clock_records import ClockStatus
+from optserve.server.domain.clock import ClockStatus
 from optserve.server.domain.config import Mode, PreconditionerOptions, SessionConfig
-from optserve.server.domain.memory_estimate import MemoryEstimate, estimate
-from optserve.server.domain.shard_records import ShardSessionStatus
+from optserve.server.domain.sessions.memory_estimate import MemoryEstimate, estimate
+from optserve.server.domain.shard import ShardSessionStatus
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Callable, Optional, Union
 
-from optserve.server.domain.clock_records import Ticket
+from optserve.server.domain.clock.clock_records import Ticket
 from optserve.server.domain.errors import OptservError, PeerRefused
 
 _STALE_VOTE_S = 600.0  # a decided vote some shard never took part in is forgotten after this long

@@ -24,11 +24,11 @@ Rounds
   deadline. A straggler that pushes on time is expected again. So one slow worker costs the others
   one deadline, not one per round.
 
-Every committed version gets a :class:`RoundRecord` (:func:`~optserve.server.domain.version_history.round_record`):
+Every committed version gets a :class:`RoundRecord` (:func:`~optserve.server.domain.clock.version_history.round_record`):
 its pushes (in ticket order, with the scale of each gradient in the mean), the late gradients
 dropped while it was open, its duration and why it committed. The update averages exactly the
 participants' gradients, so a run can be replayed from its records; the session clock keeps them
-(:class:`~optserve.server.domain.version_history.VersionHistory`).
+(:class:`~optserve.server.domain.clock.version_history.VersionHistory`).
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ import statistics
 from typing import Optional
 
 from optserve.protos.status_records import ElasticStatus, RoundRecord
-from optserve.server.domain.clock_records import Ticket
+from optserve.server.domain.clock.clock_records import Ticket
+from optserve.server.domain.clock.version_history import OpenStep
 from optserve.server.domain.config import SessionConfig, worker_of
 from optserve.server.domain.errors import ResourceExhausted
-from optserve.server.domain.version_history import OpenStep
 
 _PERIODS_KEPT = 16
 _MIN_ADAPTIVE_S = 0.05

@@ -14,9 +14,9 @@ from typing import Mapping
 import numpy as np
 
 from optserve.protos import contract, int8_codec
-from optserve.server.domain.host_passes import parallel_all_finite
 from optserve.server.domain.config import DType, TensorSpec
 from optserve.server.domain.errors import InvalidArgument, NonFinite
+from optserve.server.domain.shard.host_passes import parallel_all_finite
 
 
 def wire_dtype(value: int, *, what: str) -> DType:
@@ -128,7 +128,7 @@ class TensorAssembler:
 
 def all_finite(values: np.ndarray) -> bool:
     """Whether every value is finite, in one read-only pass (split across a few threads when
-    large, :func:`~optserve.server.domain.host_passes.parallel_all_finite`)."""
+    large, :func:`~optserve.server.domain.shard.host_passes.parallel_all_finite`)."""
     return parallel_all_finite(values, _all_finite_piece)
 
 

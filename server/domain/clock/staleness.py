@@ -1,6 +1,6 @@
 """Step semantics: the one place that decides whether a push joins a step, and how.
 
-Decisions are made by the session clock (:mod:`optserve.server.domain.clock`), where the session's
+Decisions are made by the session clock (:mod:`optserve.server.domain.clock.home_clock`), where the session's
 version lives; shards only execute them, in the clock's order.
 """
 

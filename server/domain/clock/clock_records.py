@@ -24,7 +24,7 @@ class Ticket:
     Attributes:
       ordinal: 0, 1, 2, ... per session.
       client_id / sequence: the push.
-      staleness / scale / closes_step: see :class:`optserve.server.domain.staleness.Decision`.
+      staleness / scale / closes_step: see :class:`optserve.server.domain.clock.staleness.Decision`.
       target_version: the version of the step this push belongs to (after it is applied).
         A ticket whose ``client_id`` is :data:`ROUND_CLOSER` carries no push: it commits an
         elastic round with the pushes decided into it so far.
@@ -32,7 +32,7 @@ class Ticket:
         (set on the ticket that closes a step, by the session's checkpoint policy).
       hyperparams: JSON ``{group: {option: value}}``: the hyperparameters set since the previous
         ticket, in force from this ticket's step on ("": none changed; see
-        :mod:`~optserve.server.domain.hyperparam_book`).
+        :mod:`~optserve.server.domain.clock.hyperparam_book`).
     """
 
     ordinal: int

@@ -12,7 +12,7 @@ import numpy as np
 
 from optserve.server.compute.buffers import aligned_empty
 from optserve.server.compute.updater import Updater
-from optserve.server.domain.clock_records import Ticket
+from optserve.server.domain.clock import Ticket
 from optserve.server.domain.config import TensorSpec
 from optserve.server.domain.durability import CheckpointPort, ShardProgress, StepRecord
 

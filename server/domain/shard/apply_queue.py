@@ -25,11 +25,11 @@ from typing import Optional
 import numpy as np
 
 from optserve.server.compute.buffers import IO_ALIGNMENT, aligned_empty
-from optserve.server.domain.clock_records import Ticket
+from optserve.server.domain.clock import Ticket
 from optserve.server.domain.config import Mode, SessionConfig, worker_of
 from optserve.server.domain.durability import ShardProgress
-from optserve.server.domain.refusals import log_value
 from optserve.server.domain.errors import Timeout
+from optserve.server.domain.shard.refusals import log_value
 
 TicketEntry = tuple[int, str, int]  # (ordinal, client_id, sequence): one push of a step, as logged
 

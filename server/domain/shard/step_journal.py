@@ -17,7 +17,7 @@ It also reserves log space before a push is staged (:meth:`StepJournal.reserve`)
 checkpoint is written (:meth:`StepJournal.after_step`, :meth:`StepJournal.checkpoint_now`) and
 restores a shard's part from its checkpoint and log (:meth:`StepJournal.replay`). Bringing a
 failed log back (:meth:`StepJournal.recover`, :meth:`StepJournal.require_logged`) is delegated to
-its :class:`~optserve.server.domain.log_recovery.LogRecovery`. A session that is not durable has a
+its :class:`~optserve.server.domain.shard.log_recovery.LogRecovery`. A session that is not durable has a
 journal with no store: every step then just runs.
 
 The journal is called with the session's lock held (a re-entrant lock: the journal calls back
@@ -27,74 +27,23 @@ into the session, see :class:`JournalOwner`), in step order, as the store requir
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Protocol
+from typing import Callable, Mapping, Optional
 
 import numpy as np
 
-from optserve.server.domain.clock_records import Ticket
 from optserve.server.domain.config import TensorSpec
 from optserve.server.domain.durability import CheckpointPort, DurabilityStatus, ShardProgress, StepLogPort, StepRecord
 from optserve.server.domain.errors import Unavailable
-from optserve.server.domain.log_recovery import LogRecovery
-from optserve.server.domain.refusals import log_value
-from optserve.server.domain.replay import replay
+from optserve.server.domain.shard.journal_records import JournaledStep, JournalOwner, UnloggedStep
+from optserve.server.domain.shard.log_recovery import LogRecovery
+from optserve.server.domain.shard.refusals import log_value
+from optserve.server.domain.shard.replay import replay
 
 _log = logging.getLogger(__name__)
 
 
 class LogWriteFailed(Unavailable):
     """Write-ahead order: a step's record could not be written, so the step was not applied."""
-
-
-class JournaledStep(NamedTuple):
-    """One step as the journal logs it.
-
-    Attributes:
-      ticket: the ticket that runs the step (its ``target_version`` is the step's version).
-      tickets: ``(ordinal, client_id, sequence)`` of every push the step applies, in order.
-      scale: the step's scale.
-      hyper: the hyperparameters it runs with (``{group: {option: value}}``).
-      absent: the tensors without a gradient in this step (left alone), sorted.
-    """
-
-    ticket: Ticket
-    tickets: tuple
-    scale: float
-    hyper: dict
-    absent: tuple = ()
-
-    def record(self, global_stat: float) -> StepRecord:
-        """The step's log record, once its cross-shard statistic is known."""
-        return StepRecord(self.ticket.target_version, self.tickets, self.scale, global_stat, self.hyper, self.absent)
-
-
-class UnloggedStep(NamedTuple):
-    """Write-ahead order: a step whose log record could not be written, so applied nowhere here
-    yet; its tickets are taken, and it is applied (logged first) before any later step."""
-
-    grads: dict  # the shard's own copy (the push's buffers went back when it was answered)
-    step: JournaledStep
-    global_stat: float  # the cross-shard statistic it was decided with
-
-
-class JournalOwner(Protocol):
-    """What the journal asks of the shard session whose steps it makes durable."""
-
-    where: str  # "session 'name' on shard i", for messages
-    version: int  # steps applied here
-    initialized: bool  # the initial values are installed
-    half_gathered: bool  # a sync step is gathering its pushes here (not a step boundary)
-
-    def checkpoint_state(self) -> tuple[ShardProgress, dict, Any, Optional[Callable], bool]:
-        """``(progress, params, opt_state, clock_state_fn, copied)`` at the current version
-        (``clock_state_fn``: the home clock's ``durable_state``, None elsewhere; ``copied``: the
-        arrays are a host copy, not views of the live state)."""
-
-    def recover_log(self) -> bool:
-        """Takes the session's lock and :meth:`StepJournal.recover`\\ s (raising if the session ended)."""
-
-    def reapply(self, unlogged: UnloggedStep) -> None:
-        """Runs the step whose record failed again, through :meth:`StepJournal.run`."""
 
 
 class HeldReleases:
@@ -335,7 +284,7 @@ class StepJournal:
                upto: Optional[int]) -> Optional[tuple[dict, ShardProgress, list[StepRecord]]]:
         """Loads ``store``'s latest checkpoint into ``updater`` and replays its log (up to version
         ``upto``; None: all of it); returns ``(manifest, progress, records replayed)``, or None
-        when the store has no checkpoint. See :func:`~optserve.server.domain.replay.replay`."""
+        when the store has no checkpoint. See :func:`~optserve.server.domain.shard.replay.replay`."""
         manifest = store.latest()
         if manifest is None:
             return None

@@ -1,20 +1,20 @@
 """The session clock: the session-wide ordering authority every shard of a session follows.
 
 A shard that receives a push asks the session's clock for the push's *ticket*
-(:class:`~optserve.server.domain.clock_records.Ticket`). The first ask decides; every later ask
+(:class:`~optserve.server.domain.clock.clock_records.Ticket`). The first ask decides; every later ask
 for the same ``(client_id, sequence)`` gets the same ticket, so all shards agree on acceptance,
 staleness and order. Accepted pushes get consecutive ordinals; each shard's apply queue
-(:class:`~optserve.server.domain.apply_queue.ApplyQueue`) applies tickets strictly in ordinal order,
+(:class:`~optserve.server.domain.shard.apply_queue.ApplyQueue`) applies tickets strictly in ordinal order,
 which keeps the shards' states consistent under concurrent clients. The clock also runs the vote
 among shards on each push and sums cross-shard statistics.
 
 :class:`Clock` is what every shard calls. Where the clock lives: in the session's *home* shard,
 the first shard of its shard map, as a :class:`HomeClock` (``is_home`` True), which composes
 
-- :class:`~optserve.server.domain.clock_state.ClockState`: versions, tickets, elastic rounds,
+- :class:`~optserve.server.domain.clock.clock_state.ClockState`: versions, tickets, elastic rounds,
   the record of each version, checkpoint timing;
-- :class:`~optserve.server.domain.votes.ShardVotes`: the shards' vote on each push;
-- :class:`~optserve.server.domain.cross_shard_sums.CrossShardSums`: the cross-shard sums;
+- :class:`~optserve.server.domain.clock.votes.ShardVotes`: the shards' vote on each push;
+- :class:`~optserve.server.domain.clock.cross_shard_sums.CrossShardSums`: the cross-shard sums;
 
 and adds what only the home shard does: elastic membership, the history, the ticket journal and
 restore of durable sessions, ending the session's waits. The other shards of the session reach it
@@ -31,13 +31,13 @@ import time
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 from optserve.protos.status_records import RoundRecord
-from optserve.server.domain.clock_records import ClockStatus, Ticket
-from optserve.server.domain.clock_state import clock_state_for
+from optserve.server.domain.clock.clock_records import ClockStatus, Ticket
+from optserve.server.domain.clock.clock_state import clock_state_for
+from optserve.server.domain.clock.cross_shard_sums import CrossShardSums
+from optserve.server.domain.clock.votes import ShardVotes
 from optserve.server.domain.config import SessionConfig
-from optserve.server.domain.cross_shard_sums import CrossShardSums
 from optserve.server.domain.durability import CheckpointPolicy
 from optserve.server.domain.errors import InvalidArgument, OptservError, Unavailable
-from optserve.server.domain.votes import ShardVotes
 
 _log = logging.getLogger(__name__)
 
@@ -127,14 +127,14 @@ class HomeClock:
     def vote(self, client_id: str, sequence: int, base_version: int, shard_index: int, staged: bool,
              timeout_s: float, attempt: int = 0) -> Optional[Ticket]:
         """Auto-commit: one shard's stage outcome; returns the ticket once every shard staged
-        (see :meth:`~optserve.server.domain.votes.ShardVotes.vote`; the only shard of a session
+        (see :meth:`~optserve.server.domain.clock.votes.ShardVotes.vote`; the only shard of a session
         decides alone)."""
         if self._participants == 1:
             return self.commit(client_id, sequence, base_version) if staged else None
         return self._votes.vote(client_id, sequence, base_version, shard_index, staged, timeout_s, attempt)
 
     def reduce_sum(self, key: int, shard_index: int, value: float) -> float:
-        """See :meth:`~optserve.server.domain.cross_shard_sums.CrossShardSums.reduce_sum`."""
+        """See :meth:`~optserve.server.domain.clock.cross_shard_sums.CrossShardSums.reduce_sum`."""
         return self._sums.reduce_sum(key, shard_index, value)
 
     def status(self) -> ClockStatus:
@@ -207,8 +207,8 @@ class HomeClock:
 
     def history(self, since: int) -> list[RoundRecord]:
         """The records of the versions after ``since``, oldest first (the latest
-        :data:`~optserve.server.domain.version_history.MAX_VERSIONS_KEPT` versions are kept; see
-        :mod:`~optserve.server.domain.version_history`)."""
+        :data:`~optserve.server.domain.clock.version_history.MAX_VERSIONS_KEPT` versions are kept; see
+        :mod:`~optserve.server.domain.clock.version_history`)."""
         with self._cond:
             return self._state.history.since(since)
 
@@ -216,7 +216,7 @@ class HomeClock:
     def set_hyperparams(self, values: dict) -> tuple[int, bool]:
         """Asks for hyperparameters ``{group: {option: value}}`` (checked by the caller); returns
         ``(the version of the first step running with them, whether anything changed)`` (see
-        :mod:`~optserve.server.domain.hyperparam_book`). Durable sessions journal a change before
+        :mod:`~optserve.server.domain.clock.hyperparam_book`). Durable sessions journal a change before
         answering.
 
         Raises:

@@ -14,7 +14,7 @@ checkpoint saves, and the versions after a checkpoint are rebuilt from the ticke
 async record, or a sync step's of one push, is a function of its tickets alone (the journal holds
 each ticket with its staleness and scale), and the record of a sync round of several pushes or of
 an elastic round, whose duration and closing reason no ticket holds, is journaled beside the
-ticket that closes it (see :class:`~optserve.server.domain.clock.HomeClock`).
+ticket that closes it (see :class:`~optserve.server.domain.clock.home_clock.HomeClock`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import dataclasses
 from typing import Iterable, Optional, Sequence
 
 from optserve.protos.status_records import RoundRecord
-from optserve.server.domain.clock_records import Ticket
+from optserve.server.domain.clock.clock_records import Ticket
 from optserve.server.domain.config import worker_of
 
 MAX_VERSIONS_KEPT = 4096  # versions whose record a session's clock keeps (as its tickets and hyperparameter changes)

@@ -12,7 +12,7 @@ import logging
 from typing import Optional
 
 from optserve.server.domain.errors import RejectReason
-from optserve.server.domain.shard_records import StepObserver
+from optserve.server.domain.shard.shard_records import StepObserver
 from optserve.server.domain.telemetry import SessionSeries
 
 

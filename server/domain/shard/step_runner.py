@@ -1,11 +1,11 @@
 """The apply side of one session on one shard: decided tickets applied in order, each as a durable step.
 
 :class:`StepRunner` takes the tickets the session's clock decided and applies them strictly in
-ordinal order (the shard's apply queue, :class:`~optserve.server.domain.apply_queue.ApplyQueue`), so
+ordinal order (the shard's apply queue, :class:`~optserve.server.domain.shard.apply_queue.ApplyQueue`), so
 every shard applies the same pushes in the same order: an async push runs the update with its
 own gradient; a sync push joins its step, and the push that closes the step runs the update with
 the step's mean. Each update runs as a step of the session's
-:class:`~optserve.server.domain.step_journal.StepJournal` (logged as its order says), and a
+:class:`~optserve.server.domain.shard.step_journal.StepJournal` (logged as its order says), and a
 checkpoint follows when the ticket made one due.
 
 Kernel failures: a step that fails only when it runs (after the clock decided it and the update
@@ -28,17 +28,18 @@ import numpy as np
 
 from optserve.server.compute.kernel_words import error_line
 from optserve.server.compute.updater import Updater
-from optserve.server.domain.clock_records import Ticket
+from optserve.server.domain.clock import Ticket
 from optserve.server.domain.config import SessionConfig, TensorSpec
 from optserve.server.domain.durability import ShardProgress
 from optserve.server.domain.errors import (InvalidArgument, OptservError, PeerRefused, RejectReason, SessionLost, Stale,
                                            Timeout, Unavailable)
-from optserve.server.domain.refusals import log_value
-from optserve.server.domain.replay import replayed_tickets
-from optserve.server.domain.apply_queue import ApplyQueue, entry
-from optserve.server.domain.shard_records import StepObserver
-from optserve.server.domain.staging import StagingArea
-from optserve.server.domain.step_journal import JournaledStep, LogWriteFailed, StepJournal, UnloggedStep
+from optserve.server.domain.shard.apply_queue import ApplyQueue, entry
+from optserve.server.domain.shard.journal_records import JournaledStep, UnloggedStep
+from optserve.server.domain.shard.refusals import log_value
+from optserve.server.domain.shard.replay import replayed_tickets
+from optserve.server.domain.shard.shard_records import StepObserver
+from optserve.server.domain.shard.staging import StagingArea
+from optserve.server.domain.shard.step_journal import LogWriteFailed, StepJournal
 from optserve.server.domain.telemetry import SessionSeries
 
 _log = logging.getLogger(__name__)

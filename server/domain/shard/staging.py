@@ -23,11 +23,11 @@ import numpy as np
 
 from optserve.server.compute.buffers import BufferPool
 from optserve.server.compute.heap import release_free_memory
-from optserve.server.domain.assembly import TensorAssembler
 from optserve.server.domain.config import Limits, TensorSpec
 from optserve.server.domain.errors import Cancelled, InvalidArgument, NonFinite, NotFound, RejectReason
-from optserve.server.domain.refusals import Refusals
-from optserve.server.domain.shard_records import PushHeader
+from optserve.server.domain.shard.assembly import TensorAssembler
+from optserve.server.domain.shard.refusals import Refusals
+from optserve.server.domain.shard.shard_records import PushHeader
 from optserve.server.domain.telemetry import Telemetry
 
 PushKey = tuple[str, int]  # a push's identity: (client_id, sequence)

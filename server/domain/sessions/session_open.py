@@ -4,13 +4,11 @@ these outside its ``_membership`` lock: the shards compile the session's step me
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Mapping, Optional
+from typing import Mapping, Optional
 
 from optserve.server.domain.errors import Unavailable
-from optserve.server.domain.session_records import SessionRecord
-
-if TYPE_CHECKING:
-    from optserve.server.domain.coordinator import SessionCatalog, ShardFleet
+from optserve.server.domain.sessions.ports import SessionCatalog, ShardFleet
+from optserve.server.domain.sessions.session_records import SessionRecord
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 ``set_hyperparams`` asks the home clock to change hyperparameters (``{group: {option: value}}``);
 the change is *pending* until the clock decides its next ticket, which carries the values in
-force from then on (:attr:`~optserve.server.domain.clock_records.Ticket.hyperparams`), so every
+force from then on (:attr:`~optserve.server.domain.clock.clock_records.Ticket.hyperparams`), so every
 shard applies it at the same ticket, between the same two pushes. The step that ticket belongs
 to is the first to run with the new values: its version is where the change takes effect.
 Asking for values already in force (or already pending) changes nothing: however many workers

@@ -1,6 +1,6 @@
 """Recovering a shard's step log after a failed write, once the disk takes writes again.
 
-:class:`LogRecovery` is the part of :class:`~optserve.server.domain.step_journal.StepJournal`
+:class:`LogRecovery` is the part of :class:`~optserve.server.domain.shard.step_journal.StepJournal`
 that brings a failed log back; the journal creates it and delegates to it. How depends on the
 log order in force:
 
@@ -18,14 +18,12 @@ record. Like the journal, it is called with the session's lock held.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 from optserve.server.domain.durability import CheckpointPort, StepLogPort
 from optserve.server.domain.errors import Unavailable
-from optserve.server.domain.refusals import log_value
-
-if TYPE_CHECKING:
-    from optserve.server.domain.step_journal import JournalOwner, UnloggedStep
+from optserve.server.domain.shard.journal_records import JournalOwner, UnloggedStep
+from optserve.server.domain.shard.refusals import log_value
 
 _log = logging.getLogger(__name__)
 

@@ -1,0 +1,22 @@
+"""A session on one shard: the step path from a push's chunks to its applied update.
+
+``ShardSession`` receives a push (assembled, validated and staged), asks the session clock for its
+ticket, applies tickets in order through the updater (``StepRunner``), makes each step durable
+(``StepJournal``: the step log, checkpoints, recovery) and answers reads and status; a user's saved
+state leaves and enters here (``saved_state``). ``ShardRegistry`` holds the sessions of one shard.
+
+Exports: ``ShardSession``, ``ShardRegistry``; the records ``PushHeader``, ``Receipt``,
+``ShardSessionStatus``, ``StepObserver``, ``StartState``; and the helpers the wire shares
+(``wire_dtype``, ``parallel_copy``, ``log_value``).
+"""
+
+from optserve.server.domain.shard.assembly import wire_dtype
+from optserve.server.domain.shard.host_passes import parallel_copy
+from optserve.server.domain.shard.refusals import log_value
+from optserve.server.domain.shard.saved_state import StartState
+from optserve.server.domain.shard.shard_records import PushHeader, Receipt, ShardSessionStatus, StepObserver
+from optserve.server.domain.shard.shard_registry import ShardRegistry
+from optserve.server.domain.shard.shard_session import ShardSession
+
+__all__ = ["PushHeader", "Receipt", "ShardRegistry", "ShardSession", "ShardSessionStatus", "StartState",
+           "StepObserver", "log_value", "parallel_copy", "wire_dtype"]
