@@ -191,7 +191,8 @@ def install_leaves(updater, leaves: Mapping[str, np.ndarray], keep_params: bool 
         treedef = jax.tree.structure(state)
         rebuilt.append(treedef.unflatten([whole[key] for key, _ in keyed]))
     opt_state = tuple(rebuilt) if chunked else rebuilt[0]
-    if keep_params:
-        updater.restore_state(opt_state)
-    else:
-        updater.restore(params, opt_state)
+    if keep_params:  # copies: on a CPU device the host views are the live buffers, which a step donates
+        params = {name: np.array(value) for name, value in updater.host_params().items()}
+    updater.restore(params, opt_state)
+    if updater.preconditioners is not None:  # roots' bookkeeping as the updates that made the state left it
+        updater.preconditioners.resume(updater.opt_state)

@@ -221,17 +221,6 @@ class Updater:
         if self._chunks() is not None:
             self._chunks().adopt(self.opt_state)
 
-    def restore_state(self, opt_state: Any) -> None:
-        """Installs an optimizer state (host arrays, the layout of :meth:`abstract_state`) over the
-        current parameters (a session started from a user's saved state)."""
-        import jax
-
-        self.opt_state = jax.tree.map(lambda x: jax.device_put(np.asarray(x), self.device), opt_state)
-        if self._chunks() is not None:
-            self._chunks().adopt(self.opt_state)
-        if self.preconditioners is not None:
-            self.preconditioners.resume(self.opt_state)
-
     def apply(self, grads: Mapping[str, np.ndarray], scale: float, reduce: Callable[[float], float],
               before: Optional[Callable[[float], None]] = None, absent: Iterable[str] = ()) -> float:
         """One update with float32 ``grads`` (name -> array, the shard's tensors), scaled by ``scale``.

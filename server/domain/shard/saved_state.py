@@ -154,3 +154,24 @@ def install(updater, leaves: Mapping[str, Any]) -> None:
         state_leaves.install_leaves(updater, whole, keep_params=True)
     except state_leaves.StateMismatch as exc:
         raise InvalidArgument(f"the saved state does not fit this optimizer: {exc}") from None
+
+
+def start_from(updater, steps, clock, start: StartState, leaves: Mapping[str, Any]) -> None:
+    """Installs a saved state over the initial one just built (the session's lock held, before any
+    step): its optimizer state, the hyperparameters in force, and the version ``steps`` (the
+    shard's ``StepRunner``) and, on the home shard, ``clock`` start at (the first step makes
+    ``start.version + 1``). A state that does not fit leaves the session uninitialised, as before
+    the values came.
+
+    Raises:
+      InvalidArgument: the leaves do not fit (named).
+    """
+    try:
+        install(updater, leaves)
+    except BaseException:
+        updater.params = updater.opt_state = None
+        raise
+    updater.set_hyper(start.hyper)
+    steps.version = int(start.version)
+    if clock.is_home:
+        clock.start_at(steps.version)

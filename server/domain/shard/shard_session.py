@@ -49,7 +49,7 @@ from optserve.server.domain.shard.assembly import TensorAssembler
 from optserve.server.domain.errors import (FailedPrecondition, InvalidArgument, OptservError, PermissionDenied,
                                            RejectReason, Replaced, ResourceExhausted, Unavailable)
 from optserve.server.domain.shard import saved_state
-from optserve.server.domain.shard.refusals import Refusals, log_value
+from optserve.server.domain.shard.refusals import Refusals, StepCheck, log_value
 from optserve.server.domain.shard.saved_state import StartState
 from optserve.server.domain.shard.shard_records import PushHeader, Receipt, ShardSessionStatus, StepObserver
 from optserve.server.domain.shard.staging import StagingArea
@@ -62,7 +62,6 @@ _log = logging.getLogger(__name__)
 
 _INIT_WAIT_S = 1.0  # longest in-thread wait for a new session's initial values (then UNAVAILABLE: retry)
 _ANSWER_MARGIN_S = 1.0  # a wait bounded by the caller's deadline ends this much earlier, to answer in time
-_UNCHECKED = object()  # ShardSession._step_problem before the step was traced once
 
 
 def _init_failure(config: SessionConfig, specs: dict[str, TensorSpec], shard_index: int,
@@ -130,7 +129,7 @@ class ShardSession:
         self._cond = self._steps.cond  # guards the version, the apply queue, the journal and the updater's state
         self.home = HomeCalls(config.name, shard_index, clock, self.touch, lambda: self.updater.optimizer,
                               config.is_elastic)
-        self._step_problem = _UNCHECKED  # why the optimizer's step cannot run here (None: it can); see _receive
+        self._step_check = StepCheck(self._cond, updater, self._refusals, config.name, shard_index)
         self.last_activity_unix_s = time.time()  # a client's last push, commit, pull or init here (see touch)
 
     @property
@@ -203,22 +202,11 @@ class ShardSession:
             except Exception as exc:  # noqa: BLE001 - OptservError passes through; the kernel's own failure
                 raise _init_failure(self.config, self.specs, self.shard_index, exc) from None
             if start is not None:
-                self._start_from(start, leaves)
+                saved_state.start_from(self.updater, self._steps, self._clock, start, leaves)
             if self._steps.journal.enabled:  # the initial values are durable before they are acknowledged
                 self._steps.journal.checkpoint(wait=True)
             self._cond.notify_all()  # pushes and pulls that arrived first (see _require_initialized)
             return self.version
-
-    def _start_from(self, start: StartState, leaves: dict) -> None:
-        """Installs a saved state over the initial one (``cond`` held); a state that does not fit
-        leaves the session uninitialised, as before the call."""
-        try:
-            saved_state.install(self.updater, leaves)
-        except BaseException:
-            self.updater.params = self.updater.opt_state = None
-            raise
-        self.updater.set_hyper(start.hyper)
-        self._steps.start_at(start.version)
 
     def export_state(self) -> saved_state.SavedState:
         """This shard's part of the session's state at its current version (taken between steps:
@@ -324,7 +312,7 @@ class ShardSession:
         if unknown:
             raise InvalidArgument(f"{self.where}: push {header.sequence} of client {header.client_id!r} names "
                                   f"tensors without a gradient that the session does not have: {unknown[:5]}")
-        self._require_runnable_step(header.client_id, header.sequence)
+        self._step_check.require(header.client_id, header.sequence)
         self._staging.check_room(header.client_id, header.sequence)
         try:  # durable: the step log has room for this push's step (and those staged before it) on the disk
             if not self._steps.queue.already_applied(header.client_id, header.sequence):  # a retry logs nothing
@@ -342,33 +330,6 @@ class ShardSession:
         self._staging.stage((header.client_id, header.sequence), header.base_version, grads, header.telemetry,
                             header.auto_commit, header.without_gradient)  # a retry replaces what an earlier attempt staged
         return False
-
-    def _require_runnable_step(self, client_id: str, sequence: int) -> None:
-        """Refuses the push before it is staged (so before any shard votes and the clock decides a
-        version) when the optimizer's step cannot run on this shard's tensors: a kernel that raises
-        while its update is traced does so for every push, and a step that failed after its ticket
-        was decided would leave the clock ahead of this shard and its peers with the step applied.
-        The step is traced once (see :meth:`Updater.step_problem`); the answer is kept.
-
-        Raises:
-          InvalidArgument: naming the session, the shard, the optimizer and the tensors.
-        """
-        if self._step_problem is _UNCHECKED:
-            with self._cond:  # tracing reads the state's structure, which changes only under the lock
-                if self._step_problem is _UNCHECKED:
-                    self._step_problem = self.updater.step_problem()
-                    if self._step_problem is not None:
-                        _log.warning("event=kernel_refused session=%s shard=%d problem=%s",
-                                     log_value(self.config.name), self.shard_index, log_value(self._step_problem))
-        if self._step_problem is not None:
-            self._refusals.refuse(RejectReason.INVALID, client_id, sequence, cause="kernel")
-            raise InvalidArgument(f"{self.where}: {self._step_problem}; "
-                                  f"the push was applied nowhere and the version did not change (every push of "
-                                  f"this session is refused so: its tensors and optimizer do not go together)")
-
-    def recover_log(self) -> bool:
-        """See :meth:`StepRunner.recover_log`."""
-        return self._steps.recover_log()
 
     # ----------------------------------------------------------------- durability
     def checkpoint_now(self) -> bool:

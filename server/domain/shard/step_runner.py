@@ -279,13 +279,6 @@ class StepRunner:
         self.observer.applied(time.perf_counter() - start)
         self.journal.after_step(ticket.checkpoint)
 
-    def start_at(self, version: int) -> None:
-        """A session created from a saved state: its first step makes ``version + 1`` (call with
-        ``cond`` held, before any step; the home shard's clock starts there too)."""
-        self.version = int(version)
-        if self._is_home:
-            self._clock.start_at(self.version)
-
     def reapply(self, unlogged: UnloggedStep) -> None:
         """Write-ahead order: applies the step whose record failed, logged first this time (its
         journal calls this once the disk takes writes; ``cond`` held)."""
