@@ -7,6 +7,7 @@ hyperparameters in force. Its leaves are named by tensor, not by shard (see the 
 
     {"format": "optserve.state/1", "session": name, "version": v, "incarnation": "...",
      "optimizer": {"name": ..., "args": {...}}, "mode": "sync" | "async",
+     "options": {"num_workers": ..., "max_staleness": ..., ...},   # the session's other options
      "hyperparams": {group: {option: value}},
      "params": {tensor: array},
      "tensors": {tensor: {path: array}},      # e.g. "0.mu", "0.nu" for optax.adam
@@ -30,6 +31,9 @@ from optserve.client.errors import AbortedError, InvalidArgumentError
 from optserve.protos.optserve.v1 import data_pb2
 
 FORMAT = "optserve.state/1"
+# The session's options a saved state keeps beside its optimizer (a session created from it gets them)
+SESSION_OPTIONS = ("mode", "num_workers", "max_staleness", "staleness_policy", "allow_nonfinite", "min_workers",
+                   "max_workers", "lease_s", "straggler_s", "late")
 _PARAM, _TENSOR, _SHARED = "param/", "tensor/", "shared/"
 _READ_TRIES = 20
 _PIECE_BYTES = 1 << 20
@@ -111,7 +115,8 @@ def _merged(session, version: int, incarnation: str, parts) -> dict[str, Any]:
                 shared[path] = array
     return {"format": FORMAT, "session": session.name, "version": int(version), "incarnation": incarnation,
             "optimizer": session.options.spec,
-            "mode": session.mode, "hyperparams": hyper, "params": params, "tensors": tensors, "shared": shared}
+            "mode": session.mode, "options": {name: getattr(session.options, name) for name in SESSION_OPTIONS},
+            "hyperparams": hyper, "params": params, "tensors": tensors, "shared": shared}
 
 
 def checked(state: Mapping[str, Any], tensor_names) -> Mapping[str, Any]:

@@ -34,10 +34,10 @@ def to_torch(saved: Mapping[str, Any], tensor_names: Sequence[str], param_groups
     """``saved`` (a :meth:`Session.state`) as a torch optimizer's ``state_dict`` of parameters
     ``tensor_names`` in groups ``param_groups`` (torch's, each with its ``params``)."""
     index = {name: i for i, name in enumerate(tensor_names)}
-    shared = {path: torch.from_numpy(np.asarray(value)) for path, value in saved["shared"].items()}
+    shared = {path: _tensor(value) for path, value in saved["shared"].items()}
     state = {}
     for name in tensor_names:
-        leaves = {path: torch.from_numpy(np.asarray(value)) for path, value in saved["tensors"].get(name, {}).items()}
+        leaves = {path: _tensor(value) for path, value in saved["tensors"].get(name, {}).items()}
         state[index[name]] = {**leaves, **shared}
     position = {}
     groups = []
@@ -52,7 +52,7 @@ def to_torch(saved: Mapping[str, Any], tensor_names: Sequence[str], param_groups
                          "incarnation": saved.get("incarnation", ""),
                          "tensor_names": list(tensor_names), "optimizer": saved["optimizer"], "mode": saved["mode"],
                          "hyperparams": saved["hyperparams"],
-                         "params": {name: torch.from_numpy(np.asarray(value)) for name, value in saved["params"].items()},
+                         "params": {name: _tensor(value) for name, value in saved["params"].items()},
                          "shared": shared}}
 
 
@@ -83,6 +83,14 @@ def from_torch(state_dict: Mapping[str, Any], tensor_names: Sequence[str]) -> di
                                  "mode": meta["mode"], "hyperparams": meta["hyperparams"],
                                  "params": {name: _array(value) for name, value in meta["params"].items()},
                                  "tensors": tensors, "shared": shared}, names)
+
+
+def _tensor(value) -> torch.Tensor:
+    """An array as a tensor sharing its memory (ml_dtypes' bfloat16 through its 16 bits)."""
+    array = np.asarray(value)
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 def _array(value) -> np.ndarray:

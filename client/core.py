@@ -130,9 +130,10 @@ class Client:
         """Creates a session holding ``params`` (name -> array; float32/bfloat16/float16; float64 is kept as float32).
 
         The keyword form of :meth:`create_session_with`. With ``state`` (a
-        :meth:`Session.state`, e.g. saved with ``optserve sessions save``), ``params`` and
-        ``optimizer`` default to the state's, and the session starts where the state was: its
-        parameters, optimizer state, version and hyperparameters.
+        :meth:`Session.state`, e.g. saved with ``optserve sessions save``), ``params``,
+        ``optimizer`` and the session's options (``mode``, ``num_workers``, staleness, elastic)
+        default to the state's, and the session starts where the state was: its parameters,
+        optimizer state, version and hyperparameters.
 
         Args:
           optimizer: ``{"name": registry name, "args": {keyword arguments}}``; Shampoo also takes
@@ -149,10 +150,11 @@ class Client:
           AlreadyExistsError, InvalidArgumentError (naming the option or tensor); TypeError: a
           keyword that is no session option.
         """
-        if state is not None:
+        if state is not None:  # the saved session's options, unless given
             params = state["params"] if params is None else params
             optimizer = state.get("optimizer") if optimizer is None else optimizer
-            options.setdefault("mode", state.get("mode", "sync"))
+            for key, value in {"mode": state.get("mode", "sync"), **state.get("options", {})}.items():
+                options.setdefault(key, value)
         if params is None or optimizer is None:
             raise TypeError("create_session needs params and optimizer (or a saved state that holds them)")
         return self.create_session_with(name, params, SessionOptions.from_spec(optimizer, **options),

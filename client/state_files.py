@@ -47,7 +47,7 @@ def save_state(state: Mapping[str, Any], directory: str) -> None:
         raise FileExistsError(f"{directory} exists: a saved state goes into a new directory")
     tensors = [(tensor, path) for tensor, leaves in state["tensors"].items() for path in leaves]
     meta = {key: state[key] for key in ("format", "session", "version", "optimizer", "mode", "hyperparams")}
-    meta["incarnation"] = state.get("incarnation", "")
+    meta["incarnation"], meta["options"] = state.get("incarnation", ""), dict(state.get("options", {}))
     meta.update(params=list(state["params"]), tensors=[list(item) for item in tensors], shared=list(state["shared"]))
     arrays = {"params": [np.asarray(value) for value in state["params"].values()],
               "tensors": [np.asarray(state["tensors"][tensor][path]) for tensor, path in tensors],
@@ -75,7 +75,7 @@ def load_state(directory: str) -> dict[str, Any]:
     for (tensor, path), value in zip(meta["tensors"], listed["tensors"]):
         tensors.setdefault(tensor, {})[path] = value
     state = {key: meta[key] for key in ("format", "session", "version", "optimizer", "mode", "hyperparams")}
-    state["incarnation"] = meta.get("incarnation", "")
+    state["incarnation"], state["options"] = meta.get("incarnation", ""), dict(meta.get("options", {}))
     state.update(params=dict(zip(meta["params"], listed["params"])), tensors=tensors,
                  shared=dict(zip(meta["shared"], listed["shared"])))
     return _saved_state.checked(state, state["params"])

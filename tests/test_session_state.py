@@ -159,3 +159,31 @@ def test_sessions_save_writes_an_orbax_checkpoint_that_restore_starts_a_session_
     assert "exists" in refused.stderr
     source.close()
     again.close()
+
+
+def test_a_session_created_from_a_saved_state_keeps_the_saved_sessions_options(client, unique_name):
+    options = dict(mode="async", max_staleness=3, staleness_policy="scale", allow_nonfinite=True)
+    source = client.create_session(f"{unique_name}-a", _params(), OPTIMIZERS[0], **options)
+    saved = source.state()
+    source.close()
+    restored = client.create_session(f"{unique_name}-b", state=saved)
+    got = client.session_options(f"{unique_name}-b")
+    assert (got.mode, got.max_staleness, got.staleness_policy, got.allow_nonfinite) == ("async", 3, "scale", True)
+    restored.close()
+    again = client.create_session(f"{unique_name}-c", state=saved, max_staleness=5)  # what is given wins
+    assert client.session_options(f"{unique_name}-c").max_staleness == 5
+    again.close()
+
+
+def test_a_saved_states_hyperparameters_are_checked_as_set_hyperparams_checks_them(client, unique_name):
+    source = client.create_session(f"{unique_name}-a", _params(), OPTIMIZERS[0])
+    saved = source.state()
+    source.close()
+    bad = {**saved, "hyperparams": {"default": {**saved["hyperparams"]["default"], "learning_rate": float("nan")}}}
+    with pytest.raises(InvalidArgumentError, match="learning_rate"):
+        client.create_session(f"{unique_name}-b", state=bad)
+    assert f"{unique_name}-b" not in client.list_sessions()
+    changed = {**saved, "hyperparams": {"default": {**saved["hyperparams"]["default"], "learning_rate": 0.5}}}
+    restored = client.create_session(f"{unique_name}-c", state=changed)
+    assert restored.status().hyperparams["default"]["learning_rate"] == pytest.approx(0.5)
+    restored.close()

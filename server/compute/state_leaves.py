@@ -47,26 +47,31 @@ def _key_part(key) -> str:
     return str(key).replace("/", "%2F")
 
 
-def _leaf_key(path, tensors: frozenset) -> str:
-    """The key of the optimizer-state leaf at ``path`` (a jax key path, without the chunk index)."""
-    parts, owner = [], None
-    for key in path:
-        value = getattr(key, "key", None)
-        if owner is None and isinstance(value, str) and value in tensors:
-            owner = value
-            continue
-        parts.append(_key_part(key))
+def _leaf_key(path, tensors: frozenset, grouped: bool) -> str:
+    """The key of the optimizer-state leaf at ``path`` (a jax key path, without the chunk index).
+    Its owner is the first dict key on the path that names a tensor; ``grouped``: the state is
+    ``{group label: state}`` (parameter groups), and a label ("0", "1", ...) is never taken for a
+    tensor so named."""
+    owner_at = next((i for i, key in enumerate(path) if (i > 0 or not grouped)
+                     and isinstance(getattr(key, "key", None), str) and key.key in tensors), None)
+    owner = path[owner_at].key if owner_at is not None else None
+    parts = [_key_part(key) for i, key in enumerate(path) if i != owner_at]
     rest = ".".join(parts) or "value"
     return f"{TENSOR}{owner}/{rest}" if owner is not None else f"{SHARED}{rest}"
 
 
-def _state_paths(opt_state, chunked: bool, tensors: frozenset) -> list[list[tuple[str, Any]]]:
+def _state_paths(opt_state, chunked: bool, tensors: frozenset, grouped: bool) -> list[list[tuple[str, Any]]]:
     """``[[(key, leaf), ...] per state]``: one list for a whole-tree state, one per chunk."""
     import jax
 
     states = list(opt_state) if chunked else [opt_state]
-    return [[(_leaf_key(path, tensors), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]]
+    return [[(_leaf_key(path, tensors, grouped), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]]
             for state in states]
+
+
+def _grouped(updater) -> bool:
+    """Whether the optimizer keeps its state by parameter group (``param_groups``)."""
+    return len(getattr(updater.optimizer, "groups", ()) or ()) > 1
 
 
 class _StatisticRows:
@@ -110,7 +115,7 @@ def _layout_specs(updater) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     abstract = updater.abstract_state()
     tensors = frozenset(abstract["params"])
     specs = {PARAM + name: (tuple(s.shape), np.dtype(s.dtype)) for name, s in abstract["params"].items()}
-    for leaves in _state_paths(abstract["opt_state"], bool(updater.chunk_tensors), tensors):
+    for leaves in _state_paths(abstract["opt_state"], bool(updater.chunk_tensors), tensors, _grouped(updater)):
         for key, leaf in leaves:
             spec = (tuple(leaf.shape), np.dtype(leaf.dtype))
             if specs.setdefault(key, spec) != spec:
@@ -139,7 +144,7 @@ def export_leaves(updater) -> dict[str, np.ndarray]:
     tensors = frozenset(params)
     rows = _StatisticRows(updater)
     leaves = {PARAM + name: np.asarray(value) for name, value in params.items()}
-    for chunk in _state_paths(opt_state, bool(updater.chunk_tensors), tensors):
+    for chunk in _state_paths(opt_state, bool(updater.chunk_tensors), tensors, _grouped(updater)):
         for key, leaf in chunk:
             leaf = np.asarray(leaf)
             if rows.stacked(key):
@@ -187,7 +192,7 @@ def install_leaves(updater, leaves: Mapping[str, np.ndarray], keep_params: bool 
     chunked = bool(updater.chunk_tensors)
     states = list(abstract["opt_state"]) if chunked else [abstract["opt_state"]]
     rebuilt = []
-    for state, keyed in zip(states, _state_paths(abstract["opt_state"], chunked, tensors)):
+    for state, keyed in zip(states, _state_paths(abstract["opt_state"], chunked, tensors, _grouped(updater))):
         treedef = jax.tree.structure(state)
         rebuilt.append(treedef.unflatten([whole[key] for key, _ in keyed]))
     opt_state = tuple(rebuilt) if chunked else rebuilt[0]

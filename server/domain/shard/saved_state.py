@@ -167,11 +167,37 @@ def start_from(updater, steps, clock, start: StartState, leaves: Mapping[str, An
       InvalidArgument: the leaves do not fit (named).
     """
     try:
+        hyper = _checked_hyper(updater, start.hyper)
         install(updater, leaves)
     except BaseException:
         updater.params = updater.opt_state = None
         raise
-    updater.set_hyper(start.hyper)
+    updater.set_hyper(hyper)
     steps.version = int(start.version)
     if clock.is_home:
         clock.start_at(steps.version)
+
+
+def _checked_hyper(updater, hyper: Mapping[str, Mapping[str, float]]) -> dict:
+    """A saved state's hyperparameters checked as ``set_hyperparams`` checks them (each value
+    against its option's rule; a decay rate's complement computed afresh); options that cannot
+    be set (the kernel's own, such as a complement) are left to the check to derive.
+
+    Raises:
+      InvalidArgument: an unknown group, or a value that breaks its option's rule (named).
+    """
+    settable = {group.label: set(group.hyper) for group in updater.optimizer.groups}
+    checked: dict = {}
+    for label, values in hyper.items():
+        if label not in settable:
+            raise InvalidArgument(f"the saved state's hyperparameters name a parameter group {label!r} this "
+                                  f"optimizer does not have (it has {sorted(settable)})")
+        given = {option: value for option, value in values.items() if option in settable[label]}
+        if not given:
+            continue
+        try:
+            for group, options in updater.optimizer.checked_hyperparams(given, label).items():
+                checked.setdefault(group, {}).update(options)
+        except ValueError as exc:
+            raise InvalidArgument(f"the saved state's hyperparameters: {exc}") from None
+    return checked
