@@ -105,28 +105,41 @@ def test_second_updater_with_same_structure_and_optimizer_compiles_nothing(spec)
             np.testing.assert_allclose(result[name], expected[name], rtol=0, atol=1e-6, err_msg=name)
 
 
-def test_other_options_or_shapes_get_their_own_compiled_update():
+def test_other_shapes_compile_their_own_step_and_other_option_values_give_their_own_results():
+    """A learning rate is an argument of the step, not part of its program: a session with
+    another one runs the same executable (found by its text), with its own rate."""
     params = make_params(seed=4, shapes={"options/w": (6, 3)})
     other_lr = {"name": "adafactor_hf", "args": dict(ADAFACTOR["args"], lr=5e-2)}
     _run(ADAFACTOR, params, 1)
-    results = {}
-    for label, spec, p in [("lr", other_lr, params), ("shape", ADAFACTOR, make_params(seed=4, shapes={"options/w": (6, 4)}))]:
-        before = _compiles()
-        results[label] = _run(spec, p, 2)
-        assert _compiles() - before >= 2, label
+    before = _compiles()
+    _run(ADAFACTOR, make_params(seed=4, shapes={"options/w": (6, 4)}), 2)
+    assert _compiles() - before >= 2, "init and step of the new shape"
+    result = _run(other_lr, params, 2)
     expected = InProcess(other_lr["name"], other_lr["args"], params)
     expected.step(make_grads(params, 0))
-    np.testing.assert_allclose(results["lr"]["options/w"], expected.step(make_grads(params, 1))["options/w"],
+    np.testing.assert_allclose(result["options/w"], expected.step(make_grads(params, 1))["options/w"],
                                rtol=0, atol=1e-6)
 
 
-def test_compiled_updates_are_bounded():
-    cache = compile_cache.CompiledUpdates(capacity=2)
-    built = []
+def test_compiled_programs_are_bounded_least_recently_used_first():
+    cache = compile_cache.Executables(capacity=3)
+    lowered = []
+
+    class Lowered:  # what ``jax.jit(f).lower(...)`` gives, for a program whose text is its key
+        def __init__(self, key):
+            self.key = key
+
+        def as_text(self, debug_info=True):
+            return self.key
+
+        def compile(self):
+            return f"program {self.key}"
+
+    # each program is filed under its structure and its text's hash: three entries hold one and a half
     for key in ["a", "b", "a", "c", "b"]:
-        cache.get(key, lambda: built.append(key) or compile_cache.CompiledUpdate(len, None, len))
-    assert built == ["a", "b", "c", "b"]  # "b" was the least recently used when "c" came
-    assert cache.stats() == {"entries": 2, "hits": 1, "misses": 4}
+        cache.compiled_for(("structure", key), lambda: lowered.append(key) or Lowered(key))
+    assert lowered == ["a", "b", "c", "b"]  # "b" was the least recently used when "c" came
+    assert cache.stats() == {"entries": 3, "hits": 1, "misses": 4} and cache.compiles == 4
 
 
 @pytest.fixture(scope="module")

@@ -1,32 +1,35 @@
-"""A shard with many tensors updated in chunks: compile cost that grows with shapes, not tensors.
+"""A shard's step, as jitted programs over chunks of its tensors: one chunk for most shards, many
+for a shard with thousands of tensors (compile cost that grows with shapes, not tensors).
 
-XLA's compile time of one step over the whole pytree grows faster than the tensor count (a few
+XLA's compile time of one step over a whole pytree grows faster than the tensor count (a few
 hundred tensors compile in seconds, a few thousand in minutes). A shard holding more than
 :data:`CHUNK_TENSORS` tensors is therefore updated chunk by chunk: its tensors sorted by (rank,
-shape, dtype, name) and cut into chunks of at most that many, each chunk's step, partial statistic,
-masked step and state init one jitted function over *flat* tuples of arrays (the tensor names live
-in the traced function, so kernels that read paths, such as T5X's factor rules, see them).
+shape, dtype, name) and cut into chunks of at most that many. Every other shard is one chunk of all
+its tensors (``chunk_tensors`` 0), whose state is the optimizer's state of the whole tree. Each
+chunk's step, partial statistic, masked step and state init is one jitted function over *flat*
+tuples of arrays (the tensor names live in the traced function, so kernels that read paths, such
+as T5X's factor rules, see them).
 
-Chunks whose lowered programs are identical (same shapes and dtypes, and an optimizer whose
-computation does not depend on the names) share one compiled executable, found by the hash of
-the program's text (:data:`EXECUTABLES`, process-wide, so sessions share them too): a model of
-thousands of tensors of a few shapes compiles a few programs; only tracing is per tensor.
+Executables are shared through :data:`~optserve.server.compute.compile_cache.EXECUTABLES`
+(process-wide, so sessions share them): found by the chunk's structure (a second session of a
+model compiles nothing), else by the hash of the program's text (chunks of other names whose
+programs are identical: a model of thousands of tensors of a few shapes compiles a few programs;
+only tracing is per tensor).
 
 Semantics are those of the whole-tree step: the tensors of a session are already split across
 shards, each running the optimizer over its part and summing the partial statistic; a chunk is one
 more such part (its partial statistics are summed with the shard's). The optimizer state of a
-chunked shard is the tuple of its chunks' states (checkpoints record the chunk size, see
+shard of several chunks is the tuple of its chunks' states (checkpoints record the chunk size, see
 :attr:`~optserve.server.domain.durability.ShardProgress.state_chunks`).
 """
 
 from __future__ import annotations
 
-import collections
-import hashlib
-import threading
 from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
 import numpy as np
+
+from optserve.server.compute.compile_cache import EXECUTABLES
 
 CHUNK_TENSORS = 64
 """A shard with more tensors than this is updated in chunks of at most this many."""
@@ -36,7 +39,10 @@ def plan_chunks(specs: Mapping[str, tuple], chunk_tensors: int) -> list[tuple[st
     """The chunks of tensors ``specs`` (name -> (shape, dtype)), each of at most ``chunk_tensors``
     names in name order: the tensors of each (shape, dtype) cut into full chunks of their own (one
     program for all of them), what is left of every kind then cut together, sorted by (rank,
-    shape, dtype, name). Deterministic: a restore plans the chunks a checkpoint was written in."""
+    shape, dtype, name). Deterministic: a restore plans the chunks a checkpoint was written in.
+    ``chunk_tensors`` 0: one chunk of every tensor."""
+    if not chunk_tensors:
+        return [tuple(sorted(specs))] if specs else []
     def kind(name):
         return len(specs[name][0]), tuple(specs[name][0]), np.dtype(specs[name][1]).str
 
@@ -50,55 +56,6 @@ def plan_chunks(specs: Mapping[str, tuple], chunk_tensors: int) -> list[tuple[st
         rest += names[full:]
     chunks += [tuple(sorted(rest[i:i + chunk_tensors])) for i in range(0, len(rest), chunk_tensors)]
     return chunks
-
-
-class Executables:
-    """A process-wide, bounded (least recently used) cache of compiled XLA programs by key: the
-    chunk's own structure first (names included: a second session of the same model traces
-    nothing), then the hash of a lowered program's text (chunks of other names, same program)."""
-
-    def __init__(self, capacity: int = 1024):
-        self.capacity = capacity
-        self._entries: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
-        self._lock = threading.Lock()
-        self.compiles = 0
-
-    def get(self, key: Hashable):
-        with self._lock:
-            found = self._entries.get(key)
-            if found is not None:
-                self._entries.move_to_end(key)
-            return found
-
-    def put(self, key: Hashable, compiled) -> None:
-        with self._lock:
-            self._entries[key] = compiled
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
-
-    def compiled_for(self, structure_key: Optional[Hashable], lower: Callable[[], Any], fresh: bool = False):
-        """The executable for ``structure_key`` (None: not keyable), else for the program
-        ``lower()`` gives (lowered once here, compiled only if no identical program was).
-        ``fresh``: look nothing up (an executable found before refused its arguments); lower,
-        compile and file the result under both keys."""
-        found = self.get(structure_key) if structure_key is not None and not fresh else None
-        if found is not None:
-            return found
-        lowered = lower()
-        text_key = ("hlo", hashlib.sha256(lowered.as_text(debug_info=False).encode()).hexdigest())
-        found = None if fresh else self.get(text_key)
-        if found is None:
-            found = lowered.compile()
-            with self._lock:
-                self.compiles += 1
-            self.put(text_key, found)
-        if structure_key is not None:
-            self.put(structure_key, found)
-        return found
-
-
-EXECUTABLES = Executables()
 
 
 def strongly_typed(tree):
@@ -120,18 +77,31 @@ class ChunkedUpdate:
       masked: the same with a last argument ``keep`` (name -> bool: tensor left alone).
       chunks: the tensor names of each chunk (:func:`plan_chunks`).
       key: the optimizer's cache key prefix (None: nothing is shared by structure).
+      whole: the chunks are one chunk of every tensor, whose state is the optimizer's state of
+        the whole tree (as the optimizer's own ``init`` makes it).
 
-    The state is a tuple with one optimizer state per chunk. Not thread-safe (the updater's
-    caller serialises).
+    The state is the optimizer state of the whole tree, or (not ``whole``) a tuple with one
+    optimizer state per chunk. Not thread-safe (the updater's caller serialises).
     """
 
     def __init__(self, optimizer, step: Callable, masked: Callable, chunks: Sequence[tuple[str, ...]],
-                 key: Optional[Hashable]):
+                 key: Optional[Hashable], whole: bool = False):
         self.optimizer = optimizer
         self.chunks = [tuple(c) for c in chunks]
+        if whole and len(self.chunks) != 1:
+            raise ValueError(f"a whole-tree update is one chunk, got {len(self.chunks)}")
+        self.whole = whole
         self._step, self._masked, self._key = step, masked, key
         self._programs: list[dict[str, Any]] = [{} for _ in self.chunks]  # per chunk: kind -> executable
         self._state_defs: list[Any] = [None] * len(self.chunks)
+
+    def _split(self, states) -> Sequence[Any]:
+        """Each chunk's state, from the state as the updater holds it."""
+        return (states,) if self.whole else states
+
+    def _joined(self, states: Sequence[Any]):
+        """The state as the updater holds it, from each chunk's state."""
+        return states[0] if self.whole else tuple(states)
 
     # ------------------------------------------------------------------ keys and lowering
     def _structure_key(self, kind: str, index: int, args) -> Optional[tuple]:
@@ -216,68 +186,91 @@ class ChunkedUpdate:
         return evaluate
 
     # ------------------------------------------------------------------ what the updater calls
-    def init(self, params: Mapping[str, Any]) -> tuple:
-        """Each chunk's optimizer state for ``params`` (name -> device array)."""
+    def init(self, params: Mapping[str, Any]):
+        """The optimizer state for ``params`` (name -> device array)."""
+        import jax
+
         states = []
         for index, names in enumerate(self.chunks):
             args = (tuple(params[n] for n in names),)
             leaves = self._call("init", index, self._init_function(index), args)
             if self._state_defs[index] is None:  # a shared executable: trace once for the structure
-                import jax
-
                 jax.eval_shape(self._init_function(index), *args)
             states.append(self._state_defs[index].unflatten(leaves))
-        return tuple(states)
+        return self._joined(states)
 
-    def adopt(self, states: Sequence[Any]) -> None:
+    def adopt(self, states) -> None:
         """Learns each chunk's state structure from ``states`` (restored from a checkpoint)."""
         import jax
 
-        for index, state in enumerate(states):
+        for index, state in enumerate(self._split(states)):
             self._state_defs[index] = jax.tree.structure(state)
 
-    def abstract_state(self, params: Mapping[str, Any]) -> tuple:
-        """Each chunk's state as ``jax.ShapeDtypeStruct`` (a checkpoint restores into it)."""
+    def abstract_state(self, params: Mapping[str, Any]):
+        """The state as ``jax.ShapeDtypeStruct`` (a checkpoint restores into it)."""
         import jax
 
-        return tuple(jax.eval_shape(lambda p: strongly_typed(self.optimizer.transformation.init(p)),
-                                    {n: params[n] for n in names}) for names in self.chunks)
+        return self._joined([jax.eval_shape(lambda p: strongly_typed(self.optimizer.transformation.init(p)),
+                                            {n: params[n] for n in names}) for names in self.chunks])
 
-    def compile_ahead(self, params: Mapping[str, Any], states: tuple, hyper) -> None:
-        """Compiles every chunk's step (and partial statistic) for these shapes now."""
+    def compile_ahead(self, params: Mapping[str, Any], states, hyper) -> None:
+        """Compiles every chunk's step (and partial statistic) for these shapes now (``params``:
+        arrays or ``jax.ShapeDtypeStruct``; ``states``: the state, or None for the one ``init``
+        makes)."""
         import jax
 
-        scalar = jax.ShapeDtypeStruct((), np.float32)
-        for index, names in enumerate(self.chunks):
+        if states is None:
+            states = self.abstract_state(params)
+            for index in range(len(self.chunks)):  # the structure each chunk's step unflattens
+                jax.eval_shape(self._init_function(index), tuple(params[n] for n in self.chunks[index]))
+        scalar, hyper = jax.ShapeDtypeStruct((), np.float32), _float32(hyper)
+        for index, state in enumerate(self._split(states)):
+            names = self.chunks[index]
             ps = tuple(jax.ShapeDtypeStruct(params[n].shape, params[n].dtype) for n in names)
             gs = tuple(jax.ShapeDtypeStruct(params[n].shape, np.float32) for n in names)
             leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
-                      for x in jax.tree.leaves(states[index])]
+                      for x in jax.tree.leaves(state)]
             self._program("step", index, self._step_function(index, False),
                           (ps, leaves, gs, scalar, scalar, hyper), donate=(0, 1))
             if self.optimizer.partial_statistic is not None:
                 self._program("partial", index, self._partial_function(index), (gs, leaves, ps))
 
-    def partial(self, grads: Mapping[str, Any], states: tuple, params: Mapping[str, Any]) -> float:
+    def working_bytes(self, params: Mapping[str, Any], hyper) -> Optional[int]:
+        """Bytes of XLA temporaries one step allocates beyond its inputs and outputs (its compiled
+        program's ``memory_analysis().temp_size_in_bytes``; for Shampoo with its roots computed
+        inside the step, several times the parameters), for ``params`` (``jax.ShapeDtypeStruct``):
+        the step compiled now is the one the steps run. None for several chunks (programs of a
+        part of the tensors each) or when the step cannot be compiled (the step reports why)."""
+        if len(self.chunks) != 1:
+            return None
+        try:
+            self.compile_ahead(params, None, hyper)
+            return int(self._programs[0]["step"].memory_analysis().temp_size_in_bytes)
+        except Exception:  # noqa: BLE001 - the step's own failure is reported where it runs
+            return None
+
+    def partial(self, grads: Mapping[str, Any], states, params: Mapping[str, Any]) -> float:
         """The shard's partial statistic: the sum of its chunks'."""
         import jax
 
         parts = []
-        for index, names in enumerate(self.chunks):
-            args = (tuple(grads[n] for n in names), jax.tree.leaves(states[index]), tuple(params[n] for n in names))
+        for index, state in enumerate(self._split(states)):
+            names = self.chunks[index]
+            args = (tuple(grads[n] for n in names), jax.tree.leaves(state), tuple(params[n] for n in names))
             parts.append(self._call("partial", index, self._partial_function(index), args))
         # One wait for all of them (the chunks' programs run back to back), summed in float64.
         return float(np.sum(np.asarray(jax.device_get(parts), dtype=np.float64)))
 
-    def step(self, params: dict, states: tuple, grads: Mapping[str, Any], scale, global_stat, hyper,
-             absent: frozenset = frozenset()) -> tuple[dict, tuple]:
+    def step(self, params: dict, states, grads: Mapping[str, Any], scale, global_stat, hyper,
+             absent: frozenset = frozenset()) -> tuple[dict, Any]:
         """One step of every chunk (tensors in ``absent`` left alone, as the masked step leaves
         them). Donates ``params``' arrays and ``states``; returns the new ones."""
         import jax
 
-        new_params, new_states = dict(params), []
-        for index, names in enumerate(self.chunks):
-            args = (tuple(params[n] for n in names), jax.tree.leaves(states[index]),
+        new_params, new_states, hyper = dict(params), [], _float32(hyper)
+        for index, state in enumerate(self._split(states)):
+            names = self.chunks[index]
+            args = (tuple(params[n] for n in names), jax.tree.leaves(state),
                     tuple(grads[n] for n in names), scale, global_stat, hyper)
             keep = tuple(np.bool_(n in absent) for n in names)
             if any(keep):
@@ -288,15 +281,22 @@ class ChunkedUpdate:
                                                    args, donate=(0, 1))
             new_params.update(zip(names, out_params))
             new_states.append(self._state_defs[index].unflatten(out_state))
-        return new_params, tuple(new_states)
+        return new_params, self._joined(new_states)
 
-    def evaluation(self, states: tuple, params: Mapping[str, Any]) -> dict:
+    def evaluation(self, states, params: Mapping[str, Any]) -> dict:
         """The optimizer's evaluation parameters (schedule-free), chunk by chunk (chunks of one
         program share its executable, as their steps do)."""
         import jax
 
         out: dict = {}
-        for index, names in enumerate(self.chunks):
-            args = (jax.tree.leaves(states[index]), tuple(params[n] for n in names))
+        for index, state in enumerate(self._split(states)):
+            names = self.chunks[index]
+            args = (jax.tree.leaves(state), tuple(params[n] for n in names))
             out.update(zip(names, self._call("evaluation", index, self._evaluation_function(index), args)))
         return out
+
+
+def _float32(hyper: Mapping[str, Mapping[str, Any]]) -> dict:
+    """``hyper`` (``{group: {option: number}}``) with float32 scalars: every step's program takes
+    the same argument types, whether a value came from the optimizer or from a caller."""
+    return {group: {option: np.float32(value) for option, value in values.items()} for group, values in hyper.items()}

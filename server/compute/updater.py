@@ -1,26 +1,27 @@
-"""A session's parameters and optimizer state on one shard, and the one jitted step over them.
+"""A session's parameters and optimizer state on one shard, and the jitted step over them.
 
-The shard's tensors form ONE pytree (a dict name -> array) on the shard's JAX device; each step
-is one jitted, donated call over the whole pytree, plus one jitted partial-statistic call when
-the optimizer needs a cross-shard sum. Shampoo sessions whose roots are offloaded call their
+The shard's tensors form one pytree (a dict name -> array) on the shard's JAX device; each step
+runs the shard's :class:`~optserve.server.compute.chunked_update.ChunkedUpdate`: jitted, donated
+programs over its chunks (for most shards one chunk of every tensor: one program over the whole
+tree), plus one partial-statistic program per chunk when the optimizer needs a cross-shard sum.
+Shampoo sessions whose roots are offloaded call their
 :class:`~optserve.server.compute.root_offload.ShardPreconditioners` right before and after it.
 The updater knows nothing of versions, tickets or clients: the domain's shard session decides
 *what* to apply; this module applies it.
 
-Sessions share compiled updates: the jitted step, partial-statistic and init functions live in
-one process-wide cache (:data:`COMPILED`) keyed by the optimizer (name and canonical options,
-after :func:`~optserve.server.compute.root_offload.build_shard_optimizer` decided where roots
-are computed) and the shard's tensor structure (names, shapes, dtypes). A kernel built twice from
-the same name and options is the same pure function, so the second session with the same key
-reuses the first one's compiled executables: its first step costs a dispatch, not a compile. The
-first session of a key compiles its step when it is initialized (ahead of time, for the shapes
-the step will see), so even its first step is a dispatch.
-Options that are not plain JSON (a callable passed in process) make the key None: that session
-compiles its own.
+Sessions share compiled programs (:data:`~optserve.server.compute.compile_cache.EXECUTABLES`,
+process-wide) keyed by the optimizer (name and canonical options, after
+:func:`~optserve.server.compute.root_offload.build_shard_optimizer` decided where roots are
+computed) and the chunk's tensor structure (names, shapes, dtypes). A kernel built twice from the
+same name and options is the same pure function, so the second session with the same key reuses
+the first one's executables: its first step costs a dispatch, not a compile. The first session of
+a key compiles its step when it is initialized (ahead of time, for the shapes the step will see),
+so even its first step is a dispatch. Options that are not plain JSON (a callable passed in
+process) make the key None: that session shares only programs whose text is identical.
 
 A shard with more than :data:`~optserve.server.compute.chunked_update.CHUNK_TENSORS` tensors (and
-no offloaded roots) is updated in chunks instead (:mod:`~optserve.server.compute.chunked_update`):
-its optimizer state is then the tuple of its chunks' states.
+no offloaded roots) is updated in chunks of that many: its optimizer state is then the tuple of
+its chunks' states.
 """
 
 from __future__ import annotations
@@ -29,10 +30,9 @@ from typing import Any, Callable, Collection, Iterable, Mapping, Optional
 
 import numpy as np
 
-from optserve.server.compute.chunked_update import CHUNK_TENSORS, ChunkedUpdate, strongly_typed, plan_chunks
+from optserve.server.compute.chunked_update import CHUNK_TENSORS, ChunkedUpdate, plan_chunks
+from optserve.server.compute.compile_cache import count_compiles, update_key
 from optserve.server.compute.heap import release_free_memory
-from optserve.server.compute.compile_cache import (COMPILED, CompiledUpdate, compile_ahead, count_compiles,
-                                                   step_working_bytes, update_key)
 from optserve.server.compute.host_transfer import to_host
 from optserve.server.compute.kernel_words import error_line, failing_alone
 
@@ -59,44 +59,38 @@ class Updater:
         self.opt_state: Any = None
         self._host_copy: Optional[tuple] = None  # (params, their pinned host copies): accelerators only
         self.hyper = optimizer.hyperparams  # {group: {option: float32}}: what the next step runs with
-        self._compiled: Optional[CompiledUpdate] = None
         many = len(self._param_specs) > CHUNK_TENSORS and preconditioners is None
         self.chunk_tensors = CHUNK_TENSORS if many else 0  # 0: one step over the whole tree
-        self._chunked: Optional[ChunkedUpdate] = None
-        self._chunks_compiled = False
+        self._update: Optional[ChunkedUpdate] = None
+        self._compiled_ahead = False
 
     def use_chunks(self, chunk_tensors: int) -> None:
         """Lays the state out as a checkpoint recorded it (``chunk_tensors``: 0 for one tree);
         call before :meth:`abstract_state` and :meth:`restore`."""
         self.chunk_tensors = int(chunk_tensors)
-        self._chunked = None
+        self._update = None
+        self._compiled_ahead = False
 
-    def _chunks(self) -> Optional[ChunkedUpdate]:
-        """The chunked step of this shard's tensors, or None when it has one tree."""
-        if self.chunk_tensors and self._chunked is None:
-            chunks = plan_chunks(self._param_specs, self.chunk_tensors)
-            key = update_key(self.optimizer, False, {})
-            self._chunked = ChunkedUpdate(self.optimizer, step_function(self.optimizer),
-                                          _masked_step_function(self.optimizer), chunks, key)
-        return self._chunked
-
-    def _functions(self, params: Optional[Mapping[str, Any]] = None) -> CompiledUpdate:
-        """The jitted functions for this optimizer over the structure of ``params`` (default: the
-        current parameters), from :data:`COMPILED`; looked up once per updater."""
-        if self._compiled is None:
-            params = self.params if params is None else params
-            # No device in the key: every updater of a process runs on its first device (init's
-            # output placement is that device's).
-            key = update_key(self.optimizer, getattr(self.preconditioners, "offloaded", False), params)
-            self._compiled = COMPILED.get(key, lambda: compiled_update(self.optimizer, self.device))
-        return self._compiled
+    def _chunks(self, params: Optional[Mapping[str, Any]] = None) -> ChunkedUpdate:
+        """The step of this shard's tensors (``param_specs``, else those of ``params`` or of the
+        current parameters), chunk by chunk (one chunk: the whole tree)."""
+        if self._update is None:
+            specs = self._param_specs or {name: (np.shape(value), value.dtype)
+                                          for name, value in (self.params if params is None else params).items()}
+            key = update_key(self.optimizer, getattr(self.preconditioners, "offloaded", False), {})
+            self._update = ChunkedUpdate(self.optimizer, step_function(self.optimizer),
+                                         _masked_step_function(self.optimizer),
+                                         plan_chunks(specs, self.chunk_tensors), key, whole=not self.chunk_tensors)
+        return self._update
 
     @property
     def initialized(self) -> bool:
         return self.params is not None
 
     def initialize(self, values: Mapping[str, np.ndarray], borrowed: Collection[str] = ()) -> None:
-        """Installs initial parameters (name -> array in the tensor's dtype) and the optimizer's state.
+        """Installs initial parameters (name -> array in the tensor's dtype) and the optimizer's
+        state, and compiles the step for them (sessions of one structure at once wait for one
+        compilation, not each do their own).
 
         The arrays are the updater's from now on (on a CPU device the parameters are them:
         ``device_put`` of aligned host memory aliases it), except those named in ``borrowed``,
@@ -107,32 +101,18 @@ class Updater:
         copy = set(borrowed) if self.device.platform == "cpu" else set()
         params = {name: jax.device_put(np.array(value) if name in copy else value, self.device)
                   for name, value in values.items()}
-        chunked = self._chunks()
-        if chunked is not None:
-            self.opt_state, self.params = chunked.init(params), params
-            self._compile_chunks()
-            release_free_memory()  # what the compiler freed (several times the code) goes back now
-            return
-        functions = self._functions(params)
-        if functions.compiled.is_set():
-            self.opt_state = functions.init(params)
-            self.params = params
-            return
-        with functions.compiling:  # sessions created at once wait for one compilation, not each do their own
-            self.opt_state = functions.init(params)
-            self.params = params
-            if not functions.compiled.is_set():
-                compile_ahead(functions, self.device, self.params, self.opt_state, _abstract_hyper(self.hyper))
-        release_free_memory()  # as above: a shard keeps up to 1 GiB of free heap between steps otherwise
+        self.opt_state, self.params = self._chunks(params).init(params), params
+        self._compile_ahead()
+        release_free_memory()  # what the compiler freed (several times the code) goes back now
 
-    def _compile_chunks(self) -> Optional[Exception]:
+    def _compile_ahead(self) -> Optional[Exception]:
         """Compiles every chunk's step for these shapes (once); what failed, or None."""
-        if not self._chunks_compiled:
+        if not self._compiled_ahead:
             try:
                 self._chunks().compile_ahead(self.params, self.opt_state, self.hyper)
             except Exception as exc:  # noqa: BLE001 - the kernel's refusal (step_problem words it)
                 return exc
-            self._chunks_compiled = True
+            self._compiled_ahead = True
         return None
 
     def init_problem(self) -> Optional[str]:
@@ -143,7 +123,7 @@ class Updater:
         cannot handle (T5X Adafactor on a tensor of rank > 2 with no factor rule: ``ValueError``).
         Such a failure is a property of the optimizer and the tensors: this traces ``init``
         abstractly (nothing allocated, compiled or run), so a shard can refuse a session before it
-        holds anything. The jitted ``init`` traced is the one :meth:`initialize` runs later.
+        holds anything.
 
         Returns:
           None, or a phrase naming the optimizer, the tensors that fail alone (shape, dtype) and
@@ -156,19 +136,19 @@ class Updater:
             return None
         params = _abstract_params(self._param_specs)
         try:
-            jax.eval_shape(self._functions(params).init, params)
+            jax.eval_shape(self.optimizer.transformation.init, params)
         except Exception as exc:  # noqa: BLE001 - any failure to trace init is the kernel's refusal
             return (f"optimizer {self.optimizer.name!r} cannot build its state for "
                     f"{_failing_init_tensors(self.optimizer, params)}: {error_line(exc)}")
         return None
 
     def step_working_bytes(self) -> Optional[int]:
-        """The step's working memory on the host (:func:`~.compile_cache.step_working_bytes`); None
-        for a chunked state (programs of 64 tensors each) or an accelerator (its own memory)."""
-        if not self._param_specs or self.device.platform != "cpu" or self._chunks() is not None:
+        """The step's working memory on the host (:meth:`~.chunked_update.ChunkedUpdate.working_bytes`:
+        compiling it now, so the steps compile nothing more); None for several chunks or an
+        accelerator (its own memory)."""
+        if not self._param_specs or self.device.platform != "cpu":
             return None
-        return step_working_bytes(self._functions(_abstract_params(self._param_specs)), self.device,
-                                  self._param_specs, _abstract_hyper(self.hyper))
+        return self._chunks().working_bytes(_abstract_params(self._param_specs), self.hyper)
 
     def step_problem(self) -> Optional[str]:
         """Why the optimizer's step cannot run on this shard's tensors, or None when it can.
@@ -176,41 +156,24 @@ class Updater:
         Some kernels accept their options and build their state, yet raise while their update is
         traced for a tensor they cannot handle (Muon's shape factor of a matrix with a zero-length
         axis: ``ZeroDivisionError``). Such a failure is a property of the optimizer and the tensors,
-        not of a gradient: this traces the step abstractly (nothing compiled or run; free when the
-        step compiled ahead), so a caller can refuse a push before its step is decided. Call it
-        between steps (it reads the state's structure).
+        not of a gradient: this compiles the step (free once it compiled ahead), so a caller can
+        refuse a push before its step is decided. Call it between steps.
 
         Returns:
           None, or a phrase naming the optimizer, the tensors that fail alone (shape, dtype) and
           the kernel's error, e.g. ``optimizer 'muon' cannot update tensor 'e' (shape [0, 4],
           float32): ZeroDivisionError: division by zero``.
         """
-        import jax
-
-        if self._chunks() is not None:
-            failed = self._compile_chunks()
-            return None if failed is None else (
-                f"optimizer {self.optimizer.name!r} cannot update {_failing_step_tensors(self.optimizer, self.params, self.hyper)}: {error_line(failed)}")
-        functions = self._functions()
-        if functions.compiled.is_set():  # this optimizer compiled for these tensors: it runs
+        failed = self._compile_ahead()
+        if failed is None:
             return None
-        grads, scalar = _abstract_grads(self.params), jax.ShapeDtypeStruct((), np.float32)
-        try:
-            jax.eval_shape(functions.step, self.params, self.opt_state, grads, scalar, scalar, self.hyper)
-            if functions.partial is not None:
-                jax.eval_shape(functions.partial, grads, self.opt_state, self.params)
-        except Exception as exc:  # noqa: BLE001 - any failure to trace the step is the kernel's refusal
-            return f"optimizer {self.optimizer.name!r} cannot update {_failing_step_tensors(self.optimizer, self.params, self.hyper)}: {error_line(exc)}"
-        return None
+        return (f"optimizer {self.optimizer.name!r} cannot update "
+                f"{_failing_step_tensors(self.optimizer, self.params, self.hyper)}: {error_line(failed)}")
 
     def abstract_state(self) -> dict:
         """``{"params", "opt_state"}`` as ``jax.ShapeDtypeStruct`` trees (what a checkpoint restores into)."""
-        import jax
-
         params = _abstract_params(self._param_specs)
-        if self._chunks() is not None:
-            return {"params": params, "opt_state": self._chunks().abstract_state(params)}
-        return {"params": params, "opt_state": jax.eval_shape(self.optimizer.transformation.init, params)}
+        return {"params": params, "opt_state": self._chunks(params).abstract_state(params)}
 
     def restore(self, params: Mapping[str, np.ndarray], opt_state: Any) -> None:
         """Installs parameters and optimizer state read back from a checkpoint (host arrays)."""
@@ -218,8 +181,7 @@ class Updater:
 
         self.params = {name: jax.device_put(np.asarray(value), self.device) for name, value in params.items()}
         self.opt_state = jax.tree.map(lambda x: jax.device_put(np.asarray(x), self.device), opt_state)
-        if self._chunks() is not None:
-            self._chunks().adopt(self.opt_state)
+        self._chunks().adopt(self.opt_state)
 
     def apply(self, grads: Mapping[str, np.ndarray], scale: float, reduce: Callable[[float], float],
               before: Optional[Callable[[float], None]] = None, absent: Iterable[str] = ()) -> float:
@@ -241,42 +203,19 @@ class Updater:
         # may_alias: on CPU the jitted step reads the pooled host buffers directly (no copy); they
         # return to the pool only after the step completed (block_until_ready below).
         grads = {name: jax.device_put(g, self.device, may_alias=True) for name, g in grads.items()}
-        if self._chunks() is not None:
-            return self._apply_chunks(grads, scale, reduce, before, absent)
-        functions = self._functions()
+        chunks = self._chunks()
         global_stat = np.float32(0.0)
-        if functions.partial is not None:
-            global_stat = np.float32(reduce(float(functions.partial(grads, self.opt_state, self.params))))
+        if self.optimizer.partial_statistic is not None:
+            global_stat = np.float32(reduce(chunks.partial(grads, self.opt_state, self.params)))
         if before is not None:
             before(float(global_stat))
         if self.preconditioners is not None:  # installs roots that arrived; waits past the age bound
             self.opt_state = self.preconditioners.before_update(self.opt_state, grads, self.params)
-        absent = frozenset(absent) & frozenset(self.params)
-        if absent:
-            keep = {name: np.bool_(name in absent) for name in self.params}
-            self.params, self.opt_state = functions.masked(self.params, self.opt_state, grads, np.float32(scale),
-                                                           global_stat, self.hyper, keep)
-        else:
-            self.params, self.opt_state = functions.step(self.params, self.opt_state, grads, np.float32(scale),
-                                                         global_stat, self.hyper)
+        self.params, self.opt_state = chunks.step(self.params, self.opt_state, grads, np.float32(scale), global_stat,
+                                                  self.hyper, frozenset(absent) & frozenset(self.params))
         jax.block_until_ready(self.params)
         if self.preconditioners is not None:  # sends the statistics for new roots, without waiting
             self.opt_state = self.preconditioners.after_update(self.opt_state)
-        return float(global_stat)
-
-    def _apply_chunks(self, grads, scale: float, reduce, before, absent: Iterable[str]) -> float:
-        """:meth:`apply` chunk by chunk (see :mod:`~optserve.server.compute.chunked_update`)."""
-        import jax
-
-        chunked = self._chunks()
-        global_stat = np.float32(0.0)
-        if self.optimizer.partial_statistic is not None:
-            global_stat = np.float32(reduce(chunked.partial(grads, self.opt_state, self.params)))
-        if before is not None:
-            before(float(global_stat))
-        self.params, self.opt_state = chunked.step(self.params, self.opt_state, grads, np.float32(scale), global_stat,
-                                                   self.hyper, frozenset(absent) & frozenset(self.params))
-        jax.block_until_ready(self.params)
         return float(global_stat)
 
     def param_bytes(self) -> int:
@@ -307,13 +246,9 @@ class Updater:
     def evaluation_params(self) -> Optional[dict[str, np.ndarray]]:
         """The parameters to evaluate the model with (schedule-free optimizers), as host arrays;
         None when they are the trained ones."""
-        import jax
-
         if self.optimizer.evaluation is None:
             return None
-        if self._chunks() is not None:
-            return to_host(self._chunks().evaluation(self.opt_state, self.params))
-        return to_host(jax.jit(self.optimizer.evaluation)(self.opt_state, self.params))
+        return to_host(self._chunks().evaluation(self.opt_state, self.params))
 
     def host_params(self) -> dict[str, np.ndarray]:
         """The parameters as host arrays. On CPU, views of the device buffers (no copy): drop them
@@ -336,26 +271,6 @@ class Updater:
     def host_state_is_copy(self) -> bool:
         """Whether :meth:`host_state` is a copy (on an accelerator), not views of the live state."""
         return self.device.platform != "cpu"
-
-
-def compiled_update(optimizer, device) -> CompiledUpdate:
-    """Fresh jitted step, masked step, partial statistic and init of ``optimizer`` on ``device``
-    (they compile on first use or in :func:`~.compile_cache.compile_ahead`)."""
-    import jax
-
-    partial = optimizer.partial_statistic
-    step_fn = jax.jit(step_function(optimizer), donate_argnums=(0, 1))
-    partial_fn = None
-    if partial is not None:
-        partial_fn = jax.jit(lambda grads, state, params: partial(
-            jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), state, params))
-    masked_fn = jax.jit(_masked_step_function(optimizer), donate_argnums=(0, 1))
-    # The state init makes has the types and placement (committed to the device) of the state a
-    # step returns, so the step compiles once, not once for each.
-    init = optimizer.transformation.init
-    init_fn = jax.jit(lambda params: strongly_typed(init(params)),
-                      out_shardings=jax.sharding.SingleDeviceSharding(device))
-    return CompiledUpdate(step_fn, partial_fn, init_fn, masked_fn)
 
 
 def step_function(optimizer) -> Callable:
@@ -431,24 +346,11 @@ def _abstract_params(specs: Mapping[str, tuple]) -> dict:
     return {name: jax.ShapeDtypeStruct(tuple(shape), dtype) for name, (shape, dtype) in specs.items()}
 
 
-def _abstract_hyper(hyper: Mapping[str, Mapping[str, Any]]) -> dict:
-    """Weakly typed float32 scalar ``jax.ShapeDtypeStruct``s like ``hyper`` (a step receives
-    Python numbers)."""
-    import jax
-
-    return {group: {option: jax.ShapeDtypeStruct((), np.float32, weak_type=True) for option in values}
-            for group, values in hyper.items()}
-
-
 def _abstract_grads(params: Mapping[str, Any]) -> dict:
     """Float32 ``jax.ShapeDtypeStruct`` gradients for ``params`` (what a step receives)."""
     import jax
 
     return {name: jax.ShapeDtypeStruct(tuple(np.shape(p)), np.float32) for name, p in params.items()}
-
-
-def _dtype(value):
-    return value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
 
 
 def _tree_bytes(tree) -> int:
