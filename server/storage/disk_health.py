@@ -3,8 +3,10 @@ that tells when it takes writes again."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import sys
 import threading
 from typing import Optional
 
@@ -37,32 +39,58 @@ def log_write_failure(logger: logging.Logger, event: str, exc: BaseException, **
 
 
 def _expected(exc: Optional[BaseException]) -> bool:
-    """The disk refusing, or an event loop closed under a writer while the process shuts down."""
-    closed_loop = isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc)
-    return exc is not None and (storage_error(exc) or closed_loop)
+    """The disk refusing, a damaged file read back (tensorstore's ``DATA_LOSS``), or an event loop
+    closed under a writer (an orbax operation that failed, or the process shutting down)."""
+    return exc is not None and (storage_error(exc) or str(exc).startswith("DATA_LOSS: ") or _closed_loop(exc))
+
+
+def _closed_loop(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc)
 
 
 class _OneLine(logging.Filter):
-    """Keeps a library's record of an expected write error to its first line, without traceback."""
+    """Keeps a library's record of an expected storage error to one line, without traceback: its
+    message's first line, and the error's when the line does not name it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and _expected(record.exc_info[1]):
-            line = record.getMessage().splitlines()[0] if record.getMessage() else ""
-            record.msg, record.args = line.split(" [tensorstore_spec=", 1)[0], None
-            record.exc_info = record.exc_text = None
+            message = record.getMessage()
+            line = message.splitlines()[0].split(" [tensorstore_spec=", 1)[0] if message else ""
+            error = error_line(record.exc_info[1])
+            record.msg = line if error.split(": ", 1)[-1][:40] in line else f"{line}: {error}"
+            record.args, record.exc_info, record.exc_text = None, None, None
         return True
 
 
+def _one_line_unraisable(previous):
+    """A ``sys.unraisablehook`` that logs an expected storage error one line, and hands anything
+    else to ``previous``. tensorstore reports an exception raised in a future's callback there: an
+    orbax operation's callback that finds its event loop closed (the operation failed, or the
+    process is shutting down) printed a traceback each."""
+
+    def hook(unraisable) -> None:
+        exc = unraisable.exc_value
+        if _expected(exc):
+            level = logging.INFO if _closed_loop(exc) else logging.WARNING
+            log.log(level, "event=storage_callback_failed error=%s", json.dumps(error_line(exc)))
+        else:
+            previous(unraisable)
+    return hook
+
+
 def quiet_expected_thread_errors() -> None:
-    """Makes orbax's records of the expected errors of its own writer threads (the disk refusing,
-    or their event loop closed while the process shuts down) one line each, once per process:
-    orbax logs them on the ``absl`` logger with a traceback. The call that started the write
-    raises the disk's error to its caller too, which logs and reports it. (tensorstore's callbacks
-    that find their event loop closed still print tracebacks of their own.)"""
+    """Makes the storage libraries' own reports of expected errors one line each, once per process:
+    orbax's records on the ``absl`` logger and asyncio's records of a future's unretrieved error
+    (the disk refusing, a damaged file, an event loop closed while the process shuts down) came
+    with a traceback, and tensorstore's callbacks that found their event loop closed printed one
+    each (``sys.unraisablehook``). The call that started a write raises the disk's error to its
+    caller too, which logs and reports it."""
     global _hook_installed
     with _hook_lock:
         if not _hook_installed:
-            logging.getLogger("absl").addFilter(_OneLine())
+            for library in ("absl", "asyncio"):
+                logging.getLogger(library).addFilter(_OneLine())
+            sys.unraisablehook = _one_line_unraisable(sys.unraisablehook)
             _hook_installed = True
 
 
