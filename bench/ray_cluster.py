@@ -29,10 +29,32 @@ START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
 
 
+_PORT_BLOCK = 2000  # ports a process draws from: its own block below the ephemeral range
+_next_port = [0]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port free now, for a server that will listen on it (and may be restarted on
+    it after a kill). Drawn below the kernel's ephemeral range, which every port-0 bind (a Ray
+    daemon, a shard, another test's server) draws from, so nothing else takes it meanwhile; from a
+    block of its own for each pytest-xdist worker (``PYTEST_XDIST_WORKER``), starting at a random
+    place in it so that separate runs rarely meet."""
+    import random
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    base = 12000 + _PORT_BLOCK * (int(worker[2:]) % 8 if worker[2:].isdigit() else 0)
+    if not _next_port[0]:
+        _next_port[0] = random.randrange(_PORT_BLOCK)
+    for _ in range(_PORT_BLOCK):
+        port = base + _next_port[0] % _PORT_BLOCK
+        _next_port[0] += 1
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {base}..{base + _PORT_BLOCK - 1}")
 
 
 def ray_env() -> dict:

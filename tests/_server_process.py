@@ -5,18 +5,12 @@ from __future__ import annotations
 
 import glob
 import signal
-import socket
 import subprocess
 from typing import Optional
 
+from bench.ray_cluster import free_port  # noqa: F401 - the tests' port
 from bench.process_session import ask_for_stacks, kill_session, session_pids, titled
 from bench.serve_output import ServeOutput, serve_argv, serve_env, start_serve
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

@@ -6,10 +6,11 @@ embedded server, and the comparisons."""
 from __future__ import annotations
 
 import os
-import socket
 from typing import Mapping, Optional
 
 import torch
+
+from bench.ray_cluster import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -81,12 +82,6 @@ def max_parameter_difference(model: torch.nn.Module, reference: Mapping[str, tor
 
 def parameters_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RestartableServer:

@@ -6,6 +6,12 @@ Fixtures other test files rely on (names are stable):
              started in this process by :func:`optserve.server.app.start_server`; exposes
              ``.address`` ("127.0.0.1:PORT") and ``.config``.
   unique_name: a fresh session name per test (``"<test name>-<8 hex>"``).
+
+``make test`` runs the suite in two passes: every module not marked ``serial`` on two
+pytest-xdist workers (``--dist loadgroup``: a module runs whole on one worker, with its fixtures;
+modules that set a ``xdist_group`` of their own, such as those that mount file systems, run one
+after another), then the ``serial`` modules alone (machine-wide memory, a mount table copied into
+namespaces, bounds on latency under load).
 """
 
 from __future__ import annotations
@@ -29,6 +35,14 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
 
+def pytest_collection_modifyitems(config, items):
+    """Each test without an ``xdist_group`` is in its module's: under ``--dist loadgroup`` a
+    module runs whole on one worker (its module-scoped server started once)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     """One local Ray for the whole pytest run (started lazily, shut down at the end)."""
@@ -37,6 +51,7 @@ def ray_local():
     started_here = False
     if not ray.is_initialized():
         ray.init(
+            address="local",  # a Ray of this process's own, whatever RAY_ADDRESS says
             include_dashboard=False,
             num_cpus=4,
             log_to_driver=False,

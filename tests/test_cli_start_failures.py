@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from bench.ray_cluster import free_port
+
 PORT_BOUND_S = 10.0  # a port in use, a bad flag value: found before Ray starts (about a second)
 RAY_PROBE_BOUND_S = 15.0  # an unreachable Ray cluster: the probe waits up to 5 s for an answer
 
@@ -56,9 +58,7 @@ def _listening(host: str = "127.0.0.1"):
 
 
 def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()  # nothing listens on it, and no port-0 bind elsewhere takes it meanwhile
 
 
 @pytest.mark.parametrize("flag", ["--port", "--health-port", "--metrics-port"])

@@ -7,8 +7,12 @@ from __future__ import annotations
 import pathlib
 import sys
 
+import pytest
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repository root: bench/
 from bench import crowd  # noqa: E402
+
+pytestmark = pytest.mark.serial  # bounds the slowest step of 64 clients
 
 STALL_S = 5.0  # far above a step here (tens of ms), below the fixture server's vote timeout
 

@@ -105,7 +105,10 @@ def test_a_killed_worker_leaves_at_once_and_the_run_replays_from_its_history(ser
         for worker in workers[:3]:
             worker.wait()
         history = _check_replay_and_acks(owner, params, workers)
-        assert "w3" not in owner.status().elastic.members
+        # the rounds may all have committed without it (a straggler) before its dropped connection
+        # was seen on a busy machine: it is gone within the same bound, long before its lease
+        _wait_for(lambda: "w3" not in owner.status().elastic.members,
+                  max(0.5, 10 - (time.monotonic() - killed_at)), "w3 dropped for its connection")
         assert owner.status().elastic.disconnects >= 1
         assert any("w3" in r.participants for r in history)  # it took part before it was killed
     finally:

@@ -9,8 +9,6 @@ import subprocess
 import sys
 import zipfile
 
-
-
 from scripts.gpu_wheels import DEVICE_LACKS, pinned, strip_wheel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

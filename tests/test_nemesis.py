@@ -15,6 +15,8 @@ from bench._nemesis_schedule import KINDS, plan
 from bench._nemesis_workers import load_calls
 from bench.checker import print_report
 
+pytestmark = pytest.mark.serial  # loop devices, SIGKILLs and deadlines checked under its own load only
+
 SLOTS = ["sync/0", "sync/1", "async/0", "elastic/0"]
 SEED = 5
 

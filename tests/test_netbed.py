@@ -21,7 +21,8 @@ import pytest
 from bench.checker import FaultRecord
 from bench.netbed import NetBed, Workload, start_cluster, unavailable_reason
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.serial,  # a namespace's host copies the machine's mount table
+              pytest.mark.slow,
               pytest.mark.skipif(unavailable_reason() is not None, reason=f"no test bed: {unavailable_reason()}")]
 
 STEP_TIMEOUT_S = 30.0  # the training client's timeout: one step's deadline, its retries included

@@ -152,13 +152,16 @@ def test_the_readme_opens_with_make_demo_and_make_test_as_the_makefile_defines_t
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^\.PHONY:.*\bdemo\b.*\btest\b", makefile, re.M)
     assert re.search(r"^demo: \$\(STAMP\)\n\t\$\(VENV\)/bin/optserve demo$", makefile, re.M)
-    assert re.search(r"^test: \$\(STAMP\)\n\t\$\(PY\) -m pytest -q$", makefile, re.M)
+    # two passes: the suite on two workers, then the modules marked serial alone; either failing fails
+    assert re.search(r"^test: \$\(STAMP\)\n\t\$\(PY\) -m pytest -q -n 2 --dist loadgroup -m \"not serial\"[^\n]*"
+                     r"parallel=\$\$\?; \\\n\t\$\(PY\) -m pytest -q -m serial[^\n]*serial=\$\$\?; \\\n"
+                     r"\ttest \$\$parallel -eq 0 && test \$\$serial -eq 0$", makefile, re.M), makefile
     # what the README says both do: a venv, the pinned install, then the demo / the suite
     assert "VENV   := .venv" in makefile and "-c constraints.txt -e '.[dev]'" in makefile
     assert "TORCH  := torch==2.13.0" in makefile
     text = readme()
     assert "`pip install -c constraints.txt -e '.[dev]'`, after `torch==2.13.0`" in text
-    assert "`make test` then runs the whole suite (`pytest -q`)" in text
+    assert "`make test` then runs the whole suite (pytest, on two workers, then the few" in text
     assert "`make demo` runs `optserve demo`" in text
 
 

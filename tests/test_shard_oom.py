@@ -15,6 +15,8 @@ import pytest
 from optserve.client import Client, SessionLostError
 from tests._server_process import ServerProcess
 
+pytestmark = pytest.mark.serial  # its ballast is set against the machine's used memory
+
 GIB = 1 << 30
 
 

@@ -26,14 +26,19 @@ from optserve.client import Client
 from optserve.client.errors import FailedPreconditionError
 from optserve.protos.optserve.v1 import data_pb2
 
+pytestmark = pytest.mark.xdist_group("mounts")  # mounts file systems: one such module at a time
+
 ADAFACTOR = {"name": "adafactor_hf", "args": {"lr": 1e-2, "relative_step": False, "scale_parameter": False}}
 SHAMPOO = {"name": "shampoo", "args": {"learning_rate": 0.01, "block_size": 8, "preconditioning_compute_steps": 5}}
 SGD = {"name": "sgd", "args": {"learning_rate": 0.1}}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _our_names() -> list[str]:
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("optserve-"))
+def _our_names(server) -> list[str]:
+    """The region names in /dev/shm that ``server``'s shards or this process created (a name
+    carries its creator's pid; another server on the machine makes names of its own)."""
+    creators = {str(pid) for pid in server.fleet.pids()} | {str(os.getpid())}
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("optserve-") and n.split("-")[1] in creators)
 
 
 def _mapped_regions(pid: int) -> int:
@@ -324,7 +329,7 @@ def test_a_client_killed_mid_push_applies_nothing_and_leaves_no_region(fast, ser
     assert _wait_for(lambda: _shard_regions(server) <= empty), (_shard_regions(server), empty)
     # names live only for a handshake (an offer nobody answered, e.g. the isolated client's, at
     # most OFFER_TTL_S): none stays behind
-    assert _wait_for(lambda: _our_names() == [], timeout_s=20), _our_names()
+    assert _wait_for(lambda: _our_names(server) == [], timeout_s=20), _our_names(server)
 
 
 def test_a_session_is_created_through_shared_memory_exactly_in_every_dtype(server, unique_name, byte_counter):
