@@ -161,7 +161,9 @@ class StagingArea:
         entry = None  # the last one's buffers are free too
         with self.lock:
             self._freed_since_trim += freed
-            trim = self._freed_since_trim >= _RETURN_PAGES_BYTES
+            # enough freed, or the last staged push gone: what is left to free stays put until a
+            # push comes, which may be never (expiries of pushes staged apart come sweep by sweep)
+            trim = self._freed_since_trim >= _RETURN_PAGES_BYTES or (self._freed_since_trim > 0 and not self._entries)
             if trim:
                 self._freed_since_trim = 0
         if trim:  # the heap would keep their pages (up to 1 GiB)
