@@ -8,10 +8,10 @@ Fixtures other test files rely on (names are stable):
   unique_name: a fresh session name per test (``"<test name>-<8 hex>"``).
 
 ``make test`` runs the suite in two passes: every module not marked ``serial`` on two
-pytest-xdist workers (:func:`pytest_xdist_make_scheduler`: a module runs whole on one worker, with
-its fixtures; the modules of a group in :data:`ONE_AT_A_TIME`, such as those that mount file
-systems, one after another), then the ``serial`` modules alone (machine-wide memory, a mount table
-copied into namespaces, bounds on latency under load).
+pytest-xdist workers (``--dist loadgroup``: a module runs whole on one worker, with its fixtures;
+modules that set a ``xdist_group`` of their own, such as those that mount file systems, run one
+after another), then the ``serial`` modules alone (machine-wide memory, a mount table copied into
+namespaces, bounds on latency under load).
 """
 
 from __future__ import annotations
@@ -35,29 +35,12 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
 
-# Modules that take one machine-wide resource: under `make test` each group runs one module after another.
-ONE_AT_A_TIME = {
-    # loop devices and size-limited mounts (the nemesis and the disk tests), a mount namespace
-    "mounts": ("test_checkpoint_failed_log.py", "test_disk_full.py", "test_disk_write_failure.py",
-               "test_log_rotation_full_disk.py", "test_nemesis.py", "test_shared_memory.py"),
-}
-
-
-def pytest_xdist_make_scheduler(config, log):
-    """pytest-xdist's scheduler under ``make test``: each module runs whole on one worker (its
-    module-scoped server started once), the modules of a group in :data:`ONE_AT_A_TIME` one after
-    another. (xdist's own ``loadgroup`` marks a group in a nodeid suffix that pytest 9 no longer
-    reads: it would send test after test to either worker.)"""
-    from xdist.scheduler import LoadScopeScheduling
-
-    group_of = {module: group for group, modules in ONE_AT_A_TIME.items() for module in modules}
-
-    class ModuleScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return group_of.get(module.rsplit("/", 1)[-1], module)
-
-    return ModuleScheduling(config, log)
+def pytest_collection_modifyitems(config, items):
+    """Each test without an ``xdist_group`` is in its module's: under ``--dist loadgroup`` a
+    module runs whole on one worker (its module-scoped server started once)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 @pytest.fixture(scope="session")
