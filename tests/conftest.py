@@ -8,9 +8,8 @@ Fixtures other test files rely on (names are stable):
   unique_name: a fresh session name per test (``"<test name>-<8 hex>"``).
 
 ``make test`` runs the suite in two passes: every module not marked ``serial`` on two
-pytest-xdist workers (``--dist loadgroup``: a module runs whole on one worker, with its fixtures;
-modules that set a ``xdist_group`` of their own, such as those that mount file systems, run one
-after another), then the ``serial`` modules alone (machine-wide memory, a mount table copied into
+pytest-xdist workers, test by test (a module's fixtures start on each worker that runs one of its
+tests), then the ``serial`` modules alone (machine-wide memory, a mount table copied into
 namespaces, bounds on latency under load).
 """
 
@@ -33,14 +32,6 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # XLA's default.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
-
-
-def pytest_collection_modifyitems(config, items):
-    """Each test without an ``xdist_group`` is in its module's: under ``--dist loadgroup`` a
-    module runs whole on one worker (its module-scoped server started once)."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 @pytest.fixture(scope="session")

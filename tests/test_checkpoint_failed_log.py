@@ -14,7 +14,6 @@ from bench import filesystems
 from optserve.server.domain.durability import DurabilityConfig, ShardProgress
 from optserve.server.storage import ShardStore
 
-pytestmark = pytest.mark.xdist_group("mounts")  # mounts file systems: one such module at a time
 
 
 @pytest.fixture

@@ -22,7 +22,6 @@ from bench.process_session import session_pids, titled
 from tests._server_process import ServerProcess
 from tests._service_helpers import InProcess, make_grads, max_abs_diff
 
-pytestmark = pytest.mark.xdist_group("mounts")  # mounts file systems: one such module at a time
 
 OPTIMIZER = {"name": "adam", "args": {"learning_rate": 0.01}}
 SHAPES = {"w": (256, 256), "b": (256,)}

@@ -27,7 +27,6 @@ from bench.filesystems import fill
 from tests._server_process import ServerProcess
 from tests._service_helpers import InProcess, make_grads, max_abs_diff
 
-pytestmark = pytest.mark.xdist_group("mounts")  # mounts file systems: one such module at a time
 
 OPTIMIZER = {"name": "adam", "args": {"learning_rate": 0.01}}
 SHAPES = {"w": (256, 256), "b": (256,)}  # w's record (256 KiB) goes to the disk with direct I/O

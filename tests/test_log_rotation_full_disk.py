@@ -12,7 +12,6 @@ import pytest
 from bench import filesystems
 from optserve.server.storage.segments import Segments, TICKETS
 
-pytestmark = pytest.mark.xdist_group("mounts")  # mounts file systems: one such module at a time
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ from bench._nemesis_schedule import KINDS, plan
 from bench._nemesis_workers import load_calls
 from bench.checker import print_report
 
-pytestmark = pytest.mark.xdist_group("mounts")  # mounts a loop device, as the disk tests do: one at a time
 
 SLOTS = ["sync/0", "sync/1", "async/0", "elastic/0"]
 SEED = 5

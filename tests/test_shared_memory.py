@@ -26,7 +26,6 @@ from optserve.client import Client
 from optserve.client.errors import FailedPreconditionError
 from optserve.protos.optserve.v1 import data_pb2
 
-pytestmark = pytest.mark.xdist_group("mounts")  # mounts file systems: one such module at a time
 
 ADAFACTOR = {"name": "adafactor_hf", "args": {"lr": 1e-2, "relative_step": False, "scale_parameter": False}}
 SHAMPOO = {"name": "shampoo", "args": {"learning_rate": 0.01, "block_size": 8, "preconditioning_compute_steps": 5}}
