@@ -219,10 +219,12 @@ class ChunkedUpdate:
         makes)."""
         import jax
 
-        if states is None:
-            states = self.abstract_state(params)
-            for index in range(len(self.chunks)):  # the structure each chunk's step unflattens
-                jax.eval_shape(self._init_function(index), tuple(params[n] for n in self.chunks[index]))
+        if states is None:  # init traced once per chunk: its state, and the structure each step unflattens
+            traced = []
+            for index, names in enumerate(self.chunks):
+                leaves = jax.eval_shape(self._init_function(index), tuple(params[n] for n in names))
+                traced.append(self._state_defs[index].unflatten(leaves))
+            states = self._joined(traced)
         scalar, hyper = jax.ShapeDtypeStruct((), np.float32), _float32(hyper)
         for index, state in enumerate(self._split(states)):
             names = self.chunks[index]
