@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 from concurrent import futures
 from typing import Callable, Optional
 
@@ -28,7 +27,8 @@ from optserve.server.domain.sessions import Coordinator
 from optserve.server.ops.health import Health, enable_reflection
 from optserve.server.ops.leases import SessionLeases
 from optserve.server.ops.shard_watch import ShardWatch
-from optserve.server.preflight import StartError, check_ports, probe_ray_address  # noqa: F401 - StartError: what start_server raises
+from optserve.server.preflight import StartError, check_ports  # noqa: F401 - StartError: what start_server raises
+from optserve.server.ray_lifecycle import join_or_start_ray, stop_started_ray
 from optserve.server.storage import SessionCatalog
 from optserve.server.storage.dir_lock import DirLock
 from optserve.server.wire.control_servicer import ControlServicer, add_to_server as add_control_to_server
@@ -106,37 +106,8 @@ def _check_and_lock(config: ServerConfig, teardown: contextlib.ExitStack) -> Non
     if config.durability is not None:
         teardown.callback(DirLock.acquire(config.durability.checkpoint_dir).release)
     check_ports(config)
-    if _init_ray(config.ray_address, log_to_driver=config.log_level is not None):
-        import ray
-
-        teardown.callback(ray.shutdown)
-
-
-def _init_ray(address: str, log_to_driver: bool = False) -> bool:
-    """Connects to (or starts) Ray; returns True if this call started a local instance.
-    ``log_to_driver``: the actors' stderr (their log lines) is printed on this process's stderr.
-
-    Raises:
-      StartError: the cluster to join does not answer (:func:`probe_ray_address`).
-    """
-    import ray
-
-    if ray.is_initialized():
-        return False
-    probe_ray_address(address)
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if log_to_driver:
-        os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every log line as it is, not folded across shards
-    if address == "local":
-        ray.init(include_dashboard=False, log_to_driver=log_to_driver, configure_logging=False)
-        return True
-    # one namespace for optserve's drivers on a cluster: a restarted durable coordinator finds the
-    # detached placement group (named in the driver's namespace) that its predecessor left
-    from optserve.server.shard_fleet import DETACHED_NAMESPACE
-
-    ray.init(address=address, namespace=DETACHED_NAMESPACE, include_dashboard=False, log_to_driver=log_to_driver,
-             configure_logging=False)
-    return False
+    if join_or_start_ray(config.ray_address, log_to_driver=config.log_level is not None):
+        teardown.callback(stop_started_ray)
 
 
 def _start_precond_pool(config: ServerConfig, teardown: contextlib.ExitStack) -> Optional[PreconditionerPool]:
