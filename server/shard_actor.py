@@ -110,10 +110,11 @@ class ShardActor:
         """Where the other shards of the sessions this shard is home to reach their clocks."""
         return self._clocks.address
 
-    def reachable(self, opening: ShardOpening) -> tuple[int, int, str]:
+    def reachable(self, opening: ShardOpening) -> tuple[int, int, str, int, int]:
         """Durable servers: how far this shard's part of a session can be restored, read from disk
-        without loading it: ``(checkpoint version, last logged version, checkpoint path)`` (a
-        session this shard still holds in memory: its version, twice).
+        without loading it: ``(checkpoint version, last logged version, checkpoint path, fallback
+        version, fallback reach)`` (``LogReach``; a session this shard still holds in memory: its
+        version, twice, and no fallback).
 
         Raises:
           SessionLost: a damaged manifest or log record (the message names the file).
@@ -122,7 +123,7 @@ class ShardActor:
         config = opening.config
         held = self._registry.find(config.name)
         if held is not None:
-            return held.version, held.version, ""
+            return held.version, held.version, "", -1, -1  # held in memory: nothing to roll back
         by_name = config.spec_by_name
         durability = self._config.durability
         store = ShardStore(durability.checkpoint_dir, config.name, opening.shard_index, durability, False)

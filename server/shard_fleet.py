@@ -96,7 +96,7 @@ class RayShardFleet:
     def restore_session(self, opening: ShardOpening, upto: Optional[int] = None) -> int:
         return _ray_get(self.actors[opening.shard_index].open_session.remote(opening, True, upto))
 
-    def reachable(self, opening: ShardOpening) -> tuple[int, int, str]:
+    def reachable(self, opening: ShardOpening) -> tuple[int, int, str, int, int]:
         return _ray_get(self.actors[opening.shard_index].reachable.remote(opening))
 
     def peer_down(self, home_index: int, shard_index: int, names: Sequence[str]) -> None:

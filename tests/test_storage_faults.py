@@ -195,3 +195,47 @@ def test_a_session_folder_without_its_definition_is_set_aside_and_its_name_start
         session = client.create_session("definition-gone", fresh, optimizer=OPTIMIZER)
         assert session.version == 0 and max_abs_diff(session.pull(), fresh) == 0.0
         session.close()
+
+
+def test_a_shard_that_checkpointed_a_step_its_peer_never_logged_is_rolled_back_from_the_checkpoint_before(tmp_path):
+    # Seen in the nemesis: a shard killed mid-step after its vote; its peer applied the step and
+    # its checkpoint came due at that very version; the whole server was killed before the step
+    # was sent again. Each shard keeps the checkpoint before its latest and the log since it, so
+    # the ahead shard restarts from that one at the version its peer reaches (the step was never
+    # acknowledged: it had not reached every shard's log). Made here by taking the last step off
+    # one shard's files after both checkpointed it.
+    root, params, every = str(tmp_path / "ckpt"), make_params(13), 4
+    first = ServerProcess("--checkpoint-dir", root, "--checkpoint-every-steps", str(every)).wait_listening()
+    try:
+        with Client(first.address, timeout=60.0) as client:
+            session = client.create_session("ahead", params, optimizer=OPTIMIZER)
+            reference = InProcess(OPTIMIZER["name"], OPTIMIZER["args"], params)
+            for step in range(every):
+                session.push_pull(make_grads(params, step))
+            deadline = time.monotonic() + 30  # checkpoints are written in the background
+            while (min(s.durability.durable_version for s in session.status().shards) < every
+                   and time.monotonic() < deadline):
+                time.sleep(0.1)
+            lagging = _shard_params(session, 1, params)
+    finally:
+        first.kill_group()
+    folder = _shard_dir(root, "ahead", 1)
+    assert os.path.exists(os.path.join(folder, f"checkpoint-{every}.json"))
+    os.unlink(os.path.join(folder, f"checkpoint-{every}.json"))  # shard 1 never checkpointed the step...
+    segment = min(glob.glob(os.path.join(folder, "steps-*.log")), key=lambda p: int(p.rsplit("-", 1)[1][:-4]))
+    os.truncate(segment, _record_offsets(segment, lagging)[every - 1])  # ...nor logged it
+    second = ServerProcess("--checkpoint-dir", root, "--checkpoint-every-steps", str(every)).wait_listening()
+    try:
+        with Client(second.address, timeout=CALL_BOUND_S) as client:
+            session = client.session("ahead")
+            status = session.status()
+            assert [s.version for s in status.shards] == [every - 1] * 2 and status.rolled_back_from == every
+            for step in range(every - 1):
+                expected = reference.step(make_grads(params, step))
+            assert max_abs_diff(session.pull(), expected) <= 1e-6
+            for step in range(every - 1, every + 2):  # trains on, and its next checkpoint is the latest again
+                assert max_abs_diff(session.push_pull(make_grads(params, step)),
+                                    reference.step(make_grads(params, step))) <= 1e-6
+    finally:
+        second.stop()
+    assert "event=session_lost" not in second.output(), second.output()[-3000:]

@@ -324,6 +324,9 @@ class CheckpointPort(Protocol):
     def restore_arrays(self, manifest: dict, abstract: dict) -> dict:
         """The checkpoint's ``{"params", "opt_state"}`` (checked against its manifest)."""
 
+    def roll_back_to(self, version: int) -> Optional[dict]:
+        """The newest kept checkpoint at or before ``version`` (None: none), the later ones deleted."""
+
     def start_logs(self, manifest: Optional[dict], version: int = 0) -> None:
         """Opens the step log after everything on disk (it reached ``version``)."""
 

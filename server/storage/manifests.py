@@ -86,8 +86,17 @@ def commit_manifest(path: str, manifest: dict, leaves: list, written_unix_s: flo
 
 def drop_checkpoints_older_than(folder: str, version: int) -> None:
     """Deletes the checkpoints (manifest first, then folder) older than ``version``."""
+    _drop_checkpoints(folder, lambda v: v < version)
+
+
+def drop_checkpoints_newer_than(folder: str, version: int) -> None:
+    """Deletes the checkpoints (manifest first, then folder) newer than ``version``."""
+    _drop_checkpoints(folder, lambda v: v > version)
+
+
+def _drop_checkpoints(folder: str, dropped) -> None:
     for name in os.listdir(folder):
         match = _CHECKPOINT_RE.match(name)
-        if match and int(match.group(1)) < version:
+        if match and dropped(int(match.group(1))):
             os.unlink(os.path.join(folder, name))
             shutil.rmtree(os.path.join(folder, name[:-len(".json")]), ignore_errors=True)

@@ -22,8 +22,9 @@ import numpy as np
 from optserve.server.storage.disk_health import log_write_failure
 from optserve.server.storage.files import session_dir
 from optserve.server.storage.format import CorruptCheckpoint
-from optserve.server.storage.manifests import (checksums_match, commit_manifest, drop_checkpoints_older_than,
-                                               latest_manifest)
+from optserve.server.storage.manifests import (checkpoint_versions, checksums_match, commit_manifest,
+                                               drop_checkpoints_newer_than, drop_checkpoints_older_than,
+                                               latest_manifest, read_manifest)
 from optserve.server.storage.log_reader import StepLogReader
 from optserve.server.storage.orbax_trees import restore_tree, write_tree
 from optserve.server.storage.segments import close_segments
@@ -37,11 +38,16 @@ class LogReach(NamedTuple):
     """How far a shard's part of a session can be restored: ``checkpoint_version`` (its latest
     checkpoint; 0: the initial values') and ``logged_version`` (the last step its log holds after
     it), with ``checkpoint_path`` for messages; both -1 when the shard has no checkpoint (its
-    folder then)."""
+    folder then). A shard keeps the checkpoint before its latest and the log since: from
+    ``fallback_version`` (that checkpoint's; -1: none) every version up to ``fallback_reach``
+    (the log holds each step after it, none missing) can be restored too, so a shard that
+    checkpointed a step its peers never logged can still be rolled back to where they are."""
 
     checkpoint_version: int
     logged_version: int
     checkpoint_path: str
+    fallback_version: int = -1
+    fallback_reach: int = -1
 
 
 class ShardStore:
@@ -111,8 +117,9 @@ class ShardStore:
 
     def reachable(self, arrays: Callable[[], dict]) -> LogReach:
         """How far this shard's part can be restored exactly, read without loading anything: the
-        latest checkpoint's version and the last version its step log reaches after it (every
-        record is read into ``arrays()``'s buffers, one set reused, and its checksum checked).
+        latest checkpoint's version and the last version its step log reaches after it, and the
+        range the checkpoint kept before it reaches (every record is read into ``arrays()``'s
+        buffers, one set reused, and its checksum checked).
 
         Raises:
           CorruptCheckpoint: a manifest or a record before a log's end is damaged.
@@ -121,18 +128,47 @@ class ShardStore:
         if manifest is None:  # nothing to replay a log onto
             return LogReach(-1, -1, self.folder)
         checkpoint = int(manifest["progress"]["version"])
+        earlier = self._kept_before(checkpoint)
+        start = earlier if earlier is not None else manifest
+        fallback = int(start["progress"]["version"])
         buffers = arrays()
-        last = checkpoint
-        for segment in self.log.segments(manifest):
+        last = contiguous = fallback
+        for segment in self.log.segments(start):
             stray_after = self.log.stray_after(segment)
             for header, _ in StepLogReader(segment, lambda: buffers):
                 version = int(header["version"])
                 if stray_after is not None and version > stray_after:
                     break  # a replaced owner's late write (see LogFiles.stray_after)
                 last = max(last, version)
+                if version == contiguous + 1:
+                    contiguous = version
                 if version == stray_after:
                     break
-        return LogReach(checkpoint, last, manifest["path"])
+        if earlier is None:
+            return LogReach(checkpoint, max(last, checkpoint), manifest["path"])
+        return LogReach(checkpoint, max(last, checkpoint), manifest["path"], fallback, contiguous)
+
+    def _kept_before(self, version: int) -> Optional[dict]:
+        """The manifest of the newest checkpoint before ``version`` kept in the folder (None: none,
+        or it cannot be read: only the latest is then restorable)."""
+        earlier = [v for v in checkpoint_versions(self.folder) if v < version]
+        if not earlier:
+            return None
+        try:
+            return read_manifest(self.folder, max(earlier))
+        except CorruptCheckpoint:
+            return None
+
+    def roll_back_to(self, version: int) -> Optional[dict]:
+        """The manifest of the newest checkpoint at or before ``version`` (None: none), after
+        deleting every later one: the session is restored there and goes on from it (a later
+        checkpoint left in place would be taken as the latest by the next restore)."""
+        kept = [v for v in checkpoint_versions(self.folder) if v <= version]
+        if not kept:
+            return None
+        self._check_owner(f"rolling {self.folder} back to version {version}")
+        drop_checkpoints_newer_than(self.folder, version)
+        return read_manifest(self.folder, max(kept))
 
     # ------------------------------------------------------------- checkpoints
     def checkpoint(self, progress, params: dict, opt_state: Any, clock_state_fn: Optional[Callable] = None,
@@ -235,13 +271,20 @@ class ShardStore:
             log.error("event=checkpoint_not_pruned session=%s shard=%d version=%d error=%s", self._session,
                       self._shard, version, exc)
             raise
-        drop_checkpoints_older_than(self.folder, version)
-        self.log.drop_before(manifest)
+        self._prune(version, manifest)
         self.durable_version = version
         self.checkpoint_seconds = time.monotonic() - started
         self.checkpoints_written += 1
         log.info("event=checkpoint_written session=%s shard=%d version=%d seconds=%.3f", self._session, self._shard,
                  version, self.checkpoint_seconds)
+
+    def _prune(self, version: int, manifest: dict) -> None:
+        """After checkpoint ``version`` (``manifest``) committed: what is older than the checkpoint
+        before it goes, so that one and the log since it stay (see :class:`LogReach`)."""
+        earlier = self._kept_before(version)
+        keep = earlier if earlier is not None else manifest
+        drop_checkpoints_older_than(self.folder, int(keep["progress"]["version"]))
+        self.log.drop_before(keep)
 
     def _check_owner(self, before: str) -> None:
         if self._fence is not None:

@@ -33,8 +33,9 @@ class ShardFleet(Protocol):
     # durable servers only
     def restore_session(self, opening: ShardOpening, upto: Optional[int] = None) -> int: ...  # opens + restores
     # one shard's part (to version ``upto``; None: all it logged); returns its version; raises SessionLost
-    def reachable(self, opening: ShardOpening) -> tuple[int, int, str]: ...  # one shard's part on disk:
-    # (checkpoint version, last logged version, checkpoint path), nothing loaded; raises SessionLost
+    def reachable(self, opening: ShardOpening) -> tuple[int, int, str, int, int]: ...  # one shard's part on disk:
+    # (checkpoint version, last logged version, checkpoint path, fallback version, fallback reach), nothing
+    # loaded; raises SessionLost
 
     def peer_down(self, home_index: int, shard_index: int, names: Sequence[str]) -> None: ...
 

@@ -140,23 +140,28 @@ def restore_restarted(fleet: "ShardFleet", table, restarted: Sequence[int],
     return lost, rolled_back, pending
 
 
-def common_version(name: str, reaches: dict[int, tuple[int, int, str]]) -> tuple[int, int, Optional[str]]:
+def common_version(name: str, reaches: dict[int, tuple]) -> tuple[int, int, Optional[str]]:
     """``(common, logged, why)`` for session ``name`` whose shards reach ``reaches`` (shard index
-    -> ``(checkpoint version, last logged version, checkpoint path)``, -1: none): the version
-    every shard reaches, the highest one any shard logged, and why no common version can be
-    restored (None: it can)."""
-    common = min(logged for _, logged, _ in reaches.values())
-    logged = max(logged for _, logged, _ in reaches.values())
-    for index, (checkpoint, _, path) in sorted(reaches.items()):
+    -> ``(checkpoint version, last logged version, checkpoint path[, fallback version, fallback
+    reach])``, -1: none; see ``LogReach``): the version every shard reaches, the highest one any
+    shard logged, and why no common version can be restored (None: it can). A shard whose latest
+    checkpoint is past the common version is rolled back from the checkpoint it kept before that
+    one, if its log reaches the common version from there without a gap."""
+    common = min(reach[1] for reach in reaches.values())
+    logged = max(reach[1] for reach in reaches.values())
+    for index, (checkpoint, _, path, *_) in sorted(reaches.items()):
         if checkpoint < 0 and logged >= 0:
             return common, logged, (f"session {name!r} cannot be restored: shard {index} has no checkpoint in {path} "
                                     f"(its manifest is missing) while its other shards have one")
-    for index, (checkpoint, _, path) in sorted(reaches.items()):
-        if checkpoint > common:
+    for index, (checkpoint, _, path, *fallback) in sorted(reaches.items()):
+        fallback_version, fallback_reach = (fallback + [-1, -1])[:2]
+        if checkpoint > common and not 0 <= fallback_version <= common <= fallback_reach:
             shortest = min(reaches, key=lambda i: reaches[i][1])
+            kept = (f" (the checkpoint kept before it, at version {fallback_version}, reaches {fallback_reach})"
+                    if fallback_version >= 0 else "")
             return common, logged, (f"session {name!r} cannot be restored at one version on all its shards: shard "
-                                    f"{index}'s checkpoint {path} is at version {checkpoint}, but shard {shortest}'s "
-                                    f"checkpoint and log reach only version {common}")
+                                    f"{index}'s checkpoint {path} is at version {checkpoint}{kept}, but shard "
+                                    f"{shortest}'s checkpoint and log reach only version {common}")
     return common, logged, None
 
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from optserve.server.domain.config import TensorSpec
 from optserve.server.domain.durability import CheckpointPort, DurabilityStatus, ShardProgress, StepLogPort, StepRecord
-from optserve.server.domain.errors import Unavailable
+from optserve.server.domain.errors import SessionLost, Unavailable
 from optserve.server.domain.shard.journal_records import JournaledStep, JournalOwner, UnloggedStep
 from optserve.server.domain.shard.log_recovery import LogRecovery
 from optserve.server.domain.shard.refusals import log_value
@@ -284,8 +284,14 @@ class StepJournal:
                upto: Optional[int]) -> Optional[tuple[dict, ShardProgress, list[StepRecord]]]:
         """Loads ``store``'s latest checkpoint into ``updater`` and replays its log (up to version
         ``upto``; None: all of it); returns ``(manifest, progress, records replayed)``, or None
-        when the store has no checkpoint. See :func:`~optserve.server.domain.shard.replay.replay`."""
+        when the store has no checkpoint. A latest checkpoint past ``upto`` is rolled back: the
+        restore starts from the one kept before it, and the later one is deleted. See :func:`~optserve.server.domain.shard.replay.replay`."""
         manifest = store.latest()
+        if manifest is not None and upto is not None and int(manifest["progress"]["version"]) > upto:
+            manifest = store.roll_back_to(upto)  # the one kept before it (the session's restore found it reaches upto)
+            if manifest is None:
+                raise SessionLost(f"{self._owner.where}: no checkpoint at or before version {upto} is kept to "
+                                  f"restore from")
         if manifest is None:
             return None
         progress, records = replay(store, manifest, updater, self._specs, read_log, upto)
