@@ -1,0 +1,247 @@
+"""A soak: the nemesis's durable workload without its faults, for a long time, beside a crowd of
+clients that create, train and close sessions all along; what every process holds is sampled.
+
+    .venv/bin/python -m bench.soak --minutes 60
+    .venv/bin/python -m bench.soak --minutes 2 --crowd 8      # a short one (--small: two minutes)
+
+The server and the three durable sessions are the nemesis's (:mod:`bench.nemesis`: ``sync``,
+``async`` and ``elastic``, checkpoints every 25 steps, each worker a process of its own, some over
+shared memory, the others over gRPC). Instead of faults, the run has:
+
+- a crowd (:func:`bench.crowd.run`): rounds of ``--crowd`` clients in threads, each creating a
+  session of its own, doing ``--crowd-steps`` steps with pauses of 0 to ``--pause-s`` between
+  them and closing it, one round after another;
+- the elastic session's members leaving and joining: every ``--rejoin-s`` one of its workers is
+  SIGKILLed (inside a push, as the nemesis's ``worker_kill``: the checker accounts for it) and a
+  new one started, which joins; the old one leaves at its lease's end.
+
+Every ``--sample-s`` the sampler reads each process of the server's tree (the server, Ray's
+processes, the shard actors): resident memory, threads and open file descriptors, plus the
+shared-memory regions in ``/dev/shm`` and the checkpoint folder's size. It prints them at the first
+sample after ``--warmup-s``, at the middle and at the end, with the growth from the first to the
+end. After a quiet ``--settle-s`` the workers stop and the nemesis's checker proves that no
+acknowledged push was lost or applied twice. Exit status 1 when its report is not clean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from typing import Optional
+
+from bench import crowd
+from bench._nemesis_schedule import PlannedFault
+from bench.checker import CheckReport, print_report
+from bench.nemesis import Nemesis, Options
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One reading: seconds since the soak began, ``processes`` (``"title pid"`` -> (RSS bytes,
+    threads, fds)), the regions in /dev/shm, the checkpoint folder's bytes and its session
+    folders (the crowd's closed sessions must not leave theirs)."""
+
+    at_s: float
+    processes: dict
+    regions: int
+    checkpoint_bytes: int
+    session_folders: int
+
+
+def _title(pid: int) -> str:
+    """What the process is: a Ray actor's class (its title without the method it runs now), a
+    Python program's script or module, else the executable's name."""
+    with open(f"/proc/{pid}/cmdline", "rb") as fh:
+        words = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
+    if not words:
+        return "?"
+    if words[0].startswith("ray::"):
+        return words[0].split(".")[0].split()[0]
+    name = os.path.basename(words[0])
+    if name.startswith("python"):
+        rest = [w for w in words[1:] if not w.startswith("-") or w == "-m"]
+        if rest:
+            name = rest[1] if rest[0] == "-m" and len(rest) > 1 else os.path.basename(rest[0])
+    return name[:32]
+
+
+def _process(pid: int) -> Optional[tuple[int, int, int]]:
+    """(resident bytes, threads, open descriptors) of ``pid`` (None: gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            fields = dict(line.split(":", 1) for line in fh if ":" in line)
+        rss = int(fields["VmRSS"].split()[0]) * 1024
+        return rss, int(fields["Threads"]), len(os.listdir(f"/proc/{pid}/fd"))
+    except (OSError, KeyError):
+        return None
+
+
+def _folder_bytes(folder: str) -> int:
+    total = 0
+    for top, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(top, name))
+            except OSError:
+                pass
+    return total
+
+
+@dataclasses.dataclass
+class SoakOptions:
+    minutes: float
+    crowd: int = 32
+    crowd_steps: int = 20
+    pause_s: float = 2.0
+    rejoin_s: float = 20.0
+    sample_s: float = 10.0
+    warmup_s: float = 30.0
+    settle_s: float = 10.0
+    seed: int = 0
+    folder: Optional[str] = None
+
+
+class Soak(Nemesis):
+    """The nemesis's run with :meth:`_inject_until` doing the soak's work instead of faults."""
+
+    def __init__(self, options: SoakOptions, out=sys.stdout):
+        super().__init__(Options(options.minutes, options.seed, settle_s=options.settle_s, folder=options.folder,
+                                 out=out))
+        self.schedule = []
+        self.soak = options
+        self.samples: list[Sample] = []
+        self.crowd_times: list[float] = []
+        self.crowd_rounds = 0
+        self.crowd_errors: list[str] = []
+        self._titles: dict[int, str] = {}  # pid -> "title pid", named at first sight
+
+    def _checkpoint_folder(self) -> str:
+        return os.path.join(self.rig.mount, "ckpt") if not isinstance(self.rig, str) else os.path.join(self.folder,
+                                                                                                      "ckpt")
+
+    def _sample(self, started: float) -> Sample:
+        processes = {}
+        for pid in self.server.session_pids():
+            reading = _process(pid)
+            if reading is None:
+                continue
+            if pid not in self._titles:
+                try:
+                    self._titles[pid] = f"{_title(pid)} {pid}"
+                except OSError:
+                    continue
+            processes[self._titles[pid]] = reading
+        regions = sum(1 for n in os.listdir("/dev/shm") if n.startswith("optserve-"))
+        folder = self._checkpoint_folder()
+        sessions = os.path.join(folder, "sessions")
+        folders = len(os.listdir(sessions)) if os.path.isdir(sessions) else 0
+        return Sample(time.monotonic() - started, processes, regions, _folder_bytes(folder), folders)
+
+    def _crowd(self, end: float) -> None:
+        """Crowd rounds until ``end`` (each round's clients create, train and close their sessions)."""
+        while time.monotonic() < end:
+            try:
+                self.crowd_times += crowd.run(self.server.address, self.soak.crowd, self.soak.crowd_steps,
+                                              self.soak.pause_s, processes=False, seed=self.crowd_rounds * 1000)
+            except Exception as exc:  # noqa: BLE001 - reported, and the soak is not clean
+                self.crowd_errors.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+            self.crowd_rounds += 1
+
+    def _inject_until(self, end: float) -> None:
+        started = time.monotonic()
+        crowding = threading.Thread(target=self._crowd, args=(end,), daemon=True)
+        crowding.start()
+        elastic = [s.name for s in self.slots if s.session == "elastic"]
+        next_sample, next_rejoin, turn = started + self.soak.warmup_s, started + self.soak.rejoin_s, 0
+        while time.monotonic() < end:
+            now = time.monotonic()
+            if now >= next_sample:
+                self.samples.append(self._sample(started))
+                next_sample = now + self.soak.sample_s
+            if now >= next_rejoin and elastic:  # a member leaves between pushes and a new one joins
+                target = elastic[turn % len(elastic)]
+                turn += 1
+                record = self._worker_kill(PlannedFault(-1, "worker_kill", 0.0, target, 0.5, 0.0))
+                self.faults.append(record)
+                next_rejoin = time.monotonic() + self.soak.rejoin_s
+            time.sleep(min(1.0, max(0.0, end - time.monotonic())))
+        crowding.join(timeout=self.soak.crowd_steps * self.soak.pause_s + 120)
+        self.samples.append(self._sample(started))
+
+
+def _growth(first: float, last: float) -> str:
+    return f"{(last - first) / first * 100:+.1f}%" if first else "n/a"
+
+
+def print_samples(samples: list[Sample], out=sys.stdout) -> None:
+    """Each process's memory, threads and descriptors at the first sample, the middle and the end,
+    with the growth from the first to the end; then /dev/shm and the checkpoint folder."""
+    if not samples:
+        out.write("no samples (the run ended before its warm-up)\n")
+        return
+    first, middle, last = samples[0], samples[len(samples) // 2], samples[-1]
+    out.write(f"samples at {first.at_s:.0f} s, {middle.at_s:.0f} s and {last.at_s:.0f} s\n")
+    out.write(f"{'process':<40}{'RSS MB':>26}{'growth':>9}{'threads':>16}{'growth':>9}{'fds':>16}{'growth':>9}\n")
+    for name in sorted(set(first.processes) | set(last.processes)):
+        rows = [s.processes.get(name) for s in (first, middle, last)]
+        cells = []
+        for field, scale in ((0, 2 ** 20), (1, 1), (2, 1)):
+            values = [r[field] / scale if r else float("nan") for r in rows]
+            text = " / ".join(f"{v:.0f}" for v in values)
+            cells.append(f"{text:>{26 if field == 0 else 16}}{_growth(values[0], values[2]):>9}")
+        out.write(f"{name:<40}{''.join(cells)}\n")
+    out.write(f"/dev/shm regions: {first.regions} / {middle.regions} / {last.regions}\n")
+    out.write(f"checkpoint folder MB: {first.checkpoint_bytes / 2**20:.1f} / {middle.checkpoint_bytes / 2**20:.1f} / "
+              f"{last.checkpoint_bytes / 2**20:.1f}\n")
+    out.write(f"session folders: {first.session_folders} / {middle.session_folders} / {last.session_folders}\n")
+
+
+def run(options: SoakOptions, out=sys.stdout) -> tuple[CheckReport, Soak]:
+    """One soak; returns the checker's report and the run (its samples and crowd times)."""
+    soak = Soak(options, out)
+    report = soak.run()
+    return report, soak
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=60.0)
+    parser.add_argument("--small", action="store_true", help="a two-minute run (as `python -m bench --small` asks)")
+    parser.add_argument("--crowd", type=int, default=32, help="clients per crowd round")
+    parser.add_argument("--crowd-steps", type=int, default=20, help="steps per crowd client")
+    parser.add_argument("--pause-s", type=float, default=2.0, help="a crowd client's longest pause between steps")
+    parser.add_argument("--rejoin-s", type=float, default=20.0, help="seconds between elastic members' departures")
+    parser.add_argument("--sample-s", type=float, default=10.0)
+    parser.add_argument("--warmup-s", type=float, default=30.0, help="the first sample's time (after the warm-up)")
+    parser.add_argument("--settle-s", type=float, default=10.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dir", default=None, help="folder for logs and checkpoints (default: a temporary one)")
+    args = parser.parse_args(argv)
+    logging.getLogger("optserve.client").setLevel(logging.ERROR)
+    options = SoakOptions(2.0 if args.small else args.minutes, args.crowd, args.crowd_steps, args.pause_s, args.rejoin_s, args.sample_s,
+                          args.warmup_s, args.settle_s, args.seed, args.dir)
+    report, soak = run(options)
+    print_samples(soak.samples)
+    if soak.crowd_times:
+        figures = crowd.summary(soak.crowd_times)
+        print(f"crowd: {soak.crowd_rounds} rounds of {args.crowd} clients, {figures['steps']} steps, p50 "
+              f"{figures['p50_s'] * 1000:.1f} ms, p99 {figures['p99_s'] * 1000:.1f} ms, max {figures['max_s']:.2f} s")
+    for error in soak.crowd_errors:
+        print(f"crowd error: {error}")
+    print_report(report)
+    clean = report.clean and not soak.crowd_errors
+    if clean and args.dir is None:
+        shutil.rmtree(soak.folder, ignore_errors=True)
+    else:
+        print(f"logs: {soak.folder}")
+    return 0 if clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
