@@ -95,6 +95,8 @@ def _folder_bytes(folder: str) -> int:
 
 @dataclasses.dataclass
 class SoakOptions:
+    """A soak's settings: the command's flags (``--crowd``: ``crowd``; ``--dir``: ``folder``)."""
+
     minutes: float
     crowd: int = 32
     crowd_steps: int = 20
