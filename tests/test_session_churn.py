@@ -60,7 +60,7 @@ def test_sessions_created_and_closed_leave_no_thread_file_or_region_behind(serve
     _churn(server.address, unique_name, SESSIONS)
     # Far less than one per session: a leak of one thread, file or region per closed session (on
     # either shard) shows as SESSIONS or more.
-    slack = {"threads": SESSIONS // 3, "fds": SESSIONS // 3, "regions": 0}  # 4
+    slack = {"threads": SESSIONS // 2, "fds": SESSIONS // 2, "regions": 0}  # 6: a pool may grow under load
     after = _settled(pids, baseline, slack)
     print(f"baseline {baseline}, after {SESSIONS} sessions {after}")
     assert all(after[k] <= baseline[k] + slack[k] for k in baseline), (baseline, after)
