@@ -128,25 +128,40 @@ class ShardStore:
         if manifest is None:  # nothing to replay a log onto
             return LogReach(-1, -1, self.folder)
         checkpoint = int(manifest["progress"]["version"])
-        earlier = self._kept_before(checkpoint)
-        start = earlier if earlier is not None else manifest
-        fallback = int(start["progress"]["version"])
         buffers = arrays()
-        last = contiguous = fallback
-        for segment in self.log.segments(start):
+        after_latest = self.log.segments(manifest)
+        versions = self._logged_versions(after_latest, buffers)
+        reach = LogReach(checkpoint, max([checkpoint, *versions]), manifest["path"])
+        earlier = self._kept_before(checkpoint)
+        if earlier is None:
+            return reach
+        # Only the segments between the two checkpoints: damage there costs the fallback, never
+        # the restore from the latest checkpoint.
+        between = [s for s in self.log.segments(earlier) if s not in after_latest]
+        try:
+            versions = self._logged_versions(between, buffers)
+        except CorruptCheckpoint:
+            return reach
+        contiguous = int(earlier["progress"]["version"])
+        for version in versions:
+            if version == contiguous + 1:
+                contiguous = version
+        return reach._replace(fallback_version=int(earlier["progress"]["version"]), fallback_reach=contiguous)
+
+    def _logged_versions(self, segments: list[str], buffers: dict) -> list[int]:
+        """The versions of the records in ``segments``, in order (a segment a later one was sealed
+        after is read up to the sealed version: see ``LogFiles.stray_after``)."""
+        versions = []
+        for segment in segments:
             stray_after = self.log.stray_after(segment)
             for header, _ in StepLogReader(segment, lambda: buffers):
                 version = int(header["version"])
                 if stray_after is not None and version > stray_after:
-                    break  # a replaced owner's late write (see LogFiles.stray_after)
-                last = max(last, version)
-                if version == contiguous + 1:
-                    contiguous = version
+                    break  # a replaced owner's late write
+                versions.append(version)
                 if version == stray_after:
                     break
-        if earlier is None:
-            return LogReach(checkpoint, max(last, checkpoint), manifest["path"])
-        return LogReach(checkpoint, max(last, checkpoint), manifest["path"], fallback, contiguous)
+        return versions
 
     def _kept_before(self, version: int) -> Optional[dict]:
         """The manifest of the newest checkpoint before ``version`` kept in the folder (None: none,

@@ -285,7 +285,8 @@ class StepJournal:
         """Loads ``store``'s latest checkpoint into ``updater`` and replays its log (up to version
         ``upto``; None: all of it); returns ``(manifest, progress, records replayed)``, or None
         when the store has no checkpoint. A latest checkpoint past ``upto`` is rolled back: the
-        restore starts from the one kept before it, and the later one is deleted. See :func:`~optserve.server.domain.shard.replay.replay`."""
+        restore starts from the one kept before it, and the later one is deleted. See
+        :func:`~optserve.server.domain.shard.replay.replay`."""
         manifest = store.latest()
         if manifest is not None and upto is not None and int(manifest["progress"]["version"]) > upto:
             manifest = store.roll_back_to(upto)  # the one kept before it (the session's restore found it reaches upto)
