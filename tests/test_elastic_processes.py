@@ -115,6 +115,29 @@ def test_a_killed_worker_leaves_at_once_and_the_run_replays_from_its_history(ser
         owner.close()
 
 
+def test_a_worker_killed_while_its_step_streams_in_leaves_at_once(server, client, unique_name):
+    """The shard sees the call break inside the step (its chunks stop coming): that is the client
+    gone, not a refusal of the shard's, so the worker leaves now rather than at its lease."""
+    params = make_params(23, shapes={"w": (64, 32)})
+    owner = client.create_session(unique_name, params, SGD, num_workers=2, min_workers=1, lease_s=60.0)
+    try:
+        [shard] = owner.info.shards
+        process = subprocess.Popen([sys.executable, "-m", "tests._half_push_worker", shard.address, unique_name, "w",
+                                    "64", "32"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines: list[str] = []
+        threading.Thread(target=lambda: lines.extend(line.strip() for line in process.stdout), daemon=True).start()
+        _wait_for(lambda: "half" in lines, 60, "the worker's half-sent step:\n" + "\n".join(lines))
+        assert "half" in owner.status().elastic.members and "acked 1" in lines
+        time.sleep(0.5)  # the half step's messages reach the shard, which waits for the rest
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+        _wait_for(lambda: "half" not in owner.status().elastic.members, 10, "half dropped for its connection")
+        assert owner.status().elastic.disconnects == 1 and owner.status().elastic.lease_expiries == 0
+        assert owner.status().version == 1  # the half step applied nowhere
+    finally:
+        owner.close()
+
+
 def test_a_stopped_worker_is_dropped_when_its_lease_lapses_and_rejoins_after_sigcont(server, client, unique_name):
     params = make_params(22)
     owner = client.create_session(unique_name, params, SGD, num_workers=3, min_workers=1, lease_s=1.5)

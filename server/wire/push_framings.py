@@ -13,7 +13,7 @@ from typing import Optional
 from optserve.protos import contract
 from optserve.protos.optserve.v1 import data_pb2
 from optserve.server.domain.config import DType
-from optserve.server.domain.errors import InvalidArgument
+from optserve.server.domain.errors import Cancelled, InvalidArgument
 from optserve.server.domain.shard import ShardSession
 from optserve.server.wire.data_requests import pull_options
 from optserve.server.wire.shared_memory import RegionTable
@@ -33,7 +33,8 @@ class OneMessagePush:
 
 class StreamedPush:
     """The chunks of a streamed push, up to its ``seal``; remembers the reply options (``pull``)
-    sent with them, checked as they arrive."""
+    sent with them, checked as they arrive. Messages that end before the ``seal`` raise
+    ``Cancelled``: the client went away mid-step (its call may not read as cancelled yet)."""
 
     def __init__(self, request_iterator):
         self._requests = request_iterator
@@ -52,6 +53,7 @@ class StreamedPush:
                 return
             else:
                 raise InvalidArgument(f"PushPull: unexpected `{kind}` before `seal`")
+        raise Cancelled("PushPull: the call's messages ended before the push's `seal` (the client went away)")
 
 
 class RegionRead:

@@ -58,8 +58,8 @@ class PushPullCalls:
         ended_by_shard = False  # after a step's `stream_closing`: the client is alive and reopens
         try:
             ended_by_shard = yield from self._steps(stream, request_iterator, context)
-        except Exception:  # a refusal ends the call with its status: the shard ended it, not a client gone
-            ended_by_shard = True
+        except Exception:  # a refusal ends the call with its status: the shard ended it, unless the
+            ended_by_shard = context.is_active()  # call broke first (the step's chunks stopped: client gone)
             raise
         finally:
             self._streams.close(stream)
