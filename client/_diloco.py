@@ -38,10 +38,24 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
+from optserve.client._sparseloco import ErrorFedSparsifier, SparseLoCo
 from optserve.client.errors import AlreadyExistsError, InvalidArgumentError
 from optserve.client.options import SessionOptions
+from optserve.client import _wire
+from optserve.protos import contract, int8_codec
+from optserve.protos.sparse_codec import SparseGradient
 
 DEFAULT_OUTER = {"name": "sgd", "args": {"learning_rate": 0.7, "momentum": 0.9, "nesterov": True}}
+
+
+def _wire_bytes(tensor, wire: Optional[int]) -> int:
+    """The bytes one pseudo-gradient tensor's values take on the wire (chunk payloads) in wire
+    dtype ``wire`` (None: float32)."""
+    if isinstance(tensor, SparseGradient):
+        return sum(len(data) for _, data in tensor.payloads(contract.DEFAULT_CHUNK_BYTES))
+    if wire == contract.INT8:
+        return int8_codec.int8_payload_bytes(tensor.size)
+    return tensor.size * contract.ITEMSIZE[wire or contract.FLOAT32]
 
 
 def fragment_names(names_and_sizes: list[tuple[str, int]], fragments: int) -> list[list[str]]:
@@ -65,13 +79,16 @@ def fragment_names(names_and_sizes: list[tuple[str, int]], fragments: int) -> li
 class Exchange:
     """One completed exchange of a worker: ``fragment``, the inner step it was sent after, the H
     of its round, the session version its pseudo-gradient went into (None: dropped as late by an
-    elastic session) and the version of the parameters it got back."""
+    elastic session), the version of the parameters it got back, and the tensor bytes it sent
+    (``bytes_up``: the pseudo-gradient as encoded for the wire) and received (``bytes_down``)."""
 
     fragment: int
     inner_step: int
     sync_every: int
     version: Optional[int]
     received_version: int
+    bytes_up: int = 0
+    bytes_down: int = 0
 
 
 @dataclasses.dataclass
@@ -84,6 +101,7 @@ class _Fragment:
     lands_at: int = 0
     sent_after: int = 0
     sent_h: int = 0
+    sent_bytes: int = 0
     deltas: dict = dataclasses.field(default_factory=dict)  # pseudo-gradient buffers, reused by each send
 
     def pseudo_gradient(self, current: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -130,6 +148,8 @@ class DiLoCoCore:
       outer: the outer optimizer spec (any registry optimizer); default Nesterov SGD, lr 0.7, momentum 0.9.
       fragments, overlap_steps, merge_alpha: streaming (see the module docstring).
       wire_dtype: the pseudo-gradients' wire dtype (None, "bf16", "f16", "int8" with error feedback).
+      compression: None, or ``{"name": "sparseloco", ...}`` (:class:`~optserve.client._sparseloco.SparseLoCo`):
+        each exchange sends the top entries of each chunk of an error-fed buffer, a few bits each.
       worker_id: this worker's id in the sessions (elastic ones: its member id).
       options: the other session options (mode, num_workers, elastic options, ...).
 
@@ -141,7 +161,8 @@ class DiLoCoCore:
     def __init__(self, client, session: str, initial: Mapping[str, np.ndarray], *, sync_every: Any,
                  outer: Optional[Mapping[str, Any]] = None, fragments: int = 1, overlap_steps: int = 0,
                  merge_alpha: float = 0.5, wire_dtype: Optional[str] = None, worker_id: Optional[str] = None,
-                 sync_seconds: Optional[float] = None, **options: Any):
+                 sync_seconds: Optional[float] = None, compression: Optional[Mapping[str, Any]] = None,
+                 **options: Any):
         self.auto = sync_every == "auto"
         if self.auto:
             if sync_seconds is None or not 0 < float(sync_seconds) < float("inf"):
@@ -163,6 +184,11 @@ class DiLoCoCore:
             raise InvalidArgumentError(f"merge_alpha must be in [0, 1], got {merge_alpha!r}")
         self.sync_every, self.overlap_steps, self.merge_alpha = sync_every, overlap_steps, float(merge_alpha)
         self.wire_dtype = wire_dtype
+        sparse = SparseLoCo.from_spec(compression)
+        if sparse is not None and wire_dtype is not None:
+            raise InvalidArgumentError(f"compression {compression['name']!r} encodes the pseudo-gradients itself: "
+                                       f"leave wire_dtype unset (got {wire_dtype!r})")
+        self.sparsifier = None if sparse is None else ErrorFedSparsifier(sparse)
         session_options = SessionOptions.from_spec(dict(outer or DEFAULT_OUTER), wire_dtype=wire_dtype, **options)
         groups = fragment_names([(n, int(np.asarray(v).size)) for n, v in initial.items()], fragments)
         self.created = True
@@ -218,6 +244,11 @@ class DiLoCoCore:
         fragment = self.fragments[index]
         delta = fragment.pseudo_gradient(current)
         kwargs: dict[str, Any] = {"wire_dtype": self.wire_dtype} if self.wire_dtype is not None else {}
+        if self.sparsifier is not None:
+            delta = self.sparsifier.compress(delta)
+            kwargs["wire_dtype"] = contract.SPARSE
+        wire = _wire.wire_option_enum(kwargs.get("wire_dtype"), what="wire_dtype")
+        fragment.sent_bytes = sum(_wire_bytes(d, wire) for d in delta.values())
         fragment.sent_after = step
         fragment.sent_h = (step - self._round_start_step) if self.auto else self.sync_every
         kwargs["scalars"] = {"diloco_h": float(fragment.sent_h)}
@@ -261,7 +292,8 @@ class DiLoCoCore:
         outcome = fragment.session.last_step
         self.exchanges.append(Exchange(index, fragment.sent_after, fragment.sent_h,
                                        outcome.version if outcome is not None else None,
-                                       outcome.current_version if outcome is not None else fragment.session.version))
+                                       outcome.current_version if outcome is not None else fragment.session.version,
+                                       fragment.sent_bytes, sum(v.nbytes for v in fragment.snapshot.values())))
         if not self.overlap_steps:
             return fragment.snapshot
         alpha = np.float32(self.merge_alpha)

@@ -14,6 +14,7 @@ from optserve.client import _wire
 from optserve.client.errors import InvalidArgumentError
 from optserve.protos import contract
 from optserve.protos.optserve.v1 import data_pb2
+from optserve.protos.sparse_codec import SparseGradient
 
 Specs = Mapping[str, tuple[int, tuple[int, ...]]]  # tensor name -> (spec dtype enum, shape)
 
@@ -37,6 +38,12 @@ def checked_gradients(grads: Mapping[str, np.ndarray], specs: Specs, session: st
         raise InvalidArgumentError(f"missing tensor {missing[0]!r}: a push must include every tensor")
     checked = {}
     for name, value in grads.items():
+        if isinstance(value, SparseGradient):  # encoded already (DiLoCo's sparse compression)
+            if tuple(value.shape) != specs[name][1]:
+                raise InvalidArgumentError(f"tensor {name!r}: sparse shape {list(value.shape)} does not match the "
+                                           f"session's {list(specs[name][1])}")
+            checked[name] = value
+            continue
         array = np.asarray(value)
         if array.dtype == np.float64:
             array = array.astype(np.float32)

@@ -273,7 +273,7 @@ class _Step:
                  taken: Mapping[int, _shm.ShardRegion]):
         self._paths, self._header, self._grads, self._wire = paths, header, grads, wire
         self._out, self._views, self._reply, self._taken = out, views, reply, taken
-        pull_wire = None if wire == contract.INT8 else wire  # int8 encodes gradients only
+        pull_wire = None if wire in contract.GRADIENT_ONLY else wire  # int8 and sparse encode gradients only
         client = paths.client
         self._pull = data_pb2.PullRequest(session=paths.session, wire_dtype=pull_wire or tensor_pb2.DTYPE_UNSPECIFIED,
                                           max_chunk_bytes=client.chunk_bytes)

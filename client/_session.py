@@ -111,7 +111,7 @@ class Session(WholeSession):
         optimizers these are the trained parameters (as bytes: a torch model may live in the region).
         """
         wire = self._wire(wire_dtype)
-        wire = None if wire == contract.INT8 else wire  # int8 encodes gradients only
+        wire = None if wire in contract.GRADIENT_ONLY else wire  # int8 and sparse encode gradients only
         self._keep_membership()
         mark = self._versions.mark()
         results = self._fanout.served(lambda: self._paths.pull(wire, out, views, evaluation))

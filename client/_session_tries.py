@@ -16,7 +16,9 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import numpy as np
 
 from optserve.client._inputs import add_telemetry
+from optserve.client.errors import InvalidArgumentError
 from optserve.protos import contract
+from optserve.protos.sparse_codec import SparseGradient
 from optserve.protos.optserve.v1 import data_pb2
 
 
@@ -45,7 +47,14 @@ class SessionTries:
 
     def encode(self, grads: dict[str, np.ndarray], wire: Optional[int]) -> dict:
         """int8: the gradients quantized once per push (retries resend the same bytes), with
-        this object's error feedback; other wire dtypes are converted per chunk."""
+        this object's error feedback; sparse: SparseLoCo selections already (DiLoCo's compression
+        makes them); other wire dtypes are converted per chunk."""
+        if wire == contract.SPARSE:
+            dense = sorted(name for name, grad in grads.items() if not isinstance(grad, SparseGradient))
+            if dense:
+                raise InvalidArgumentError(f"wire dtype sparse carries SparseLoCo selections only; tensors {dense[:5]} "
+                                           f"are arrays (DiLoCo's compression='sparseloco' makes them)")
+            return grads
         return self._session._feedback.quantize(grads) if wire == contract.INT8 else grads
 
     def push_once(self, header: data_pb2.PushHeader, grads: Mapping, wire: Optional[int]) -> int:

@@ -119,12 +119,18 @@ INT8_BLOCK = 4096  # elements per quantization block (one float32 scale each: 0.
 INT8_NAME = "int8"
 
 
+# --- SparseLoCo gradients: the wire dtype (the codec: optserve.protos.sparse_codec) ---------------
+
+SPARSE = tensor_pb2.DTYPE_SPARSE
+GRADIENT_ONLY = (INT8, SPARSE)  # wire dtypes that encode gradients, never pulled values
+
+
 def wire_option_enum(dtype: DTypeLike) -> Optional[int]:
     """A requested *wire* dtype: :func:`dtype_enum`'s, or ``"int8"`` / :data:`INT8` (gradients only)."""
     if isinstance(dtype, str) and dtype.lower() == INT8_NAME:
         return INT8
-    if isinstance(dtype, (int, np.integer)) and not isinstance(dtype, bool) and int(dtype) == INT8:
-        return INT8
+    if isinstance(dtype, (int, np.integer)) and not isinstance(dtype, bool) and int(dtype) in (INT8, SPARSE):
+        return int(dtype)  # SPARSE: gradients already encoded (sparse_codec.SparseGradient values)
     return dtype_enum(dtype)
 
 

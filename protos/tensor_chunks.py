@@ -10,7 +10,10 @@ tensor are sent:
 - an :class:`Int8Gradient` (blockwise quantized float32 gradient, wire dtype
   :data:`~optserve.protos.contract.INT8`). Each chunk holds whole blocks' int8 values followed
   by their float32 scales; ``offset`` is the chunk's first *element*
-  (:func:`~optserve.protos.int8_codec.int8_chunk_parts`).
+  (:func:`~optserve.protos.int8_codec.int8_chunk_parts`);
+- a :class:`~optserve.protos.sparse_codec.SparseGradient` (a SparseLoCo selection, wire dtype
+  :data:`~optserve.protos.contract.SPARSE`). Each chunk holds whole tile rows or pieces
+  (:meth:`~optserve.protos.sparse_codec.SparseGradient.payloads`).
 
 Either kind comes in two forms:
 
@@ -32,6 +35,7 @@ import numpy as np
 
 from optserve.protos import chunk_codec, contract, int8_codec
 from optserve.protos.optserve.v1 import tensor_pb2
+from optserve.protos.sparse_codec import SparseGradient
 
 
 class Int8Gradient:
@@ -47,14 +51,18 @@ class Int8Gradient:
         self.quantized, self.scales, self.shape = quantized, scales, shape
 
 
-Tensor = Union[np.ndarray, Int8Gradient]
+Tensor = Union[np.ndarray, Int8Gradient, SparseGradient]
 
 
 def chunk_messages(name: str, tensor: Tensor, wire: Optional[int], chunk_bytes: int) -> Iterator[bytes]:
     """The serialized ``{chunk: ...}`` messages of ``tensor`` (an array in wire dtype ``wire``, or an
-    :class:`Int8Gradient`, whose wire dtype is int8 whatever ``wire`` says)."""
+    :class:`Int8Gradient` or a :class:`~optserve.protos.sparse_codec.SparseGradient`, whose wire
+    dtypes are their own whatever ``wire`` says)."""
     if isinstance(tensor, Int8Gradient):
         return int8_chunk_messages(name, tensor, chunk_bytes)
+    if isinstance(tensor, SparseGradient):
+        return (chunk_codec.encode_chunk_message(name, contract.SPARSE, tensor.shape, offset, data)
+                for offset, data in tensor.payloads(chunk_bytes))
     return float_chunk_messages(name, tensor, _wire_of(tensor, wire), chunk_bytes)
 
 
@@ -62,6 +70,9 @@ def tensor_chunks(name: str, tensor: Tensor, wire: Optional[int], chunk_bytes: i
     """As :func:`chunk_messages`, as ``TensorChunk`` messages."""
     if isinstance(tensor, Int8Gradient):
         return int8_tensor_chunks(name, tensor, chunk_bytes)
+    if isinstance(tensor, SparseGradient):
+        return (tensor_pb2.TensorChunk(name=name, dtype=contract.SPARSE, shape=list(tensor.shape), offset=offset,
+                                       data=data) for offset, data in tensor.payloads(chunk_bytes))
     return float_tensor_chunks(name, tensor, _wire_of(tensor, wire), chunk_bytes)
 
 

@@ -20,6 +20,7 @@ from optserve.client import (
     NotFoundError,
     StaleError,
 )
+from optserve.protos import contract, sparse_codec
 from optserve.protos.optserve.v1 import data_pb2, data_pb2_grpc, tensor_pb2
 
 ADAM = {"name": "adam", "args": {"learning_rate": 0.01}}
@@ -104,6 +105,49 @@ def _out_of_range_chunk(names, grads):
         _chunk(n, grads[n]) for n in names[1:]]
 
 
+def _sparse_chunk(name, array, data=None, offset=0):
+    """A SparseLoCo chunk of ``array`` (2 of each 4x4 tile, float32 values), or ``data`` instead."""
+    [(first, payload)] = list(sparse_codec.encode(array, 4, 2, 32).payloads(1 << 20))
+    return tensor_pb2.TensorChunk(name=name, dtype=contract.SPARSE, shape=list(array.shape), offset=offset + first,
+                                  data=payload if data is None else data)
+
+
+def _sparse_with(names, grads, corrupt):
+    payload = bytearray(_sparse_chunk(names[0], grads[names[0]]).data)
+    corrupt(payload)
+    return [_sparse_chunk(names[0], grads[names[0]], bytes(payload))] + [_chunk(n, grads[n]) for n in names[1:]]
+
+
+def _sparse_short(names, grads):
+    return _sparse_with(names, grads, lambda p: p.pop())
+
+
+def _sparse_index_outside(names, grads):  # (8, 6): the second tile column is 2 wide; cell 3 of row 0 is past the edge
+    def corrupt(p):
+        index_at = sparse_codec.HEADER.size
+        entries = sparse_codec.unpack_bits(bytes(p[index_at:]), 8, 4)  # tile 0's two indices, tile 1's two, ...
+        entries[2], entries[3] = 2, 3
+        p[index_at:index_at + 4] = sparse_codec.pack_bits(entries, 4)
+    return _sparse_with(names, grads, corrupt)
+
+
+def _sparse_repeated_index(names, grads):
+    def corrupt(p):
+        index_at = sparse_codec.HEADER.size
+        entries = sparse_codec.unpack_bits(bytes(p[index_at:]), 8, 4)
+        entries[1] = entries[0]
+        p[index_at:index_at + 4] = sparse_codec.pack_bits(entries, 4)
+    return _sparse_with(names, grads, corrupt)
+
+
+def _sparse_bad_header(names, grads):
+    return _sparse_with(names, grads, lambda p: p.__setitem__(4, 3))  # bits=3 with a 32-bit body: length wrong
+
+
+def _sparse_mid_band(names, grads):
+    return [_sparse_chunk(names[0], grads[names[0]], offset=1)] + [_chunk(n, grads[n]) for n in names[1:]]
+
+
 BAD_CHUNKS = [
     ("unknown tensor", _unknown_tensor, "'ghost'"),
     ("wrong shape", _wrong_shape, "shape [99]"),
@@ -111,6 +155,11 @@ BAD_CHUNKS = [
     ("missing tensor", _missing_tensor, "missing tensor"),
     ("overlapping chunks", _overlapping_chunks, "overlap"),
     ("out-of-range chunk", _out_of_range_chunk, "out of range"),
+    ("sparse chunk one byte short", _sparse_short, "bytes; its header and the tensor's shape make"),
+    ("sparse index past the tile's edge", _sparse_index_outside, "outside its chunk"),
+    ("sparse index repeated", _sparse_repeated_index, "repeats or is out of ascending order"),
+    ("sparse header's bits against its length", _sparse_bad_header, "sparse chunk of"),
+    ("sparse chunk starting mid-band", _sparse_mid_band, "not whole bands"),
 ]
 
 

@@ -13,7 +13,7 @@ from typing import Mapping
 
 import numpy as np
 
-from optserve.protos import contract, int8_codec
+from optserve.protos import contract, int8_codec, sparse_codec
 from optserve.server.domain.config import DType, TensorSpec
 from optserve.server.domain.errors import InvalidArgument, NonFinite
 from optserve.server.domain.shard.host_passes import parallel_all_finite
@@ -62,6 +62,9 @@ class TensorAssembler:
                 f"tensor {spec.name!r}: shape {list(chunk.shape)} does not match the session's {list(spec.shape)}"
             )
         data = chunk.data
+        if chunk.dtype == contract.SPARSE:  # a SparseLoCo selection (protos/sparse_codec.py): decoded here
+            self._add_sparse(spec, chunk)
+            return
         if chunk.dtype == contract.INT8:  # quantized gradients (protos/int8_codec.py: values, then block scales)
             dtype, start, count = None, chunk.offset, int8_codec.int8_count(len(data))
             if count is None or start % contract.INT8_BLOCK or self._flat[spec.name].dtype != np.float32:
@@ -103,6 +106,25 @@ class TensorAssembler:
         # cheaper than checking the message first). Casts keep NaN and Inf; a refused push
         # only wrote into its own buffers, which return to the pool.
         self._check(spec, destination, start, count)
+
+    def _add_sparse(self, spec: TensorSpec, chunk) -> None:
+        """Decodes a SparseLoCo chunk into the tensor's buffer (zeros where no entry is named)."""
+        flat = self._flat[spec.name]
+        if flat.dtype != np.float32:
+            raise InvalidArgument(f"tensor {spec.name!r}: a sparse chunk is for gradients only")
+        start = chunk.offset
+        ranges = self._ranges[spec.name]
+        try:  # writes only this push's own buffer, which a refused push returns to its pool
+            if start < 0:
+                raise ValueError(f"its first element {start} is out of range")
+            count = sparse_codec.decode_into(flat, spec.shape, start, chunk.data)
+        except ValueError as exc:
+            raise InvalidArgument(f"tensor {spec.name!r}: {exc}") from None
+        if ranges and start < ranges[-1][1] and start + count > ranges[-1][0]:
+            raise InvalidArgument(f"tensor {spec.name!r}: chunk elements [{start}, {start + count}) overlap another chunk")
+        ranges.append((start, start + count))
+        self.received_bytes += len(chunk.data)
+        self._check(spec, flat[start:start + count], start, count)
 
     def _check(self, spec: TensorSpec, values: np.ndarray, start: int, count: int) -> None:
         if self._check_finite and not all_finite(values):
