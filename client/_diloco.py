@@ -185,9 +185,13 @@ class DiLoCoCore:
         self.sync_every, self.overlap_steps, self.merge_alpha = sync_every, overlap_steps, float(merge_alpha)
         self.wire_dtype = wire_dtype
         sparse = SparseLoCo.from_spec(compression)
-        if sparse is not None and wire_dtype is not None:
-            raise InvalidArgumentError(f"compression {compression['name']!r} encodes the pseudo-gradients itself: "
-                                       f"leave wire_dtype unset (got {wire_dtype!r})")
+        if sparse is not None:
+            if wire_dtype is not None:
+                raise InvalidArgumentError(f"compression {compression['name']!r} encodes the pseudo-gradients "
+                                           f"itself: leave wire_dtype unset (got {wire_dtype!r})")
+            if options.setdefault("sparse_mean", sparse.aggregation) != sparse.aggregation:
+                raise InvalidArgumentError(f"sparse_mean={options['sparse_mean']!r} contradicts the compression's "
+                                           f"aggregation={sparse.aggregation!r} (set one)")
         self.sparsifier = None if sparse is None else ErrorFedSparsifier(sparse)
         session_options = SessionOptions.from_spec(dict(outer or DEFAULT_OUTER), wire_dtype=wire_dtype, **options)
         groups = fragment_names([(n, int(np.asarray(v).size)) for n, v in initial.items()], fragments)

@@ -33,7 +33,7 @@ from optserve.protos.optserve.v1 import data_pb2
 FORMAT = "optserve.state/1"
 # The session's options a saved state keeps beside its optimizer (a session created from it gets them)
 SESSION_OPTIONS = ("mode", "num_workers", "max_staleness", "staleness_policy", "allow_nonfinite", "min_workers",
-                   "max_workers", "lease_s", "straggler_s", "late")
+                   "max_workers", "lease_s", "straggler_s", "late", "sparse_mean")
 _PARAM, _TENSOR, _SHARED = "param/", "tensor/", "shared/"
 _READ_TRIES = 20
 _PIECE_BYTES = 1 << 20

@@ -8,8 +8,9 @@ was sent, as the server decodes it, leaves the buffer: ``e -= decode(sent)``. Wh
 not send stays in the buffer for the next.
 
 The server decodes each worker's part (zeros where an entry was not sent) and its sync step
-takes the mean over all the round's workers (``aggregation="all"``); the session's outer
-optimizer then updates the shared parameters (SparseLoCo's paper uses SGD at learning rate 1).
+takes, per entry, the mean over the round's workers that sent it (``aggregation="senders"``,
+SparseLoCo's) or over all of them (``"all"``); the session's outer optimizer then updates the
+shared parameters (SparseLoCo uses SGD at learning rate 1).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from optserve.client.errors import InvalidArgumentError
 from optserve.protos import sparse_codec
 
 NAME = "sparseloco"
-AGGREGATIONS = ("all",)
+AGGREGATIONS = ("senders", "all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,15 +34,16 @@ class SparseLoCo:
     ``topk``: entries sent per chunk (at most the chunk's size); ``chunk``: a matrix's tiles are
     ``chunk x chunk``, anything else's pieces ``chunk`` elements (1..256); ``bits``: per value,
     1-8, or 32 for float32 values unquantised; ``error_decay``: in [0, 1], the error buffer's decay
-    per exchange; ``aggregation``: "all", the server's mean over all the round's workers (an
-    entry a worker did not send counts as its zero).
+    per exchange; ``aggregation``: the server's mean of each entry over the round's workers that
+    sent it ("senders", as SparseLoCo), or over all the round's workers ("all": an entry a worker
+    did not send counts as its zero); it is the session's ``sparse_mean`` option.
     """
 
     topk: int = 64
     chunk: int = 64
     bits: int = 2
     error_decay: float = 0.95
-    aggregation: str = "all"
+    aggregation: str = "senders"
 
     def __post_init__(self):
         def whole(name: str, value: Any, low: int, high: int) -> None:
@@ -59,9 +61,8 @@ class SparseLoCo:
             raise InvalidArgumentError(f"compression {NAME!r}: error_decay must be a number in [0, 1], "
                                        f"got {self.error_decay!r}")
         if self.aggregation not in AGGREGATIONS:
-            raise InvalidArgumentError(
-                f"compression {NAME!r}: aggregation {self.aggregation!r} is not supported (supported: "
-                f"{', '.join(AGGREGATIONS)}; the mean over only the workers that sent each entry is not built yet)")
+            raise InvalidArgumentError(f"compression {NAME!r}: aggregation must be one of "
+                                       f"{', '.join(map(repr, AGGREGATIONS))}, got {self.aggregation!r}")
 
     @classmethod
     def from_spec(cls, spec: Optional[Mapping[str, Any]]) -> Optional["SparseLoCo"]:

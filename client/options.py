@@ -22,6 +22,7 @@ from optserve.protos.optserve.v1 import control_pb2, tensor_pb2
 
 _MODES = {"sync": control_pb2.MODE_SYNC, "async": control_pb2.MODE_ASYNC}
 _POLICIES = {"reject": control_pb2.STALENESS_POLICY_REJECT, "scale": control_pb2.STALENESS_POLICY_SCALE}
+SPARSE_MEANS = ("all", "senders")
 _LATE = {"drop": control_pb2.LATE_POLICY_DROP, "next": control_pb2.LATE_POLICY_NEXT}
 _SPEC_KEYS = ("name", "args", "preconditioners")
 _INT32_MAX = (1 << 31) - 1
@@ -104,6 +105,9 @@ class SessionOptions:
         recent rounds, at least 50 ms).
       late: elastic sync: a gradient whose round already committed is ``"drop"``-ped (the worker
         is told in ``Session.last_step``) or folded into the ``"next"`` round under the staleness policy.
+      sparse_mean: sync: how a step averages a tensor pushed as SparseLoCo selections (DiLoCo's
+        ``compression``): ``"all"``, over all the step's pushes (an entry a push did not send counts
+        as its zero), or ``"senders"``, each entry over the pushes that sent it.
 
     Raises (on construction):
       InvalidArgumentError: naming the option that is wrong.
@@ -123,6 +127,7 @@ class SessionOptions:
     lease_s: float = 5.0
     straggler_s: Optional[float] = None
     late: str = "drop"
+    sparse_mean: str = "all"
 
     @property
     def elastic(self) -> bool:
@@ -156,6 +161,12 @@ class SessionOptions:
         if not isinstance(self.staleness_policy, str) or self.staleness_policy not in _POLICIES:
             raise InvalidArgumentError(f"staleness_policy must be 'reject' or 'scale', got {self.staleness_policy!r}")
         wire = _wire.wire_option_enum(self.wire_dtype, what="wire_dtype")
+        if wire == contract.SPARSE:
+            raise InvalidArgumentError("wire_dtype: a session's default cannot be sparse (DiLoCo's "
+                                       "compression='sparseloco' encodes its pushes so)")
+        if self.sparse_mean not in SPARSE_MEANS:
+            raise InvalidArgumentError(f"sparse_mean must be one of {', '.join(map(repr, SPARSE_MEANS))}, "
+                                       f"got {self.sparse_mean!r}")
         object.__setattr__(self, "wire_dtype", None if wire is None else _wire.wire_option_name(wire))
         if not isinstance(self.allow_nonfinite, (bool, np.bool_)):
             raise InvalidArgumentError(f"allow_nonfinite must be a bool, got {self.allow_nonfinite!r}")
@@ -226,6 +237,7 @@ class SessionOptions:
             allow_nonfinite=self.allow_nonfinite,
             min_workers=self.min_workers or 0, max_workers=self.max_workers or 0, lease_s=float(self.lease_s),
             straggler_s=float(self.straggler_s or 0.0), late=_LATE[self.late],
+            sparse_mean_over_senders=self.sparse_mean == "senders",
             # int8 is each client's gradient encoding (Session.wire_dtype), not a server-side default
             wire_dtype=(_wire.dtype_enum(self.wire_dtype, what="wire_dtype") if self.wire_dtype != contract.INT8_NAME
                         else None) or tensor_pb2.DTYPE_UNSPECIFIED,
@@ -264,4 +276,5 @@ class SessionOptions:
             lease_s=config.lease_s or 5.0,
             straggler_s=config.straggler_s or None,
             late={v: k for k, v in _LATE.items()}.get(config.late, "drop"),
+            sparse_mean="senders" if config.sparse_mean_over_senders else "all",
         )

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -242,11 +242,12 @@ def encode(values: np.ndarray, chunk: int, topk: int, bits: int) -> SparseGradie
 
 
 # ----------------------------------------------------------------------------------- decode
-def decode_into(destination: np.ndarray, shape: tuple[int, ...], offset: int, data) -> int:
+def decode_into(destination: np.ndarray, shape: tuple[int, ...], offset: int, data,
+                support: Optional[list] = None) -> int:
     """Writes one chunk message's values into ``destination`` (float32, the tensor's flat values:
     zeros, then the sent entries, over the elements the message covers); returns how many
-    elements it covers. Raises ``ValueError`` naming the bad part (nothing outside that range is
-    written)."""
+    elements it covers, and appends the sent entries' flat positions to ``support`` if given.
+    Raises ``ValueError`` naming the bad part (nothing outside that range is written)."""
     view = memoryview(data).cast("B")
     if len(view) < HEADER.size:
         raise ValueError(f"sparse chunk of {len(view)} bytes is shorter than its {HEADER.size}-byte header")
@@ -280,7 +281,10 @@ def decode_into(destination: np.ndarray, shape: tuple[int, ...], offset: int, da
     first_tile = (offset // band) * tiling.tiles_per_band
     out = destination[offset:offset + elements]
     out[:] = 0
-    out[tiling.positions(tile + first_tile, indices) - offset] = values
+    positions = tiling.positions(tile + first_tile, indices)
+    out[positions - offset] = values
+    if support is not None:
+        support.append(positions)
     return elements
 
 

@@ -37,10 +37,11 @@ def _run(address, session, model_of=_model, rounds=ROUNDS, **kwargs):
     return _in_threads(work)
 
 
-def _reference(chunk: int, topk: int, decay: float):
+def _reference(chunk: int, topk: int, decay: float, aggregation: str):
     """SparseLoCo in this process, float32 values: per worker an error buffer
-    ``e = decay * e + pseudo_gradient``, the top ``topk`` of each chunk sent and subtracted, the
-    mean over both workers of what was sent as SGD's gradient at learning rate 1."""
+    ``e = decay * e + pseudo_gradient``, the top ``topk`` of each chunk sent and subtracted; the
+    mean of what was sent, per entry over the workers that sent it ("senders") or over both
+    ("all"), is SGD's gradient at learning rate 1."""
     shared = _model()
     workers = [copy.deepcopy(shared) for _ in range(WORKERS)]
     inner = [torch.optim.AdamW(w.parameters(), lr=0.01) for w in workers]
@@ -62,7 +63,11 @@ def _reference(chunk: int, topk: int, decay: float):
             sent.append(part)
         with torch.no_grad():
             for name, p_shared in shared.named_parameters():
-                p_shared -= torch.from_numpy((sent[0][name] + sent[1][name]) / np.float32(WORKERS))
+                total = sent[0][name] + sent[1][name]
+                # (the random pseudo-gradients have no entry exactly 0: a sent entry is a nonzero one)
+                senders = (sent[0][name] != 0).astype(np.float32) + (sent[1][name] != 0).astype(np.float32)
+                mean = total / np.maximum(senders, 1) if aggregation == "senders" else total / np.float32(WORKERS)
+                p_shared -= torch.from_numpy(mean.astype(np.float32))
         for w in workers:
             w.load_state_dict(shared.state_dict())
     return {n: p.detach().numpy().copy() for n, p in shared.named_parameters()}
@@ -83,11 +88,12 @@ def test_sending_every_entry_in_float32_equals_dense_diloco(server, unique_name)
         _close_all(server, unique_name + "-dense", unique_name + "-sparse")
 
 
-def test_top_k_with_error_feedback_equals_the_in_process_reference(server, unique_name):
+@pytest.mark.parametrize("aggregation", ["senders", "all"])
+def test_top_k_with_error_feedback_equals_the_in_process_reference(server, unique_name, aggregation):
     try:
-        results = _run(server.address, unique_name,
-                       compression={"name": "sparseloco", "topk": 3, "chunk": 4, "bits": 32, "error_decay": 0.9})
-        want = _reference(chunk=4, topk=3, decay=0.9)
+        results = _run(server.address, unique_name, compression={
+            "name": "sparseloco", "topk": 3, "chunk": 4, "bits": 32, "error_decay": 0.9, "aggregation": aggregation})
+        want = _reference(chunk=4, topk=3, decay=0.9, aggregation=aggregation)
         for got, exchanges in results:
             assert _max_diff(got, want) < 1e-6
             assert len(exchanges) == ROUNDS and all(e.version is not None for e in exchanges)
@@ -113,3 +119,64 @@ def test_a_two_bit_exchange_sends_under_half_a_bit_per_parameter(server, unique_
                 assert exchange.bytes_down == 4 * parameters  # the pull is dense float32 still
     finally:
         _close_all(server, unique_name)
+
+
+def test_jax_workers_in_an_elastic_session_with_two_fragments_equal_a_numpy_reference(server, unique_name):
+    """The JAX adapter, streaming fragments (each its own session and its own sends) and elastic
+    rounds (min_workers=1; both workers push every round here): SGD at learning rate 1 on the mean
+    over senders of the float32 top-2 of each 2x2 tile (2-piece) of the error buffers."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import optax
+
+    from optserve.client.jax import DiLoCo as JaxDiLoCo
+
+    rng = np.random.default_rng(9)
+    init = {"w": rng.standard_normal((6, 3)).astype(np.float32), "b": np.zeros((3,), np.float32)}
+    data = [[(rng.standard_normal((16, 6)).astype(np.float32), rng.standard_normal((16, 3)).astype(np.float32))
+             for _ in range(H * 4)] for _ in range(WORKERS)]
+
+    def loss(params, x, y):
+        return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+    grad = jax.jit(jax.grad(loss))
+    options = dict(sync_every=H, fragments=2, num_workers=WORKERS, min_workers=1, outer=OUTER,
+                   compression={"name": "sparseloco", "topk": 2, "chunk": 2, "bits": 32, "error_decay": 0.9})
+
+    def work(i):
+        diloco = JaxDiLoCo({k: jnp.asarray(v) for k, v in init.items()}, optax.sgd(0.05), server.address,
+                           session=unique_name, worker_id=f"j{i}", **options)
+        for batch in data[i]:
+            diloco.step(grad(diloco.params, *batch))
+        diloco.close()
+        return {k: np.asarray(v) for k, v in diloco._core.shared().items()}, diloco.exchanges
+
+    # the reference: fragment 0 holds "b" (first in JAX's sorted order), synced at inner steps
+    # H, 2H, ...; fragment 1 holds "w", synced at H // 2 + k H
+    shared = {k: v.copy() for k, v in init.items()}
+    local = [{k: v.copy() for k, v in init.items()} for _ in range(WORKERS)]
+    errors = [{k: np.zeros_like(v) for k, v in init.items()} for _ in range(WORKERS)]
+    for step in range(1, H * 4 + 1):
+        for i in range(WORKERS):
+            g = grad({k: jnp.asarray(v) for k, v in local[i].items()}, *data[i][step - 1])
+            local[i] = {k: (local[i][k] - np.float32(0.05) * np.asarray(g[k])).astype(np.float32) for k in init}
+        for names, offset in ((["b"], 0), (["w"], H // 2)):
+            if step % H != offset:
+                continue
+            for name in names:
+                sent = []
+                for i in range(WORKERS):
+                    errors[i][name] *= np.float32(0.9)
+                    errors[i][name] += shared[name] - local[i][name]
+                    sent.append(_reference_topk(errors[i][name], 2, 2))
+                    errors[i][name] -= sent[-1]
+                senders = sum((s != 0).astype(np.float32) for s in sent)
+                shared[name] = (shared[name] - sum(sent) / np.maximum(senders, 1)).astype(np.float32)
+                for i in range(WORKERS):
+                    local[i][name] = shared[name].copy()
+    try:
+        for got, exchanges in _in_threads(work):
+            assert {e.fragment for e in exchanges} == {0, 1}
+            assert _max_diff(got, shared) < 1e-5
+    finally:
+        _close_all(server, unique_name + ".f0", unique_name + ".f1")

@@ -122,7 +122,7 @@ def test_error_feedback_subtracts_the_quantised_values_the_server_decodes():
     ({"name": "sparseloco", "bits": 9}, "bits must be one of"),
     ({"name": "sparseloco", "error_decay": 1.5}, "error_decay must be a number in [0, 1]"),
     ({"name": "sparseloco", "top_k": 64}, "unknown option 'top_k'"),
-    ({"name": "sparseloco", "aggregation": "senders"}, "aggregation 'senders' is not supported"),
+    ({"name": "sparseloco", "aggregation": "some"}, "aggregation must be one of 'senders', 'all'"),
     ({"name": "dense"}, "compression must be None or a dict with name 'sparseloco'"),
 ])
 def test_bad_compression_options_are_refused_naming_the_option(spec, fragment):
@@ -133,4 +133,4 @@ def test_bad_compression_options_are_refused_naming_the_option(spec, fragment):
 
 def test_the_documented_defaults():
     assert SparseLoCo.from_spec({"name": "sparseloco"}) == SparseLoCo(topk=64, chunk=64, bits=2, error_decay=0.95,
-                                                                      aggregation="all")
+                                                                      aggregation="senders")

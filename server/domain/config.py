@@ -180,6 +180,8 @@ class SessionConfig:
       elastic: sync: membership and rounds (``min_workers``, ``max_workers``, leases, stragglers).
       incarnation: which creation of a session of this name this is ("" in sessions made before
         it existed): pushes for another are refused (see ``PushHeader.incarnation``).
+      sparse_mean_over_senders: sync: a tensor some pushes sent as SparseLoCo selections is
+        averaged per entry over the pushes that named it (False: over all the step's pushes).
     """
 
     name: str
@@ -195,6 +197,7 @@ class SessionConfig:
     preconditioners: PreconditionerOptions = dataclasses.field(default_factory=PreconditionerOptions)
     elastic: ElasticOptions = dataclasses.field(default_factory=ElasticOptions)
     incarnation: str = ""
+    sparse_mean_over_senders: bool = False
 
     def __post_init__(self):
         if not 1 <= len(self.name) <= 200:
@@ -248,6 +251,7 @@ class SessionConfig:
             "preconditioners": dataclasses.asdict(self.preconditioners),
             "elastic": self.elastic.to_json(),
             "incarnation": self.incarnation,
+            "sparse_mean_over_senders": self.sparse_mean_over_senders,
         }
 
     @classmethod
@@ -262,6 +266,7 @@ class SessionConfig:
             preconditioners=PreconditionerOptions(**data["preconditioners"]),
             elastic=ElasticOptions.from_json(data.get("elastic")),
             incarnation=str(data.get("incarnation", "")),
+            sparse_mean_over_senders=bool(data.get("sparse_mean_over_senders", False)),
         )
 
 

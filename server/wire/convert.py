@@ -52,6 +52,7 @@ def session_config_from_proto(message: control_pb2.SessionConfig, limits: Option
         wire_dtype=wire,
         elastic=_elastic_options(message),
         incarnation=_incarnation(message.incarnation),
+        sparse_mean_over_senders=message.sparse_mean_over_senders,
     )
 
 
@@ -122,6 +123,7 @@ def session_config_to_proto(config: SessionConfig) -> control_pb2.SessionConfig:
         min_workers=config.elastic.min_workers or 0, max_workers=config.elastic.max_workers or 0,
         lease_s=config.elastic.lease_s, straggler_s=config.elastic.straggler_s or 0.0, late=config.elastic.late.value,
         incarnation=config.incarnation,
+        sparse_mean_over_senders=config.sparse_mean_over_senders,
     )
 
 

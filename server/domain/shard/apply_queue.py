@@ -46,6 +46,9 @@ class GatheredStep:
       workers: their workers (see :func:`~optserve.server.domain.config.worker_of`).
       tickets: those pushes' entries (the closing push's entry is added when the step is logged).
       with_gradient: the tensors some push of the step had a gradient for.
+      senders: sessions that average sparse tensors over their senders
+        (``sparse_mean_over_senders``): tensor name -> how many of the step's pushes named each
+        entry (int32, flat), for the tensors some push sent as a SparseLoCo selection.
     """
 
     total: Optional[dict[str, np.ndarray]] = None
@@ -54,6 +57,33 @@ class GatheredStep:
     clients: list[str] = dataclasses.field(default_factory=list)
     workers: list[str] = dataclasses.field(default_factory=list)
     tickets: list[TicketEntry] = dataclasses.field(default_factory=list)
+    senders: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    def count_senders(self, grads: dict[str, np.ndarray]) -> None:
+        """Counts the push about to be added (``count`` pushes before it): each entry its sparse
+        tensors named, every entry of the others."""
+        support = getattr(grads, "support", {})
+        for name, positions in support.items():
+            if name not in self.senders:  # the earlier pushes sent it whole
+                self.senders[name] = np.full(grads[name].size, self.count, np.int32)
+            self.senders[name][positions] += 1
+        for name, counts in self.senders.items():
+            if name not in support:
+                counts += 1
+
+    def mean(self) -> dict[str, np.ndarray]:
+        """The step's mean gradient, in place of ``total``: per entry over its senders for the
+        tensors in ``senders``, else over ``count``."""
+        mean = {}
+        for name, total in self.total.items():
+            counts = self.senders.get(name)
+            if counts is None:
+                mean[name] = np.divide(total, np.float32(self.count), out=total)
+            else:
+                flat = total.reshape(-1)
+                np.divide(flat, counts.astype(np.float32), out=flat, where=counts > 0)
+                mean[name] = total
+        return mean
 
 
 def entry(ticket: Ticket) -> TicketEntry:
@@ -146,6 +176,8 @@ class ApplyQueue:
         ``without_gradient``: the push's gradient-less tensors (zeros in ``grads``)."""
         step = self.step
         step.with_gradient.update(name for name in grads if name not in without_gradient)
+        if self._config.sparse_mean_over_senders:
+            step.count_senders(grads)
         scale = None if ticket.scale == 1.0 else np.float32(ticket.scale)
         if step.total is None:
             step.total = {name: aligned_empty(g.shape, g.dtype, IO_ALIGNMENT) for name, g in grads.items()}
@@ -168,7 +200,7 @@ class ApplyQueue:
             step.workers.append(worker_of(ticket.client_id))
             step.tickets.append(entry(ticket))
             return None
-        mean = {name: np.divide(s, np.float32(step.count), out=s) for name, s in step.total.items()}
+        mean = step.mean()
         self.step = GatheredStep()
         return mean, tuple(step.tickets) + (entry(ticket),), frozenset(mean) - step.with_gradient
 

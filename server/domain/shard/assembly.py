@@ -9,7 +9,7 @@ a refused or broken stream leaves the session's state unchanged.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 import numpy as np
 
@@ -51,6 +51,7 @@ class TensorAssembler:
         self._check_finite = check_finite
         self._ranges: dict[str, list[tuple[int, int]]] = {name: [] for name in specs}
         self.received_bytes = 0  # tensor bytes accepted so far
+        self._support: dict[str, list[np.ndarray]] = {}  # sparse tensors: the positions their chunks named
 
     def add(self, chunk) -> None:
         """Validates and decodes one ``optserve.v1.TensorChunk``."""
@@ -117,7 +118,8 @@ class TensorAssembler:
         try:  # writes only this push's own buffer, which a refused push returns to its pool
             if start < 0:
                 raise ValueError(f"its first element {start} is out of range")
-            count = sparse_codec.decode_into(flat, spec.shape, start, chunk.data)
+            count = sparse_codec.decode_into(flat, spec.shape, start, chunk.data,
+                                             self._support.setdefault(spec.name, []))
         except ValueError as exc:
             raise InvalidArgument(f"tensor {spec.name!r}: {exc}") from None
         if ranges and start < ranges[-1][1] and start + count > ranges[-1][0]:
@@ -145,7 +147,8 @@ class TensorAssembler:
             covered = sum(e - s for s, e in ranges)
             if covered != spec.size:
                 raise InvalidArgument(f"tensor {name!r}: chunks cover {covered} of {spec.size} elements")
-        return AssembledGrads({**self._buffers, **self._adopted}, pooled=self._buffers)
+        support = {name: np.concatenate(parts) for name, parts in self._support.items()}
+        return AssembledGrads({**self._buffers, **self._adopted}, pooled=self._buffers, support=support)
 
 
 def all_finite(values: np.ndarray) -> bool:
@@ -173,8 +176,11 @@ def _aligned(data) -> bool:
 
 class AssembledGrads(dict):
     """A push's gradients by name; ``pooled``: the buffers it was assembled into (what goes back
-    to their pool: the tensors read in place are not among them)."""
+    to their pool: the tensors read in place are not among them); ``support``: the tensors sent
+    as SparseLoCo selections, each with the flat positions it named (others zero)."""
 
-    def __init__(self, grads: Mapping[str, np.ndarray], pooled: Mapping[str, np.ndarray]):
+    def __init__(self, grads: Mapping[str, np.ndarray], pooled: Mapping[str, np.ndarray],
+                 support: Optional[Mapping[str, np.ndarray]] = None):
         super().__init__(grads)
         self.pooled = pooled
+        self.support = dict(support or {})
