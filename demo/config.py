@@ -40,6 +40,8 @@ class DemoConfig:
       seed: model initialisation and data order.
       diloco: H: compare DiLoCo with H inner steps per round against per-step synchronous data
         parallelism instead (:mod:`optserve.demo.diloco`); None: the asynchronous demo.
+      compression: with ``diloco``: "sparseloco" adds a run of DiLoCo with SparseLoCo's
+        compression (its defaults, outer SGD at learning rate 1) before the dense one; None: not.
     """
 
     steps: int = 150
@@ -58,6 +60,7 @@ class DemoConfig:
     progress: bool = True
     seed: int = 0
     diloco: Optional[int] = None
+    compression: Optional[str] = None
 
     def __post_init__(self):
         for field in ("steps", "workers", "shards", "batch_size"):
@@ -81,6 +84,14 @@ class DemoConfig:
             if self.schedule != "constant":
                 raise ValueError(f"--diloco compares at a constant --lr: --schedule must be constant, "
                                  f"got {self.schedule!r}")
+        if self.compression is not None:
+            if self.compression != "sparseloco":
+                raise ValueError(f"--compression must be sparseloco, got {self.compression!r}")
+            if self.diloco is None:
+                raise ValueError("--compression sparseloco compresses DiLoCo's exchanges: it needs --diloco H")
+            if self.wire_dtype is not None:
+                raise ValueError(f"--compression sparseloco encodes the pseudo-gradients itself: drop --wire-dtype "
+                                 f"{self.wire_dtype}")
 
     @property
     def updates(self) -> int:
@@ -128,6 +139,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> DemoConfig:
     parser.add_argument("--diloco", type=int, default=None, metavar="H",
                         help="compare DiLoCo (H inner AdamW steps per round, --lr) with per-step sync data parallel "
                              "adam at equal samples, instead of the async demo")
+    parser.add_argument("--compression", choices=("sparseloco",), default=None,
+                        help="with --diloco: also run DiLoCo with SparseLoCo's 2-bit top-k exchanges")
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (30 if args.quick else default_steps(args.diloco))
     return DemoConfig(
@@ -147,6 +160,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> DemoConfig:
         progress=not args.no_progress,
         seed=args.seed,
         diloco=args.diloco,
+        compression=args.compression,
     )
 
 

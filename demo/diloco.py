@@ -12,8 +12,13 @@ of ``--batch-size`` examples, rounded up to whole rounds of H):
    mode): every worker pushes every step's gradient; the session averages them and runs adam
    (lr ``--lr``).
 
+With ``--compression sparseloco`` a first run is DiLoCo with SparseLoCo's compression (its
+defaults: the top 64 of each 64x64 tile of an error-fed buffer, 2-bit values, each entry averaged
+over the workers that sent it) and SparseLoCo's outer step, SGD at learning rate 1.
+
 Each worker counts the payload bytes it pushed (:func:`wire_payload_bytes`: values at their wire
-width, int8 blocks with their float32 scales; no message framing). The parent evaluates the
+width, int8 blocks with their float32 scales, DiLoCo's as its exchanges record them; no message
+framing). The parent evaluates the
 sessions' final parameters, prints a table, and writes ``loss_curve.png`` and ``summary.json``.
 """
 
@@ -35,7 +40,12 @@ from optserve.demo.report import RunResult, print_table, write_plot, write_summa
 from optserve.demo.worker_processes import data_path_line, drive_workers, start_workers, stop_workers
 from optserve.protos import contract
 
-RUNS = ("diloco", "sync")  # the phases of the worker processes, in order
+SPARSELOCO_OUTER = {"name": "sgd", "args": {"learning_rate": 1.0}}
+
+
+def runs(cfg: DemoConfig) -> tuple[str, ...]:
+    """The phases of the worker processes, in order."""
+    return ("sparseloco", "diloco", "sync") if cfg.compression else ("diloco", "sync")
 
 # bytes per value on the wire for the demo's --wire-dtype names (None: float32)
 _WIRE_WIDTH = {None: 4, "float32": 4, "bfloat16": 2, "float16": 2}
@@ -61,12 +71,12 @@ def comparison_steps(cfg: DemoConfig) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ComparisonTask:
-    """One worker process: ``steps`` steps in each of ``sessions`` (DiLoCo's, then per-step sync's)
+    """One worker process: ``steps`` steps in each of ``sessions`` (one per run of :func:`runs`)
     on ``data`` (sent along: the worker need not import scikit-learn)."""
 
     rank: int
     address: str
-    sessions: tuple[str, str]
+    sessions: tuple[str, ...]
     steps: int
     config: DemoConfig
     data: DigitsSplit
@@ -74,6 +84,8 @@ class ComparisonTask:
 
 class _DiLoCoWorker:
     """A worker's DiLoCo: AdamW inner steps, a pseudo-gradient push every H-th ``step()``."""
+
+    run = "diloco"
 
     def __init__(self, model, task: ComparisonTask, worker_id: str):
         import torch
@@ -83,11 +95,13 @@ class _DiLoCoWorker:
         cfg = task.config
         self.params = list(model.parameters())
         self.inner = torch.optim.AdamW(self.params, lr=cfg.lr)
-        self.diloco = DiLoCo(model, self.inner, task.address, session=task.sessions[0], sync_every=cfg.diloco,
-                             num_workers=cfg.workers, worker_id=worker_id, wire_dtype=cfg.wire_dtype,
+        sparse = self.run == "sparseloco"
+        self.diloco = DiLoCo(model, self.inner, task.address, session=task.sessions[runs(cfg).index(self.run)],
+                             sync_every=cfg.diloco, num_workers=cfg.workers, worker_id=worker_id,
+                             wire_dtype=cfg.wire_dtype, outer=SPARSELOCO_OUTER if sparse else None,
+                             compression={"name": "sparseloco"} if sparse else None,
                              shared_memory="auto" if cfg.shared_memory else False)
         self.session = self.diloco.sessions[0]
-        self.wire_dtype = cfg.wire_dtype
         self.exchanges = 0
         self.payload_bytes = 0
 
@@ -96,12 +110,17 @@ class _DiLoCoWorker:
 
     def step(self) -> None:
         self.diloco.step()
-        if sum(self.diloco.rounds) > self.exchanges:  # this step ended a round: the pseudo-gradient went out
-            self.exchanges += 1
-            self.payload_bytes += wire_payload_bytes((p.numel() for p in self.params), self.wire_dtype)
+        self.exchanges = sum(self.diloco.rounds)
+        self.payload_bytes = sum(exchange.bytes_up for exchange in self.diloco.exchanges)
 
     def close(self) -> None:
         self.diloco.close()
+
+
+class _SparseLoCoWorker(_DiLoCoWorker):
+    """DiLoCo with SparseLoCo's compression and outer step."""
+
+    run = "sparseloco"
 
 
 class _PerStepWorker:
@@ -113,7 +132,7 @@ class _PerStepWorker:
         cfg = task.config
         self.params = list(model.parameters())
         self.optimizer = RemoteOptimizer(model.named_parameters(), task.address, optimizer_spec("adam", cfg.lr),
-                                         session=task.sessions[1], mode="sync", num_workers=cfg.workers,
+                                         session=task.sessions[-1], mode="sync", num_workers=cfg.workers,
                                          worker_id=worker_id, wire_dtype=cfg.wire_dtype,
                                          shared_memory="auto" if cfg.shared_memory else False)
         self.session = self.optimizer.session
@@ -134,11 +153,11 @@ class _PerStepWorker:
         self.optimizer.close()
 
 
-_WORKERS = {"diloco": _DiLoCoWorker, "sync": _PerStepWorker}
+_WORKERS = {"sparseloco": _SparseLoCoWorker, "diloco": _DiLoCoWorker, "sync": _PerStepWorker}
 
 
 def comparison_worker_main(task: ComparisonTask, queues: Sequence, gos: Sequence) -> None:
-    """Entry point of a worker process: for each run of :data:`RUNS` (phase ``i``: ``queues[i]``,
+    """Entry point of a worker process: for each run of :func:`runs` (phase ``i``: ``queues[i]``,
     ``gos[i]``) it attaches, reports ``("ready", rank, data paths)``, waits for ``gos[i]``, trains
     ``task.steps`` steps reporting ``("step", rank, step, loss, version)``, and ends the run with
     ``("done", rank, payload bytes pushed, exchanges)``; a failure is ``("error", rank, traceback)``
@@ -150,7 +169,7 @@ def comparison_worker_main(task: ComparisonTask, queues: Sequence, gos: Sequence
         torch.set_num_threads(1)
         cfg = task.config
         x, y = torch.from_numpy(task.data.x_train), torch.from_numpy(task.data.y_train)
-        for phase, run in enumerate(RUNS):
+        for phase, run in enumerate(runs(cfg)):
             messages = queues[phase]
             model = make_model(cfg.seed)
             worker = _WORKERS[run](model, task, f"worker-{task.rank}")
@@ -184,20 +203,21 @@ class ComparisonResult(RunResult):
 
 
 def run_comparison(cfg: DemoConfig, address: str, data: DigitsSplit) -> list[ComparisonResult]:
-    """Runs the worker processes through both runs; returns [DiLoCo's result, per-step sync's]."""
+    """Runs the worker processes through every run; returns their results in the order of :func:`runs`."""
     steps = comparison_steps(cfg)
-    names = tuple(f"demo-{run}-{uuid.uuid4().hex[:8]}" for run in RUNS)
+    names = tuple(f"demo-{run}-{uuid.uuid4().hex[:8]}" for run in runs(cfg))
     tasks = [ComparisonTask(rank, address, names, steps, cfg, data) for rank in range(cfg.workers)]
-    labels = {"diloco": f"DiLoCo, H={cfg.diloco}", "sync": "sync DP, every step"}
-    procs, queues, gos = start_workers(comparison_worker_main, tasks, phases=len(RUNS))
+    labels = {"sparseloco": f"SparseLoCo, H={cfg.diloco}", "diloco": f"DiLoCo, H={cfg.diloco}",
+              "sync": "sync DP, every step"}
+    procs, queues, gos = start_workers(comparison_worker_main, tasks, phases=len(runs(cfg)))
     results, owners, finished = [], [], False
     try:
         # While the workers import torch, this process creates both sessions from the seeded
         # weights (the workers attach) and keeps their handles to pull the final parameters.
-        for run in RUNS:
+        for run in runs(cfg):
             model = make_model(cfg.seed)
             owners.append((model, _WORKERS[run](model, tasks[0], "owner")))  # never steps
-        for phase, run in enumerate(RUNS):
+        for phase, run in enumerate(runs(cfg)):
             seen = drive_workers(procs, queues[phase], gos[phase], steps, cfg.progress, labels[run],
                                  on_ready=(lambda paths: print(data_path_line(paths, cfg), flush=True))
                                  if phase == 0 else (lambda paths: None))
@@ -263,17 +283,30 @@ def run_diloco_demo(cfg: DemoConfig, data: DigitsSplit, initial: tuple[float, fl
               f"in both runs", flush=True)
         results = run_comparison(cfg, address, data)
     wire = cfg.wire_dtype or "float32"
+    sparse_title = (" SparseLoCo: the same inner steps, the top 64 of each 64x64 tile of an error-fed buffer in 2 "
+                    "bits, outer SGD lr 1." if cfg.compression else "")
     print_table(cfg, initial, results, rows=COMPARISON_ROWS,
                 title=f"digits MLP, {cfg.workers} workers x {steps} steps x batch {cfg.batch_size}. DiLoCo: inner "
-                      f"AdamW lr={cfg.lr}, outer Nesterov SGD lr 0.7 momentum 0.9; sync DP: adam lr={cfg.lr}. "
-                      f"Payload bytes: the {wire} (pseudo-)gradients a worker pushed, no framing")
-    diloco, sync = results
+                      f"AdamW lr={cfg.lr}, outer Nesterov SGD lr 0.7 momentum 0.9; sync DP: adam lr={cfg.lr}."
+                      f"{sparse_title} Payload bytes: the {wire} (pseudo-)gradients a worker pushed, no framing")
+    diloco, sync = results[-2:]
     comparison = {"final_train_loss_ratio": diloco.train_loss / sync.train_loss,
                   "payload_bytes_ratio": sum(diloco.payload_bytes_per_worker) / sum(sync.payload_bytes_per_worker)}
     print(f"DiLoCo / per-step sync: final train loss x{comparison['final_train_loss_ratio']:.3f}, "
           f"payload bytes x{comparison['payload_bytes_ratio']:.3f} (1/H = {1 / cfg.diloco:.3f})", flush=True)
+    if cfg.compression:
+        sparse = results[0]
+        sent = sum(sparse.payload_bytes_per_worker)
+        comparison.update({
+            "sparseloco_train_loss_ratio_to_diloco": sparse.train_loss / diloco.train_loss,
+            "sparseloco_payload_bytes_ratio_to_diloco": sent / sum(diloco.payload_bytes_per_worker),
+            "sparseloco_payload_bytes_ratio_to_sync": sent / sum(sync.payload_bytes_per_worker)})
+        print(f"SparseLoCo / DiLoCo: final train loss x{comparison['sparseloco_train_loss_ratio_to_diloco']:.3f}, "
+              f"payload bytes x{comparison['sparseloco_payload_bytes_ratio_to_diloco']:.4f}; SparseLoCo / per-step "
+              f"sync: payload bytes x{comparison['sparseloco_payload_bytes_ratio_to_sync']:.5f}", flush=True)
     plot = cfg.out / "loss_curve.png"
-    write_plot(plot, results, title=f"optserve demo: DiLoCo H={cfg.diloco} vs per-step sync DP, {cfg.workers} workers",
+    against = "SparseLoCo and DiLoCo" if cfg.compression else "DiLoCo"
+    write_plot(plot, results, title=f"optserve demo: {against} H={cfg.diloco} vs per-step sync DP, {cfg.workers} workers",
                xlabel=f"step per worker ({cfg.workers} x {cfg.batch_size} samples per step in both runs)")
     write_summary(cfg, initial, results, steps_per_worker=steps, comparison=comparison)
     print(f"wrote {plot} and {cfg.out / 'summary.json'}", flush=True)

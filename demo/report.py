@@ -97,10 +97,13 @@ def write_plot(path: Path, results: Sequence[RunResult],
 def write_summary(cfg: DemoConfig, initial: tuple[float, float], results: Sequence[RunResult],
                   **extra: Any) -> None:
     """``summary.json``: the flags, the initial model's test loss / accuracy, each run without its
-    curve, and ``extra`` keys (the asynchronous demo's config has no ``diloco`` key)."""
+    curve, and ``extra`` keys (the asynchronous demo's config has no ``diloco`` key, nor
+    ``compression`` without one)."""
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()}
     if cfg.diloco is None:
         del config["diloco"]
+    if cfg.compression is None:
+        del config["compression"]
     summary = {
         "config": config,
         "initial": {"test_loss": initial[0], "test_accuracy": initial[1]},

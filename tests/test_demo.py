@@ -25,6 +25,10 @@ def test_demo_argument_errors_name_the_flag():
     with pytest.raises(ValueError, match="--steps"):
         parse_args(["--steps", "0"])
     assert parse_args(["--quick"]).steps < parse_args([]).steps
+    with pytest.raises(ValueError, match="--compression sparseloco compresses DiLoCo's exchanges: it needs --diloco"):
+        parse_args(["--compression", "sparseloco"])
+    with pytest.raises(ValueError, match="drop --wire-dtype"):
+        parse_args(["--diloco", "5", "--compression", "sparseloco", "--wire-dtype", "int8"])
 
 
 def test_demo_diloco_runs_twenty_outer_rounds_unless_steps_are_given():
@@ -135,11 +139,12 @@ def test_demo_table_width_falls_back_to_80_columns_without_a_terminal():
 
 
 @pytest.mark.slow
-def test_demo_diloco_compares_with_per_step_sync_at_a_fifth_of_the_payload(tmp_path):
+def test_demo_diloco_and_sparseloco_compare_with_per_step_sync_at_a_fifth_of_the_payload_and_far_less(tmp_path):
     out = tmp_path / "demo_out"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run(
-        _optserve_command() + ["demo", "--quick", "--no-progress", "--diloco", "5", "--out", str(out)],
+        _optserve_command() + ["demo", "--quick", "--no-progress", "--diloco", "5", "--compression", "sparseloco",
+                               "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -153,9 +158,9 @@ def test_demo_diloco_compares_with_per_step_sync_at_a_fifth_of_the_payload(tmp_p
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5_000
 
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["config"]["diloco"] == 5
-    diloco, sync = summary["runs"]
-    assert (diloco["label"], sync["label"]) == ("DiLoCo, H=5", "sync DP, every step")
+    assert summary["config"]["diloco"] == 5 and summary["config"]["compression"] == "sparseloco"
+    sparse, diloco, sync = summary["runs"]
+    assert (sparse["label"], diloco["label"], sync["label"]) == ("SparseLoCo, H=5", "DiLoCo, H=5", "sync DP, every step")
     steps = summary["steps_per_worker"]
     assert diloco["steps_per_worker"] == sync["steps_per_worker"] == steps  # equal samples
     assert (diloco["exchanges_per_worker"], sync["exchanges_per_worker"]) == (steps // 5, steps)
@@ -165,8 +170,14 @@ def test_demo_diloco_compares_with_per_step_sync_at_a_fifth_of_the_payload(tmp_p
     assert diloco["payload_bytes_per_worker"][0] == pytest.approx(sync["payload_bytes_per_worker"][0] / 5, rel=0.01)
     assert f"{sync['payload_bytes_per_worker'][0]:,}" in proc.stdout
 
+    # SparseLoCo's 2-bit top-k: the MLP's 64x64 tiles send 64 entries each (its vectors go whole)
+    assert sparse["exchanges_per_worker"] == diloco["exchanges_per_worker"]
+    assert 0 < sparse["payload_bytes_per_worker"][0] < diloco["payload_bytes_per_worker"][0] / 10
+    assert summary["comparison"]["sparseloco_payload_bytes_ratio_to_diloco"] < 0.1
+    assert "SparseLoCo / DiLoCo: final train loss" in proc.stdout
+
     initial = summary["initial"]["test_loss"]
-    for run in (diloco, sync):  # both learn
+    for run in (sparse, diloco, sync):  # all learn
         assert run["test_loss"] < 0.5 * initial and run["test_accuracy"] > 0.7, run
 
 
