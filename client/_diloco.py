@@ -80,7 +80,9 @@ class Exchange:
     """One completed exchange of a worker: ``fragment``, the inner step it was sent after, the H
     of its round, the session version its pseudo-gradient went into (None: dropped as late by an
     elastic session), the version of the parameters it got back, and the tensor bytes it sent
-    (``bytes_up``: the pseudo-gradient as encoded for the wire) and received (``bytes_down``)."""
+    (``bytes_up``: the pseudo-gradient as encoded for the wire) and received (``bytes_down``: the
+    reply's chunk payloads over gRPC, the round's sparse parts where they rebuilt a tensor; 0
+    where the parameters came through shared memory)."""
 
     fragment: int
     inner_step: int
@@ -251,6 +253,8 @@ class DiLoCoCore:
         if self.sparsifier is not None:
             delta = self.sparsifier.compress(delta)
             kwargs["wire_dtype"] = contract.SPARSE
+            # the round's answer may be its sparse parts, rebuilt from the snapshot (the values of this version)
+            kwargs["sparse_base"] = (fragment.session.version, fragment.snapshot)
         wire = _wire.wire_option_enum(kwargs.get("wire_dtype"), what="wire_dtype")
         fragment.sent_bytes = sum(_wire_bytes(d, wire) for d in delta.values())
         fragment.sent_after = step
@@ -297,7 +301,7 @@ class DiLoCoCore:
         self.exchanges.append(Exchange(index, fragment.sent_after, fragment.sent_h,
                                        outcome.version if outcome is not None else None,
                                        outcome.current_version if outcome is not None else fragment.session.version,
-                                       fragment.sent_bytes, sum(v.nbytes for v in fragment.snapshot.values())))
+                                       fragment.sent_bytes, fragment.session.last_received_bytes))
         if not self.overlap_steps:
             return fragment.snapshot
         alpha = np.float32(self.merge_alpha)

@@ -52,6 +52,7 @@ class StepReply(NamedTuple):
 
     done: data_pb2.StepDone
     arrays: dict[str, np.ndarray]
+    received_bytes: int = 0  # tensor bytes the reply carried (chunk payloads; 0 through a region)
 
 
 class DataPaths:
@@ -71,6 +72,7 @@ class DataPaths:
         self.fanout = fanout
         self.regions = regions
         self.small = sum(int(np.prod(shape)) for _, shape in specs.values()) <= SMALL_SESSION_ELEMENTS
+        self.sparse_over_senders = False  # the session's sparse_mean is "senders" (set by the Session)
         self._grad_buffers: Optional[dict[str, np.ndarray]] = None
 
     def via_shm(self, wire: Optional[int]) -> bool:
@@ -146,12 +148,14 @@ class DataPaths:
         return self.fanout.each(lambda shard: call_shard(push_shard, shard))
 
     def push_pull(self, header: data_pb2.PushHeader, grads: Mapping[str, tensor_chunks.Tensor], wire: Optional[int],
-                  out: Optional[Arrays] = None, views: bool = False, reply: bool = True) -> list[StepReply]:
+                  out: Optional[Arrays] = None, views: bool = False, reply: bool = True,
+                  sparse_base: Optional[Arrays] = None) -> list[StepReply]:
         """Every shard's :class:`StepReply` to one push_pull step (parameters left out when not
-        ``reply``: a push through shared memory)."""
+        ``reply``: a push through shared memory). ``sparse_base``: the parameters of the header's
+        base version, when the gradients are SparseLoCo selections (see ``Session.push_pull``)."""
         taken = self.regions.acquire(self.fanout.shards, grads) if self.via_shm(wire) else {}
         try:
-            step = _Step(self, header, grads, wire, out, views, reply, taken)
+            step = _Step(self, header, grads, wire, out, views, reply, taken, sparse_base)
             return self._region_call(taken, step.run)
         finally:
             self.regions.release(taken)
@@ -229,8 +233,8 @@ class DataPaths:
         return [chunk for name in shard.names
                 for chunk in tensor_chunks.tensor_chunks(name, tensors[name], wire, self.client.chunk_bytes)]
 
-    def reassembler(self, shard: Shard, out: Optional[Arrays]) -> _wire.Reassembler:
-        return _wire.Reassembler({n: self._specs[n] for n in shard.names}, out)
+    def reassembler(self, shard: Shard, out: Optional[Arrays], sparse_base: Optional[Arrays] = None) -> _wire.Reassembler:
+        return _wire.Reassembler({n: self._specs[n] for n in shard.names}, out, sparse_base, self.sparse_over_senders)
 
     def _region_call(self, taken: Mapping[int, _shm.ShardRegion], call: Callable[[], Any]) -> Any:
         """Runs ``call`` (a step using the ``taken`` regions); a shard that no longer knows its
@@ -270,15 +274,17 @@ class _Step:
 
     def __init__(self, paths: DataPaths, header: data_pb2.PushHeader, grads: Mapping[str, tensor_chunks.Tensor],
                  wire: Optional[int], out: Optional[Arrays], views: bool, reply: bool,
-                 taken: Mapping[int, _shm.ShardRegion]):
+                 taken: Mapping[int, _shm.ShardRegion], sparse_base: Optional[Arrays] = None):
         self._paths, self._header, self._grads, self._wire = paths, header, grads, wire
         self._out, self._views, self._reply, self._taken = out, views, reply, taken
+        self._sparse_base = sparse_base if wire == contract.SPARSE else None
         pull_wire = None if wire in contract.GRADIENT_ONLY else wire  # int8 and sparse encode gradients only
         client = paths.client
         self._pull = data_pb2.PullRequest(session=paths.session, wire_dtype=pull_wire or tensor_pb2.DTYPE_UNSPECIFIED,
-                                          max_chunk_bytes=client.chunk_bytes)
+                                          max_chunk_bytes=client.chunk_bytes,
+                                          sparse_update=self._sparse_base is not None)
         # Small sessions leave out pull options that would only repeat the shard's defaults.
-        self._pull_options_needed = (bool(pull_wire) or not paths.small
+        self._pull_options_needed = (bool(pull_wire) or not paths.small or self._sparse_base is not None
                                      or client.chunk_bytes != contract.DEFAULT_CHUNK_BYTES)
 
     def run(self) -> list[StepReply]:
@@ -333,7 +339,7 @@ class _Step:
 
     def _receive(self, shard: Shard, handle: StepHandle) -> StepReply:
         """Reads the shard's reply: chunks into arrays (or the parameters from its region) until ``done``."""
-        assembler = self._paths.reassembler(shard, self._out)
+        assembler = self._paths.reassembler(shard, self._out, self._sparse_base)
         done, in_region = [], []
 
         def on_response(kind, value) -> bool:
@@ -358,7 +364,7 @@ class _Step:
             shard.steps.end_after_step()
         if shard.index in self._taken:
             return StepReply(done[0], in_region[0] if in_region else {})
-        return StepReply(done[0], assembler.finish())
+        return StepReply(done[0], assembler.finish(), assembler.received_bytes)
 
 
 def _raise(exc: BaseException):

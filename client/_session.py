@@ -77,11 +77,13 @@ class Session(WholeSession):
         self._versions = VersionView(version)
         self.last_staleness = 0  # staleness the server assigned to this object's latest push (async)
         self.last_applied_version = 0  # the version this object's latest push_pull went into
+        self.last_received_bytes = 0  # tensor bytes the latest push_pull's reply carried (gRPC chunks)
         self._background = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="optserve-async")
         # same-host fast path (client/_shm.py): tensor bytes through shared memory, proven per shard
         self._shm = _shm.SessionRegions(client.shared_memory, client.shard_data, self.name, self.client_id,
                                         self.specs, client.timeout)
         self._paths = _paths.DataPaths(client, self.name, self.specs, self._fanout, self._shm)
+        self._paths.sparse_over_senders = info.config.sparse_mean_over_senders
         self._feedback = _wire.ErrorFeedback()  # int8 gradients: per-tensor residuals
         self._tries = SessionTries(self)  # one try of a push / push_pull on the wire (client/_session_tries.py)
         # the tries by their former names (a test resends one header through them, as a retry does)
@@ -159,11 +161,15 @@ class Session(WholeSession):
                   out: Optional[Mapping[str, np.ndarray]] = None,
                   base_version: Optional[int] = None, loss: Optional[float] = None,
                   scalars: Optional[Mapping[str, float]] = None, views: bool = False,
-                  without_gradient: Iterable[str] = ()) -> dict[str, np.ndarray]:
+                  without_gradient: Iterable[str] = (),
+                  sparse_base: Optional[tuple[int, Mapping[str, np.ndarray]]] = None) -> dict[str, np.ndarray]:
         """Pushes ``grads`` and returns the parameters of the step they joined (into ``out`` if given).
 
         ``base_version``, ``loss``, ``scalars``, ``without_gradient``: as for :meth:`push`.
-        ``views``: as for :meth:`pull`.
+        ``views``: as for :meth:`pull`. ``sparse_base``: with SparseLoCo selections
+        (``wire_dtype`` sparse), the ``(version, parameters)`` this client holds: a push based on
+        that version may get tensors back as its step's sparse parts, rebuilt here from those
+        parameters (``PullRequest.sparse_update``; the shard checks the rebuild is exact).
         """
         grads = checked_gradients(grads, self.specs, self.name)
         wire = self._wire(wire_dtype)
@@ -171,7 +177,8 @@ class Session(WholeSession):
         self._keep_membership()
 
         def tries(header):
-            return self._fanout.served(lambda: self._tries.push_pull_once(header, grads, wire, out, views=views))
+            return self._fanout.served(lambda: self._tries.push_pull_once(header, grads, wire, out, views=views,
+                                                                          sparse_base=sparse_base))
 
         try:
             params = self._from_current_base(tries, base_version, loss, scalars, without_gradient)

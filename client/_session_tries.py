@@ -70,13 +70,15 @@ class SessionTries:
 
     def push_pull_once(self, header: data_pb2.PushHeader, grads: Mapping, wire: Optional[int],
                        out: Optional[Mapping[str, np.ndarray]] = None, views: bool = False,
-                       reply: bool = True) -> Union[int, dict[str, np.ndarray]]:
+                       reply: bool = True, sparse_base: Optional[tuple] = None) -> Union[int, dict[str, np.ndarray]]:
         """One attempt: push (auto_commit) and receive the step's parameters, per shard: returns
         them (name -> array), or the new version alone when not ``reply`` (a push through
-        shared memory)."""
+        shared memory). ``sparse_base``: see ``Session.push_pull``."""
         session = self._session
         header.attempt += 1  # each try is voted on apart by the shards
-        replies = session._paths.push_pull(header, grads, wire, out, views, reply)
+        base = sparse_base[1] if sparse_base is not None and sparse_base[0] == header.base_version else None
+        replies = session._paths.push_pull(header, grads, wire, out, views, reply, sparse_base=base)
+        session.last_received_bytes = sum(r.received_bytes for r in replies)
         session.last_staleness = replies[0].done.staleness
         session._see_version(min(r.done.version for r in replies))
         # the version the gradient went into: earlier than the parameters' for a retry of a push applied before

@@ -15,7 +15,7 @@ from typing import Mapping, Optional
 import numpy as np
 
 from optserve.client.errors import InvalidArgumentError
-from optserve.protos import contract, int8_codec
+from optserve.protos import contract, int8_codec, sparse_codec
 from optserve.protos.tensor_chunks import Int8Gradient  # what ErrorFeedback.quantize returns
 
 DTypeLike = contract.DTypeLike
@@ -88,10 +88,19 @@ class Reassembler:
       specs: name -> (spec dtype enum, shape) of the tensors expected.
       out: optional arrays to reuse (name -> C-contiguous array of the right shape and output
         dtype); others are freshly allocated. Reusing avoids page faults on large models.
+      sparse_base: the parameters the request's ``sparse_update`` named (its base version's): a
+        tensor sent as its step's sparse parts (DTYPE_SPARSE chunks) is rebuilt from them
+        (:func:`optserve.protos.sparse_codec.apply_parts`; ``over_senders``: the session's
+        ``sparse_mean`` is "senders").
     """
 
-    def __init__(self, specs: Mapping[str, tuple[int, tuple[int, ...]]], out: Optional[Mapping[str, np.ndarray]] = None):
+    def __init__(self, specs: Mapping[str, tuple[int, tuple[int, ...]]], out: Optional[Mapping[str, np.ndarray]] = None,
+                 sparse_base: Optional[Mapping[str, np.ndarray]] = None, over_senders: bool = False):
         out = out or {}
+        self._sparse_base = sparse_base or {}
+        self._over_senders = over_senders
+        self._sparse: dict[str, list[tuple[int, bytes]]] = {}  # tensor -> its parts' chunks, in order
+        self.received_bytes = 0
         self.arrays = {}
         for name, (dtype, shape) in specs.items():
             given = out.get(name)
@@ -105,6 +114,14 @@ class Reassembler:
         out = self.arrays.get(chunk.name)
         if out is None:
             raise InvalidArgumentError(f"server sent unknown tensor {chunk.name!r}")
+        if chunk.dtype == contract.SPARSE:
+            if chunk.name not in self._sparse_base:
+                raise InvalidArgumentError(f"server sent tensor {chunk.name!r} as sparse parts, which this call did "
+                                           f"not ask for")
+            data = bytes(chunk.data)
+            self._sparse.setdefault(chunk.name, []).append((chunk.offset, data))
+            self.received_bytes += len(data)
+            return
         item = contract.ITEMSIZE.get(chunk.dtype)
         if item is None:
             raise InvalidArgumentError(f"server sent tensor {chunk.name!r} in unsupported dtype {chunk.dtype}")
@@ -117,8 +134,23 @@ class Reassembler:
             raise InvalidArgumentError(f"server sent tensor {chunk.name!r} elements beyond its size")
         contract.write_wire_values(flat[start : start + count], data, chunk.dtype)
         self._filled[chunk.name] += count
+        self.received_bytes += len(data)
 
     def finish(self) -> dict[str, np.ndarray]:
+        for name, chunks in self._sparse.items():
+            if self._filled[name]:
+                raise InvalidArgumentError(f"server sent tensor {name!r} both as values and as sparse parts")
+            try:
+                rebuilt = sparse_codec.apply_parts(self._sparse_base[name], sparse_codec.split_parts(chunks),
+                                                   self._over_senders)
+            except ValueError as exc:
+                raise InvalidArgumentError(f"server sent tensor {name!r} as sparse parts that do not decode: "
+                                           f"{exc}") from None
+            out = self.arrays[name]
+            if out.dtype != np.float32:
+                raise InvalidArgumentError(f"server sent tensor {name!r} ({out.dtype}) as sparse parts: float32 only")
+            out[...] = rebuilt
+            self._filled[name] = out.size
         for name, out in self.arrays.items():
             if self._filled[name] != out.size:
                 raise InvalidArgumentError(f"server sent {self._filled[name]} of {out.size} elements of tensor {name!r}")

@@ -326,3 +326,43 @@ def unpack_bits(data, count: int, bits: int) -> np.ndarray:
         return raw[:count].astype(np.int64)
     planes = np.unpackbits(raw, count=count * bits, bitorder="little").reshape(count, bits)
     return planes.astype(np.int64) @ (np.int64(1) << np.arange(bits, dtype=np.int64))
+
+
+# ----------------------------------------------------------------------------------- a step's parts
+def split_parts(chunks) -> list[list[tuple[int, bytes]]]:
+    """A reply's sparse chunks of one tensor, ``(offset, data)`` in the order they came, as the
+    step's parts: each part's chunks cover the tensor once in ascending bands from offset 0, so a
+    chunk at offset 0 starts the next part."""
+    parts: list[list[tuple[int, bytes]]] = []
+    for offset, data in chunks:
+        if offset == 0 or not parts:
+            parts.append([])
+        parts[-1].append((offset, data))
+    return parts
+
+
+def apply_parts(base: np.ndarray, parts, over_senders: bool) -> np.ndarray:
+    """``base`` minus the mean of a sync step's sparse ``parts`` of one tensor (each a list of
+    ``(offset, data)`` chunks covering it), float32, computed as the step does it: the first
+    part's values, each later part's added in turn, divided per entry by the parts that named it
+    (``over_senders``) or by their number. Raises ``ValueError`` for a part that does not decode."""
+    base = np.asarray(base, np.float32)
+    total = np.empty(base.size, np.float32)
+    counts = np.zeros(base.size, np.int32) if over_senders else None
+    scratch = np.empty(base.size, np.float32)
+    for index, part in enumerate(parts):
+        target = total if index == 0 else scratch
+        support: list = []
+        covered = sum(decode_into(target, base.shape, offset, data, support) for offset, data in part)
+        if covered != base.size:
+            raise ValueError(f"a sparse part covers {covered} of {base.size} elements")
+        if index:
+            total += scratch
+        if counts is not None:
+            for positions in support:
+                counts[positions] += 1
+    if counts is None:
+        total /= np.float32(len(parts))
+    else:
+        np.divide(total, counts.astype(np.float32), out=total, where=counts > 0)
+    return (base.reshape(-1) - total).reshape(base.shape)

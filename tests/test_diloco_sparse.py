@@ -5,12 +5,14 @@ top-k with error feedback when not, and the bytes a 2-bit exchange takes."""
 from __future__ import annotations
 
 import copy
+import threading
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from optserve.client import Client  # noqa: E402
 from optserve.client.torch import DiLoCo  # noqa: E402
 from tests.test_diloco import H, WORKERS, _batches, _close_all, _in_threads, _inner_step, _model  # noqa: E402
 from tests.test_sparse_codec import _reference_topk  # noqa: E402
@@ -27,7 +29,7 @@ def _run(address, session, model_of=_model, rounds=ROUNDS, **kwargs):
         model = models[i]
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         diloco = DiLoCo(model, opt, address, session=session, sync_every=H, num_workers=WORKERS, worker_id=f"w{i}",
-                        outer=OUTER, **kwargs)
+                        **{"outer": OUTER, **kwargs})
         for batch in _batches(i, H * rounds):
             _inner_step(model, opt, batch)
             diloco.step()
@@ -116,7 +118,13 @@ def test_a_two_bit_exchange_sends_under_half_a_bit_per_parameter(server, unique_
             assert len(exchanges) == 2 and all(np.isfinite(v).all() for v in shared.values())
             for exchange in exchanges:
                 assert exchange.bytes_up * 8 / parameters < 0.5, exchange
-                assert exchange.bytes_down == 4 * parameters  # the pull is dense float32 still
+                # the answer: both workers' parts (SGD at learning rate 1 is rebuilt from them exactly)
+                assert 0 < exchange.bytes_down * 8 / parameters < 2 * 0.5, exchange
+        with Client(server.address) as client:  # what the workers rebuilt is the session's, bit for bit
+            held = client.session(unique_name).pull()
+        for shared, _ in results:
+            for name, value in held.items():
+                np.testing.assert_array_equal(shared[name], value)
     finally:
         _close_all(server, unique_name)
 
@@ -140,12 +148,17 @@ def test_jax_workers_in_an_elastic_session_with_two_fragments_equal_a_numpy_refe
         return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
 
     grad = jax.jit(jax.grad(loss))
-    options = dict(sync_every=H, fragments=2, num_workers=WORKERS, min_workers=1, outer=OUTER,
+    # both workers are members before the first round, and a round waits for every member
+    options = dict(sync_every=H, fragments=2, num_workers=WORKERS, min_workers=1, straggler_s=60.0, outer=OUTER,
                    compression={"name": "sparseloco", "topk": 2, "chunk": 2, "bits": 32, "error_decay": 0.9})
+    joined = threading.Barrier(WORKERS)
 
     def work(i):
         diloco = JaxDiLoCo({k: jnp.asarray(v) for k, v in init.items()}, optax.sgd(0.05), server.address,
                            session=unique_name, worker_id=f"j{i}", **options)
+        for session in diloco.sessions:
+            session.join()
+        joined.wait(timeout=120)
         for batch in data[i]:
             diloco.step(grad(diloco.params, *batch))
         diloco.close()
@@ -176,7 +189,24 @@ def test_jax_workers_in_an_elastic_session_with_two_fragments_equal_a_numpy_refe
                     local[i][name] = shared[name].copy()
     try:
         for got, exchanges in _in_threads(work):
-            assert {e.fragment for e in exchanges} == {0, 1}
+            assert {e.fragment for e in exchanges} == {0, 1} and all(e.bytes_down > 0 for e in exchanges)
             assert _max_diff(got, shared) < 1e-5
     finally:
         _close_all(server, unique_name + ".f0", unique_name + ".f1")
+
+
+def test_an_outer_step_the_parts_do_not_rebuild_comes_back_as_values(server, unique_name):
+    """Nesterov momentum moves entries no worker sent: the shard's bit-for-bit check fails, so
+    the answer is the parameters themselves, and the workers hold the session's values."""
+    try:
+        results = _run(server.address, unique_name, rounds=3, outer={"name": "sgd", "args": {
+            "learning_rate": 0.7, "momentum": 0.9, "nesterov": True}}, compression={"name": "sparseloco"})
+        parameters = sum(p.numel() for p in _model().parameters())
+        with Client(server.address) as client:
+            held = client.session(unique_name).pull()
+        for shared, exchanges in results:
+            assert [e.bytes_down for e in exchanges] == [4 * parameters] * 3
+            for name, value in held.items():
+                np.testing.assert_array_equal(shared[name], value)
+    finally:
+        _close_all(server, unique_name)

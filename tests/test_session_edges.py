@@ -153,10 +153,10 @@ def test_refused_push_is_logged_once_as_key_values_without_tensor_values(caplog)
 
 
 def test_a_sync_step_missing_a_worker_says_so_after_a_few_seconds_naming_who_pushed(caplog):
-    from optserve.server.domain.shard import step_runner
+    from optserve.server.domain.shard import apply_queue, step_runner
 
     session = _local_session("waiting", num_workers=2, step_timeout_s=60.0)
-    caplog.set_level(logging.WARNING, logger=step_runner.__name__)
+    caplog.set_level(logging.WARNING, logger=apply_queue.__name__)
     pushed = []
     first = threading.Thread(target=lambda: pushed.append(
         session.push(_header("worker-a", 1, 0), [_chunk("w", np.full(4, 0.5, np.float32))])))

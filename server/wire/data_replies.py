@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Iterator, Optional
+from typing import Iterator, Mapping, Optional
 
 import numpy as np
 
@@ -26,9 +26,16 @@ def push_response(receipt: Receipt) -> data_pb2.PushResponse:
                                  committed=receipt.committed, staleness=receipt.staleness)
 
 
-def param_slices(session: ShardSession, params, dtype: Optional[DType], chunk_bytes: int) -> Iterator[tuple]:
-    """(name, wire dtype value, shape, byte offset, bytes view) of the shard's parameters, in order."""
+def param_slices(session: ShardSession, params, dtype: Optional[DType], chunk_bytes: int,
+                 relayed: Optional[Mapping[str, list]] = None) -> Iterator[tuple]:
+    """(name, wire dtype value, shape, byte offset, bytes view) of the shard's parameters, in order;
+    a tensor in ``relayed`` goes as its step's sparse parts instead (see ``PullRequest.sparse_update``)."""
     for name, spec in session.specs.items():
+        if relayed and name in relayed:
+            for part in relayed[name]:
+                for offset, data in part:
+                    yield name, contract.SPARSE, spec.shape, offset, data
+            continue
         wire = dtype or spec.dtype
         array = params[name]
         for offset, data in contract.slices(contract.wire_bytes(array, wire.value), wire.itemsize, chunk_bytes):

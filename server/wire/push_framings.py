@@ -25,6 +25,7 @@ class OneMessagePush:
     def __init__(self, step: data_pb2.PushPullStep):
         self._step = step
         self.reply: tuple[Optional[DType], int] = (None, contract.DEFAULT_CHUNK_BYTES)
+        self.sparse_update = step.pull.sparse_update
 
     def chunks(self):
         self.reply = pull_options(self._step.pull)
@@ -39,6 +40,7 @@ class StreamedPush:
     def __init__(self, request_iterator):
         self._requests = request_iterator
         self.reply = pull_options(data_pb2.PullRequest())
+        self.sparse_update = False  # see PullRequest.sparse_update
         self.sealed = False
 
     def chunks(self):
@@ -48,6 +50,7 @@ class StreamedPush:
                 yield request.chunk
             elif kind == "pull":
                 self.reply = pull_options(request.pull)
+                self.sparse_update = request.pull.sparse_update
             elif kind == "seal":
                 self.sealed = True
                 return

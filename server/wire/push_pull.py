@@ -137,7 +137,8 @@ class PushPullCalls:
         receipt = session.push(data_requests.push_header(step.header), framing.chunks(), context.is_active,
                                wait_s=data_requests.wait_s(context, step.header))
         session.observer.pushed(time.perf_counter() - started)
-        return (yield from self._answer(session, receipt, framing.reply, one_message=True))
+        return (yield from self._answer(session, receipt, framing.reply, one_message=True,
+                                        sparse_base=_sparse_base(framing, step.header)))
 
     def _streamed_step(self, header, request_iterator, context, started: float):
         session = self._session(header.session, context)
@@ -149,7 +150,8 @@ class PushPullCalls:
         except Cancelled:
             return None
         session.observer.pushed(time.perf_counter() - started)
-        return (yield from self._answer(session, receipt, framing.reply, one_message=False))
+        return (yield from self._answer(session, receipt, framing.reply, one_message=False,
+                                        sparse_base=_sparse_base(framing, header)))
 
     def _two_phase_step(self, header, request_iterator, context, started: float):
         """The client decides after ``staged``: commit streams the parameters, abort drops the push."""
@@ -193,19 +195,26 @@ class PushPullCalls:
         yield data_pb2.PushPullResponse(step_result=data_pb2.PushPullStepResult(done=done, in_shared_memory=reply))
         return closing
 
-    def _answer(self, session: ShardSession, receipt: Receipt, reply: tuple[Optional[DType], int], one_message: bool):
+    def _answer(self, session: ShardSession, receipt: Receipt, reply: tuple[Optional[DType], int], one_message: bool,
+                sparse_base: Optional[int] = None):
         """The step's parameters and ``done`` in the ``reply`` options (``data_requests.pull_options``,
         checked before the push): one ``step_result`` when ``one_message`` and they fit in one chunk,
-        else chunks then ``done``. Returns whether the shard ends the call."""
+        else chunks then ``done``. ``sparse_base``: the push's base version when it asked for
+        ``sparse_update`` (tensors its step's sparse parts rebuild go as those). Returns whether
+        the shard ends the call."""
         started = time.perf_counter()
         dtype, chunk_bytes = reply
-        version, params = session.snapshot()
+        if sparse_base is None:
+            (version, params), relayed = session.snapshot(), {}
+        else:
+            version, params, relayed = session.snapshot_relayed(sparse_base)
         closing = self._streams.crowded()
         done = data_pb2.StepDone(version=version, staleness=receipt.staleness, committed=True, stream_closing=closing,
                                  applied_version=receipt.version)
-        reply_bytes = sum(params[name].size * (dtype or spec.dtype).itemsize for name, spec in session.specs.items())
+        reply_bytes = sum(sum(len(data) for part in relayed[name] for _, data in part) if name in relayed
+                          else params[name].size * (dtype or spec.dtype).itemsize for name, spec in session.specs.items())
         if one_message and reply_bytes <= chunk_bytes:
-            chunks = [tensor_chunk(*piece) for piece in param_slices(session, params, dtype, chunk_bytes)]
+            chunks = [tensor_chunk(*piece) for piece in param_slices(session, params, dtype, chunk_bytes, relayed)]
             # On CPU the snapshot's arrays are views of the shard's device buffers: held while the
             # stream waits for its next step, they would stop that step's update from donating
             # (reusing) those buffers, and JAX would allocate fresh ones (on an accelerator they
@@ -215,10 +224,15 @@ class PushPullCalls:
             receipt.durable()  # `done` acknowledges the push: its step is in the step log first
             yield data_pb2.PushPullResponse(step_result=data_pb2.PushPullStepResult(done=done, chunks=chunks))
         else:
-            for piece in param_slices(session, params, dtype, chunk_bytes):
+            for piece in param_slices(session, params, dtype, chunk_bytes, relayed):
                 yield chunk_codec.encode_chunk_message(*piece)
             del params
             session.observer.sent(time.perf_counter() - started, reply_bytes)
             receipt.durable()  # `done` acknowledges the push: its step is in the step log first
             yield data_pb2.PushPullResponse(done=done)
         return closing
+
+
+def _sparse_base(framing, header) -> Optional[int]:
+    """The push's base version when its pull options ask for ``sparse_update``, else None."""
+    return header.base_version if framing.sparse_update else None

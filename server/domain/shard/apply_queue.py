@@ -20,6 +20,7 @@ except :meth:`ApplyQueue.already_applied`, a single dictionary read as in the se
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Optional
 
 import numpy as np
@@ -30,6 +31,8 @@ from optserve.server.domain.config import Mode, SessionConfig, worker_of
 from optserve.server.domain.durability import ShardProgress
 from optserve.server.domain.errors import Timeout
 from optserve.server.domain.shard.refusals import log_value
+
+_log = logging.getLogger(__name__)
 
 TicketEntry = tuple[int, str, int]  # (ordinal, client_id, sequence): one push of a step, as logged
 
@@ -49,6 +52,9 @@ class GatheredStep:
       senders: sessions that average sparse tensors over their senders
         (``sparse_mean_over_senders``): tensor name -> how many of the step's pushes named each
         entry (int32, flat), for the tensors some push sent as a SparseLoCo selection.
+      parts: tensor name -> each push's sparse chunks, in ticket order, for the tensors every
+        push of the step sent as a SparseLoCo selection at scale 1 (what a reply may relay, see
+        :mod:`~optserve.server.domain.shard.sparse_relay`).
     """
 
     total: Optional[dict[str, np.ndarray]] = None
@@ -58,6 +64,16 @@ class GatheredStep:
     workers: list[str] = dataclasses.field(default_factory=list)
     tickets: list[TicketEntry] = dataclasses.field(default_factory=list)
     senders: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    parts: dict[str, list] = dataclasses.field(default_factory=dict)
+
+    def keep_parts(self, grads: dict[str, np.ndarray], scaled: bool) -> None:
+        """Keeps the push about to be added (``count`` pushes before it) among ``parts``."""
+        chunks = getattr(grads, "sparse_chunks", {})
+        for name in grads:
+            if name in chunks and not scaled and (self.count == 0 or name in self.parts):
+                self.parts.setdefault(name, []).append(chunks[name])
+            else:
+                self.parts.pop(name, None)
 
     def count_senders(self, grads: dict[str, np.ndarray]) -> None:
         """Counts the push about to be added (``count`` pushes before it): each entry its sparse
@@ -105,6 +121,7 @@ class ApplyQueue:
       applied_sequence: client id -> the sequence of its last push applied here.
       sync: pushes are summed into steps of ``num_workers`` (sync mode, more than one worker).
       step: sync: the open step's gathered pushes.
+      closed_parts: the ``parts`` of the step that closed last (taken by :meth:`take_closed_parts`).
     """
 
     def __init__(self, config: SessionConfig, shard_index: int, step_timeout_s: float):
@@ -113,6 +130,8 @@ class ApplyQueue:
         self.applied_sequence: dict[str, int] = {}
         self.sync = config.mode is Mode.SYNC and config.num_workers > 1
         self.step = GatheredStep()
+        self.closed_parts: dict[str, list] = {}
+        self._noticed_version = 0  # the last sync step logged as waiting for its pushes
         self._config = config
         self._shard_index = shard_index
         self._step_timeout_s = step_timeout_s
@@ -178,6 +197,7 @@ class ApplyQueue:
         step.with_gradient.update(name for name in grads if name not in without_gradient)
         if self._config.sparse_mean_over_senders:
             step.count_senders(grads)
+        step.keep_parts(grads, scaled=ticket.scale != 1.0)
         scale = None if ticket.scale == 1.0 else np.float32(ticket.scale)
         if step.total is None:
             step.total = {name: aligned_empty(g.shape, g.dtype, IO_ALIGNMENT) for name, g in grads.items()}
@@ -201,8 +221,14 @@ class ApplyQueue:
             step.tickets.append(entry(ticket))
             return None
         mean = step.mean()
+        self.closed_parts = step.parts
         self.step = GatheredStep()
         return mean, tuple(step.tickets) + (entry(ticket),), frozenset(mean) - step.with_gradient
+
+    def take_closed_parts(self) -> dict[str, list]:
+        """The sparse parts of the step that just closed (see :attr:`GatheredStep.parts`), once."""
+        parts, self.closed_parts = self.closed_parts, {}
+        return parts
 
     @property
     def half_gathered(self) -> bool:
@@ -221,6 +247,21 @@ class ApplyQueue:
         return (f"{message}: {len(arrived)} of num_workers={workers} pushes arrived for the step (from clients "
                 f"{', '.join(repr(c) for c in arrived)}); waiting for {workers - len(arrived)} more "
                 f"(step_timeout_s={self._step_timeout_s:g})")
+
+    def wait_until(self, ticket: Ticket, started: float, deadline: float, notice_s: float) -> float:
+        """When a wait for ``ticket``'s step (begun at ``started``) ends: its deadline, or first,
+        ``notice_s`` after it began, the time to say that a sync step is still gathering its
+        pushes (:meth:`notice_waiting`, once per step)."""
+        if self.sync and self._noticed_version < ticket.target_version:
+            return min(deadline, started + notice_s)
+        return deadline
+
+    def notice_waiting(self, ticket: Ticket, waited_s: float) -> None:
+        """A sync step has gathered only some of its pushes for a while: says so once (which
+        clients pushed, how many are missing, how long), long before its timeout."""
+        if self._noticed_version < ticket.target_version:
+            self._noticed_version = ticket.target_version
+            _log.warning("event=sync_step_waiting %s", self.waiting_fields(ticket, waited_s))
 
     def waiting_fields(self, ticket: Ticket, waited_s: float) -> str:
         """The ``key=value`` log fields of ``ticket``'s sync step, still gathering its pushes after

@@ -52,6 +52,7 @@ class TensorAssembler:
         self._ranges: dict[str, list[tuple[int, int]]] = {name: [] for name in specs}
         self.received_bytes = 0  # tensor bytes accepted so far
         self._support: dict[str, list[np.ndarray]] = {}  # sparse tensors: the positions their chunks named
+        self._sparse_chunks: dict[str, list[tuple[int, bytes]]] = {}  # and the chunks, as received
 
     def add(self, chunk) -> None:
         """Validates and decodes one ``optserve.v1.TensorChunk``."""
@@ -125,6 +126,7 @@ class TensorAssembler:
         if ranges and start < ranges[-1][1] and start + count > ranges[-1][0]:
             raise InvalidArgument(f"tensor {spec.name!r}: chunk elements [{start}, {start + count}) overlap another chunk")
         ranges.append((start, start + count))
+        self._sparse_chunks.setdefault(spec.name, []).append((start, bytes(chunk.data)))
         self.received_bytes += len(chunk.data)
         self._check(spec, flat[start:start + count], start, count)
 
@@ -148,7 +150,9 @@ class TensorAssembler:
             if covered != spec.size:
                 raise InvalidArgument(f"tensor {name!r}: chunks cover {covered} of {spec.size} elements")
         support = {name: np.concatenate(parts) for name, parts in self._support.items()}
-        return AssembledGrads({**self._buffers, **self._adopted}, pooled=self._buffers, support=support)
+        sparse = {name: sorted(chunks) for name, chunks in self._sparse_chunks.items()}
+        return AssembledGrads({**self._buffers, **self._adopted}, pooled=self._buffers, support=support,
+                              sparse_chunks=sparse)
 
 
 def all_finite(values: np.ndarray) -> bool:
@@ -177,10 +181,13 @@ def _aligned(data) -> bool:
 class AssembledGrads(dict):
     """A push's gradients by name; ``pooled``: the buffers it was assembled into (what goes back
     to their pool: the tensors read in place are not among them); ``support``: the tensors sent
-    as SparseLoCo selections, each with the flat positions it named (others zero)."""
+    as SparseLoCo selections, each with the flat positions it named (others zero), and
+    ``sparse_chunks``: their chunks as received, ``(offset, data)`` in ascending offsets."""
 
     def __init__(self, grads: Mapping[str, np.ndarray], pooled: Mapping[str, np.ndarray],
-                 support: Optional[Mapping[str, np.ndarray]] = None):
+                 support: Optional[Mapping[str, np.ndarray]] = None,
+                 sparse_chunks: Optional[Mapping[str, list]] = None):
         super().__init__(grads)
         self.pooled = pooled
         self.support = dict(support or {})
+        self.sparse_chunks = dict(sparse_chunks or {})

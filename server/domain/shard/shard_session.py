@@ -362,6 +362,14 @@ class ShardSession:
             evaluated = self.updater.evaluation_params() if evaluation else None
             return self.version, evaluated if evaluated is not None else self.updater.host_params()
 
+    def snapshot_relayed(self, base_version: int) -> tuple[int, dict[str, np.ndarray], dict[str, list]]:
+        """:meth:`snapshot`, and the tensors a client whose parameters are of ``base_version`` may
+        get as the last step's sparse parts (see :mod:`~optserve.server.domain.shard.sparse_relay`)."""
+        self.touch()
+        with self._cond:
+            self._require_initialized()
+            return self.version, self.updater.host_params(), self._steps.relay.parts_for(base_version, self.version)
+
     def status(self) -> ShardSessionStatus:
         """The session on this shard (expired staged pushes are dropped first, so counts are current)."""
         self._staging.expire()

@@ -39,6 +39,7 @@ from optserve.server.domain.shard.refusals import log_value
 from optserve.server.domain.shard.replay import replayed_tickets
 from optserve.server.domain.shard.shard_records import StepObserver
 from optserve.server.domain.shard.staging import StagingArea
+from optserve.server.domain.shard.sparse_relay import SparseRelay
 from optserve.server.domain.shard.step_journal import LogWriteFailed, StepJournal
 from optserve.server.domain.telemetry import SessionSeries
 
@@ -90,6 +91,7 @@ class StepRunner:
         self.cond = threading.Condition()  # re-entrant: the journal calls back while it is held
         self.queue = ApplyQueue(config, shard_index, step_timeout_s)
         self.journal = StepJournal(self, specs, staging.push_bytes, config.name, shard_index)
+        self.relay = SparseRelay(config.sparse_mean_over_senders)  # sparse steps' compact answers
         self._clock = clock
         self._is_home = clock.is_home
         self._staging = staging
@@ -97,7 +99,6 @@ class StepRunner:
         self._elastic = config.is_elastic
         self._round_polled_at = 0.0  # elastic: when a waiting thread last asked the clock (under cond)
         self._abandoned: Optional[OptservError] = None  # set by abandon(): every wait raises it
-        self._noticed_version = 0  # the last sync step logged as waiting for its pushes (under cond)
 
     @property
     def where(self) -> str:
@@ -164,27 +165,14 @@ class StepRunner:
                         queue.poll_missing(self._clock)
                     if time.monotonic() <= deadline:
                         continue
-                elif self.cond.wait(timeout=max(0.0, self._wait_until(ticket, started, deadline) - time.monotonic())):
+                elif self.cond.wait(timeout=max(0.0, self.queue.wait_until(ticket, started, deadline,
+                                                                           WAITING_NOTICE_S) - time.monotonic())):
                     continue
                 elif time.monotonic() < deadline:  # the notice's time came first (said once per step)
-                    if self._noticed_version < ticket.target_version:
-                        self._notice_waiting(ticket, time.monotonic() - started)
+                    self.queue.notice_waiting(ticket, time.monotonic() - started)
                     continue
                 raise Timeout(step_timeout_message(self.queue, self._clock.status() if self._elastic else None,
                                                   self.config.min_workers, ticket, time.monotonic() - started))
-
-    def _wait_until(self, ticket: Ticket, started: float, deadline: float) -> float:
-        """When a wait for ``ticket``'s step ends: its deadline, or first the time to say that a
-        sync step is still gathering its pushes (see :meth:`_notice_waiting`)."""
-        if self.queue.sync and self._noticed_version < ticket.target_version:
-            return min(deadline, started + WAITING_NOTICE_S)
-        return deadline
-
-    def _notice_waiting(self, ticket: Ticket, waited_s: float) -> None:
-        """A sync step has gathered only some of its pushes for :data:`WAITING_NOTICE_S`: says so
-        once (which clients pushed, how many are missing, how long), long before its timeout."""
-        self._noticed_version = ticket.target_version
-        _log.warning("event=sync_step_waiting %s", self.queue.waiting_fields(ticket, waited_s))
 
     def _awaits_resend(self, ticket: Ticket) -> bool:
         """A durable session's ticket whose push is not staged here: it was decided before this
@@ -266,8 +254,11 @@ class StepRunner:
         else:
             reduce = lambda _partial: global_stat  # noqa: E731
         try:
-            self.journal.run(grads, step, lambda before: self.updater.apply(grads, step.scale, reduce, before=before,
-                                                                            absent=step.absent), release)
+            with self.relay.step(self.queue.take_closed_parts(), self.updater.host_params, self.version,
+                                 ticket.target_version):
+                self.journal.run(grads, step, lambda before: self.updater.apply(grads, step.scale, reduce,
+                                                                                before=before, absent=step.absent),
+                                 release)
         except LogWriteFailed:  # applied nowhere here: the step waits for the log (see StepJournal.require_logged)
             self.cond.notify_all()
             raise
@@ -301,10 +292,8 @@ class StepRunner:
         return progress, params, opt_state, clock_state, self.updater.host_state_is_copy
 
     def _step_failed(self, ticket: Ticket, exc: Exception) -> SessionLost:
-        """The kernel raised while running the step of ``ticket`` (call with ``cond`` held): the
-        session ends here (see :func:`step_failure`)."""
-        error = step_failure(self.config, self.shard_index, ticket, exc)
-        self.abandon(error)
+        """The kernel raised running ``ticket``'s step (``cond`` held): the session ends here."""
+        self.abandon(error := step_failure(self.config, self.shard_index, ticket, exc))
         return error
 
     def abandon(self, error: OptservError) -> None:
