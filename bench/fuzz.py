@@ -53,7 +53,7 @@ import grpc
 import numpy as np
 from google.protobuf.descriptor import FieldDescriptor
 
-from optserve.protos import contract
+from optserve.protos import contract, sparse_codec
 from optserve.protos.optserve.v1 import clock_pb2, control_pb2, data_pb2, tensor_pb2
 from optserve.server.wire.security import INTERNAL_SECRET_KEY, InternalTrust
 
@@ -206,8 +206,18 @@ class Generator:
                                    auto_commit=auto_commit)
 
     def _grad_chunks(self, shard: int) -> list[tensor_pb2.TensorChunk]:
-        return [_chunk(n, SHAPES[n], self.np_rng.standard_normal(SHAPES[n]).astype(np.float32) * 1e-3)
-                for n in self.layout[shard]]
+        """A gradient's chunks: float32 values, or (a third of the time) a SparseLoCo selection."""
+        chunks = []
+        for n in self.layout[shard]:
+            values = self.np_rng.standard_normal(SHAPES[n]).astype(np.float32) * 1e-3
+            if self.rng.random() < 1 / 3:
+                selection = sparse_codec.encode(values, self.rng.choice([2, 4, 64]), self.rng.choice([1, 3, 64]),
+                                                self.rng.choice([2, 32]))
+                chunks += [tensor_pb2.TensorChunk(name=n, dtype=contract.SPARSE, shape=list(SHAPES[n]), offset=offset,
+                                                  data=data) for offset, data in selection.payloads(256)]
+            else:
+                chunks.append(_chunk(n, SHAPES[n], values))
+        return chunks
 
     def _shard(self) -> int:
         return self.rng.choice(sorted(self.layout))
