@@ -52,7 +52,7 @@ def _wire_bytes(tensor, wire: Optional[int]) -> int:
     """The bytes one pseudo-gradient tensor's values take on the wire (chunk payloads) in wire
     dtype ``wire`` (None: float32)."""
     if isinstance(tensor, SparseGradient):
-        return sum(len(data) for _, data in tensor.payloads(contract.DEFAULT_CHUNK_BYTES))
+        return tensor.wire_bytes(contract.DEFAULT_CHUNK_BYTES)
     if wire == contract.INT8:
         return int8_codec.int8_payload_bytes(tensor.size)
     return tensor.size * contract.ITEMSIZE[wire or contract.FLOAT32]
@@ -266,7 +266,10 @@ class DiLoCoCore:
             fragment.in_flight = fragment.session.push_pull_async(delta, **kwargs)
         else:
             fragment.in_flight = concurrent.futures.Future()
-            fragment.in_flight.set_result(fragment.session.push_pull(delta, **kwargs))
+            try:
+                fragment.in_flight.set_result(fragment.session.push_pull(delta, **kwargs))
+            except Exception as exc:  # noqa: BLE001 - raised by receive(), which puts back what was sent
+                fragment.in_flight.set_exception(exc)
             if self.auto:  # an exchange is not an inner step: the next round's steps are timed from here
                 self._round_started = time.monotonic()
         fragment.lands_at = step + self.overlap_steps
@@ -292,12 +295,20 @@ class DiLoCoCore:
         """Waits for fragment ``index``'s exchange and returns the values its tensors take now: the
         shared parameters (no overlap), or their merge with ``current`` (overlap)."""
         fragment = self.fragments[index]
-        shared = fragment.in_flight.result()
-        fragment.in_flight = None
+        try:
+            shared = fragment.in_flight.result()
+        except BaseException:
+            if self.sparsifier is not None:  # applied nowhere: what it sent stays to be sent
+                self.sparsifier.unsend(fragment.names)
+            raise
+        finally:
+            fragment.in_flight = None
         # push_pull hands back fresh arrays (no views): they become the snapshot without a copy
         fragment.snapshot = {n: np.asarray(shared[n], dtype=np.float32) for n in fragment.names}
         self.rounds[index] += 1
         outcome = fragment.session.last_step
+        if self.sparsifier is not None and outcome is not None and outcome.version is None:
+            self.sparsifier.unsend(fragment.names)  # dropped as late: applied nowhere
         self.exchanges.append(Exchange(index, fragment.sent_after, fragment.sent_h,
                                        outcome.version if outcome is not None else None,
                                        outcome.current_version if outcome is not None else fragment.session.version,

@@ -87,9 +87,11 @@ class ErrorFedSparsifier:
     def __init__(self, options: SparseLoCo):
         self.options = options
         self.errors: dict[str, np.ndarray] = {}
+        self._sent: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # tensor -> (positions, values before sending)
 
     def compress(self, pseudo_gradient: Mapping[str, np.ndarray]) -> dict[str, sparse_codec.SparseGradient]:
-        """Each tensor's selection; its error buffer keeps what was not sent."""
+        """Each tensor's selection; its error buffer keeps what was not sent (and, until
+        :meth:`unsend`, what the sent entries held)."""
         opts = self.options
         out = {}
         for name, delta in pseudo_gradient.items():
@@ -101,9 +103,19 @@ class ErrorFedSparsifier:
                 error *= np.float32(opts.error_decay)
                 error += delta
             selection = sparse_codec.encode(error, opts.chunk, opts.topk, opts.bits)
-            error.reshape(-1)[selection.positions()] -= selection.decoded()
+            positions, flat = selection.positions(), error.reshape(-1)
+            self._sent[name] = (positions, flat[positions])
+            flat[positions] -= selection.decoded()
             out[name] = selection
         return out
+
+    def unsend(self, names) -> None:
+        """The last selections of ``names`` were never applied (the push failed, or an elastic
+        session dropped it as late): their entries go back into the error buffers as they were."""
+        for name in names:
+            sent = self._sent.pop(name, None)
+            if sent is not None:
+                self.errors[name].reshape(-1)[sent[0]] = sent[1]
 
     def state(self) -> dict[str, np.ndarray]:
         """Copies of the error buffers (for a worker's checkpoint)."""

@@ -161,21 +161,31 @@ class SparseGradient:
     def payloads(self, max_bytes: int) -> Iterator[tuple[int, bytes]]:
         """``(first element, data)`` of the chunk messages: whole bands, at most ``max_bytes``
         each where a band fits (a band larger than that travels alone)."""
+        for first, elements, entries in self._messages(max_bytes):
+            yield first, self._payload(elements, entries, self.tiling.index_bits)
+
+    def wire_bytes(self, max_bytes: int) -> int:
+        """The bytes of :meth:`payloads`' data, counted without building them."""
+        return sum(_payload_bytes(self.bits, entries.stop - entries.start, self.tiling.index_bits)
+                   for _, _, entries in self._messages(max_bytes))
+
+    def _messages(self, max_bytes: int) -> Iterator[tuple[int, int, slice]]:
+        """``(first element, elements, entries)`` of each chunk message: as many whole bands as fit
+        in ``max_bytes`` (at least one), found per message, not per band."""
         tiling = self.tiling
         if not tiling.size:
             return
         tiles_per_band = tiling.tiles_per_band
         band_entries = np.add.reduceat(self.counts, np.arange(0, len(self.counts), tiles_per_band)) \
-            if len(self.counts) else np.zeros(0, np.int64)
+            if len(self.counts) else np.zeros(tiling.bands, np.int64)
         starts = np.concatenate([[0], np.cumsum(band_entries)])
+        fit = _entries_fitting(self.bits, max_bytes, tiling.index_bits)
         band, bands = 0, tiling.bands
         while band < bands:
-            stop = band + 1
-            while stop < bands and _payload_bytes(self.bits, starts[stop + 1] - starts[band], tiling.index_bits) <= max_bytes:
-                stop += 1
+            stop = max(band + 1, int(np.searchsorted(starts, starts[band] + fit, side="right")) - 1)
+            stop = min(stop, bands)
             first, last = band * tiling.band_elements, min(stop * tiling.band_elements, tiling.size)
-            entries = slice(starts[band], starts[stop])
-            yield first, self._payload(last - first, entries, tiling.index_bits)
+            yield first, last - first, slice(int(starts[band]), int(starts[stop]))
             band = stop
 
     def _payload(self, elements: int, entries: slice, index_bits: int) -> bytes:
@@ -183,6 +193,15 @@ class SparseGradient:
         packed_values = values.astype("<f4").tobytes() if self.bits == 32 else pack_bits(values, self.bits)
         return b"".join((HEADER.pack(self.chunk, self.topk, self.bits, elements), self.table.astype("<f4").tobytes(),
                          pack_bits(self.indices[entries], index_bits), packed_values))
+
+
+def _entries_fitting(bits: int, max_bytes: int, index_bits: int) -> int:
+    """The most entries whose chunk message takes at most ``max_bytes`` (0 if none does)."""
+    fixed = HEADER.size + (0 if bits == 32 else 4 << bits)
+    entries = max(0, (max_bytes - fixed) * 8 // (index_bits + bits))
+    while entries and _payload_bytes(bits, entries, index_bits) > max_bytes:
+        entries -= 1
+    return entries
 
 
 def _payload_bytes(bits: int, entries: int, index_bits: int) -> int:
@@ -257,6 +276,8 @@ def decode_into(destination: np.ndarray, shape: tuple[int, ...], offset: int, da
                          f"(one of {VALUE_BITS})")
     tiling = Tiling(tuple(int(s) for s in shape), chunk)
     band = tiling.band_elements
+    if not band:
+        raise ValueError(f"sparse chunk for a tensor of shape {list(shape)}, which has no elements to name")
     if offset % band or not 0 < elements <= tiling.size - offset or \
             (elements % band and offset + elements != tiling.size):
         raise ValueError(f"sparse chunk covers elements [{offset}, {offset + elements}): not whole bands of {band} "
@@ -320,12 +341,15 @@ def pack_bits(values: np.ndarray, bits: int) -> bytes:
 
 
 def unpack_bits(data, count: int, bits: int) -> np.ndarray:
-    """The inverse of :func:`pack_bits`: ``count`` values (int64)."""
+    """The inverse of :func:`pack_bits`: ``count`` values (uint8 up to 8 bits, else uint32)."""
     raw = np.frombuffer(data, np.uint8)
     if bits == 8:
-        return raw[:count].astype(np.int64)
+        return raw[:count].copy()
     planes = np.unpackbits(raw, count=count * bits, bitorder="little").reshape(count, bits)
-    return planes.astype(np.int64) @ (np.int64(1) << np.arange(bits, dtype=np.int64))
+    values = np.zeros(count, np.uint32 if bits > 8 else np.uint8)  # a byte (or four) per value, not eight per bit
+    for bit in range(bits):
+        values |= planes[:, bit].astype(values.dtype) << values.dtype.type(bit)
+    return values
 
 
 # ----------------------------------------------------------------------------------- a step's parts

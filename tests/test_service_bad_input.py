@@ -144,6 +144,13 @@ def _sparse_bad_header(names, grads):
     return _sparse_with(names, grads, lambda p: p.__setitem__(4, 3))  # bits=3 with a 32-bit body: length wrong
 
 
+def _sparse_mixed_with_values(names, grads):  # (8, 6) in bands of 4 rows: the first as values, the second sparse
+    g = grads[names[0]]
+    [_, (second, data)] = list(sparse_codec.encode(g, 4, 2, 32).payloads(1))
+    sparse = tensor_pb2.TensorChunk(name=names[0], dtype=contract.SPARSE, shape=list(g.shape), offset=second, data=data)
+    return [_chunk(names[0], g.reshape(-1)[:second], shape=g.shape), sparse] + [_chunk(n, grads[n]) for n in names[1:]]
+
+
 def _sparse_mid_band(names, grads):
     return [_sparse_chunk(names[0], grads[names[0]], offset=1)] + [_chunk(n, grads[n]) for n in names[1:]]
 
@@ -160,6 +167,7 @@ BAD_CHUNKS = [
     ("sparse index repeated", _sparse_repeated_index, "repeats or is out of ascending order"),
     ("sparse header's bits against its length", _sparse_bad_header, "sparse chunk of"),
     ("sparse chunk starting mid-band", _sparse_mid_band, "not whole bands"),
+    ("sparse chunks mixed with values", _sparse_mixed_with_values, "sparse chunks and chunks of values mixed"),
 ]
 
 

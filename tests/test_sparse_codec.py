@@ -109,6 +109,14 @@ def test_error_feedback_keeps_what_was_not_sent_and_decays_it():
     np.testing.assert_array_equal(sparsifier.errors["b"], [0, 0.5, -1.0, 0])
 
 
+def test_a_selection_never_applied_goes_back_into_the_error_buffer_as_it_was():
+    sparsifier = ErrorFedSparsifier(SparseLoCo(topk=2, chunk=4, bits=2, error_decay=0.5))
+    delta = np.random.default_rng(2).standard_normal((6, 5)).astype(np.float32)
+    sparsifier.compress({"w": delta})
+    sparsifier.unsend(["w"])
+    np.testing.assert_array_equal(sparsifier.errors["w"], delta)  # the first buffer is the delta itself
+
+
 def test_error_feedback_subtracts_the_quantised_values_the_server_decodes():
     sparsifier = ErrorFedSparsifier(SparseLoCo(topk=3, chunk=4, bits=2))
     delta = np.random.default_rng(5).standard_normal((8, 8)).astype(np.float32)

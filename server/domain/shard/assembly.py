@@ -64,7 +64,12 @@ class TensorAssembler:
                 f"tensor {spec.name!r}: shape {list(chunk.shape)} does not match the session's {list(spec.shape)}"
             )
         data = chunk.data
-        if chunk.dtype == contract.SPARSE:  # a SparseLoCo selection (protos/sparse_codec.py): decoded here
+        sparse = chunk.dtype == contract.SPARSE
+        ranges = self._ranges[spec.name]
+        if ranges and (spec.name in self._sparse_chunks) != sparse:  # a selection is the whole tensor's or none
+            raise InvalidArgument(f"tensor {spec.name!r}: sparse chunks and chunks of values mixed in one push "
+                                  f"(a SparseLoCo selection covers its tensor alone)")
+        if sparse:  # a SparseLoCo selection (protos/sparse_codec.py): decoded here
             self._add_sparse(spec, chunk)
             return
         if chunk.dtype == contract.INT8:  # quantized gradients (protos/int8_codec.py: values, then block scales)
@@ -116,6 +121,7 @@ class TensorAssembler:
             raise InvalidArgument(f"tensor {spec.name!r}: a sparse chunk is for gradients only")
         start = chunk.offset
         ranges = self._ranges[spec.name]
+        self._sparse_chunks.setdefault(spec.name, [])
         try:  # writes only this push's own buffer, which a refused push returns to its pool
             if start < 0:
                 raise ValueError(f"its first element {start} is out of range")
@@ -126,7 +132,7 @@ class TensorAssembler:
         if ranges and start < ranges[-1][1] and start + count > ranges[-1][0]:
             raise InvalidArgument(f"tensor {spec.name!r}: chunk elements [{start}, {start + count}) overlap another chunk")
         ranges.append((start, start + count))
-        self._sparse_chunks.setdefault(spec.name, []).append((start, bytes(chunk.data)))
+        self._sparse_chunks[spec.name].append((start, bytes(chunk.data)))
         self.received_bytes += len(chunk.data)
         self._check(spec, flat[start:start + count], start, count)
 

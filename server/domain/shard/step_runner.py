@@ -254,7 +254,7 @@ class StepRunner:
         else:
             reduce = lambda _partial: global_stat  # noqa: E731
         try:
-            with self.relay.step(self.queue.take_closed_parts(), self.updater.host_params, self.version,
+            with self.relay.step(self.queue.take_closed_parts(), self.updater.host_params, grads, self.version,
                                  ticket.target_version):
                 self.journal.run(grads, step, lambda before: self.updater.apply(grads, step.scale, reduce,
                                                                                 before=before, absent=step.absent),
