@@ -319,6 +319,23 @@ class DiLoCoCore:
         return {n: alpha * np.asarray(current[n], dtype=np.float32) + (np.float32(1) - alpha) * fragment.snapshot[n]
                 for n in fragment.names}
 
+    def error_buffers(self) -> dict[str, np.ndarray]:
+        """Copies of SparseLoCo's error buffers (empty without compression)."""
+        return {} if self.sparsifier is None else self.sparsifier.state()
+
+    def load_error_buffers(self, buffers: Mapping[str, np.ndarray]) -> None:
+        """Restores :meth:`error_buffers` from a checkpoint (each tensor's shape checked)."""
+        if not buffers:
+            return
+        if self.sparsifier is None:
+            raise InvalidArgumentError("the state holds SparseLoCo error buffers, but this DiLoCo has no compression")
+        shapes = {n: v.shape for f in self.fragments for n, v in f.snapshot.items()}
+        for name, value in buffers.items():
+            if name not in shapes or tuple(np.shape(value)) != shapes[name]:
+                raise InvalidArgumentError(f"error buffer {name!r} of shape {list(np.shape(value))} does not match "
+                                           f"a tensor of this model ({list(shapes.get(name, ()))})")
+        self.sparsifier.load_state(buffers)
+
     def flush(self, current_of) -> dict[str, np.ndarray]:
         """Waits for every exchange in flight; returns the values to load (``current_of(names)``
         gives the current values of those tensors)."""

@@ -82,6 +82,21 @@ class DiLoCo(DiLoCoViews):
         self._load(self._core.after_inner_step(self.inner_steps, self._current))
         return result
 
+    def state_dict(self) -> dict:
+        """What a worker's checkpoint keeps beside its model: the inner optimizer's state, the
+        inner steps taken (the rounds' schedule) and SparseLoCo's error buffers (tensor name ->
+        float32 tensor; none without compression). The shared parameters are the session's: a
+        restarted worker attaches, loads them, then this state."""
+        return {"inner_optimizer": self.inner_optimizer.state_dict(), "inner_steps": self.inner_steps,
+                "error_buffers": {n: torch.from_numpy(e) for n, e in self._core.error_buffers().items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores :meth:`state_dict`'s state (shapes checked; ``InvalidArgumentError`` names a mismatch)."""
+        self._core.load_error_buffers({n: np.array(tensor_to_numpy(t), np.float32)
+                                       for n, t in state.get("error_buffers", {}).items()})
+        self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        self.inner_steps = int(state["inner_steps"])
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner_optimizer.zero_grad(set_to_none=set_to_none)
 

@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from optserve.client import Client  # noqa: E402
+from optserve.client import Client, InvalidArgumentError  # noqa: E402
 from optserve.client.torch import DiLoCo  # noqa: E402
 from tests.test_diloco import H, WORKERS, _batches, _close_all, _in_threads, _inner_step, _model  # noqa: E402
 from tests.test_sparse_codec import _reference_topk  # noqa: E402
@@ -208,5 +208,40 @@ def test_an_outer_step_the_parts_do_not_rebuild_comes_back_as_values(server, uni
             assert [e.bytes_down for e in exchanges] == [4 * parameters] * 3
             for name, value in held.items():
                 np.testing.assert_array_equal(shared[name], value)
+    finally:
+        _close_all(server, unique_name)
+
+
+def test_a_workers_state_dict_keeps_its_error_buffers_through_a_file_and_a_restart(server, unique_name, tmp_path):
+    """One worker (a session of one): after two rounds its error buffers hold what was not sent;
+    its state_dict goes through torch.save and into a fresh worker that attached, whose buffers
+    and inner optimizer then equal the first's."""
+    try:
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        options = dict(session=unique_name, sync_every=H, num_workers=1, outer=OUTER,
+                       compression={"name": "sparseloco", "topk": 1, "chunk": 4, "bits": 2})
+        first = DiLoCo(model, opt, server.address, worker_id="a", **options)
+        for batch in _batches(0, 2 * H):
+            _inner_step(model, opt, batch)
+            first.step()
+        kept = first._core.error_buffers()
+        assert kept and all(np.any(buffer != 0) for buffer in kept.values())
+        torch.save(first.state_dict(), tmp_path / "worker.pt")
+        first.close()
+
+        again = _model(seed=1)
+        opt_again = torch.optim.AdamW(again.parameters(), lr=0.01)
+        second = DiLoCo(again, opt_again, server.address, worker_id="a", **options)
+        assert not second.created
+        second.load_state_dict(torch.load(tmp_path / "worker.pt", weights_only=False))
+        assert second.inner_steps == 2 * H
+        for name, buffer in kept.items():
+            np.testing.assert_array_equal(second._core.error_buffers()[name], buffer)
+        for mine, theirs in zip(opt_again.state.values(), opt.state.values()):
+            assert torch.equal(mine["exp_avg"], theirs["exp_avg"])
+        with pytest.raises(InvalidArgumentError, match="error buffer '0.weight' of shape \\[2, 2\\]"):
+            second.load_state_dict({**first.state_dict(), "error_buffers": {"0.weight": torch.zeros(2, 2)}})
+        second.close()
     finally:
         _close_all(server, unique_name)
