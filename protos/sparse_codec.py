@@ -215,10 +215,8 @@ def select(values: np.ndarray, chunk: int, topk: int) -> tuple[np.ndarray, np.nd
     ``(counts per tile, in-tile indices ascending per tile, their values)``."""
     tiling = Tiling(tuple(values.shape), chunk)
     tiles = tiling.tiles(values, 0.0)
-    inside = tiling.tiles(np.ones(values.shape, np.float32), 0.0) > 0
-    magnitude = np.abs(tiles)
+    magnitude = tiling.tiles(np.abs(values), -1.0)  # cells past the edge: -1, never picked before a real one
     magnitude[np.isnan(magnitude)] = np.inf  # a NaN is sent (and refused by the receiver), never hidden
-    magnitude[~inside] = -1.0  # cells past the edge: never picked before a real one
     k = min(topk, tiles.shape[1])
     picked = np.argpartition(-magnitude, k - 1, axis=1)[:, :k] if k < tiles.shape[1] else \
         np.broadcast_to(np.arange(k), (tiles.shape[0], k))
