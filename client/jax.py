@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optserve.client import Client
+from optserve.client import Client, InvalidArgumentError
 from optserve.client._diloco import DiLoCoCore, DiLoCoViews
 from optserve.client._transport import ClientCert, TLSArg
 from optserve.client.options import SessionOptions
@@ -341,6 +341,27 @@ class DiLoCo(DiLoCoViews):
             named.update(loaded)
             self.params = self._codec.from_named(named)
         return self.params
+
+    def state_dict(self) -> dict:
+        """What a worker's checkpoint keeps beside its params: ``inner_state`` (the optax state,
+        its leaves as NumPy arrays), ``inner_steps`` (the rounds' schedule) and ``error_buffers``
+        (SparseLoCo's, tensor name -> float32 array; empty without compression). The shared params
+        are the session's: a restarted worker attaches, takes them, then loads this state."""
+        return {"inner_state": jax.tree_util.tree_map(np.asarray, self.inner_state), "inner_steps": self.inner_steps,
+                "error_buffers": self._core.error_buffers()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores :meth:`state_dict`'s state (the inner state's structure and shapes, and each
+        error buffer's shape, checked: ``InvalidArgumentError`` names a mismatch)."""
+        self._core.load_error_buffers(state.get("error_buffers", {}))
+        leaves, treedef = jax.tree_util.tree_flatten(state["inner_state"])
+        mine, my_treedef = jax.tree_util.tree_flatten(self.inner_state)
+        if treedef != my_treedef or [np.shape(a) for a in leaves] != [np.shape(b) for b in mine]:
+            raise InvalidArgumentError("the state's inner_state does not match this inner optimizer's state "
+                                       f"(structure {treedef} vs {my_treedef})")
+        self.inner_state = jax.tree_util.tree_unflatten(
+            my_treedef, [jnp.asarray(a, dtype=jnp.asarray(b).dtype) for a, b in zip(leaves, mine)])
+        self.inner_steps = int(state["inner_steps"])
 
     def close(self) -> None:
         """Merges exchanges in flight into ``params``, then leaves the sessions (they stay)."""

@@ -245,3 +245,60 @@ def test_a_workers_state_dict_keeps_its_error_buffers_through_a_file_and_a_resta
         second.close()
     finally:
         _close_all(server, unique_name)
+
+
+def test_a_jax_worker_restored_from_its_state_dict_continues_as_if_it_never_stopped(server, unique_name, tmp_path):
+    """One JAX worker (a session of one) runs three rounds; another, in a second session, runs
+    two, pickles its state_dict to a file, leaves, and a fresh worker attaches, loads the file and
+    runs the third round: both sessions end bit for bit equal (the error buffers and adam's state
+    carried over; without them the third round's selection differs)."""
+    import pickle
+
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import optax
+
+    from optserve.client.jax import DiLoCo as JaxDiLoCo
+
+    rng = np.random.default_rng(4)
+    init = {"w": rng.standard_normal((8, 8)).astype(np.float32), "b": np.zeros((8,), np.float32)}
+    data = [(rng.standard_normal((16, 8)).astype(np.float32), rng.standard_normal((16, 8)).astype(np.float32))
+            for _ in range(3 * H)]
+    grad = jax.jit(jax.grad(lambda p, x, y: jnp.mean((x @ p["w"] + p["b"] - y) ** 2)))
+    options = dict(sync_every=H, num_workers=1, outer=OUTER, worker_id="a",
+                   compression={"name": "sparseloco", "topk": 3, "chunk": 4, "bits": 2})
+
+    def worker(session):
+        return JaxDiLoCo({k: jnp.asarray(v) for k, v in init.items()}, optax.adam(0.01), server.address,
+                         session=session, **options)
+
+    def train(diloco, batches):
+        for batch in batches:
+            diloco.step(grad(diloco.params, *batch))
+
+    whole, halves = unique_name + "-whole", unique_name + "-restarted"
+    try:
+        straight = worker(whole)
+        train(straight, data)
+        straight.close()
+
+        first = worker(halves)
+        train(first, data[:2 * H])
+        assert any(np.any(e != 0) for e in first.state_dict()["error_buffers"].values())
+        (tmp_path / "worker.pkl").write_bytes(pickle.dumps(first.state_dict()))
+        first.close()
+        second = worker(halves)
+        assert not second.created
+        second.load_state_dict(pickle.loads((tmp_path / "worker.pkl").read_bytes()))
+        train(second, data[2 * H:])
+        second.close()
+        with Client(server.address) as client:
+            expected, got = client.session(whole).pull(), client.session(halves).pull()
+        for name in expected:
+            np.testing.assert_array_equal(got[name], expected[name])
+        third = worker(halves)
+        with pytest.raises(InvalidArgumentError, match="inner_state does not match"):
+            third.load_state_dict({**second.state_dict(), "inner_state": optax.sgd(0.1).init(init)})
+        third.close()
+    finally:
+        _close_all(server, whole, halves)
