@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 BENCHMARKS = ("adafactor", "shampoo", "service", "tls", "metrics", "durability", "torch_loop", "checkpoint", "preconditioners",
-              "fuzz", "int8_codec", "elastic", "muon", "soap", "diloco", "sparseloco", "nemesis", "soak")
+              "fuzz", "int8_codec", "elastic", "muon", "soap", "diloco", "sparseloco",
+              "sparseloco_quality", "nemesis", "soak")
 
 
 def main(argv: list[str]) -> int:
