@@ -302,3 +302,40 @@ def test_a_jax_worker_restored_from_its_state_dict_continues_as_if_it_never_stop
         third.close()
     finally:
         _close_all(server, whole, halves)
+
+
+def test_a_worker_taking_smaller_chunks_than_another_cut_its_parts_gets_those_tensors_as_values(server, unique_name):
+    """Worker 0's client takes 64 KiB chunks; worker 1 cuts its 2048x2048 part (about 115 KB of
+    2-bit entries) in 4 MiB ones. Worker 0 gets that tensor as values (no chunk above its size),
+    worker 1 gets both workers' parts; both hold the session's parameters."""
+    size = 2048
+
+    def big_model():
+        torch.manual_seed(0)
+        return torch.nn.Linear(size, size, bias=False)
+
+    chunk_bytes = [64 << 10, 4 << 20]
+
+    def work(i):
+        model = big_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with Client(server.address, chunk_bytes=chunk_bytes[i], shared_memory=False) as client:
+            diloco = DiLoCo(model, opt, client, session=unique_name, sync_every=1, num_workers=WORKERS,
+                            worker_id=f"w{i}", outer=OUTER, compression={"name": "sparseloco"})
+            x = torch.randn(4, size, generator=torch.Generator().manual_seed(i))
+            model(x).square().mean().backward()
+            diloco.step()
+            diloco.close()
+            return {n: v.copy() for n, v in diloco._core.shared().items()}, diloco.exchanges
+
+    try:
+        (small_shared, small), (large_shared, large) = _in_threads(work)
+        assert small[0].bytes_down == 4 * size * size
+        assert large[0].bytes_down < large[0].bytes_up + small[0].bytes_up + 1024  # both parts, a header or two more
+        assert large[0].bytes_up > chunk_bytes[0]
+        with Client(server.address) as client:
+            held = client.session(unique_name).pull()
+        for shared in (small_shared, large_shared):
+            np.testing.assert_array_equal(shared["weight"], held["weight"])
+    finally:
+        _close_all(server, unique_name)

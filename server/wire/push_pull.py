@@ -208,6 +208,9 @@ class PushPullCalls:
             (version, params), relayed = session.snapshot(), {}
         else:
             version, params, relayed = session.snapshot_relayed(sparse_base)
+            # parts another worker cut larger than this client takes in one chunk go as values
+            relayed = {name: parts for name, parts in relayed.items()
+                       if all(len(data) <= chunk_bytes for part in parts for _, data in part)}
         closing = self._streams.crowded()
         done = data_pb2.StepDone(version=version, staleness=receipt.staleness, committed=True, stream_closing=closing,
                                  applied_version=receipt.version)
