@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from optserve.server.compute.devices import refuse_problems
 from optserve.server.compute.preconditioner_pool import check_gpus
-from optserve.server.domain.config import ServerConfig
+from optserve.server.domain.config import ServerConfig, is_loopback
 from optserve.server.domain.errors import unwrap, InvalidArgument, OptservError, ResourceExhausted, Unavailable
 from optserve.server.domain.sessions import ShardOpening, ShardSummary
 from optserve.server.domain.shard import ShardSessionStatus
@@ -197,6 +197,17 @@ class RayShardFleet:
             except Exception:  # noqa: BLE001 - a dead shard reports as unhealthy
                 out.append(None)
         return out
+
+
+def loopback_elsewhere(fleet: RayShardFleet) -> list[str]:
+    """The shards that run on another machine than this process yet advertise a loopback
+    address (no client anywhere but on their own machine reaches them), each as "shard I on node
+    IP advertises ADDRESS"."""
+    here = ray.util.get_node_ip_address()
+    node_ips = ray.get([actor.node_ip.remote() for actor in fleet.actors])
+    return [f"shard {index} on node {ip} advertises {address}"
+            for index, (address, ip) in enumerate(zip(fleet.addresses, node_ips))
+            if ip != here and is_loopback(address.rsplit(":", 1)[0].strip("[]"))]
 
 
 def _port(address: str) -> int:

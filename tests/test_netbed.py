@@ -70,6 +70,28 @@ def test_shards_spread_over_the_ray_nodes_and_advertise_their_hosts_address(bed,
     assert len({s["node_id"] for s in shards}) == 2 and all(s["node_id"] for s in shards), shards
 
 
+def test_a_server_whose_shards_on_other_hosts_would_advertise_loopback_refuses_to_start(bed, cluster):
+    """``optserve serve --ray-address HEAD`` on h1 without ``--shard-host``: its shards land on h2
+    and h3 (the head has no CPU for them) and would advertise 127.0.0.1, which no client on another
+    host reaches. It exits 2 with one line naming the shard and ``--shard-host``, and leaves no
+    shard behind (the running server's two are all the cluster holds)."""
+    docs_head = cluster.node_argv[cluster.node_argv.index("--address") + 1]  # the docs' address: h1's port
+    head = f"{bed.hosts['h1'].address}:{docs_head.rsplit(':', 1)[1]}"
+    run = bed.hosts["h1"].spawn("serve-loopback", [sys.executable, "-m", "optserve.server.cli", "serve", "--port",
+                                                   "0", "--shards", "2", "--ray-address", head])
+    assert run.process.wait(timeout=180) == 2, run.output()[-3000:]
+    said = [line for line in run.output().splitlines() if line.startswith("optserve serve:")]
+    assert len(said) == 1, run.output()[-3000:]
+    assert "advertises 127.0.0.1:" in said[0] and "give --shard-host 0.0.0.0" in said[0], said
+    assert any(f"on node {bed.hosts[h].address} " in said[0] for h in ("h2", "h3")), said
+    script = ("import json, ray; ray.init(address=%r, log_to_driver=False, include_dashboard=False); print('GROUPS', "
+              "json.dumps([g['state'] for g in ray.util.placement_group_table().values()]))" % head)
+    driver = bed.hosts["h1"].spawn("groups-after-refusal", [sys.executable, "-c", script])
+    assert driver.process.wait(timeout=120) == 0, driver.output()[-3000:]
+    groups = json.loads(driver.wait_for("GROUPS ").split(" ", 1)[1])
+    assert groups.count("CREATED") == 1, groups
+
+
 def test_shared_memory_only_where_client_and_shard_share_a_host(bed, cluster, workload):
     assert not any(s["shared_memory"] for s in probe(bed, "h4", cluster.address, workload.name))
     on_h2 = probe(bed, "h2", cluster.address, workload.name)
