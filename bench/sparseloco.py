@@ -8,12 +8,12 @@ AdamW) is the baseline. The exchange's parts, each timed on its own (medians ove
 every part and the inner step take turns, after a warm-up round):
 
 - compress: a worker's ``ErrorFedSparsifier.compress`` of the whole pseudo-gradient (error
-  feedback, the top 64 of each 64x64 tile, 2-bit values) and its chunk payloads (the bytes it
-  pushes);
+  feedback, the top 64 of each 64x64 tile, 2-bit values; a tensor per thread, up to the cores)
+  and its chunk payloads (the bytes it pushes);
 - decode: the shard's decoding of one worker's chunks into float32 buffers (what its assembler
   does per push);
 - rebuild: a worker's rebuild of the parameters from the snapshot and ``--workers`` workers'
-  parts (``apply_parts``, what the compact answer costs it).
+  parts (``apply_parts``, a tensor per thread: what the compact answer costs it).
 
 It prints each median, its ratio to the inner step, and the bytes per parameter each way.
 """
@@ -75,9 +75,9 @@ def main(argv=None) -> int:
             for offset, data in parts[name][0]:
                 sparse_codec.decode_into(buffers[name], snapshot[name].shape, offset, data)
 
-    def rebuild():
-        for name in names:
-            sparse_codec.apply_parts(snapshot[name], parts[name], over_senders=True)
+    def rebuild():  # a tensor per thread, as the client's reassembly does
+        sparse_codec.tensor_map(lambda name: sparse_codec.apply_parts(snapshot[name], parts[name], over_senders=True),
+                                names, parameters)
 
     samples, _ = interleaved_seconds({"inner step": inner_step, "compress": compress, "decode": decode,
                                       "rebuild": rebuild}, rounds=args.rounds)

@@ -91,23 +91,26 @@ class ErrorFedSparsifier:
 
     def compress(self, pseudo_gradient: Mapping[str, np.ndarray]) -> dict[str, sparse_codec.SparseGradient]:
         """Each tensor's selection; its error buffer keeps what was not sent (and, until
-        :meth:`unsend`, what the sent entries held)."""
+        :meth:`unsend`, what the sent entries held). Large pseudo-gradients are compressed a tensor
+        per thread (:func:`~optserve.protos.sparse_codec.tensor_map`); the result is the same."""
+        items = [(name, np.asarray(delta, np.float32)) for name, delta in pseudo_gradient.items()]
+        selections = sparse_codec.tensor_map(lambda item: self._compress_one(*item), items,
+                                             sum(delta.size for _, delta in items))
+        return {name: selection for (name, _), selection in zip(items, selections)}
+
+    def _compress_one(self, name: str, delta: np.ndarray) -> sparse_codec.SparseGradient:
         opts = self.options
-        out = {}
-        for name, delta in pseudo_gradient.items():
-            delta = np.asarray(delta, np.float32)
-            error = self.errors.get(name)
-            if error is None or error.shape != delta.shape:
-                error = self.errors[name] = delta.copy()
-            else:
-                error *= np.float32(opts.error_decay)
-                error += delta
-            selection = sparse_codec.encode(error, opts.chunk, opts.topk, opts.bits)
-            positions, flat = selection.positions(), error.reshape(-1)
-            self._sent[name] = (positions, flat[positions])
-            flat[positions] -= selection.decoded()
-            out[name] = selection
-        return out
+        error = self.errors.get(name)
+        if error is None or error.shape != delta.shape:
+            error = self.errors[name] = delta.copy()
+        else:
+            error *= np.float32(opts.error_decay)
+            error += delta
+        selection = sparse_codec.encode(error, opts.chunk, opts.topk, opts.bits)
+        positions, flat = selection.positions(), error.reshape(-1)
+        self._sent[name] = (positions, flat[positions])
+        flat[positions] -= selection.decoded()
+        return selection
 
     def unsend(self, names) -> None:
         """The last selections of ``names`` were never applied (the push failed, or an elastic

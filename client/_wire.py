@@ -137,20 +137,28 @@ class Reassembler:
         self.received_bytes += len(data)
 
     def finish(self) -> dict[str, np.ndarray]:
-        for name, chunks in self._sparse.items():
+        for name in self._sparse:
             if self._filled[name]:
                 raise InvalidArgumentError(f"server sent tensor {name!r} both as values and as sparse parts")
+            if self.arrays[name].dtype != np.float32:
+                raise InvalidArgumentError(f"server sent tensor {name!r} ({self.arrays[name].dtype}) as sparse parts: "
+                                           f"float32 only")
+
+        def rebuild(name: str) -> Optional[str]:
+            """Writes tensor ``name`` rebuilt from its parts; a part that does not decode: why."""
             try:
-                rebuilt = sparse_codec.apply_parts(self._sparse_base[name], sparse_codec.split_parts(chunks),
-                                                   self._over_senders)
+                self.arrays[name][...] = sparse_codec.apply_parts(
+                    self._sparse_base[name], sparse_codec.split_parts(self._sparse[name]), self._over_senders)
             except ValueError as exc:
-                raise InvalidArgumentError(f"server sent tensor {name!r} as sparse parts that do not decode: "
-                                           f"{exc}") from None
-            out = self.arrays[name]
-            if out.dtype != np.float32:
-                raise InvalidArgumentError(f"server sent tensor {name!r} ({out.dtype}) as sparse parts: float32 only")
-            out[...] = rebuilt
-            self._filled[name] = out.size
+                return f"server sent tensor {name!r} as sparse parts that do not decode: {exc}"
+            return None
+
+        names = list(self._sparse)
+        failures = sparse_codec.tensor_map(rebuild, names, sum(self.arrays[n].size for n in names))
+        for name, failure in zip(names, failures):
+            if failure is not None:
+                raise InvalidArgumentError(failure)
+            self._filled[name] = self.arrays[name].size
         for name, out in self.arrays.items():
             if self._filled[name] != out.size:
                 raise InvalidArgumentError(f"server sent {self._filled[name]} of {out.size} elements of tensor {name!r}")

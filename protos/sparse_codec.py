@@ -32,9 +32,11 @@ naming what is wrong. NumPy only.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 import struct
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence, TypeVar
 
 import numpy as np
 
@@ -42,6 +44,10 @@ HEADER = struct.Struct("<HHB3xQ")  # chunk, topk, bits, elements the message cov
 MAX_CHUNK = 256  # indices of a tile fit 16 bits
 QUANTIZATION_RANGE = 6.0  # standard deviations the levels span (the reference's range)
 VALUE_BITS = (1, 2, 3, 4, 5, 6, 7, 8, 32)
+PARALLEL_THREADS = 8  # at most, and at most the machine's cores: each holds a few copies of its tensor
+PARALLEL_ELEMENTS = 1 << 20  # tensors smaller together are handled on the calling thread
+_Item = TypeVar("_Item")
+_Result = TypeVar("_Result")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,3 +394,15 @@ def apply_parts(base: np.ndarray, parts, over_senders: bool) -> np.ndarray:
     else:
         np.divide(total, counts.astype(np.float32), out=total, where=counts > 0)
     return (base.reshape(-1) - total).reshape(base.shape)
+
+
+def tensor_map(fn: Callable[[_Item], _Result], items: Sequence[_Item], elements: int) -> list[_Result]:
+    """``[fn(item) for item in items]``, one call per tensor, on up to :data:`PARALLEL_THREADS`
+    threads (and the machine's cores) when the tensors hold more than :data:`PARALLEL_ELEMENTS`
+    ``elements`` together: NumPy's selection, decoding and arithmetic run without the GIL. Each
+    call must touch its own tensor's buffers only; the first error raised, in order, is raised."""
+    threads = min(PARALLEL_THREADS, os.cpu_count() or 1, len(items))
+    if threads < 2 or elements <= PARALLEL_ELEMENTS:
+        return [fn(item) for item in items]
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="sparse-codec") as pool:
+        return list(pool.map(fn, items))

@@ -306,13 +306,14 @@ def test_a_jax_worker_restored_from_its_state_dict_continues_as_if_it_never_stop
 
 def test_a_worker_taking_smaller_chunks_than_another_cut_its_parts_gets_those_tensors_as_values(server, unique_name):
     """Worker 0's client takes 64 KiB chunks; worker 1 cuts its 2048x2048 part (about 115 KB of
-    2-bit entries) in 4 MiB ones. Worker 0 gets that tensor as values (no chunk above its size),
-    worker 1 gets both workers' parts; both hold the session's parameters."""
+    2-bit entries) in 4 MiB ones. Worker 0 gets that tensor as values (no chunk above its size)
+    and the bias as parts, worker 1 gets both workers' parts of both (rebuilt a tensor per
+    thread: over the parallel threshold); both hold the session's parameters."""
     size = 2048
 
     def big_model():
         torch.manual_seed(0)
-        return torch.nn.Linear(size, size, bias=False)
+        return torch.nn.Linear(size, size)
 
     chunk_bytes = [64 << 10, 4 << 20]
 
@@ -330,12 +331,13 @@ def test_a_worker_taking_smaller_chunks_than_another_cut_its_parts_gets_those_te
 
     try:
         (small_shared, small), (large_shared, large) = _in_threads(work)
-        assert small[0].bytes_down == 4 * size * size
+        assert 4 * size * size < small[0].bytes_down < 4 * size * size + 4 * size  # the weight's values, the bias's parts
         assert large[0].bytes_down < large[0].bytes_up + small[0].bytes_up + 1024  # both parts, a header or two more
         assert large[0].bytes_up > chunk_bytes[0]
         with Client(server.address) as client:
             held = client.session(unique_name).pull()
         for shared in (small_shared, large_shared):
-            np.testing.assert_array_equal(shared["weight"], held["weight"])
+            for name in ("weight", "bias"):
+                np.testing.assert_array_equal(shared[name], held[name])
     finally:
         _close_all(server, unique_name)

@@ -4,6 +4,9 @@ format's round trip and its checks."""
 
 from __future__ import annotations
 
+import os
+import threading
+
 import numpy as np
 import pytest
 
@@ -142,3 +145,23 @@ def test_bad_compression_options_are_refused_naming_the_option(spec, fragment):
 def test_the_documented_defaults():
     assert SparseLoCo.from_spec({"name": "sparseloco"}) == SparseLoCo(topk=64, chunk=64, bits=2, error_decay=0.95,
                                                                       aggregation="senders")
+
+
+def test_a_large_pseudo_gradient_compressed_a_tensor_per_thread_equals_each_tensor_compressed_alone():
+    """Over the parallel threshold the tensors go to threads (seen by the threads' names); each
+    selection and error buffer equals the one a sparsifier holding only that tensor makes."""
+    rng = np.random.default_rng(5)
+    grads = {f"t{i}": rng.standard_normal((1024, 640 + 64 * i)).astype(np.float32) for i in range(3)}
+    assert sum(g.size for g in grads.values()) > sparse_codec.PARALLEL_ELEMENTS
+    together = ErrorFedSparsifier(SparseLoCo())
+    for _ in range(2):  # the second round carries the error buffers
+        selections = together.compress(grads)
+    for name, grad in grads.items():
+        alone = ErrorFedSparsifier(SparseLoCo())
+        for _ in range(2):
+            (selection,) = alone.compress({name: grad}).values()
+        assert list(selection.payloads(1 << 20)) == list(selections[name].payloads(1 << 20))
+        np.testing.assert_array_equal(alone.errors[name], together.errors[name])
+    threads = sparse_codec.tensor_map(lambda _: threading.current_thread().name, list(grads),
+                                      sparse_codec.PARALLEL_ELEMENTS + 1)
+    assert all(name.startswith("sparse-codec") for name in threads) or (os.cpu_count() or 1) < 2, threads
