@@ -261,3 +261,39 @@ def test_bad_telemetry_is_refused_naming_it(observed, unique_name):
         assert session.status().pushes_accepted == 0
     finally:
         session.close()
+
+
+def test_sparse_exchanges_count_in_the_byte_metrics_as_they_crossed_the_wire(observed):
+    """Two DiLoCo workers with SparseLoCo, two rounds: the session's received bytes are exactly the
+    parts the workers pushed, and its sent bytes the compact answers they got plus the one dense
+    pull of the worker that attached."""
+    torch = pytest.importorskip("torch")
+    from optserve.client.torch import DiLoCo
+    from tests.test_diloco import H, WORKERS, _batches, _in_threads, _inner_step
+    from tests.test_diloco_sparse import _wide_model
+
+    running, session = observed[0], "ops-sparseloco"
+
+    def work(i):
+        model = _wide_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        diloco = DiLoCo(model, opt, running.address, session=session, sync_every=H, num_workers=WORKERS,
+                        worker_id=f"w{i}", outer={"name": "sgd", "args": {"learning_rate": 1.0}},
+                        compression={"name": "sparseloco"}, shared_memory=False)
+        for batch in _batches(i, 2 * H):
+            _inner_step(model, opt, batch)
+            diloco.step()
+        diloco.close()
+        return diloco.created, diloco.exchanges
+
+    results = _in_threads(work)
+    samples = _scrape(running)
+    with Client(running.address) as client:
+        client.session(session).close()
+    parameters = sum(p.numel() for p in _wide_model().parameters())
+    up = sum(e.bytes_up for _, exchanges in results for e in exchanges)
+    down = sum(e.bytes_down for _, exchanges in results for e in exchanges)
+    assert sorted(created for created, _ in results) == [False, True]
+    assert 0 < up and 0 < down < 4 * parameters  # compact answers, not values
+    assert _total(samples, "optserve_received_bytes_total", session=session) == up
+    assert _total(samples, "optserve_sent_bytes_total", session=session) == down + 4 * parameters
