@@ -77,7 +77,7 @@ def main(argv=None) -> int:
 
     def rebuild():  # a tensor per thread, as the client's reassembly does
         sparse_codec.tensor_map(lambda name: sparse_codec.apply_parts(snapshot[name], parts[name], over_senders=True),
-                                names, parameters)
+                                names, [snapshot[name].size for name in names])
 
     samples, _ = interleaved_seconds({"inner step": inner_step, "compress": compress, "decode": decode,
                                       "rebuild": rebuild}, rounds=args.rounds)

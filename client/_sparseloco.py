@@ -95,7 +95,7 @@ class ErrorFedSparsifier:
         per thread (:func:`~optserve.protos.sparse_codec.tensor_map`); the result is the same."""
         items = [(name, np.asarray(delta, np.float32)) for name, delta in pseudo_gradient.items()]
         selections = sparse_codec.tensor_map(lambda item: self._compress_one(*item), items,
-                                             sum(delta.size for _, delta in items))
+                                             [delta.size for _, delta in items])
         return {name: selection for (name, _), selection in zip(items, selections)}
 
     def _compress_one(self, name: str, delta: np.ndarray) -> sparse_codec.SparseGradient:

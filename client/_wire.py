@@ -154,7 +154,7 @@ class Reassembler:
             return None
 
         names = list(self._sparse)
-        failures = sparse_codec.tensor_map(rebuild, names, sum(self.arrays[n].size for n in names))
+        failures = sparse_codec.tensor_map(rebuild, names, [self.arrays[n].size for n in names])
         for name, failure in zip(names, failures):
             if failure is not None:
                 raise InvalidArgumentError(failure)

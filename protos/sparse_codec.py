@@ -46,6 +46,7 @@ QUANTIZATION_RANGE = 6.0  # standard deviations the levels span (the reference's
 VALUE_BITS = (1, 2, 3, 4, 5, 6, 7, 8, 32)
 PARALLEL_THREADS = 8  # at most, and at most the machine's cores: each holds a few copies of its tensor
 PARALLEL_ELEMENTS = 1 << 20  # tensors smaller together are handled on the calling thread
+PARALLEL_IN_FLIGHT = 1 << 26  # elements of tensors handled at once, at most (their temporaries: ~1 GiB)
 _Item = TypeVar("_Item")
 _Result = TypeVar("_Result")
 
@@ -396,13 +397,17 @@ def apply_parts(base: np.ndarray, parts, over_senders: bool) -> np.ndarray:
     return (base.reshape(-1) - total).reshape(base.shape)
 
 
-def tensor_map(fn: Callable[[_Item], _Result], items: Sequence[_Item], elements: int) -> list[_Result]:
-    """``[fn(item) for item in items]``, one call per tensor, on up to :data:`PARALLEL_THREADS`
-    threads (and the machine's cores) when the tensors hold more than :data:`PARALLEL_ELEMENTS`
-    ``elements`` together: NumPy's selection, decoding and arithmetic run without the GIL. Each
-    call must touch its own tensor's buffers only; the first error raised, in order, is raised."""
-    threads = min(PARALLEL_THREADS, os.cpu_count() or 1, len(items))
-    if threads < 2 or elements <= PARALLEL_ELEMENTS:
+def tensor_map(fn: Callable[[_Item], _Result], items: Sequence[_Item], sizes: Sequence[int]) -> list[_Result]:
+    """``[fn(item) for item in items]``, one call per tensor (``sizes``: each one's elements), on
+    up to :data:`PARALLEL_THREADS` threads (and the machine's cores) when they hold more than
+    :data:`PARALLEL_ELEMENTS` together: NumPy's selection, decoding and arithmetic run without the
+    GIL. A call holds temporaries of a few times its tensor, so no more threads run than keep
+    :data:`PARALLEL_IN_FLIGHT` elements of the largest tensor in flight (one, for tensors that
+    large). Each call must touch its own tensor's buffers only; the first error raised, in order,
+    is raised."""
+    largest = max(sizes, default=0)
+    threads = min(PARALLEL_THREADS, os.cpu_count() or 1, len(items), PARALLEL_IN_FLIGHT // max(largest, 1))
+    if threads < 2 or sum(sizes) <= PARALLEL_ELEMENTS:
         return [fn(item) for item in items]
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="sparse-codec") as pool:
         return list(pool.map(fn, items))

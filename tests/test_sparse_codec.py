@@ -163,5 +163,9 @@ def test_a_large_pseudo_gradient_compressed_a_tensor_per_thread_equals_each_tens
         assert list(selection.payloads(1 << 20)) == list(selections[name].payloads(1 << 20))
         np.testing.assert_array_equal(alone.errors[name], together.errors[name])
     threads = sparse_codec.tensor_map(lambda _: threading.current_thread().name, list(grads),
-                                      sparse_codec.PARALLEL_ELEMENTS + 1)
+                                      [g.size for g in grads.values()])
     assert all(name.startswith("sparse-codec") for name in threads) or (os.cpu_count() or 1) < 2, threads
+    # tensors too large to hold two at once go one after the other, on the calling thread
+    huge = sparse_codec.PARALLEL_IN_FLIGHT // 2 + 1
+    assert sparse_codec.tensor_map(lambda _: threading.current_thread().name, [0, 1], [huge, huge]) == \
+        [threading.current_thread().name] * 2
