@@ -33,12 +33,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import threading
 import uuid
 
 import numpy as np
 
 from bench._timing import print_table
+from bench.diloco import _all_workers
 
 SPARSELOCO_OUTER = {"name": "sgd", "args": {"learning_rate": 1.0}}
 NESTEROV_OUTER = {"name": "sgd", "args": {"learning_rate": 0.7, "momentum": 0.9, "nesterov": True}}
@@ -153,50 +153,40 @@ TASK_DEFAULTS = {"gpt2": (600, 30, 1e-3, 8), "digits": (400, 20, 1e-2, 32)}
 
 
 def train_run(args, address: str, task, sparse: bool):
-    """Every worker's ``--steps`` inner steps in one session; returns (the session's final
-    parameters, each worker's exchanges)."""
+    """Every worker's ``--steps`` inner steps in one session (a thread each; the first failure is
+    raised); returns (the session's final parameters, each worker's exchanges)."""
     import torch
 
     from optserve.client.torch import DiLoCo
 
     seed = task.seed
     session = f"quality-{'sparse' if sparse else 'dense'}-{seed}-{uuid.uuid4().hex[:6]}"
-    results: list = [None] * args.workers
-    errors: list[BaseException] = []
+    exchanges: list = [None] * args.workers
 
     def work(rank: int) -> None:
-        try:
-            model = task.model()
-            inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
-            diloco = DiLoCo(model, inner, address, session=session, sync_every=args.H, num_workers=args.workers,
-                            worker_id=f"w{rank}", outer=OUTERS[args.sparse_outer if sparse else args.dense_outer],
-                            compression=dict(args.compression) if sparse else None,
-                            shared_memory=False)  # the bytes cross the wire, where they are counted
-            rng = np.random.default_rng(seed * 100 + rank)  # the same minibatches in both runs
-            for _ in range(args.steps):
-                loss = task.loss(model, rng)
-                inner.zero_grad()
-                loss.backward()
-                diloco.step()
-            diloco.close()
-            results[rank] = ({n: v.copy() for n, v in diloco._core.shared().items()}, list(diloco.exchanges))
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
+        model = task.model()
+        inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        diloco = DiLoCo(model, inner, address, session=session, sync_every=args.H, num_workers=args.workers,
+                        worker_id=f"w{rank}", outer=OUTERS[args.sparse_outer if sparse else args.dense_outer],
+                        compression=dict(args.compression) if sparse else None,
+                        shared_memory=False)  # the bytes cross the wire, where they are counted
+        rng = np.random.default_rng(seed * 100 + rank)  # the same minibatches in both runs
+        for _ in range(args.steps):
+            loss = task.loss(model, rng)
+            inner.zero_grad()
+            loss.backward()
+            diloco.step()
+        diloco.close()
+        exchanges[rank] = list(diloco.exchanges)
 
-    threads = [threading.Thread(target=work, args=(rank,)) for rank in range(args.workers)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
+    _all_workers([lambda rank=rank: work(rank) for rank in range(args.workers)])
     from optserve.client import Client
 
     with Client(address) as client:
         handle = client.session(session)
         final = handle.pull(wire_dtype=None)
         handle.close()
-    return final, [exchanges for _, exchanges in results]
+    return final, exchanges
 
 
 def final_loss(task, values) -> float:
