@@ -351,16 +351,21 @@ def test_dynamic_local_updates_give_a_slow_worker_a_smaller_h(server, unique_nam
 
     models = [_model() for _ in range(WORKERS)]
     inner = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in models]
-    paces = [0.005, 0.04]  # seconds per inner step: worker 1 is 8x slower
+    # each inner step sleeps its pace, which dominates the step's compute even on a loaded machine
+    # (the measured step time is what sets H: compute that grows under load would pull both Hs to 1)
+    paces = [0.02, 0.16]  # seconds per inner step: worker 1 is 8x slower
+    batches = [_batches(i, 64) for i in range(WORKERS)]
+
     def work(i):
         diloco = DiLoCo(models[i], inner[i], server.address, session=unique_name, sync_every="auto",
-                        sync_seconds=0.3, mode="async", worker_id=f"dlu{i}")
-        deadline = time.monotonic() + 3.0
-        batches = iter(_batches(i, 10_000))
-        while time.monotonic() < deadline:
-            _inner_step(models[i], inner[i], next(batches))
+                        sync_seconds=0.8, mode="async", worker_id=f"dlu{i}")
+        deadline, step = time.monotonic() + 4.0, 0
+        # a loaded machine slows the exchanges: each worker goes on until it has 4 rounds after the first
+        while (time.monotonic() < deadline or len(diloco.exchanges) < 5) and time.monotonic() < deadline + 60:
+            _inner_step(models[i], inner[i], batches[i][step % len(batches[i])])
             time.sleep(paces[i])
             diloco.step()
+            step += 1
         diloco.close()
         return diloco.exchanges
 
