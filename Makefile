@@ -23,11 +23,11 @@ $(STAMP): pyproject.toml | $(PY)
 demo: $(STAMP)
 	$(VENV)/bin/optserve demo
 
-# Two passes (tests/conftest.py): the modules that can share the machine on two workers, test by
-# test (loadgroup without groups: a module-whole scheduler measured slower), then the serial ones
-# alone; the exit status fails if either failed.
+# Two passes (tests/conftest.py): the modules that can share the machine on two workers (a module
+# with module-scoped fixtures whole, every other test alone, longest first: tests/_scheduling.py),
+# then the serial ones alone; the exit status fails if either failed.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not serial" --durations=20; parallel=$$?; \
+	$(PY) -m pytest -q -n 2 --dist loadscope -m "not serial" --durations=20; parallel=$$?; \
 	$(PY) -m pytest -q -m serial --durations=10; serial=$$?; \
 	test $$parallel -eq 0 && test $$serial -eq 0
 

@@ -7,10 +7,11 @@ Fixtures other test files rely on (names are stable):
              ``.address`` ("127.0.0.1:PORT") and ``.config``.
   unique_name: a fresh session name per test (``"<test name>-<8 hex>"``).
 
-``make test`` runs the suite in two passes: every module not marked ``serial`` on two
-pytest-xdist workers, test by test (a module's fixtures start on each worker that runs one of its
-tests), then the ``serial`` modules alone (machine-wide memory, a mount table copied into
-namespaces, bounds on latency under load).
+``make test`` runs the suite in two passes: every module not marked ``serial`` on
+pytest-xdist workers (``--dist loadscope``, which :func:`pytest_xdist_make_scheduler` turns into
+:mod:`tests._scheduling`'s rules: a module with module-scoped fixtures whole on one worker, every
+other test alone, longest first), then the ``serial`` modules alone (machine-wide memory, a mount
+table copied into namespaces, bounds on latency under load).
 """
 
 from __future__ import annotations
@@ -72,3 +73,13 @@ def server(ray_local):
 def unique_name(request) -> str:
     """A session name no other test uses."""
     return f"{request.node.name[:40]}-{uuid.uuid4().hex[:8]}"
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadscope`` (``make test``'s parallel pass): modules with module-scoped fixtures
+    whole, every other test alone, longest first (:mod:`tests._scheduling`)."""
+    if config.getoption("dist", None) != "loadscope":
+        return None
+    from tests._scheduling import make_scheduler
+
+    return make_scheduler(config, log)
