@@ -153,7 +153,7 @@ def test_the_readme_opens_with_make_demo_and_make_test_as_the_makefile_defines_t
     assert re.search(r"^\.PHONY:.*\bdemo\b.*\btest\b", makefile, re.M)
     assert re.search(r"^demo: \$\(STAMP\)\n\t\$\(VENV\)/bin/optserve demo$", makefile, re.M)
     # two passes: the suite on two workers, then the modules marked serial alone; either failing fails
-    assert re.search(r"^test: \$\(STAMP\)\n\t\$\(PY\) -m pytest -q -n 2 --dist loadgroup -m \"not serial\"[^\n]*"
+    assert re.search(r"^test: \$\(STAMP\)\n\t\$\(PY\) -m pytest -q -n 2 --dist loadscope -m \"not serial\"[^\n]*"
                      r"parallel=\$\$\?; \\\n\t\$\(PY\) -m pytest -q -m serial[^\n]*serial=\$\$\?; \\\n"
                      r"\ttest \$\$parallel -eq 0 && test \$\$serial -eq 0$", makefile, re.M), makefile
     # what the README says both do: a venv, the pinned install, then the demo / the suite
