@@ -32,6 +32,11 @@ ClientCert = tuple[Union[str, "os.PathLike[str]"], Union[str, "os.PathLike[str]"
 
 # gRPC's option naming the name to verify the server certificate against (instead of the dialled host).
 _SERVER_NAME_OPTION = "grpc.ssl_target_name_override"
+# Each channel dials connections of its own: gRPC Python otherwise shares one connection among all
+# channels of a process to the same address with the same options, so the Clients of a process
+# (threads each with its own Client, as a crowd of workers would be) would all take turns on
+# one TCP connection to a shard, each Client's transfers held up by the others'.
+_OWN_CONNECTIONS = (("grpc.use_local_subchannel_pool", 1),)
 _REDACTED = "<redacted>"
 
 
@@ -104,7 +109,7 @@ class Transport:
         self._client_cert = _checked_client_cert(client_cert, self._tls)
         self._server_name = _checked_server_name(tls_server_name, self._tls)
         self._credentials = self._channel_credentials()
-        self._options = contract.CHANNEL_OPTIONS + contract.RECONNECT_OPTIONS + (
+        self._options = contract.CHANNEL_OPTIONS + contract.RECONNECT_OPTIONS + _OWN_CONNECTIONS + (
             ((_SERVER_NAME_OPTION, self._server_name),) if self._server_name is not None else ())
 
     @property

@@ -1,0 +1,151 @@
+"""The client side of ``python -m bench.crowd``: one process of client threads, each client with
+its own ``Client`` (its own connections) and its own worker identity in a session.
+
+A process creates the asynchronous sessions it hosts (every worker of such a session lives in
+the same process), attaches each client, reports ready, waits for the go, and then every client
+pauses (uniformly 0 to ``2 * mean_pause_s``) and does a ``push_pull`` step, again and again until
+``duration_s`` has passed. The sync session's workers (one per process, the session created by
+the bench) pause 0 to ``2 * sync_pause_s``: a sync step waits for all of its workers, so a long
+pause would be the round's time, not the server's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import threading
+import time
+from typing import Optional
+
+import numpy as np
+
+SHAPES = {"w": (64, 32), "b": (32,)}  # small tensors, spread over both shards (min_shard_bytes=0)
+ADAM = {"name": "adam", "args": {"learning_rate": 0.01}}
+GRACE_S = 90.0  # how long a step in flight at the end may still take before its client counts as unfinished
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientPlan:
+    """One client: the session it steps in, its worker id, whether that session is the sync one."""
+
+    session: str
+    worker_id: str
+    sync: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessPlan:
+    """What one process runs: ``creates`` (async sessions it creates before attaching), its
+    ``clients``, their mean pauses, and how long they step."""
+
+    address: str
+    creates: tuple[str, ...]
+    clients: tuple[ClientPlan, ...]
+    mean_pause_s: float
+    sync_pause_s: float
+    duration_s: float
+    seed: int
+    shared_memory: bool = False
+
+
+@dataclasses.dataclass
+class ProcessResult:
+    """What one process measured: step times (seconds) of async and sync steps that started
+    before the end, errors by type, clients still in a step ``GRACE_S`` after the end, the
+    process's CPU seconds from the go until its clients finished, and the steps they did."""
+
+    async_times: list[float] = dataclasses.field(default_factory=list)
+    sync_times: list[float] = dataclasses.field(default_factory=list)
+    errors: dict[str, int] = dataclasses.field(default_factory=dict)
+    first_error: dict[str, str] = dataclasses.field(default_factory=dict)  # type -> its first message
+    unfinished: int = 0
+    cpu_s: float = 0.0
+    failure: Optional[str] = None  # set up failed (a session not created, a client not attached)
+
+
+def _grads() -> dict[str, np.ndarray]:
+    return {name: np.full(shape, 0.01, np.float32) for name, shape in SHAPES.items()}
+
+
+class _Stepper:
+    """One client's loop; ``times`` and ``errors`` are read once its thread ended (or not)."""
+
+    def __init__(self, plan: ClientPlan, process: ProcessPlan, rng: random.Random):
+        from optserve.client import Client
+
+        self.plan = plan
+        self.times: list[float] = []
+        self.errors: dict[str, int] = {}
+        self.first_error: dict[str, str] = {}
+        self._pause = process.sync_pause_s if plan.sync else process.mean_pause_s
+        self._rng = rng
+        self.client = Client(process.address, timeout=120.0, shared_memory=process.shared_memory)
+        self.session = self.client.session(plan.session, worker_id=plan.worker_id)
+        if plan.sync:  # an elastic member: in the rounds from its join until it detaches
+            self.session.join()
+        self.session.pull()
+
+    def run(self, end_at: float) -> None:
+        grads = _grads()
+        while True:
+            time.sleep(self._rng.uniform(0.0, 2.0 * self._pause))
+            if time.monotonic() >= end_at:
+                if self.plan.sync:  # the others' last rounds close without it
+                    self.session.detach()
+                return
+            started = time.perf_counter()
+            try:
+                self.session.push_pull(grads)
+            except Exception as error:  # noqa: BLE001 - counted by type and reported, never hidden
+                name = type(error).__name__
+                self.errors[name] = self.errors.get(name, 0) + 1
+                self.first_error.setdefault(name, str(error)[:300])
+                continue
+            self.times.append(time.perf_counter() - started)
+
+
+def run_process(plan: ProcessPlan, ready, go, results) -> None:
+    """A spawned process's body: sets up, puts ``"ready"`` on ``results``, waits for ``go`` (an
+    event), steps, then puts its :class:`ProcessResult`."""
+    from optserve.client import Client
+
+    result = ProcessResult()
+    owner = None
+    created = []
+    steppers: list[_Stepper] = []
+    try:
+        owner = Client(plan.address, timeout=120.0, shared_memory=plan.shared_memory)
+        params = {name: np.zeros(shape, np.float32) for name, shape in SHAPES.items()}
+        created = [owner.create_session(name, params, ADAM, mode="async") for name in plan.creates]
+        rng = random.Random(plan.seed)
+        steppers = [_Stepper(client, plan, random.Random(rng.random())) for client in plan.clients]
+    except Exception as error:  # noqa: BLE001 - the bench reports it and stops
+        result.failure = f"{type(error).__name__}: {error}"
+    ready.put(result.failure or "ready")
+    if result.failure is not None:
+        results.put(result)
+        return
+    go.wait()
+    cpu_at_go = time.process_time()
+    end_at = time.monotonic() + plan.duration_s
+    threads = [threading.Thread(target=s.run, args=(end_at,), daemon=True) for s in steppers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=max(0.0, end_at + GRACE_S - time.monotonic()))
+    result.cpu_s = time.process_time() - cpu_at_go
+    for stepper, thread in zip(steppers, threads):
+        (result.sync_times if stepper.plan.sync else result.async_times).extend(stepper.times)
+        for name, count in stepper.errors.items():
+            result.errors[name] = result.errors.get(name, 0) + count
+            result.first_error.setdefault(name, stepper.first_error[name])
+        result.unfinished += thread.is_alive()
+    results.put(result)
+    for stepper in steppers:
+        stepper.client.close()
+    for session in created:
+        try:
+            session.close()
+        except Exception:  # noqa: BLE001 - the server's teardown removes it anyway
+            pass
+    owner.close()

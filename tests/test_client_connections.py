@@ -1,0 +1,26 @@
+"""Each ``Client`` dials connections of its own: the Clients of one process (a crowd of worker
+threads) do not take turns on one shared TCP connection to the server."""
+
+from __future__ import annotations
+
+import psutil
+
+from optserve.client import Client
+
+
+def _established_to(port: int) -> int:
+    return sum(1 for c in psutil.Process().net_connections(kind="tcp")
+               if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+
+
+def test_three_clients_of_one_process_hold_three_connections_to_the_server(server):
+    port = int(server.address.rsplit(":", 1)[1])
+    before = _established_to(port)
+    clients = [Client(server.address, timeout=30.0) for _ in range(3)]
+    try:
+        for client in clients:
+            client.list_sessions()
+        assert _established_to(port) - before == 3
+    finally:
+        for client in clients:
+            client.close()
