@@ -305,8 +305,8 @@ class _Step:
         return lambda: call_shard(lambda s: self._receive_or_resend(s, handle), shard)
 
     def _receive_or_resend(self, shard: Shard, handle: StepHandle) -> StepReply:
-        """:meth:`_receive`; a reused call the shard had ended (it was idle while the shard was
-        crowded) never started the step, so it is sent again at once on a fresh call: the other
+        """:meth:`_receive`; a call the shard had ended before taking the step (idle while the
+        shard was crowded) never started it, so it is sent again at once on a fresh call: the other
         shards, which staged their parts, are waiting for this one's vote (a retry of the whole
         step would come only after their vote timed out)."""
         try:

@@ -244,15 +244,19 @@ def _answered(call) -> bool:
     return any(key == contract.ANSWERED_KEY for key, _ in (trailing or ()))
 
 
-def _never_started(exc: grpc.RpcError) -> bool:
-    """Whether a reused call's failure before any response means its step never reached the
-    shard: CANCELLED (a crowded shard ends a call it found idle), or UNAVAILABLE from the transport
-    (a dropped connection). An UNAVAILABLE the shard sent itself (``ANSWERED_KEY``: e.g. its disk
-    had no room) answered this very step: sent again on a fresh call as the same try, it would
-    vote in a vote of its own that the other shards, which answered the try already, never join."""
+def _never_started(exc: grpc.RpcError, reused: bool) -> bool:
+    """Whether a call's failure before any response means its step never reached the shard.
+
+    CANCELLED, on any call: a crowded shard ends a call it finds idle, a reused one between steps
+    or a fresh one whose step's first message had not come within its wait for new calls (a
+    loaded client), before the step's first message was taken. On a reused call also UNAVAILABLE
+    from the transport (a dropped connection; on a fresh call that is the retry policy's). An
+    UNAVAILABLE the shard sent itself (``ANSWERED_KEY``: e.g. its disk had no room) answered this
+    very step: sent again on a fresh call as the same try, it would vote in a vote of its own that
+    the other shards, which answered the try already, never join."""
     if exc.code() == grpc.StatusCode.CANCELLED:
         return True
-    return exc.code() == grpc.StatusCode.UNAVAILABLE and not _answered(exc)
+    return reused and exc.code() == grpc.StatusCode.UNAVAILABLE and not _answered(exc)
 
 
 class StepHandle:
@@ -303,8 +307,8 @@ class StepHandle:
         """Feeds the step's responses to ``on_response`` until it returns True (``done``);
         returns False if the call ended before that.
 
-        gRPC errors propagate (``grpc.RpcError``); a reused call found ended before any response
-        (see :func:`_never_started`) raises :class:`StreamBroken` (the step did not start: safe to resend).
+        gRPC errors propagate (``grpc.RpcError``); a call the shard ended before any response (see
+        :func:`_never_started`) raises :class:`StreamBroken` (the step did not start: safe to resend).
         """
         started = False
         timeout = self._stream._timeout
@@ -331,7 +335,7 @@ class StepHandle:
             if self._expired:
                 raise DeadlineExceededError(f"the step was not done within the client's timeout of {timeout:g} s",
                                             "DEADLINE_EXCEEDED") from None
-            if self._reused and not started and _never_started(exc):
+            if not started and _never_started(exc, self._reused):
                 raise StreamBroken(exc.details()) from exc
             if self._group is not None and exc.code() in _FAILED:  # (its done-callback may come later)
                 self._call_failed(exc)

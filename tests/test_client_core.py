@@ -15,6 +15,7 @@ import pytest
 from optserve.client import _wire
 from optserve.client.errors import InvalidArgumentError
 from optserve.protos import contract, tensor_chunks
+from optserve.protos.optserve.v1 import data_pb2
 from tests._grpc_fakes import FailedCall
 
 
@@ -275,3 +276,31 @@ def test_token_interceptor_appends_authorization_to_the_calls_metadata_and_hides
     assert all(d.metadata == (("x-trace", "1"), ("authorization", "Bearer tok-123")) and request == "request"
                and (d.method, d.timeout) == (details.method, 5.0) for d, request in seen)
     assert len(seen) == 4 and "tok-123" not in repr(interceptor)
+
+
+class _EndedCall:
+    """What gRPC hands back for a call that ended with ``error`` before any response."""
+
+    def __init__(self, error):
+        self._error = error
+
+    def __iter__(self):
+        raise self._error
+
+
+def _step_on_a_fresh_call_ending(error):
+    from optserve.client._step_stream import StepStream
+
+    stream = StepStream(lambda requests, timeout: _EndedCall(error), timeout=None)
+    return stream.start([data_pb2.PushPullRequest()]).finish(lambda kind, value: True)
+
+
+def test_a_fresh_call_the_crowded_shard_cancelled_before_answering_is_resent_as_never_started():
+    from optserve.client._step_stream import StreamBroken
+
+    # the shard's sweeper ends a new call whose first message has not come (a loaded client)
+    with pytest.raises(StreamBroken):
+        _step_on_a_fresh_call_ending(FailedCall(grpc.StatusCode.CANCELLED, "Cancelled"))
+    # a fresh call's UNAVAILABLE is the retry policy's (the shard may be down), not resent at once
+    with pytest.raises(grpc.RpcError):
+        _step_on_a_fresh_call_ending(FailedCall(grpc.StatusCode.UNAVAILABLE, "connection refused"))
