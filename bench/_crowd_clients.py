@@ -12,6 +12,7 @@ pause would be the round's time, not the server's.
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import threading
 import time
@@ -59,6 +60,7 @@ class ProcessResult:
     errors: dict[str, int] = dataclasses.field(default_factory=dict)
     first_error: dict[str, str] = dataclasses.field(default_factory=dict)  # type -> its first message
     unfinished: int = 0
+    idle_clients: int = 0  # clients without a single step done
     cpu_s: float = 0.0
     failure: Optional[str] = None  # set up failed (a session not created, a client not attached)
 
@@ -104,30 +106,53 @@ class _Stepper:
             self.times.append(time.perf_counter() - started)
 
 
-def run_process(plan: ProcessPlan, ready, go, results) -> None:
-    """A spawned process's body: sets up, puts ``"ready"`` on ``results``, waits for ``go`` (an
-    event), steps, then puts its :class:`ProcessResult`."""
+def run_process(plan: ProcessPlan, ready, go, abort, results) -> None:
+    """A spawned process's body: sets up, puts ``"ready"`` (or why not) on ``ready``, waits for
+    ``go`` (an event), steps, then puts its :class:`ProcessResult` on ``results``. It leaves
+    without stepping once ``abort`` is set or its parent is gone; what it created is closed on
+    every way out."""
     from optserve.client import Client
 
+    parent = os.getppid()
     result = ProcessResult()
     owner = None
     created = []
     steppers: list[_Stepper] = []
     try:
-        owner = Client(plan.address, timeout=120.0, shared_memory=plan.shared_memory)
-        params = {name: np.zeros(shape, np.float32) for name, shape in SHAPES.items()}
-        created = [owner.create_session(name, params, ADAM, mode="async") for name in plan.creates]
-        rng = random.Random(plan.seed)
-        steppers = [_Stepper(client, plan, random.Random(rng.random())) for client in plan.clients]
-    except Exception as error:  # noqa: BLE001 - the bench reports it and stops
-        result.failure = f"{type(error).__name__}: {error}"
-    ready.put(result.failure or "ready")
-    if result.failure is not None:
+        try:
+            owner = Client(plan.address, timeout=120.0, shared_memory=plan.shared_memory)
+            params = {name: np.zeros(shape, np.float32) for name, shape in SHAPES.items()}
+            for name in plan.creates:
+                created.append(owner.create_session(name, params, ADAM, mode="async"))
+            rng = random.Random(plan.seed)
+            for client in plan.clients:
+                steppers.append(_Stepper(client, plan, random.Random(rng.random())))
+        except Exception as error:  # noqa: BLE001 - the bench reports it and stops
+            result.failure = f"{type(error).__name__}: {error}"
+        ready.put(result.failure or "ready")
+        if result.failure is not None:
+            return
+        while not go.wait(timeout=1.0):
+            if abort.is_set() or os.getppid() != parent:
+                return
+        _step(steppers, plan.duration_s, result)
         results.put(result)
-        return
-    go.wait()
+    finally:
+        for stepper in steppers:
+            stepper.client.close()
+        for session in created:
+            try:
+                session.close()
+            except Exception:  # noqa: BLE001 - the server's teardown removes it anyway
+                pass
+        if owner is not None:
+            owner.close()
+
+
+def _step(steppers: list[_Stepper], duration_s: float, result: ProcessResult) -> None:
+    """Runs every client's loop for ``duration_s`` and gathers what they measured into ``result``."""
     cpu_at_go = time.process_time()
-    end_at = time.monotonic() + plan.duration_s
+    end_at = time.monotonic() + duration_s
     threads = [threading.Thread(target=s.run, args=(end_at,), daemon=True) for s in steppers]
     for thread in threads:
         thread.start()
@@ -140,12 +165,4 @@ def run_process(plan: ProcessPlan, ready, go, results) -> None:
             result.errors[name] = result.errors.get(name, 0) + count
             result.first_error.setdefault(name, stepper.first_error[name])
         result.unfinished += thread.is_alive()
-    results.put(result)
-    for stepper in steppers:
-        stepper.client.close()
-    for session in created:
-        try:
-            session.close()
-        except Exception:  # noqa: BLE001 - the server's teardown removes it anyway
-            pass
-    owner.close()
+        result.idle_clients += not stepper.times

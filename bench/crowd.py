@@ -130,6 +130,7 @@ class PhaseReport:
     errors: dict[str, int]
     first_error: dict[str, str]
     unfinished: int
+    idle_clients: int
     client_cpu_s: float
     server_cpu_s: float
     ray_cpu_s: float
@@ -175,28 +176,33 @@ def run_phase(address: str, watch: Optional[ServerWatch], layout: Layout, procs:
                                         ADAM, num_workers=layout.sync_workers, min_workers=1)
         plans = process_plans(address, layout, procs, mean_pause_s, sync_pause_s, duration_s, tag,
                               sync.name if sync is not None else None, seed)
-        ready, results, go = context.Queue(), context.Queue(), context.Event()
-        processes = [context.Process(target=run_process, args=(plan, ready, go, results), daemon=True)
+        ready, results, go, abort = context.Queue(), context.Queue(), context.Event(), context.Event()
+        processes = [context.Process(target=run_process, args=(plan, ready, go, abort, results), daemon=True)
                      for plan in plans]
-        for process in processes:
-            process.start()
+        watching = False
         try:
+            for process in processes:
+                process.start()
             failures = [m for m in (ready.get(timeout=600) for _ in processes) if m != "ready"]
             if failures:
                 raise RuntimeError(f"crowd: {len(failures)} client process(es) could not set up: {failures[0]}")
             if watch is not None:
                 watch.exclude = {p.pid for p in processes}
                 watch.start()
+                watching = True
             started = time.perf_counter()
             go.set()
             reports: list[ProcessResult] = [results.get(timeout=duration_s + GRACE_S + 120) for _ in processes]
             wall_s = time.perf_counter() - started
-            usage = watch.stop() if watch is not None else None
         finally:
+            usage = watch.stop() if watching else None
+            abort.set()  # processes still waiting for the go leave, closing what they created
+            deadline = time.monotonic() + 60
             for process in processes:
-                process.join(timeout=60)
-                if process.is_alive():
-                    process.kill()
+                if process.pid is not None:
+                    process.join(timeout=max(0.1, deadline - time.monotonic()))
+                    if process.is_alive():
+                        process.kill()
             if sync is not None:
                 sync.close()
     errors: dict[str, int] = {}
@@ -207,6 +213,7 @@ def run_phase(address: str, watch: Optional[ServerWatch], layout: Layout, procs:
             first_error.setdefault(name, report.first_error[name])
     phase = PhaseReport(layout, mean_pause_s, wall_s, [t for r in reports for t in r.async_times],
                         [t for r in reports for t in r.sync_times], errors, first_error, sum(r.unfinished for r in reports),
+                        sum(r.idle_clients for r in reports),
                         sum(r.cpu_s for r in reports), usage.server_s if usage else float("nan"),
                         usage.ray_s if usage else float("nan"),
                         watch.threads if watch else Series(), watch.rss_bytes if watch else Series())
@@ -233,7 +240,8 @@ def print_phase(title: str, phase: PhaseReport) -> None:
           + (f"; sync step ms: p50 {_ms(phase.sync_times, 0.5)}, p99 {_ms(phase.sync_times, 0.99)}, "
              f"max {_ms(phase.sync_times, 1.0)}" if phase.layout.sync_workers else ""))
     errors = ", ".join(f"{n} {c}" for n, c in sorted(phase.errors.items())) or "none"
-    print(f"  errors: {errors}; clients still in a step {GRACE_S:.0f} s after the end: {phase.unfinished}")
+    print(f"  errors: {errors}; clients still in a step {GRACE_S:.0f} s after the end: {phase.unfinished}; "
+          f"clients without a step done: {phase.idle_clients}")
     for name, message in sorted(phase.first_error.items()):
         print(f"    first {name}: {message}")
     print(f"  CPU per step: server {phase.per_step_ms(phase.server_cpu_s):.1f} ms, ray daemons "

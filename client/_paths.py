@@ -357,7 +357,7 @@ class _Step:
                 return True
             return False
 
-        finished = handle.finish(on_response)  # StreamBroken: the reused call had ended, the step never started
+        finished = handle.finish(on_response)  # StreamBroken: the shard had ended the call, the step never started
         if not finished:
             raise InvalidArgumentError(f"shard {shard.address} ended the stream without `done`")
         if done[0].stream_closing:

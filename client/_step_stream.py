@@ -50,12 +50,15 @@ _FAILED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # a 
 # answer (its host gone) is ended then, still before the client's own deadline (a shard answers
 # ``_ANSWER_MARGIN_S`` = 1 s before it)
 PEER_DEADLINE_GRACE_S = 0.5
+# The details gRPC gives a call this process ended itself (``cancel()``; its channel closed)
+_LOCAL_CANCELS = ("Locally cancelled by application!", "Channel closed!")
 _local = threading.local()  # .group: the StepGroup of the attempt this thread works for
 _GOODBYE = data_pb2.PushPullRequest(goodbye=True)  # the call ends on purpose: this client is alive
 
 
 class StreamBroken(Exception):
-    """A reused call had already ended when a step was sent into it: the step did not start."""
+    """The shard had ended the call before it took the step (see :func:`_never_started`): the
+    step did not start there, and is safe to send again."""
 
 
 class StepGroup:
@@ -247,15 +250,18 @@ def _answered(call) -> bool:
 def _never_started(exc: grpc.RpcError, reused: bool) -> bool:
     """Whether a call's failure before any response means its step never reached the shard.
 
-    CANCELLED, on any call: a crowded shard ends a call it finds idle, a reused one between steps
-    or a fresh one whose step's first message had not come within its wait for new calls (a
-    loaded client), before the step's first message was taken. On a reused call also UNAVAILABLE
+    CANCELLED, on any call, unless this process cancelled it (its channel closed: ``Client.close``
+    during a step) or the shard answered with its own Cancelled (``ANSWERED_KEY``): a crowded shard
+    ends a call it finds idle, a reused one between steps or a fresh one whose step's first message
+    had not come within its wait for new calls (a loaded client), before the step's first message
+    was taken. (A shard stopping ends its calls the same way; a step it had taken is then resent
+    with its sequence and applied once.) On a reused call also UNAVAILABLE
     from the transport (a dropped connection; on a fresh call that is the retry policy's). An
     UNAVAILABLE the shard sent itself (``ANSWERED_KEY``: e.g. its disk had no room) answered this
     very step: sent again on a fresh call as the same try, it would vote in a vote of its own that
     the other shards, which answered the try already, never join."""
-    if exc.code() == grpc.StatusCode.CANCELLED:
-        return True
+    if exc.code() == grpc.StatusCode.CANCELLED:  # not this process's own cancel, nor the shard's Cancelled
+        return exc.details() not in _LOCAL_CANCELS and not _answered(exc)
     return reused and exc.code() == grpc.StatusCode.UNAVAILABLE and not _answered(exc)
 
 

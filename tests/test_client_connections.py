@@ -21,7 +21,8 @@ def test_three_clients_of_one_process_hold_three_connections_to_the_server(serve
     try:
         for client in clients:
             client.list_sessions()
-        assert len(_established_to(port) - before) == 3  # (others' connections may close meanwhile)
+        # one shared pool gives 0 or 1 new connections (others' may open or close meanwhile)
+        assert len(_established_to(port) - before) >= 3
     finally:
         for client in clients:
             client.close()

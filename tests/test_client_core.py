@@ -304,3 +304,10 @@ def test_a_fresh_call_the_crowded_shard_cancelled_before_answering_is_resent_as_
     # a fresh call's UNAVAILABLE is the retry policy's (the shard may be down), not resent at once
     with pytest.raises(grpc.RpcError):
         _step_on_a_fresh_call_ending(FailedCall(grpc.StatusCode.UNAVAILABLE, "connection refused"))
+    # a call this process ended itself (its Client closed mid-step) may have been taken: not resent
+    with pytest.raises(grpc.RpcError):
+        _step_on_a_fresh_call_ending(FailedCall(grpc.StatusCode.CANCELLED, "Channel closed!"))
+    # nor one the shard answered with its own Cancelled
+    with pytest.raises(grpc.RpcError):
+        _step_on_a_fresh_call_ending(FailedCall(grpc.StatusCode.CANCELLED, "the push's stream ended early",
+                                                trailing=((contract.ANSWERED_KEY, "1"),)))

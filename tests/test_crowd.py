@@ -31,6 +31,7 @@ def test_a_crowd_of_async_sessions_and_an_elastic_sync_session_steps_and_is_meas
     phase = crowd.run_phase(server.address, watch, layout, procs=2, mean_pause_s=0.05, sync_pause_s=0.05,
                             duration_s=4.0, idle_wait_s=0.0)
     assert phase.errors == {} and phase.unfinished == 0
-    assert len(phase.async_times) >= 6 and len(phase.sync_times) >= 2  # every client stepped
-    assert phase.server_cpu_s > 0 and phase.client_cpu_s > 0
+    assert phase.idle_clients == 0 and len(phase.sync_times) >= 2  # every client stepped, the sync ones too
+    assert len(phase.async_times) >= 6
+    # the watch found the shard actors below this process (its own CPU is the server's and pytest's)
     assert phase.threads.readings >= 2 and phase.threads.peak > 0 and phase.rss_bytes.peak > 0

@@ -143,8 +143,9 @@ def test_a_stopped_worker_is_dropped_when_its_lease_lapses_and_rejoins_after_sig
     params = make_params(22)
     owner = client.create_session(unique_name, params, SGD, num_workers=3, min_workers=1, lease_s=1.5)
     stop = str(tmp_path / "stop")  # the workers go on until this file exists: s2 is back before they end
+    workers: list[Worker] = []
     try:
-        workers = [Worker(server.address, unique_name, f"s{i}", stop, pace_s=0.03) for i in range(3)]
+        workers.extend(Worker(server.address, unique_name, f"s{i}", stop, pace_s=0.03) for i in range(3))
         _wait_for(lambda: len(workers[2].acked()) >= 3, 90, "three rounds of s2")
         workers[2].process.send_signal(signal.SIGSTOP)
         stopped_at = owner.status().version
@@ -162,6 +163,11 @@ def test_a_stopped_worker_is_dropped_when_its_lease_lapses_and_rejoins_after_sig
         assert any(r.version > stopped_at + 1 and "s2" not in r.participants for r in history)  # left out meanwhile
         assert owner.status().elastic.lease_expiries >= 1
     finally:
+        open(stop, "w").close()  # a wait that failed leaves no worker behind, stopped or running
+        for worker in workers:
+            if worker.process.poll() is None:
+                worker.process.send_signal(signal.SIGCONT)
+                worker.process.kill()
         owner.close()
 
 

@@ -41,8 +41,8 @@ class OpenStreams:
 
     Past ``limit`` open calls the table is *crowded*: a call ends after its current step
     (``StepDone.stream_closing``), and calls that wait idle for their next step are ended at once,
-    the longest idle first, down to ``limit`` (the client reopens: a reused call that ended before
-    its step started is retried). A sweeper thread (while any call is open) does this every
+    the longest idle first, down to ``limit`` (the client reopens: a call that ended before its
+    step started, reused or new, is retried). A sweeper thread (while any call is open) does this every
     ``period_s``, so a crowd of idle calls cannot hold the threads a new client needs. A call
     idle for less than ``min_idle_s`` is left alone (its step's first message is on its way), and
     a new call that has not served a step yet for less than ``new_idle_s`` (the SDK opens a call
