@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import multiprocessing
 import os
+import queue
 import random
 import statistics
 import threading
@@ -183,7 +184,7 @@ def run_phase(address: str, watch: Optional[ServerWatch], layout: Layout, procs:
         try:
             for process in processes:
                 process.start()
-            failures = [m for m in (ready.get(timeout=600) for _ in processes) if m != "ready"]
+            failures = [m for m in _gather(ready, processes, 600.0) if m != "ready"]
             if failures:
                 raise RuntimeError(f"crowd: {len(failures)} client process(es) could not set up: {failures[0]}")
             if watch is not None:
@@ -192,7 +193,7 @@ def run_phase(address: str, watch: Optional[ServerWatch], layout: Layout, procs:
                 watching = True
             started = time.perf_counter()
             go.set()
-            reports: list[ProcessResult] = [results.get(timeout=duration_s + GRACE_S + 120) for _ in processes]
+            reports: list[ProcessResult] = _gather(results, processes, duration_s + GRACE_S + 120)
             wall_s = time.perf_counter() - started
         finally:
             usage = watch.stop() if watching else None
@@ -221,6 +222,30 @@ def run_phase(address: str, watch: Optional[ServerWatch], layout: Layout, procs:
         time.sleep(idle_wait_s)
         phase.threads_after_idle = watch.sample()[0]
     return phase
+
+
+def _gather(answers, processes: list, timeout_s: float) -> list:
+    """One answer from each of ``processes`` off the ``answers`` queue, within ``timeout_s``.
+
+    Raises:
+      RuntimeError: a process ended with a failure (a crash, a kill) before all answered, or the
+        time ran out.
+    """
+    got: list = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < len(processes):
+        try:
+            got.append(answers.get(timeout=1.0))
+            continue
+        except queue.Empty:
+            pass
+        crashed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+        if crashed:
+            raise RuntimeError(f"crowd: a client process ended with exit code {crashed[0]} before answering")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"crowd: {len(processes) - len(got)} client process(es) did not answer "
+                               f"within {timeout_s:.0f} s")
+    return got
 
 
 def _ms(times: list[float], q: float) -> str:
