@@ -15,7 +15,7 @@ spread over ``--procs`` client processes, each client with its own ``Client`` an
 pausing uniformly so that together they offer the rate (sync workers pause 0-2x
 ``--sync-pause-s``: their step waits for their round). It prints each phase's step times
 (p50 / p99 / max), errors, clients still in a step 90 s after the end, the shards' threads
-(first, peak, last, and after an idle wait) and memory, the CPU split between clients and server,
+(first, peak, last, and after 30 s idle) and memory, the CPU split between clients and server,
 and the server's CPU per step at 1,032 clients against 64.
 """
 
@@ -37,6 +37,8 @@ import numpy as np
 
 from bench._crowd_clients import ADAM, GRACE_S, SHAPES, ClientPlan, ProcessPlan, ProcessResult, run_process
 from bench._crowd_watch import Series, ServerWatch
+
+IDLE_WAIT_S = 30.0  # after a phase, before the threads are counted again (a pool's idle threads end after 20 s)
 
 
 
@@ -164,7 +166,7 @@ def process_plans(address: str, layout: Layout, procs: int, mean_pause_s: float,
 
 
 def run_phase(address: str, watch: Optional[ServerWatch], layout: Layout, procs: int, mean_pause_s: float,
-              sync_pause_s: float, duration_s: float, seed: int = 0, idle_wait_s: float = 10.0) -> PhaseReport:
+              sync_pause_s: float, duration_s: float, seed: int = 0, idle_wait_s: float = IDLE_WAIT_S) -> PhaseReport:
     """Runs one crowd for ``duration_s`` from a common go, after every client attached."""
     from optserve.client import Client
 
@@ -213,7 +215,8 @@ def run_phase(address: str, watch: Optional[ServerWatch], layout: Layout, procs:
             errors[name] = errors.get(name, 0) + count
             first_error.setdefault(name, report.first_error[name])
     phase = PhaseReport(layout, mean_pause_s, wall_s, [t for r in reports for t in r.async_times],
-                        [t for r in reports for t in r.sync_times], errors, first_error, sum(r.unfinished for r in reports),
+                        [t for r in reports for t in r.sync_times], errors, first_error,
+                        sum(r.unfinished for r in reports),
                         sum(r.idle_clients for r in reports),
                         sum(r.cpu_s for r in reports), usage.server_s if usage else float("nan"),
                         usage.ray_s if usage else float("nan"),
@@ -273,7 +276,8 @@ def print_phase(title: str, phase: PhaseReport) -> None:
           f"{phase.per_step_ms(phase.ray_cpu_s):.1f} ms, clients {phase.per_step_ms(phase.client_cpu_s):.1f} ms")
     if phase.threads.readings:
         print(f"  shard threads: {phase.threads.first:.0f} at the start, peak {phase.threads.peak:.0f}, "
-              f"{phase.threads.last:.0f} at the end, {phase.threads_after_idle} after an idle wait; shard RSS "
+              f"{phase.threads.last:.0f} at the end, {phase.threads_after_idle} after {IDLE_WAIT_S:.0f} s idle; "
+              f"shard RSS "
               f"{phase.rss_bytes.first / 2**20:.0f} -> peak {phase.rss_bytes.peak / 2**20:.0f} MiB")
 
 
@@ -346,8 +350,8 @@ def _crowds(address: str, args) -> dict:
                            args.duration_s, seed=len(reports) + 1)
         print_phase(f"{name} at {args.load:g} of capacity", report)
         reports[name] = report
-        figures[name] = {"steps": report.steps, "p99_s": float(np.percentile(report.async_times, 99))
-                         if report.async_times else float("nan"), "max_s": max(report.async_times, default=float("nan")),
+        p99_s = float(np.percentile(report.async_times, 99)) if report.async_times else float("nan")
+        figures[name] = {"steps": report.steps, "p99_s": p99_s, "max_s": max(report.async_times, default=float("nan")),
                          "server_ms_per_step": report.per_step_ms(report.server_cpu_s), "errors": report.errors,
                          "unfinished": report.unfinished}
     if "small" in reports:

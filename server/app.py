@@ -34,6 +34,7 @@ from optserve.server.storage.dir_lock import DirLock
 from optserve.server.wire.control_servicer import ControlServicer, add_to_server as add_control_to_server
 from optserve.server.wire.limits import server_options
 from optserve.server.wire.security import ServerSecurity
+from optserve.server.wire.thread_pool import ShrinkingThreadPool
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +170,7 @@ def _start_coordinator(config: ServerConfig, fleet, teardown: contextlib.ExitSta
 def _serve_control(config: ServerConfig, security: ServerSecurity, coordinator: Coordinator,
                    teardown: contextlib.ExitStack) -> tuple[str, Health]:
     """The Control gRPC server, started; returns its "host:port" and its health service."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads),
+    server = grpc.server(ShrinkingThreadPool(config.grpc_threads, thread_name_prefix="optserve-control"),
                          options=contract.SERVER_OPTIONS + server_options(config.limits),
                          interceptors=security.interceptors(open_services=Health.OPEN_SERVICES))
     add_control_to_server(ControlServicer(coordinator, security.tokens), server)

@@ -14,7 +14,6 @@ import logging
 import os
 import signal
 import sys
-from concurrent import futures
 from typing import Optional, Sequence
 
 import grpc
@@ -40,6 +39,7 @@ from optserve.server.storage.ownership import ShardFence
 from optserve.server.wire.clock_service import ClockServer, PeerClock
 from optserve.server.wire.limits import server_options
 from optserve.server.wire.shard_servicer import add_to_server
+from optserve.server.wire.thread_pool import ShrinkingThreadPool
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class ShardActor:
         self._registry = ShardRegistry(recovering=recovering)
         self._security = security
         self._metrics = ShardMetrics(index, lambda: session_gauges(self._registry.sessions(), str(index)))
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads),
+        self._server = grpc.server(ShrinkingThreadPool(config.grpc_threads, thread_name_prefix="optserve-data"),
                                    options=contract.SERVER_OPTIONS + server_options(config.limits),
                                    interceptors=security.interceptors(open_services=Health.OPEN_SERVICES))
         self._health = Health(self._server, ("optserve.v1.ShardData",))

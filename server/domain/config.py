@@ -358,7 +358,8 @@ class ServerConfig:
         (:mod:`optserve.server.compute.preconditioner_pool`): how many, GPUs each, float64 roots.
       gpu_rehearsal: Ray reserves and assigns the GPUs asked for, and each actor's JAX runs on the
         CPU (``--rehearse-gpus``: a GPU deployment's placement checked where no GPU is).
-      grpc_threads: thread pool size of each gRPC server (threads start as calls need them, and stay). A
+      grpc_threads: thread pool size of each gRPC server (threads start as calls need them; those
+        past 8 end after 20 s without work: ``server/wire/thread_pool.py``). A
         shard keeps at most half of them for open PushPull calls (idle ones are ended past that).
         A call that finds every thread taken waits, unseen, in gRPC's queue, and a step whose
         part on one shard waits there holds its part on the other shards in their vote: with too

@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-from concurrent import futures
 from typing import Callable, Optional
 
 import grpc
@@ -36,6 +35,7 @@ from optserve.server.domain.errors import (FailedPrecondition, FutureBase, Inval
                                            PeerRefused, Stale, Timeout, Unavailable)
 from optserve.server.wire.errors import add_unary_service, grpc_errors
 from optserve.server.wire.security import InternalSecretInterceptor, InternalTrust
+from optserve.server.wire.thread_pool import ShrinkingThreadPool
 
 _THREADS = 256  # one per vote or sum waiting for its peers
 _IN_FLIGHT: set = set()  # refusing votes sent without waiting, held until they end
@@ -170,7 +170,7 @@ class ClockServer:
     def __init__(self, host: str, advertised_host: str, trust: InternalTrust, port: int = 0):
         self._clocks: dict[str, HomeClock] = {}
         self._lock = threading.Lock()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="optserve-clock"),
+        self._server = grpc.server(ShrinkingThreadPool(_THREADS, thread_name_prefix="optserve-clock"),
                                    interceptors=[InternalSecretInterceptor(trust.secret)],
                                    options=contract.SERVER_OPTIONS)  # peers on other hosts ping (keepalive)
         _add_to_server(_ClockServicer(self._clock), self._server)
