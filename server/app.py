@@ -74,7 +74,8 @@ def start_server(config: ServerConfig) -> RunningServer:
       InvalidArgument: a TLS or token file cannot be read (naming the flag), before anything starts.
       DirectoryLocked: another live server holds ``--checkpoint-dir`` (naming its pid and host).
       StartError: a port cannot be listened on, the Ray cluster to join does not answer, or a shard
-        on another machine than this one would advertise a loopback address (no --shard-host).
+        placed on another machine than this one could not serve there: it would advertise a
+        loopback address or listen on another machine's (``shard_fleet.shard_host_refusal``).
       Any other error starting a part: what was started is stopped first.
     """
     security = ServerSecurity.from_config(config)
@@ -134,14 +135,10 @@ def _start_precond_pool(config: ServerConfig, teardown: contextlib.ExitStack) ->
 def _start_fleet(config: ServerConfig, security: ServerSecurity, pool: Optional[PreconditionerPool],
                  teardown: contextlib.ExitStack):
     """The shard actors, started (stopped at teardown)."""
-    from optserve.server.shard_fleet import loopback_elsewhere, start_shards
+    from optserve.server.shard_fleet import start_shards
 
     fleet = start_shards(config, security, pool)
     teardown.callback(fleet.stop)
-    unreachable = loopback_elsewhere(fleet)
-    if unreachable:
-        raise StartError(f"{unreachable[0]}: no client on another machine reaches it (--shard-host defaults to "
-                         f"--host {config.host}); give --shard-host 0.0.0.0 so each shard advertises its node's address")
     return fleet
 
 

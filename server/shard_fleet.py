@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import ipaddress
 import logging
 import os
 import time
@@ -29,6 +30,7 @@ from optserve.server.domain.config import ServerConfig, is_loopback
 from optserve.server.domain.errors import unwrap, InvalidArgument, OptservError, ResourceExhausted, Unavailable
 from optserve.server.domain.sessions import ShardOpening, ShardSummary
 from optserve.server.domain.shard import ShardSessionStatus
+from optserve.server.preflight import StartError
 from optserve.server.shard_actor import ShardActor, shard_device_request
 from optserve.server.storage.ownership import claim_shard
 
@@ -199,15 +201,44 @@ class RayShardFleet:
         return out
 
 
-def loopback_elsewhere(fleet: RayShardFleet) -> list[str]:
-    """The shards that run on another machine than this process yet advertise a loopback
-    address (no client anywhere but on their own machine reaches them), each as "shard I on node
-    IP advertises ADDRESS"."""
-    here = ray.util.get_node_ip_address()
-    node_ips = ray.get([actor.node_ip.remote() for actor in fleet.actors])
-    return [f"shard {index} on node {ip} advertises {address}"
-            for index, (address, ip) in enumerate(zip(fleet.addresses, node_ips))
-            if ip != here and is_loopback(address.rsplit(":", 1)[0].strip("[]"))]
+def shard_host_refusal(config: ServerConfig, here: str, node_ips: Sequence[str]) -> Optional[str]:
+    """Why shards placed on ``node_ips`` (shard i on ``node_ips[i]``) would serve no client, in one
+    line naming the shard, its node and ``--shard-host``; None when they can all serve.
+
+    A shard listens on ``config.data_host`` on its own node. On a node other than this process's
+    (``here``) a loopback address reaches no client elsewhere, and an IP address other than the
+    node's own cannot be listened on (``--host 10.0.0.1`` on the head, without ``--shard-host``).
+    Any interface (``0.0.0.0``) and host names are left alone; so is every shard on this node,
+    which is what a single-machine server (one node, or several sharing an address) has.
+    """
+    host = config.data_host
+    given = f"--shard-host {host}" if config.shard_host else f"--host {host}, which --shard-host defaults to"
+    fix = "give --shard-host 0.0.0.0 so each shard listens on its node and advertises the node's address"
+    for index, ip in enumerate(node_ips):
+        if ip == here or not ip:  # "": a bundle not placed (yet)
+            continue
+        if is_loopback(host):
+            return (f"shard {index} on node {ip} would advertise {host} ({given}), which no client on another "
+                    f"machine reaches: {fix}")
+        if _specific_ip(host) not in (None, ip):
+            return f"shard {index} on node {ip} cannot listen on {host} ({given}), another machine's address: {fix}"
+    return None
+
+
+def _specific_ip(host: str) -> Optional[str]:
+    """``host`` as an IP address ("[::1]" as "::1"); None for a host name or any interface."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    return None if address.is_unspecified else str(address)
+
+
+def _bundle_node_ips(group) -> list[str]:
+    """The IP address of the node each bundle of the placement group ``group`` is on ("": none)."""
+    ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+    bundles = ray.util.placement_group_table(group)["bundles_to_node_id"]
+    return [ips.get(bundles[index], "") for index in sorted(bundles)]
 
 
 def _port(address: str) -> int:
@@ -350,6 +381,11 @@ def start_shards(config: ServerConfig, security, precond_pool=None) -> RayShardF
     outlive a coordinator that crashes, and the next coordinator with the same checkpoint folder
     re-attaches to them (``fleet.reattached`` lists the shards it found alive, which keep their
     sessions in memory and their security; the others are started anew and restore theirs).
+
+    Raises:
+      StartError: once the bundles are placed and before any shard starts, a shard on another
+        machine than this one could not serve there (:func:`shard_host_refusal`); a group this
+        call reserved is removed.
     """
     detached = config.durability is not None and config.ray_address != "local"
     group_name, actor_names = detached_names(config) if detached else (None, None)
@@ -362,6 +398,11 @@ def start_shards(config: ServerConfig, security, precond_pool=None) -> RayShardF
     else:
         group = _spread_placement_group(config, **({"name": group_name, "lifetime": "detached"} if detached else {}))
         alive = [None] * config.shards
+    refusal = shard_host_refusal(config, ray.util.get_node_ip_address(), _bundle_node_ips(group))
+    if refusal is not None:  # before any shard starts; a group a previous coordinator left stays
+        if found is None:
+            remove_placement_group(group)
+        raise StartError(refusal)
     # GPUs: the actor's JAX sees (only) those Ray assigned it, within the memory budget of its share
     options = {"num_cpus": 0, "max_concurrency": 16, **shard_device_request(config).ray_options()}
     cls = ray.remote(ShardActor)

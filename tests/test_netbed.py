@@ -70,19 +70,25 @@ def test_shards_spread_over_the_ray_nodes_and_advertise_their_hosts_address(bed,
     assert len({s["node_id"] for s in shards}) == 2 and all(s["node_id"] for s in shards), shards
 
 
-def test_a_server_whose_shards_on_other_hosts_would_advertise_loopback_refuses_to_start(bed, cluster):
+@pytest.mark.parametrize("host", [None, "h1"])
+def test_a_server_whose_shards_on_other_hosts_could_not_serve_there_refuses_to_start(bed, cluster, host):
     """``optserve serve --ray-address HEAD`` on h1 without ``--shard-host``: its shards land on h2
-    and h3 (the head has no CPU for them) and would advertise 127.0.0.1, which no client on another
-    host reaches. It exits 2 with one line naming the shard and ``--shard-host``, and leaves no
-    shard behind (the running server's two are all the cluster holds)."""
+    and h3 (the head has no CPU for them), and ``--shard-host`` defaults to ``--host``. Without
+    ``--host`` they would advertise 127.0.0.1, which no client on another host reaches; with
+    ``--host`` h1's address (docs/operating.md's command less ``--shard-host``) they could not
+    listen on it. It exits 2 with one line naming the shard, its node and ``--shard-host``, and
+    leaves no shard behind (the running server's two are all the cluster holds)."""
     docs_head = cluster.node_argv[cluster.node_argv.index("--address") + 1]  # the docs' address: h1's port
     head = f"{bed.hosts['h1'].address}:{docs_head.rsplit(':', 1)[1]}"
-    run = bed.hosts["h1"].spawn("serve-loopback", [sys.executable, "-m", "optserve.server.cli", "serve", "--port",
-                                                   "0", "--shards", "2", "--ray-address", head])
+    on_host = ["--host", bed.hosts[host].address, "--insecure"] if host else []
+    argv = [sys.executable, "-m", "optserve.server.cli", "serve", "--port", "0", "--shards", "2", "--ray-address", head]
+    run = bed.hosts["h1"].spawn(f"serve-on-{host or 'loopback'}", [*argv, *on_host])
     assert run.process.wait(timeout=180) == 2, run.output()[-3000:]
     said = [line for line in run.output().splitlines() if line.startswith("optserve serve:")]
     assert len(said) == 1, run.output()[-3000:]
-    assert "advertises 127.0.0.1:" in said[0] and "give --shard-host 0.0.0.0" in said[0], said
+    wrong = (f"cannot listen on {bed.hosts[host].address} (--host {bed.hosts[host].address}, which --shard-host "
+             "defaults to)") if host else "would advertise 127.0.0.1 (--host 127.0.0.1, which --shard-host defaults to)"
+    assert wrong in said[0] and "give --shard-host 0.0.0.0" in said[0], said
     assert any(f"on node {bed.hosts[h].address} " in said[0] for h in ("h2", "h3")), said
     script = ("import json, ray; ray.init(address=%r, log_to_driver=False, include_dashboard=False); print('GROUPS', "
               "json.dumps([g['state'] for g in ray.util.placement_group_table().values()]))" % head)
