@@ -14,10 +14,12 @@ What it proves, per session (:class:`SessionRun`):
 - no push was applied that its client was told was refused (a definitive refusal: INVALID_ARGUMENT,
   ABORTED, ...; UNAVAILABLE, DEADLINE_EXCEEDED and a killed client's call may go either way), and
   none that no client of the run sent (a rogue's push, or an SDK numbering pushes differently);
-- the final parameters equal an in-process replay of the history within ``tolerance``: each push's
-  gradient is rebuilt from its name alone (:func:`push_gradient`), a sync round's update runs on
-  ``sum(scales[i] * g_i) / len(participants)``, an async push's on its gradient with the step
-  scaled by ``scales[0]``, with the registry's kernel as a shard runs it;
+- the final parameters equal an in-process replay of the history (:func:`replay`) within the
+  rounding allowance of :func:`replay_tolerance`: each push's gradient is rebuilt from its name
+  alone (:func:`push_gradient`), a sync round's update runs on ``sum(scales[i] * g_i) /
+  len(participants)`` summed in the record's (ticket) order, an async push's on its gradient with
+  the step scaled by ``scales[0]``, with the registry's kernel as the session's shards run it (one
+  jitted step per shard over the tensors it holds, :attr:`SessionRun.shards`);
 
 and, over all calls (:class:`CallRecord`): every call ended with a documented status (no INTERNAL,
 no UNKNOWN, no exception of another kind), a rogue's garbage was refused with the status the docs
@@ -53,7 +55,8 @@ DOCUMENTED = frozenset({"ok", "late", "CANCELLED", "INVALID_ARGUMENT", "DEADLINE
 # every other documented refusal says the push was applied nowhere (docs/api.md).
 AMBIGUOUS = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "DATA_LOSS", ""})
 REFUSED = DOCUMENTED - AMBIGUOUS - {"ok"}
-DEFAULT_TOLERANCE = 1e-6
+DEFAULT_TOLERANCE = 1e-6  # the replay's absolute allowance: the floor of replay_tolerance
+ROUNDING_ULPS = 1.0  # replay_tolerance: float32 spacings of the parameters' magnitude per sqrt(version)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +115,9 @@ class FaultRecord:
 @dataclasses.dataclass
 class SessionRun:
     """What a session is checked against: its optimizer and initial parameters, its version and
-    parameters at the end (pulled once every client stopped), and its history (every version, as
-    followed during the run: see :class:`HistoryFollower`)."""
+    parameters at the end (pulled once every client stopped), its history (every version, as
+    followed during the run: see :class:`HistoryFollower`) and its shard map at the end
+    (``shards``, :func:`shard_map`: the replay steps each shard's tensors together, as it does)."""
 
     name: str
     mode: str  # "sync" (plain or elastic) or "async"
@@ -124,6 +128,13 @@ class SessionRun:
     history: Sequence
     history_conflicts: tuple[str, ...] = ()
     rollbacks: tuple[str, ...] = ()  # versions decided afresh after a restore (HistoryFollower.rollbacks)
+    shards: tuple[tuple[str, ...], ...] = ()  # the tensors each shard holds, in shard order (): one shard
+
+
+def shard_map(status) -> tuple[tuple[str, ...], ...]:
+    """:attr:`SessionRun.shards` from a ``SessionStatus`` (``Client.session_status``): the tensors of
+    each shard that holds some, in shard-index order."""
+    return tuple(tuple(s.tensors) for s in sorted(status.shards, key=lambda s: s.index) if s.tensors)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,7 +285,7 @@ class SessionCheck:
     rollbacks: tuple = ()
     replay_max_diff: float = math.inf
     replay_error: str = ""
-    tolerance: float = DEFAULT_TOLERANCE
+    tolerance: float = DEFAULT_TOLERANCE  # the allowance the replay was held to (replay_tolerance)
 
     @property
     def replay_ok(self) -> bool:
@@ -289,8 +300,8 @@ class SessionCheck:
             ("refused but applied", self.refused_but_applied), ("applied pushes no client sent", self.foreign),
             ("malformed records", self.malformed), ("history rewritten", self.history_conflicts)) if items]
         if not self.replay_ok:
-            out.append(f"{self.name}: replay differs from the served parameters: "
-                       f"{self.replay_error or f'max |diff| {self.replay_max_diff:.3g} > {self.tolerance:g}'}")
+            why = self.replay_error or f"max |diff| {self.replay_max_diff:.3g} > allowance {self.tolerance:.3g}"
+            out.append(f"{self.name}: replay differs from the served parameters: {why}")
         return out
 
 
@@ -334,6 +345,7 @@ def check(sessions: Sequence[SessionRun], calls: Sequence[CallRecord], faults: S
           grace_s: float = 5.0, run_ended: Optional[float] = None) -> CheckReport:
     """Checks ``sessions`` against the ``calls`` the clients logged and the ``faults`` injected.
 
+    ``tolerance``: the replay's absolute allowance, the floor of :func:`replay_tolerance`;
     ``grace_s``: how far past its ``deadline_s`` a call may end before it counts as a hang;
     ``run_ended``: unix seconds the run stopped (unrecovered unavailability is measured to it).
     """
@@ -363,7 +375,8 @@ def check(sessions: Sequence[SessionRun], calls: Sequence[CallRecord], faults: S
 
 
 def check_session(run: SessionRun, calls: Sequence[CallRecord], tolerance: float = DEFAULT_TOLERANCE) -> SessionCheck:
-    """The checks of one session against its workers' push ``calls`` (see the module docstring)."""
+    """The checks of one session against its workers' push ``calls`` (see the module docstring);
+    ``tolerance``: the floor of the replay's allowance (:func:`replay_tolerance`)."""
     records = [r for r in run.history if isinstance(r, RoundRecord)]
     malformed, applied = [], collections.defaultdict(list)
     for record in records:
@@ -390,7 +403,7 @@ def check_session(run: SessionRun, calls: Sequence[CallRecord], tolerance: float
     refused = tuple((name, by_name[name].outcome) for name in applied
                     if name in by_name and by_name[name].ended is not None and by_name[name].outcome in REFUSED)
     foreign = tuple(name for name in applied if name not in by_name)
-    diff, error = replay_difference(run, records, tolerance)
+    diff, error, allowed = replay_difference(run, records, tolerance)
     return SessionCheck(
         name=run.name, mode=run.mode, version=run.version, pushes_applied=sum(len(v) for v in applied.values()),
         acked=len(acked), applied_unacked=sum(1 for name in applied if name not in by_name or
@@ -398,7 +411,8 @@ def check_session(run: SessionRun, calls: Sequence[CallRecord], tolerance: float
         lost=lost, duplicated=tuple(name for name, versions in applied.items() if len(versions) > 1),
         skipped_versions=skipped, repeated_versions=repeated, beyond_version=beyond, version_mismatches=mismatched,
         refused_but_applied=refused, foreign=foreign, malformed=tuple(malformed),
-        history_conflicts=tuple(run.history_conflicts), rollbacks=tuple(run.rollbacks), replay_max_diff=diff, replay_error=error, tolerance=tolerance)
+        history_conflicts=tuple(run.history_conflicts), rollbacks=tuple(run.rollbacks), replay_max_diff=diff,
+        replay_error=error, tolerance=allowed)
 
 
 def _acked_at(mode: str, acked: Optional[int], applied_at: int) -> bool:
@@ -411,32 +425,76 @@ def _acked_at(mode: str, acked: Optional[int], applied_at: int) -> bool:
 
 # ----------------------------------------------------------------------------- the replay
 
-def replay_difference(run: SessionRun, records: Sequence[RoundRecord], tolerance: float) -> tuple[float, str]:
-    """(max |final - replay|, "") or (inf, why the replay could not run)."""
+def replay_tolerance(floor: float, magnitude: float, versions: int) -> float:
+    """The largest ``max |final - replay|`` float32 rounding explains after ``versions`` replayed
+    steps of parameters at most ``magnitude`` in absolute value (over the initial, final and
+    replayed ones): ``max(floor, ROUNDING_ULPS * spacing(float32(magnitude)) * sqrt(versions))``.
+
+    The rule: :func:`replay` reproduces the server's arithmetic (the same scaled sum in the same
+    order and the same division, one jitted step per shard over the tensors it holds, a cross-shard
+    statistic summed in shard order in double), and then equals the served parameters bit for
+    bit. Where it does not (a shard map that a restore changed mid-run, a shard of more than
+    ``CHUNK_TENSORS`` tensors stepped chunk by chunk), XLA compiles the same formulas into other
+    programs, which round differently in the last bit now and then: one program over the whole
+    tree against the soak's two shards differs in 8 of 192 entries by one spacing after one Adam
+    step. A step's update does not depend on the last bits of the parameters, so a difference
+    stays as it is until another step rounds differently, which moves it by at most a spacing of
+    the parameter's magnitude, either way: a random walk, about ``sqrt(versions)`` spacings (over
+    12,120 Adam steps, |p| <= 4.8: 9.5e-7, 2 spacings; the allowance there is 5.2e-5).
+
+    Anything else moves a parameter by about a step's size: a push dropped, applied twice or
+    with a wrong scale at version 500 of an Adam history of 1,000 versions (learning rate 0.01)
+    leaves the parameters 9e-3 to 3e-2 off, against an allowance of 7.5e-6 there
+    (tests/test_checker.py); and a short run is held to ``floor`` (``DEFAULT_TOLERANCE``, 1e-6:
+    the allowance for the first 70 versions of parameters below 2 in magnitude, 280 below 1).
+    Non-finite parameters get ``floor``.
+    """
+    if not math.isfinite(magnitude):
+        return floor
+    rounding = ROUNDING_ULPS * float(np.spacing(np.float32(magnitude))) * math.sqrt(max(versions, 0))
+    return max(floor, rounding)
+
+
+def replay_difference(run: SessionRun, records: Sequence[RoundRecord], tolerance: float) -> tuple[float, str, float]:
+    """(max |final - replay|, "", the allowance :func:`replay_tolerance` gives it with floor
+    ``tolerance``), or (inf, why the replay could not run, ``tolerance``)."""
     if any(isinstance(r, HyperparamChange) for r in run.history):
-        return math.inf, "the history has hyperparameter changes (the replay does not model them)"
+        return math.inf, "the history has hyperparameter changes (the replay does not model them)", tolerance
     try:
-        replayed = replay(run.optimizer, run.initial, sorted(records, key=lambda r: r.version), run.mode)
+        replayed = replay(run.optimizer, run.initial, sorted(records, key=lambda r: r.version), run.mode, run.shards)
     except (ValueError, KeyError) as error:
-        return math.inf, f"{type(error).__name__}: {error}"
+        return math.inf, f"{type(error).__name__}: {error}", tolerance
     if set(replayed) != set(run.final):
-        return math.inf, f"tensors differ: {sorted(replayed)} vs {sorted(run.final)}"
-    return max(float(np.max(np.abs(np.asarray(run.final[n], np.float64) - replayed[n].astype(np.float64)),
-                         initial=0.0)) for n in replayed), ""
+        return math.inf, f"tensors differ: {sorted(replayed)} vs {sorted(run.final)}", tolerance
+    diff = max((float(np.max(np.abs(np.asarray(run.final[n], np.float64) - replayed[n].astype(np.float64)),
+                             initial=0.0)) for n in replayed), default=0.0)
+    magnitude = max((float(np.max(np.abs(np.asarray(t, np.float64)), initial=0.0))
+                     for tree in (run.initial, run.final, replayed) for t in tree.values()), default=0.0)
+    return diff, "", replay_tolerance(tolerance, magnitude, len(records))
 
 
 def replay(optimizer: Mapping, initial: Mapping[str, np.ndarray], records: Sequence[RoundRecord],
-           mode: str) -> dict[str, np.ndarray]:
+           mode: str, shards: Sequence[Sequence[str]] = ()) -> dict[str, np.ndarray]:
     """The parameters ``records`` make from ``initial``, with the registry's kernel run in this
-    process as a shard runs it (the whole pytree, one step per record)."""
+    process as the session's shards run it: one jitted step per shard over the tensors it holds
+    (``shards``: :attr:`SessionRun.shards`; empty: one shard of every tensor), so XLA compiles
+    the programs a shard runs; a cross-shard statistic is the shards' parts summed in shard order
+    in double precision, then rounded to float32 (as the home clock's sum and the updater take
+    it); a sync round's mean is ``sum(scales[i] * g_i)`` in the record's order (the order its
+    pushes' tickets applied) divided by the count, in float32 (as a shard's apply queue sums it).
+
+    Raises:
+      ValueError: ``shards`` does not name every tensor of ``initial`` exactly once.
+    """
     import jax
 
     from optserve.optim_kernels import build_optimizer
     from optserve.server.compute.updater import step_function
 
     built = build_optimizer(optimizer["name"], dict(optimizer.get("args", {})))
-    params = {k: jax.numpy.asarray(v) for k, v in initial.items()}
-    state = built.transformation.init(params)
+    groups = _shard_groups(shards, initial)
+    params = [{n: jax.numpy.asarray(initial[n]) for n in names} for names in groups]
+    states = [built.transformation.init(p) for p in params]
     step = jax.jit(step_function(built))
     partial = jax.jit(built.partial_statistic) if built.partial_statistic is not None else None
     shapes = {n: tuple(np.shape(v)) for n, v in initial.items()}
@@ -449,9 +507,24 @@ def replay(optimizer: Mapping, initial: Mapping[str, np.ndarray], records: Seque
             update = {n: sum(np.float32(p.scale) * g[n] for p, g in zip(pushes, grads)) / np.float32(len(grads))
                       for n in shapes}
             scale = np.float32(1.0)
-        total = partial(update, state, params) if partial is not None else np.float32(0.0)
-        params, state = step(params, state, update, scale, np.float32(total), built.hyperparams)
-    return {k: np.asarray(v) for k, v in params.items()}
+        total = 0.0
+        if partial is not None:
+            for p, s in zip(params, states):
+                total += float(partial({n: update[n] for n in p}, s, p))
+        for i, (p, s) in enumerate(zip(params, states)):
+            params[i], states[i] = step(p, s, {n: update[n] for n in p}, scale, np.float32(total), built.hyperparams)
+    return {n: np.asarray(v) for p in params for n, v in p.items()}
+
+
+def _shard_groups(shards: Sequence[Sequence[str]], initial: Mapping[str, np.ndarray]) -> list[tuple[str, ...]]:
+    """The tensors each shard steps (``shards`` without empty shards; empty: every tensor in one)."""
+    if not shards:
+        return [tuple(initial)]
+    named = [n for group in shards for n in group]
+    if sorted(named) != sorted(initial):
+        raise ValueError(f"the shard map {[list(g) for g in shards]} does not name each of the tensors "
+                         f"{sorted(initial)} exactly once")
+    return [tuple(group) for group in shards if group]
 
 
 # ----------------------------------------------------------------------------- the printer

@@ -59,7 +59,7 @@ from bench._nemesis_rogue import Rogue
 from bench._nemesis_schedule import KINDS, PlannedFault, plan
 from bench._nemesis_server import NemesisServer
 from bench._nemesis_workers import Slot, Workers, load_calls
-from bench.checker import CheckReport, FaultRecord, HistoryFollower, SessionRun, check, print_report
+from bench.checker import CheckReport, FaultRecord, HistoryFollower, SessionRun, check, print_report, shard_map
 
 SHAPES = {"w": (16, 12), "b": (12,), "v": (40,)}
 MAX_SESSION_BYTES = 1 << 20  # the rogue's oversize session passes it
@@ -232,12 +232,13 @@ class Nemesis:
                 follower.add(session.history(since=follower.since))
                 follower.settle(session.history(since=0))  # the home shard's word on every version it holds
                 final = session.pull()
-                version = client.session_status(p.name).version
+                status = client.session_status(p.name)
+                version = status.version
                 if session.version != version:
                     follower.conflicts.append(f"pulled version {session.version} != status version {version}")
                 runs.append(SessionRun(p.name, p.mode, p.optimizer, initial_params(self.o.seed, p.name), final,
                                        version, list(follower.records), tuple(follower.conflicts),
-                                       tuple(follower.rollbacks)))
+                                       tuple(follower.rollbacks), shard_map(status)))
                 session.detach()
         return runs
 

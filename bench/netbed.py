@@ -188,7 +188,7 @@ def initial_params():
 
 def drive(address: str, name: str, folder: str, timeout_s: float, shared_memory: bool = False) -> None:
     """The driver of a :class:`Workload` (runs on its host)."""
-    from bench.checker import HistoryFollower, SessionRun
+    from bench.checker import HistoryFollower, SessionRun, shard_map
     from optserve.client import Client
 
     client = Client(address, timeout=timeout_s)
@@ -209,12 +209,12 @@ def drive(address: str, name: str, folder: str, timeout_s: float, shared_memory:
     follower.add(session.history(since=follower.since))
     follower.settle(session.history(since=0))
     final = session.pull()
-    version = client.session_status(name).version
-    run = SessionRun(name, "sync", ADAM, initial_params(), final, version, list(follower.records),
-                     tuple(follower.conflicts), tuple(follower.rollbacks))
+    status = client.session_status(name)
+    run = SessionRun(name, "sync", ADAM, initial_params(), final, status.version, list(follower.records),
+                     tuple(follower.conflicts), tuple(follower.rollbacks), shard_map(status))
     with open(os.path.join(folder, "run.pkl"), "wb") as f:
         pickle.dump(run, f)
-    print("final", version, flush=True)
+    print("final", status.version, flush=True)
     client.close()
 
 

@@ -2,7 +2,9 @@
 from RoundRecord objects, the clients' call records, and final parameters computed by hand (SGD:
 ``p - lr * update``, so the expected values need no kernel); a correct run passes, and a lost
 step, a duplicate, a skipped or repeated version, a wrong parameter, a refused push that was
-applied, an undocumented status and a hang are each caught."""
+applied, an undocumented status and a hang are each caught. The replay's own arithmetic is pinned
+against a shard's apply queue and updater run in this process (bit for bit), and its rounding
+allowance against long Adam histories: rounding passes, a push applied wrongly does not."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import io
 import numpy as np
 import pytest
 
-from bench.checker import (CallRecord, FaultRecord, HistoryFollower, RoundRecord, SessionRun, check,
-                           gradient_seed, print_report, push_gradient, unavailability)
+from bench.checker import (DEFAULT_TOLERANCE, CallRecord, FaultRecord, HistoryFollower, RoundRecord, SessionRun,
+                           check, gradient_seed, print_report, push_gradient, replay, replay_tolerance,
+                           unavailability)
 from tests._service_helpers import InProcess, max_abs_diff
 
 LR = 0.1
@@ -139,6 +142,112 @@ def test_a_wrong_parameter_is_caught_by_the_replay():
     assert not session.replay_ok and 9e-5 < session.replay_max_diff < 2e-4
     assert session.lost == () and session.duplicated == ()
     assert any("replay differs" in p for p in report.problems())
+
+
+ADAM = {"name": "adam", "args": {"learning_rate": 0.01}}  # the soak's sync session
+SOAK_SHAPES = {"w": (16, 12), "b": (12,), "v": (40,)}  # bench.nemesis.SHAPES
+SOAK_SHARDS = (("w",), ("b", "v"))  # how its two shards hold them
+
+
+def soak_initial() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(5)
+    return {n: rng.standard_normal(s).astype(np.float32) for n, s in SOAK_SHAPES.items()}
+
+
+def test_the_replay_reproduces_the_shards_arithmetic_bit_for_bit():
+    """Three pushes a round (their sum's order matters), one of them scaled as a late gradient is,
+    summed by each shard's apply queue and stepped by its updater: the replay over the same shard
+    map gives the very same floats."""
+    from optserve.optim_kernels import build_optimizer
+    from optserve.server.compute.updater import Updater
+    from optserve.server.domain.clock import Ticket
+    from optserve.server.domain.config import DType, Mode, SessionConfig, TensorSpec
+    from optserve.server.domain.shard.apply_queue import ApplyQueue
+
+    init, clients = soak_initial(), ("a/0001", "b/0002", "c/0003")
+    config = SessionConfig("soak", tuple(TensorSpec(n, DType.FLOAT32, s) for n, s in SOAK_SHAPES.items()), "adam",
+                           ADAM["args"], Mode.SYNC, num_workers=3)
+    shards = []
+    for names in SOAK_SHARDS:
+        updater = Updater(build_optimizer("adam", dict(ADAM["args"])),
+                          param_specs={n: (SOAK_SHAPES[n], np.float32) for n in names})
+        updater.initialize({n: init[n].copy() for n in names})
+        shards.append((names, ApplyQueue(config, len(shards), 30.0), updater))
+    records, ordinal = [], 0
+    for version in range(1, 151):
+        scales = (1.0, 0.5 if version % 3 == 0 else 1.0, 1.0)
+        for i, client in enumerate(clients):
+            ticket = Ticket(ordinal, client, version, 0, scales[i], i == len(clients) - 1, version)
+            ordinal += 1
+            grads = push_gradient(SOAK_SHAPES, client, version)
+            for names, queue, updater in shards:
+                queue.add({n: grads[n] for n in names}, ticket)
+                closed = queue.hold_or_close(ticket)
+                if closed is not None:
+                    updater.apply(closed[0], 1.0, lambda partial: partial)
+        records.append(sync_record(version, [(c, version) for c in clients], scales))
+    served = {n: np.asarray(updater.host_params()[n]) for names, _, updater in shards for n in names}
+    replayed = replay(ADAM, init, records, "sync", SOAK_SHARDS)
+    for n in SOAK_SHAPES:
+        assert np.array_equal(served[n], replayed[n]), (n, max_abs_diff(served, replayed))
+
+
+def adam_run(records, final) -> SessionRun:
+    return SessionRun("s", "sync", ADAM, soak_initial(), final, len(records), records, shards=SOAK_SHARDS)
+
+
+LONG = [sync_record(v, [(A, v), (B, v)]) for v in range(1, 1001)]
+LONG_CALLS = [push_call(c, v, version=v) for v in range(1, 1001) for c in (A, B)]
+
+
+@pytest.fixture(scope="module")
+def long_replay() -> dict[str, np.ndarray]:
+    return replay(ADAM, soak_initial(), LONG, "sync", SOAK_SHARDS)
+
+
+def test_a_long_history_served_a_few_float32_spacings_off_the_replay_passes(long_replay):
+    """1,000 Adam versions, the served parameters ten float32 spacings off the replay each (the
+    rounding of another XLA program; over the 1e-6 floor): within the allowance."""
+    sign = np.random.default_rng(0)
+    rounded = {n: v + (sign.choice([-10, 10], v.shape) * np.spacing(v)).astype(np.float32)
+               for n, v in long_replay.items()}
+    report = check([adam_run(LONG, rounded)], LONG_CALLS)
+    (session,) = report.sessions
+    assert DEFAULT_TOLERANCE < session.replay_max_diff <= session.tolerance < 2e-5 and report.clean
+
+
+@pytest.mark.parametrize("served_round", [
+    sync_record(500, [(A, 500), (B, 500)], (1.0, 2.0)),  # B's push applied with the wrong scale
+    sync_record(500, [(A, 500)]),  # B's push dropped from the update
+    sync_record(500, [(A, 500), (B, 500), (B, 500)]),  # B's push applied twice
+], ids=["wrong_scale", "dropped", "applied_twice"])
+def test_a_push_applied_wrongly_in_a_long_history_is_flagged_far_past_the_allowance(long_replay, served_round):
+    """1,000 Adam versions whose history says version 500 applied A's and B's pushes, while the
+    served parameters had B's applied with a wrong scale, dropped or applied twice."""
+    served = replay(ADAM, soak_initial(), LONG[:499] + [served_round] + LONG[500:], "sync", SOAK_SHARDS)
+    report = check([adam_run(LONG, served)], LONG_CALLS)
+    (session,) = report.sessions
+    assert not session.replay_ok and session.replay_max_diff > 100 * session.tolerance
+    assert any("replay differs" in p for p in report.problems())
+    assert max_abs_diff(served, long_replay) == session.replay_max_diff
+
+
+def test_the_rounding_allowance_is_the_floor_for_short_runs_and_grows_with_magnitude_and_versions():
+    assert replay_tolerance(1e-6, 3.0, 3) == 1e-6
+    assert replay_tolerance(1e-6, 4.8, 12_120) == pytest.approx(float(np.spacing(np.float32(4.8))) * 12_120 ** 0.5)
+    assert replay_tolerance(1e-6, 4.8, 12_120) > 1.19e-6  # the soak's sync session, a whole-tree replay
+    assert replay_tolerance(1e-6, 1000.0, 1) == pytest.approx(float(np.spacing(np.float32(1000.0))))
+    assert replay_tolerance(1e-6, float("inf"), 10) == 1e-6
+
+
+def test_a_shard_map_that_does_not_name_every_tensor_once_is_a_replay_error():
+    records = [sync_record(1, [(A, 1), (B, 1)])]
+    final = replay(ADAM, soak_initial(), records, "sync", SOAK_SHARDS)
+    run = adam_run(records, final)
+    assert check([run], SYNC_CALLS[:2]).clean
+    for shards in ((("w",), ("b",)), (("w", "b"), ("b", "v"))):
+        (session,) = check([dataclasses.replace(run, shards=shards)], SYNC_CALLS[:2]).sessions
+        assert not session.replay_ok and "shard map" in session.replay_error
 
 
 def test_a_push_applied_after_a_definitive_refusal_or_sent_by_no_client_is_caught():
