@@ -16,7 +16,6 @@ import signal
 import sys
 from typing import Optional, Sequence
 
-import grpc
 import numpy as np
 import ray
 
@@ -38,6 +37,7 @@ from optserve.server.storage import CorruptCheckpoint, ShardStore, StepLogReader
 from optserve.server.storage.ownership import ShardFence
 from optserve.server.wire.clock_service import ClockServer, PeerClock
 from optserve.server.wire.limits import server_options
+from optserve.server.wire.loop_server import LoopServer
 from optserve.server.wire.shard_servicer import add_to_server
 from optserve.server.wire.thread_pool import ShrinkingThreadPool
 
@@ -81,9 +81,10 @@ class ShardActor:
         self._registry = ShardRegistry(recovering=recovering)
         self._security = security
         self._metrics = ShardMetrics(index, lambda: session_gauges(self._registry.sessions(), str(index)))
-        self._server = grpc.server(ShrinkingThreadPool(config.grpc_threads, thread_name_prefix="optserve-data"),
-                                   options=contract.SERVER_OPTIONS + server_options(config.limits),
-                                   interceptors=security.interceptors(open_services=Health.OPEN_SERVICES))
+        self._server = LoopServer(ShrinkingThreadPool(config.grpc_threads, thread_name_prefix="optserve-data"),
+                                  options=contract.SERVER_OPTIONS + server_options(config.limits),
+                                  interceptors=security.interceptors(open_services=Health.OPEN_SERVICES),
+                                  name="optserve-data-loop")
         self._health = Health(self._server, ("optserve.v1.ShardData",))
         # half the threads at most for open PushPull streams, the rest for everything else
         self._data = add_to_server(self._registry, self._server, max_open_streams=max(1, config.grpc_threads // 2),
@@ -336,7 +337,7 @@ class ShardActor:
 
     def stop(self) -> None:
         self._health.draining()
-        self._server.stop(grace=0.5).wait()
+        self._server.stop(grace=0.5)
         self._clocks.stop()
 
 

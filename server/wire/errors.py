@@ -88,7 +88,14 @@ def _refuse_malformed(request: Malformed, method: str):
     raise errors.InvalidArgument(f"{method}: the request could not be parsed ({request.reason})")
 
 
-def _checked_requests(requests, method: str):
+def checked_message(request, method: str):
+    """``request``, or InvalidArgument when its bytes did not decode (a :class:`Malformed`)."""
+    if isinstance(request, Malformed):
+        _refuse_malformed(request, method)
+    return request
+
+
+def checked_messages(requests, method: str):
     """A request stream whose malformed messages raise InvalidArgument where they are read."""
     for request in requests:
         if isinstance(request, Malformed):
@@ -101,7 +108,7 @@ def _checked(request, method: str):
     if isinstance(request, Malformed):
         _refuse_malformed(request, method)
     if isinstance(request, collections.abc.Iterator):
-        return _checked_requests(request, method)
+        return checked_messages(request, method)
     return request
 
 
@@ -143,13 +150,12 @@ def _bounded(message: str) -> str:
     return f"{message[:MAX_DETAILS_CHARS - 40]} ... [{cut} characters cut]"
 
 
-def _abort(context: grpc.ServicerContext, exc: BaseException, rpc: str = "", refusal_level: int = logging.DEBUG):
-    """Ends the RPC with the exception's status. One log line: a server fault (INTERNAL) as
-    ``event=server_error`` at ERROR with its traceback; a refusal as ``event=rpc_refused`` at
-    ``refusal_level`` (the servicer's; the shards log refused pushes themselves)."""
-    if not context.is_active():  # the client went away: nobody to tell, and no response to serialize
-        log.debug("RPC ended by the client: %s", exc)
-        context.abort(grpc.StatusCode.CANCELLED, "the client went away")
+def refusal(exc: BaseException, rpc: str = "", refusal_level: int = logging.DEBUG
+            ) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """The status an exception ends its RPC with: ``(code, message, trailing metadata)``. Logs one
+    line: a server fault (INTERNAL) as ``event=server_error`` at ERROR with its traceback; a
+    refusal as ``event=rpc_refused`` at ``refusal_level`` (the servicer's; the shards log refused
+    pushes themselves)."""
     inner = errors.unwrap(exc)
     code = status_code_for(inner)
     if code is grpc.StatusCode.INTERNAL:
@@ -169,8 +175,28 @@ def _abort(context: grpc.ServicerContext, exc: BaseException, rpc: str = "", ref
         trailing += ((contract.PEER_REFUSED_KEY, "1"),)
     elif isinstance(inner, errors.Replaced):
         trailing += ((contract.REPLACED_KEY, "1"),)
+    return code, _bounded(message), trailing
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException, rpc: str = "", refusal_level: int = logging.DEBUG):
+    """Ends the RPC with the exception's status (see :func:`refusal`)."""
+    if not context.is_active():  # the client went away: nobody to tell, and no response to serialize
+        log.debug("RPC ended by the client: %s", exc)
+        context.abort(grpc.StatusCode.CANCELLED, "the client went away")
+    code, message, trailing = refusal(exc, rpc, refusal_level)
     context.set_trailing_metadata(trailing)
-    context.abort(code, _bounded(message))
+    context.abort(code, message)
+
+
+async def abort_call(context, exc: BaseException, rpc: str = "", refusal_level: int = logging.DEBUG):
+    """:func:`_abort` for a call served on an event loop (``grpc.aio`` context); returns at once
+    when the call ended already (the client went away: nobody to tell)."""
+    if context.done():
+        log.debug("RPC ended by the client: %s", exc)
+        return
+    code, message, trailing = refusal(exc, rpc, refusal_level)
+    context.set_trailing_metadata(trailing)
+    await context.abort(code, message)
 
 
 def grpc_errors(method):

@@ -17,7 +17,9 @@ shard, means the client process is gone: its workers leave their elastic session
 
 from __future__ import annotations
 
+import asyncio
 import time
+from concurrent.futures import Executor
 from typing import Callable, Optional
 
 import grpc
@@ -29,6 +31,8 @@ from optserve.server.domain.errors import Cancelled, InvalidArgument, OptservErr
 from optserve.server.domain.shard import Receipt, ShardSession
 from optserve.server.wire import data_requests
 from optserve.server.wire.data_replies import param_slices, push_response, tensor_chunk
+from optserve.server.wire.errors import abort_call, checked_message, checked_messages
+from optserve.server.wire.loop_calls import CallEnded, LoopCallContext, LoopRequests, PoolRuns, Returned
 from optserve.server.wire.open_streams import OpenStream, OpenStreams
 from optserve.server.wire.push_framings import OneMessagePush, RegionRead, StreamedPush
 from optserve.server.wire.shared_memory import RegionTable
@@ -51,41 +55,63 @@ class PushPullCalls:
         self._regions = regions
         self._streams = streams
 
-    def serve(self, request_iterator, context):
+    async def serve(self, context: grpc.aio.ServicerContext, pool: Executor):
         """Steps in any of the module's framings until the client ends the call (or the shard,
-        when crowded, after a step's ``done``)."""
-        stream = self._streams.open(context, self._tenant(context))
-        ended_by_shard = False  # after a step's `stream_closing`: the client is alive and reopens
+        when crowded, after a step's ``done``). The call waits for each step's first message on
+        the event loop, holding no thread; the step runs in ``pool``."""
+        loop = asyncio.get_running_loop()
+        call = LoopCallContext(context, loop)
         try:
-            ended_by_shard = yield from self._steps(stream, request_iterator, context)
-        except Exception:  # a refusal ends the call with its status: the shard ended it, unless the
-            ended_by_shard = context.is_active()  # call broke first (the step's chunks stopped: client gone)
+            stream = self._streams.open(call, self._tenant(call))
+        except Exception as exc:  # noqa: BLE001 - over a limit: refused with its status
+            await abort_call(context, exc, "ShardData/PushPull")
+            return
+        ended_by_shard = False  # after a step's `stream_closing`: the client is alive and reopens
+        steps = PoolRuns(pool)
+        try:
+            while True:
+                try:
+                    first = await call.read()
+                except CallEnded:
+                    if call.cancelled.is_set():  # ended idle (OpenStreams): the client hears CANCELLED
+                        break  # (not OK without `done`) and retries the step, which never ran here
+                    return  # the client closed the call after its last step (or it timed out)
+                if first is None:
+                    return
+                first = checked_message(first, "PushPull")
+                if not self._streams.busy(stream):  # ended idle just now: as above
+                    break
+                if first.WhichOneof("item") == "goodbye":
+                    stream.goodbye = True
+                    return
+                closing = None
+                requests = checked_messages(LoopRequests(call, loop), "PushPull")  # the step's further messages
+                async for item in steps.run(self._step(stream, first, requests, call)):
+                    if isinstance(item, Returned):
+                        closing = item.value
+                    else:
+                        yield item
+                if closing is not False:  # True: crowded, the client reopens; None: the call ended mid-step
+                    ended_by_shard = closing is True
+                    return
+                self._streams.idle(stream)
+            ended_by_shard = True
+            await context.abort(grpc.StatusCode.CANCELLED, "the shard ended this idle call (crowded); "
+                                                           "the next step goes on a new call")
+        except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
+        except Exception as exc:  # noqa: BLE001 - a refusal ends the call with its status: the shard
+            ended_by_shard = not context.done()  # ended it, unless the call broke first (client gone)
+            await abort_call(context, exc, "ShardData/PushPull")
         finally:
-            self._streams.close(stream)
-            if stream.pushers and not stream.evicted and not stream.goodbye and not ended_by_shard:
-                for (_, client_id), session in stream.pushers.items():  # the client vanished: see _note_pusher
-                    session.home.disconnected(client_id)
+            steps.after(lambda: self._ended(stream, ended_by_shard))
 
-    def _steps(self, stream: OpenStream, request_iterator, context):
-        """Serves the call's steps; returns whether the shard ended the call (crowded)."""
-        while True:
-            try:
-                first = next(request_iterator, None)
-            except grpc.RpcError:  # the client closed the call after its last step (or it was ended idle)
-                return False
-            if first is None:
-                return False
-            if not self._streams.busy(stream):  # ended idle just now: the client hears CANCELLED
-                context.cancel()  # (not OK without `done`) and retries the step, which never ran here
-                return False
-            if first.WhichOneof("item") == "goodbye":
-                stream.goodbye = True
-                return False
-            closing = yield from self._step(stream, first, request_iterator, context)
-            if closing is not False:  # True: crowded, the client reopens; None: the call ended mid-step
-                return closing is True
-            self._streams.idle(stream)
+    def _ended(self, stream: OpenStream, ended_by_shard: bool) -> None:
+        """The call ended (and its last step with it)."""
+        self._streams.close(stream)
+        if stream.pushers and not stream.evicted and not stream.goodbye and not ended_by_shard:
+            for (_, client_id), session in stream.pushers.items():  # the client vanished: see _note_pusher
+                session.home.disconnected(client_id)
 
     def _step(self, stream: OpenStream, first, request_iterator, context):
         """One step, in the framing its first message starts; returns whether the shard ends the

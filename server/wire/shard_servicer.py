@@ -12,6 +12,7 @@ regions by :mod:`~optserve.server.wire.shared_memory`. Chunks are read in place 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Executor
 from typing import Optional
 
 import grpc
@@ -23,6 +24,7 @@ from optserve.server.domain.shard import ShardRegistry, ShardSession
 from optserve.server.wire import data_requests
 from optserve.server.wire.data_replies import pull_chunks, pull_into_region, push_response, state_replies
 from optserve.server.wire.errors import grpc_errors, safe_decoder
+from optserve.server.wire.loop_server import LoopServer
 from optserve.server.wire.open_streams import OpenStreams
 from optserve.server.wire.push_pull import PushPullCalls
 from optserve.server.wire.security import TokenTable
@@ -41,9 +43,10 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
     one more is RESOURCE_EXHAUSTED naming the limit.
     """
 
-    def __init__(self, registry: ShardRegistry, max_open_streams: int = 16, tokens: Optional[TokenTable] = None,
-                 max_streams_per_tenant: Optional[int] = None):
+    def __init__(self, registry: ShardRegistry, pool: Executor, max_open_streams: int = 16,
+                 tokens: Optional[TokenTable] = None, max_streams_per_tenant: Optional[int] = None):
         self._registry = registry
+        self._pool = pool
         self._tokens = tokens
         self.regions = RegionTable(registry)  # same-host fast path (server/wire/shared_memory.py)
         self._push_pull = PushPullCalls(self._session, self._tenant, self.regions,
@@ -113,10 +116,11 @@ class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
         dtype, chunk_bytes = data_requests.pull_options(request)
         yield from pull_chunks(session, dtype, chunk_bytes, start, request.evaluation)
 
-    @grpc_errors
-    def PushPull(self, request_iterator, context):
-        """Training steps on one open call (see :mod:`~optserve.server.wire.push_pull`)."""
-        yield from self._push_pull.serve(request_iterator, context)
+    async def PushPull(self, request_iterator, context):
+        """Training steps on one open call (see :mod:`~optserve.server.wire.push_pull`): served on
+        the server's event loop, each step run in its thread pool."""
+        async for answer in self._push_pull.serve(context, self._pool):
+            yield answer
 
     # ------------------------------------------------------------- same-host fast path
     @grpc_errors
@@ -186,7 +190,7 @@ def _request_decoder(message_type):
     return safe_decoder(decode)
 
 
-def add_to_server(registry: ShardRegistry, server: grpc.Server, max_open_streams: int = 16,
+def add_to_server(registry: ShardRegistry, server: LoopServer, max_open_streams: int = 16,
                   tokens: Optional[TokenTable] = None,
                   max_streams_per_tenant: Optional[int] = None) -> "ShardDataServicer":
     """Serves ShardData for ``registry`` on ``server`` with the copy-saving chunk codecs.
@@ -197,7 +201,7 @@ def add_to_server(registry: ShardRegistry, server: grpc.Server, max_open_streams
     ``max_open_streams``, ``tokens`` and ``max_streams_per_tenant``: see :class:`ShardDataServicer`.
     Returns the servicer (its ``regions``: the shared-memory regions it serves).
     """
-    servicer = ShardDataServicer(registry, max_open_streams=max_open_streams, tokens=tokens,
+    servicer = ShardDataServicer(registry, server.thread_pool, max_open_streams=max_open_streams, tokens=tokens,
                                  max_streams_per_tenant=max_streams_per_tenant)
     handlers = {
         "InitTensors": grpc.stream_unary_rpc_method_handler(
