@@ -138,7 +138,10 @@ def _add_limit_options(serve: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-staged-bytes", type=int, default=None,
                         help="gradient bytes one session may hold received but not yet applied on a shard "
                              "(default: 1/8 of this machine's memory)")
-    limits.add_argument("--max-streams-per-tenant", type=int, default=256,
+    limits.add_argument("--max-open-streams", type=int, default=4096,
+                        help="PushPull calls a shard holds open (past it, calls end after their step: the "
+                             "client reopens)")
+    limits.add_argument("--max-streams-per-tenant", type=int, default=4096,
                         help="PushPull calls one tenant may hold open on a shard")
 
 

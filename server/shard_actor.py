@@ -86,8 +86,8 @@ class ShardActor:
                                   interceptors=security.interceptors(open_services=Health.OPEN_SERVICES),
                                   name="optserve-data-loop")
         self._health = Health(self._server, ("optserve.v1.ShardData",))
-        # half the threads at most for open PushPull streams, the rest for everything else
-        self._data = add_to_server(self._registry, self._server, max_open_streams=max(1, config.grpc_threads // 2),
+        # open PushPull calls wait on the event loop; past max_open_streams they end after their step
+        self._data = add_to_server(self._registry, self._server, max_open_streams=config.limits.max_open_streams,
                                    tokens=security.tokens,
                                    max_streams_per_tenant=config.limits.max_streams_per_tenant)
         host = config.data_host
@@ -209,10 +209,10 @@ class ShardActor:
         if store is not None:
             try:
                 if restore:
-                    session.restore(store, StepLogReader, store.log.journal, upto=upto)
+                    session.durability.restore(store, StepLogReader, store.log.journal, upto=upto)
                 else:
                     store.start_logs(None)
-                    session.attach_store(store)
+                    session.durability.attach_store(store)
             except CorruptCheckpoint as exc:
                 store.close()
                 raise SessionLost(f"session {config.name!r} cannot be restored on shard {opening.shard_index}: "
@@ -242,12 +242,12 @@ class ShardActor:
         """A checkpoint of the session's part here if it has steps since its last one, written
         before this returns (the session is about to be unloaded)."""
         session = self._registry.find(name)
-        return bool(session is not None and session.checkpoint_now())
+        return bool(session is not None and session.durability.checkpoint_now())
 
     def checkpoint_all(self) -> int:
         """Durable servers, at shutdown: a checkpoint of every session with steps since its last
         one, written before this returns; returns how many were written."""
-        return sum(bool(session.checkpoint_now()) for session in self._registry.sessions())
+        return sum(bool(session.durability.checkpoint_now()) for session in self._registry.sessions())
 
     def peer_down(self, shard_index: int, names: Sequence[str]) -> None:
         """Shard ``shard_index`` died and is being restarted: the votes this shard's clocks hold
@@ -275,7 +275,7 @@ class ShardActor:
             session.abandon(SessionLost(reason))
         self._clocks.remove(name)
         if session is not None:
-            session.close_store()
+            session.durability.close_store()
         removed = self._registry.remove(name)
         self._data.regions.reap()  # its shared-memory regions go now, not at the reaper's next sweep
         self._metrics.forget(name)

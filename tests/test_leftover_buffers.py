@@ -31,7 +31,7 @@ def _async_session(name: str, store=None):
                            step_timeout_s=30.0, vote_timeout_s=30.0)
     if store is not None:
         store.start_logs(None)
-        session.attach_store(store)
+        session.durability.attach_store(store)
     session.initialize([_chunk("w", np.ones(4, np.float32))])
     return session
 
@@ -66,7 +66,7 @@ def test_a_failed_update_of_a_durable_session_gives_its_buffers_back_once_the_lo
     with pytest.raises(SessionLost):
         _push(session, 2, 10 * HUGE)
     assert _free_sets(session) == 0  # held: the log may still be writing them (its next record, or its close)
-    session.close_store()  # the log has written everything queued: the failed step's buffers are back
+    session.durability.close_store()  # the log has written everything queued: the failed step's buffers are back
     assert _free_sets(session) == 1
     (segment,) = store.log.segments(None)
     records = list(read_step_log(segment, lambda: {"w": np.empty(4, np.float32)}))  # the aborted one is intact

@@ -41,20 +41,20 @@ def test_stream_idle_time_must_be_positive(server):
 
 @pytest.fixture(scope="module")
 def few_thread_server(ray_local):
-    """One shard whose data plane has 4 threads, so at most 2 PushPull calls stay open."""
+    """One shard whose data plane has 4 threads and holds at most 2 PushPull calls open."""
     from optserve.server.app import start_server
-    from optserve.server.domain.config import ServerConfig
+    from optserve.server.domain.config import Limits, ServerConfig
 
-    running = start_server(ServerConfig(host="127.0.0.1", port=0, shards=1, grpc_threads=4))
+    running = start_server(ServerConfig(host="127.0.0.1", port=0, shards=1, grpc_threads=4,
+                                        limits=Limits(max_open_streams=2)))
     yield running
     running.stop()
 
 
-def test_more_clients_than_shard_threads_all_step_because_crowded_streams_end(few_thread_server, unique_name):
-    # Six clients keep stepping on a shard with 4 threads. Were every client's call kept open,
-    # four would hold all the threads (their calls end only after 600 s idle) and the other two
-    # would wait past their call deadline (5 s + 60 s reuse) and fail with DEADLINE_EXCEEDED;
-    # the shard ends the calls past 2 after each step, so every client gets a thread in turn.
+def test_more_clients_than_open_calls_allowed_all_step_because_crowded_streams_end(few_thread_server, unique_name):
+    # Six clients keep stepping on a shard that holds 2 PushPull calls open. Their calls would
+    # stay open 600 s idle; the shard ends the calls past 2 after each step (and idle ones), so
+    # every client steps in turn, each step applied once.
     workers, steps = 6, 5
     params = make_params()
     owner = Client(few_thread_server.address)
@@ -82,9 +82,9 @@ def test_more_clients_than_shard_threads_all_step_because_crowded_streams_end(fe
 
 
 def test_idle_open_streams_never_stop_a_new_client_from_stepping(few_thread_server, unique_name):
-    # The shard has 4 threads (2 for open PushPull calls). Three SDK clients step once and keep
-    # their calls open (idle 600 s), and six raw calls open and never send a thing: together they
-    # would hold every thread until their deadlines (minutes). The shard ends idle calls past 2,
+    # The shard holds 2 PushPull calls open. Three SDK clients step once and keep their calls
+    # open (idle 600 s), and six raw calls open and never send a thing: together they would hold
+    # the open calls until their deadlines (minutes). The shard ends idle calls past 2,
     # so a new client creates and steps its own session within seconds, and the idle clients step
     # again on new calls, each step applied once.
     import threading
@@ -179,12 +179,13 @@ def _silent_calls(channel, count: int, never, timeout_s: float) -> list:
 
 @pytest.fixture(scope="module")
 def crowded_pair(ray_local):
-    """Two shards whose data planes have 4 threads each (2 open PushPull calls), and the default
-    30 s vote timeout: a step stuck on one shard's vote would show as a 30 s stall."""
+    """Two shards whose data planes have 4 threads and 2 open PushPull calls each, and the
+    default 30 s vote timeout: a step stuck on one shard's vote would show as a 30 s stall."""
     from optserve.server.app import start_server
-    from optserve.server.domain.config import ServerConfig
+    from optserve.server.domain.config import Limits, ServerConfig
 
-    running = start_server(ServerConfig(host="127.0.0.1", port=0, shards=2, grpc_threads=4, min_shard_bytes=0))
+    running = start_server(ServerConfig(host="127.0.0.1", port=0, shards=2, grpc_threads=4, min_shard_bytes=0,
+                                        limits=Limits(max_open_streams=2)))
     yield running
     running.stop()
 
@@ -219,3 +220,50 @@ def test_a_step_whose_idle_call_a_crowded_shard_ended_does_not_wait_for_the_vote
         channel.close()
         session.close()
         client.close()
+
+
+@pytest.fixture(scope="module")
+def four_thread_pair(ray_local):
+    """Two shards whose data planes and clocks have 4 threads each, votes refused after 10 s."""
+    from optserve.server.app import start_server
+    from optserve.server.domain.config import ServerConfig
+
+    running = start_server(ServerConfig(host="127.0.0.1", port=0, shards=2, grpc_threads=4, min_shard_bytes=0,
+                                        vote_timeout_s=10.0))
+    yield running
+    running.stop()
+
+
+def test_a_sync_step_of_sixteen_workers_completes_on_shards_of_four_threads(four_thread_pair, unique_name):
+    # Every worker's part waits on both shards for its vote and then for the step's other 15
+    # pushes. A part that held a thread while it waits would leave the fifth worker's parts
+    # queued behind four waiting ones: its vote refused after 10 s, the step never complete.
+    # The waits hold no thread, so each step completes in well under the vote timeout.
+    workers, steps = 16, 3
+    params = make_params()
+    owner = Client(four_thread_pair.address)
+    owner.create_session(unique_name, params, optimizer=OPTIMIZER, mode="sync", num_workers=workers)
+    clients = [Client(four_thread_pair.address, timeout=60.0) for _ in range(workers)]
+    sessions = [c.session(unique_name) for c in clients]
+
+    def train(index: int) -> list[float]:
+        took = []
+        for step in range(steps):
+            started = time.monotonic()
+            sessions[index].push_pull(make_grads(params, step, seed=index + 2))
+            took.append(time.monotonic() - started)
+        return took
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            took = [t for times in pool.map(train, range(workers)) for t in times]
+        status = owner.session(unique_name).status()
+        assert status.version == steps
+        assert status.rejected == {} or sum(status.rejected.values()) == 0, status.rejected
+        assert max(took) < 10.0, f"a step waited {max(took):.1f} s: as long as a vote timeout"
+    finally:
+        for session in sessions:
+            session.detach()
+        owner.close_session(unique_name)
+        for c in clients + [owner]:
+            c.close()

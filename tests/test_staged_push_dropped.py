@@ -55,7 +55,7 @@ def test_a_decided_push_dropped_before_it_was_taken_keeps_its_turn_until_it_is_s
                            step_timeout_s=2.0, vote_timeout_s=2.0)
     session.initialize([_chunk(1.0)])
     store.start_logs(None)
-    session.attach_store(store)
+    session.durability.attach_store(store)
     staging = session._staging
     take = staging.take
     dropped = []
@@ -77,4 +77,4 @@ def test_a_decided_push_dropped_before_it_was_taken_keeps_its_turn_until_it_is_s
         assert _push(session, "b", 1.5) == 1  # the client's retry: the same push, applied in its turn
         assert first.result(timeout=10) == 1
     np.testing.assert_allclose(session.snapshot()[1]["w"], np.full(4, 1.0 - 0.1 * 1.0, np.float32))
-    session.close_store()
+    session.durability.close_store()

@@ -14,6 +14,7 @@ import pytest
 from optserve.server.domain.clock.clock_records import Ticket
 from optserve.server.domain.clock.votes import ShardVotes
 from optserve.server.domain.errors import PeerRefused
+from optserve.server.domain.waits import SignalCondition
 
 TIMEOUT_S = 5.0
 
@@ -25,7 +26,7 @@ def _votes() -> tuple[ShardVotes, list]:
         decided.append((client_id, sequence))
         return Ticket(len(decided) - 1, client_id, sequence, 0, 1.0, True, len(decided))
 
-    return ShardVotes(2, threading.Condition(), decide), decided
+    return ShardVotes(2, SignalCondition(), decide), decided
 
 
 def test_a_late_vote_of_an_abandoned_try_takes_its_refusal_and_the_next_try_is_decided_at_once():

@@ -302,7 +302,12 @@ class Limits:
       max_staged_bytes: gradient bytes one session may hold staged (received, not yet applied) on
         a shard (default: 1/8 of this machine's memory); a push past it is refused before its
         buffers are allocated.
-      max_streams_per_tenant: PushPull calls one tenant may hold open on a shard at once.
+      max_open_streams: PushPull calls a shard holds open at once; past it, calls end after their
+        step and idle ones end at once (the client reopens:
+        :class:`~optserve.server.wire.open_streams.OpenStreams`). An open call waits for its next step
+        without a thread, so this bounds memory and descriptors, not threads.
+      max_streams_per_tenant: PushPull calls one tenant may hold open on a shard at once (one more
+        is RESOURCE_EXHAUSTED).
     """
 
     max_session_bytes: int = dataclasses.field(default_factory=lambda: machine_memory_bytes() // 2)
@@ -315,7 +320,8 @@ class Limits:
     max_json_bytes: int = 1 << 20
     max_sessions_per_tenant: int = 1024
     max_staged_bytes: int = dataclasses.field(default_factory=lambda: machine_memory_bytes() // 8)
-    max_streams_per_tenant: int = 256
+    max_open_streams: int = 4096
+    max_streams_per_tenant: int = 4096
 
     # the flag of each limit, for messages
     FLAGS = {"max_session_bytes": "--max-session-bytes", "shard_memory_bytes": "--shard-memory-bytes",
@@ -323,7 +329,7 @@ class Limits:
              "max_tensor_rank": "--max-tensor-rank", "max_metadata_bytes": "--max-metadata-bytes",
              "max_json_depth": "--max-json-depth", "max_json_bytes": "--max-json-bytes",
              "max_sessions_per_tenant": "--max-sessions-per-tenant", "max_staged_bytes": "--max-staged-bytes",
-             "max_streams_per_tenant": "--max-streams-per-tenant"}
+             "max_open_streams": "--max-open-streams", "max_streams_per_tenant": "--max-streams-per-tenant"}
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -359,12 +365,10 @@ class ServerConfig:
       gpu_rehearsal: Ray reserves and assigns the GPUs asked for, and each actor's JAX runs on the
         CPU (``--rehearse-gpus``: a GPU deployment's placement checked where no GPU is).
       grpc_threads: thread pool size of each gRPC server (threads start as calls need them; those
-        past 8 end after 20 s without work: ``server/wire/thread_pool.py``). A
-        shard keeps at most half of them for open PushPull calls (idle ones are ended past that).
-        A call that finds every thread taken waits, unseen, in gRPC's queue, and a step whose
-        part on one shard waits there holds its part on the other shards in their vote: with too
-        few threads, a crowd of clients stalls for ``vote_timeout_s`` at a time. The default keeps
-        a few hundred clients per shard clear of it.
+        past 8 end after 20 s without work: ``server/wire/thread_pool.py``). A shard's PushPull
+        steps and its clock's votes wait (for the other shards' votes, their turn, their round)
+        on an event loop, holding no thread (:mod:`~optserve.server.domain.waits`): threads run
+        the work between the waits, and the unary calls.
       min_shard_bytes: a session spreads over only as many shards as give each at least this
         many parameter bytes (:func:`~optserve.server.domain.sessions.placement.place_tensors`); smaller models
         stay on one shard, where a step needs no cross-shard round trips. 0: every session uses
@@ -434,7 +438,7 @@ class ServerConfig:
             raise InvalidArgument(f"--precond-workers must be >= 0, got {self.precond_workers}")
         if self.min_shard_bytes < 0:
             raise InvalidArgument(f"--min-shard-bytes must be >= 0, got {self.min_shard_bytes}")
-        if self.grpc_threads < 2:  # half of them at most serve open PushPull streams
+        if self.grpc_threads < 2:
             raise InvalidArgument(f"grpc_threads must be >= 2, got {self.grpc_threads}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise InvalidArgument(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")

@@ -7,8 +7,10 @@ Every shard actor runs a :class:`ClockServer` next to its data plane, serving th
 False), each method one unary call answered in the home shard's process, domain refusals carried
 back in the reply and raised again.
 
-The server has its own thread pool, apart from the data plane's: a vote holds a thread until
-every shard of the push voted, and those waits must never starve the data plane of threads.
+The server runs on an event loop of its own (:class:`~optserve.server.wire.loop_server.LoopServer`):
+a vote waits there for every shard of the push to vote, holding no thread; the other calls run in
+its own thread pool, apart from the data plane's, so a cross-shard sum waiting for its peers never
+starves the data plane of threads.
 It listens on its own port, apart from the client-facing ones, and answers only the server's own
 processes (:class:`~optserve.server.wire.security.InternalTrust`: a secret made at start, and TLS
 with a certificate made at start when the server runs with TLS).
@@ -24,6 +26,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from concurrent.futures import Executor
 from typing import Callable, Optional
 
 import grpc
@@ -33,11 +36,14 @@ from optserve.protos.optserve.v1 import clock_pb2, clock_pb2_grpc
 from optserve.server.domain.clock import HomeClock, Ticket
 from optserve.server.domain.errors import (FailedPrecondition, FutureBase, InvalidArgument, NotFound, OptservError,
                                            PeerRefused, Stale, Timeout, Unavailable)
-from optserve.server.wire.errors import add_unary_service, grpc_errors
+from optserve.server.domain.waits import Steps, Wait
+from optserve.server.wire.errors import abort_call, add_unary_service, checked_message, grpc_errors
+from optserve.server.wire.loop_calls import PoolRuns
+from optserve.server.wire.loop_server import LoopServer
 from optserve.server.wire.security import InternalSecretInterceptor, InternalTrust
 from optserve.server.wire.thread_pool import ShrinkingThreadPool
 
-_THREADS = 256  # one per vote or sum waiting for its peers
+_THREADS = 256  # one per cross-shard sum waiting for its peers (votes wait on the loop)
 _IN_FLIGHT: set = set()  # refusing votes sent without waiting, held until they end
 _IN_FLIGHT_LOCK = threading.Lock()
 _RPC_SLACK_S = 30.0  # beyond the home-side wait, for the reply to arrive
@@ -119,16 +125,29 @@ def _check_wait(method: str, field: str, seconds: float) -> None:
 class _ClockServicer(clock_pb2_grpc.SessionClockServicer):
     """Each method checks its request (INVALID_ARGUMENT) before it asks the session's clock."""
 
-    def __init__(self, clock_for: Callable[[str], HomeClock]):
+    def __init__(self, clock_for: Callable[[str], HomeClock], pool: Executor):
         self._clock_for = clock_for
+        self._pool = pool
 
-    @grpc_errors
-    def Vote(self, request, context):
-        _check_not_negative("Vote", "shard_index", request.shard_index)
-        _check_wait("Vote", "timeout_s", request.timeout_s)
-        return _ticket_reply(lambda: self._clock_for(request.session).vote(
-            request.client_id, request.sequence, request.base_version, request.shard_index, request.staged,
-            request.timeout_s, request.attempt))
+    async def Vote(self, request, context):
+        """Served on the event loop: the vote's wait for the other shards holds no thread."""
+        try:
+            request = checked_message(request, "Vote")
+            _check_not_negative("Vote", "shard_index", request.shard_index)
+            _check_wait("Vote", "timeout_s", request.timeout_s)
+        except InvalidArgument as exc:
+            await abort_call(context, exc, "SessionClock/Vote")
+            return None
+        try:
+            ticket = await PoolRuns(self._pool).result(self._clock_for(request.session).vote_steps(
+                request.client_id, request.sequence, request.base_version, request.shard_index, request.staged,
+                request.timeout_s, request.attempt))
+        except OptservError as exc:
+            return clock_pb2.ClockTicketReply(error=_error_to_proto(exc))
+        except Exception as exc:  # noqa: BLE001 - a server fault: INTERNAL, logged
+            await abort_call(context, exc, "SessionClock/Vote")
+            return None
+        return clock_pb2.ClockTicketReply(ticket=_ticket_to_proto(ticket)) if ticket is not None else clock_pb2.ClockTicketReply()
 
     @grpc_errors
     def Commit(self, request, context):
@@ -151,7 +170,7 @@ class _ClockServicer(clock_pb2_grpc.SessionClockServicer):
         return clock_pb2.ClockSumReply(total=total)
 
 
-def _add_to_server(servicer: _ClockServicer, server: grpc.Server) -> None:
+def _add_to_server(servicer: _ClockServicer, server: LoopServer) -> None:
     """Serves SessionClock (undecodable requests refused INVALID_ARGUMENT, see
     :func:`~optserve.server.wire.errors.add_unary_service`)."""
     add_unary_service(server, clock_pb2, "SessionClock", servicer)
@@ -170,10 +189,11 @@ class ClockServer:
     def __init__(self, host: str, advertised_host: str, trust: InternalTrust, port: int = 0):
         self._clocks: dict[str, HomeClock] = {}
         self._lock = threading.Lock()
-        self._server = grpc.server(ShrinkingThreadPool(_THREADS, thread_name_prefix="optserve-clock"),
-                                   interceptors=[InternalSecretInterceptor(trust.secret)],
-                                   options=contract.SERVER_OPTIONS)  # peers on other hosts ping (keepalive)
-        _add_to_server(_ClockServicer(self._clock), self._server)
+        pool = ShrinkingThreadPool(_THREADS, thread_name_prefix="optserve-clock")
+        self._server = LoopServer(pool, interceptors=[InternalSecretInterceptor(trust.secret)],
+                                  options=contract.SERVER_OPTIONS,  # peers on other hosts ping (keepalive)
+                                  name="optserve-clock-loop")
+        _add_to_server(_ClockServicer(self._clock, pool), self._server)
         credentials = trust.server_credentials()
 
         def add_port(number: int) -> int:
@@ -206,7 +226,7 @@ class ClockServer:
             self._clocks.pop(session, None)
 
     def stop(self) -> None:
-        self._server.stop(grace=0.5).wait()
+        self._server.stop(grace=0.5)
 
 
 # ------------------------------------------------------------------ peer side
@@ -254,11 +274,15 @@ class PeerClock:
         try:
             return getattr(self._stub, method)(request, timeout=rpc_deadline_s, metadata=self._metadata)
         except grpc.RpcError as exc:
-            if exc.code() is grpc.StatusCode.UNAVAILABLE:  # its process died (a durable one restarts)
-                raise Unavailable(f"session {self._session!r}: the clock on its home shard is unreachable "
-                                  f"({exc.details()}); nothing was applied, retry") from None
-            raise Timeout(f"session {self._session!r}: the clock on its home shard did not answer {method} "
-                          f"({exc.code().name}: {exc.details()})") from None
+            raise self._failed(method, exc) from None
+
+    def _failed(self, method: str, exc: grpc.RpcError) -> OptservError:
+        """The domain error for a call to the home clock that failed with ``exc``."""
+        if exc.code() is grpc.StatusCode.UNAVAILABLE:  # its process died (a durable one restarts)
+            return Unavailable(f"session {self._session!r}: the clock on its home shard is unreachable "
+                               f"({exc.details()}); nothing was applied, retry")
+        return Timeout(f"session {self._session!r}: the clock on its home shard did not answer {method} "
+                       f"({exc.code().name}: {exc.details()})")
 
     def commit(self, client_id: str, sequence: int, base_version: int) -> Ticket:
         request = clock_pb2.ClockCommitRequest(session=self._session, client_id=client_id, sequence=sequence,
@@ -282,6 +306,22 @@ class PeerClock:
             future.add_done_callback(_forget_call)
             return None
         return _ticket_outcome(self._call("Vote", request, timeout_s + _RPC_SLACK_S))
+
+    def vote_steps(self, client_id: str, sequence: int, base_version: int, shard_index: int, staged: bool,
+                   timeout_s: float, attempt: int = 0) -> Steps[Optional[Ticket]]:
+        """:meth:`vote`, the call to the home clock yielded as a wait (no thread waits for it)."""
+        if not staged:
+            return self.vote(client_id, sequence, base_version, shard_index, staged, timeout_s, attempt)
+        request = clock_pb2.ClockVoteRequest(session=self._session, client_id=client_id, sequence=sequence,
+                                             base_version=base_version, shard_index=shard_index, staged=staged,
+                                             timeout_s=timeout_s, attempt=attempt)
+        call = self._stub.Vote.future(request, timeout=timeout_s + _RPC_SLACK_S, metadata=self._metadata)
+        yield Wait(call, None)  # the call has its deadline
+        try:
+            reply = call.result()
+        except grpc.RpcError as exc:
+            raise self._failed("Vote", exc) from None
+        return _ticket_outcome(reply)
 
     def reduce_sum(self, key: int, shard_index: int, value: float) -> float:
         """The sum over the session's shards; waits through a restart of the home shard (a

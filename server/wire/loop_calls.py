@@ -11,12 +11,17 @@ whose it is. :class:`PoolRuns` advances a step's generator one answer at a time 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from concurrent.futures import Executor, Future
 from typing import Any, Callable, Generator, Optional
 
 import grpc
+
+from optserve.server.domain.waits import Wait
+
+_log = logging.getLogger(__name__)
 
 
 class CallEnded(grpc.RpcError):
@@ -101,36 +106,116 @@ class LoopRequests:
 _ANSWER, _RETURNED = 0, 1
 
 
-def _advance(generator: Generator) -> tuple[int, Any]:
+def _advance(generator: Generator, sent: Optional[bool]) -> tuple[int, Any]:
     try:
-        return _ANSWER, next(generator)
+        return _ANSWER, generator.send(sent)
     except StopIteration as stop:
         return _RETURNED, stop.value
 
 
+def _finish_step(generator: Generator, wait: Wait) -> None:
+    """A step whose call ended while it waits: its waits are waited out here and it runs on to
+    its next answer (its part of the push applied, as the clock decided), then it is closed
+    (nobody reads it)."""
+    try:
+        sent = wait.block()
+        while True:
+            item = generator.send(sent)
+            if not isinstance(item, Wait):
+                return
+            sent = item.block()
+    except StopIteration:
+        return
+    except Exception as exc:  # noqa: BLE001 - its refusal has nobody to go to
+        _log.debug("a step whose call ended failed: %s", exc)
+    finally:
+        generator.close()
+
+
+def _finish_after(generator: Generator, running: Future) -> None:
+    """A step whose call ended while it ran in the pool (``running``): finished from where it got."""
+    try:
+        kind, item = running.result()
+    except BaseException:  # noqa: BLE001 - it ended with its refusal: nobody to tell
+        return
+    if kind == _RETURNED:
+        return
+    if isinstance(item, Wait):
+        _finish_step(generator, item)
+    else:
+        generator.close()
+
+
+async def _waited(wait: Wait) -> bool:
+    """Waits on the loop (no thread) for ``wait``; returns whether it ended before its timeout."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def wake(_future) -> None:
+        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(True))
+
+    wait.future.add_done_callback(wake)
+    try:
+        return await asyncio.wait_for(done, wait.timeout_s)
+    except asyncio.TimeoutError:
+        wait.gave_up()
+        return False
+
+
 class PoolRuns:
-    """Runs a call's steps in a thread pool (see :meth:`run`), and the call's cleanup after the
-    last of them (:meth:`after`)."""
+    """Runs a call's steps (see :meth:`run`), and the call's cleanup after the last of them (:meth:`after`)."""
 
     def __init__(self, pool: Executor):
         self._pool = pool
         self._running: Optional[Future] = None
 
     async def run(self, generator: Generator):
-        """Runs ``generator`` in the pool one item at a time; yields each item, then
-        :class:`Returned` with what it returned. Cancelled while the generator runs (the client
-        went away), it closes the generator once the pool is done with it, never under it."""
+        """Runs ``generator`` in the pool between its waits: each :class:`~optserve.server.domain.waits.Wait`
+        it yields is awaited on the loop (no thread held) and answered with whether it ended in
+        time; every other item is yielded, then :class:`Returned` with what it returned.
+
+        Cancelled (the client went away), the step goes on without it in the pool up to its next
+        answer (:func:`_finish_step`), as a thread of a synchronous server would."""
+        sent = None
         while True:
-            self._running = running = self._pool.submit(_advance, generator)
+            self._running = running = self._pool.submit(_advance, generator, sent)
             try:
                 kind, value = await asyncio.wrap_future(running)
             except asyncio.CancelledError:
-                running.add_done_callback(lambda _future: generator.close())
+                self._running = self._after(running, lambda: _finish_after(generator, running))
                 raise
             if kind == _RETURNED:
                 yield Returned(value)
                 return
+            if isinstance(value, Wait):
+                try:
+                    sent = await _waited(value)
+                except asyncio.CancelledError:
+                    self._running = self._pool.submit(_finish_step, generator, value)
+                    raise
+                continue
+            sent = None
             yield value
+
+    async def result(self, generator: Generator):
+        """What ``generator`` (a generator of waits only) returns, run as :meth:`run` runs it."""
+        async for item in self.run(generator):
+            if isinstance(item, Returned):
+                return item.value
+            raise TypeError(f"a generator of waits yielded {type(item).__name__}")
+
+    def _after(self, running: Future, then: Callable[[], None]) -> Future:
+        """A future done once ``running`` ended and ``then()`` ran after it in the pool."""
+        followed: Future = Future()
+
+        def chain(_future) -> None:
+            try:
+                self._pool.submit(then).add_done_callback(lambda _f: followed.set_result(None))
+            except RuntimeError:  # the pool shut down
+                followed.set_result(None)
+
+        running.add_done_callback(chain)
+        return followed
 
     def after(self, cleanup: Callable[[], None]) -> None:
         """``cleanup()`` now, or in the pool once a step still running there ends: a step goes on

@@ -54,13 +54,16 @@ class SyncCallContext:
         return getattr(self._context, name)
 
 
-def _with_sync_context(behavior: Callable) -> Callable:
-    """``behavior(request, context)`` called with a :class:`SyncCallContext` (kept a generator
-    function when it is one: grpc tells streaming answers apart by calling it)."""
-    if inspect.isgeneratorfunction(behavior):
-        def streaming(request, context):
-            yield from behavior(request, SyncCallContext(context))
-        return streaming
+def _with_sync_context(behavior: Callable, streaming: bool) -> Callable:
+    """``behavior(request, context)`` called with a :class:`SyncCallContext`. A streaming answer's
+    behavior is always a generator here, also one that returns its iterator or aborts before
+    answering (grpc.aio leaves a plain function's abort unanswered, and the call hangs)."""
+    if streaming:
+        def answers(request, context):
+            result = behavior(request, SyncCallContext(context))
+            if result is not None:
+                yield from result
+        return answers
 
     def unary(request, context):
         return behavior(request, SyncCallContext(context))
@@ -79,7 +82,7 @@ def loop_handler(handler: Optional[grpc.RpcMethodHandler]) -> Optional[grpc.RpcM
     for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
         behavior = getattr(handler, kind)
         if behavior is not None and not _is_async(behavior):
-            return handler._replace(**{kind: _with_sync_context(behavior)})
+            return handler._replace(**{kind: _with_sync_context(behavior, kind.endswith("_stream"))})
     return handler
 
 

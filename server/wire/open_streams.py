@@ -1,4 +1,4 @@
-"""The open PushPull calls of a shard: each runs its steps on a server thread, so their number is bounded.
+"""The open PushPull calls of a shard, bounded (``--max-open-streams``): memory and descriptors, not threads.
 
 :class:`OpenStreams` is the table the PushPull handler (:mod:`optserve.server.wire.push_pull`)
 registers each call in; past its limit it ends idle calls (the client reopens and retries the
@@ -37,9 +37,9 @@ class OpenStream:
 
 
 class OpenStreams:
-    """The open PushPull calls. An idle call waits for its next step on the event loop, holding
-    no thread, but a step runs (and waits for its vote and its turn) on a server thread: calls
-    are bounded so that running steps never take every thread.
+    """The open PushPull calls. A call waits for its next step, and its step for its vote and
+    its turn, on the event loop, holding no thread; calls are bounded all the same (memory,
+    descriptors).
 
     Past ``limit`` open calls the table is *crowded*: a call ends after its current step
     (``StepDone.stream_closing``), and calls that wait idle for their next step are ended at once,

@@ -155,13 +155,14 @@ class PushPullCalls:
             if step.chunks:
                 raise InvalidArgument("PushPull `step`: chunks and shared_memory are exclusive")
             read = RegionRead(self._regions, session, step.header.client_id, step.shared_memory)
-            receipt = session.push(data_requests.push_header(step.header), read.chunks(), context.is_active,
-                                   wait_s=data_requests.wait_s(context, step.header), in_place=True)
+            receipt = yield from session.push_steps(data_requests.push_header(step.header), read.chunks(),
+                                                    context.is_active, wait_s=data_requests.wait_s(context, step.header),
+                                                    in_place=True)
             session.observer.pushed(time.perf_counter() - started)
             return (yield from self._answer_in_region(session, receipt, read.region, step.shared_memory.reply))
         framing = OneMessagePush(step)
-        receipt = session.push(data_requests.push_header(step.header), framing.chunks(), context.is_active,
-                               wait_s=data_requests.wait_s(context, step.header))
+        receipt = yield from session.push_steps(data_requests.push_header(step.header), framing.chunks(),
+                                                context.is_active, wait_s=data_requests.wait_s(context, step.header))
         session.observer.pushed(time.perf_counter() - started)
         return (yield from self._answer(session, receipt, framing.reply, one_message=True,
                                         sparse_base=_sparse_base(framing, step.header)))
@@ -170,9 +171,9 @@ class PushPullCalls:
         session = self._session(header.session, context)
         framing = StreamedPush(request_iterator)
         try:
-            receipt = session.push(data_requests.push_header(header), framing.chunks(),
-                                   lambda: framing.sealed and context.is_active(),
-                                   wait_s=data_requests.wait_s(context, header))
+            receipt = yield from session.push_steps(data_requests.push_header(header), framing.chunks(),
+                                                    lambda: framing.sealed and context.is_active(),
+                                                    wait_s=data_requests.wait_s(context, header))
         except Cancelled:
             return None
         session.observer.pushed(time.perf_counter() - started)
@@ -185,8 +186,9 @@ class PushPullCalls:
         framing = StreamedPush(request_iterator)
         push = data_requests.push_header(header)
         try:
-            staged = session.push(push, framing.chunks(), lambda: framing.sealed and context.is_active(),
-                                  wait_s=context.time_remaining())
+            staged = yield from session.push_steps(push, framing.chunks(),
+                                                   lambda: framing.sealed and context.is_active(),
+                                                   wait_s=context.time_remaining())
         except Cancelled:
             return None
         yield data_pb2.PushPullResponse(staged=push_response(staged))
@@ -199,7 +201,7 @@ class PushPullCalls:
             yield data_pb2.PushPullResponse(
                 done=data_pb2.StepDone(version=session.version, committed=False, stream_closing=closing))
             return closing
-        receipt = session.commit(push.client_id, push.sequence, wait_s=context.time_remaining())
+        receipt = yield from session.commit_steps(push.client_id, push.sequence, wait_s=context.time_remaining())
         session.observer.pushed(time.perf_counter() - started)
         return (yield from self._answer(session, receipt, framing.reply, one_message=False))
 

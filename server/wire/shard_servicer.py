@@ -34,9 +34,9 @@ from optserve.server.wire.shared_memory import RegionTable
 class ShardDataServicer(data_pb2_grpc.ShardDataServicer):
     """ShardData on one shard actor (serve it with :func:`add_to_server`).
 
+    ``pool``: the server's thread pool, where PushPull's steps run between their waits.
     ``max_open_streams``: PushPull calls past this many end after their current step
-    (``StepDone.stream_closing``) and idle ones end at once (:class:`~optserve.server.wire.open_streams.OpenStreams`),
-    so open streams never take all the server's threads.
+    (``StepDone.stream_closing``) and idle ones end at once (:class:`~optserve.server.wire.open_streams.OpenStreams`).
     ``tokens``: the server's tenant tokens (None: no tenants); a call reaches only its tenant's
     sessions (the interceptor already refused calls without a valid token).
     ``max_streams_per_tenant``: PushPull calls one tenant may hold open here (None: no bound);

@@ -26,7 +26,6 @@ step of a multi-shard session costs each non-home shard one short round trip.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any, Callable, Optional, Protocol, Sequence
 
@@ -38,6 +37,7 @@ from optserve.server.domain.clock.votes import ShardVotes
 from optserve.server.domain.config import SessionConfig
 from optserve.server.domain.durability import CheckpointPolicy
 from optserve.server.domain.errors import InvalidArgument, OptservError, Unavailable
+from optserve.server.domain.waits import SignalCondition, Steps, drive, returns
 
 _log = logging.getLogger(__name__)
 
@@ -70,6 +70,11 @@ class Clock(Protocol):
         (see :meth:`ShardVotes.vote`)."""
         ...
 
+    def vote_steps(self, client_id: str, sequence: int, base_version: int, shard_index: int, staged: bool,
+                   timeout_s: float, attempt: int = 0) -> Steps[Optional[Ticket]]:
+        """:meth:`vote` with its wait for the other shards yielded (:mod:`~optserve.server.domain.waits`)."""
+        ...
+
     def reduce_sum(self, key: int, shard_index: int, value: float) -> float:
         """The sum of ``value`` over the session's shards for step ``key``."""
         ...
@@ -100,7 +105,7 @@ class HomeClock:
         self._state = clock_state_for(config, checkpoints)
         self._journal = journal  # durable sessions: each new ticket is written here before it is handed out
         self._participants = participants
-        self._cond = threading.Condition()  # guards the state, the votes and the sums
+        self._cond = SignalCondition()  # guards the state, the votes and the sums
         self._votes = ShardVotes(participants, self._cond, self._commit_locked)
         self._sums = CrossShardSums(participants, self._cond, reduce_timeout_s, journal)
 
@@ -129,9 +134,15 @@ class HomeClock:
         """Auto-commit: one shard's stage outcome; returns the ticket once every shard staged
         (see :meth:`~optserve.server.domain.clock.votes.ShardVotes.vote`; the only shard of a session
         decides alone)."""
+        return drive(self.vote_steps(client_id, sequence, base_version, shard_index, staged, timeout_s, attempt))
+
+    def vote_steps(self, client_id: str, sequence: int, base_version: int, shard_index: int, staged: bool,
+                   timeout_s: float, attempt: int = 0) -> Steps[Optional[Ticket]]:
+        """:meth:`vote`, its wait for the other shards yielded (see :mod:`~optserve.server.domain.waits`)."""
         if self._participants == 1:
-            return self.commit(client_id, sequence, base_version) if staged else None
-        return self._votes.vote(client_id, sequence, base_version, shard_index, staged, timeout_s, attempt)
+            return (yield from returns(self.commit(client_id, sequence, base_version) if staged else None))
+        return (yield from self._votes.vote_steps(client_id, sequence, base_version, shard_index, staged, timeout_s,
+                                                  attempt))
 
     def reduce_sum(self, key: int, shard_index: int, value: float) -> float:
         """See :meth:`~optserve.server.domain.clock.cross_shard_sums.CrossShardSums.reduce_sum`."""

@@ -9,12 +9,12 @@ refuses it everywhere. Every voter of the push gets the same outcome.
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Callable, Optional, Union
 
 from optserve.server.domain.clock.clock_records import Ticket
 from optserve.server.domain.errors import OptservError, PeerRefused
+from optserve.server.domain.waits import SignalCondition, Steps, drive
 
 _STALE_VOTE_S = 600.0  # a decided vote some shard never took part in is forgotten after this long
 _FORGET_FROM = 256  # open votes kept before the stale ones are looked for
@@ -48,7 +48,7 @@ class ShardVotes:
         every shard staged the push; raises the push's refusal (an :class:`OptservError`).
     """
 
-    def __init__(self, participants: int, cond: threading.Condition,
+    def __init__(self, participants: int, cond: SignalCondition,
                  decide: Callable[[str, int, int], Ticket]):
         self._participants = participants
         self._cond = cond
@@ -59,6 +59,11 @@ class ShardVotes:
 
     def vote(self, client_id: str, sequence: int, base_version: int, shard_index: int, staged: bool,
              timeout_s: float, attempt: int = 0) -> Optional[Ticket]:
+        """:meth:`vote_steps`, waiting in this thread."""
+        return drive(self.vote_steps(client_id, sequence, base_version, shard_index, staged, timeout_s, attempt))
+
+    def vote_steps(self, client_id: str, sequence: int, base_version: int, shard_index: int, staged: bool,
+                   timeout_s: float, attempt: int = 0) -> Steps[Optional[Ticket]]:
         """One shard's stage outcome on the client's try ``attempt`` of the push; returns the
         ticket once every shard staged.
 
@@ -85,14 +90,23 @@ class ShardVotes:
             push_vote.votes[shard_index] = staged
             if push_vote.outcome is None:
                 self._decide_if_known(push_vote, client_id, sequence, base_version, shard_index, staged)
-            self._await(push_vote, client_id, sequence, timeout_s)
-            push_vote.taken += 1
-            # Kept until every shard voted: a refusal that arrives before a peer's vote must still
-            # answer that vote (the peer would otherwise wait for the vote timeout). Not a vote
-            # its client retries: a late vote of it starts a vote of its own, and is refused there.
-            if (push_vote.taken >= self._participants or push_vote.retried) and self._open.get(key) is push_vote:
-                del self._open[key]
-            outcome = push_vote.outcome
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._cond:
+                if push_vote.outcome is None and not self._refuse_if_late(push_vote, client_id, sequence, timeout_s,
+                                                                          deadline):
+                    wait = self._cond.wait_step(max(0.0, deadline - time.monotonic()))
+                else:
+                    push_vote.taken += 1
+                    # Kept until every shard voted: a refusal that arrives before a peer's vote must still
+                    # answer that vote (the peer would otherwise wait for the vote timeout). Not a vote
+                    # its client retries: a late vote of it starts a vote of its own, and is refused there.
+                    if ((push_vote.taken >= self._participants or push_vote.retried)
+                            and self._open.get(key) is push_vote):
+                        del self._open[key]
+                    outcome = push_vote.outcome
+                    break
+            yield wait  # the lock released: the other shards' votes come in
         if not staged:
             return None
         if isinstance(outcome, BaseException):
@@ -126,20 +140,18 @@ class ShardVotes:
         if push_vote.outcome is not None:
             self._cond.notify_all()
 
-    def _await(self, push_vote: _PushVote, client_id: str, sequence: int, timeout_s: float) -> None:
-        """Waits (lock held) until the push is decided, refusing it after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while push_vote.outcome is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted(set(range(self._participants)) - set(push_vote.votes))
-                push_vote.outcome = PeerRefused(
-                    f"push {sequence} of client {client_id!r} was not staged on every shard within "
-                    f"{timeout_s:.0f} s (shards {missing} did not vote); applied on no shard")
-                push_vote.retried = True
-                self._cond.notify_all()
-                return
-            self._cond.wait(remaining)
+    def _refuse_if_late(self, push_vote: _PushVote, client_id: str, sequence: int, timeout_s: float,
+                        deadline: float) -> bool:
+        """Refuses the undecided push once ``deadline`` passed (lock held); returns whether it did."""
+        if time.monotonic() < deadline:
+            return False
+        missing = sorted(set(range(self._participants)) - set(push_vote.votes))
+        push_vote.outcome = PeerRefused(
+            f"push {sequence} of client {client_id!r} was not staged on every shard within "
+            f"{timeout_s:.0f} s (shards {missing} did not vote); applied on no shard")
+        push_vote.retried = True
+        self._cond.notify_all()
+        return True
 
     def _forget_stale_votes(self) -> None:
         """Drops decided votes that some shard never took part in (its client vanished), once old."""

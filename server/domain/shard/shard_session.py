@@ -44,7 +44,6 @@ from optserve.server.compute.kernel_words import error_line, tensors_in_words
 from optserve.server.compute.updater import Updater
 from optserve.server.domain.clock import HomeCalls
 from optserve.server.domain.config import Limits, SessionConfig, TensorSpec
-from optserve.server.domain.durability import CheckpointPort
 from optserve.server.domain.shard.assembly import TensorAssembler
 from optserve.server.domain.errors import (FailedPrecondition, InvalidArgument, OptservError, PermissionDenied,
                                            RejectReason, Replaced, ResourceExhausted, Unavailable)
@@ -52,9 +51,11 @@ from optserve.server.domain.shard import saved_state
 from optserve.server.domain.shard.refusals import Refusals, StepCheck, log_value
 from optserve.server.domain.shard.saved_state import StartState
 from optserve.server.domain.shard.shard_records import PushHeader, Receipt, ShardSessionStatus, StepObserver
+from optserve.server.domain.shard.session_durability import SessionDurability
 from optserve.server.domain.shard.staging import StagingArea
 from optserve.server.domain.shard.step_runner import StepRunner
 from optserve.server.domain.telemetry import SessionSeries
+from optserve.server.domain.waits import Steps, drive, returns
 
 __all__ = ["PushHeader", "Receipt", "ShardSession", "ShardSessionStatus", "StepObserver"]
 
@@ -127,6 +128,7 @@ class ShardSession:
         self._steps = StepRunner(config, shard_index, self.specs, clock, updater, self._staging, observer, self.series,
                                  step_timeout_s)
         self._cond = self._steps.cond  # guards the version, the apply queue, the journal and the updater's state
+        self.durability = SessionDurability(self._steps)  # store, checkpoint now, restore
         self.home = HomeCalls(config.name, shard_index, clock, self.touch, lambda: self.updater.optimizer,
                               config.is_elastic)
         self._step_check = StepCheck(self._cond, updater, self._refusals, config.name, shard_index)
@@ -232,7 +234,13 @@ class ShardSession:
     # ----------------------------------------------------------------- the step
     def push(self, header: PushHeader, chunks: Iterable, complete: Callable[[], bool] = lambda: True,
              wait_s: Optional[float] = None, in_place: bool = False) -> Receipt:
-        """Receives one push and, with ``header.auto_commit``, applies it with the session's shards.
+        """:meth:`push_steps`, waiting in this thread."""
+        return drive(self.push_steps(header, chunks, complete, wait_s, in_place))
+
+    def push_steps(self, header: PushHeader, chunks: Iterable, complete: Callable[[], bool] = lambda: True,
+                   wait_s: Optional[float] = None, in_place: bool = False) -> Steps[Receipt]:
+        """Receives one push and, with ``header.auto_commit``, applies it with the session's shards;
+        its waits (the vote, its turn, its step) are yielded (:mod:`~optserve.server.domain.waits`).
 
         Args:
           header: the push's identity.
@@ -267,15 +275,19 @@ class ShardSession:
             raise
         if not header.auto_commit:
             return Receipt(self.version, already_applied, committed=False)
-        ticket = self._steps.decide(header.client_id, header.sequence, lambda base: self._clock.vote(
+        ticket = yield from self._steps.decide_steps(header.client_id, header.sequence, lambda base: self._clock.vote_steps(
             header.client_id, header.sequence, base, self.shard_index, True, self._vote_timeout, header.attempt),
             until)
         return Receipt(ticket.target_version, already_applied, True, ticket.staleness, ticket.scale,
                        self._steps.journal.waiter(ticket.target_version))
 
     def commit(self, client_id: str, sequence: int, wait_s: Optional[float] = None) -> Receipt:
+        """:meth:`commit_steps`, waiting in this thread."""
+        return drive(self.commit_steps(client_id, sequence, wait_s))
+
+    def commit_steps(self, client_id: str, sequence: int, wait_s: Optional[float] = None) -> Steps[Receipt]:
         """Two-phase path: applies a push staged without ``auto_commit``; returns once its step is
-        applied here (``wait_s``: as for :meth:`push`).
+        applied here (``wait_s``: as for :meth:`push`); its waits are yielded.
 
         Raises:
           NotFound: nothing is staged under the identity and it was never applied (also when it
@@ -287,7 +299,8 @@ class ShardSession:
         staged, expired_at = self._staging.claim((client_id, sequence))  # a claimed push never expires
         if staged is None and not self._steps.queue.already_applied(client_id, sequence):
             raise self._staging.missing((client_id, sequence), expired_at)
-        ticket = self._steps.decide(client_id, sequence, lambda base: self._clock.commit(client_id, sequence, base), until)
+        ticket = yield from self._steps.decide_steps(
+            client_id, sequence, lambda base: returns(self._clock.commit(client_id, sequence, base)), until)
         return Receipt(ticket.target_version, staged is None, True, ticket.staleness, ticket.scale,
                        self._steps.journal.waiter(ticket.target_version))
 
@@ -330,26 +343,6 @@ class ShardSession:
         self._staging.stage((header.client_id, header.sequence), header.base_version, grads, header.telemetry,
                             header.auto_commit, header.without_gradient)  # a retry replaces what an earlier attempt staged
         return False
-
-    # ----------------------------------------------------------------- durability
-    def checkpoint_now(self) -> bool:
-        """A checkpoint of the current state, written before this returns (server shutdown);
-        False when there is nothing new since the last one or nothing to save."""
-        with self._cond:
-            return self._steps.journal.checkpoint_now()
-
-    def restore(self, store, read_log, journal_tickets: Callable[[Optional[dict]], list],
-                upto: Optional[int] = None) -> int:
-        """Durable sessions, at recovery: see :meth:`StepRunner.restore`; returns the version reached."""
-        return self._steps.restore(store, read_log, journal_tickets, upto)
-
-    def attach_store(self, store: CheckpointPort) -> None:
-        """Makes a new session durable: its steps are logged to ``store.log`` from now on."""
-        self._steps.journal.attach(store)
-
-    def close_store(self) -> None:
-        """Finishes a checkpoint being written and closes the log (the session is closing)."""
-        self._steps.journal.close()
 
     # ----------------------------------------------------------------- reading
     def snapshot(self, evaluation: bool = False) -> tuple[int, dict[str, np.ndarray]]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from typing import Any, Callable, Iterable, Mapping, Optional
 
@@ -36,12 +35,12 @@ from optserve.server.domain.errors import (InvalidArgument, OptservError, PeerRe
 from optserve.server.domain.shard.apply_queue import ApplyQueue, entry
 from optserve.server.domain.shard.journal_records import JournaledStep, UnloggedStep
 from optserve.server.domain.shard.refusals import log_value
-from optserve.server.domain.shard.replay import replayed_tickets
 from optserve.server.domain.shard.shard_records import StepObserver
 from optserve.server.domain.shard.staging import StagingArea
 from optserve.server.domain.shard.sparse_relay import SparseRelay
 from optserve.server.domain.shard.step_journal import LogWriteFailed, StepJournal
 from optserve.server.domain.telemetry import SessionSeries
+from optserve.server.domain.waits import SignalCondition, Steps
 
 _log = logging.getLogger(__name__)
 
@@ -88,7 +87,7 @@ class StepRunner:
         self.observer = observer
         self.series = series
         self.version = 0
-        self.cond = threading.Condition()  # re-entrant: the journal calls back while it is held
+        self.cond = SignalCondition()  # re-entrant: the journal calls back while it is held
         self.queue = ApplyQueue(config, shard_index, step_timeout_s)
         self.journal = StepJournal(self, specs, staging.push_bytes, config.name, shard_index)
         self.relay = SparseRelay(config.sparse_mean_over_senders)  # sparse steps' compact answers
@@ -111,67 +110,88 @@ class StepRunner:
         return self.updater.initialized
 
     @property
+    def clock(self):
+        """The session's clock (see :class:`~optserve.server.domain.clock.home_clock.Clock`)."""
+        return self._clock
+
+    @property
     def abandoned(self) -> Optional[OptservError]:
         """Why the session ended on this shard (None: it did not)."""
         return self._abandoned
 
-    def decide(self, client_id: str, sequence: int, ask: Callable[[int], Ticket],
-               until: Optional[float] = None) -> Ticket:
-        """Gets the push's ticket (``ask(base_version)``), then applies tickets up to it (waiting
-        until ``until`` at most, see :meth:`_run_through`)."""
+    def decide_steps(self, client_id: str, sequence: int, ask: Callable[[int], Steps[Ticket]],
+                     until: Optional[float] = None) -> Steps[Ticket]:
+        """Gets the push's ticket (``yield from ask(base_version)``), then applies tickets up to it
+        (waiting until ``until`` at most, see :meth:`run_through_steps`). Waits are yielded
+        (:mod:`~optserve.server.domain.waits`)."""
         try:
-            ticket = ask(self._staging.base_version((client_id, sequence)))
+            ticket = yield from ask(self._staging.base_version((client_id, sequence)))
         except (Stale, PeerRefused, Unavailable, InvalidArgument) as refused:  # its buffers go back at once
             self._staging.drop((client_id, sequence), _dropped_as(refused))
             raise
-        self._run_through(ticket, until)
+        yield from self.run_through_steps(ticket, until)
         return ticket
 
-    def _run_through(self, ticket: Ticket, until: Optional[float] = None) -> None:
+    def run_through_steps(self, ticket: Ticket, until: Optional[float] = None) -> Steps[None]:
         """Applies tickets in ordinal order up to ``ticket``, then waits for its step: for
-        ``step_timeout_s`` at most, or until the monotonic time ``until`` (the caller's deadline)."""
+        ``step_timeout_s`` at most, or until the monotonic time ``until`` (the caller's deadline).
+        Each wait is yielded with :attr:`cond` released."""
         started = time.monotonic()
         deadline = started + self._timeout if until is None else min(started + self._timeout, until)
         queue = self.queue
         with self.cond:
             if queue.arrive(ticket):  # else: a retry of a push applied already
                 self.cond.notify_all()
-            while not queue.reached(ticket):
+        while True:  # its turn: the tickets before it applied
+            with self.cond:
+                if queue.reached(ticket):
+                    break
                 pending = queue.next_ready(self._awaits_resend)
                 if pending is not None:
                     self._apply_ticket(pending)
                     self.cond.notify_all()
                     continue
                 self.raise_if_abandoned()
-                if not self.cond.wait(timeout=_GAP_POLL_S):
+                wait = self.cond.wait_step(_GAP_POLL_S)
+            if not (yield wait):
+                with self.cond:
                     self.raise_if_abandoned()
                     queue.poll_missing(self._clock)
-                if time.monotonic() > deadline:
+            if time.monotonic() > deadline:
+                with self.cond:
                     raise queue.gap_timeout()
-            while self.version < ticket.target_version:
+        while True:  # its step: applied once the step's pushes (sync) or the round (elastic) are in
+            with self.cond:
                 self.raise_if_abandoned()
+                if self.version >= ticket.target_version:
+                    return
                 self.journal.require_logged()  # write-ahead: this step's record may have failed
                 if self.version >= ticket.target_version:
-                    break
+                    return
                 if self._elastic:  # the round may commit without a push: ask the clock for its next ticket
                     pending = queue.next_ready(self._awaits_resend)
                     if pending is not None:
                         self._apply_ticket(pending)
                         self.cond.notify_all()
                         continue
-                    self.cond.wait(timeout=max(0.0, min(_ROUND_POLL_S, deadline - time.monotonic())))
+                    wait = self.cond.wait_step(max(0.0, min(_ROUND_POLL_S, deadline - time.monotonic())))
+                else:
+                    wake_at = queue.wait_until(ticket, started, deadline, WAITING_NOTICE_S)
+                    wait = self.cond.wait_step(max(0.0, wake_at - time.monotonic()))
+            notified = yield wait
+            with self.cond:
+                if self._elastic:
                     if time.monotonic() - self._round_polled_at >= _ROUND_POLL_S:
                         self._round_polled_at = time.monotonic()
                         queue.poll_missing(self._clock)
                     if time.monotonic() <= deadline:
                         continue
-                elif self.cond.wait(timeout=max(0.0, self.queue.wait_until(ticket, started, deadline,
-                                                                           WAITING_NOTICE_S) - time.monotonic())):
+                elif notified:
                     continue
                 elif time.monotonic() < deadline:  # the notice's time came first (said once per step)
-                    self.queue.notice_waiting(ticket, time.monotonic() - started)
+                    queue.notice_waiting(ticket, time.monotonic() - started)
                     continue
-                raise Timeout(step_timeout_message(self.queue, self._clock.status() if self._elastic else None,
+                raise Timeout(step_timeout_message(queue, self._clock.status() if self._elastic else None,
                                                   self.config.min_workers, ticket, time.monotonic() - started))
 
     def _awaits_resend(self, ticket: Ticket) -> bool:
@@ -315,38 +335,6 @@ class StepRunner:
         with self.cond:
             self.raise_if_abandoned()
             return self.journal.recover()
-
-    def restore(self, store, read_log, journal_tickets: Callable[[Optional[dict]], list],
-                upto: Optional[int] = None) -> int:
-        """Durable sessions, at recovery: loads the latest checkpoint and replays the step log.
-
-        Args:
-          store: the session's store on this shard (also where later steps are logged).
-          read_log: ``(segment_path, arrays) -> reader`` (see :func:`~.replay.replay`).
-          journal_tickets: ``manifest -> [entry]``: the clock journal after the checkpoint (home shard).
-          upto: the version every shard of the session is restored to (a whole server's restore:
-            later logged steps are rolled back, and the home clock forgets their tickets); None:
-            the last step this shard logged (one shard restarted among running ones).
-
-        Returns the version reached.
-        """
-        with self.cond:
-            restored = self.journal.replay(store, self.updater, read_log, upto)
-            manifest = None
-            if restored is not None:
-                manifest, progress, records = restored
-                self.version = progress.version
-                self.queue.restore(progress)
-                if self._is_home:
-                    settle_at = (progress.version, progress.next_ordinal) if upto is not None else None
-                    start = ShardProgress.from_json(manifest["progress"]).hyper or self.updater.optimizer.hyperparams
-                    self._clock.restore(manifest.get("clock"), journal_tickets(manifest),
-                                        replayed=replayed_tickets(records, start), settle_at=settle_at)
-            self.journal.resume(store, manifest, self.version)
-            if restored is not None and self._is_home and upto is not None:
-                self._clock.journal_settled()
-            self.cond.notify_all()
-            return self.version
 
 
 def step_timeout_message(queue, status, min_workers: int, ticket: Ticket, waited_s: float) -> str:

@@ -1,0 +1,68 @@
+"""A session's durability on one shard: its store attached and closed, a checkpoint now, a restore.
+
+:class:`SessionDurability` is what the shard actor asks of a durable session (through
+``ShardSession.durability``); the step's own durability (each step logged, checkpoints when due)
+is the session's :class:`~optserve.server.domain.shard.step_journal.StepJournal`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from optserve.server.domain.durability import CheckpointPort, ShardProgress
+from optserve.server.domain.shard.replay import replayed_tickets
+from optserve.server.domain.shard.step_runner import StepRunner
+
+
+class SessionDurability:
+    """The durability calls on one session's part on a shard (``steps``: its step runner)."""
+
+    def __init__(self, steps: StepRunner):
+        self._steps = steps
+
+    def attach_store(self, store: CheckpointPort) -> None:
+        """Makes a new session durable: its steps are logged to ``store.log`` from now on."""
+        self._steps.journal.attach(store)
+
+    def close_store(self) -> None:
+        """Finishes a checkpoint being written and closes the log (the session is closing)."""
+        self._steps.journal.close()
+
+    def checkpoint_now(self) -> bool:
+        """A checkpoint of the current state, written before this returns (server shutdown);
+        False when there is nothing new since the last one or nothing to save."""
+        with self._steps.cond:
+            return self._steps.journal.checkpoint_now()
+
+    def restore(self, store, read_log, journal_tickets: Callable[[Optional[dict]], list],
+                upto: Optional[int] = None) -> int:
+        """Durable sessions, at recovery: loads the latest checkpoint and replays the step log.
+
+        Args:
+          store: the session's store on this shard (also where later steps are logged).
+          read_log: ``(segment_path, arrays) -> reader`` (see :func:`~.replay.replay`).
+          journal_tickets: ``manifest -> [entry]``: the clock journal after the checkpoint (home shard).
+          upto: the version every shard of the session is restored to (a whole server's restore:
+            later logged steps are rolled back, and the home clock forgets their tickets); None:
+            the last step this shard logged (one shard restarted among running ones).
+
+        Returns the version reached.
+        """
+        steps, clock = self._steps, self._steps.clock
+        with steps.cond:
+            restored = steps.journal.replay(store, steps.updater, read_log, upto)
+            manifest = None
+            if restored is not None:
+                manifest, progress, records = restored
+                steps.version = progress.version
+                steps.queue.restore(progress)
+                if clock.is_home:
+                    settle_at = (progress.version, progress.next_ordinal) if upto is not None else None
+                    start = ShardProgress.from_json(manifest["progress"]).hyper or steps.updater.optimizer.hyperparams
+                    clock.restore(manifest.get("clock"), journal_tickets(manifest),
+                                  replayed=replayed_tickets(records, start), settle_at=settle_at)
+            steps.journal.resume(store, manifest, steps.version)
+            if restored is not None and clock.is_home and upto is not None:
+                clock.journal_settled()
+            steps.cond.notify_all()
+            return steps.version

@@ -1,0 +1,101 @@
+"""A step's waits as values, so that a step waiting for its vote or its turn holds no thread.
+
+Code on a step's path that must wait (for the other shards' votes, for its turn in the apply
+order, for its sync round) is written as a generator: where it would block it yields a
+:class:`Wait` and is resumed with whether the wait ended before its timeout. Two drivers run
+such a generator: :func:`drive` blocks the calling thread on each wait (unary calls, tests);
+the shard's event loop (:class:`~optserve.server.wire.loop_calls.PoolRuns`) awaits each wait
+without a thread and runs only the code between waits in its thread pool.
+
+:class:`SignalCondition` is the condition such code waits on: a ``threading.Condition`` whose
+``notify_all`` also completes the futures handed out by :meth:`SignalCondition.waiter`.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, InvalidStateError
+from typing import Generator, Optional, TypeVar
+
+T = TypeVar("T")
+Steps = Generator["Wait", bool, T]  # a generator of waits returning T
+
+_PRUNE_FROM = 64  # waiters kept before the ones given up on are dropped
+
+
+class Wait:
+    """Wait until ``future`` is done, or ``timeout_s`` seconds (None: no limit).
+
+    ``future``: anything with ``add_done_callback(fn)`` calling ``fn(future)`` once done (a
+    ``concurrent.futures.Future``, a gRPC call future). A timed-out wait on a
+    :meth:`SignalCondition.waiter` future cancels it (``signal`` True), so the condition drops it.
+    """
+
+    __slots__ = ("future", "timeout_s", "signal")
+
+    def __init__(self, future, timeout_s: Optional[float], signal: bool = False):
+        self.future = future
+        self.timeout_s = timeout_s
+        self.signal = signal
+
+    def gave_up(self) -> None:
+        """The wait timed out."""
+        if self.signal:
+            self.future.cancel()
+
+    def block(self) -> bool:
+        """Waits in this thread; returns whether the future was done in time."""
+        done = threading.Event()
+        self.future.add_done_callback(lambda _future: done.set())
+        if done.wait(self.timeout_s):
+            return True
+        self.gave_up()
+        return False
+
+
+def drive(steps: Steps[T]) -> T:
+    """Runs ``steps`` to its end in this thread, blocking on each of its waits; returns its value."""
+    try:
+        wait = next(steps)
+        while True:
+            wait = steps.send(wait.block())
+    except StopIteration as stop:
+        return stop.value
+
+
+def returns(value: T) -> Steps[T]:
+    """A generator of no waits that returns ``value`` (where a step's code expects waits)."""
+    return value
+    yield  # noqa: unreachable - makes this function a generator
+
+
+class SignalCondition(threading.Condition):
+    """A ``threading.Condition`` (re-entrant by default) whose :meth:`notify_all` also completes
+    the futures of :meth:`waiter`: a step waits for the condition's next notification without a
+    thread by yielding ``Wait(cond.waiter(), timeout, signal=True)`` (see :meth:`wait_step`)."""
+
+    def __init__(self, lock=None):
+        super().__init__(lock)
+        self._futures: list[Future] = []
+
+    def waiter(self) -> Future:
+        """A future done at the next :meth:`notify_all` (call with the lock held, then release
+        it before waiting on the future)."""
+        if len(self._futures) >= _PRUNE_FROM:
+            self._futures = [f for f in self._futures if not f.cancelled()]
+        future: Future = Future()
+        self._futures.append(future)
+        return future
+
+    def wait_step(self, timeout_s: Optional[float]) -> Wait:
+        """The :class:`Wait` for the next notification (call with the lock held)."""
+        return Wait(self.waiter(), timeout_s, signal=True)
+
+    def notify_all(self) -> None:
+        super().notify_all()
+        futures, self._futures = self._futures, []
+        for future in futures:
+            try:
+                future.set_result(True)
+            except InvalidStateError:  # given up on (cancelled) meanwhile
+                pass

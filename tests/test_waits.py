@@ -1,0 +1,104 @@
+"""A step's waits as values (server/domain/waits.py) and their driver on an event loop
+(server/wire/loop_calls.py): waits that hold no thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from optserve.server.domain.clock.votes import ShardVotes
+from optserve.server.domain.clock.clock_records import Ticket
+from optserve.server.domain.errors import PeerRefused
+from optserve.server.domain.waits import SignalCondition, Wait, drive
+from optserve.server.wire.loop_calls import PoolRuns
+
+
+def _ticket(client_id: str, sequence: int, ordinal: int) -> Ticket:
+    return Ticket(ordinal, client_id, sequence, 0, 1.0, True, ordinal + 1, False, "")
+
+
+def test_drive_waits_in_this_thread_and_returns_the_generators_value():
+    cond = SignalCondition()
+    ready = []
+
+    def steps():
+        while True:
+            with cond:
+                if ready:
+                    return ready[0]
+                wait = cond.wait_step(5.0)
+            yield wait
+
+    def later():
+        time.sleep(0.05)
+        with cond:
+            ready.append("done")
+            cond.notify_all()
+
+    threading.Thread(target=later).start()
+    assert drive(steps()) == "done"
+
+
+def test_a_wait_that_times_out_says_so_and_its_waiter_is_dropped_at_the_next_notify():
+    cond = SignalCondition()
+    with cond:
+        wait = cond.wait_step(0.01)
+    assert wait.block() is False
+    assert wait.future.cancelled()
+    with cond:
+        cond.notify_all()  # a cancelled waiter is skipped, not an error
+        assert cond.wait_step(None).future.done() is False
+
+
+def test_a_wait_on_a_future_done_already_ends_at_once():
+    cond = SignalCondition()
+    with cond:
+        wait = cond.wait_step(10.0)
+        cond.notify_all()
+    started = time.monotonic()
+    assert Wait(wait.future, 10.0).block() is True
+    assert time.monotonic() - started < 1.0
+
+
+def test_two_hundred_votes_wait_on_the_loop_with_a_pool_of_two_threads():
+    # Shard 0's part of 200 pushes votes first: each waits for shard 1's vote. Were a waiting
+    # vote to hold a thread, the pool's 2 threads would be taken by the first two votes and
+    # shard 1's votes (run in the same pool) could never be counted: every vote refused at its
+    # timeout. Waiting on the loop, all 200 are decided as soon as shard 1 voted.
+    pushes = 200
+    cond = SignalCondition()
+    decided = iter(range(10 ** 6))
+    votes = ShardVotes(2, cond, lambda client, sequence, base: _ticket(client, sequence, next(decided)))
+    pool = ThreadPoolExecutor(2)
+
+    async def main():
+        first = [asyncio.ensure_future(PoolRuns(pool).result(
+            votes.vote_steps("c", sequence, 0, 0, True, timeout_s=20.0))) for sequence in range(pushes)]
+        await asyncio.sleep(0.2)
+        assert not any(f.done() for f in first)  # waiting for shard 1, and no thread held
+        second = [PoolRuns(pool).result(votes.vote_steps("c", sequence, 0, 1, True, timeout_s=20.0))
+                  for sequence in range(pushes)]
+        return await asyncio.wait_for(asyncio.gather(*first, *second), 15.0)
+
+    try:
+        started = time.monotonic()
+        tickets = asyncio.run(main())
+        assert time.monotonic() - started < 10.0
+    finally:
+        pool.shutdown()
+    assert [t.sequence for t in tickets[:pushes]] == list(range(pushes))
+    assert tickets[:pushes] == tickets[pushes:]  # both shards got the same ticket
+
+
+def test_a_vote_no_peer_answers_is_refused_at_its_timeout_on_the_loop():
+    votes = ShardVotes(2, SignalCondition(), lambda client, sequence, base: _ticket(client, sequence, 0))
+    pool = ThreadPoolExecutor(1)
+    try:
+        with pytest.raises(PeerRefused, match=r"shards \[1\] did not vote"):
+            asyncio.run(PoolRuns(pool).result(votes.vote_steps("c", 1, 0, 0, True, timeout_s=0.2)))
+    finally:
+        pool.shutdown()
