@@ -20,7 +20,7 @@ from typing import Generator, Optional, TypeVar
 T = TypeVar("T")
 Steps = Generator["Wait", bool, T]  # a generator of waits returning T
 
-_PRUNE_FROM = 64  # waiters kept before the ones given up on are dropped
+_PRUNE_FROM = 64  # waiters kept before the ones given up on are first looked for
 
 
 class Wait:
@@ -77,12 +77,14 @@ class SignalCondition(threading.Condition):
     def __init__(self, lock=None):
         super().__init__(lock)
         self._futures: list[Future] = []
+        self._prune_at = _PRUNE_FROM  # the list's length at which given-up futures are dropped
 
     def waiter(self) -> Future:
         """A future done at the next :meth:`notify_all` (call with the lock held, then release
         it before waiting on the future)."""
-        if len(self._futures) >= _PRUNE_FROM:
+        if len(self._futures) >= self._prune_at:  # amortised: at most once per doubling
             self._futures = [f for f in self._futures if not f.cancelled()]
+            self._prune_at = max(_PRUNE_FROM, 2 * len(self._futures))
         future: Future = Future()
         self._futures.append(future)
         return future
@@ -94,6 +96,7 @@ class SignalCondition(threading.Condition):
     def notify_all(self) -> None:
         super().notify_all()
         futures, self._futures = self._futures, []
+        self._prune_at = _PRUNE_FROM
         for future in futures:
             try:
                 future.set_result(True)

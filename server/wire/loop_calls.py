@@ -14,14 +14,17 @@ import asyncio
 import logging
 import threading
 import time
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Generator, Optional
 
 import grpc
 
+from optserve.server.domain.errors import OptservError
 from optserve.server.domain.waits import Wait
 
 _log = logging.getLogger(__name__)
+_LOOP_CHECK_S = 1.0  # how often a thread reading a call's messages looks whether the server stopped
 
 
 class CallEnded(grpc.RpcError):
@@ -72,14 +75,15 @@ class LoopCallContext:
         cancelled = asyncio.ensure_future(self.cancelled.wait())
         try:
             await asyncio.wait((reading, cancelled), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            cancelled.cancel()
-        if not reading.done():
-            reading.cancel()
+        finally:  # also when this task is cancelled (the client went away): nothing left behind
+            for task in (reading, cancelled):
+                if not task.done():
+                    task.cancel()
+        if reading.cancelled():
             raise CallEnded()
         try:
             message = reading.result()
-        except (asyncio.CancelledError, grpc.RpcError, RuntimeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - the call ended under the read (cancelled, server stopping)
             raise CallEnded() from exc
         return None if message is grpc.aio.EOF else message
 
@@ -97,7 +101,17 @@ class LoopRequests:
         return self
 
     def __next__(self):
-        message = asyncio.run_coroutine_threadsafe(self._context.read(), self._loop).result()
+        if not self._loop.is_running():  # the server stopped
+            raise CallEnded()
+        reading = asyncio.run_coroutine_threadsafe(self._context.read(), self._loop)
+        while True:
+            try:
+                message = reading.result(timeout=_LOOP_CHECK_S)
+                break
+            except FutureTimeout:
+                if not self._loop.is_running():
+                    reading.cancel()
+                    raise CallEnded() from None
         if message is None:
             raise StopIteration
         return message
@@ -113,37 +127,12 @@ def _advance(generator: Generator, sent: Optional[bool]) -> tuple[int, Any]:
         return _RETURNED, stop.value
 
 
-def _finish_step(generator: Generator, wait: Wait) -> None:
-    """A step whose call ended while it waits: its waits are waited out here and it runs on to
-    its next answer (its part of the push applied, as the clock decided), then it is closed
-    (nobody reads it)."""
-    try:
-        sent = wait.block()
-        while True:
-            item = generator.send(sent)
-            if not isinstance(item, Wait):
-                return
-            sent = item.block()
-    except StopIteration:
-        return
-    except Exception as exc:  # noqa: BLE001 - its refusal has nobody to go to
-        _log.debug("a step whose call ended failed: %s", exc)
-    finally:
-        generator.close()
-
-
-def _finish_after(generator: Generator, running: Future) -> None:
-    """A step whose call ended while it ran in the pool (``running``): finished from where it got."""
-    try:
-        kind, item = running.result()
-    except BaseException:  # noqa: BLE001 - it ended with its refusal: nobody to tell
-        return
-    if kind == _RETURNED:
-        return
-    if isinstance(item, Wait):
-        _finish_step(generator, item)
+def _log_unheard(exc: BaseException) -> None:
+    """A step whose call ended failed: a refusal has nobody to go to; a fault is logged."""
+    if isinstance(exc, OptservError):
+        _log.debug("a step whose call ended was refused: %s", exc)
     else:
-        generator.close()
+        _log.error("event=server_error rpc=ShardData/PushPull (a step whose call ended)", exc_info=exc)
 
 
 async def _waited(wait: Wait) -> bool:
@@ -162,27 +151,42 @@ async def _waited(wait: Wait) -> bool:
         return False
 
 
+_FINISHING: set = set()  # steps going on after their calls ended (the loop keeps only weak references)
+
+
+def _kept(task: asyncio.Future) -> asyncio.Future:
+    _FINISHING.add(task)
+    task.add_done_callback(_FINISHING.discard)
+    return task
+
+
 class PoolRuns:
     """Runs a call's steps (see :meth:`run`), and the call's cleanup after the last of them (:meth:`after`)."""
 
     def __init__(self, pool: Executor):
         self._pool = pool
-        self._running: Optional[Future] = None
+        self._running: Optional[asyncio.Future] = None  # a step going on after its call was cancelled
+
+    async def _hop(self, generator: Generator, sent: Optional[bool]) -> tuple[int, Any]:
+        """One stretch of the generator in the pool (shielded: a cancelled call never drops a
+        stretch queued in the pool, see :meth:`run`)."""
+        return await asyncio.shield(asyncio.wrap_future(self._pool.submit(_advance, generator, sent)))
 
     async def run(self, generator: Generator):
         """Runs ``generator`` in the pool between its waits: each :class:`~optserve.server.domain.waits.Wait`
         it yields is awaited on the loop (no thread held) and answered with whether it ended in
         time; every other item is yielded, then :class:`Returned` with what it returned.
 
-        Cancelled (the client went away), the step goes on without it in the pool up to its next
-        answer (:func:`_finish_step`), as a thread of a synchronous server would."""
+        Cancelled (the client went away), the step goes on without it up to its next answer, as
+        a thread of a synchronous server would (its part of a decided push is applied here):
+        :meth:`_finish`, awaited by :meth:`after`."""
         sent = None
         while True:
-            self._running = running = self._pool.submit(_advance, generator, sent)
+            hop = asyncio.ensure_future(self._hop(generator, sent))
             try:
-                kind, value = await asyncio.wrap_future(running)
+                kind, value = await asyncio.shield(hop)
             except asyncio.CancelledError:
-                self._running = self._after(running, lambda: _finish_after(generator, running))
+                self._running = _kept(asyncio.ensure_future(self._finish(generator, hop=hop)))
                 raise
             if kind == _RETURNED:
                 yield Returned(value)
@@ -191,11 +195,31 @@ class PoolRuns:
                 try:
                     sent = await _waited(value)
                 except asyncio.CancelledError:
-                    self._running = self._pool.submit(_finish_step, generator, value)
+                    self._running = _kept(asyncio.ensure_future(self._finish(generator, wait=value)))
                     raise
                 continue
             sent = None
             yield value
+
+    async def _finish(self, generator: Generator, hop: Optional[asyncio.Future] = None,
+                      wait: Optional[Wait] = None) -> None:
+        """A step whose call ended: from its stretch running in the pool (``hop``) or its
+        ``wait``, it runs on (its waits on the loop) up to its next answer, then is closed."""
+        try:
+            if hop is not None:
+                kind, item = await hop
+                if kind == _RETURNED or not isinstance(item, Wait):
+                    return
+                wait = item
+            while True:
+                kind, item = await self._hop(generator, await _waited(wait))
+                if kind == _RETURNED or not isinstance(item, Wait):
+                    return
+                wait = item
+        except Exception as exc:  # noqa: BLE001 - nobody to answer: see _log_unheard
+            _log_unheard(exc)
+        finally:
+            await asyncio.wrap_future(self._pool.submit(generator.close))
 
     async def result(self, generator: Generator):
         """What ``generator`` (a generator of waits only) returns, run as :meth:`run` runs it."""
@@ -204,28 +228,22 @@ class PoolRuns:
                 return item.value
             raise TypeError(f"a generator of waits yielded {type(item).__name__}")
 
-    def _after(self, running: Future, then: Callable[[], None]) -> Future:
-        """A future done once ``running`` ended and ``then()`` ran after it in the pool."""
-        followed: Future = Future()
-
-        def chain(_future) -> None:
-            try:
-                self._pool.submit(then).add_done_callback(lambda _f: followed.set_result(None))
-            except RuntimeError:  # the pool shut down
-                followed.set_result(None)
-
-        running.add_done_callback(chain)
-        return followed
-
     def after(self, cleanup: Callable[[], None]) -> None:
-        """``cleanup()`` now, or in the pool once a step still running there ends: a step goes on
-        after its call was cancelled, and what the call's end undoes (e.g. its worker leaving an
-        elastic session) must come after what the step does (its push joining a round)."""
+        """``cleanup()`` in the pool (it may take a session's locks: never on the loop), after a
+        step still going on without its call: what the call's end undoes (e.g. its worker
+        leaving an elastic session) must come after what the step does (its push joining a
+        round). Call on the loop."""
+        def in_pool(_task=None) -> None:
+            try:
+                self._pool.submit(cleanup)
+            except RuntimeError:  # the pool shut down (the server stops): here, then
+                cleanup()
+
         running = self._running
         if running is None or running.done():
-            cleanup()
+            in_pool()
         else:
-            running.add_done_callback(lambda _future: cleanup())
+            running.add_done_callback(in_pool)
 
 
 class Returned:

@@ -25,8 +25,10 @@ _START_TIMEOUT_S = 30.0
 class SyncCallContext:
     """The context a thread-pool handler of a :class:`LoopServer` sees: grpc.aio's synchronous
     context (no ``is_active``, ``code`` or ``cancel``) with the two it lacks that our handlers
-    ask: ``is_active()`` (False once the call ended: answered, cancelled or past its deadline) and
-    ``code()`` (the status the handler set or aborted with, None before)."""
+    ask: ``code()`` (the status the handler set or aborted with, None before) and ``is_active()``.
+    grpc.aio tells a synchronous handler of its call's end only once a unary answer was sent, so
+    ``is_active()`` stays True while the handler runs: a client gone mid-upload shows as its
+    request stream ending early (an incomplete push, refused and applied nowhere)."""
 
     __slots__ = ("_context", "_ended", "_code")
 

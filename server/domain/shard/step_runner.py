@@ -162,9 +162,9 @@ class StepRunner:
                     raise queue.gap_timeout()
         while True:  # its step: applied once the step's pushes (sync) or the round (elastic) are in
             with self.cond:
-                self.raise_if_abandoned()
                 if self.version >= ticket.target_version:
                     return
+                self.raise_if_abandoned()
                 self.journal.require_logged()  # write-ahead: this step's record may have failed
                 if self.version >= ticket.target_version:
                     return
