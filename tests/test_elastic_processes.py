@@ -157,8 +157,9 @@ def test_a_stopped_worker_is_dropped_when_its_lease_lapses_and_rejoins_after_sig
         open(stop, "w").close()
         for worker in workers:
             worker.wait()
-        # s2's push in flight when it stopped came back late (or it rejoined in time), and it went on
-        assert workers[2].lines[-1] == "done" and any(line.startswith("late ") for line in workers[2].lines)
+        # s2's push in flight when it stopped came back late, or was taken into its round before its
+        # lease lapsed (where the SIGSTOP lands decides which); either way it went on and was acked again
+        assert workers[2].lines[-1] == "done" and max(workers[2].acked()) > stopped_at
         history = _check_replay_and_acks(owner, params, workers)
         assert any(r.version > stopped_at + 1 and "s2" not in r.participants for r in history)  # left out meanwhile
         assert owner.status().elastic.lease_expiries >= 1
