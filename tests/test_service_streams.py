@@ -59,25 +59,41 @@ def test_more_clients_than_open_calls_allowed_all_step_because_crowded_streams_e
     params = make_params()
     owner = Client(few_thread_server.address)
     owner.create_session(unique_name, params, optimizer=OPTIMIZER, mode="async")
-    clients = [Client(few_thread_server.address, timeout=5.0, stream_idle_s=600.0) for _ in range(workers)]
-    sessions = [c.session(unique_name) for c in clients]
+    _step_together(few_thread_server.address, unique_name, owner, params, workers, steps,
+                   timeout=5.0, stream_idle_s=600.0)
+    status = owner.session(unique_name).status()
+    assert status.steps_applied == workers * steps
+    assert status.rejected.get("aborted", 0) == 0
+    owner.close_session(unique_name)
+    owner.close()
 
-    def train(index: int) -> int:
+
+def _step_together(address: str, name: str, owner: Client, params: dict, workers: int, steps: int,
+                   **client_args) -> list[float]:
+    """``workers`` clients (each its own Client) step session ``name`` ``steps`` times at once;
+    returns every step's time. Each client detaches and closes at the end (the owner too, on failure)."""
+    clients = [Client(address, **client_args) for _ in range(workers)]
+    sessions = [c.session(name) for c in clients]
+
+    def train(index: int) -> list[float]:
+        took = []
         for step in range(steps):
+            started = time.monotonic()
             sessions[index].push_pull(make_grads(params, step, seed=index + 2))
-        return index
+            took.append(time.monotonic() - started)
+        return took
 
     try:
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            assert sorted(pool.map(train, range(workers))) == list(range(workers))
-        status = owner.session(unique_name).status()
-        assert status.steps_applied == workers * steps
-        assert status.rejected.get("aborted", 0) == 0
+            return [t for times in pool.map(train, range(workers)) for t in times]
+    except BaseException:
+        owner.close_session(name)
+        owner.close()
+        raise
     finally:
         for session in sessions:
             session.detach()
-        owner.close_session(unique_name)
-        for c in clients + [owner]:
+        for c in clients:
             c.close()
 
 
@@ -243,27 +259,10 @@ def test_a_sync_step_of_sixteen_workers_completes_on_shards_of_four_threads(four
     params = make_params()
     owner = Client(four_thread_pair.address)
     owner.create_session(unique_name, params, optimizer=OPTIMIZER, mode="sync", num_workers=workers)
-    clients = [Client(four_thread_pair.address, timeout=60.0) for _ in range(workers)]
-    sessions = [c.session(unique_name) for c in clients]
-
-    def train(index: int) -> list[float]:
-        took = []
-        for step in range(steps):
-            started = time.monotonic()
-            sessions[index].push_pull(make_grads(params, step, seed=index + 2))
-            took.append(time.monotonic() - started)
-        return took
-
-    try:
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            took = [t for times in pool.map(train, range(workers)) for t in times]
-        status = owner.session(unique_name).status()
-        assert status.version == steps
-        assert status.rejected == {} or sum(status.rejected.values()) == 0, status.rejected
-        assert max(took) < 10.0, f"a step waited {max(took):.1f} s: as long as a vote timeout"
-    finally:
-        for session in sessions:
-            session.detach()
-        owner.close_session(unique_name)
-        for c in clients + [owner]:
-            c.close()
+    took = _step_together(four_thread_pair.address, unique_name, owner, params, workers, steps, timeout=60.0)
+    status = owner.session(unique_name).status()
+    assert status.version == steps
+    assert sum(status.rejected.values()) == 0, status.rejected
+    assert max(took) < 10.0, f"a step waited {max(took):.1f} s: as long as a vote timeout"
+    owner.close_session(unique_name)
+    owner.close()
