@@ -36,7 +36,7 @@ from optserve.protos.optserve.v1 import clock_pb2, clock_pb2_grpc
 from optserve.server.domain.clock import HomeClock, Ticket
 from optserve.server.domain.errors import (FailedPrecondition, FutureBase, InvalidArgument, NotFound, OptservError,
                                            PeerRefused, Stale, Timeout, Unavailable)
-from optserve.server.domain.waits import Steps, Wait
+from optserve.server.domain.waits import Steps, Wait, drive
 from optserve.server.wire.errors import abort_call, add_unary_service, checked_message, grpc_errors
 from optserve.server.wire.loop_calls import PoolRuns
 from optserve.server.wire.loop_server import LoopServer
@@ -295,6 +295,11 @@ class PeerClock:
 
     def vote(self, client_id: str, sequence: int, base_version: int, shard_index: int, staged: bool,
              timeout_s: float, attempt: int = 0) -> Optional[Ticket]:
+        return drive(self.vote_steps(client_id, sequence, base_version, shard_index, staged, timeout_s, attempt))
+
+    def vote_steps(self, client_id: str, sequence: int, base_version: int, shard_index: int, staged: bool,
+                   timeout_s: float, attempt: int = 0) -> Steps[Optional[Ticket]]:
+        """:meth:`vote`, the call to the home clock yielded as a wait (no thread waits for it)."""
         request = clock_pb2.ClockVoteRequest(session=self._session, client_id=client_id, sequence=sequence,
                                              base_version=base_version, shard_index=shard_index, staged=staged,
                                              timeout_s=timeout_s, attempt=attempt)
@@ -305,16 +310,6 @@ class PeerClock:
                 _IN_FLIGHT.add(future)
             future.add_done_callback(_forget_call)
             return None
-        return _ticket_outcome(self._call("Vote", request, timeout_s + _RPC_SLACK_S))
-
-    def vote_steps(self, client_id: str, sequence: int, base_version: int, shard_index: int, staged: bool,
-                   timeout_s: float, attempt: int = 0) -> Steps[Optional[Ticket]]:
-        """:meth:`vote`, the call to the home clock yielded as a wait (no thread waits for it)."""
-        if not staged:
-            return self.vote(client_id, sequence, base_version, shard_index, staged, timeout_s, attempt)
-        request = clock_pb2.ClockVoteRequest(session=self._session, client_id=client_id, sequence=sequence,
-                                             base_version=base_version, shard_index=shard_index, staged=staged,
-                                             timeout_s=timeout_s, attempt=attempt)
         call = self._stub.Vote.future(request, timeout=timeout_s + _RPC_SLACK_S, metadata=self._metadata)
         yield Wait(call, None)  # the call has its deadline
         try:

@@ -35,8 +35,8 @@ class LoopCallContext:
     """The synchronous context API a step's code uses, for a ``grpc.aio`` call it runs beside.
 
     Built on the loop (it reads what it needs of the call there); its methods may be called from
-    any thread. ``cancel()`` ends the call from any thread: the loop's waits raise
-    :attr:`cancelled`'s event (see :meth:`wait_cancelled`).
+    any thread. ``cancel()`` ends the call from any thread: it sets :attr:`cancelled`, and a
+    :meth:`read` waiting on the loop raises :class:`CallEnded`.
     """
 
     def __init__(self, context: grpc.aio.ServicerContext, loop: asyncio.AbstractEventLoop):
