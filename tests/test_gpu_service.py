@@ -49,24 +49,31 @@ def test_two_shards_share_a_gpu_each_within_its_budget_and_train_exactly(tmp_pat
             session.close()
 
 
-@pytest.mark.parametrize("name", sorted(ROOT_OPTIMIZERS))
-def test_roots_on_a_gpu_worker_beside_the_shard_reproduce_the_in_process_optimizer(tmp_path, name):
+@pytest.fixture(scope="module")
+def roots_server(tmp_path_factory):
+    """One server with a shard and a preconditioner worker at half a GPU each, for every root
+    optimizer (each test its own session)."""
     flags = ("--shards", "1", "--gpus-per-shard", "0.5", "--precond-workers", "1", "--gpus-per-precond-worker",
              "0.5", "--log-level", "info")
-    with Server(RAY_ADDRESS, str(tmp_path), REHEARSAL, *flags) as server:
-        with Client(server.address, timeout=120, shared_memory=True) as client:
-            params = make_params(2)
-            args = ROOT_OPTIMIZERS[name]
-            session = client.create_session(f"gpu-{name}", params, optimizer={
-                "name": name, "args": args, "preconditioners": {"max_age": 0}})
-            reference = InProcess(name, args, params)
-            for step in range(5):
-                grads = make_grads(params, step)
-                got, expected = session.push_pull(grads), reference.step(grads)
-            assert max_abs_diff(got, expected) <= 1e-4
-            assert session.status().shards[0].root_offload.roots_installed > 0
-            session.close()
-        worker = device_events(server.output())["preconditioner-worker-0"]
+    with Server(RAY_ADDRESS, str(tmp_path_factory.mktemp("roots-server")), REHEARSAL, *flags) as server:
+        yield server
+
+
+@pytest.mark.parametrize("name", sorted(ROOT_OPTIMIZERS))
+def test_roots_on_a_gpu_worker_beside_the_shard_reproduce_the_in_process_optimizer(roots_server, name):
+    with Client(roots_server.address, timeout=120, shared_memory=True) as client:
+        params = make_params(2)
+        args = ROOT_OPTIMIZERS[name]
+        session = client.create_session(f"gpu-{name}", params, optimizer={
+            "name": name, "args": args, "preconditioners": {"max_age": 0}})
+        reference = InProcess(name, args, params)
+        for step in range(5):
+            grads = make_grads(params, step)
+            got, expected = session.push_pull(grads), reference.step(grads)
+        assert max_abs_diff(got, expected) <= 1e-4
+        assert session.status().shards[0].root_offload.roots_installed > 0
+        session.close()
+    worker = device_events(roots_server.output())["preconditioner-worker-0"]  # logged as the worker started
     assert worker["backend"] == BACKEND and worker["memory_fraction"] == "0.45", worker
 
 
