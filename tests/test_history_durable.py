@@ -1,7 +1,8 @@
-"""``Session.history`` of plain sync and async sessions on durable servers (``--checkpoint-dir``):
-after the home shard's SIGKILL and restore, and after a whole-server SIGKILL and restart, the
-history is the one the session had (versions before the checkpoint from the checkpointed clock,
-later ones from the ticket journal), and a replay of it reaches the served parameters."""
+"""``Session.history`` of plain sync and async sessions on a durable server (``--checkpoint-dir``):
+after the home shard's SIGKILL and restore, the history is the one the session had (versions
+before the checkpoint from the checkpointed clock, later ones from the ticket journal), and a
+replay of it reaches the served parameters. The same after a whole-server SIGKILL and restart:
+tests/test_durability_restart.py (one restart shared by several checks)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import signal
 import pytest
 
 from optserve.client import Client
-from tests._server_process import ServerProcess, free_port
 from tests._service_helpers import make_params, max_abs_diff
 from tests.test_history_modes import (ADAM, async_pushes, check_async_history, check_sync_history, replay, rounds,
                                       sync_rounds)
@@ -76,45 +76,3 @@ def test_history_is_the_same_after_the_home_shard_is_killed_and_restored(durable
         finally:
             a.detach(), b.detach()
             owner.close()
-
-
-@pytest.mark.slow
-def test_history_of_sync_and_async_sessions_is_the_same_after_a_server_sigkill_and_restart(tmp_path):
-    port, checkpoint_dir = free_port(), str(tmp_path / "ckpt")
-    address = f"127.0.0.1:{port}"
-    params = make_params(53)
-
-    def serve() -> ServerProcess:
-        return ServerProcess("--checkpoint-dir", checkpoint_dir, "--checkpoint-every-steps", "3",
-                             port=port).wait_listening()
-
-    first, second = serve(), None
-    try:
-        before = {}
-        with Client(address, timeout=120.0) as client:
-            for mode in ("sync", "async"):
-                owner = _create(client, mode, mode, params)
-                a, b = (client.session(mode, worker_id=w) for w in ("a", "b"))
-                _steps(mode, a, b, params, 0)
-                _steps(mode, a, b, params, a.status().version)  # a checkpoint at 3, later versions in logs and journal
-                before[mode] = rounds(a.history())
-                for s in (owner, a, b):
-                    s.detach()
-        first.kill_group()
-        second = serve()
-        with Client(address, timeout=120.0) as client:
-            for mode in ("sync", "async"):
-                a, b = (client.session(mode, worker_id=w) for w in ("a", "b"))
-                assert rounds(a.history()) == before[mode], mode  # exact: sync rounds' timings from the journal
-                start = a.status().version
-                _steps(mode, a, b, params, start)
-                history = rounds(a.history())
-                assert history[:len(before[mode])] == before[mode]
-                _check(mode, history[len(before[mode]):], a, b, start)
-                assert max_abs_diff(a.pull(), replay(ADAM, params, history)) <= 1e-6, mode
-                a.detach(), b.detach()
-        assert second.stop() == 0
-    finally:
-        for server in (first, second):
-            if server is not None and server.process.poll() is None:
-                server.kill_group()

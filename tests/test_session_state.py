@@ -91,39 +91,6 @@ def test_a_saved_state_that_does_not_fit_the_optimizer_is_refused_naming_the_lea
     assert f"{unique_name}-c" not in client.list_sessions()
 
 
-@pytest.mark.slow
-def test_a_durable_session_created_from_a_saved_state_survives_a_server_restart(client, unique_name, tmp_path):
-    from tests._server_process import ServerProcess, free_port
-
-    optimizer = OPTIMIZERS[0]
-    source = client.create_session(f"{unique_name}-a", _params(), optimizer)
-    _train(source, range(4))
-    saved = source.state()
-    uninterrupted = _train(source, range(4, 8))
-    source.close()
-
-    port, checkpoint_dir = free_port(), str(tmp_path / "ckpt")
-    args = ("--checkpoint-dir", checkpoint_dir, "--checkpoint-every-steps", "3")
-    first = ServerProcess(*args, port=port).wait_listening()
-    second = None
-    try:
-        with Client(first.address, timeout=120.0) as durable_client:
-            restored = durable_client.create_session("restored", state=saved)
-            _train(restored, range(4, 6))  # versions 5 and 6, in the step log after the checkpoint at 4
-            first.kill_group()
-            second = ServerProcess(*args, port=port).wait_listening()
-            back = durable_client.session("restored")
-            assert back.version == 6
-            continued = _train(back, range(6, 8))
-            assert back.version == 8
-        for name in SHAPES:
-            np.testing.assert_allclose(continued[name], uninterrupted[name], rtol=1e-6, atol=1e-6, err_msg=name)
-    finally:
-        for process in (first, second):
-            if process is not None:
-                process.stop()
-
-
 def test_sessions_save_writes_an_orbax_checkpoint_that_restore_starts_a_session_from(server, client, unique_name,
                                                                                       tmp_path):
     import subprocess
