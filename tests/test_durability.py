@@ -57,50 +57,62 @@ SCHEDULED = {"name": "adamw", "args": {
     "weight_decay": {"schedule": "linear_schedule", "init_value": 0.1, "end_value": 0.0, "transition_steps": 10}}}
 
 
-@pytest.mark.parametrize("optimizer, killed", [(OPTIMIZER, 0), (OPTIMIZER, 1), (CLIPPED, 0), (SCHEDULED, 1)],
-                         ids=["home-shard", "other-shard", "cross-shard-sum-home-shard", "schedules-other-shard"])
-def test_sync_session_survives_a_shard_sigkill_with_no_acknowledged_step_lost(durable_server, unique_name, optimizer,
-                                                                              killed):
-    """adafactor_hf with momentum; and T5X adafactor clipping by the global norm, whose update
-    needs a sum over both shards each step (the restarted clock answers sums from its journal)."""
+@pytest.mark.parametrize("killed, optimizers", [(0, {"adafactor_hf": OPTIMIZER, "cross-shard-sum": CLIPPED}),
+                                               (1, {"adafactor_hf": OPTIMIZER, "schedules": SCHEDULED})],
+                         ids=["home-shard", "other-shard"])
+def test_sync_sessions_survive_a_shard_sigkill_with_no_acknowledged_step_lost(durable_server, unique_name, killed,
+                                                                              optimizers):
+    """adafactor_hf with momentum; T5X adafactor clipping by the global norm, whose update needs a
+    sum over both shards each step (the restarted clock answers sums from its journal); and
+    schedules, which pick up where they were. One kill serves a session of each optimizer: the
+    first step of each after it spans the recovery."""
     client = Client(durable_server.address, timeout=90.0)
     # dense/w's gradient (83 KB) lies page aligned in the push region: the log writes its whole
     # blocks with direct I/O, straight from there
     params = make_params(3, {"dense/w": (130, 160), "dense/b": (160,), "out/w": (160, 4), "out/b": (4,)})
-    session = client.create_session(unique_name, params, optimizer=optimizer)
-    assert len(session.info.shards) == 2
-    reference = InProcess(optimizer["name"], optimizer["args"], params)
+    sessions, references, got, expected = {}, {}, {}, {}
+    for label, optimizer in optimizers.items():
+        sessions[label] = client.create_session(f"{unique_name}-{label}", params, optimizer=optimizer)
+        assert len(sessions[label].info.shards) == 2
+        references[label] = InProcess(optimizer["name"], optimizer["args"], params)
     for step in range(6):  # a checkpoint at 4, steps 5-6 only in the log
         grads = make_grads(params, step)
-        got = session.push_pull(grads)
-        expected = reference.step(grads)
-    assert session.data_paths() == {0: "shared_memory", 1: "shared_memory"}  # same host: the fast path
+        for label, session in sessions.items():
+            got[label], expected[label] = session.push_pull(grads), references[label].step(grads)
+    for session in sessions.values():
+        assert session.data_paths() == {0: "shared_memory", 1: "shared_memory"}  # same host: the fast path
     _kill_shard(durable_server, killed)
-    for step in range(6, 12):  # the same client object: the first of these spans the recovery
+    # the same client objects: the first step of each session after the kill spans the recovery
+    first = {label: session.push_pull_async(make_grads(params, 6)) for label, session in sessions.items()}
+    for label, pending in first.items():
+        got[label], expected[label] = pending.result(timeout=120), references[label].step(make_grads(params, 6))
+    for step in range(7, 12):
         grads = make_grads(params, step)
-        got = session.push_pull(grads)
-        expected = reference.step(grads)
-    assert max_abs_diff(got, expected) <= 1e-6
-    assert session.data_paths() == {0: "shared_memory", 1: "shared_memory"}  # regions made anew on the new shard
-    status = session.status()
-    assert status.version == 12
-    durability = [s.durability for s in status.shards]
-    assert all(d is not None for d in durability)
-    assert [d.recoveries for d in durability] == [int(i == killed) for i in range(2)]
-    assert all(d.log_direct for d in durability)
-    deadline = time.monotonic() + 30  # checkpoints are written in the background
-    while min(d.durable_version for d in durability) < 8 and time.monotonic() < deadline:
-        time.sleep(0.2)
-        durability = [s.durability for s in session.status().shards]
-    assert min(d.durable_version for d in durability) >= 8, durability  # checkpoints go on after the recovery
+        for label, session in sessions.items():
+            got[label], expected[label] = session.push_pull(grads), references[label].step(grads)
     from optserve.client.cli import collect, render
 
-    (entry,) = [e for e in collect(client)["sessions"] if e["name"] == unique_name]  # what `optserve status` shows
-    assert entry["recoveries"] == 1 and entry["durable_version"] >= 8
-    assert entry["logged_version"] == 12  # every acknowledged step is in the log, checkpointed or not
-    table = render({"sessions": [entry], "lost_sessions": [], "shards": []})
-    assert "durable (logged/checkpointed)" in table and f"12/{entry['durable_version']}" in table
-    session.close()
+    for label, session in sessions.items():
+        assert max_abs_diff(got[label], expected[label]) <= 1e-6, label
+        assert session.data_paths() == {0: "shared_memory", 1: "shared_memory"}  # regions made anew on the new shard
+        status = session.status()
+        assert status.version == 12
+        durability = [s.durability for s in status.shards]
+        assert all(d is not None for d in durability)
+        assert [d.recoveries for d in durability] == [int(i == killed) for i in range(2)], label
+        assert all(d.log_direct for d in durability)
+        deadline = time.monotonic() + 30  # checkpoints are written in the background
+        while min(d.durable_version for d in durability) < 8 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            durability = [s.durability for s in session.status().shards]
+        assert min(d.durable_version for d in durability) >= 8, durability  # checkpoints go on after the recovery
+        name = f"{unique_name}-{label}"
+        (entry,) = [e for e in collect(client)["sessions"] if e["name"] == name]  # what `optserve status` shows
+        assert entry["recoveries"] == 1 and entry["durable_version"] >= 8
+        assert entry["logged_version"] == 12  # every acknowledged step is in the log, checkpointed or not
+        table = render({"sessions": [entry], "lost_sessions": [], "shards": []})
+        assert "durable (logged/checkpointed)" in table and f"12/{entry['durable_version']}" in table
+        session.close()
     client.close()
 
 
