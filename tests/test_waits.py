@@ -102,3 +102,91 @@ def test_a_vote_no_peer_answers_is_refused_at_its_timeout_on_the_loop():
             asyncio.run(PoolRuns(pool).result(votes.vote_steps("c", 1, 0, 0, True, timeout_s=0.2)))
     finally:
         pool.shutdown()
+
+
+class _CountingPool(ThreadPoolExecutor):
+    """A pool that counts what is handed to it."""
+
+    def __init__(self, workers: int):
+        super().__init__(workers)
+        self.submitted = 0
+
+    def submit(self, fn, *args, **kwargs):
+        self.submitted += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+def test_the_stretch_after_a_wait_starts_in_the_pool_while_the_loop_is_busy():
+    # The thread that completes a wait's future hands the step's next stretch to the pool
+    # itself: the loop (here stuck in a blocking call) is not needed between the wait and it.
+    cond = SignalCondition()
+    resumed = threading.Event()
+
+    def steps():
+        with cond:
+            wait = cond.wait_step(10.0)
+        assert (yield wait) is True
+        resumed.set()
+        return "resumed"
+
+    pool = ThreadPoolExecutor(1)
+
+    async def main():
+        run = asyncio.ensure_future(PoolRuns(pool).result(steps()))
+        await asyncio.sleep(0.2)  # the step waits: no thread held
+        with cond:
+            cond.notify_all()
+        resumed_while_busy = resumed.wait(5.0)  # blocks the loop's only thread
+        return resumed_while_busy, await asyncio.wait_for(run, 5.0)
+
+    try:
+        assert asyncio.run(main()) == (True, "resumed")
+    finally:
+        pool.shutdown()
+
+
+def test_a_step_runs_in_one_stretch_when_its_waits_are_over_and_its_last_answer_is_returned():
+    # A wait over when yielded is answered in the same stretch, and an answer returned with the
+    # step's value (Answered) needs no further stretch: one pool task for the whole step.
+    from optserve.server.wire.loop_calls import Answered, Returned
+
+    done = SignalCondition()
+    with done:
+        over = done.wait_step(10.0)
+        done.notify_all()
+
+    def steps():
+        assert (yield over) is True
+        assert (yield Wait(over.future, None)) is True
+        return Answered("the answer", "the value")
+
+    pool = _CountingPool(1)
+
+    async def main():
+        return [item async for item in PoolRuns(pool).run(steps())]
+
+    try:
+        items = asyncio.run(main())
+    finally:
+        pool.shutdown()
+    assert items[0] == "the answer" and isinstance(items[1], Returned) and items[1].value == "the value"
+    assert pool.submitted == 1
+
+
+def test_a_wait_that_times_out_resumes_the_step_with_false_and_its_waiter_is_cancelled():
+    cond = SignalCondition()
+    seen = []
+
+    def steps():
+        with cond:
+            wait = cond.wait_step(0.1)
+        seen.append((yield wait))
+        seen.append(wait.future.cancelled())
+        return len(seen)
+
+    pool = ThreadPoolExecutor(1)
+    try:
+        assert asyncio.run(PoolRuns(pool).result(steps())) == 2
+    finally:
+        pool.shutdown()
+    assert seen == [False, True]

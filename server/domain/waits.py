@@ -38,6 +38,11 @@ class Wait:
         self.timeout_s = timeout_s
         self.signal = signal
 
+    def over(self) -> bool:
+        """Whether the future is done already (then the wait ends at once, in time)."""
+        done = getattr(self.future, "done", None)
+        return done is not None and done()
+
     def gave_up(self) -> None:
         """The wait timed out."""
         if self.signal:

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import threading
 import time
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Generator, Optional
 
@@ -35,7 +35,7 @@ class LoopCallContext:
     """The synchronous context API a step's code uses, for a ``grpc.aio`` call it runs beside.
 
     Built on the loop (it reads what it needs of the call there); its methods may be called from
-    any thread. ``cancel()`` ends the call from any thread: it sets :attr:`cancelled`, and a
+    any thread. ``cancel()`` ends the call from any thread: :attr:`cancelled` turns True, and a
     :meth:`read` waiting on the loop raises :class:`CallEnded`.
     """
 
@@ -47,11 +47,12 @@ class LoopCallContext:
         self._peer = context.peer()
         remaining = context.time_remaining()
         self._deadline = None if remaining is None else time.monotonic() + remaining
-        self.cancelled = asyncio.Event()  # set on the loop by cancel()
+        self.cancelled = False  # set on the loop by cancel()
+        self._reading: Optional[asyncio.Future] = None  # the read waiting on the loop
         context.add_done_callback(lambda _context: self._ended.set())
 
     def is_active(self) -> bool:
-        return not self._ended.is_set() and not self.cancelled.is_set()
+        return not self._ended.is_set() and not self.cancelled
 
     def time_remaining(self) -> Optional[float]:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
@@ -64,27 +65,30 @@ class LoopCallContext:
 
     def cancel(self) -> None:
         """Ends the call: its client hears CANCELLED (from any thread)."""
-        self._loop.call_soon_threadsafe(self.cancelled.set)
+        self._loop.call_soon_threadsafe(self._cancel)
+
+    def _cancel(self) -> None:
+        self.cancelled = True
+        if self._reading is not None:
+            self._reading.cancel()
 
     async def read(self):
         """The call's next message (None once the client ended its side), or raises
         :class:`CallEnded` once the call was cancelled (by :meth:`cancel` or the client)."""
-        if self.cancelled.is_set():
+        if self.cancelled:
             raise CallEnded()
-        reading = asyncio.ensure_future(self.aio.read())
-        cancelled = asyncio.ensure_future(self.cancelled.wait())
+        self._reading = reading = asyncio.ensure_future(self.aio.read())
         try:
-            await asyncio.wait((reading, cancelled), return_when=asyncio.FIRST_COMPLETED)
-        finally:  # also when this task is cancelled (the client went away): nothing left behind
-            for task in (reading, cancelled):
-                if not task.done():
-                    task.cancel()
-        if reading.cancelled():
-            raise CallEnded()
-        try:
-            message = reading.result()
+            message = await reading
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # this task was cancelled (the client went away)
+                reading.cancel()
+                raise
+            raise CallEnded() from None  # cancel() ended the read
         except Exception as exc:  # noqa: BLE001 - the call ended under the read (cancelled, server stopping)
             raise CallEnded() from exc
+        finally:
+            self._reading = None
         return None if message is grpc.aio.EOF else message
 
 
@@ -121,10 +125,15 @@ _ANSWER, _RETURNED = 0, 1
 
 
 def _advance(generator: Generator, sent: Optional[bool]) -> tuple[int, Any]:
+    """One stretch of a step, in the pool: up to its next answer, a wait not over yet, or its end
+    (a wait already over when it is yielded is answered at once, in the same stretch)."""
     try:
-        return _ANSWER, generator.send(sent)
+        item = generator.send(sent)
+        while isinstance(item, Wait) and item.over():
+            item = generator.send(True)
     except StopIteration as stop:
         return _RETURNED, stop.value
+    return _ANSWER, item
 
 
 def _log_unheard(exc: BaseException) -> None:
@@ -135,20 +144,79 @@ def _log_unheard(exc: BaseException) -> None:
         _log.error("event=server_error rpc=ShardData/PushPull (a step whose call ended)", exc_info=exc)
 
 
-async def _waited(wait: Wait) -> bool:
-    """Waits on the loop (no thread) for ``wait``; returns whether it ended before its timeout."""
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
+class _Stretch:
+    """A step's next stretch in the pool (:func:`_advance`), its outcome delivered to
+    :attr:`landed`, a future of the loop.
 
-    def wake(_future) -> None:
-        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(True))
+    Started at once (:meth:`start`), or once a :class:`Wait` is over (:meth:`after`): then by the
+    thread that completes the wait's future (a vote arriving, a turn coming), straight into the
+    pool without waking the loop, or by the wait's timer on the loop, whichever comes first.
+    """
 
-    wait.future.add_done_callback(wake)
-    try:
-        return await asyncio.wait_for(done, wait.timeout_s)
-    except asyncio.TimeoutError:
-        wait.gave_up()
-        return False
+    __slots__ = ("loop", "landed", "_claim", "_timer")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.landed = loop.create_future()
+        self._claim = threading.Lock()  # taken (never released) by whoever starts the stretch
+        self._timer: Optional[asyncio.TimerHandle] = None
+
+    def start(self, pool: Executor, fn: Callable, *args) -> "_Stretch":
+        """``fn(*args)`` in ``pool`` now."""
+        try:
+            work = pool.submit(fn, *args)
+        except RuntimeError as exc:  # the pool shut down (the server stops)
+            work = Future()
+            work.set_exception(exc)
+        work.add_done_callback(self._back)
+        return self
+
+    def after(self, pool: Executor, generator: Generator, wait: Wait) -> "_Stretch":
+        """The stretch that resumes ``generator`` with whether ``wait`` ended before its timeout."""
+        def over(_future) -> None:  # in the thread that completed the future
+            if self._claim.acquire(blocking=False):
+                self.start(pool, _advance, generator, True)
+
+        def timed_out() -> None:  # on the loop
+            if self._claim.acquire(blocking=False):
+                wait.gave_up()
+                self.start(pool, _advance, generator, False)
+
+        if wait.timeout_s is not None:
+            self._timer = self.loop.call_later(wait.timeout_s, timed_out)
+        wait.future.add_done_callback(over)
+        return self
+
+    def _back(self, work: Future) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._settle, work)
+        except RuntimeError:  # the loop closed (the server stopped): nobody awaits it
+            pass
+
+    def _settle(self, work: Future) -> None:
+        """On the loop: ``work``'s outcome into :attr:`landed`."""
+        if self._timer is not None:
+            self._timer.cancel()
+        landed = self.landed
+        if landed.done():  # cancelled with its task, and not redirected (see redirect)
+            return
+        if work.cancelled():
+            landed.cancel()
+        elif work.exception() is not None:
+            landed.set_exception(work.exception())
+        else:
+            landed.set_result(work.result())
+
+    def redirect(self) -> asyncio.Future:
+        """On the loop, once the task awaiting :attr:`landed` was cancelled: a future that gets
+        the outcome instead (also one that landed just before the cancellation)."""
+        old, self.landed = self.landed, self.loop.create_future()
+        if old.done() and not old.cancelled():
+            if old.exception() is not None:
+                self.landed.set_exception(old.exception())
+            else:
+                self.landed.set_result(old.result())
+        return self.landed
 
 
 _FINISHING: set = set()  # steps going on after their calls ended (the loop keeps only weak references)
@@ -167,59 +235,49 @@ class PoolRuns:
         self._pool = pool
         self._running: Optional[asyncio.Future] = None  # a step going on after its call was cancelled
 
-    async def _hop(self, generator: Generator, sent: Optional[bool]) -> tuple[int, Any]:
-        """One stretch of the generator in the pool (shielded: a cancelled call never drops a
-        stretch queued in the pool, see :meth:`run`)."""
-        return await asyncio.shield(asyncio.wrap_future(self._pool.submit(_advance, generator, sent)))
-
     async def run(self, generator: Generator):
         """Runs ``generator`` in the pool between its waits: each :class:`~optserve.server.domain.waits.Wait`
-        it yields is awaited on the loop (no thread held) and answered with whether it ended in
-        time; every other item is yielded, then :class:`Returned` with what it returned.
+        it yields is waited for without a thread (:class:`_Stretch`) and answered with whether it
+        ended in time; every other item is yielded, then :class:`Returned` with what it returned
+        (a returned :class:`Answered` is its last answer, yielded first).
 
         Cancelled (the client went away), the step goes on without it up to its next answer, as
         a thread of a synchronous server would (its part of a decided push is applied here):
         :meth:`_finish`, awaited by :meth:`after`."""
-        sent = None
+        loop = asyncio.get_running_loop()
+        stretch = _Stretch(loop).start(self._pool, _advance, generator, None)
         while True:
-            hop = asyncio.ensure_future(self._hop(generator, sent))
             try:
-                kind, value = await asyncio.shield(hop)
+                kind, value = await stretch.landed
             except asyncio.CancelledError:
-                self._running = _kept(asyncio.ensure_future(self._finish(generator, hop=hop)))
+                self._running = _kept(asyncio.ensure_future(self._finish(generator, stretch.redirect())))
                 raise
             if kind == _RETURNED:
+                if isinstance(value, Answered):
+                    yield value.answer
+                    value = value.value
                 yield Returned(value)
                 return
             if isinstance(value, Wait):
-                try:
-                    sent = await _waited(value)
-                except asyncio.CancelledError:
-                    self._running = _kept(asyncio.ensure_future(self._finish(generator, wait=value)))
-                    raise
+                stretch = _Stretch(loop).after(self._pool, generator, value)
                 continue
-            sent = None
             yield value
+            stretch = _Stretch(loop).start(self._pool, _advance, generator, None)
 
-    async def _finish(self, generator: Generator, hop: Optional[asyncio.Future] = None,
-                      wait: Optional[Wait] = None) -> None:
-        """A step whose call ended: from its stretch running in the pool (``hop``) or its
-        ``wait``, it runs on (its waits on the loop) up to its next answer, then is closed."""
+    async def _finish(self, generator: Generator, landed: asyncio.Future) -> None:
+        """A step whose call ended: from its stretch (its outcome to ``landed``), it runs on (its
+        waits without a thread) up to its next answer, then is closed."""
+        loop = asyncio.get_running_loop()
         try:
-            if hop is not None:
-                kind, item = await hop
-                if kind == _RETURNED or not isinstance(item, Wait):
-                    return
-                wait = item
             while True:
-                kind, item = await self._hop(generator, await _waited(wait))
+                kind, item = await landed
                 if kind == _RETURNED or not isinstance(item, Wait):
                     return
-                wait = item
+                landed = _Stretch(loop).after(self._pool, generator, item).landed
         except Exception as exc:  # noqa: BLE001 - nobody to answer: see _log_unheard
             _log_unheard(exc)
         finally:
-            await asyncio.wrap_future(self._pool.submit(generator.close))
+            await _Stretch(loop).start(self._pool, generator.close).landed
 
     async def result(self, generator: Generator):
         """What ``generator`` (a generator of waits only) returns, run as :meth:`run` runs it."""
@@ -244,6 +302,17 @@ class PoolRuns:
             in_pool()
         else:
             running.add_done_callback(in_pool)
+
+
+class Answered:
+    """What a step run by :meth:`PoolRuns.run` returns with its last answer: ``answer`` is sent,
+    and ``value`` is what it returns, without running the step once more to reach its end."""
+
+    __slots__ = ("answer", "value")
+
+    def __init__(self, answer, value):
+        self.answer = answer
+        self.value = value
 
 
 class Returned:

@@ -32,7 +32,7 @@ from optserve.server.domain.shard import Receipt, ShardSession
 from optserve.server.wire import data_requests
 from optserve.server.wire.data_replies import param_slices, push_response, tensor_chunk
 from optserve.server.wire.errors import abort_call, checked_message, checked_messages
-from optserve.server.wire.loop_calls import CallEnded, LoopCallContext, LoopRequests, PoolRuns, Returned
+from optserve.server.wire.loop_calls import Answered, CallEnded, LoopCallContext, LoopRequests, PoolRuns, Returned
 from optserve.server.wire.open_streams import OpenStream, OpenStreams
 from optserve.server.wire.push_framings import OneMessagePush, RegionRead, StreamedPush
 from optserve.server.wire.shared_memory import RegionTable
@@ -73,7 +73,7 @@ class PushPullCalls:
                 try:
                     first = await call.read()
                 except CallEnded:
-                    if call.cancelled.is_set():  # ended idle (OpenStreams): the client hears CANCELLED
+                    if call.cancelled:  # ended idle (OpenStreams): the client hears CANCELLED
                         break  # (not OK without `done`) and retries the step, which never ran here
                     return  # the client closed the call after its last step (or it timed out)
                 if first is None:
@@ -114,8 +114,8 @@ class PushPullCalls:
                 session.home.disconnected(client_id)
 
     def _step(self, stream: OpenStream, first, request_iterator, context):
-        """One step, in the framing its first message starts; returns whether the shard ends the
-        call (None: the call ended mid-step)."""
+        """One step, in the framing its first message starts; returns its last answer with whether
+        the shard ends the call (:class:`Answered`), or None (the call ended mid-step)."""
         started = time.perf_counter()
         self._note_pusher(stream, first, context)
         kind = first.WhichOneof("item")
@@ -198,9 +198,8 @@ class PushPullCalls:
             if decision is None:
                 return None
             closing = self._streams.crowded()
-            yield data_pb2.PushPullResponse(
-                done=data_pb2.StepDone(version=session.version, committed=False, stream_closing=closing))
-            return closing
+            return Answered(data_pb2.PushPullResponse(
+                done=data_pb2.StepDone(version=session.version, committed=False, stream_closing=closing)), closing)
         receipt = yield from session.commit_steps(push.client_id, push.sequence, wait_s=context.time_remaining())
         session.observer.pushed(time.perf_counter() - started)
         return (yield from self._answer(session, receipt, framing.reply, one_message=False))
@@ -220,16 +219,17 @@ class PushPullCalls:
         done = data_pb2.StepDone(version=version, staleness=receipt.staleness, committed=True, stream_closing=closing,
                                  applied_version=receipt.version)
         receipt.durable()  # `done` acknowledges the push: its step is in the step log first
-        yield data_pb2.PushPullResponse(step_result=data_pb2.PushPullStepResult(done=done, in_shared_memory=reply))
-        return closing
+        return Answered(data_pb2.PushPullResponse(
+            step_result=data_pb2.PushPullStepResult(done=done, in_shared_memory=reply)), closing)
+        yield  # noqa: unreachable - makes this method a generator (its one answer is returned)
 
     def _answer(self, session: ShardSession, receipt: Receipt, reply: tuple[Optional[DType], int], one_message: bool,
                 sparse_base: Optional[int] = None):
         """The step's parameters and ``done`` in the ``reply`` options (``data_requests.pull_options``,
         checked before the push): one ``step_result`` when ``one_message`` and they fit in one chunk,
         else chunks then ``done``. ``sparse_base``: the push's base version when it asked for
-        ``sparse_update`` (tensors its step's sparse parts rebuild go as those). Returns whether
-        the shard ends the call."""
+        ``sparse_update`` (tensors its step's sparse parts rebuild go as those). Returns the last
+        answer with whether the shard ends the call (:class:`Answered`)."""
         started = time.perf_counter()
         dtype, chunk_bytes = reply
         if sparse_base is None:
@@ -253,15 +253,15 @@ class PushPullCalls:
             del params
             session.observer.sent(time.perf_counter() - started, reply_bytes)
             receipt.durable()  # `done` acknowledges the push: its step is in the step log first
-            yield data_pb2.PushPullResponse(step_result=data_pb2.PushPullStepResult(done=done, chunks=chunks))
+            return Answered(data_pb2.PushPullResponse(
+                step_result=data_pb2.PushPullStepResult(done=done, chunks=chunks)), closing)
         else:
             for piece in param_slices(session, params, dtype, chunk_bytes, relayed):
                 yield chunk_codec.encode_chunk_message(*piece)
             del params
             session.observer.sent(time.perf_counter() - started, reply_bytes)
             receipt.durable()  # `done` acknowledges the push: its step is in the step log first
-            yield data_pb2.PushPullResponse(done=done)
-        return closing
+            return Answered(data_pb2.PushPullResponse(done=done), closing)
 
 
 def _sparse_base(framing, header) -> Optional[int]:
