@@ -6,6 +6,7 @@ tests/test_durability_restart.py (one restart shared by several checks)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 
@@ -53,26 +54,43 @@ def _create(client: Client, name: str, mode: str, params):
     return client.create_session(name, params, ADAM, mode="async", staleness_policy="scale")
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_history_is_the_same_after_the_home_shard_is_killed_and_restored(durable_server, unique_name, mode):
+def test_history_is_the_same_after_the_home_shard_is_killed_and_restored(durable_server, unique_name):
+    """A sync and an async session with the same home shard (shard 0: placement puts a session's
+    largest tensor there), one SIGKILL of it: each session's history call right after it rides out
+    the restore (both asked at once), and each session goes on with the history it had."""
     params = make_params(47)
+    modes = ("sync", "async")
     with Client(durable_server.address, timeout=90.0) as client:
-        owner = _create(client, unique_name, mode, params)
-        a, b = (client.session(unique_name, worker_id=w) for w in ("a", "b"))
+        owners, workers, before = {}, {}, {}
         try:
-            _steps(mode, a, b, params, 0)
-            _steps(mode, a, b, params, a.status().version)  # a checkpoint at 3, later versions in the logs and journal
-            before = rounds(a.history())
-            os.kill(durable_server.fleet.pids()[owner.info.shards[0].shard_index], signal.SIGKILL)  # the home shard
-            assert rounds(a.history()) == before  # the call rides out the restore
-            start = a.status().version
-            _steps(mode, a, b, params, start)
-            history = rounds(b.history())
-            assert history[:len(before)] == before
-            _check(mode, history[len(before):], a, b, start)
-            assert max_abs_diff(a.pull(), replay(ADAM, params, history)) <= 1e-6
-            home = a.status().shards[0].durability
-            assert home is not None and home.recoveries == 1
+            for mode in modes:
+                name = f"{unique_name}-{mode}"
+                owners[mode] = _create(client, name, mode, params)
+                workers[mode] = tuple(client.session(name, worker_id=w) for w in ("a", "b"))
+            for mode in modes:
+                a, b = workers[mode]
+                _steps(mode, a, b, params, 0)
+                _steps(mode, a, b, params, a.status().version)  # a checkpoint at 3, later versions in logs and journal
+                before[mode] = rounds(a.history())
+            (home,) = {owner.info.shards[0].shard_index for owner in owners.values()}  # the same for both
+            os.kill(durable_server.fleet.pids()[home], signal.SIGKILL)  # the home shard
+            with concurrent.futures.ThreadPoolExecutor(len(modes)) as pool:  # the calls ride out the restore
+                during = {mode: pool.submit(workers[mode][0].history) for mode in modes}
+                for mode in modes:
+                    assert rounds(during[mode].result(timeout=120)) == before[mode], mode
+            for mode in modes:
+                a, b = workers[mode]
+                start = a.status().version
+                _steps(mode, a, b, params, start)
+                history = rounds(b.history())
+                assert history[:len(before[mode])] == before[mode], mode
+                _check(mode, history[len(before[mode]):], a, b, start)
+                assert max_abs_diff(a.pull(), replay(ADAM, params, history)) <= 1e-6, mode
+                home_durability = a.status().shards[0].durability
+                assert home_durability is not None and home_durability.recoveries == 1, mode
         finally:
-            a.detach(), b.detach()
-            owner.close()
+            for mode in workers:
+                a, b = workers[mode]
+                a.detach(), b.detach()
+            for owner in owners.values():
+                owner.close()
