@@ -87,9 +87,11 @@ class ShardActor:
                                   name="optserve-data-loop")
         self._health = Health(self._server, ("optserve.v1.ShardData",))
         # open PushPull calls wait on the event loop; past max_open_streams they end after their step
+        # the steps run in a pool of their own: a unary call (a lease renewal) never queues behind them
         self._data = add_to_server(self._registry, self._server, max_open_streams=config.limits.max_open_streams,
                                    tokens=security.tokens,
-                                   max_streams_per_tenant=config.limits.max_streams_per_tenant)
+                                   max_streams_per_tenant=config.limits.max_streams_per_tenant,
+                                   step_pool=ShrinkingThreadPool(config.grpc_threads, thread_name_prefix="optserve-steps"))
         host = config.data_host
         port = _bind(lambda p: security.add_port(self._server, f"{host}:{p}"), ports[0])
         self._server.start()

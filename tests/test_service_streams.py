@@ -266,3 +266,46 @@ def test_a_sync_step_of_sixteen_workers_completes_on_shards_of_four_threads(four
     assert max(took) < 10.0, f"a step waited {max(took):.1f} s: as long as a vote timeout"
     owner.close_session(unique_name)
     owner.close()
+
+
+def test_a_lease_renewal_is_answered_while_every_step_thread_waits_for_a_streamed_push(four_thread_pair,
+                                                                                       unique_name):
+    # Four raw PushPull calls each start a streamed push and send no chunk: each step holds one of
+    # shard 0's 4 step threads while it waits for its chunks. An elastic worker's membership calls
+    # are unary: they run in the server's own pool, never queued behind the steps (in one shared
+    # pool the renewal would wait for a thread past its deadline).
+    import threading
+
+    import grpc
+
+    from optserve.protos.optserve.v1 import data_pb2, data_pb2_grpc
+
+    params = make_params()
+    owner = Client(four_thread_pair.address, timeout=30.0)
+    session = owner.create_session(unique_name, params, optimizer=OPTIMIZER, mode="sync", num_workers=2,
+                                   min_workers=1)
+    never = threading.Event()
+    channel = grpc.insecure_channel(four_thread_pair.shard_addresses[0])
+    stub = data_pb2_grpc.ShardDataStub(channel)
+
+    def stalled(index: int):
+        yield data_pb2.PushPullRequest(header=data_pb2.PushHeader(
+            session=unique_name, client_id=f"stalled-{index}/0", sequence=1, auto_commit=True))
+        never.wait()
+
+    calls = [stub.PushPull(stalled(index), timeout=120) for index in range(4)]
+    try:
+        time.sleep(1.0)  # each step reads its chunks in a step thread
+        started = time.monotonic()
+        for action in (data_pb2.MEMBERSHIP_JOIN, data_pb2.MEMBERSHIP_RENEW):
+            reply = stub.Membership(data_pb2.MembershipRequest(session=unique_name, worker_id="renewing",
+                                                               action=action), timeout=5.0)
+            assert "renewing" in reply.members
+        assert time.monotonic() - started < 5.0
+    finally:
+        never.set()
+        for call in calls:
+            call.cancel()
+        channel.close()
+        session.close()
+        owner.close()

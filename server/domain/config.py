@@ -368,7 +368,8 @@ class ServerConfig:
         past 8 end after 20 s without work: ``server/wire/thread_pool.py``). A shard's PushPull
         steps and its clock's votes wait (for the other shards' votes, their turn, their round)
         on an event loop, holding no thread (:mod:`~optserve.server.domain.waits`): threads run
-        the work between the waits, and the unary calls.
+        the work between the waits, and the unary calls (a shard's data plane has a pool of this
+        size for each, so that a unary call, such as a lease renewal, never queues behind steps).
       min_shard_bytes: a session spreads over only as many shards as give each at least this
         many parameter bytes (:func:`~optserve.server.domain.sessions.placement.place_tensors`); smaller models
         stay on one shard, where a step needs no cross-shard round trips. 0: every session uses

@@ -192,16 +192,21 @@ def _request_decoder(message_type):
 
 def add_to_server(registry: ShardRegistry, server: LoopServer, max_open_streams: int = 16,
                   tokens: Optional[TokenTable] = None,
-                  max_streams_per_tenant: Optional[int] = None) -> "ShardDataServicer":
+                  max_streams_per_tenant: Optional[int] = None,
+                  step_pool: Optional[Executor] = None) -> "ShardDataServicer":
     """Serves ShardData for ``registry`` on ``server`` with the copy-saving chunk codecs.
 
     Same service name, methods and wire format as ``data_pb2_grpc.add_ShardDataServicer_to_server``;
     chunk requests are read in place and chunk responses serialized by hand
     (:mod:`optserve.protos.chunk_codec`), sparing protobuf's copies of every tensor byte.
     ``max_open_streams``, ``tokens`` and ``max_streams_per_tenant``: see :class:`ShardDataServicer`.
-    Returns the servicer (its ``regions``: the shared-memory regions it serves).
+    ``step_pool``: where PushPull's steps run between their waits (default: the server's pool, where
+    the unary calls run; a pool of their own keeps a unary call, such as an elastic worker's lease
+    renewal, from queueing behind the steps). Returns the servicer (its ``regions``: the
+    shared-memory regions it serves).
     """
-    servicer = ShardDataServicer(registry, server.thread_pool, max_open_streams=max_open_streams, tokens=tokens,
+    pool = server.thread_pool if step_pool is None else step_pool
+    servicer = ShardDataServicer(registry, pool, max_open_streams=max_open_streams, tokens=tokens,
                                  max_streams_per_tenant=max_streams_per_tenant)
     handlers = {
         "InitTensors": grpc.stream_unary_rpc_method_handler(
