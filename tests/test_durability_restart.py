@@ -25,11 +25,19 @@ two shard processes and their compiles: the checks share it), each on a session 
   (``contract.RECONNECT_OPTIONS``), and a shard that serves at a new address gets fresh
   shared-memory regions before the step is resent (its predecessor's are unknown to it: one more
   refusal and backoff otherwise).
+- locked: one server per ``--checkpoint-dir`` (:mod:`optserve.server.storage.dir_lock`): a second
+  server on the folder is refused at once naming the first, the first untouched; the killed
+  server's lock is taken over by the next one, which restores the session, and released at its
+  clean shutdown.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -39,6 +47,7 @@ import pytest
 
 from optserve.client import Client
 from optserve.client.status import HyperparamChange
+from optserve.server.storage.dir_lock import DirLock
 from tests._server_process import ServerProcess, free_port
 from tests._service_helpers import InProcess, make_grads, make_params, max_abs_diff
 from tests.test_elastic_sync import SGD, replay as elastic_replay, worker_grads
@@ -355,6 +364,63 @@ class Reconnect:
         self.client.close()
 
 
+# --- locked: one server per checkpoint folder; a killed server's lock is taken over -----------------
+
+
+class Locked:
+    def __init__(self, checkpoint_dir: str):
+        self.checkpoint_dir = checkpoint_dir
+        self.params = make_params(5)
+        self.reference = InProcess(SURVIVOR_OPTIMIZER["name"], SURVIVOR_OPTIMIZER["args"], self.params)
+
+    def _argv(self) -> list[str]:
+        return [sys.executable, "-m", "optserve.server.cli", "serve", "--port", "0", "--shards", "1",
+                "--checkpoint-dir", self.checkpoint_dir, "--checkpoint-every-steps", "3"]
+
+    def before_kill(self, address: str) -> None:
+        # A second server on the folder is refused at once, naming the first; the first is untouched.
+        env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
+        env.pop("RAY_ADDRESS", None)
+        env.pop("GRPC_VERBOSITY", None)
+        started = time.monotonic()
+        second = subprocess.run(self._argv(), capture_output=True, text=True, timeout=120, env=env)
+        elapsed = time.monotonic() - started
+        shown = f"stdout:\n{second.stdout[-3000:]}\nstderr:\n{second.stderr[-3000:]}"
+        assert second.returncode == 2, shown
+        assert second.stdout == "" and len(second.stderr.splitlines()) == 1, shown
+        line = second.stderr.strip()
+        assert line.startswith("optserve serve: could not start: ") and self.checkpoint_dir in line, line
+        assert f"pid {self.first_pid} on host {socket.gethostname()}" in line, line
+        assert elapsed < 10.0, f"{elapsed:.1f} s"
+
+        with Client(address, timeout=120.0) as client:
+            session = client.create_session("locked", self.params, optimizer=SURVIVOR_OPTIMIZER)
+            for step in range(4):  # a checkpoint at 3, step 4 in the log
+                grads = make_grads(self.params, step)
+                got, expected = session.push_pull(grads), self.reference.step(grads)
+                assert max_abs_diff(got, expected) <= 1e-6
+
+    def while_down(self) -> None:
+        pass
+
+    def after_restart(self, address: str, server: ServerProcess, sessions: list[str]) -> None:
+        # The first died without releasing: the next server took the lock over and restored the session.
+        taken_over = [line for line in server.lines if "event=checkpoint_dir_lock_taken_over" in line]
+        assert taken_over and f"previous_pid={self.first_pid}" in taken_over[0], "".join(server.lines[-30:])
+        with Client(address, timeout=120.0) as fresh_client:
+            fresh = fresh_client.session("locked")
+            assert fresh.version == 4
+            for step in range(4, 6):
+                grads = make_grads(self.params, step)
+                got, expected = fresh.push_pull(grads), self.reference.step(grads)
+            assert max_abs_diff(got, expected) <= 1e-6
+            fresh.detach()
+
+    def after_stop(self) -> None:
+        with DirLock.acquire(self.checkpoint_dir) as after:  # released at shutdown, cleanly
+            assert after.previous is None
+
+
 def _kill_tree(server: ServerProcess) -> None:
     """SIGKILL of the server and every process under it, its shard actors included (Ray puts
     each worker in a process group of its own, which a signal to the server's group misses)."""
@@ -375,10 +441,12 @@ def test_whole_server_sigkill_and_restart_restores_every_session_and_each_contin
         server, unique_name, tmp_path):
     port, checkpoint_dir = free_port(), str(tmp_path / "ckpt")
     address = f"127.0.0.1:{port}"
-    reconnect = Reconnect()
-    checks = [Survivor(), Scheduled(), Elastic(), Histories(), Restored(server.address, f"{unique_name}-a"), reconnect]
-    sessions = ["survivor", "scheduled", "elastic", *Histories.MODES, "restored", "restarts"]
+    reconnect, locked = Reconnect(), Locked(checkpoint_dir)
+    checks = [Survivor(), Scheduled(), Elastic(), Histories(), Restored(server.address, f"{unique_name}-a"), locked,
+              reconnect]
+    sessions = ["survivor", "scheduled", "elastic", *Histories.MODES, "restored", "locked", "restarts"]
     first = _server(port, checkpoint_dir)
+    locked.first_pid = first.process.pid
     second = None
     try:
         for check in checks:
@@ -392,6 +460,7 @@ def test_whole_server_sigkill_and_restart_restores_every_session_and_each_contin
         for check in checks:
             check.after_restart(address, second, sessions)
         assert second.stop() == 0
+        locked.after_stop()
     finally:
         for process in (first, second):
             if process is not None and process.process.poll() is None:
