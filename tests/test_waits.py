@@ -190,3 +190,39 @@ def test_a_wait_that_times_out_resumes_the_step_with_false_and_its_waiter_is_can
     finally:
         pool.shutdown()
     assert seen == [False, True]
+
+
+def test_an_acknowledgment_waits_for_its_log_record_without_a_thread(tmp_path):
+    # A durable session's answer waits for the step's log record. With the log's writer busy (as
+    # on a slow disk; here its one thread is held), two steps' acknowledgments wait on the loop:
+    # the pool's only thread stays free, and both end once their records are written.
+    import numpy as np
+
+    from optserve.server.domain.durability import DurabilityConfig
+    from optserve.server.storage import ShardStore
+    from tests.test_kernel_failure_clock import _chunk, _header
+    from tests.test_leftover_buffers import _async_session
+
+    store = ShardStore(str(tmp_path), "acks", 0, DurabilityConfig(str(tmp_path)), home=True)
+    session = _async_session("acks", store)
+    writing = threading.Event()
+    store.log._thread.submit(writing.wait)  # the log's writer thread is busy until `writing` is set
+    receipts = [session.push(_header("worker", sequence, sequence - 1), [_chunk("w", np.full(4, 0.1, np.float32))])
+                for sequence in (1, 2)]
+    pool = ThreadPoolExecutor(1)
+
+    async def main():
+        acks = [asyncio.ensure_future(PoolRuns(pool).result(receipt.durable_steps())) for receipt in receipts]
+        await asyncio.sleep(0.2)
+        assert not any(ack.done() for ack in acks)  # the records are not written yet
+        assert await asyncio.wait_for(asyncio.wrap_future(pool.submit(lambda: "free")), 2.0) == "free"
+        writing.set()
+        await asyncio.wait_for(asyncio.gather(*acks), 10.0)
+
+    try:
+        asyncio.run(main())
+    finally:
+        writing.set()
+        pool.shutdown()
+        session.durability.close_store()
+    assert [receipt.version for receipt in receipts] == [1, 2]

@@ -284,6 +284,10 @@ class StepLogPort(Protocol):
     def wait_logged(self, version: int) -> None:
         """Returns once the step of ``version`` is logged (acknowledging it waits for this)."""
 
+    def logged_future(self, version: int):
+        """A ``concurrent.futures.Future`` done once the step of ``version`` is logged, or failed
+        with the OSError :meth:`wait_logged` raises."""
+
     def probe(self) -> None:
         """Raises OSError while the disk does not take a small write (after a failed log write)."""
 

@@ -2,8 +2,9 @@
 
 A step's gradient is appended while its update runs (:meth:`StepLog.begin_step`), its header
 after it (:meth:`StepLog.end_step`), so the log costs the step no wait; the answer that
-acknowledges the step waits for its record (:meth:`StepLog.wait_logged`). A failed write fails
-that wait and every later one: nothing unlogged is acknowledged.
+acknowledges the step waits for its record (:meth:`StepLog.wait_logged`, or without a thread
+:meth:`StepLog.logged_future`). A failed write fails that wait and every later one: nothing
+unlogged is acknowledged.
 
 With write-ahead order (``DurabilityConfig.write_ahead``) a step's whole record is written
 first and the update runs after it (:meth:`StepLog.append_ahead`): a step whose record failed is
@@ -59,9 +60,10 @@ class StepLog(LogFiles):
         self._records_since_sync = 0
         self._tickets_since_sync = 0
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="optserve-log")
-        self._logged = threading.Condition()  # guards _logged_version / _error
+        self._logged = threading.Condition()  # guards _logged_version / _error / _awaited
         self._logged_version = 0
         self._error: Optional[BaseException] = None
+        self._awaited: list[tuple[int, concurrent.futures.Future]] = []  # logged_future's, not done yet
         self.records = 0  # step records since the last checkpoint
         self.bytes = 0  # their gradient bytes
         self._begun_bytes = 0  # the gradient bytes of the record begun last
@@ -145,7 +147,7 @@ class StepLog(LogFiles):
             self._error = None
             self._disk.degraded = ""
             self._logged_version = max(self._logged_version, version)
-            self._logged.notify_all()
+            self._notify()
         log.warning("event=step_log_recovered session=%s shard=%d folder=%s version=%d", self._session,
                     self._shard, self.folder, version)
 
@@ -201,13 +203,13 @@ class StepLog(LogFiles):
                 release()
         with self._logged:
             self._logged_version = max(self._logged_version, record.version)
-            self._logged.notify_all()
+            self._notify()
 
     def _fail(self, exc: BaseException) -> None:
         with self._logged:
             self._error = exc
             self._disk.degrade(exc)
-            self._logged.notify_all()
+            self._notify()
 
     def wait_logged(self, version: int) -> None:
         """Returns once the step of ``version`` is in the log.
@@ -215,7 +217,7 @@ class StepLog(LogFiles):
         Raises:
           OSError: the log could not be written (disk full, ...): the step cannot be acknowledged.
         """
-        self._wait(version, f"step {version} is applied on shard {self._shard} but not durable")
+        self._wait(version, self._not_durable(version))
 
     def append_ahead(self, grads: list, record) -> None:
         """Write-ahead order: appends a step's whole record (its gradient ``grads``, in tensor
@@ -230,12 +232,49 @@ class StepLog(LogFiles):
         self.end_step(record)
         self._wait(record.version, f"step {record.version} is applied nowhere on shard {self._shard}")
 
+    def logged_future(self, version: int) -> concurrent.futures.Future:
+        """A future done once the step of ``version`` is in the log (result None), or failed with
+        the OSError :meth:`wait_logged` raises: :meth:`wait_logged` for a caller that waits
+        without a thread."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._logged:
+            if self._logged_version >= version or self._error is not None:
+                self._settle(version, future)
+            else:
+                self._awaited.append((version, future))
+        return future
+
+    def _notify(self) -> None:
+        """The logged version or the error changed (lock held): waiters wake, futures settle."""
+        self._logged.notify_all()
+        if not self._awaited:
+            return
+        waiting = []
+        for version, future in self._awaited:
+            if self._logged_version >= version or self._error is not None:
+                self._settle(version, future)
+            else:
+                waiting.append((version, future))
+        self._awaited = waiting
+
+    def _settle(self, version: int, future: concurrent.futures.Future) -> None:
+        if self._logged_version >= version:
+            future.set_result(None)
+        else:
+            future.set_exception(self._unlogged(self._not_durable(version)))
+
+    def _not_durable(self, version: int) -> str:
+        return f"step {version} is applied on shard {self._shard} but not durable"
+
+    def _unlogged(self, consequence: str) -> OSError:
+        cause = getattr(self._error, "strerror", None) or self._error
+        return OSError(f"the step log in {self.folder} could not be written ({cause}); {consequence}")
+
     def _wait(self, version: int, consequence: str) -> None:
         with self._logged:
             self._logged.wait_for(lambda: self._logged_version >= version or self._error is not None)
             if self._logged_version < version:
-                cause = getattr(self._error, "strerror", None) or self._error
-                raise OSError(f"the step log in {self.folder} could not be written ({cause}); {consequence}")
+                raise self._unlogged(consequence)
 
     def restart(self) -> None:
         """Write-ahead order, after a failed write: once the disk takes a write again (see

@@ -218,10 +218,9 @@ class PushPullCalls:
             session.observer.sent(time.perf_counter() - started, sent)
         done = data_pb2.StepDone(version=version, staleness=receipt.staleness, committed=True, stream_closing=closing,
                                  applied_version=receipt.version)
-        receipt.durable()  # `done` acknowledges the push: its step is in the step log first
+        yield from receipt.durable_steps()  # `done` acknowledges the push: its step is in the step log first
         return Answered(data_pb2.PushPullResponse(
             step_result=data_pb2.PushPullStepResult(done=done, in_shared_memory=reply)), closing)
-        yield  # noqa: unreachable - makes this method a generator (its one answer is returned)
 
     def _answer(self, session: ShardSession, receipt: Receipt, reply: tuple[Optional[DType], int], one_message: bool,
                 sparse_base: Optional[int] = None):
@@ -252,7 +251,7 @@ class PushPullCalls:
             # are views of a pinned host copy, harmless to hold but dropped all the same).
             del params
             session.observer.sent(time.perf_counter() - started, reply_bytes)
-            receipt.durable()  # `done` acknowledges the push: its step is in the step log first
+            yield from receipt.durable_steps()  # `done` acknowledges the push: its step is in the step log first
             return Answered(data_pb2.PushPullResponse(
                 step_result=data_pb2.PushPullStepResult(done=done, chunks=chunks)), closing)
         else:
@@ -260,7 +259,7 @@ class PushPullCalls:
                 yield chunk_codec.encode_chunk_message(*piece)
             del params
             session.observer.sent(time.perf_counter() - started, reply_bytes)
-            receipt.durable()  # `done` acknowledges the push: its step is in the step log first
+            yield from receipt.durable_steps()  # `done` acknowledges the push: its step is in the step log first
             return Answered(data_pb2.PushPullResponse(done=done), closing)
 
 

@@ -13,6 +13,7 @@ from optserve.server.domain.clock import ClockStatus
 from optserve.server.domain.durability import DurabilityStatus
 from optserve.server.domain.errors import InvalidArgument, RejectReason
 from optserve.server.domain.telemetry import Telemetry
+from optserve.server.domain.waits import Steps, drive, returns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +60,10 @@ class Receipt:
       already_applied: the push had been applied before (a retry): nothing was staged.
       committed: the push is applied (its step is complete on this shard).
       staleness / scale: the clock's decision (0 / 1.0 unless async).
-      durable: returns once the push's step is in the step log (durable sessions; the answer that
-        acknowledges the push waits for it, so nothing acknowledged can be lost). Raises if the
-        log could not be written.
+      durable_steps: a generator of waits (:mod:`~optserve.server.domain.waits`) that ends once
+        the push's step is in the step log (durable sessions; the answer that acknowledges the
+        push waits for it, so nothing acknowledged can be lost); raises if the log could not be
+        written. :meth:`durable` waits for it in this thread.
     """
 
     version: int
@@ -69,7 +71,11 @@ class Receipt:
     committed: bool
     staleness: int = 0
     scale: float = 1.0
-    durable: Callable[[], None] = lambda: None
+    durable_steps: Callable[[], Steps[None]] = lambda: returns(None)
+
+    def durable(self) -> None:
+        """Returns once the push's step is in the step log (see ``durable_steps``)."""
+        drive(self.durable_steps())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,6 +38,7 @@ from optserve.server.domain.shard.journal_records import JournaledStep, JournalO
 from optserve.server.domain.shard.log_recovery import LogRecovery
 from optserve.server.domain.shard.refusals import log_value
 from optserve.server.domain.shard.replay import replay
+from optserve.server.domain.waits import Steps, Wait, returns
 
 _log = logging.getLogger(__name__)
 
@@ -193,34 +194,37 @@ class StepJournal:
                 _log.warning("event=checkpoint_skipped %s error=%s (the log keeps every step; the next checkpoint "
                              "due tries again)", self._log_where, log_value(str(exc)))
 
-    def waiter(self, version: int) -> Callable[[], None]:
-        """What acknowledging step ``version`` waits for: its log record (nothing when not durable).
+    def waiter(self, version: int) -> Callable[[], Steps[None]]:
+        """What acknowledging step ``version`` waits for: its log record (nothing when not durable),
+        as a function returning a generator of waits (:mod:`~optserve.server.domain.waits`).
 
         When the log failed, the waiter has the session recover it (True once a checkpoint
         holds every applied step) and waits again.
 
-        Raises (when called):
+        Raises (from the generator):
           Unavailable: the log failed and cannot recover yet (naming the session, shard, folder
             and cause): the step is applied on this shard but not acknowledged; a retry of the
             same push is not applied again, and is answered once the log recovers.
         """
         log, owner = self._log, self._owner
         if log is None:
-            return lambda: None
+            return _nothing_to_wait_for
 
-        def wait() -> None:
-            try:
-                log.wait_logged(version)
+        def steps() -> Steps[None]:
+            logged = log.logged_future(version)
+            yield Wait(logged, None)
+            failure = logged.exception()
+            if failure is None:
                 return
-            except OSError as exc:
-                failure = exc
             if owner.recover_log():
-                log.wait_logged(version)
+                logged = log.logged_future(version)
+                yield Wait(logged, None)
+                logged.result()  # raises the log's OSError if it failed again
                 return
             raise Unavailable(f"{owner.where}: {failure}; retry this push (it is not applied twice): it is "
                               f"answered once the disk takes writes again") from None
 
-        return wait
+        return steps
 
     # ----------------------------------------------------------------- room and failures
     def reserve(self, steps: int) -> None:
@@ -313,3 +317,8 @@ class StepJournal:
         return DurabilityStatus(store.durable_version, log.records, log.bytes, store.recoveries,
                                 store.checkpoint_seconds, store.checkpoints_written, store.checkpoint_writing,
                                 log.writes_direct, log.degraded)
+
+
+def _nothing_to_wait_for() -> Steps[None]:
+    """A session without a step log: its steps are acknowledged at once."""
+    return (yield from returns(None))
