@@ -29,11 +29,14 @@ two shard processes and their compiles: the checks share it), each on a session 
   server on the folder is refused at once naming the first, the first untouched; the killed
   server's lock is taken over by the next one, which restores the session, and released at its
   clean shutdown.
+- gone: while the server is down, a call of a client with a short timeout fails naming the
+  address the user gave (not a shard's internal port), and the client said so once while retrying.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import socket
 import subprocess
@@ -46,6 +49,7 @@ import optax
 import pytest
 
 from optserve.client import Client
+from optserve.client.errors import UnavailableError
 from optserve.client.status import HyperparamChange
 from optserve.server.storage.dir_lock import DirLock
 from tests._server_process import ServerProcess, free_port
@@ -421,6 +425,46 @@ class Locked:
             assert after.previous is None
 
 
+# --- gone: a server down is named by the address the user gave, and said while retrying --------------
+
+
+def _reachable(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+class Gone:
+    def __init__(self, caplog):
+        self.caplog = caplog
+
+    def before_kill(self, address: str) -> None:
+        self.address = address
+        self.client = Client(address, timeout=4.0, shared_memory=False)
+        self.session = self.client.create_session("gone", {"w": np.ones(4, np.float32)},
+                                                  {"name": "sgd", "args": {"learning_rate": 0.5}})
+        self.session.push({"w": np.ones(4, np.float32)})
+
+    def while_down(self) -> None:
+        deadline = time.monotonic() + 30  # the shard processes go when their raylet has gone
+        while time.monotonic() < deadline and _reachable(self.session._shards[0].address):
+            time.sleep(0.2)
+        self.caplog.set_level(logging.WARNING, logger="optserve.client._fanout")
+        with pytest.raises(UnavailableError) as raised:
+            self.session.push({"w": np.ones(4, np.float32)})
+        self.client.close()
+        # the address the user gave, not a shard's internal port; and said once while retrying
+        assert raised.value.details.startswith(f"server {self.address}: session 'gone' was not served within")
+        assert any(f"server {self.address} does not serve session 'gone' now" in r.getMessage()
+                   for r in self.caplog.records)
+
+    def after_restart(self, address: str, server: ServerProcess, sessions: list[str]) -> None:
+        pass
+
+
 def _kill_tree(server: ServerProcess) -> None:
     """SIGKILL of the server and every process under it, its shard actors included (Ray puts
     each worker in a process group of its own, which a signal to the server's group misses)."""
@@ -438,13 +482,13 @@ def _kill_tree(server: ServerProcess) -> None:
 
 @pytest.mark.slow
 def test_whole_server_sigkill_and_restart_restores_every_session_and_each_continues_exactly(
-        server, unique_name, tmp_path):
+        server, unique_name, tmp_path, caplog):
     port, checkpoint_dir = free_port(), str(tmp_path / "ckpt")
     address = f"127.0.0.1:{port}"
     reconnect, locked = Reconnect(), Locked(checkpoint_dir)
     checks = [Survivor(), Scheduled(), Elastic(), Histories(), Restored(server.address, f"{unique_name}-a"), locked,
-              reconnect]
-    sessions = ["survivor", "scheduled", "elastic", *Histories.MODES, "restored", "locked", "restarts"]
+              reconnect, Gone(caplog)]
+    sessions = ["survivor", "scheduled", "elastic", *Histories.MODES, "restored", "locked", "restarts", "gone"]
     first = _server(port, checkpoint_dir)
     locked.first_pid = first.process.pid
     second = None

@@ -2,7 +2,8 @@
 
 The service cases run against their own server (2 shards, every session on both) with short
 timeouts, sharing the run's Ray: ``step_timeout_s`` far below the client's deadline, and a short
-``staged_push_ttl_s``.
+``staged_push_ttl_s``. A server gone (its call named by the address the user gave):
+tests/test_durability_restart.py.
 """
 
 from __future__ import annotations
@@ -316,41 +317,3 @@ def test_expired_staged_pushes_give_their_memory_back_without_further_calls():
     assert staged - before > 100
     # 8 of the 12 sets freed (the pool keeps 4), the last sweep's 3 too: the staging area emptied
     assert staged - after > 0.5 * (staged - before), (before, staged, after)
-
-
-def _reachable(address: str) -> bool:
-    import socket
-
-    host, port = address.rsplit(":", 1)
-    try:
-        with socket.create_connection((host, int(port)), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
-@pytest.mark.slow
-def test_a_server_gone_for_good_is_named_by_the_address_the_user_gave_and_said_while_retrying(caplog):
-    from _server_process import ServerProcess
-
-    from optserve.client.errors import UnavailableError
-
-    server = ServerProcess().wait_listening()
-    try:
-        with Client(server.address, timeout=4.0, shared_memory=False) as client:
-            session = client.create_session("gone", {"w": np.ones(4, np.float32)}, SGD)
-            session.push({"w": np.ones(4, np.float32)})
-            server.kill_group()
-            deadline = time.monotonic() + 30  # the shard processes go when their raylet has gone
-            while time.monotonic() < deadline and _reachable(session._shards[0].address):
-                time.sleep(0.2)
-            caplog.set_level(logging.WARNING, logger="optserve.client._fanout")
-            with pytest.raises(UnavailableError) as raised:
-                session.push({"w": np.ones(4, np.float32)})
-        # the address the user gave, not a shard's internal port; and said once while retrying
-        assert raised.value.details.startswith(f"server {server.address}: session 'gone' was not served within")
-        assert any(f"server {server.address} does not serve session 'gone' now" in r.getMessage()
-                   for r in caplog.records)
-    finally:
-        if server.process.poll() is None:
-            server.kill_group()
