@@ -233,36 +233,41 @@ def test_a_user_loads_a_sessions_checkpoint_into_their_own_jax_program(durable_s
     client.close()
 
 
-@pytest.mark.parametrize("damage", ["flipped-bytes", "truncated"])
-def test_a_damaged_checkpoint_is_reported_naming_it_and_never_loaded(durable_server, checkpoint_dir, unique_name,
-                                                                     damage):
+def test_a_damaged_checkpoint_is_reported_naming_it_and_never_loaded(durable_server, checkpoint_dir, unique_name):
+    """Two sessions, the latest checkpoint of each on shard 1 damaged (flipped bytes; truncated),
+    one SIGKILL of shard 1: each session is lost, its error naming it, the shard and the file."""
     client = Client(durable_server.address, timeout=90.0)
     params = make_params(5)
-    session = client.create_session(unique_name, params, optimizer=OPTIMIZER)
-    for step in range(4):
-        session.push_pull(make_grads(params, step))
-    _wait_durable(session, 4)
-    folder = _shard_folder(checkpoint_dir, unique_name, 1)
-    latest = max(int(name[len("checkpoint-"):-len(".json")]) for name in os.listdir(folder)
-                 if name.startswith("checkpoint-") and name.endswith(".json"))
-    files = [os.path.join(root, f) for root, _, names in os.walk(os.path.join(folder, f"checkpoint-{latest}"))
-             for f in names]
-    target = max(files, key=os.path.getsize)  # the arrays' data file
-    size = os.path.getsize(target)
-    with open(target, "r+b") as fh:
-        if damage == "truncated":
-            fh.truncate(size // 2)
-        else:
-            fh.seek(size // 4)
-            chunk = bytearray(fh.read(size // 2))
-            fh.seek(size // 4)
-            fh.write(bytes(b ^ 0x5A for b in chunk))
+    sessions, latest = {}, {}
+    for damage in ("flipped-bytes", "truncated"):
+        name = f"{unique_name}-{damage}"
+        session = sessions[damage] = client.create_session(name, params, optimizer=OPTIMIZER)
+        for step in range(4):
+            session.push_pull(make_grads(params, step))
+        _wait_durable(session, 4)
+        folder = _shard_folder(checkpoint_dir, name, 1)
+        latest[damage] = max(int(n[len("checkpoint-"):-len(".json")]) for n in os.listdir(folder)
+                             if n.startswith("checkpoint-") and n.endswith(".json"))
+        files = [os.path.join(root, f) for root, _, names in
+                 os.walk(os.path.join(folder, f"checkpoint-{latest[damage]}")) for f in names]
+        target = max(files, key=os.path.getsize)  # the arrays' data file
+        size = os.path.getsize(target)
+        with open(target, "r+b") as fh:
+            if damage == "truncated":
+                fh.truncate(size // 2)
+            else:
+                fh.seek(size // 4)
+                chunk = bytearray(fh.read(size // 2))
+                fh.seek(size // 4)
+                fh.write(bytes(b ^ 0x5A for b in chunk))
     _kill_shard(durable_server, 1)
-    with pytest.raises(SessionLostError) as lost:
-        session.push_pull(make_grads(params, 4))
-    message = str(lost.value)
-    assert unique_name in message and "shard 1" in message and f"checkpoint-{latest}" in message, message
-    session.close()
+    for damage, session in sessions.items():
+        with pytest.raises(SessionLostError) as lost:
+            session.push_pull(make_grads(params, 4))
+        message = str(lost.value)
+        name = f"{unique_name}-{damage}"
+        assert name in message and "shard 1" in message and f"checkpoint-{latest[damage]}" in message, message
+        session.close()
     client.close()
 
 
