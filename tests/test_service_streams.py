@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from optserve.client import Client
+from optserve.protos.optserve.v1 import data_pb2, data_pb2_grpc
 
 from _service_helpers import InProcess, make_grads, make_params
 
@@ -268,44 +269,64 @@ def test_a_sync_step_of_sixteen_workers_completes_on_shards_of_four_threads(four
     owner.close()
 
 
-def test_a_lease_renewal_is_answered_while_every_step_thread_waits_for_a_streamed_push(four_thread_pair,
-                                                                                       unique_name):
-    # Four raw PushPull calls each start a streamed push and send no chunk: each step holds one of
-    # shard 0's 4 step threads while it waits for its chunks. An elastic worker's membership calls
-    # are unary: they run in the server's own pool, never queued behind the steps (in one shared
-    # pool the renewal would wait for a thread past its deadline).
+def _stalled(stub_call, session: str, count: int, never, one_message) -> list:
+    """``count`` raw calls (``stub_call``: a ShardData stub's Push or PushPull) that each send a
+    push's header and then nothing until ``never`` is set."""
+    def stalled(index: int):
+        yield one_message(data_pb2.PushHeader(session=session, client_id=f"stalled-{index}/0", sequence=1,
+                                              auto_commit=True))
+        never.wait()
+
+    return [stub_call(stalled(index), timeout=120) for index in range(count)]
+
+
+def _steps_go_on(four_thread_pair, unique_name, stall) -> None:
+    """A client's three steps on an async session finish within seconds while ``stall(channel,
+    session, never)`` holds raw calls open on shard 0."""
     import threading
 
     import grpc
 
-    from optserve.protos.optserve.v1 import data_pb2, data_pb2_grpc
-
     params = make_params()
-    owner = Client(four_thread_pair.address, timeout=30.0)
-    session = owner.create_session(unique_name, params, optimizer=OPTIMIZER, mode="sync", num_workers=2,
-                                   min_workers=1)
+    client = Client(four_thread_pair.address, timeout=30.0, shared_memory=False)
+    session = client.create_session(unique_name, params, optimizer=OPTIMIZER, mode="async")
+    assert len(session.status().shards) == 2
+    session.push_pull(make_grads(params, 0))
     never = threading.Event()
     channel = grpc.insecure_channel(four_thread_pair.shard_addresses[0])
-    stub = data_pb2_grpc.ShardDataStub(channel)
-
-    def stalled(index: int):
-        yield data_pb2.PushPullRequest(header=data_pb2.PushHeader(
-            session=unique_name, client_id=f"stalled-{index}/0", sequence=1, auto_commit=True))
-        never.wait()
-
-    calls = [stub.PushPull(stalled(index), timeout=120) for index in range(4)]
+    calls = stall(channel, unique_name, never)
     try:
-        time.sleep(1.0)  # each step reads its chunks in a step thread
+        time.sleep(1.0)  # every stalled call waits for its chunks on shard 0
         started = time.monotonic()
-        for action in (data_pb2.MEMBERSHIP_JOIN, data_pb2.MEMBERSHIP_RENEW):
-            reply = stub.Membership(data_pb2.MembershipRequest(session=unique_name, worker_id="renewing",
-                                                               action=action), timeout=5.0)
-            assert "renewing" in reply.members
-        assert time.monotonic() - started < 5.0
+        for step in range(1, 4):
+            session.push_pull(make_grads(params, step))
+        assert time.monotonic() - started < 10.0
+        assert session.status().steps_applied == 4
     finally:
         never.set()
         for call in calls:
             call.cancel()
         channel.close()
         session.close()
-        owner.close()
+        client.close()
+
+
+def test_streamed_pushes_waiting_for_their_chunks_hold_no_step_thread(four_thread_pair, unique_name):
+    # Eight raw PushPull calls each start a streamed push and send no chunk: twice as many as
+    # shard 0's 4 step threads. A step waiting for its next message holds no thread, so a
+    # client's steps go on (were each stalled step to hold a thread while it reads, the client's
+    # steps would queue behind them until those calls end, 120 s).
+    stall = lambda channel, session, never: _stalled(  # noqa: E731
+        data_pb2_grpc.ShardDataStub(channel).PushPull, session, 8, never,
+        lambda header: data_pb2.PushPullRequest(header=header))
+    _steps_go_on(four_thread_pair, unique_name, stall)
+
+
+def test_steps_go_on_while_every_unary_thread_waits_for_a_streamed_push(four_thread_pair, unique_name):
+    # Four raw unary Push calls each send a header and no chunk: a unary handler reads its
+    # messages in its thread, so they hold shard 0's 4 threads for unary calls. PushPull's steps
+    # run in a pool of their own and go on (in one shared pool they would wait for a thread).
+    stall = lambda channel, session, never: _stalled(  # noqa: E731
+        data_pb2_grpc.ShardDataStub(channel).Push.future, session, 4, never,
+        lambda header: data_pb2.PushRequest(header=header))
+    _steps_go_on(four_thread_pair, unique_name, stall)

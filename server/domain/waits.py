@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, InvalidStateError
-from typing import Generator, Optional, TypeVar
+from typing import Generator, Iterator, Optional, TypeVar
 
 T = TypeVar("T")
 Steps = Generator["Wait", bool, T]  # a generator of waits returning T
@@ -66,6 +66,18 @@ def drive(steps: Steps[T]) -> T:
             wait = steps.send(wait.block())
     except StopIteration as stop:
         return stop.value
+
+
+def next_of(items: Iterator) -> Steps[Optional[object]]:
+    """The next item of ``items`` (None at its end) that is not a :class:`Wait`: an iterator of
+    messages that arrive over time gives a ``Wait`` while its next one is not there yet, and
+    each is passed on (yielded) before asking again."""
+    for item in items:
+        if isinstance(item, Wait):
+            yield item
+            continue
+        return item
+    return None
 
 
 def returns(value: T) -> Steps[T]:

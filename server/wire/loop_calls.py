@@ -3,7 +3,8 @@
 A PushPull call (:mod:`~optserve.server.wire.push_pull`) waits for each step's first message on
 the :class:`~optserve.server.wire.loop_server.LoopServer`'s loop, holding no thread, and runs the
 step itself in the server's thread pool. The step's code was written for the synchronous server:
-it reads the step's further messages from an iterator (:class:`LoopRequests`) and asks the call's
+it reads the step's further messages from an iterator (:class:`LoopRequests`, which gives a
+:class:`~optserve.server.domain.waits.Wait` while the next one is on its way) and asks the call's
 context (:class:`LoopCallContext`) whether the call is still active, how long it may take, and
 whose it is. :class:`PoolRuns` advances a step's generator one answer at a time in the pool.
 """
@@ -15,7 +16,6 @@ import logging
 import threading
 import time
 from concurrent.futures import Executor, Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Generator, Optional
 
 import grpc
@@ -24,7 +24,6 @@ from optserve.server.domain.errors import OptservError
 from optserve.server.domain.waits import Wait
 
 _log = logging.getLogger(__name__)
-_LOOP_CHECK_S = 1.0  # how often a thread reading a call's messages looks whether the server stopped
 
 
 class CallEnded(grpc.RpcError):
@@ -93,32 +92,43 @@ class LoopCallContext:
 
 
 class LoopRequests:
-    """The call's further messages as a blocking iterator, for a step's code in a pool thread
-    (each ``next`` waits for the loop to read one); ends at the client's end of the call, and
-    raises :class:`CallEnded` when the call was cancelled."""
+    """A step's further messages, read on the loop, for its code in a pool thread: each ``next``
+    gives the message read, or a :class:`~optserve.server.domain.waits.Wait` for it while it is
+    on its way (the step yields that and asks again: it holds no thread meanwhile). Ends at the
+    client's end of the call; raises :class:`CallEnded` when the call was cancelled.
 
-    def __init__(self, context: LoopCallContext, loop: asyncio.AbstractEventLoop):
+    ``read_ahead(message)``: whether another message of the step follows ``message`` (a chunk
+    before the ``seal``): its read starts at once, overlapping the step's work on this one.
+    """
+
+    def __init__(self, context: LoopCallContext, loop: asyncio.AbstractEventLoop,
+                 read_ahead: Callable[[Any], bool] = lambda _message: False):
         self._context = context
         self._loop = loop
+        self._read_ahead = read_ahead
+        self._reading: Optional[Future] = None
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        if not self._loop.is_running():  # the server stopped
-            raise CallEnded()
-        reading = asyncio.run_coroutine_threadsafe(self._context.read(), self._loop)
-        while True:
-            try:
-                message = reading.result(timeout=_LOOP_CHECK_S)
-                break
-            except FutureTimeout:
-                if not self._loop.is_running():
-                    reading.cancel()
-                    raise CallEnded() from None
+        reading = self._reading
+        if reading is None:
+            reading = self._reading = self._read()
+        if not reading.done():
+            return Wait(reading, None)
+        self._reading = None
+        message = reading.result()  # raises CallEnded
         if message is None:
             raise StopIteration
+        if self._read_ahead(message):
+            self._reading = self._read()
         return message
+
+    def _read(self) -> Future:
+        if not self._loop.is_running():  # the server stopped
+            raise CallEnded()
+        return asyncio.run_coroutine_threadsafe(self._context.read(), self._loop)
 
 
 _ANSWER, _RETURNED = 0, 1

@@ -15,6 +15,7 @@ from optserve.protos.optserve.v1 import data_pb2
 from optserve.server.domain.config import DType
 from optserve.server.domain.errors import Cancelled, InvalidArgument
 from optserve.server.domain.shard import ShardSession
+from optserve.server.domain.waits import Wait
 from optserve.server.wire.data_requests import pull_options
 from optserve.server.wire.shared_memory import RegionTable
 
@@ -44,7 +45,12 @@ class StreamedPush:
         self.sealed = False
 
     def chunks(self):
+        """The push's chunks; a :class:`~optserve.server.domain.waits.Wait` from the request
+        stream (its next message on its way) is passed on among them."""
         for request in self._requests:
+            if isinstance(request, Wait):
+                yield request
+                continue
             kind = request.WhichOneof("item")
             if kind == "chunk":
                 yield request.chunk

@@ -29,6 +29,7 @@ from optserve.protos.optserve.v1 import data_pb2
 from optserve.server.domain.config import DType
 from optserve.server.domain.errors import Cancelled, InvalidArgument, OptservError
 from optserve.server.domain.shard import Receipt, ShardSession
+from optserve.server.domain.waits import next_of
 from optserve.server.wire import data_requests
 from optserve.server.wire.data_replies import param_slices, push_response, tensor_chunk
 from optserve.server.wire.errors import abort_call, checked_message, checked_messages
@@ -85,7 +86,7 @@ class PushPullCalls:
                     stream.goodbye = True
                     return
                 closing = None
-                requests = checked_messages(LoopRequests(call, loop), "PushPull")  # the step's further messages
+                requests = checked_messages(LoopRequests(call, loop, _more_follows), "PushPull")  # the step's further messages
                 async for item in steps.run(self._step(stream, first, requests, call)):
                     if isinstance(item, Returned):
                         closing = item.value
@@ -192,7 +193,7 @@ class PushPullCalls:
         except Cancelled:
             return None
         yield data_pb2.PushPullResponse(staged=push_response(staged))
-        decision = next(request_iterator, None)
+        decision = yield from next_of(request_iterator)
         if decision is None or decision.WhichOneof("item") != "decision" or not decision.decision.commit:
             session.abort(push.client_id, push.sequence)
             if decision is None:
@@ -261,6 +262,11 @@ class PushPullCalls:
             session.observer.sent(time.perf_counter() - started, reply_bytes)
             yield from receipt.durable_steps()  # `done` acknowledges the push: its step is in the step log first
             return Answered(data_pb2.PushPullResponse(done=done), closing)
+
+
+def _more_follows(request) -> bool:
+    """Whether a streamed push's message is followed by another of its step (not after ``seal``)."""
+    return isinstance(request, data_pb2.PushPullRequest) and request.WhichOneof("item") in ("chunk", "pull")
 
 
 def _sparse_base(framing, header) -> Optional[int]:

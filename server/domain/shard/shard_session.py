@@ -244,7 +244,9 @@ class ShardSession:
 
         Args:
           header: the push's identity.
-          chunks: ``TensorChunk``-like items covering this shard's tensors exactly once.
+          chunks: ``TensorChunk``-like items covering this shard's tensors exactly once; a
+            :class:`~optserve.server.domain.waits.Wait` among them (the next chunk on its way)
+            is yielded like the other waits.
           complete: asked once the chunks ran out: False if the push's stream broke or ended
             early (nothing is then applied anywhere).
           wait_s: how long the caller waits for the answer (its deadline; None: unbounded). The
@@ -267,7 +269,7 @@ class ShardSession:
         self.touch()
         self._staging.expire()
         try:
-            already_applied = self._receive(header, chunks, complete, in_place)
+            already_applied = yield from self._receive(header, chunks, complete, in_place)
         except BaseException:
             if header.auto_commit:  # tell the peers to drop their parts
                 self._clock.vote(header.client_id, header.sequence, -1, self.shard_index, False, self._vote_timeout,
@@ -313,8 +315,9 @@ class ShardSession:
         return None if wait_s is None else time.monotonic() + wait_s - _ANSWER_MARGIN_S
 
     def _receive(self, header: PushHeader, chunks: Iterable, complete: Callable[[], bool],
-                 in_place: bool = False) -> bool:
-        """Assembles and stages the push; returns True if it had been applied (nothing staged)."""
+                 in_place: bool = False) -> Steps[bool]:
+        """Assembles and stages the push; returns True if it had been applied (nothing staged).
+        Waits for chunks on their way are yielded."""
         self._require_initialized()
         if header.incarnation and self.config.incarnation and header.incarnation != self.config.incarnation:
             raise Replaced(f"session {self.config.name!r} was replaced after client {header.client_id!r} attached "
@@ -333,7 +336,7 @@ class ShardSession:
         except Unavailable:
             self._refusals.refuse(RejectReason.ABORTED, header.client_id, header.sequence, cause="disk")
             raise
-        grads, received_bytes = self._staging.assemble(header, chunks, complete,
+        grads, received_bytes = yield from self._staging.assemble(header, chunks, complete,
                                                        check_finite=not self.config.allow_nonfinite,
                                                        in_place=in_place and header.auto_commit)
         self.observer.received(received_bytes)

@@ -29,6 +29,7 @@ from optserve.server.domain.shard.assembly import TensorAssembler
 from optserve.server.domain.shard.refusals import Refusals
 from optserve.server.domain.shard.shard_records import PushHeader
 from optserve.server.domain.telemetry import Telemetry
+from optserve.server.domain.waits import Steps, Wait
 
 PushKey = tuple[str, int]  # a push's identity: (client_id, sequence)
 
@@ -95,17 +96,24 @@ class StagingArea:
 
     # ----------------------------------------------------------------- receiving
     def assemble(self, header: PushHeader, chunks: Iterable, complete: Callable[[], bool], check_finite: bool,
-                 in_place: bool) -> tuple[dict[str, np.ndarray], int]:
+                 in_place: bool) -> Steps[tuple[dict[str, np.ndarray], int]]:
         """Validates ``header`` and receives its push's ``chunks`` into a set of pooled buffers
         (``in_place``: whole float32 tensors are read where they lie, see :class:`TensorAssembler`).
         Returns the gradients (the caller stages or releases them) and the bytes received. A bad
         header, chunk or value, or a call that ended early (``complete()`` is False), is refused
-        (INVALID, NONFINITE, else ABORTED) and raised, its buffers released."""
+        (INVALID, NONFINITE, else ABORTED) and raised, its buffers released.
+
+        A generator of waits (:mod:`~optserve.server.domain.waits`): ``chunks`` may give a
+        :class:`~optserve.server.domain.waits.Wait` while its next chunk is on its way; it is
+        yielded, so that a push arriving over a slow link holds no thread between its chunks."""
         buffers = self._pool.acquire()
         assembler = TensorAssembler(self._specs, buffers, check_finite=check_finite, in_place=in_place)
         try:
             header.validate()
             for chunk in chunks:
+                if isinstance(chunk, Wait):
+                    yield chunk
+                    continue
                 assembler.add(chunk)
             grads = assembler.finish()
             if not complete():
