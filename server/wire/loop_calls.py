@@ -118,6 +118,8 @@ class LoopRequests:
         if not reading.done():
             return Wait(reading, None)
         self._reading = None
+        if reading.cancelled():  # the loop stopped under the read (the server stops)
+            raise CallEnded()
         message = reading.result()  # raises CallEnded
         if message is None:
             raise StopIteration

@@ -112,6 +112,8 @@ class OpenStreams:
                 if not self._open:
                     self._sweeping = False
                     return
+                if len(self._open) <= self.limit:  # not crowded: nothing to end (and nothing to sort)
+                    continue
                 now = time.monotonic()
                 idle = sorted((s for s in self._open if s.idle_since is not None and not s.evicted
                                and now - s.idle_since >= (self._min_idle_s if s.served else self._new_idle_s)),
