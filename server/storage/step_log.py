@@ -29,6 +29,7 @@ from typing import Callable, Optional
 
 from optserve.server.storage.disk_health import DiskHealth, log_write_failure
 from optserve.server.storage.log_files import LogFiles
+from optserve.server.storage.logged_mark import LoggedMark
 from optserve.server.storage.segments import BLOCK, PREFIX, STEPS, TICKETS, Segments, close_segments, segment_indices
 
 log = logging.getLogger(__name__)
@@ -60,10 +61,7 @@ class StepLog(LogFiles):
         self._records_since_sync = 0
         self._tickets_since_sync = 0
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="optserve-log")
-        self._logged = threading.Condition()  # guards _logged_version / _error / _awaited
-        self._logged_version = 0
-        self._error: Optional[BaseException] = None
-        self._awaited: list[tuple[int, concurrent.futures.Future]] = []  # logged_future's, not done yet
+        self._logged = LoggedMark(folder, shard)  # how far the log is written, and a failed write
         self.records = 0  # step records since the last checkpoint
         self.bytes = 0  # their gradient bytes
         self._begun_bytes = 0  # the gradient bytes of the record begun last
@@ -72,7 +70,7 @@ class StepLog(LogFiles):
     # ------------------------------------------------------------- writing
     def open(self, manifest: Optional[dict], version: int) -> None:
         """Opens fresh segments after everything on disk (the log reached ``version``)."""
-        self._logged_version = version
+        self._logged.start(version)
         steps_from = manifest["steps_from"] if manifest else 0
         tickets_from = manifest["tickets_from"] if manifest else 0
         next_steps = max(segment_indices(self.folder, STEPS, steps_from), default=steps_from - 1) + 1
@@ -107,7 +105,7 @@ class StepLog(LogFiles):
           OSError: no room (ENOSPC, EDQUOT) or a failing disk (EIO); the message names the folder.
         """
         record = PREFIX.size + payload_bytes + (tensors + 1) * BLOCK + _HEADER_ROOM
-        if self._error is not None:
+        if self._logged.error is not None:
             self.probe()
         try:
             self._steps.reserve(steps * record)
@@ -115,7 +113,7 @@ class StepLog(LogFiles):
             self._disk.degrade(exc)
             raise OSError(exc.errno, f"the step log in {self.folder} has no room for the next step: "
                                      f"{exc.strerror or exc}") from None
-        if self.degraded and self._error is None:
+        if self.degraded and self._logged.error is None:
             log.warning("event=step_log_recovered session=%s shard=%d folder=%s", self._session, self._shard,
                         self.folder)
             self._disk.degraded = ""
@@ -137,17 +135,14 @@ class StepLog(LogFiles):
     def failed(self) -> bool:
         """A write failed since the log was (re)started: records are not written until
         :meth:`recovered`."""
-        return self._error is not None
+        return self._logged.error is not None
 
     def recovered(self, version: int) -> None:
         """A checkpoint at ``version`` (taken under the session's lock after the failure, so it
         holds every step applied, those whose records were lost included) was committed: the log
         goes on in the fresh segment the checkpoint started, and the waits up to ``version`` end."""
-        with self._logged:
-            self._error = None
-            self._disk.degraded = ""
-            self._logged_version = max(self._logged_version, version)
-            self._notify()
+        self._disk.degraded = ""
+        self._logged.recovered(version)
         log.warning("event=step_log_recovered session=%s shard=%d folder=%s version=%d", self._session,
                     self._shard, self.folder, version)
 
@@ -170,7 +165,7 @@ class StepLog(LogFiles):
         self._thread.submit(self._append_header, None, None)
 
     def _append_payload(self, grads: list) -> None:
-        if self._error is not None:
+        if self._logged.error is not None:
             return
         try:
             self._check_owner("a step record")
@@ -181,7 +176,7 @@ class StepLog(LogFiles):
 
     def _append_header(self, record, release: Optional[Callable[[], None]]) -> None:
         try:
-            if self._error is not None:
+            if self._logged.error is not None:
                 return
             header = json.dumps(record.to_json() if record is not None else {"aborted": True}).encode()
             self._check_owner("a step record's end")
@@ -201,15 +196,11 @@ class StepLog(LogFiles):
         finally:
             if release is not None:
                 release()
-        with self._logged:
-            self._logged_version = max(self._logged_version, record.version)
-            self._notify()
+        self._logged.advance(record.version)
 
     def _fail(self, exc: BaseException) -> None:
-        with self._logged:
-            self._error = exc
-            self._disk.degrade(exc)
-            self._notify()
+        self._disk.degrade(exc)
+        self._logged.fail(exc)
 
     def wait_logged(self, version: int) -> None:
         """Returns once the step of ``version`` is in the log.
@@ -217,7 +208,7 @@ class StepLog(LogFiles):
         Raises:
           OSError: the log could not be written (disk full, ...): the step cannot be acknowledged.
         """
-        self._wait(version, self._not_durable(version))
+        self._logged.wait(version, self._logged.not_durable(version))
 
     def append_ahead(self, grads: list, record) -> None:
         """Write-ahead order: appends a step's whole record (its gradient ``grads``, in tensor
@@ -230,51 +221,13 @@ class StepLog(LogFiles):
         """
         self.begin_step(grads)
         self.end_step(record)
-        self._wait(record.version, f"step {record.version} is applied nowhere on shard {self._shard}")
+        self._logged.wait(record.version, f"step {record.version} is applied nowhere on shard {self._shard}")
 
     def logged_future(self, version: int) -> concurrent.futures.Future:
         """A future done once the step of ``version`` is in the log (result None), or failed with
         the OSError :meth:`wait_logged` raises: :meth:`wait_logged` for a caller that waits
         without a thread."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._logged:
-            if self._logged_version >= version or self._error is not None:
-                self._settle(version, future)
-            else:
-                self._awaited.append((version, future))
-        return future
-
-    def _notify(self) -> None:
-        """The logged version or the error changed (lock held): waiters wake, futures settle."""
-        self._logged.notify_all()
-        if not self._awaited:
-            return
-        waiting = []
-        for version, future in self._awaited:
-            if self._logged_version >= version or self._error is not None:
-                self._settle(version, future)
-            else:
-                waiting.append((version, future))
-        self._awaited = waiting
-
-    def _settle(self, version: int, future: concurrent.futures.Future) -> None:
-        if self._logged_version >= version:
-            future.set_result(None)
-        else:
-            future.set_exception(self._unlogged(self._not_durable(version)))
-
-    def _not_durable(self, version: int) -> str:
-        return f"step {version} is applied on shard {self._shard} but not durable"
-
-    def _unlogged(self, consequence: str) -> OSError:
-        cause = getattr(self._error, "strerror", None) or self._error
-        return OSError(f"the step log in {self.folder} could not be written ({cause}); {consequence}")
-
-    def _wait(self, version: int, consequence: str) -> None:
-        with self._logged:
-            self._logged.wait_for(lambda: self._logged_version >= version or self._error is not None)
-            if self._logged_version < version:
-                raise self._unlogged(consequence)
+        return self._logged.future(version)
 
     def restart(self) -> None:
         """Write-ahead order, after a failed write: once the disk takes a write again (see
@@ -285,7 +238,7 @@ class StepLog(LogFiles):
           OSError: the disk still fails (the log stays failed).
         """
         self._thread.submit(lambda: None).result()  # the failed record's queued writes are done
-        if self._error is None:
+        if self._logged.error is None:
             return
         self.probe()
         try:
@@ -296,11 +249,10 @@ class StepLog(LogFiles):
                                      f"{exc.strerror or exc}") from None
         self.records -= 1
         self.bytes -= self._begun_bytes
-        with self._logged:
-            self._error = None
-            self._disk.degraded = ""
+        self._disk.degraded = ""
+        self._logged.recovered()
         log.warning("event=step_log_recovered session=%s shard=%d folder=%s version=%d", self._session,
-                    self._shard, self.folder, self._logged_version)
+                    self._shard, self.folder, self._logged.version)
 
     def rotate(self, clock_state_fn: Optional[Callable]) -> tuple[int, int, list, object]:
         """Starts fresh segments for the steps after a checkpoint, once every queued record is
