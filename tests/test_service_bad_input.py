@@ -452,3 +452,24 @@ def test_push_with_an_overlong_client_id_is_rejected_and_nothing_is_staged(twins
             call(request(session=victim.name, client_id=long_id, sequence=1), timeout=30)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert_state_intact(victim, twin, params)
+
+
+def test_a_message_other_than_the_decision_after_staged_is_invalid_argument_and_drops_the_push(twins):
+    # After `staged` a two-phase step takes its decision; a chunk there is refused (the call ends),
+    # the staged push dropped, the session intact.
+    victim, twin, params = twins
+    stub, names = _raw_shard(victim, "dense/w")
+    grads = make_grads(params, 5)
+    requests = [data_pb2.PushPullRequest(header=_header(victim, sequence=9))]
+    requests += [data_pb2.PushPullRequest(chunk=_chunk(n, grads[n])) for n in names]
+    requests += [data_pb2.PushPullRequest(seal=True), data_pb2.PushPullRequest(chunk=_chunk(names[0], grads[names[0]]))]
+    responses = stub.PushPull(iter(requests), timeout=30)
+    assert next(responses).WhichOneof("item") == "staged"
+    with pytest.raises(grpc.RpcError) as info:
+        list(responses)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "takes its `decision`, got `chunk`" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Commit(data_pb2.CommitRequest(session=victim.name, client_id="raw-client", sequence=9), timeout=30)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert_state_intact(victim, twin, params)

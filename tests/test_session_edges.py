@@ -232,6 +232,27 @@ def test_staged_pushes_past_max_staged_bytes_are_refused_before_allocating_namin
     assert session.commit("stager", 3).version == 1
 
 
+def test_pushes_still_arriving_count_against_max_staged_bytes():
+    # A push waiting for its next chunk holds its buffers but no thread: two such pushes fill a
+    # room of two, and a third is refused before taking buffers; once they end there is room.
+    from concurrent.futures import Future
+
+    from optserve.server.domain.config import Limits
+    from optserve.server.domain.errors import ResourceExhausted
+    from optserve.server.domain.waits import Wait
+
+    session = _local_session(limits=Limits(max_staged_bytes=2 * 16))  # two pushes of one float32[4] each
+    arriving = [session.push_steps(_header("slow", sequence, 0), iter([Wait(Future(), None)])) for sequence in (1, 2)]
+    for push in arriving:
+        assert isinstance(next(push), Wait)  # received up to its next chunk, which is on its way
+    with pytest.raises(ResourceExhausted, match=r"2 pushes staged or arriving.*max_staged_bytes=32"):
+        session.push(_header("stager", 3, 0, auto_commit=False), [_chunk("w", np.full(4, 1.0, np.float32))])
+    for push in arriving:
+        push.close()  # the calls ended: their buffers go back
+    session.push(_header("stager", 3, 0, auto_commit=False), [_chunk("w", np.full(4, 1.0, np.float32))])
+    assert session.commit("stager", 3).version == 1
+
+
 def test_float64_params_and_gradients_are_kept_as_float32(server, unique_name):
     params = {"w": np.arange(6, dtype=np.float64).reshape(2, 3)}  # NumPy's default dtype
     with Client(server.address) as client:

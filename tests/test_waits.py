@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -226,3 +227,44 @@ def test_an_acknowledgment_waits_for_its_log_record_without_a_thread(tmp_path):
         pool.shutdown()
         session.durability.close_store()
     assert [receipt.version for receipt in receipts] == [1, 2]
+
+
+def test_a_step_whose_call_is_cancelled_just_as_its_stretch_ends_goes_on_to_its_end():
+    # The stretch ends (its outcome queued for the loop) and then the call is cancelled, before
+    # the loop took the outcome: the step still goes on without its call, past its next wait.
+    reached, finished = threading.Event(), threading.Event()
+    later = concurrent.futures.Future()
+
+    def steps():
+        reached.set()
+        yield Wait(later, 10.0)
+        finished.set()
+        return "done"
+
+    pool = ThreadPoolExecutor(1)
+
+    async def main():
+        runs = PoolRuns(pool)
+
+        async def consume():
+            async for _ in runs.run(steps()):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0)  # the first stretch goes to the pool
+        assert reached.wait(5.0)
+        time.sleep(0.3)  # the loop held: the stretch's outcome is queued behind this callback
+        task.cancel()  # cancelled before the loop takes that outcome
+        later.set_result(True)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        cleaned = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        runs.after(lambda: loop.call_soon_threadsafe(cleaned.set_result, True))
+        await asyncio.wait_for(cleaned, 5.0)
+
+    try:
+        asyncio.run(main())
+    finally:
+        pool.shutdown(wait=False)
+    assert finished.is_set()

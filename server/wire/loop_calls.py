@@ -165,13 +165,14 @@ class _Stretch:
     pool without waking the loop, or by the wait's timer on the loop, whichever comes first.
     """
 
-    __slots__ = ("loop", "landed", "_claim", "_timer")
+    __slots__ = ("loop", "landed", "_claim", "_timer", "_work")
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.landed = loop.create_future()
         self._claim = threading.Lock()  # taken (never released) by whoever starts the stretch
         self._timer: Optional[asyncio.TimerHandle] = None
+        self._work: Optional[Future] = None  # the stretch, once it ended (set on the loop)
 
     def start(self, pool: Executor, fn: Callable, *args) -> "_Stretch":
         """``fn(*args)`` in ``pool`` now."""
@@ -206,11 +207,16 @@ class _Stretch:
             pass
 
     def _settle(self, work: Future) -> None:
-        """On the loop: ``work``'s outcome into :attr:`landed`."""
+        """On the loop: the stretch ended; its outcome goes to :attr:`landed` (kept for
+        :meth:`redirect` when the task awaiting it was cancelled first)."""
         if self._timer is not None:
             self._timer.cancel()
-        landed = self.landed
-        if landed.done():  # cancelled with its task, and not redirected (see redirect)
+        self._work = work
+        self._deliver()
+
+    def _deliver(self) -> None:
+        landed, work = self.landed, self._work
+        if work is None or landed.done():
             return
         if work.cancelled():
             landed.cancel()
@@ -220,14 +226,11 @@ class _Stretch:
             landed.set_result(work.result())
 
     def redirect(self) -> asyncio.Future:
-        """On the loop, once the task awaiting :attr:`landed` was cancelled: a future that gets
-        the outcome instead (also one that landed just before the cancellation)."""
-        old, self.landed = self.landed, self.loop.create_future()
-        if old.done() and not old.cancelled():
-            if old.exception() is not None:
-                self.landed.set_exception(old.exception())
-            else:
-                self.landed.set_result(old.result())
+        """On the loop, once the task awaiting :attr:`landed` was cancelled (which cancels
+        :attr:`landed` too): a future that gets the stretch's outcome instead, at once if it
+        ended already."""
+        self.landed = self.loop.create_future()
+        self._deliver()
         return self.landed
 
 
@@ -289,7 +292,10 @@ class PoolRuns:
         except Exception as exc:  # noqa: BLE001 - nobody to answer: see _log_unheard
             _log_unheard(exc)
         finally:
-            await _Stretch(loop).start(self._pool, generator.close).landed
+            try:
+                await _Stretch(loop).start(self._pool, generator.close).landed
+            except Exception as exc:  # noqa: BLE001 - the step's cleanup failed: nobody to answer
+                _log_unheard(exc)
 
     async def result(self, generator: Generator):
         """What ``generator`` (a generator of waits only) returns, run as :meth:`run` runs it."""

@@ -194,10 +194,14 @@ class PushPullCalls:
             return None
         yield data_pb2.PushPullResponse(staged=push_response(staged))
         decision = yield from next_of(request_iterator)
-        if decision is None or decision.WhichOneof("item") != "decision" or not decision.decision.commit:
+        kind = None if decision is None else decision.WhichOneof("item")
+        if kind != "decision" or not decision.decision.commit:
             session.abort(push.client_id, push.sequence)
             if decision is None:
                 return None
+            if kind != "decision":  # ends the call (a message of the push may still be on its way)
+                raise InvalidArgument(f"PushPull: after `staged` a step takes its `decision`, got `{kind}`; "
+                                      f"the push was dropped")
             closing = self._streams.crowded()
             return Answered(data_pb2.PushPullResponse(
                 done=data_pb2.StepDone(version=session.version, committed=False, stream_closing=closing)), closing)

@@ -90,6 +90,7 @@ class StagingArea:
         self._limits = limits
         self._refusals = refusals
         self._entries: dict[PushKey, StagedPush] = {}  # guarded by lock
+        self._assembling = 0  # pushes being received (their buffers taken, not staged yet); guarded by lock
         self._sweep: Optional[threading.Timer] = None  # expires two-phase pushes nobody asks about; guarded by lock
         self._freed_since_trim = 0  # bytes of expired pushes freed since the heap last gave pages back; guarded by lock
         self._expired: dict[PushKey, float] = {}  # identity -> when it expired (time.time()); guarded by lock
@@ -106,24 +107,30 @@ class StagingArea:
         A generator of waits (:mod:`~optserve.server.domain.waits`): ``chunks`` may give a
         :class:`~optserve.server.domain.waits.Wait` while its next chunk is on its way; it is
         yielded, so that a push arriving over a slow link holds no thread between its chunks."""
-        buffers = self._pool.acquire()
-        assembler = TensorAssembler(self._specs, buffers, check_finite=check_finite, in_place=in_place)
+        with self.lock:  # counted against max_staged_bytes while it arrives (see check_room)
+            self._assembling += 1
         try:
-            header.validate()
-            for chunk in chunks:
-                if isinstance(chunk, Wait):
-                    yield chunk
-                    continue
-                assembler.add(chunk)
-            grads = assembler.finish()
-            if not complete():
-                raise Cancelled(f"push {header.sequence} from client {header.client_id!r}: the call ended early")
-        except BaseException as exc:
-            self._pool.release(buffers)
-            self._refusals.refuse(RejectReason.NONFINITE if isinstance(exc, NonFinite) else
-                                  RejectReason.INVALID if isinstance(exc, InvalidArgument) else RejectReason.ABORTED,
-                                  header.client_id, header.sequence)
-            raise
+            buffers = self._pool.acquire()
+            assembler = TensorAssembler(self._specs, buffers, check_finite=check_finite, in_place=in_place)
+            try:
+                header.validate()
+                for chunk in chunks:
+                    if isinstance(chunk, Wait):
+                        yield chunk
+                        continue
+                    assembler.add(chunk)
+                grads = assembler.finish()
+                if not complete():
+                    raise Cancelled(f"push {header.sequence} from client {header.client_id!r}: the call ended early")
+            except BaseException as exc:
+                self._pool.release(buffers)
+                self._refusals.refuse(RejectReason.NONFINITE if isinstance(exc, NonFinite) else
+                                      RejectReason.INVALID if isinstance(exc, InvalidArgument) else
+                                      RejectReason.ABORTED, header.client_id, header.sequence)
+                raise
+        finally:
+            with self.lock:
+                self._assembling -= 1
         return grads, assembler.received_bytes
 
     def release(self, grads: dict[str, np.ndarray]) -> None:
@@ -139,14 +146,16 @@ class StagingArea:
 
     def check_room(self, client_id: str, sequence: int) -> None:
         """Refuses (counted ABORTED, then raises ResourceExhausted) a push that would take this
-        session's staged pushes past ``max_staged_bytes``; checked before any buffer is taken."""
+        session's staged pushes, and those still arriving (their buffers taken; a push waiting
+        for its next chunk holds no thread, so threads do not bound them), past
+        ``max_staged_bytes``; checked before any buffer is taken."""
         with self.lock:
-            staged = len(self._entries)
+            staged = len(self._entries) + self._assembling
         if (staged + 1) * self.push_bytes > self._limits.max_staged_bytes:
             self._refusals.refuse(RejectReason.ABORTED, client_id, sequence, cause="max_staged_bytes")
             raise self._limits.exceeded("max_staged_bytes", f"session {self._session!r} on shard "
-                                        f"{self._shard_index}: {staged} pushes staged and not yet applied, "
-                                        f"{self.push_bytes} bytes each")
+                                        f"{self._shard_index}: {staged} pushes staged or arriving and not yet "
+                                        f"applied, {self.push_bytes} bytes each")
 
     def expire(self) -> None:
         """Drops two-phase pushes staged longer than ``ttl_s`` without a Commit or Abort: their
