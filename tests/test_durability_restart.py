@@ -49,8 +49,8 @@ from tests._restart_outages import SURVIVOR_OPTIMIZER, Gone, Locked, Reconnect
 from tests._server_process import ServerProcess, free_port
 from tests._service_helpers import InProcess, make_grads, make_params, max_abs_diff
 from tests.test_elastic_sync import SGD, replay as elastic_replay, worker_grads
-from tests.test_history_modes import (ADAM, async_pushes, check_async_history, check_sync_history,
-                                      replay as history_replay, rounds, sync_rounds)
+from tests.test_history_durable import _check, _create, _steps
+from tests.test_history_modes import ADAM, replay as history_replay, rounds
 from tests.test_session_state import OPTIMIZERS as STATE_OPTIMIZERS
 from tests.test_session_state import SHAPES as STATE_SHAPES
 from tests.test_session_state import _params as state_params
@@ -223,28 +223,6 @@ class Elastic:
 
 
 # --- sync / async: plain sessions' history is the one they had -------------------------------------
-
-
-def _create(client: Client, name: str, mode: str, params):
-    if mode == "sync":
-        return client.create_session(name, params, ADAM, mode="sync", num_workers=2)
-    return client.create_session(name, params, ADAM, mode="async", staleness_policy="scale")
-
-
-def _steps(mode: str, a, b, params, start: int) -> None:
-    """Sync: two rounds of both sessions; async: the four pushes of ``async_pushes``."""
-    if mode == "sync":
-        sync_rounds([a, b], params, 2)
-    else:
-        async_pushes(a, b, params, start)
-
-
-def _check(mode: str, records, a, b, start: int) -> None:
-    """The records of what :func:`_steps` from version ``start`` did."""
-    if mode == "sync":
-        check_sync_history(records, [a, b], start + 1, start + 2)
-    else:
-        check_async_history(records, a, b, start)
 
 
 class Histories:
