@@ -299,9 +299,9 @@ class Limits:
       max_json_depth: nesting depth of a session's optimizer arguments (JSON).
       max_json_bytes: size of a session's optimizer arguments (JSON).
       max_sessions_per_tenant: open sessions one tenant (the one tenant "" without tokens) may hold.
-      max_staged_bytes: gradient bytes one session may hold staged (received, not yet applied) on
-        a shard (default: 1/8 of this machine's memory); a push past it is refused before its
-        buffers are allocated.
+      max_staged_bytes: gradient bytes one session may hold staged (received, or still arriving,
+        and not yet applied) on a shard (default: 1/8 of this machine's memory); a push past it is
+        refused before its buffers are allocated.
       max_open_streams: PushPull calls a shard holds open at once; past it, calls end after their
         step and idle ones end at once (the client reopens:
         :class:`~optserve.server.wire.open_streams.OpenStreams`). An open call waits for its next step
