@@ -404,7 +404,10 @@ def start_shards(config: ServerConfig, security, precond_pool=None) -> RayShardF
             remove_placement_group(group)
         raise StartError(refusal)
     # GPUs: the actor's JAX sees (only) those Ray assigned it, within the memory budget of its share
-    options = {"num_cpus": 0, "max_concurrency": 16, **shard_device_request(config).ray_options()}
+    # no task events: Ray's GCS keeps every call's events (some 10 kB per session opened and closed)
+    # up to its cap of 100,000 tasks, memory an hour of sessions would grow it by
+    options = {"num_cpus": 0, "max_concurrency": 16, "enable_task_events": False,
+               **shard_device_request(config).ray_options()}
     cls = ray.remote(ShardActor)
 
     def start_actor(index: int, ports: tuple = (0, 0), recovering: bool = False):

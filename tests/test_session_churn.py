@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
+
 from _service_helpers import make_grads, make_params
 from optserve.client import Client
 
@@ -66,3 +68,17 @@ def test_sessions_created_and_closed_leave_no_thread_file_or_region_behind(serve
     assert all(after[k] <= baseline[k] + slack[k] for k in baseline), (baseline, after)
     with Client(server.address, timeout=60) as client:
         assert not [n for n in client.list_sessions() if n.startswith(unique_name)]
+
+
+def test_sessions_created_and_closed_leave_no_task_events_in_rays_gcs(server, unique_name):
+    """Ray's GCS keeps the events of every actor call up to its cap (100,000 tasks, some 10 kB per
+    session opened and closed): the shards' and preconditioner workers' calls record none."""
+    import ray
+
+    if ray._config.enable_task_events_to_dashboard_head():
+        pytest.skip("this Ray keeps task events in its dashboard, which the tests do not start")
+    _churn(server.address, unique_name, 2)
+    time.sleep(2.5)  # a worker reports its task events every second
+    names = [e.task_info.name for e in ray._private.state.state._get_all_task_events() if e.HasField("task_info")]
+    ours = [n for n in names if n.split(".")[0] in ("ShardActor", "PreconditionerWorker")]
+    assert not ours, f"{len(ours)} task events of ours in the GCS, e.g. {sorted(set(ours))[:5]}"

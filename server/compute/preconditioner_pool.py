@@ -123,8 +123,9 @@ def start_workers(config: PoolConfig, detached: Optional[tuple[str, str]] = None
 
     check_gpus("--gpus-per-precond-worker", config.gpus_per_worker, config.workers, "preconditioner workers")
     # GPUs: the worker's JAX sees (only) those Ray assigned it, within the memory budget of its share
+    # no task events: Ray's GCS would keep every root computation's (see start_shards)
     resources = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": _RAY_TASK_RETRIES,
-                 **config.device.ray_options()}
+                 "enable_task_events": False, **config.device.ray_options()}
     cls = ray.remote(PreconditionerWorker)
     if detached is None:
         workers = [cls.options(**resources).remote(i, config.f64, config.device) for i in range(config.workers)]
