@@ -23,6 +23,7 @@ import numpy as np
 SHAPES = {"w": (64, 32), "b": (32,)}  # small tensors, spread over both shards (min_shard_bytes=0)
 ADAM = {"name": "adam", "args": {"learning_rate": 0.01}}
 GRACE_S = 90.0  # how long a step in flight at the end may still take before its client counts as unfinished
+SLOW_S = 1.0  # a step at least this long is noted with its start (when in the phase the slow ones come)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,7 @@ class ProcessPlan:
     duration_s: float
     seed: int
     shared_memory: bool = False
+    stream_idle_s: Optional[float] = None  # the clients' ``Client(stream_idle_s=...)`` (None: its default)
 
 
 @dataclasses.dataclass
@@ -57,6 +59,7 @@ class ProcessResult:
 
     async_times: list[float] = dataclasses.field(default_factory=list)
     sync_times: list[float] = dataclasses.field(default_factory=list)
+    slow_starts: list[float] = dataclasses.field(default_factory=list)  # seconds from the go, of steps >= SLOW_S
     errors: dict[str, int] = dataclasses.field(default_factory=dict)
     first_error: dict[str, str] = dataclasses.field(default_factory=dict)  # type -> its first message
     unfinished: int = 0
@@ -77,17 +80,19 @@ class _Stepper:
 
         self.plan = plan
         self.times: list[float] = []
+        self.slow_starts: list[float] = []  # seconds from the go
         self.errors: dict[str, int] = {}
         self.first_error: dict[str, str] = {}
         self._pause = process.sync_pause_s if plan.sync else process.mean_pause_s
         self._rng = rng
-        self.client = Client(process.address, timeout=120.0, shared_memory=process.shared_memory)
+        idle = {} if process.stream_idle_s is None else {"stream_idle_s": process.stream_idle_s}
+        self.client = Client(process.address, timeout=120.0, shared_memory=process.shared_memory, **idle)
         self.session = self.client.session(plan.session, worker_id=plan.worker_id)
         if plan.sync:  # an elastic member: in the rounds from its join until it detaches
             self.session.join()
         self.session.pull()
 
-    def run(self, end_at: float) -> None:
+    def run(self, end_at: float, go_at: float) -> None:
         grads = _grads()
         while True:
             time.sleep(self._rng.uniform(0.0, 2.0 * self._pause))
@@ -103,7 +108,10 @@ class _Stepper:
                 self.errors[name] = self.errors.get(name, 0) + 1
                 self.first_error.setdefault(name, str(error)[:300])
                 continue
-            self.times.append(time.perf_counter() - started)
+            took = time.perf_counter() - started
+            self.times.append(took)
+            if took >= SLOW_S:
+                self.slow_starts.append(started - go_at)
 
 
 def run_process(plan: ProcessPlan, ready, go, abort, results) -> None:
@@ -152,8 +160,9 @@ def run_process(plan: ProcessPlan, ready, go, abort, results) -> None:
 def _step(steppers: list[_Stepper], duration_s: float, result: ProcessResult) -> None:
     """Runs every client's loop for ``duration_s`` and gathers what they measured into ``result``."""
     cpu_at_go = time.process_time()
+    go_at = time.perf_counter()
     end_at = time.monotonic() + duration_s
-    threads = [threading.Thread(target=s.run, args=(end_at,), daemon=True) for s in steppers]
+    threads = [threading.Thread(target=s.run, args=(end_at, go_at), daemon=True) for s in steppers]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -161,6 +170,7 @@ def _step(steppers: list[_Stepper], duration_s: float, result: ProcessResult) ->
     result.cpu_s = time.process_time() - cpu_at_go
     for stepper, thread in zip(steppers, threads):
         (result.sync_times if stepper.plan.sync else result.async_times).extend(stepper.times)
+        result.slow_starts.extend(stepper.slow_starts)
         for name, count in stepper.errors.items():
             result.errors[name] = result.errors.get(name, 0) + count
             result.first_error.setdefault(name, stepper.first_error[name])

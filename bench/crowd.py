@@ -35,7 +35,7 @@ from typing import Optional
 
 import numpy as np
 
-from bench._crowd_clients import ADAM, GRACE_S, SHAPES, ClientPlan, ProcessPlan, ProcessResult, run_process
+from bench._crowd_clients import ADAM, GRACE_S, SHAPES, SLOW_S, ClientPlan, ProcessPlan, ProcessResult, run_process
 from bench._crowd_watch import Series, ServerWatch
 
 IDLE_WAIT_S = 30.0  # after a phase, before the threads are counted again (a pool's idle threads end after 20 s)
@@ -140,6 +140,7 @@ class PhaseReport:
     threads: Series
     rss_bytes: Series
     threads_after_idle: int = 0
+    slow_starts: list[float] = dataclasses.field(default_factory=list)  # seconds from the go, steps >= SLOW_S
 
     @property
     def steps(self) -> int:
@@ -150,7 +151,8 @@ class PhaseReport:
 
 
 def process_plans(address: str, layout: Layout, procs: int, mean_pause_s: float, sync_pause_s: float,
-                  duration_s: float, tag: str, sync_session: Optional[str], seed: int) -> list[ProcessPlan]:
+                  duration_s: float, tag: str, sync_session: Optional[str], seed: int,
+                  stream_idle_s: Optional[float] = None) -> list[ProcessPlan]:
     """The layout spread over ``procs`` processes: each async session whole in one process (it
     creates it), round robin; the sync session's workers one per process, round robin."""
     creates: list[list[str]] = [[] for _ in range(procs)]
@@ -162,11 +164,12 @@ def process_plans(address: str, layout: Layout, procs: int, mean_pause_s: float,
     for w in range(layout.sync_workers):
         clients[w % procs].append(ClientPlan(sync_session, f"s{w}", sync=True))
     return [ProcessPlan(address, tuple(creates[i]), tuple(clients[i]), mean_pause_s, sync_pause_s, duration_s,
-                        seed * 1000 + i) for i in range(procs) if clients[i]]
+                        seed * 1000 + i, stream_idle_s=stream_idle_s) for i in range(procs) if clients[i]]
 
 
 def run_phase(address: str, watch: Optional[ServerWatch], layout: Layout, procs: int, mean_pause_s: float,
-              sync_pause_s: float, duration_s: float, seed: int = 0, idle_wait_s: float = IDLE_WAIT_S) -> PhaseReport:
+              sync_pause_s: float, duration_s: float, seed: int = 0, idle_wait_s: float = IDLE_WAIT_S,
+              stream_idle_s: Optional[float] = None) -> PhaseReport:
     """Runs one crowd for ``duration_s`` from a common go, after every client attached."""
     from optserve.client import Client
 
@@ -178,7 +181,7 @@ def run_phase(address: str, watch: Optional[ServerWatch], layout: Layout, procs:
             sync = owner.create_session(f"crowd-{tag}-sync", {n: np.zeros(s, np.float32) for n, s in SHAPES.items()},
                                         ADAM, num_workers=layout.sync_workers, min_workers=1)
         plans = process_plans(address, layout, procs, mean_pause_s, sync_pause_s, duration_s, tag,
-                              sync.name if sync is not None else None, seed)
+                              sync.name if sync is not None else None, seed, stream_idle_s)
         ready, results, go, abort = context.Queue(), context.Queue(), context.Event(), context.Event()
         processes = [context.Process(target=run_process, args=(plan, ready, go, abort, results), daemon=True)
                      for plan in plans]
@@ -221,6 +224,7 @@ def run_phase(address: str, watch: Optional[ServerWatch], layout: Layout, procs:
                         sum(r.cpu_s for r in reports), usage.server_s if usage else float("nan"),
                         usage.ray_s if usage else float("nan"),
                         watch.threads if watch else Series(), watch.rss_bytes if watch else Series())
+    phase.slow_starts = sorted(t for r in reports for t in r.slow_starts)
     if watch is not None:
         time.sleep(idle_wait_s)
         phase.threads_after_idle = watch.sample()[0]
@@ -258,6 +262,14 @@ def _ms(times: list[float], q: float) -> str:
     return f"{ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3:.0f}"
 
 
+def _by_window(starts: list[float], window_s: float = 10.0) -> str:
+    """``starts`` counted per ``window_s`` of the phase ("0-10 s: 3, ..."), empty windows left out."""
+    counts: dict[int, int] = {}
+    for start in starts:
+        counts[int(start // window_s)] = counts.get(int(start // window_s), 0) + 1
+    return ", ".join(f"{k * window_s:.0f}-{(k + 1) * window_s:.0f} s: {n}" for k, n in sorted(counts.items()))
+
+
 def print_phase(title: str, phase: PhaseReport) -> None:
     offered = phase.layout.clients / phase.mean_pause_s if phase.mean_pause_s else float("inf")
     print(f"crowd: {title}: {phase.layout.describe()}, pauses 0-{2 * phase.mean_pause_s:.1f} s "
@@ -272,6 +284,8 @@ def print_phase(title: str, phase: PhaseReport) -> None:
           f"clients without a step done: {phase.idle_clients}")
     for name, message in sorted(phase.first_error.items()):
         print(f"    first {name}: {message}")
+    if phase.slow_starts:
+        print(f"  steps of {SLOW_S:g} s or more, by when they began: {_by_window(phase.slow_starts)}")
     print(f"  CPU per step: server {phase.per_step_ms(phase.server_cpu_s):.1f} ms, ray daemons "
           f"{phase.per_step_ms(phase.ray_cpu_s):.1f} ms, clients {phase.per_step_ms(phase.client_cpu_s):.1f} ms")
     if phase.threads.readings:
@@ -298,6 +312,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--max-pause-s", type=float, default=1.5)
     parser.add_argument("--processes", action="store_true", help="--simple: clients as processes (default: threads)")
+    parser.add_argument("--stream-idle-s", type=float, default=None,
+                        help="the clients' Client(stream_idle_s=...) (default: the SDK's)")
     parser.add_argument("--grpc-threads", type=int, default=None, help="the started server's threads per gRPC server")
     args = parser.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -347,7 +363,7 @@ def _crowds(address: str, args) -> dict:
     reports = {}
     for name, layout in phases:
         report = run_phase(address, watch, layout, args.procs, layout.clients / offered, args.sync_pause_s,
-                           args.duration_s, seed=len(reports) + 1)
+                           args.duration_s, seed=len(reports) + 1, stream_idle_s=args.stream_idle_s)
         print_phase(f"{name} at {args.load:g} of capacity", report)
         reports[name] = report
         p99_s = float(np.percentile(report.async_times, 99)) if report.async_times else float("nan")
