@@ -14,7 +14,9 @@ plus a sync session of ``--sync-workers`` (elastic, so a worker that ends leaves
 spread over ``--procs`` client processes, each client with its own ``Client`` and connections,
 pausing uniformly so that together they offer the rate (sync workers pause 0-2x
 ``--sync-pause-s``: their step waits for their round). It prints each phase's step times
-(p50 / p99 / max), errors, clients still in a step 90 s after the end, the shards' threads
+(p50 / p99 / max), when its steps of 1 s or more began (by 10-s window: a stall is a few
+windows, a load the machine cannot carry all of them from some point on), errors, clients still
+in a step 90 s after the end, the shards' threads
 (first, peak, last, and after 30 s idle) and memory, the CPU split between clients and server,
 and the server's CPU per step at 1,032 clients against 64.
 """
