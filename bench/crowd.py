@@ -24,6 +24,7 @@ and the server's CPU per step at 1,032 clients against 64.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import multiprocessing
 import os
@@ -266,9 +267,7 @@ def _ms(times: list[float], q: float) -> str:
 
 def _by_window(starts: list[float], window_s: float = 10.0) -> str:
     """``starts`` counted per ``window_s`` of the phase ("0-10 s: 3, ..."), empty windows left out."""
-    counts: dict[int, int] = {}
-    for start in starts:
-        counts[int(start // window_s)] = counts.get(int(start // window_s), 0) + 1
+    counts = collections.Counter(int(start // window_s) for start in starts)
     return ", ".join(f"{k * window_s:.0f}-{(k + 1) * window_s:.0f} s: {n}" for k, n in sorted(counts.items()))
 
 
