@@ -21,6 +21,7 @@ from typing import Callable, Sequence, TypeVar
 import grpc
 
 from optserve.client._deadlines import DEADLINES
+from optserve.client._loop_call import LoopStreamStream
 from optserve.client._step_stream import current_group, joined, step_group, StepStream
 from optserve.client.errors import (DeadlineExceededError, NotFoundError, OptservError, PeerRefusedError,
                                    SessionLostError, UnavailableError, from_rpc_error)
@@ -43,13 +44,13 @@ _INIT_TENSORS, _PUSH, _PULL, _PUSH_PULL = map(_method_path, ("InitTensors", "Pus
 
 
 class ShardCalls:
-    """The chunk-carrying ShardData methods on one channel, with the copy-saving codecs of
+    """The chunk-carrying ShardData methods on one shard's channels, with the copy-saving codecs of
     :mod:`optserve.protos.chunk_codec` in place of the generated stub's: requests may be
     pre-encoded chunk messages (bytes) and responses arrive as ``(kind, value)`` pairs whose
     chunks are views, not copies. The other methods are the generated stub's
     (``Client.shard_data``)."""
 
-    def __init__(self, channel: grpc.Channel):
+    def __init__(self, channel: grpc.Channel, loop_channel: Callable[[], "grpc.aio.Channel"]):
         send = chunk_codec.serialize
         self.init_tensors = channel.stream_unary(_INIT_TENSORS, request_serializer=send,
                                                  response_deserializer=data_pb2.InitTensorsResponse.FromString)
@@ -57,9 +58,12 @@ class ShardCalls:
                                          response_deserializer=data_pb2.PushResponse.FromString)
         self.pull = channel.unary_stream(_PULL, request_serializer=send,
                                          response_deserializer=chunk_codec.chunk_or_message(data_pb2.PullResponse))
-        self.push_pull = channel.stream_stream(
-            _PUSH_PULL, request_serializer=send,
-            response_deserializer=chunk_codec.chunk_or_message(data_pb2.PushPullResponse))
+        # PushPull stays open between steps: on the process's event loop, where an open call and a
+        # waiting step cost no polling (client/_loop_call.py)
+        answers = chunk_codec.chunk_or_message(data_pb2.PushPullResponse)
+        self.push_pull = LoopStreamStream(loop_channel, _PUSH_PULL, request_serializer=send, response_deserializer=answers,
+                                          fallback=channel.stream_stream(_PUSH_PULL, request_serializer=send,
+                                                                         response_deserializer=answers))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +81,7 @@ def connect(client, info: control_pb2.SessionInfo) -> list[Shard]:
     """One :class:`Shard` per entry of the session's shard map (channels from ``client``)."""
     shards = []
     for s in info.shards:
-        calls = ShardCalls(client.channel(s.address))
+        calls = ShardCalls(client.channel(s.address), functools.partial(client.loop_channel, s.address))
         shards.append(Shard(s.shard_index, s.address, tuple(s.tensor_names), calls,
                             StepStream(calls.push_pull, client.timeout, idle_s=client.stream_idle_s)))
     return shards

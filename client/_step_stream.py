@@ -30,13 +30,16 @@ same deadline and answer their own, the home shard's naming what the step waited
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
+import weakref
 from typing import Callable, Iterable, Iterator, Optional
 
 import grpc
 
+from optserve.client import _loop
 from optserve.client._deadlines import DEADLINES
 from optserve.client.errors import DeadlineExceededError, UnavailableError
 from optserve.protos import contract
@@ -54,6 +57,8 @@ PEER_DEADLINE_GRACE_S = 0.5
 _LOCAL_CANCELS = ("Locally cancelled by application!", "Channel closed!")
 _local = threading.local()  # .group: the StepGroup of the attempt this thread works for
 _GOODBYE = data_pb2.PushPullRequest(goodbye=True)  # the call ends on purpose: this client is alive
+_STREAMS: "weakref.WeakSet[StepStream]" = weakref.WeakSet()  # every StepStream that opened a shared call
+FORK_QUIESCE_S = 2.0  # how long a fork waits for the idle shared calls it ends (then cancels them)
 
 
 class StreamBroken(Exception):
@@ -185,6 +190,7 @@ class StepStream:
         self._responses = responses = self._open_call(self._request_iterator(requests), deadline)
         self._opened_at = time.monotonic()
         _on_end(responses, lambda call: self._call_ended(responses, call))
+        _STREAMS.add(self)
 
     def _call_ended(self, responses, call) -> None:
         """The shared call ended: a failure ends the group of the step running on it."""
@@ -214,6 +220,40 @@ class StepStream:
                 yield _GOODBYE
                 return
             yield from item
+
+
+def _end_idle_calls_before_fork() -> None:
+    """``os.fork``'s ``before`` hook: ends every idle shared call (as :meth:`StepStream.close`
+    does) and waits up to :data:`FORK_QUIESCE_S` for them to end, then cancels those still open.
+
+    gRPC's fork handlers break a child forked while ``grpc.aio`` calls are open (it crashes), and
+    the shared calls live on the process's event loop (:mod:`optserve.client._loop`): a PyTorch
+    DataLoader forking its workers between two steps would otherwise meet them. The next step
+    reopens its call. A step in flight on another thread at the fork is not waited for."""
+    if not _loop.running():
+        return
+    ended = []
+    for stream in list(_STREAMS):
+        if not stream._busy.acquire(blocking=False):
+            continue  # a step runs on it
+        try:
+            with stream._mutex:
+                call = stream._responses
+                stream._close_locked()
+        finally:
+            stream._busy.release()
+        if call is not None and hasattr(call, "add_done_callback"):
+            done = threading.Event()
+            call.add_done_callback(lambda _, done=done: done.set())
+            ended.append((call, done))
+    deadline = time.monotonic() + FORK_QUIESCE_S
+    for call, done in ended:
+        if not done.wait(max(0.0, deadline - time.monotonic())):
+            call.cancel()
+            done.wait(FORK_QUIESCE_S)
+
+
+os.register_at_fork(before=_end_idle_calls_before_fork)
 
 
 def _on_end(call, fn: Callable) -> None:

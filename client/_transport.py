@@ -84,6 +84,26 @@ class BearerTokenInterceptor(
         return continuation(self._details(client_call_details), request_iterator)
 
 
+class LoopBearerTokenInterceptor(grpc.aio.StreamStreamClientInterceptor):
+    """:class:`BearerTokenInterceptor` for the ``grpc.aio`` channels of the data plane's long-lived
+    stream calls (:mod:`optserve.client._loop_call`); ``repr`` shows the token redacted."""
+
+    __slots__ = ("_header",)
+
+    def __init__(self, header: tuple[str, str]):
+        self._header = header
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(token={_REDACTED})"
+
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        details = client_call_details
+        metadata = grpc.aio.Metadata(*tuple(details.metadata or ()), self._header)
+        return await continuation(grpc.aio.ClientCallDetails(details.method, details.timeout, metadata,
+                                                             details.credentials, details.wait_for_ready),
+                                  request_iterator)
+
+
 class Transport:
     """Opens the client's channels: all with the same credentials, options and token.
 
@@ -130,6 +150,15 @@ class Transport:
         else:
             channel = grpc.secure_channel(address, self._credentials, options=options)
         return channel if self._interceptor is None else grpc.intercept_channel(channel, self._interceptor)
+
+    def open_on_loop(self, address: str) -> "grpc.aio.Channel":
+        """Like :meth:`open`, a ``grpc.aio`` channel (for stream-stream calls only); called on the
+        event loop it will serve (:mod:`optserve.client._loop`)."""
+        options = self._options + contract.keepalive_options(address)
+        interceptors = None if self._interceptor is None else [LoopBearerTokenInterceptor(self._interceptor._header)]
+        if self._credentials is None:
+            return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+        return grpc.aio.secure_channel(address, self._credentials, options=options, interceptors=interceptors)
 
     def describe(self) -> str:
         """The settings as keyword arguments, for reprs (the token shown redacted)."""

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Optional
 import grpc
 import numpy as np
 
-from optserve.client import _heap, _retry, _saved_state, _shm
+from optserve.client import _heap, _loop, _retry, _saved_state, _shm
 from optserve.client._inputs import check_worker_id
 from optserve.client._session import Session
 from optserve.client._transport import ClientCert, TLSArg, Transport
@@ -30,6 +30,8 @@ from optserve.client.options import SessionOptions
 from optserve.client.status import ServerShardStatus, SessionSeries, SessionStatus
 from optserve.protos import contract
 from optserve.protos.optserve.v1 import control_pb2, control_pb2_grpc, data_pb2_grpc
+
+_LOOP_CLOSE_S = 5.0  # how long close() waits for a grpc.aio channel to close (its calls are cancelled)
 
 
 class Client:
@@ -91,7 +93,8 @@ class Client:
         self.client_id = secrets.token_hex(16)
         self._channels: dict[str, grpc.Channel] = {}
         self._shard_stubs: dict[str, data_pb2_grpc.ShardDataStub] = {}
-        self._lock = threading.Lock()  # guards the two dicts above
+        self._loop_channels: dict[str, grpc.aio.Channel] = {}  # on the process's loop (client/_loop.py)
+        self._lock = threading.Lock()  # guards the three dicts above
         self.control = control_pb2_grpc.ControlStub(self.channel(address))
 
     def channel(self, address: str) -> grpc.Channel:
@@ -99,6 +102,16 @@ class Client:
         use with this client's credentials, options and token, and kept until :meth:`close`."""
         with self._lock:
             return self._channel_locked(address)
+
+    def loop_channel(self, address: str) -> "grpc.aio.Channel":
+        """The ``grpc.aio`` channel to ``address`` for the data plane's long-lived stream calls
+        (:mod:`optserve.client._loop_call`), opened on first use and kept until :meth:`close`;
+        called on the process's event loop (:func:`optserve.client._loop.shared`)."""
+        with self._lock:
+            channel = self._loop_channels.get(address)
+            if channel is None:
+                channel = self._loop_channels[address] = self._transport.open_on_loop(address)
+            return channel
 
     def shard_data(self, address: str) -> data_pb2_grpc.ShardDataStub:
         """The ``ShardData`` stub (generated from data.proto) on the shard at ``address``, made once
@@ -247,6 +260,12 @@ class Client:
                 channel.close()
             self._channels.clear()
             self._shard_stubs.clear()
+            loop_channels = list(self._loop_channels.values())
+            self._loop_channels.clear()
+        if loop_channels and _loop.running():  # (a forked child's copies are not its own to close)
+            loop = _loop.shared()
+            for channel in loop_channels:
+                loop.run(channel.close(), timeout=_LOOP_CLOSE_S)
 
     def __enter__(self) -> "Client":
         return self

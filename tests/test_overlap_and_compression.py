@@ -172,16 +172,46 @@ class _ByteCounter(
         return self._counted_responses(continuation(details, self._count_requests(request_iterator)))
 
 
+class _LoopByteCounter(grpc.aio.StreamStreamClientInterceptor):
+    """:class:`_ByteCounter`'s count of the stream calls on ``grpc.aio`` channels (the SDK's
+    PushPull calls, client/_loop_call.py), into the same totals."""
+
+    def __init__(self, counter: _ByteCounter):
+        self._counter = counter
+
+    async def intercept_stream_stream(self, continuation, details, request_iterator):
+        counter = self._counter
+
+        async def requests():
+            async for request in request_iterator:
+                counter.sent += _wire_size(request)
+                yield request
+
+        call = await continuation(details, requests())
+
+        async def responses():
+            async for response in call:
+                counter.received += _wire_size(response)
+                yield response
+
+        return responses()
+
+
 @pytest.fixture
 def byte_counter(monkeypatch) -> _ByteCounter:
-    """Wraps every gRPC channel opened during the test with a :class:`_ByteCounter`."""
+    """Wraps every gRPC channel opened during the test (synchronous or ``grpc.aio``) with a
+    :class:`_ByteCounter`."""
     counter = _ByteCounter()
-    real = grpc.insecure_channel
+    real, real_on_loop = grpc.insecure_channel, grpc.aio.insecure_channel
 
     def counting_channel(*args, **kwargs):
         return grpc.intercept_channel(real(*args, **kwargs), counter)
 
+    def counting_channel_on_loop(*args, interceptors=None, **kwargs):
+        return real_on_loop(*args, interceptors=[*(interceptors or ()), _LoopByteCounter(counter)], **kwargs)
+
     monkeypatch.setattr(grpc, "insecure_channel", counting_channel)
+    monkeypatch.setattr(grpc.aio, "insecure_channel", counting_channel_on_loop)
     return counter
 
 
