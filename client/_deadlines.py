@@ -25,7 +25,14 @@ class Deadline:
         self.at, self.fn, self.cancelled = at, fn, False
 
     def cancel(self) -> None:
+        """Marks it cancelled and lets go of its callback (and what that holds: a cancelled entry
+        may wait in the heap until its time, and a step's call holds its connection open)."""
         self.cancelled = True
+        self.fn = _nothing
+
+
+def _nothing() -> None:
+    pass
 
 
 class Deadlines:

@@ -121,6 +121,9 @@ class LoopStreamCall:
         with self._lock:
             self._status = status
             callbacks, self._callbacks = self._callbacks, None
+        # let go of the call: it and its callback hold this object, and until that cycle is
+        # collected the channel's connection stays open (a closed grpc.aio channel keeps it)
+        self._call = self._writer = None
         for fn in callbacks:
             fn(self)
 
@@ -181,13 +184,15 @@ class LoopStreamCall:
 
     def cancel(self) -> bool:
         """Ends the call (CANCELLED) unless it has ended; returns at once."""
-        if self._call.done():
+        call = self._call
+        if call is None or call.done():
             return False
-        self._loop.call_soon(self._call.cancel)
+        self._loop.call_soon(call.cancel)
         return True
 
     def done(self) -> bool:
-        return self._call.done()
+        call = self._call
+        return call is None or call.done()
 
     def add_done_callback(self, fn: Callable[["LoopStreamCall"], None]) -> None:
         with self._lock:
@@ -211,5 +216,7 @@ class LoopStreamCall:
         return status if status is not None else self._loop.run(self._status_of_call())
 
     async def _status_of_call(self) -> tuple:
+        if self._status is not None:  # (it ended, and let go of the call, meanwhile)
+            return self._status
         call = self._call
         return await call.code(), await call.details(), tuple(await call.trailing_metadata())

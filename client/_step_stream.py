@@ -5,7 +5,7 @@ a step on an open stream costs a few hundred microseconds. So each shard of a se
 PushPull call open and sends every step's messages into it (the shard serves steps one after
 another on one call, see data.proto). The call is reopened when it:
 
-- was idle for ``idle_s`` (the request iterator ends it, freeing the shard's thread);
+- was idle for ``idle_s`` (the request iterator ends it; the shard holds no thread for it meanwhile);
 - is older than ``reuse_s`` (the call's deadline is ``timeout + reuse_s``, so every step still
   gets at least ``timeout`` seconds);
 - failed, or the shard ended it after a step (``StepDone.stream_closing``: it holds too many).
@@ -128,7 +128,7 @@ class StepStream:
       reuse_s: a call is reused for steps that start within this many seconds of its opening.
     """
 
-    def __init__(self, open_call: Callable, timeout: Optional[float], idle_s: float = 10.0, reuse_s: float = 60.0):
+    def __init__(self, open_call: Callable, timeout: Optional[float], idle_s: float = 60.0, reuse_s: float = 600.0):
         self._open_call = open_call
         self._timeout = timeout
         self._idle_s = idle_s

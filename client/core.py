@@ -54,7 +54,8 @@ class Client:
       retry: retry policy for UNAVAILABLE.
       stream_idle_s: each session keeps one PushPull call open per shard for consecutive
         ``push_pull`` steps (a few times cheaper than a call per step); a call unused this long is
-        ended, freeing the shard's thread, and the next step opens a new one.
+        ended and the next step opens a new one. An open call costs neither side a thread or
+        polling while it waits (the shard bounds how many it keeps: ``--max-open-streams``).
       retain_freed_memory: keep freed message memory in this process (glibc malloc thresholds,
         see :mod:`optserve.client._heap`) instead of page-faulting fresh pages for every received
         chunk; process-wide, costs up to 1 GiB of free heap kept resident. False: leave malloc as is.
@@ -77,7 +78,7 @@ class Client:
     def __init__(self, address: str, *, token: Optional[str] = None, tls: TLSArg = False,
                  client_cert: Optional[ClientCert] = None, tls_server_name: Optional[str] = None,
                  timeout: float = 120.0, chunk_bytes: Optional[int] = None,
-                 retry: _retry.RetryPolicy = _retry.RetryPolicy(), stream_idle_s: float = 10.0,
+                 retry: _retry.RetryPolicy = _retry.RetryPolicy(), stream_idle_s: float = 60.0,
                  retain_freed_memory: bool = True, shared_memory: _shm.SharedMemoryArg = "auto"):
         if not stream_idle_s > 0:
             raise ValueError(f"stream_idle_s must be > 0, got {stream_idle_s}")

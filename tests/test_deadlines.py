@@ -61,3 +61,22 @@ def test_a_forked_child_runs_its_own_watchdogs():
     import sys
 
     assert subprocess.run([sys.executable, "-c", _FORK_CHECK], timeout=60).returncode == 0
+
+
+def test_a_cancelled_deadline_lets_go_of_what_its_callback_holds_at_once():
+    """A step's watchdog holds the step's call (and through it the connection): cancelled, the
+    entry may wait in the heap until its time, but without the callback."""
+    import weakref
+
+    class Held:
+        def expire(self):
+            pass
+
+    deadlines = Deadlines()
+    held = Held()
+    alive = weakref.ref(held)
+    deadline = deadlines.call_later(600.0, held.expire)
+    del held
+    assert alive() is not None  # the pending watchdog keeps it
+    deadlines.cancel(deadline)
+    assert alive() is None
