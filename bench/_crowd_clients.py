@@ -3,15 +3,16 @@ its own ``Client`` (its own connections) and its own worker identity in a sessio
 
 A process creates the asynchronous sessions it hosts (every worker of such a session lives in
 the same process), attaches each client, reports ready, waits for the go, and then every client
-pauses (uniformly 0 to ``2 * mean_pause_s``) and does a ``push_pull`` step, again and again until
-``duration_s`` has passed. The sync session's workers (one per process, the session created by
-the bench) pause 0 to ``2 * sync_pause_s``: a sync step waits for all of its workers, so a long
-pause would be the round's time, not the server's.
+pauses (uniformly 0 to ``2 * mean_pause_s``; the first pause from :func:`first_pause`) and does a
+``push_pull`` step, again and again until ``duration_s`` has passed. The sync session's workers
+(one per process, the session created by the bench) pause 0 to ``2 * sync_pause_s``: a sync step
+waits for all of its workers, so a long pause would be the round's time, not the server's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import random
 import threading
@@ -68,6 +69,18 @@ class ProcessResult:
     failure: Optional[str] = None  # set up failed (a session not created, a client not attached)
 
 
+def first_pause(rng: random.Random, longest_s: float) -> float:
+    """A client's pause before its first step, so that the crowd offers its rate from the go.
+
+    Pauses between steps are uniform on [0, L]. Had every client also waited a uniform pause
+    before its first step, all would have started their cycles together, and the steps offered per
+    second would overshoot near t = L (at L, 1.3x the rate) before settling: a burst that the
+    bench would time as the server's. Each client's first pause is instead the time left of a
+    pause already under way, whose density is 2 (L - x) / L**2 on [0, L]: the steps then arrive
+    at the steady rate from the start."""
+    return longest_s * (1.0 - math.sqrt(rng.random()))
+
+
 def _grads() -> dict[str, np.ndarray]:
     return {name: np.full(shape, 0.01, np.float32) for name, shape in SHAPES.items()}
 
@@ -94,8 +107,8 @@ class _Stepper:
 
     def run(self, end_at: float, go_at: float) -> None:
         grads = _grads()
+        time.sleep(first_pause(self._rng, 2.0 * self._pause))
         while True:
-            time.sleep(self._rng.uniform(0.0, 2.0 * self._pause))
             if time.monotonic() >= end_at:
                 if self.plan.sync:  # the others' last rounds close without it
                     self.session.detach()
@@ -107,11 +120,13 @@ class _Stepper:
                 name = type(error).__name__
                 self.errors[name] = self.errors.get(name, 0) + 1
                 self.first_error.setdefault(name, str(error)[:300])
+                time.sleep(self._rng.uniform(0.0, 2.0 * self._pause))
                 continue
             took = time.perf_counter() - started
             self.times.append(took)
             if took >= SLOW_S:
                 self.slow_starts.append(started - go_at)
+            time.sleep(self._rng.uniform(0.0, 2.0 * self._pause))
 
 
 def run_process(plan: ProcessPlan, ready, go, abort, results) -> None:
