@@ -162,9 +162,10 @@ class LoopStreamCall:
                 self._room.acquire()
                 if not self._writing:
                     return
-                self._loop.loop.call_soon_threadsafe(self._outbox.put_nowait, message)
-        except RuntimeError:  # the loop closed (the interpreter is ending)
-            pass
+                try:
+                    self._loop.loop.call_soon_threadsafe(self._outbox.put_nowait, message)
+                except RuntimeError:  # the loop closed (the interpreter is ending)
+                    return
         except Exception:  # noqa: BLE001 - the requests failed: the call is cancelled (as gRPC's own stack does)
             _log.debug("a PushPull call's requests raised; cancelling the call", exc_info=True)
             self.cancel()

@@ -114,10 +114,11 @@ def test_a_call_past_its_deadline_raises_deadline_exceeded(chat):
     requests.put(None)
 
 
-def test_requests_that_raise_cancel_the_call(chat):
+@pytest.mark.parametrize("error", [ValueError, RuntimeError])
+def test_requests_that_raise_cancel_the_call(chat, error):
     def requests():
         yield b"one"
-        raise ValueError("a request could not be made")
+        raise error("a request could not be made")
 
     call = chat(requests(), timeout=10.0)
     with pytest.raises(grpc.RpcError) as raised:
