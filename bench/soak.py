@@ -104,6 +104,7 @@ class SoakOptions:
     rejoin_s: float = 20.0
     sample_s: float = 10.0
     warmup_s: float = 30.0
+    window_s: float = 120.0
     settle_s: float = 10.0
     seed: int = 0
     folder: Optional[str] = None
@@ -181,27 +182,47 @@ def _growth(first: float, last: float) -> str:
     return f"{(last - first) / first * 100:+.1f}%" if first else "n/a"
 
 
-def print_samples(samples: list[Sample], out=sys.stdout) -> None:
-    """Each process's memory, threads and descriptors at the first sample, the middle and the end,
-    with the growth from the first to the end; then /dev/shm and the checkpoint folder."""
+def windows(samples: list[Sample], window_s: float) -> tuple[list[Sample], list[Sample], list[Sample]]:
+    """The samples of the start, the middle and the end: the ``window_s`` seconds from the first
+    sample, around the middle one, and up to the last (each at least that one sample)."""
+    first, middle, last = samples[0], samples[len(samples) // 2], samples[-1]
+    half = window_s / 2
+    return ([s for s in samples if s.at_s <= first.at_s + window_s],
+            [s for s in samples if abs(s.at_s - middle.at_s) <= half],
+            [s for s in samples if s.at_s >= last.at_s - window_s])
+
+
+def _largest(window: list[Sample], name: str, field: int) -> float:
+    values = [s.processes[name][field] for s in window if name in s.processes]
+    return max(values) if values else float("nan")
+
+
+def print_samples(samples: list[Sample], out=sys.stdout, window_s: float = 0.0) -> None:
+    """Each process's memory, threads and descriptors at the start, the middle and the end, with
+    the growth from the start to the end; then /dev/shm and the checkpoint folder. Each figure is
+    the largest of a window of ``window_s`` seconds (:func:`windows`): a crowd's rounds come and go,
+    so one sample catches a process at a random point of its load, and the growth of the
+    windows' peaks is what the run added."""
     if not samples:
         out.write("no samples (the run ended before its warm-up)\n")
         return
-    first, middle, last = samples[0], samples[len(samples) // 2], samples[-1]
-    out.write(f"samples at {first.at_s:.0f} s, {middle.at_s:.0f} s and {last.at_s:.0f} s\n")
+    spans = windows(samples, window_s)
+    out.write("samples at " + ", ".join(f"{w[0].at_s:.0f}-{w[-1].at_s:.0f} s" for w in spans)
+              + f" (the largest of each window of {window_s:.0f} s)\n")
     out.write(f"{'process':<40}{'RSS MB':>26}{'growth':>9}{'threads':>16}{'growth':>9}{'fds':>16}{'growth':>9}\n")
-    for name in sorted(set(first.processes) | set(last.processes)):
-        rows = [s.processes.get(name) for s in (first, middle, last)]
+    for name in sorted({n for w in spans for s in w for n in s.processes}):
         cells = []
         for field, scale in ((0, 2 ** 20), (1, 1), (2, 1)):
-            values = [r[field] / scale if r else float("nan") for r in rows]
+            values = [_largest(w, name, field) / scale for w in spans]
             text = " / ".join(f"{v:.0f}" for v in values)
             cells.append(f"{text:>{26 if field == 0 else 16}}{_growth(values[0], values[2]):>9}")
         out.write(f"{name:<40}{''.join(cells)}\n")
-    out.write(f"/dev/shm regions: {first.regions} / {middle.regions} / {last.regions}\n")
-    out.write(f"checkpoint folder MB: {first.checkpoint_bytes / 2**20:.1f} / {middle.checkpoint_bytes / 2**20:.1f} / "
-              f"{last.checkpoint_bytes / 2**20:.1f}\n")
-    out.write(f"session folders: {first.session_folders} / {middle.session_folders} / {last.session_folders}\n")
+    regions = [max(s.regions for s in w) for w in spans]
+    folder_mb = [max(s.checkpoint_bytes for s in w) / 2 ** 20 for w in spans]
+    folders = [max(s.session_folders for s in w) for w in spans]
+    out.write(f"/dev/shm regions: {regions[0]} / {regions[1]} / {regions[2]}\n")
+    out.write(f"checkpoint folder MB: {folder_mb[0]:.1f} / {folder_mb[1]:.1f} / {folder_mb[2]:.1f}\n")
+    out.write(f"session folders: {folders[0]} / {folders[1]} / {folders[2]}\n")
 
 
 def run(options: SoakOptions, out=sys.stdout) -> tuple[CheckReport, Soak]:
@@ -221,15 +242,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--rejoin-s", type=float, default=20.0, help="seconds between elastic members' departures")
     parser.add_argument("--sample-s", type=float, default=10.0)
     parser.add_argument("--warmup-s", type=float, default=30.0, help="the first sample's time (after the warm-up)")
+    parser.add_argument("--window-s", type=float, default=120.0,
+                        help="each printed figure is the largest of this many seconds of samples (0: one sample)")
     parser.add_argument("--settle-s", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dir", default=None, help="folder for logs and checkpoints (default: a temporary one)")
     args = parser.parse_args(argv)
     logging.getLogger("optserve.client").setLevel(logging.ERROR)
     options = SoakOptions(2.0 if args.small else args.minutes, args.crowd, args.crowd_steps, args.pause_s, args.rejoin_s, args.sample_s,
-                          args.warmup_s, args.settle_s, args.seed, args.dir)
+                          args.warmup_s, args.window_s, args.settle_s, args.seed, args.dir)
     report, soak = run(options)
-    print_samples(soak.samples)
+    print_samples(soak.samples, window_s=args.window_s)
     if soak.crowd_times:
         figures = crowd.summary(soak.crowd_times)
         print(f"crowd: {soak.crowd_rounds} rounds of {args.crowd} clients, {figures['steps']} steps, p50 "

@@ -29,3 +29,24 @@ def test_a_short_soak_loses_nothing_and_the_crowds_closed_sessions_leave_no_fold
     titles = [name.split()[0] for name in last.processes]
     assert titles.count("ray::ShardActor") == 2 and "optserve.server.cli" in titles, text
     assert "ray::ShardActor" in text and "session folders: " in text
+
+
+def test_the_printed_figures_are_each_windows_peak_so_a_samples_phase_does_not_read_as_growth():
+    from bench.soak import Sample, windows
+
+    def sample(at_s, rss_mb, threads):
+        return Sample(at_s, {"ray::ShardActor 7": (rss_mb << 20, threads, 40)}, 0, 0, 3)
+
+    # a crowd's bursts: threads 100 between rounds, 140 inside one; memory flat at 400 MB
+    samples = [sample(t, 400, 140 if t % 30 == 0 else 100) for t in range(0, 601, 10)]
+    start, middle, end = windows(samples, 60.0)
+    assert [s.at_s for s in start] == [0, 10, 20, 30, 40, 50, 60] and end[-1].at_s == 600
+    assert [s.at_s for s in middle] == [270, 280, 290, 300, 310, 320, 330]
+    out = io.StringIO()
+    print_samples(samples[:-2], out, window_s=60.0)  # the last sample alone would read 140 -> 100
+    row = next(line for line in out.getvalue().splitlines() if line.startswith("ray::ShardActor"))
+    assert "140 / 140 / 140" in row and "+0.0%" in row and "-28.6%" not in row, out.getvalue()
+    out = io.StringIO()
+    print_samples(samples[:-2] + [sample(590, 440, 100), sample(600, 430, 100)], out, window_s=60.0)
+    row = next(line for line in out.getvalue().splitlines() if line.startswith("ray::ShardActor"))
+    assert "400 / 400 / 440" in row and "+10.0%" in row, out.getvalue()
