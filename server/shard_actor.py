@@ -109,10 +109,6 @@ class ShardActor:
     def address(self) -> str:
         return self._address
 
-    def node_ip(self) -> str:
-        """The IP address of the Ray node this shard runs on."""
-        return ray.util.get_node_ip_address()
-
     def clock_address(self) -> str:
         """Where the other shards of the sessions this shard is home to reach their clocks."""
         return self._clocks.address
