@@ -17,10 +17,10 @@ shared memory, the others over gRPC). Instead of faults, the run has:
 
 Every ``--sample-s`` the sampler reads each process of the server's tree (the server, Ray's
 processes, the shard actors): resident memory, threads and open file descriptors, plus the
-shared-memory regions in ``/dev/shm`` and the checkpoint folder's size. It prints them at the first
-sample after ``--warmup-s``, at the middle and at the end, with the growth from the first to the
-end. After a quiet ``--settle-s`` the workers stop and the nemesis's checker proves that no
-acknowledged push was lost or applied twice. Exit status 1 when its report is not clean.
+shared-memory regions in ``/dev/shm`` and the checkpoint folder's size. It prints each one's peak in
+a window of ``--window-s`` at the start (after ``--warmup-s``), the middle and the end, with the
+growth from the start to the end. After a quiet ``--settle-s`` the workers stop and the
+nemesis's checker proves that no acknowledged push was lost or applied twice. Exit status 1 when its report is not clean.
 """
 
 from __future__ import annotations
@@ -252,7 +252,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     options = SoakOptions(2.0 if args.small else args.minutes, args.crowd, args.crowd_steps, args.pause_s, args.rejoin_s, args.sample_s,
                           args.warmup_s, args.window_s, args.settle_s, args.seed, args.dir)
     report, soak = run(options)
-    print_samples(soak.samples, window_s=args.window_s)
+    print_samples(soak.samples, window_s=options.window_s)
     if soak.crowd_times:
         figures = crowd.summary(soak.crowd_times)
         print(f"crowd: {soak.crowd_rounds} rounds of {args.crowd} clients, {figures['steps']} steps, p50 "
