@@ -104,11 +104,13 @@ class LoopStreamCall:
         self._writing = True  # False once the writer stopped (the call ended): the request thread stops
         self._outbox: Optional[asyncio.Queue] = None  # the writer task's, made on the loop
         self._writer: Optional[asyncio.Task] = None
-        self._call = loop.run(self._started(open_call, timeout))
+        self._call = None  # the grpc.aio call, set on the loop (it may end before run() returns)
+        loop.run(self._started(open_call, timeout))
         threading.Thread(target=self._send, args=(iter(requests),), name="optserve-send", daemon=True).start()
 
     async def _started(self, open_call: Callable, timeout: Optional[float]):
         call = await open_call(timeout)
+        self._call = call  # before its end can be seen: _ended reads it
         self._outbox = asyncio.Queue()
         call.add_done_callback(lambda _: self._loop.loop.create_task(self._ended()))
         self._loop.loop.create_task(self._read_all(call))

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from optserve.client import _loop
-from optserve.client._loop_call import LoopStreamStream
+from optserve.client._loop_call import LoopStreamCall, LoopStreamStream
 from optserve.client._step_stream import _LOCAL_CANCELS
 
 _METHOD = "/test.Echo/Chat"
@@ -40,7 +40,8 @@ def echo_address():
 
 
 @pytest.fixture(scope="module")
-def chat(echo_address):
+def echo_channel(echo_address):
+    """``() -> grpc.aio.Channel`` to the echo server, opened on the loop's thread at first use."""
     loop = _loop.shared()
     channels = []
 
@@ -49,9 +50,14 @@ def chat(echo_address):
             channels.append(grpc.aio.insecure_channel(echo_address))
         return channels[0]
 
-    yield LoopStreamStream(channel, _METHOD, request_serializer=None, response_deserializer=None, fallback=None)
+    yield channel
     if channels:
         loop.run(channels[0].close())
+
+
+@pytest.fixture(scope="module")
+def chat(echo_channel):
+    return LoopStreamStream(echo_channel, _METHOD, request_serializer=None, response_deserializer=None, fallback=None)
 
 
 def _ended(call) -> threading.Event:
@@ -124,3 +130,19 @@ def test_requests_that_raise_cancel_the_call(chat, error):
     with pytest.raises(grpc.RpcError) as raised:
         list(call)
     assert raised.value.code() == grpc.StatusCode.CANCELLED
+
+
+def test_a_call_over_before_it_is_handed_back_still_runs_its_done_callbacks(echo_channel):
+    """A call can end on the loop (refused, past its deadline) before the thread that made it is
+    handed it back; its end must still be seen: status set, done callbacks run."""
+
+    async def open_ended(timeout):
+        call = echo_channel().stream_stream(_METHOD)(timeout=timeout)
+        await call.done_writing()
+        await call.code()  # over before LoopStreamCall has it
+        return call
+
+    for _ in range(10):
+        call = LoopStreamCall(_loop.shared(), open_ended, iter([]), 10.0)
+        assert _ended(call).wait(5.0) and call.done()
+        assert call.code() == grpc.StatusCode.OK
