@@ -58,6 +58,7 @@ from bench import _nemesis_disk
 from bench._nemesis_rogue import Rogue
 from bench._nemesis_schedule import KINDS, PlannedFault, plan
 from bench._nemesis_server import NemesisServer
+from bench._termination import exit_on_termination
 from bench._nemesis_workers import Slot, Workers, load_calls
 from bench.checker import CheckReport, FaultRecord, HistoryFollower, SessionRun, check, print_report, shard_map
 
@@ -147,9 +148,9 @@ class Nemesis:
         else:
             checkpoints = os.path.join(self.rig.mount, "ckpt")
         log = open(os.path.join(self.folder, "server.log"), "a")
-        self.server = NemesisServer(["--checkpoint-dir", checkpoints, "--checkpoint-every-steps", "25",
-                                     "--max-session-bytes", str(MAX_SESSION_BYTES)], log)
         try:
+            self.server = NemesisServer(["--checkpoint-dir", checkpoints, "--checkpoint-every-steps", "25",
+                                         "--max-session-bytes", str(MAX_SESSION_BYTES)], log)
             self.server.start()
             self.say(f"server listening on {self.server.address}")
             self._create_sessions()
@@ -178,7 +179,8 @@ class Nemesis:
                 for slot in self.workers.slots.values():
                     if slot.process is not None and slot.process.poll() is None:
                         slot.process.kill()
-            self.server.stop()
+            if self.server is not None:
+                self.server.stop()
             if not isinstance(self.rig, str):
                 self.rig.close()
             log.close()
@@ -354,7 +356,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     options = Options(1.0 if args.small else args.minutes, args.seed, tuple(args.gap), args.settle, args.timeout,
                       kinds=tuple(k for k in args.kinds.split(",") if k), folder=args.dir)
     nemesis = Nemesis(options)
-    report = nemesis.run()
+    with exit_on_termination():
+        report = nemesis.run()
     print_report(report)
     if report.clean and args.dir is None:
         shutil.rmtree(nemesis.folder, ignore_errors=True)

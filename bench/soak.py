@@ -38,6 +38,7 @@ from typing import Optional
 from bench import crowd
 from bench._nemesis_schedule import PlannedFault
 from bench.checker import CheckReport, print_report
+from bench._termination import exit_on_termination
 from bench.nemesis import Nemesis, Options
 
 
@@ -251,7 +252,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.getLogger("optserve.client").setLevel(logging.ERROR)
     options = SoakOptions(2.0 if args.small else args.minutes, args.crowd, args.crowd_steps, args.pause_s, args.rejoin_s, args.sample_s,
                           args.warmup_s, args.window_s, args.settle_s, args.seed, args.dir)
-    report, soak = run(options)
+    with exit_on_termination():
+        report, soak = run(options)
     print_samples(soak.samples, window_s=options.window_s)
     if soak.crowd_times:
         figures = crowd.summary(soak.crowd_times)

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -16,6 +21,7 @@ from bench._nemesis_workers import load_calls
 from bench.checker import print_report
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOTS = ["sync/0", "sync/1", "async/0", "elastic/0"]
 SEED = 5
 
@@ -63,3 +69,58 @@ def test_a_one_minute_nemesis_run_loses_nothing_duplicates_nothing_and_answers_e
     assert report.lost == 0 and report.duplicated == 0, text
     assert not report.undocumented and not report.hangs and not report.rogue_unexpected, text
     assert report.clean, text  # the replays and the histories too
+
+
+def _sessions_naming(text: str) -> set[int]:
+    """The process sessions of every live process whose command line contains ``text``."""
+    sessions = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if text.encode() in fh.read():
+                    sessions.add(os.getsid(int(pid)))
+        except (OSError, ProcessLookupError):
+            pass
+    return sessions
+
+
+def _live_in(sessions: set[int]) -> list[str]:
+    live = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getsid(int(pid)) in sessions:
+                with open(f"/proc/{pid}/stat") as fh:
+                    if fh.read().rsplit(")", 1)[1].split()[0] != "Z":
+                        live.append(pid)
+        except (OSError, ProcessLookupError):
+            pass
+    return live
+
+
+@pytest.mark.slow
+def test_a_nemesis_stopped_by_sigterm_unmounts_its_disk_and_leaves_no_process_behind(tmp_path):
+    """``kill`` of a running ``python -m bench.nemesis`` tears down what it built, as Ctrl-C does:
+    exit status 143, its disk rig unmounted and its loop device detached, its worker processes
+    and the server's whole process tree gone."""
+    folder = str(tmp_path / "run")
+    nemesis = subprocess.Popen([sys.executable, "-m", "bench.nemesis", "--minutes", "5", "--seed", str(SEED),
+                                "--kinds", "rogue", "--dir", folder], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not any(n.endswith(".jsonl") and os.path.getsize(os.path.join(folder, n))
+                      for n in (os.listdir(folder) if os.path.isdir(folder) else ())):
+            assert nemesis.poll() is None and time.monotonic() < deadline, nemesis.communicate()[0][-3000:]
+            time.sleep(0.5)  # until a worker logged its first call: server, sessions and workers all up
+        sessions = _sessions_naming(folder) | {nemesis.pid}
+        rigged = folder in open("/proc/self/mounts").read()
+        nemesis.send_signal(signal.SIGTERM)
+        output = nemesis.communicate(timeout=180)[0]
+    finally:
+        if nemesis.poll() is None:
+            os.killpg(nemesis.pid, signal.SIGKILL)
+    assert nemesis.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert folder not in open("/proc/self/mounts").read(), (rigged, output[-3000:])
+    backing = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
+    assert folder not in backing, backing
+    assert len(sessions) >= 2 and _live_in(sessions) == [], output[-3000:]  # the workers' and the server's
