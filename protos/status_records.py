@@ -9,6 +9,7 @@ comment on the same field in ``control.proto``.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Optional
 
 from optserve.protos.optserve.v1 import control_pb2
@@ -160,7 +161,7 @@ class HyperparamChange:
     values: dict
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class RoundRecord:
     """One version of a session: the pushes its update applied (``Session.history``), in every mode.
 
@@ -208,9 +209,10 @@ class RoundRecord:
 
     @classmethod
     def from_json(cls, data: dict) -> "RoundRecord":
-        return cls(int(data["version"]), tuple(data["participants"]), tuple(float(s) for s in data["scales"]),
-                   tuple(data["late"]), float(data["duration_s"]), str(data["closed_by"]),
-                   tuple(str(c) for c in data.get("clients", ())), tuple(int(s) for s in data.get("sequences", ())),
+        return cls(int(data["version"]), tuple(sys.intern(str(p)) for p in data["participants"]),
+                   tuple(float(s) for s in data["scales"]), tuple(data["late"]), float(data["duration_s"]),
+                   str(data["closed_by"]), tuple(sys.intern(str(c)) for c in data.get("clients", ())),
+                   tuple(int(s) for s in data.get("sequences", ())),
                    tuple(int(s) for s in data.get("staleness", ())))
 
     def to_proto(self) -> control_pb2.RoundRecord:

@@ -97,3 +97,19 @@ def test_only_records_their_tickets_cannot_rebuild_are_journaled():
         restored = HomeClock(config)
         restored.restore(None, json.loads(json.dumps(journal)))
         assert restored.history(0) == clock.history(0) and len(clock.history(0)) == 2
+
+
+def test_records_of_one_client_share_its_strings_and_carry_no_instance_dict():
+    """A home shard keeps thousands of records per session naming the same few clients: each
+    client id and worker id is one string object across them (also after a restore from JSON),
+    and a record has no per-instance dict."""
+    clock = HomeClock(_config(Mode.SYNC, num_workers=2))
+    for version in range(3):  # each request's client id arrives as a new string
+        clock.commit("".join(["b", "/x"]), version + 1, version)
+        clock.commit("".join(["a", "/y"]), version + 1, version)
+    first, _, third = clock.history(0)
+    assert first.clients == third.clients and all(a is b for a, b in zip(first.clients, third.clients))
+    assert all(a is b for a, b in zip(first.participants, third.participants))
+    restored = [RoundRecord.from_json(json.loads(json.dumps(r.to_json()))) for r in (first, third)]
+    assert restored == [first, third] and restored[0].clients[0] is restored[1].clients[0]
+    assert not hasattr(first, "__dict__")

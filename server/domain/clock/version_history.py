@@ -20,6 +20,7 @@ ticket that closes it (see :class:`~optserve.server.domain.clock.home_clock.Home
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Iterable, Optional, Sequence
 
 from optserve.protos.status_records import RoundRecord
@@ -34,8 +35,10 @@ def round_record(version: int, tickets: Sequence[Ticket], closed_by: str, durati
     """The record of ``version``, whose update applied the pushes of ``tickets`` (in order; a
     push-less round closer is no push)."""
     pushes = [t for t in tickets if not t.closes_round]
-    return RoundRecord(version, tuple(worker_of(t.client_id) for t in pushes), tuple(t.scale for t in pushes),
-                       tuple(late), duration_s, closed_by, tuple(t.client_id for t in pushes),
+    # a history holds thousands of records naming the same few clients: one string object each
+    clients = tuple(sys.intern(t.client_id) for t in pushes)
+    return RoundRecord(version, tuple(sys.intern(worker_of(c)) for c in clients), tuple(t.scale for t in pushes),
+                       tuple(late), duration_s, closed_by, clients,
                        tuple(t.sequence for t in pushes), tuple(t.staleness for t in pushes))
 
 
