@@ -149,8 +149,7 @@ class Nemesis:
             checkpoints = os.path.join(self.rig.mount, "ckpt")
         log = open(os.path.join(self.folder, "server.log"), "a")
         try:
-            self.server = NemesisServer(["--checkpoint-dir", checkpoints, "--checkpoint-every-steps", "25",
-                                         "--max-session-bytes", str(MAX_SESSION_BYTES)], log)
+            self.server = NemesisServer(self._server_args(checkpoints), log)
             self.server.start()
             self.say(f"server listening on {self.server.address}")
             self._create_sessions()
@@ -184,6 +183,11 @@ class Nemesis:
             if not isinstance(self.rig, str):
                 self.rig.close()
             log.close()
+
+    def _server_args(self, checkpoints: str) -> list[str]:
+        """``optserve serve``'s flags beyond the port and the shards."""
+        return ["--checkpoint-dir", checkpoints, "--checkpoint-every-steps", "25",
+                "--max-session-bytes", str(MAX_SESSION_BYTES)]
 
     def _save(self, calls, runs: list[SessionRun]) -> None:
         """For a closer look, beside the workers' logs: the faults injected and every call (JSON

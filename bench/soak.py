@@ -17,7 +17,9 @@ shared memory, the others over gRPC). Instead of faults, the run has:
 
 Every ``--sample-s`` the sampler reads each process of the server's tree (the server, Ray's
 processes, the shard actors): resident memory, threads and open file descriptors, plus the
-shared-memory regions in ``/dev/shm`` and the checkpoint folder's size. It prints each one's peak in
+shared-memory regions in ``/dev/shm`` and the checkpoint folder's size, and from the server's
+metrics (``--metrics-port``) the coordinator's and each shard's malloc heap, in use and free (a
+shard keeps freed memory resident, so its RSS follows its peak; what it holds is the heap in use). It prints each one's peak in
 a window of ``--window-s`` at the start (after ``--warmup-s``), the middle and the end, with the
 growth from the start to the end. After a quiet ``--settle-s`` the workers stop and the
 nemesis's checker proves that no acknowledged push was lost or applied twice. Exit status 1 when its report is not clean.
@@ -30,10 +32,14 @@ import dataclasses
 import logging
 import os
 import shutil
+import socket
 import sys
 import threading
 import time
+import urllib.request
 from typing import Optional
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench import crowd
 from bench._nemesis_schedule import PlannedFault
@@ -46,13 +52,22 @@ from bench.nemesis import Nemesis, Options
 class Sample:
     """One reading: seconds since the soak began, ``processes`` (``"title pid"`` -> (RSS bytes,
     threads, fds)), the regions in /dev/shm, the checkpoint folder's bytes and its session
-    folders (the crowd's closed sessions must not leave theirs)."""
+    folders (the crowd's closed sessions must not leave theirs); ``heap``: the server's
+    ``optserve_process_heap_bytes`` (``"shard-0"``, ``"coordinator"`` -> (in use, free) bytes;
+    empty where the scrape failed)."""
 
     at_s: float
     processes: dict
     regions: int
     checkpoint_bytes: int
     session_folders: int
+    heap: dict = dataclasses.field(default_factory=dict)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def _title(pid: int) -> str:
@@ -124,6 +139,24 @@ class Soak(Nemesis):
         self.crowd_rounds = 0
         self.crowd_errors: list[str] = []
         self._titles: dict[int, str] = {}  # pid -> "title pid", named at first sight
+        self._metrics_port = _free_port()
+
+    def _server_args(self, checkpoints: str) -> list[str]:
+        return super()._server_args(checkpoints) + ["--metrics-port", str(self._metrics_port)]
+
+    def _heap(self) -> dict:
+        """Each process's malloc heap from the server's metrics (empty if it does not answer)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self._metrics_port}/metrics", timeout=10) as answer:
+                text = answer.read().decode()
+        except OSError:
+            return {}
+        heap: dict = {}
+        for family in text_string_to_metric_families(text):
+            if family.name == "optserve_process_heap_bytes":
+                for sample in family.samples:
+                    heap.setdefault(sample.labels["process"], {})[sample.labels["state"]] = int(sample.value)
+        return {process: (states.get("in_use", 0), states.get("free", 0)) for process, states in heap.items()}
 
     def _checkpoint_folder(self) -> str:
         return os.path.join(self.rig.mount, "ckpt") if not isinstance(self.rig, str) else os.path.join(self.folder,
@@ -145,7 +178,7 @@ class Soak(Nemesis):
         folder = self._checkpoint_folder()
         sessions = os.path.join(folder, "sessions")
         folders = len(os.listdir(sessions)) if os.path.isdir(sessions) else 0
-        return Sample(time.monotonic() - started, processes, regions, _folder_bytes(folder), folders)
+        return Sample(time.monotonic() - started, processes, regions, _folder_bytes(folder), folders, self._heap())
 
     def _crowd(self, end: float) -> None:
         """Crowd rounds until ``end`` (each round's clients create, train and close their sessions)."""
@@ -221,6 +254,13 @@ def print_samples(samples: list[Sample], out=sys.stdout, window_s: float = 0.0) 
     regions = [max(s.regions for s in w) for w in spans]
     folder_mb = [max(s.checkpoint_bytes for s in w) / 2 ** 20 for w in spans]
     folders = [max(s.session_folders for s in w) for w in spans]
+    for process in sorted({p for w in spans for s in w for p in s.heap}):
+        in_use = [max((s.heap[process][0] for s in w if process in s.heap), default=float("nan")) / 2 ** 20
+                  for w in spans]
+        free = [max((s.heap[process][1] for s in w if process in s.heap), default=float("nan")) / 2 ** 20
+                for w in spans]
+        out.write(f"malloc heap of {process}: in use MB {' / '.join(f'{v:.1f}' for v in in_use)} "
+                  f"({_growth(in_use[0], in_use[2])}), free MB {' / '.join(f'{v:.1f}' for v in free)}\n")
     out.write(f"/dev/shm regions: {regions[0]} / {regions[1]} / {regions[2]}\n")
     out.write(f"checkpoint folder MB: {folder_mb[0]:.1f} / {folder_mb[1]:.1f} / {folder_mb[2]:.1f}\n")
     out.write(f"session folders: {folders[0]} / {folders[1]} / {folders[2]}\n")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import platform
 import threading
+from typing import Optional
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -62,8 +63,26 @@ def trim_free_memory() -> bool:
     return True
 
 
-def glibc_function(name: str, argtypes: tuple):
-    """glibc's function ``name`` (returning a C int) with ``argtypes``, or None on another libc."""
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def heap_usage() -> Optional[tuple[int, int]]:
+    """``(in_use_bytes, free_bytes)`` of malloc's heap in this process, over all its arenas (glibc
+    ``mallinfo2``: allocated chunks plus allocations it mapped, and free chunks it keeps); None on
+    another libc or a glibc older than 2.33. Resident memory counts both; only the first is what
+    the process holds, the second what it keeps for reuse (see :func:`keep_freed_memory`)."""
+    info = glibc_function("mallinfo2", (), restype=_MallInfo2)
+    if info is None:
+        return None
+    reading = info()
+    return int(reading.uordblks + reading.hblkhd), int(reading.fordblks)
+
+
+def glibc_function(name: str, argtypes: tuple, restype=ctypes.c_int):
+    """glibc's function ``name`` (returning ``restype``, a C int by default) with ``argtypes``, or
+    None on another libc (or a glibc without it)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     try:
@@ -71,5 +90,5 @@ def glibc_function(name: str, argtypes: tuple):
     except (OSError, AttributeError):
         return None
     function.argtypes = argtypes
-    function.restype = ctypes.c_int
+    function.restype = restype
     return function

@@ -121,6 +121,9 @@ def test_metrics_move_with_the_steps(observed):
     assert "ops-shampoo" not in {s.labels.get("session") for s in samples["optserve_loss"]}
     processes = {s.labels["process"] for s in samples["optserve_process_resident_bytes"] if s.value > 0}
     assert processes == {"coordinator", "shard-0", "shard-1"}
+    heap = {(s.labels["process"], s.labels["state"]): s.value for s in samples["optserve_process_heap_bytes"]}
+    assert set(heap) == {(p, state) for p in processes for state in ("in_use", "free")}
+    assert all(heap[p, "in_use"] > 0 for p in processes)
     assert _total(samples, "optserve_sessions") == 3
     adam = client.session("ops-adam")
     adam.push_pull(make_grads(params, 7))

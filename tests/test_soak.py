@@ -29,6 +29,8 @@ def test_a_short_soak_loses_nothing_and_the_crowds_closed_sessions_leave_no_fold
     titles = [name.split()[0] for name in last.processes]
     assert titles.count("ray::ShardActor") == 2 and "optserve.server.cli" in titles, text
     assert "ray::ShardActor" in text and "session folders: " in text
+    assert set(last.heap) == {"coordinator", "shard-0", "shard-1"} and all(u > 0 for u, _ in last.heap.values()), text
+    assert "malloc heap of shard-0: in use MB" in text, text
 
 
 def test_the_printed_figures_are_each_windows_peak_so_a_samples_phase_does_not_read_as_growth():

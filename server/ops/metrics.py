@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Optional
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from optserve.protos.malloc_settings import heap_usage
 from optserve.server.domain.errors import RejectReason
 from optserve.server.domain.shard import StepObserver
 
@@ -34,6 +35,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "optserve_param_bytes": ("gauge", ("session", "shard"), "Parameter bytes a shard holds for a session."),
     "optserve_optimizer_state_bytes": ("gauge", ("session", "shard"), "Optimizer-state bytes a shard holds for a session."),
     "optserve_process_resident_bytes": ("gauge", ("process",), "Resident memory of an optserve process."),
+    "optserve_process_heap_bytes": ("gauge", ("process", "state"),
+                                    "malloc's heap of an optserve process: in_use (allocated) or free (kept for reuse)."),
     "optserve_root_age_steps": ("gauge", ("session", "shard"), "Oldest preconditioner root in use, in steps."),
     "optserve_root_error": ("gauge", ("session", "shard"), "Largest error of the latest roots offered."),
     "optserve_root_fallback_steps_total": ("counter", ("session", "shard"), "Block-updates run without a root."),
@@ -71,6 +74,21 @@ def resident_bytes(pid: Optional[int] = None) -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def process_memory(process: str) -> list[GaugeMetricFamily]:
+    """This process's resident memory and malloc heap (in use / free; none where glibc cannot
+    tell), labelled ``process``."""
+    rss = GaugeMetricFamily("optserve_process_resident_bytes", _help("optserve_process_resident_bytes"),
+                            labels=("process",))
+    rss.add_metric([process], resident_bytes())
+    heap = GaugeMetricFamily("optserve_process_heap_bytes", _help("optserve_process_heap_bytes"),
+                             labels=("process", "state"))
+    usage = heap_usage()
+    if usage is not None:
+        heap.add_metric([process, "in_use"], usage[0])
+        heap.add_metric([process, "free"], usage[1])
+    return [rss, heap]
 
 
 class _SessionObserver(StepObserver):
@@ -161,10 +179,7 @@ class ShardMetrics:
         """Every family of this shard, gauges included (picklable: sent to the coordinator)."""
         families = list(self.registry.collect())
         families.extend(self._gauges())
-        rss = GaugeMetricFamily("optserve_process_resident_bytes", _help("optserve_process_resident_bytes"),
-                                labels=("process",))
-        rss.add_metric([f"shard-{self.shard}"], resident_bytes())
-        families.append(rss)
+        families.extend(process_memory(f"shard-{self.shard}"))
         return families
 
 
@@ -201,10 +216,7 @@ class FleetCollector:
 
     def collect(self):
         families = [f for shard in self._shard_families() for f in shard]
-        rss = GaugeMetricFamily("optserve_process_resident_bytes", _help("optserve_process_resident_bytes"),
-                                labels=("process",))
-        rss.add_metric(["coordinator"], resident_bytes())
-        families.append(rss)
+        families.extend(process_memory("coordinator"))
         sessions = GaugeMetricFamily("optserve_sessions", _help("optserve_sessions"))
         sessions.add_metric([], self._sessions())
         families.append(sessions)
