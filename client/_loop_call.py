@@ -115,6 +115,9 @@ class LoopStreamCall:
         call.add_done_callback(lambda _: self._loop.loop.create_task(self._ended()))
         self._loop.loop.create_task(self._read_all(call))
         self._writer = self._loop.loop.create_task(self._write_all(call))
+        # a writer cancelled before its first step (the call over already) never runs its body:
+        # the end of writing is told from the task's end, whichever way it ends
+        self._writer.add_done_callback(self._writing_ended)
         return call
 
     async def _ended(self) -> None:
@@ -154,8 +157,11 @@ class LoopStreamCall:
                     return
                 await call.write(message)
         except (Exception, *CANCELLED):  # noqa: BLE001 - the call ended: its reader gets why
-            self._writing = False
-            self._room.release(WRITES_AHEAD + 1)  # a request thread waiting for room sees the end
+            pass
+
+    def _writing_ended(self, _writer: asyncio.Task) -> None:
+        self._writing = False
+        self._room.release(WRITES_AHEAD + 1)  # a request thread waiting for room sees the end
 
     def _send(self, requests) -> None:
         """The request thread: each message to the writer task, then the end of the requests."""

@@ -8,12 +8,13 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
+import time
 
 import grpc
 import pytest
 
 from optserve.client import _loop
-from optserve.client._loop_call import LoopStreamCall, LoopStreamStream
+from optserve.client._loop_call import WRITES_AHEAD, LoopStreamCall, LoopStreamStream
 from optserve.client._step_stream import _LOCAL_CANCELS
 
 _METHOD = "/test.Echo/Chat"
@@ -142,7 +143,15 @@ def test_a_call_over_before_it_is_handed_back_still_runs_its_done_callbacks(echo
         await call.code()  # over before LoopStreamCall has it
         return call
 
-    for _ in range(10):
-        call = LoopStreamCall(_loop.shared(), open_ended, iter([]), 10.0)
+    def senders() -> int:
+        return sum(1 for t in threading.enumerate() if t.name == "optserve-send")
+
+    before = senders()
+    for _ in range(10):  # more requests than the writer takes ahead: the request thread must see the end
+        call = LoopStreamCall(_loop.shared(), open_ended, iter([b"x"] * (2 * WRITES_AHEAD)), 10.0)
         assert _ended(call).wait(5.0) and call.done()
         assert call.code() == grpc.StatusCode.OK
+    deadline = time.monotonic() + 5.0
+    while senders() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert senders() <= before  # no request thread left waiting for room in a call that ended
