@@ -73,19 +73,23 @@ def build(folder: str) -> Union[DiskRig, str]:
     steps = ((["mount", "-t", "tmpfs", "-o", f"size={BACKING_MB}m", "tmpfs", backing], ["umount", "-l", backing]),
              (["truncate", "-s", f"{IMAGE_MB}M", image], None),
              (["mkfs.ext4", "-q", "-F", "-O", "^has_journal", image], None))
-    for command, undone_by in steps:
-        result = _run(*command)
-        if result.returncode != 0:
-            return fail(f"{' '.join(command[:2])} failed: {result.stderr.strip()[:120]}")
-        if undone_by:
-            undo.append(undone_by)
-    loop = _run("losetup", "-f", "--show", image)
-    if loop.returncode != 0:
-        return fail(f"no loop device: {loop.stderr.strip()[:120]}")
-    device: Optional[str] = loop.stdout.strip()
-    undo.append(["losetup", "-d", device])
-    mounted = _run("mount", "-o", "errors=continue,discard", device, mount)
-    if mounted.returncode != 0:
-        return fail(f"cannot mount the loop device: {mounted.stderr.strip()[:120]}")
-    undo.append(["umount", "-l", mount])
-    return DiskRig(mount, backing, undo)
+    try:
+        for command, undone_by in steps:
+            if undone_by:  # before it runs: stopped while it runs (SIGTERM), it is undone all the same
+                undo.append(undone_by)
+            result = _run(*command)
+            if result.returncode != 0:
+                return fail(f"{' '.join(command[:2])} failed: {result.stderr.strip()[:120]}")
+        loop = _run("losetup", "-f", "--show", image)
+        if loop.returncode != 0:
+            return fail(f"no loop device: {loop.stderr.strip()[:120]}")
+        device: Optional[str] = loop.stdout.strip()
+        undo.append(["losetup", "-d", device])
+        undo.append(["umount", "-l", mount])
+        mounted = _run("mount", "-o", "errors=continue,discard", device, mount)
+        if mounted.returncode != 0:
+            return fail(f"cannot mount the loop device: {mounted.stderr.strip()[:120]}")
+        return DiskRig(mount, backing, undo)
+    except BaseException:  # stopped midway (SystemExit from a signal, KeyboardInterrupt): nothing left mounted
+        fail("")
+        raise

@@ -25,6 +25,7 @@ class NemesisServer:
         self.port = port
         self.address = ""
         self.process: Optional[subprocess.Popen] = None
+        self._output: Optional[ServeOutput] = None
         self._log = log
         self._log_lock = threading.Lock()
         self.starts = 0
@@ -35,7 +36,7 @@ class NemesisServer:
         self.process = start_serve(serve_argv(self.port, *self.args), serve_env(RAY_DEDUP_LOGS="0"))
         self.starts += 1
         self._write(f"--- start {self.starts} at {time.time():.3f}\n")
-        output = ServeOutput(self.process, echo=self._write, keep_all=False)
+        output = self._output = ServeOutput(self.process, echo=self._write, keep_all=False)
         why = output.wait_listening(timeout_s)
         if why is not None:
             if why == "timeout":  # hung while starting: where, in the log
@@ -44,6 +45,11 @@ class NemesisServer:
             raise RuntimeError(f"the server did not start (within {timeout_s:.0f} s):\n" + output.tail(30))
         self.address, self.port = output.address, output.port
         return time.time()
+
+    @property
+    def metrics_url(self) -> str:
+        """The metrics endpoint the server said it serves (``--metrics-port``; "" before it said so)."""
+        return self._output.metrics_url if self._output is not None else ""
 
     def dump_stacks(self) -> None:
         """Every thread's stack of the server (into its output, so the log) and of its shard

@@ -140,15 +140,15 @@ class Nemesis:
         self.say(f"nemesis seed {self.o.seed}, {self.o.minutes:g} min, folder {self.folder}; schedule:")
         for fault in self.schedule:
             self.o.out.write(f"    {fault.describe()}\n")
-        self.rig = _nemesis_disk.build(os.path.join(self.folder, "rig"))
-        if isinstance(self.rig, str):
-            for kind in ("disk_full", "write_error"):
-                self.skipped[kind] = f"no disk rig: {self.rig}"
-            checkpoints = os.path.join(self.folder, "ckpt")
-        else:
-            checkpoints = os.path.join(self.rig.mount, "ckpt")
         log = open(os.path.join(self.folder, "server.log"), "a")
         try:
+            self.rig = _nemesis_disk.build(os.path.join(self.folder, "rig"))
+            if isinstance(self.rig, str):
+                for kind in ("disk_full", "write_error"):
+                    self.skipped[kind] = f"no disk rig: {self.rig}"
+                checkpoints = os.path.join(self.folder, "ckpt")
+            else:
+                checkpoints = os.path.join(self.rig.mount, "ckpt")
             self.server = NemesisServer(self._server_args(checkpoints), log)
             self.server.start()
             self.say(f"server listening on {self.server.address}")

@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Callable, Optional, Sequence
 
+METRICS_AT = "optserve metrics at "
 LISTENING = "optserve listening on "
 
 
@@ -48,6 +49,7 @@ class ServeOutput:
         self.lines: list[str] = []
         self.address = ""
         self.port = 0
+        self.metrics_url = ""  # with --metrics-port: the endpoint the server says it serves (after listening)
         self._echo = echo
         self._listening = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -80,6 +82,8 @@ class ServeOutput:
                 self._echo(line)
             if self._keep_all or not self._listening.is_set():
                 self.lines.append(line)
+            if line.startswith(METRICS_AT):
+                self.metrics_url = line.split()[-1]
             if line.startswith(LISTENING) and not self._listening.is_set():
                 self.address = line.split()[3]
                 self.port = int(self.address.rsplit(":", 1)[1])

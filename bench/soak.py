@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import http.client
 import logging
+import math
 import os
 import shutil
-import socket
 import sys
 import threading
 import time
@@ -62,12 +63,6 @@ class Sample:
     checkpoint_bytes: int
     session_folders: int
     heap: dict = dataclasses.field(default_factory=dict)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _title(pid: int) -> str:
@@ -139,23 +134,25 @@ class Soak(Nemesis):
         self.crowd_rounds = 0
         self.crowd_errors: list[str] = []
         self._titles: dict[int, str] = {}  # pid -> "title pid", named at first sight
-        self._metrics_port = _free_port()
 
     def _server_args(self, checkpoints: str) -> list[str]:
-        return super()._server_args(checkpoints) + ["--metrics-port", str(self._metrics_port)]
+        return super()._server_args(checkpoints) + ["--metrics-port", "0"]
 
     def _heap(self) -> dict:
-        """Each process's malloc heap from the server's metrics (empty if it does not answer)."""
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self._metrics_port}/metrics", timeout=10) as answer:
-                text = answer.read().decode()
-        except OSError:
+        """Each process's malloc heap from the server's metrics (empty if they cannot be read)."""
+        url = self.server.metrics_url
+        if not url:
             return {}
         heap: dict = {}
-        for family in text_string_to_metric_families(text):
-            if family.name == "optserve_process_heap_bytes":
-                for sample in family.samples:
-                    heap.setdefault(sample.labels["process"], {})[sample.labels["state"]] = int(sample.value)
+        try:
+            with urllib.request.urlopen(url, timeout=10) as answer:
+                text = answer.read().decode()
+            for family in text_string_to_metric_families(text):
+                if family.name == "optserve_process_heap_bytes":
+                    for sample in family.samples:
+                        heap.setdefault(sample.labels["process"], {})[sample.labels["state"]] = int(sample.value)
+        except (OSError, http.client.HTTPException, ValueError, KeyError):  # a sample without it
+            return {}
         return {process: (states.get("in_use", 0), states.get("free", 0)) for process, states in heap.items()}
 
     def _checkpoint_folder(self) -> str:
@@ -213,7 +210,7 @@ class Soak(Nemesis):
 
 
 def _growth(first: float, last: float) -> str:
-    return f"{(last - first) / first * 100:+.1f}%" if first else "n/a"
+    return f"{(last - first) / first * 100:+.1f}%" if first and not math.isnan(first + last) else "n/a"
 
 
 def windows(samples: list[Sample], window_s: float) -> tuple[list[Sample], list[Sample], list[Sample]]:

@@ -97,30 +97,54 @@ def _live_in(sessions: set[int]) -> list[str]:
     return live
 
 
+def _left_behind(folder: str, sessions: set[int]) -> tuple[list[str], list[str], list[str]]:
+    """What is still there of a run in ``folder``: live processes of ``sessions``, mounts and
+    loop devices under ``folder``."""
+    mounts = [line.split()[1] for line in open("/proc/self/mounts") if folder in line.split()[1]]
+    loops = [line.split(":")[0] for line in subprocess.run(["losetup", "-a"], capture_output=True,
+                                                            text=True).stdout.splitlines() if folder in line]
+    return _live_in(sessions), mounts, loops
+
+
+def _clear(processes: list[str], mounts: list[str], loops: list[str]) -> None:
+    """Kills ``processes`` and undoes ``mounts`` and ``loops`` (a failed test leaves nothing behind)."""
+    for pid in processes:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for mount in sorted(mounts, key=len, reverse=True):  # the disk before the tmpfs under it
+        subprocess.run(["umount", "-l", mount], capture_output=True)
+    for loop in loops:
+        subprocess.run(["losetup", "-d", loop], capture_output=True)
+
+
 @pytest.mark.slow
 def test_a_nemesis_stopped_by_sigterm_unmounts_its_disk_and_leaves_no_process_behind(tmp_path):
     """``kill`` of a running ``python -m bench.nemesis`` tears down what it built, as Ctrl-C does:
     exit status 143, its disk rig unmounted and its loop device detached, its worker processes
     and the server's whole process tree gone."""
     folder = str(tmp_path / "run")
-    nemesis = subprocess.Popen([sys.executable, "-m", "bench.nemesis", "--minutes", "5", "--seed", str(SEED),
-                                "--kinds", "rogue", "--dir", folder], cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    output = tmp_path / "nemesis.out"
+    with open(output, "w") as out:
+        nemesis = subprocess.Popen([sys.executable, "-m", "bench.nemesis", "--minutes", "5", "--seed", str(SEED),
+                                    "--kinds", "rogue", "--dir", folder], cwd=ROOT, stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    sessions = {nemesis.pid}
     try:
         deadline = time.monotonic() + 180
         while not any(n.endswith(".jsonl") and os.path.getsize(os.path.join(folder, n))
                       for n in (os.listdir(folder) if os.path.isdir(folder) else ())):
-            assert nemesis.poll() is None and time.monotonic() < deadline, nemesis.communicate()[0][-3000:]
+            assert nemesis.poll() is None and time.monotonic() < deadline, output.read_text()[-3000:]
             time.sleep(0.5)  # until a worker logged its first call: server, sessions and workers all up
-        sessions = _sessions_naming(folder) | {nemesis.pid}
-        rigged = folder in open("/proc/self/mounts").read()
+        sessions |= _sessions_naming(folder)  # the server's tree is a session of its own
+        rigged = any(folder in line for line in open("/proc/self/mounts"))
         nemesis.send_signal(signal.SIGTERM)
-        output = nemesis.communicate(timeout=180)[0]
+        nemesis.wait(timeout=180)
     finally:
-        if nemesis.poll() is None:
-            os.killpg(nemesis.pid, signal.SIGKILL)
-    assert nemesis.returncode == 128 + signal.SIGTERM, output[-3000:]
-    assert folder not in open("/proc/self/mounts").read(), (rigged, output[-3000:])
-    backing = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
-    assert folder not in backing, backing
-    assert len(sessions) >= 2 and _live_in(sessions) == [], output[-3000:]  # the workers' and the server's
+        left = _left_behind(folder, sessions | _sessions_naming(folder))
+        _clear(*left)
+    said = output.read_text()[-3000:]
+    assert nemesis.returncode == 128 + signal.SIGTERM, said
+    assert left == ([], [], []), (rigged, left, said)
+    assert len(sessions) >= 2, said  # the workers' and the server's were both looked at
