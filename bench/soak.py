@@ -19,10 +19,11 @@ Every ``--sample-s`` the sampler reads each process of the server's tree (the se
 processes, the shard actors): resident memory, threads and open file descriptors, plus the
 shared-memory regions in ``/dev/shm`` and the checkpoint folder's size, and from the server's
 metrics (``--metrics-port``) the coordinator's and each shard's malloc heap, in use and free (a
-shard keeps freed memory resident, so its RSS follows its peak; what it holds is the heap in use). It prints each one's peak in
-a window of ``--window-s`` at the start (after ``--warmup-s``), the middle and the end, with the
-growth from the start to the end. After a quiet ``--settle-s`` the workers stop and the
-nemesis's checker proves that no acknowledged push was lost or applied twice. Exit status 1 when its report is not clean.
+shard keeps freed memory resident, so its RSS follows its peak; what it holds is the heap in
+use). It prints each one's peak in a window of ``--window-s`` at the start (after
+``--warmup-s``), the middle and the end, with the growth from the start to the end. After a
+quiet ``--settle-s`` the workers stop and the nemesis's checker proves that no acknowledged push
+was lost or applied twice. Exit status 1 when its report is not clean.
 """
 
 from __future__ import annotations
@@ -252,10 +253,8 @@ def print_samples(samples: list[Sample], out=sys.stdout, window_s: float = 0.0) 
     folder_mb = [max(s.checkpoint_bytes for s in w) / 2 ** 20 for w in spans]
     folders = [max(s.session_folders for s in w) for w in spans]
     for process in sorted({p for w in spans for s in w for p in s.heap}):
-        in_use = [max((s.heap[process][0] for s in w if process in s.heap), default=float("nan")) / 2 ** 20
-                  for w in spans]
-        free = [max((s.heap[process][1] for s in w if process in s.heap), default=float("nan")) / 2 ** 20
-                for w in spans]
+        in_use, free = ([max((s.heap[process][state] for s in w if process in s.heap), default=float("nan")) / 2 ** 20
+                         for w in spans] for state in (0, 1))
         out.write(f"malloc heap of {process}: in use MB {' / '.join(f'{v:.1f}' for v in in_use)} "
                   f"({_growth(in_use[0], in_use[2])}), free MB {' / '.join(f'{v:.1f}' for v in free)}\n")
     out.write(f"/dev/shm regions: {regions[0]} / {regions[1]} / {regions[2]}\n")
