@@ -14,7 +14,9 @@ the memory on the way:
   Our handler reads the leaves in groups of at most :data:`RESTORE_GROUP_BYTES` (a larger leaf
   alone): the extra memory is one group's bytes, not the tree's.
 
-Only NumPy leaves go through this handler; other leaf types keep orbax's handlers.
+Only NumPy leaves go through this handler; other leaf types keep orbax's handlers. Both functions
+first put in place :mod:`~optserve.server.storage.tensorstore_json` (tensorstore's spec-to-JSON
+conversion, which orbax calls per array, otherwise keeps every spec it converts).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from optserve.server.storage import tensorstore_json
 from optserve.server.storage.disk_health import quiet_expected_thread_errors
 
 RESTORE_GROUP_BYTES = 128 << 20
@@ -83,6 +86,7 @@ def write_tree(path: str, tree: Any) -> None:
     import orbax.checkpoint as ocp
 
     quiet_expected_thread_errors()
+    tensorstore_json.install()  # orbax converts a spec per array: without it, each keeps memory
     handler = ocp.PyTreeCheckpointHandler(use_compression=False, type_handler_registry=_registry())
     ocp.Checkpointer(handler).save(path, args=ocp.args.PyTreeSave(tree))
 
@@ -93,6 +97,7 @@ def restore_tree(path: str, abstract: Optional[Any] = None, group_bytes: int = R
     their dtypes are the ones restored); None: the tree the checkpoint's metadata describes."""
     import orbax.checkpoint as ocp
 
+    tensorstore_json.install()
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=_registry(group_bytes)))
     if abstract is None:
         return checkpointer.restore(path)
