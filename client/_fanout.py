@@ -87,19 +87,30 @@ def connect(client, info: control_pb2.SessionInfo) -> list[Shard]:
     return shards
 
 
+_CORE_REFUSED_WRITE = "Internal error from Core"
+"""grpc.aio's details for a stream write that failed because the server had already ended the
+call: it replaces the server's status with INTERNAL (grpc/grpc#36066, about half the time), so
+the status the server sent (UNIMPLEMENTED, say) is lost."""
+
+
 def call_shard(fn: Callable[[Shard], T], shard: Shard) -> T:
     """``fn(shard)``, its gRPC errors converted to client errors (retries happen above).
 
     UNIMPLEMENTED is UnavailableError: the shard map said a shard serves at this address, so
     another service answering there means the shard moved (a restarted server's shards took new
     ports and something else took this one); the map is read again and the call retried (and
-    the UNIMPLEMENTED error raised if the map has not changed)."""
+    the UNIMPLEMENTED error raised if the map has not changed). A stream that the server ended
+    while this client still wrote to it, whose status grpc.aio lost (:data:`_CORE_REFUSED_WRITE`),
+    is treated the same way: that other service's UNIMPLEMENTED ends a step's stream so."""
     try:
         return fn(shard)
     except grpc.RpcError as exc:
-        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-            moved = UnavailableError(f"shard {shard.index}'s address {shard.address} is served by another service "
-                                     f"now ({exc.details()}): the shard moved", "UNAVAILABLE")
+        lost_status = exc.code() == grpc.StatusCode.INTERNAL and exc.details() == _CORE_REFUSED_WRITE
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED or lost_status:
+            why = ("ended the step's stream while the client wrote to it, its status lost by grpc.aio"
+                   if lost_status else f"is served by another service now ({exc.details()})")
+            moved = UnavailableError(f"shard {shard.index}'s address {shard.address} {why}: the shard may have "
+                                     "moved", "UNAVAILABLE")
             moved.unmoved = from_rpc_error(exc)  # raised instead when the shard map has not changed
             raise moved from None
         raise from_rpc_error(exc) from None
