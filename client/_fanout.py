@@ -89,8 +89,10 @@ def connect(client, info: control_pb2.SessionInfo) -> list[Shard]:
 
 _CORE_REFUSED_WRITE = "Internal error from Core"
 """grpc.aio's details for a stream write that failed because the server had already ended the
-call: it replaces the server's status with INTERNAL (grpc/grpc#36066, about half the time), so
-the status the server sent (UNIMPLEMENTED, say) is lost."""
+call: it replaces the server's status with INTERNAL (grpc/grpc#36066; a quarter of such calls
+here), so the status the server sent (UNIMPLEMENTED, say) is lost. The message whose write failed
+never reached the server, so the step it carried was not applied there (a step is applied only
+after its last message): retrying it, or writing its shared-memory region again, is safe."""
 
 
 def call_shard(fn: Callable[[Shard], T], shard: Shard) -> T:

@@ -31,7 +31,9 @@ def _bytes_kept_per_call(fn, calls: int) -> float:
 
 def test_the_leak_free_conversion_equals_tensorstores_own_for_paths_of_any_characters():
     assert tensorstore_json.install()
-    own = tensorstore_json._installed["KvStore.Spec"]
+    assert tensorstore_json.probe_disagreement() is None  # against tensorstore's own, kept aside
+    own = tensorstore_json.own_to_json("KvStore.Spec")
+    assert ts.KvStore.Spec.to_json is not own
     for path in ("/data/run 1/", "/d/it's \"quoted\"/", "/caf\u00e9/\u2603/\U0001f600/", "/x/" + "y" * 4000 + "/"):
         spec = ts.KvStore.Spec({"driver": "file", "path": path})
         assert spec.to_json() == own(spec) == {"driver": "file", "path": path}
@@ -41,7 +43,22 @@ def test_the_leak_free_conversion_equals_tensorstores_own_for_paths_of_any_chara
     array = ts.Spec({"driver": "zarr", "kvstore": {"driver": "memory"},
                      "metadata": {"dtype": "<f8", "shape": [2, 3], "chunks": [2, 3], "fill_value": 1e-300,
                                   "compressor": None}})
-    assert array.to_json() == tensorstore_json._installed["Spec"](array)
+    assert array.to_json() == tensorstore_json.own_to_json("Spec")(array)
+    # a spec with no JSON form raises as tensorstore does (its repr is "Spec(...)")
+    virtual = ts.virtual_chunked(lambda domain, array, params: None, dtype=ts.uint8, shape=[2]).spec()
+    with pytest.raises(NotImplementedError):
+        virtual.to_json()
+
+
+def test_a_tensorstore_whose_specs_do_not_read_back_keeps_its_own_conversion_and_says_so_once(caplog):
+    refused_probe = [("KvStore.Spec", {"driver": "file", "path": "/x/", "no_such_member": 1})]
+    assert "no_such_member" in tensorstore_json.probe_disagreement(refused_probe)
+    before = ts.KvStore.Spec.to_json
+    replacement = tensorstore_json._Replacement(refused_probe)
+    with caplog.at_level("WARNING", logger=tensorstore_json.__name__):
+        assert not replacement.install() and not replacement.install()
+    assert ts.KvStore.Spec.to_json is before
+    assert [r.message.split()[0] for r in caplog.records] == ["event=tensorstore_to_json_kept"]
 
 
 def test_converting_a_spec_keeps_no_memory_once_installed():

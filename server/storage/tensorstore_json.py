@@ -20,9 +20,10 @@ tensorstore's own conversion.
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import logging
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +38,6 @@ _PROBES = (
     ("Spec", {"driver": "zarr", "kvstore": {"driver": "memory"}, "recheck_cached_data": False,
               "metadata": {"dtype": "|b1", "shape": [0], "chunks": [1], "fill_value": True, "compressor": None}}),
 )
-
-_lock = threading.Lock()
-_installed: dict[str, Callable] = {}  # class name -> tensorstore's own to_json; guarded by _lock
-
 
 def _utf8_strings(value: Any) -> Any:
     """``value`` with every string's characters read as UTF-8 bytes: ``repr`` prints a non-ASCII
@@ -64,9 +61,9 @@ def _literal_to_json(original: Callable) -> Callable:
             value = _utf8_strings(ast.literal_eval(text[text.index("(") + 1:-1]))
             if repr(type(self)(value)) == text:  # read back exactly: the spec it names is this one
                 return value
-        except (ValueError, SyntaxError, UnicodeError):
+        except Exception:  # noqa: BLE001 - not a literal of its JSON (e.g. "Spec(...)"): tensorstore's own answer
             pass
-        return original(self)  # not read back exactly: tensorstore's own (leaking) conversion
+        return original(self)  # not read back exactly: tensorstore's own (leaking) conversion, or its error
 
     to_json.__doc__ = original.__doc__
     return to_json
@@ -76,38 +73,74 @@ def _classes(ts) -> dict[str, type]:
     return {"KvStore.Spec": ts.KvStore.Spec, "Spec": ts.Spec}
 
 
+_OWN: dict[str, Callable] = {}  # class name -> tensorstore's own to_json, once replaced
+
+
+def own_to_json(name: str) -> Callable:
+    """tensorstore's own ``to_json`` of the class ``name`` ("KvStore.Spec" or "Spec"), replaced or not."""
+    import tensorstore as ts
+
+    return _OWN.get(name) or _classes(ts)[name].to_json
+
+
+def probe_disagreement(probes=_PROBES) -> Optional[str]:
+    """None if, for every ``(class name, JSON)`` of ``probes``, the spec built from it reads back
+    through its ``repr`` as tensorstore's ``to_json()`` gives it; else why not (the probe named)."""
+    import tensorstore as ts
+
+    classes = _classes(ts)
+    for name, json_spec in probes:
+        try:
+            spec = classes[name](json_spec)
+            own = own_to_json(name)(spec)
+            literal = _literal_to_json(lambda _spec: None)(spec)
+        except Exception as exc:  # noqa: BLE001 - a probe this tensorstore refuses: not installable
+            return f"{name} probe {json_spec!r} failed: {type(exc).__name__}: {exc}"
+        if literal != own:
+            return f"{name} probe {json_spec!r} reads back as {literal!r}, not {own!r}"
+    return None
+
+
+class _Replacement:
+    """The replacement of ``to_json()``, put in place once by :meth:`install` (or refused once)."""
+
+    def __init__(self, probes):
+        self._probes = probes
+        self._lock = threading.Lock()
+        self._installed = False  # guarded by _lock
+        self._refused: Optional[str] = None  # why it is not in place, once the probes said so
+
+    def install(self) -> bool:
+        with self._lock:
+            if self._installed or self._refused is not None:
+                return self._installed
+            self._refused = probe_disagreement(self._probes)
+            if self._refused is not None:
+                log.warning("event=tensorstore_to_json_kept tensorstore=%s reason=%s; checkpoint writes keep "
+                            "tensorstore's per-call leak", _version(), self._refused)
+                return False
+            import tensorstore as ts
+
+            for name, cls in _classes(ts).items():
+                _OWN[name] = cls.to_json
+                cls.to_json = _literal_to_json(cls.to_json)
+            self._installed = True
+            return True
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tensorstore")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+_REPLACEMENT = _Replacement(_PROBES)
+
+
 def install() -> bool:
     """Replaces ``to_json()`` of tensorstore's ``KvStore.Spec`` and ``Spec`` with the leak-free
-    reading of their ``repr`` (idempotent). True if in place; False (tensorstore unchanged, one
-    WARNING logged) where the two readings differ on a probe spec."""
-    import tensorstore as ts
-
-    with _lock:
-        if _installed:
-            return True
-        classes = _classes(ts)
-        replacements = {name: _literal_to_json(cls.to_json) for name, cls in classes.items()}
-        for name, json_spec in _PROBES:
-            spec = classes[name](json_spec)
-            try:
-                same = replacements[name](spec) == classes[name].to_json(spec)
-            except (ValueError, SyntaxError):
-                same = False
-            if not same:
-                log.warning("event=tensorstore_to_json_kept version=%s reason=its repr does not read back "
-                            "as its JSON; checkpoint writes keep tensorstore's per-call leak", ts.__version__)
-                return False
-        for name, cls in classes.items():
-            _installed[name] = cls.to_json
-            cls.to_json = replacements[name]
-        return True
-
-
-def uninstall() -> None:
-    """Puts tensorstore's own ``to_json()`` back (for tests that measure it)."""
-    import tensorstore as ts
-
-    with _lock:
-        for name, cls in _classes(ts).items():
-            if name in _installed:
-                cls.to_json = _installed.pop(name)
+    reading of their ``repr``, once per process. True if in place; False where a probe spec does
+    not read back that way (:func:`probe_disagreement`): tensorstore stays as it is, one WARNING
+    ``event=tensorstore_to_json_kept`` is logged, and later calls return False at once."""
+    return _REPLACEMENT.install()
