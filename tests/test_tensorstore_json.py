@@ -4,6 +4,8 @@ results, nothing kept per call or per checkpoint."""
 from __future__ import annotations
 
 import gc
+import sys
+import threading
 import tracemalloc
 
 import numpy as np
@@ -29,16 +31,20 @@ def _bytes_kept_per_call(fn, calls: int) -> float:
         tracemalloc.stop()
 
 
+_read_back = tensorstore_json._literal_to_json(lambda _spec: None)  # None where it would fall back
+
+
 def test_the_leak_free_conversion_equals_tensorstores_own_for_paths_of_any_characters():
     assert tensorstore_json.install()
     assert tensorstore_json.probe_disagreement() is None  # against tensorstore's own, kept aside
     own = tensorstore_json.own_to_json("KvStore.Spec")
     assert ts.KvStore.Spec.to_json is not own
-    for path in ("/data/run 1/", "/d/it's \"quoted\"/", "/caf\u00e9/\u2603/\U0001f600/", "/x/" + "y" * 4000 + "/"):
+    for path in ("/data/run 1/", "/d/it's \"quoted\" \\ x/", "/caf\u00e9/\u2603/\U0001f600/", "/x/" + "y" * 4000 + "/"):
         spec = ts.KvStore.Spec({"driver": "file", "path": path})
-        assert spec.to_json() == own(spec) == {"driver": "file", "path": path}
-    ocdbt = ts.KvStore.Spec({"driver": "ocdbt", "base": {"driver": "file", "path": "/d/"}, "path": "p.q"})
-    assert ocdbt.to_json() == own(ocdbt)
+        assert _read_back(spec) == spec.to_json() == own(spec)  # (tensorstore reads a backslash as /)
+    ocdbt = ts.KvStore.Spec({"driver": "ocdbt", "base": {"driver": "file", "path": "/d/"}, "path": "p.q",
+                             "config": {"compression": None, "max_inline_value_bytes": 7}})
+    assert _read_back(ocdbt) == ocdbt.to_json() == own(ocdbt)
     assert ocdbt.to_json(include_defaults=True) == own(ocdbt, include_defaults=True)  # tensorstore's own path
     array = ts.Spec({"driver": "zarr", "kvstore": {"driver": "memory"},
                      "metadata": {"dtype": "<f8", "shape": [2, 3], "chunks": [2, 3], "fill_value": 1e-300,
@@ -59,6 +65,24 @@ def test_a_tensorstore_whose_specs_do_not_read_back_keeps_its_own_conversion_and
         assert not replacement.install() and not replacement.install()
     assert ts.KvStore.Spec.to_json is before
     assert [r.message.split()[0] for r in caplog.records] == ["event=tensorstore_to_json_kept"]
+
+
+def test_converting_a_spec_compiles_nothing_so_threads_may_convert_at_once():
+    # CPython 3.11's compiler keeps its AST depth per interpreter: ast.literal_eval in several
+    # threads at once can fail with "SystemError: AST constructor recursion depth mismatch"
+    # (seen in a soak's checkpoint writes), in this conversion or in any other thread's compile
+    assert tensorstore_json.install()
+    spec = ts.KvStore.Spec({"driver": "ocdbt", "base": {"driver": "file", "path": "/d/"}, "path": "p"})
+    events = []
+    watching = threading.local()
+    sys.addaudithook(lambda event, _args: events.append(event) if getattr(watching, "on", False)
+                     and event == "compile" else None)
+    watching.on = True
+    try:
+        assert spec.to_json()["driver"] == "ocdbt"
+    finally:
+        watching.on = False
+    assert events == []
 
 
 def test_converting_a_spec_keeps_no_memory_once_installed():

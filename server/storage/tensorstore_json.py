@@ -9,7 +9,10 @@ day grows by what those calls keep.
 
 A spec's ``repr`` prints the same JSON as a Python literal from C++ (no Python object built by the
 faulty conversion), so :func:`install` replaces ``to_json()`` on ``KvStore.Spec`` and ``Spec``
-with one that reads that literal back (``ast.literal_eval``: data only, never code). Each call
+with one that reads that literal back: its strings, constants and trailing commas turned into
+JSON's, then ``json.loads`` (not ``ast.literal_eval``: on CPython 3.11 compiling in several
+threads at once can fail with ``SystemError: AST constructor recursion depth mismatch``, and
+shards write checkpoints from several threads). Each call
 checks its reading: the spec built from it must print the same ``repr``, or the call falls back
 to tensorstore's own conversion. :func:`install` first checks, on specs of every JSON kind, that
 both give equal results; where they differ (another tensorstore's ``repr``) it leaves tensorstore
@@ -19,9 +22,11 @@ tensorstore's own conversion.
 
 from __future__ import annotations
 
-import ast
+import codecs
 import importlib.metadata
+import json
 import logging
+import re
 import threading
 from typing import Any, Callable, Optional
 
@@ -39,17 +44,23 @@ _PROBES = (
               "metadata": {"dtype": "|b1", "shape": [0], "chunks": [1], "fill_value": True, "compressor": None}}),
 )
 
-def _utf8_strings(value: Any) -> Any:
-    """``value`` with every string's characters read as UTF-8 bytes: ``repr`` prints a non-ASCII
-    character as the ``\\x`` escapes of its UTF-8 bytes, which ``literal_eval`` reads one character
-    per byte."""
-    if isinstance(value, str):
-        return value.encode("latin-1").decode("utf-8")
-    if isinstance(value, dict):
-        return {_utf8_strings(key): _utf8_strings(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_utf8_strings(item) for item in value]
-    return value
+# In a spec's repr: a quoted string (its escapes those of C: \', \", \\, \n, \xNN for other bytes,
+# non-ASCII characters as their UTF-8 bytes), a Python constant, or a trailing comma before a
+# closing bracket (the pretty-printed form has them). Everything else is JSON already.
+_REPR_TOKEN = re.compile(r"'((?:[^'\\]|\\.)*)'|\b(True|False|None)\b|,(\s*[}\]])")
+_CONSTANTS = {"True": "true", "False": "false", "None": "null"}
+
+
+def _json_text(literal: str) -> str:
+    """The JSON text of a spec's ``repr`` literal (the part inside ``Spec(...)``)."""
+    def token(match: re.Match) -> str:
+        if match.group(1) is not None:
+            return json.dumps(codecs.escape_decode(match.group(1).encode("ascii"))[0].decode("utf-8"))
+        if match.group(2) is not None:
+            return _CONSTANTS[match.group(2)]
+        return match.group(3)
+
+    return _REPR_TOKEN.sub(token, literal)
 
 
 def _literal_to_json(original: Callable) -> Callable:
@@ -58,7 +69,7 @@ def _literal_to_json(original: Callable) -> Callable:
             return original(self, include_defaults=True)
         text = repr(self)  # "KvStore.Spec({...})" or "Spec({...})"
         try:
-            value = _utf8_strings(ast.literal_eval(text[text.index("(") + 1:-1]))
+            value = json.loads(_json_text(text[text.index("(") + 1:-1]))
             if repr(type(self)(value)) == text:  # read back exactly: the spec it names is this one
                 return value
         except Exception:  # noqa: BLE001 - not a literal of its JSON (e.g. "Spec(...)"): tensorstore's own answer
