@@ -352,3 +352,20 @@ def test_a_session_is_created_through_shared_memory_exactly_in_every_dtype(serve
         session.close()
     finally:
         client.close()
+
+
+def test_a_region_closed_while_its_step_writes_the_answer_refuses_as_an_unknown_region_not_a_fault():
+    # a client killed mid-step: its region is closed while the step's thread writes the parameters
+    # (logged as a refusal nobody hears, in one line; it was a traceback of "mmap closed or invalid")
+    from optserve.protos import contract, shared_memory as shm
+    from optserve.server.domain.errors import NotFound
+    from optserve.server.wire.shared_memory import Region
+
+    layout = shm.layout([("w", contract.FLOAT32, (4, 4))])
+    name, mapping, fd = shm.create(layout.size, keep_fd=True)
+    region = Region(None, "client", b"nonce", name, mapping, fd, layout)
+    params = {"w": np.ones((4, 4), np.float32)}
+    assert region.write_params(params) == 64
+    region.close()
+    with pytest.raises(NotFound, match=shm.REGION_UNKNOWN):
+        region.write_params(params)

@@ -80,10 +80,23 @@ class Region:
                                         view[slot.offset: slot.offset + slot.nbytes])
 
     def write_params(self, params: Mapping[str, np.ndarray]) -> int:
-        """Writes the parameters into the reply part (one copy each); returns the bytes written."""
+        """Writes the parameters into the reply part (one copy each); returns the bytes written.
+
+        Raises:
+          NotFound: (``REGION_UNKNOWN``) the region was closed meanwhile (its client gone, or
+            reaped): a step whose client left, answered to nobody, not a fault.
+        """
         written = 0
         for slot in self.layout.reply:
-            parallel_copy(np.frombuffer(self._mapping, np.uint8, slot.nbytes, slot.offset), params[slot.name])
+            try:
+                target = np.frombuffer(self._mapping, np.uint8, slot.nbytes, slot.offset)
+            except ValueError:
+                if self._mapping.closed:
+                    raise NotFound(f"{shm.REGION_UNKNOWN}: {self.name!r} was closed while its step's parameters "
+                                   "were written (its client gone)") from None
+                raise
+            parallel_copy(target, params[slot.name])
+            del target
             written += slot.nbytes
         return written
 
