@@ -156,3 +156,27 @@ def test_a_shard_process_prints_each_record_once_whatever_root_handler_a_library
                 logger.removeHandler(handler)
         logger.setLevel(level)
         logger.propagate = propagate
+
+
+def test_grpc_aio_failing_to_send_a_calls_end_to_a_client_gone_is_one_info_line(caplog):
+    # a client killed mid Pull stream: grpc.aio logs ExecuteBatchError with a traceback (seen in a soak)
+    from grpc._cython import cygrpc
+
+    from optserve.server.wire.loop_server import quiet_client_gone
+
+    quiet_client_gone()
+    grpc_log = logging.getLogger("grpc._cython.cygrpc")
+    with caplog.at_level(logging.INFO):
+        try:
+            raise cygrpc.ExecuteBatchError('Failed "execute_batch": (SendStatusFromServerOperation,)')
+        except cygrpc.ExecuteBatchError:
+            grpc_log.exception("ExecuteBatchError raised in core by servicer method [%s]", "/optserve.v1.ShardData/Pull")
+        try:
+            raise ValueError("a defect")
+        except ValueError:
+            grpc_log.exception("Unexpected [ValueError] raised by servicer method [/x]")
+    lines = [(r.levelname, r.getMessage(), r.exc_info is not None) for r in caplog.records]
+    assert lines == [
+        ("INFO", "event=call_end_not_sent method=/optserve.v1.ShardData/Pull reason=its client left before the "
+                 "call's end was sent", False),
+        ("ERROR", "Unexpected [ValueError] raised by servicer method [/x]", True)]  # anything else as it was

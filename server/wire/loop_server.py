@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import threading
 from concurrent.futures import Executor
 from typing import Any, Callable, Optional, Sequence
@@ -20,6 +21,37 @@ from typing import Any, Callable, Optional, Sequence
 import grpc
 
 _START_TIMEOUT_S = 30.0
+_log = logging.getLogger(__name__)
+_GRPC_AIO_LOGGER = "grpc._cython.cygrpc"
+
+
+class _ClientGoneOneLine(logging.Filter):
+    """grpc.aio logs an ERROR with a traceback when it cannot send a call's end (its status or last
+    message) because the client left meanwhile (``ExecuteBatchError`` from a servicer method, e.g.
+    a Pull stream whose client was killed): an expected condition, made one INFO line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if type(error).__name__ != "ExecuteBatchError":
+            return True
+        method = record.getMessage().rsplit(" ", 1)[-1]
+        _log.info("event=call_end_not_sent method=%s reason=its client left before the call's end was sent",
+                  method.strip("[]"))
+        return False
+
+
+_filter_lock = threading.Lock()
+_filter_installed = False
+
+
+def quiet_client_gone() -> None:
+    """Makes grpc.aio's report of a call whose client left before its end was sent one line
+    (:class:`_ClientGoneOneLine`), once per process."""
+    global _filter_installed
+    with _filter_lock:
+        if not _filter_installed:
+            logging.getLogger(_GRPC_AIO_LOGGER).addFilter(_ClientGoneOneLine())
+            _filter_installed = True
 
 
 class SyncCallContext:
@@ -123,6 +155,7 @@ class LoopServer:
 
     def __init__(self, thread_pool: Executor, options: Sequence = (),
                  interceptors: Sequence[grpc.ServerInterceptor] = (), name: str = "optserve-loop"):
+        quiet_client_gone()
         self.thread_pool = thread_pool
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
