@@ -172,11 +172,16 @@ def test_grpc_aio_failing_to_send_a_calls_end_to_a_client_gone_is_one_info_line(
         except cygrpc.ExecuteBatchError:
             grpc_log.exception("ExecuteBatchError raised in core by servicer method [%s]", "/optserve.v1.ShardData/Pull")
         try:
+            raise cygrpc.ExecuteBatchError("Failed grpc_call_start_batch: 8")  # the server misused the call
+        except cygrpc.ExecuteBatchError:
+            grpc_log.exception("ExecuteBatchError raised in core by servicer method [%s]", "/x")
+        try:
             raise ValueError("a defect")
         except ValueError:
             grpc_log.exception("Unexpected [ValueError] raised by servicer method [/x]")
     lines = [(r.levelname, r.getMessage(), r.exc_info is not None) for r in caplog.records]
     assert lines == [
-        ("INFO", "event=call_end_not_sent method=/optserve.v1.ShardData/Pull reason=its client left before the "
-                 "call's end was sent", False),
-        ("ERROR", "Unexpected [ValueError] raised by servicer method [/x]", True)]  # anything else as it was
+        ("INFO", 'event=call_end_not_sent method=/optserve.v1.ShardData/Pull reason="the call was over (its client '
+                 'left or its deadline passed) before its end was sent"', False),
+        ("ERROR", "ExecuteBatchError raised in core by servicer method [/x]", True),  # a defect: as it was
+        ("ERROR", "Unexpected [ValueError] raised by servicer method [/x]", True)]

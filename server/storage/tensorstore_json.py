@@ -37,8 +37,11 @@ _PROBES = (
     ("KvStore.Spec", {"driver": "ocdbt", "base": {"driver": "file", "path": "/probe/d/",
                                                   "file_io_locking": {"mode": "non_atomic"}},
                       "path": "a.b/c", "config": {"max_inline_value_bytes": 1024, "compression": None}}),
+    ("Spec", {"driver": "zarr", "kvstore": {"driver": "memory"},  # a float that rounds, and 1.0 (not 1)
+              "metadata": {"dtype": "<f8", "shape": [2], "chunks": [2], "fill_value": 0.30000000000000004,
+                           "compressor": None}}),
     ("Spec", {"driver": "zarr", "kvstore": {"driver": "memory"},
-              "metadata": {"dtype": "<f4", "shape": [3, 5], "chunks": [3, 5], "fill_value": 0.25, "order": "C",
+              "metadata": {"dtype": "<f4", "shape": [3, 5], "chunks": [3, 5], "fill_value": 1.0, "order": "C",
                            "compressor": None, "dimension_separator": "."}}),
     ("Spec", {"driver": "zarr", "kvstore": {"driver": "memory"}, "recheck_cached_data": False,
               "metadata": {"dtype": "|b1", "shape": [0], "chunks": [1], "fill_value": True, "compressor": None}}),
@@ -63,6 +66,22 @@ def _json_text(literal: str) -> str:
     return _REPR_TOKEN.sub(token, literal)
 
 
+_counts = {"read_back": 0, "fell_back": 0}
+_counts_lock = threading.Lock()
+
+
+def _count(outcome: str) -> None:
+    with _counts_lock:
+        _counts[outcome] += 1
+
+
+def conversions() -> dict[str, int]:
+    """How the replaced ``to_json()`` answered in this process: ``read_back`` (from the repr, keeping
+    nothing) and ``fell_back`` (tensorstore's own conversion)."""
+    with _counts_lock:
+        return dict(_counts)
+
+
 def _literal_to_json(original: Callable) -> Callable:
     def to_json(self, include_defaults: bool = False) -> Any:
         if include_defaults:
@@ -71,9 +90,11 @@ def _literal_to_json(original: Callable) -> Callable:
         try:
             value = json.loads(_json_text(text[text.index("(") + 1:-1]))
             if repr(type(self)(value)) == text:  # read back exactly: the spec it names is this one
+                _count("read_back")
                 return value
         except Exception:  # noqa: BLE001 - not a literal of its JSON (e.g. "Spec(...)"): tensorstore's own answer
             pass
+        _count("fell_back")
         return original(self)  # not read back exactly: tensorstore's own (leaking) conversion, or its error
 
     to_json.__doc__ = original.__doc__

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import logging
 import threading
 from concurrent.futures import Executor
@@ -26,17 +27,22 @@ _GRPC_AIO_LOGGER = "grpc._cython.cygrpc"
 
 
 class _ClientGoneOneLine(logging.Filter):
-    """grpc.aio logs an ERROR with a traceback when it cannot send a call's end (its status or last
-    message) because the client left meanwhile (``ExecuteBatchError`` from a servicer method, e.g.
-    a Pull stream whose client was killed): an expected condition, made one INFO line."""
+    """grpc.aio logs an ERROR with a traceback when a servicer method's call could not be ended
+    because the call was over already (``ExecuteBatchError: Failed "execute_batch"``: its client
+    left, or its deadline passed, before its status or last message was sent): an expected
+    condition, made one INFO line. A batch core refused to start (``Failed
+    grpc_call_start_batch``: the server misused the call) and every other record stay as they were."""
+
+    _PREFIX = "ExecuteBatchError raised in core by servicer method ["
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        if type(error).__name__ != "ExecuteBatchError":
+        message = record.getMessage()
+        if (type(error).__name__ != "ExecuteBatchError" or not message.startswith(self._PREFIX)
+                or not str(error).startswith('Failed "execute_batch"')):
             return True
-        method = record.getMessage().rsplit(" ", 1)[-1]
-        _log.info("event=call_end_not_sent method=%s reason=its client left before the call's end was sent",
-                  method.strip("[]"))
+        _log.info("event=call_end_not_sent method=%s reason=%s", message[len(self._PREFIX):].rstrip("]"),
+                  json.dumps("the call was over (its client left or its deadline passed) before its end was sent"))
         return False
 
 

@@ -95,8 +95,10 @@ class Region:
                     raise NotFound(f"{shm.REGION_UNKNOWN}: {self.name!r} was closed while its step's parameters "
                                    "were written (its client gone)") from None
                 raise
-            parallel_copy(target, params[slot.name])
-            del target
+            try:
+                parallel_copy(target, params[slot.name])
+            finally:
+                del target  # a view held (by a traceback) would keep the region from closing
             written += slot.nbytes
         return written
 
