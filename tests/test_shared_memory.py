@@ -354,7 +354,7 @@ def test_a_session_is_created_through_shared_memory_exactly_in_every_dtype(serve
         client.close()
 
 
-def test_a_region_closed_while_its_step_writes_the_answer_refuses_as_an_unknown_region_not_a_fault():
+def test_a_region_closed_while_its_step_uses_it_refuses_as_an_unknown_region_not_a_fault():
     # a client killed mid-step: its region is closed while the step's thread writes the parameters
     # (logged as a refusal nobody hears, in one line; it was a traceback of "mmap closed or invalid")
     from optserve.protos import contract, shared_memory as shm
@@ -369,3 +369,6 @@ def test_a_region_closed_while_its_step_writes_the_answer_refuses_as_an_unknown_
     region.close()
     with pytest.raises(NotFound, match=shm.REGION_UNKNOWN):
         region.write_params(params)
+    for read in (region.gradient_chunks, region.parameter_chunks):  # a push or an init read after it closed
+        with pytest.raises(NotFound, match=shm.REGION_UNKNOWN):
+            list(read())

@@ -67,17 +67,29 @@ class Region:
 
     def gradient_chunks(self) -> Iterator[chunk_codec.ChunkView]:
         """The push part as chunks (views into the region, read by the assembler once)."""
-        view = memoryview(self._mapping)
+        view = self._view()
         for slot in self.layout.push:
             yield chunk_codec.ChunkView(slot.name, slot.dtype, slot.shape, 0,
                                         view[slot.offset: slot.offset + slot.nbytes])
 
     def parameter_chunks(self) -> Iterator[chunk_codec.ChunkView]:
         """The reply part as chunks, each tensor in its own dtype (a session's initial values)."""
-        view = memoryview(self._mapping)
+        view = self._view()
         for slot in self.layout.reply:
             yield chunk_codec.ChunkView(slot.name, slot.dtype, slot.shape, 0,
                                         view[slot.offset: slot.offset + slot.nbytes])
+
+    def _closed_meanwhile(self) -> NotFound:
+        return NotFound(f"{shm.REGION_UNKNOWN}: {self.name!r} was closed while its step used it (its client gone)")
+
+    def _view(self) -> memoryview:
+        """The whole region; NotFound (``REGION_UNKNOWN``) if it was closed meanwhile."""
+        try:
+            return memoryview(self._mapping)
+        except ValueError:
+            if self._mapping.closed:
+                raise self._closed_meanwhile() from None
+            raise
 
     def write_params(self, params: Mapping[str, np.ndarray]) -> int:
         """Writes the parameters into the reply part (one copy each); returns the bytes written.
@@ -92,8 +104,7 @@ class Region:
                 target = np.frombuffer(self._mapping, np.uint8, slot.nbytes, slot.offset)
             except ValueError:
                 if self._mapping.closed:
-                    raise NotFound(f"{shm.REGION_UNKNOWN}: {self.name!r} was closed while its step's parameters "
-                                   "were written (its client gone)") from None
+                    raise self._closed_meanwhile() from None
                 raise
             try:
                 parallel_copy(target, params[slot.name])
