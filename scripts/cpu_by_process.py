@@ -21,8 +21,7 @@ import time
 from collections import Counter
 from typing import Optional
 
-KINDS = (
-    ("pytest worker", re.compile(r"pytest|exec\(eval\(sys\.stdin\.readline")),
+KINDS = (  # the first that matches; the specific ones before pytest's, whose tmp_path other commands carry
     ("shard actor", re.compile(r"^ray::ShardActor")),
     ("preconditioner worker", re.compile(r"^ray::Precond")),
     ("ray idle worker", re.compile(r"^ray::IDLE")),
@@ -30,6 +29,7 @@ KINDS = (
     ("optserve serve", re.compile(r"optserve serve|optserve\.server\.cli|server\.cli import main")),
     ("optserve demo", re.compile(r"optserve demo|optserve\.demo")),
     ("bench", re.compile(r"-m bench\.|bench/")),
+    ("pytest worker", re.compile(r"-m pytest|bin/pytest|exec\(eval\(sys\.stdin\.readline")),
     ("pip / build", re.compile(r"\bpip\b|setuptools|wheel")),
     ("other python", re.compile(r"python")),
 )

@@ -14,6 +14,10 @@ def test_processes_are_told_apart_by_their_command_lines():
     assert kind_of("/x/ray/core/src/ray/raylet/raylet --raylet_socket_name=/tmp/s") == "ray daemons"
     assert kind_of("/v/bin/python /v/bin/optserve serve --port 0") == "optserve serve"
     assert kind_of("/v/bin/python /v/bin/optserve demo --quick") == "optserve demo"
+    # a command started by a test carries pytest's tmp_path: it is still what it is
+    assert kind_of("/v/bin/python /v/bin/optserve demo --out /tmp/pytest-of-root/pytest-1/popen-gw0/x") == "optserve demo"
+    assert kind_of("/v/bin/optserve serve --checkpoint-dir /tmp/pytest-of-root/pytest-1/t0/ckpt") == "optserve serve"
+    assert kind_of("/v/bin/python -m pytest -q -m serial") == "pytest worker"
     assert kind_of("sleep 5") == "other"
 
 
