@@ -79,16 +79,14 @@ class Region:
             yield chunk_codec.ChunkView(slot.name, slot.dtype, slot.shape, 0,
                                         view[slot.offset: slot.offset + slot.nbytes])
 
-    def _closed_meanwhile(self) -> NotFound:
-        return NotFound(f"{shm.REGION_UNKNOWN}: {self.name!r} was closed while its step used it (its client gone)")
-
     def _view(self) -> memoryview:
         """The whole region; NotFound (``REGION_UNKNOWN``) if it was closed meanwhile."""
         try:
             return memoryview(self._mapping)
         except ValueError:
             if self._mapping.closed:
-                raise self._closed_meanwhile() from None
+                raise NotFound(f"{shm.REGION_UNKNOWN}: {self.name!r} was closed while its step used it "
+                               "(its client gone)") from None
             raise
 
     def write_params(self, params: Mapping[str, np.ndarray]) -> int:
@@ -100,12 +98,7 @@ class Region:
         """
         written = 0
         for slot in self.layout.reply:
-            try:
-                target = np.frombuffer(self._mapping, np.uint8, slot.nbytes, slot.offset)
-            except ValueError:
-                if self._mapping.closed:
-                    raise self._closed_meanwhile() from None
-                raise
+            target = np.frombuffer(self._view(), np.uint8, slot.nbytes, slot.offset)
             try:
                 parallel_copy(target, params[slot.name])
             finally:
