@@ -124,6 +124,16 @@ def device_events(output: str) -> dict[str, dict[str, str]]:
     return events
 
 
+def host_path(output: str, rehearse: bool) -> str:
+    """Which data plane a host-resident client's steps took, from the server's log: its regions
+    mapped for the device, XLA's bounce buffer (a line says why), or a CPU shard's in-place reads."""
+    if rehearse:
+        return "host-resident (CPU shard)"
+    if "event=host_link_unavailable" in output or "event=shm_region_not_mapped" in output:
+        return "host-resident, bounce buffer"
+    return "host-resident, mapped"
+
+
 def _median_ratio(samples: dict[str, list[float]], name: str, baseline: str) -> str:
     ratios = [s / b for s, b in zip(samples[name], samples[baseline])]
     return f"{statistics.median(ratios):.2f} x [{min(ratios):.2f}, {max(ratios):.2f}]"
@@ -160,7 +170,7 @@ def service_rows(ray_address: str, log_dir: str, rehearse: bool, params, grads, 
     and against the in-process floor of the same transfers (:mod:`bench.gpu_transfers`)."""
     from optserve.client import Client
 
-    rows, floor_s = transfer_rows(params, grads, repeats)
+    rows, floor_s, link_floor_s = transfer_rows(params, grads, repeats)
     for shards in (1, 2):
         with Server(ray_address, log_dir, rehearse, "--shards", str(shards), "--gpus-per-shard", "0.5",
                     "--metrics-port", "0") as server:
@@ -174,9 +184,12 @@ def service_rows(ray_address: str, log_dir: str, rehearse: bool, params, grads, 
                 samples, _ = interleaved_seconds({"service": step, "kernel": kernel}, rounds=repeats, warmup=0)
                 phases = phases_between(before, server.phase_totals(name))
                 device = client.server_status()[0].device
+                path = host_path(server.output(), rehearse)
         service = statistics.median(samples["service"])
-        rows.append([f"service step, shared memory, {shards} shard(s) at 0.5 GPU", service * 1e3,
-                     f"{_median_ratio(samples, 'service', 'kernel')} kernel; {service / floor_s:.2f} x floor",
+        versus = f"{service / floor_s:.2f} x floor" + (f"; {service / link_floor_s:.2f} x link floor"
+                                                       if link_floor_s else "")
+        rows.append([f"service step, {path}, {shards} shard(s) at 0.5 GPU", service * 1e3,
+                     f"{_median_ratio(samples, 'service', 'kernel')} kernel; {versus}",
                      f"kernel {statistics.median(samples['kernel']) * 1e3:.2f} ms in process; shards on "
                      f"{device.backend} {','.join(device.devices)}, memory fraction {device.memory_fraction:g}; "
                      f"{phases}"])

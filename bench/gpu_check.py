@@ -36,7 +36,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = ("service step with shared memory <= 1.5x its floor: the same host passes and transfers in one process "
            "(finite check, host to device, kernel, device to pinned host, copy into the region; 100M parameters). "
            "The kernel alone is not a reachable baseline on a GPU: the bytes cross the host link twice",
-           "Shampoo with its roots on a GPU worker <= 1.2x Adafactor's step")
+           "Shampoo with its roots on a GPU worker <= 1.2x Adafactor's step",
+           "issue 57, host-resident: service step <= 1.3x its link floor (kernel + both crossings at the link's "
+           "measured speed, memory mapped for the device)",
+           "issue 57, device-resident (a PyTorch client on the same GPU): service step <= 3x the kernel")
 
 
 DEADLINE = [float("inf")]  # monotonic time by which every step has ended (``--budget-s``)
@@ -103,20 +106,20 @@ def page(args, gpus: list[str], steps: list[Step], table: str, wheel_bytes: int)
     mode = "dry run: JAX on the CPU, GPUs rehearsed in Ray" if args.cpu else "on the GPU"
     machine = ", ".join(gpus) or "no GPU"
     lines = [
-        "# optserve on a GPU", "",
+        "## The GPU kit's report", "",
         f"Written by `{' '.join(['python -m bench.gpu_check'] + args.argv)}` ({mode}) on "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.", "",
         f"- machine: {machine}; {os.cpu_count()} CPUs; Python {platform.python_version()}",
         f"- wheels installed: {wheel_bytes / 2**20:.1f} MiB" if wheel_bytes else "- wheels installed: none",
         "", "| step | outcome | time |", "| --- | --- | --- |", *[s.line() for s in steps], "",
-        "## Bench", "", "```", table.strip() or "(the bench did not run)", "```", "",
-        "## Targets", "", *[f"- {t}" for t in TARGETS], "",
+        "### Bench", "", "```", table.strip() or "(the bench did not run)", "```", "",
+        "### Targets", "", *[f"- {t}" for t in TARGETS], "",
     ]
     failed = [s for s in steps if not s.ok]
     if failed:
-        lines += ["## Failures", ""]
+        lines += ["### Failures", ""]
         for s in failed:
-            lines += [f"### {s.name}", "", "```", s.tail.strip(), "```", ""]
+            lines += [f"#### {s.name}", "", "```", s.tail.strip(), "```", ""]
     return "\n".join(lines)
 
 
@@ -128,6 +131,7 @@ def main(argv=None) -> int:
     parser.add_argument("--site", default="/tmp/optserve-gpu-site")
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "gpu.md"))
     parser.add_argument("--log-dir", default="/tmp/optserve-gpu-check")
+    parser.add_argument("--sections", default="kernel,service,shampoo", help="the bench's sections (bench.gpu)")
     parser.add_argument("--budget-s", type=float, default=480.0,
                         help="every step ends within this many seconds of the start (the device call's limit)")
     args = parser.parse_args(argv)
@@ -135,6 +139,10 @@ def main(argv=None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     os.makedirs(args.log_dir, exist_ok=True)
     steps, table, wheel_bytes = [], "", 0
+    gpus = gpu_names()
+    if not gpus and not args.cpu:  # before anything is installed or written: the page stays as it is
+        print("gpu-check: no GPU here (nvidia-smi lists none): --cpu runs the dry run", file=sys.stderr)
+        return 2
     if args.wheels:
         step = Step("install", args.log_dir)
         steps.append(step)
@@ -142,10 +150,6 @@ def main(argv=None) -> int:
             return finish(args, [], steps, table, 0)
         wheel_bytes = sum(os.path.getsize(w) for w in glob.glob(os.path.join(args.wheels, "*.whl")))
         os.environ["PYTHONPATH"] = os.pathsep.join([args.site, ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    gpus = gpu_names()
-    if not gpus and not args.cpu:
-        print("gpu-check: no GPU here (nvidia-smi lists none): --cpu runs the dry run", file=sys.stderr)
-        return 2
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # this process's JAX: what it uses
     from bench.ray_cluster import ray_cluster  # standard library only
 
@@ -161,7 +165,7 @@ def main(argv=None) -> int:
         if os.path.exists(table_path):
             os.remove(table_path)
         bench.run([sys.executable, "-m", "bench.gpu", "--ray-address", ray, "--out", table_path,
-                   "--log-dir", os.path.join(args.log_dir, "servers")] + (["--rehearse"] if args.cpu else [])
+                   "--log-dir", os.path.join(args.log_dir, "servers"), "--sections", args.sections] + (["--rehearse"] if args.cpu else [])
                   + (["--small"] if args.small else []), timeout_s=420, env=env)
         if os.path.exists(table_path):  # the bench rewrites it after each section: a cut run leaves a part
             with open(table_path) as f:
@@ -169,9 +173,24 @@ def main(argv=None) -> int:
     return finish(args, gpus, steps, table, wheel_bytes)
 
 
+REPORT_MARK = "<!-- the GPU kit's report follows: bench/gpu_check.py rewrites everything below -->"
+
+
+def kept_guide(path: str) -> str:
+    """What ``path`` holds above :data:`REPORT_MARK` (the users' guide the page opens with), with
+    the mark; empty when it has no mark (the whole page is the report)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return ""
+    head, mark, _ = text.partition(REPORT_MARK)
+    return head + mark + "\n\n" if mark else ""
+
+
 def finish(args, gpus, steps, table, wheel_bytes) -> int:
     """Writes the page (and copies it with the logs to ``$OUT``); 0 when every step passed."""
-    text = page(args, gpus, steps, table, wheel_bytes)
+    text = kept_guide(args.out) + page(args, gpus, steps, table, wheel_bytes)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text)

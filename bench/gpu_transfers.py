@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mmap
 import statistics
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -33,8 +33,9 @@ def _mapped_like(arrays: dict[str, np.ndarray]) -> tuple[list[mmap.mmap], dict[s
 
 
 def transfer_rows(params: dict[str, np.ndarray], grads: dict[str, np.ndarray], repeats: int
-                  ) -> tuple[list[list], float]:
-    """Rows (what, ms, GB/s, note) of each piece, and the in-process floor's median seconds."""
+                  ) -> tuple[list[list], float, Optional[float]]:
+    """Rows (what, ms, GB/s, note) of each piece, the in-process floor's median seconds, and the
+    link floor's (kernel + both crossings with the memory mapped for the device; None on a CPU)."""
     import jax
 
     from optserve.server.compute.host_transfer import to_host
@@ -101,4 +102,46 @@ def transfer_rows(params: dict[str, np.ndarray], grads: dict[str, np.ndarray], r
         seconds = statistics.median(values) - (fresh_s if name.startswith("d2h") else 0.0)
         rows.append([f"{name} ({nbytes / 2**20:.0f} MiB)", seconds * 1e3,
                      f"{nbytes / seconds / 1e9:.1f} GB/s" if name != "floor" else "", notes[name]])
-    return rows, statistics.median(samples["floor"])
+    link_rows, link_floor_s = _link_rows(grads, params, kernel, repeats)
+    return rows + link_rows, statistics.median(samples["floor"]), link_floor_s
+
+
+def _link_rows(grads: dict[str, np.ndarray], params: dict[str, np.ndarray], kernel: Callable[[], None],
+               repeats: int) -> tuple[list[list], Optional[float]]:
+    """The link's speed each way with the memory mapped for the device (as a GPU shard maps a
+    client's region: :class:`~optserve.server.compute.host_link.HostLink`), and the link floor:
+    the kernel plus both crossings at that speed. None on a device without a host link (a CPU)."""
+    import jax
+
+    from optserve.server.compute.host_link import host_link
+
+    device = jax.devices()[0]
+    link = host_link(device)
+    if link is None:
+        return [["link floor", "", "", f"no host link on {device.platform}: the CPU reads host memory in place"]], None
+    maps, up_grads = _mapped_like(grads)
+    reply_maps, reply = _mapped_like(params)
+    addresses = [np.frombuffer(m, np.uint8).ctypes.data for m in maps + reply_maps]
+    for address, region in zip(addresses, maps + reply_maps):
+        link.map(address, len(region))
+    resident = jax.block_until_ready({k: jax.device_put(v, device) for k, v in params.items()})
+    try:
+        def up() -> None:
+            jax.block_until_ready({k: jax.device_put(v, device) for k, v in up_grads.items()})
+
+        def down() -> None:
+            link.copy_down([(reply[k].ctypes.data, v) for k, v in resident.items()])
+
+        samples, _ = interleaved_seconds({"up": up, "kernel": kernel, "down": down}, rounds=repeats)
+    finally:
+        for address in addresses:
+            link.unmap(address)
+    up_s, kernel_s, down_s = (statistics.median(samples[k]) for k in ("up", "kernel", "down"))
+    nbytes = sum(v.nbytes for v in grads.values())
+    floor = kernel_s + up_s + down_s
+    return [[f"link up, mapped ({nbytes / 2**20:.0f} MiB)", up_s * 1e3, f"{nbytes / up_s / 1e9:.1f} GB/s",
+             "jax.device_put of each gradient from memory mapped for the device (HostLink.map)"],
+            [f"link down, mapped ({nbytes / 2**20:.0f} MiB)", down_s * 1e3, f"{nbytes / down_s / 1e9:.1f} GB/s",
+             "HostLink.copy_down of each parameter into mapped memory (one transfer each)"],
+            ["link floor", floor * 1e3, "", f"kernel {kernel_s * 1e3:.2f} + up + down at the link's measured speed"]
+            ], floor

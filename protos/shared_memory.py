@@ -110,6 +110,11 @@ def layout(tensors: Sequence[tuple[str, int, Sequence[int]]]) -> Layout:
     return Layout(tuple(push), tuple(reply), max(ALIGN, _aligned(offset)))
 
 
+def page_span(size: int) -> int:
+    """The bytes a mapping of ``size`` bytes covers (whole pages)."""
+    return -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
 def create(size: int, keep_fd: bool = False):
     """Creates a region of ``size`` bytes (mode 0600, never an existing file); returns its name
     and a read-write mapping (and its open descriptor with ``keep_fd``: see :func:`peer_alive`).

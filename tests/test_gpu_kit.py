@@ -9,6 +9,7 @@ import subprocess
 import sys
 import zipfile
 
+from bench.gpu_check import REPORT_MARK
 from scripts.gpu_wheels import DEVICE_LACKS, pinned, strip_wheel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -16,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_the_kits_dry_run_runs_the_gpu_tests_and_the_bench_and_writes_the_page(tmp_path):
     out = tmp_path / "gpu.md"
+    out.write_text(f"# guide\n\nhow to install\n\n{REPORT_MARK}\n\nan old report\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "OUT")}
     result = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--cpu", "--small", "--wheels", "",
                              "--out", str(out), "--log-dir", str(tmp_path / "logs")], cwd=ROOT, env=env,
@@ -23,9 +25,21 @@ def test_the_kits_dry_run_runs_the_gpu_tests_and_the_bench_and_writes_the_page(t
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     page = out.read_text()
     assert "| gpu-tests | ok |" in page and "| bench | ok |" in page, page
-    assert "service step, shared memory, 2 shard(s) at 0.5 GPU" in page and "Shampoo step" in page, page
+    assert "service step, host-resident (CPU shard), 2 shard(s) at 0.5 GPU" in page and "Shampoo step" in page, page
+    assert page.startswith(f"# guide\n\nhow to install\n\n{REPORT_MARK}\n\n## The GPU kit's report") and "old report" not in page
     tests_log = (tmp_path / "logs" / "gpu-tests.log").read_text()
     assert "3 passed" in tests_log, tests_log[-3000:]  # run, not skipped
+
+
+def test_the_kit_on_a_machine_without_a_gpu_says_so_in_one_line_and_leaves_the_page_alone(tmp_path):
+    out = tmp_path / "gpu.md"
+    out.write_text("the H200 report")
+    env = dict(os.environ, PATH=str(tmp_path))  # no nvidia-smi on the PATH: no GPU listed
+    result = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--wheels", str(tmp_path / "none"),
+                             "--out", str(out), "--log-dir", str(tmp_path / "logs")], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert "no GPU here" in result.stderr and out.read_text() == "the H200 report"
 
 
 def test_every_package_the_device_lacks_is_pinned():

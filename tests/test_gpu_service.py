@@ -14,7 +14,7 @@ import os
 import pytest
 
 from _service_helpers import InProcess, make_grads, make_params, max_abs_diff
-from bench.gpu import device_events, Server
+from bench.gpu import device_events, host_path, Server
 from optserve.client import Client
 
 RAY_ADDRESS = os.environ.get("OPTSERVE_GPU_RAY_ADDRESS", "")
@@ -47,6 +47,9 @@ def test_two_shards_share_a_gpu_each_within_its_budget_and_train_exactly(tmp_pat
                 got, expected = session.push_pull(grads), reference.step(grads)
                 assert max_abs_diff(got, expected) <= 1e-5, step
             session.close()
+    # a GPU shard maps its clients' regions for the device (the reply goes from the device into them)
+    assert host_path(server.output(), REHEARSAL) == ("host-resident (CPU shard)" if REHEARSAL else
+                                                     "host-resident, mapped"), server.output()[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +92,34 @@ def test_parameters_come_back_through_pinned_host_memory_unchanged():
     assert _pinned_target(on_device["w"]).memory_kind == "pinned_host"  # the path to_host takes for it
     host = to_host(on_device)
     assert np.array_equal(host["w"], values["w"]) and int(host["count"]) == 7
+
+
+@pytest.mark.skipif(REHEARSAL, reason="a host link is a GPU's")
+def test_host_link_copies_device_arrays_into_mapped_host_memory_exactly():
+    import mmap
+
+    import jax
+    import numpy as np
+
+    from optserve.server.compute.host_link import host_link
+
+    link = host_link(jax.devices("gpu")[0])
+    assert link is not None, "a CUDA device with cuda.bindings has a host link"
+    region = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_SHARED)
+    host = np.frombuffer(region, np.float32)
+    address = host.ctypes.data
+    link.map(address, len(region))
+    try:
+        values = jax.device_put(np.arange(1000, dtype=np.float32) * 0.5, jax.devices("gpu")[0])
+        ones = jax.device_put(np.ones((7, 3), np.float32), jax.devices("gpu")[0])
+        assert link.copy_down([(address + 4096, values), (address + 256, ones)]) == 4000 + 84
+        assert np.array_equal(host[1024:2024], np.arange(1000, dtype=np.float32) * 0.5)
+        assert np.array_equal(host[64:85], np.ones(21, np.float32)) and host[63] == 0 and host[85] == 0
+        up = jax.device_put(host[1024:2024], jax.devices("gpu")[0])  # and up again, from the mapped range
+        assert np.array_equal(np.asarray(up), np.asarray(values))
+    finally:
+        link.unmap(address)
+        del host
 
 
 @pytest.mark.skipif(REHEARSAL, reason="a GPU's state reaches the host as a copy; a CPU device's as views")

@@ -8,6 +8,7 @@ for the faults; a client in another mount namespace (`unshare -m` with its own /
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import signal
@@ -372,3 +373,14 @@ def test_a_region_closed_while_its_step_uses_it_refuses_as_an_unknown_region_not
     for read in (region.gradient_chunks, region.parameter_chunks):  # a push or an init read after it closed
         with pytest.raises(NotFound, match=shm.REGION_UNKNOWN):
             list(read())
+
+
+def test_a_cpu_shard_reads_and_writes_its_regions_in_place_without_a_host_link():
+    import jax
+
+    from optserve.protos.shared_memory import page_span
+    from optserve.server.compute.host_link import host_link
+
+    assert host_link(jax.devices("cpu")[0]) is None  # no mapping for DMA: the CPU reads the region where it lies
+    page = mmap.PAGESIZE
+    assert [page_span(n) for n in (1, page, page + 1)] == [page, page, 2 * page]

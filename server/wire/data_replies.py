@@ -18,6 +18,7 @@ from optserve.protos import chunk_codec, contract
 from optserve.protos.optserve.v1 import data_pb2, tensor_pb2
 from optserve.server.domain.config import DType
 from optserve.server.domain.shard import Receipt, ShardSession
+from optserve.server.wire.shared_memory import reply_into
 
 
 def push_response(receipt: Receipt) -> data_pb2.PushResponse:
@@ -64,9 +65,7 @@ def pull_chunks(session: ShardSession, dtype: Optional[DType], chunk_bytes: int,
 def pull_into_region(session: ShardSession, region, started: float, evaluation: bool = False):
     """A same-host ``Pull``'s reply: the parameters written once into the client's shared-memory
     ``region``, then one message with their version."""
-    version, params = session.snapshot(evaluation)
-    sent = region.write_params(params)
-    del params  # a held view would stop the next update from donating the shard's buffers
+    version, sent = reply_into(session, region, evaluation)
     session.observer.sent(time.perf_counter() - started, sent)
     yield data_pb2.PullResponse(version=version)
 

@@ -36,7 +36,7 @@ from optserve.server.wire.errors import abort_call, checked_message, checked_mes
 from optserve.server.wire.loop_calls import Answered, CallEnded, LoopCallContext, LoopRequests, PoolRuns, Returned
 from optserve.server.wire.open_streams import OpenStream, OpenStreams
 from optserve.server.wire.push_framings import OneMessagePush, RegionRead, StreamedPush
-from optserve.server.wire.shared_memory import RegionTable
+from optserve.server.wire.shared_memory import RegionTable, reply_into
 
 
 class PushPullCalls:
@@ -217,9 +217,7 @@ class PushPullCalls:
         closing = self._streams.crowded()
         version = receipt.version
         if reply:
-            version, params = session.snapshot()
-            sent = region.write_params(params)
-            del params  # as in _answer: a held view would stop the next update from donating
+            version, sent = reply_into(session, region)
             session.observer.sent(time.perf_counter() - started, sent)
         done = data_pb2.StepDone(version=version, staleness=receipt.staleness, committed=True, stream_closing=closing,
                                  applied_version=receipt.version)

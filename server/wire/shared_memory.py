@@ -12,6 +12,11 @@ A region is read only while serving a step message that names it with the right 
 gradients are read through the same :class:`~optserve.server.domain.shard.assembly.TensorAssembler`
 as chunks (validation, finiteness, staging in pooled buffers), so a region written without its
 step, or a client killed while writing it, applies nothing.
+
+On an accelerator the shard maps each region for its device's DMA while the region lives
+(:class:`~optserve.server.compute.host_link.HostLink`): the gradients go up at the link's speed
+(no bounce buffer), and a reply goes from the device into the region in one transfer per tensor
+(:func:`reply_into`), under the session's lock so that no step donates the buffers meanwhile.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import os
 import secrets
 import threading
 import time
-from typing import Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import numpy as np
 
@@ -50,10 +55,12 @@ class _Offer:
 
 
 class Region:
-    """One client's data region of one session on this shard."""
+    """One client's data region of one session on this shard; ``link``: the shard device's
+    :class:`~optserve.server.compute.host_link.HostLink` (an accelerator), which maps the region
+    for its DMA while the region lives, or None (a CPU shard reads and writes it in place)."""
 
     def __init__(self, session: ShardSession, client_id: str, nonce: bytes, name: str, mapping: mmap.mmap,
-                 fd: int, layout: shm.Layout):
+                 fd: int, layout: shm.Layout, link=None):
         self.session = session
         self.client_id = client_id
         self.nonce = nonce
@@ -64,6 +71,30 @@ class Region:
         self._mapping = mapping
         self._fd = fd  # the client's shared lock on this file says it is alive (shm.peer_alive)
         self.used = False
+        self._link = None  # set while the region is mapped for the device
+        self._address = 0
+        self._link_lock = threading.Lock()  # a copy into the region and its unmapping never overlap
+        if link is not None:
+            self._map_for(link)
+
+    def _map_for(self, link) -> None:
+        """Maps the region for ``link``'s device (host <-> device copies at the link's speed); a
+        region the device cannot map keeps working through XLA's own copies (logged in one line)."""
+        view = np.frombuffer(self._mapping, np.uint8)
+        address = view.ctypes.data
+        del view  # an export held would keep the mapping from closing
+        try:
+            link.map(address, shm.page_span(len(self._mapping)))
+        except Exception as error:  # noqa: BLE001 - any refusal leaves the slower path, which works
+            _log.warning("event=shm_region_not_mapped region=%s device=%s reason=%s", self.name, link.device,
+                         " ".join(str(error).split())[:300])
+            return
+        self._link, self._address = link, address
+
+    @property
+    def device_writable(self) -> bool:
+        """Whether :meth:`write_device_params` can write the reply part (mapped for the device)."""
+        return self._link is not None
 
     def gradient_chunks(self) -> Iterator[chunk_codec.ChunkView]:
         """The push part as chunks (views into the region, read by the assembler once)."""
@@ -106,7 +137,40 @@ class Region:
             written += slot.nbytes
         return written
 
+    def write_device_params(self, params: Mapping[str, Any]) -> int:
+        """Writes device ``params`` (by name, ready, each in its tensor's dtype) into the reply
+        part, one device-to-host transfer each; returns the bytes written. The arrays must not be
+        donated before this returns (the caller holds the session's lock).
+
+        Raises:
+          NotFound: (``REGION_UNKNOWN``) the region was closed meanwhile (as :meth:`write_params`).
+        """
+        with self._link_lock:
+            view = self._view()  # held while the copies land: the mapping cannot go meanwhile
+            try:
+                if self._link is None:
+                    raise NotFound(f"{shm.REGION_UNKNOWN}: {self.name!r} was closed while its step used it "
+                                   "(its client gone)")
+                pieces = []
+                for slot in self.layout.reply:
+                    value = params[slot.name]
+                    if value.nbytes != slot.nbytes:
+                        raise InvalidArgument(f"tensor {slot.name!r}: {value.nbytes} bytes on the device, "
+                                              f"{slot.nbytes} in the region's reply slot")
+                    pieces.append((self._address + slot.offset, value))
+                return self._link.copy_down(pieces)
+            finally:
+                del view
+
     def close(self) -> None:
+        with self._link_lock:
+            if self._link is not None:
+                try:
+                    self._link.unmap(self._address)
+                except Exception as error:  # noqa: BLE001 - the memory is unmapped below all the same
+                    _log.warning("event=shm_region_unmap_failed region=%s reason=%s", self.name,
+                                 " ".join(str(error).split())[:300])
+                self._link = None
         if not self.name_unlinked:
             shm.unlink(self.name)
             self.name_unlinked = True
@@ -175,7 +239,7 @@ class RegionTable:
             raise PermissionDenied("shared memory nonce does not match the offer: the region is not used")
         layout = shm.layout([(s.name, s.dtype.value, s.shape) for s in session.specs.values()])
         name, mapping, fd = shm.create(layout.size, keep_fd=True)
-        region = Region(session, client_id, offer.nonce, name, mapping, fd, layout)
+        region = Region(session, client_id, offer.nonce, name, mapping, fd, layout, session.host_link)
         with self._lock:
             self._regions[secrets.token_hex(16)] = region
         return region
@@ -251,6 +315,23 @@ class RegionTable:
                 self.reap()
             except Exception:  # noqa: BLE001 - the reaper must keep running
                 _log.exception("event=shm_reap_failed")
+
+
+def reply_into(session: ShardSession, region: Region, evaluation: bool = False) -> tuple[int, int]:
+    """Writes ``session``'s current parameters (``evaluation``: those to evaluate with) into
+    ``region``'s reply part: from the device in one transfer each where the region is mapped for
+    it, else from their host views (one copy each). Returns ``(version, bytes written)``.
+
+    Raises:
+      NotFound: (``REGION_UNKNOWN``) the region was closed meanwhile (its client gone).
+    """
+    if region.device_writable and not evaluation:
+        return session.read_device_params(region.write_device_params)
+    version, params = session.snapshot(evaluation)
+    try:
+        return version, region.write_params(params)
+    finally:
+        del params  # a held view would stop the next update from donating the shard's buffers
 
 
 def _drop_offer(offer: _Offer) -> None:

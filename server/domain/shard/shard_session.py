@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar
 
 import numpy as np
 
+from optserve.server.compute.host_link import host_link
 from optserve.server.compute.kernel_words import error_line, tensors_in_words
 from optserve.server.compute.updater import Updater
 from optserve.server.domain.clock import HomeCalls
@@ -56,6 +57,8 @@ from optserve.server.domain.shard.staging import StagingArea
 from optserve.server.domain.shard.step_runner import StepRunner
 from optserve.server.domain.telemetry import SessionSeries
 from optserve.server.domain.waits import Steps, drive, returns
+
+T = TypeVar("T")
 
 __all__ = ["PushHeader", "Receipt", "ShardSession", "ShardSessionStatus", "StepObserver"]
 
@@ -357,6 +360,21 @@ class ShardSession:
             self._require_initialized()
             evaluated = self.updater.evaluation_params() if evaluation else None
             return self.version, evaluated if evaluated is not None else self.updater.host_params()
+
+    @property
+    def host_link(self):
+        """The device's direct path to host memory
+        (:class:`~optserve.server.compute.host_link.HostLink`), or None (a CPU device)."""
+        return host_link(self.updater.device)
+
+    def read_device_params(self, read: Callable[[Mapping[str, Any]], T]) -> tuple[int, T]:
+        """The current version and ``read(parameters)``, ``read`` given the updater's own arrays
+        (on the device) and called with the session's lock held, so that no step replaces (and
+        donates) them while it reads."""
+        self.touch()
+        with self._cond:
+            self._require_initialized()
+            return self.version, read(self.updater.params)
 
     def snapshot_relayed(self, base_version: int) -> tuple[int, dict[str, np.ndarray], dict[str, list]]:
         """:meth:`snapshot`, and the tensors a client whose parameters are of ``base_version`` may
