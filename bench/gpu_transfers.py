@@ -121,11 +121,14 @@ def _link_rows(grads: dict[str, np.ndarray], params: dict[str, np.ndarray], kern
         return [["link floor", "", "", f"no host link on {device.platform}: the CPU reads host memory in place"]], None
     maps, up_grads = _mapped_like(grads)
     reply_maps, reply = _mapped_like(params)
-    addresses = [np.frombuffer(m, np.uint8).ctypes.data for m in maps + reply_maps]
-    for address, region in zip(addresses, maps + reply_maps):
-        link.map(address, len(region))
+    addresses = []
     resident = jax.block_until_ready({k: jax.device_put(v, device) for k, v in params.items()})
     try:
+        for region in maps + reply_maps:
+            address = np.frombuffer(region, np.uint8).ctypes.data
+            link.map(address, len(region))  # whole pages: each tensor is its own mapping
+            addresses.append(address)
+
         def up() -> None:
             jax.block_until_ready({k: jax.device_put(v, device) for k, v in up_grads.items()})
 

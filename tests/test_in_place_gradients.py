@@ -114,3 +114,43 @@ def test_the_finiteness_check_finds_any_non_finite_value_and_accepts_huge_finite
     assert not all_finite(both)
     huge = np.full(10_000, np.finfo(np.float32).max, np.float32)  # finite values whose sum overflows
     assert all_finite(huge)
+
+
+def test_on_an_accelerator_gradients_read_in_place_go_to_the_device_and_are_checked_there():
+    """The upload an accelerator shard passes (its device here a CPU one: the same code): the
+    tensors read in place arrive on the device with the push, a NaN among them refuses the push
+    naming its tensor, and the tensors copied into buffers are checked on the host as before."""
+    import functools
+
+    import jax
+
+    from optserve.server.compute.device_upload import upload_checked
+
+    upload = functools.partial(upload_checked, jax.devices("cpu")[0])
+    w, b = np.full((64, 32), 2.0, np.float32), np.arange(32, dtype=np.float32)
+    buffers = {n: aligned_empty(s.shape, np.float32) for n, s in SPECS.items()}
+    assembler = TensorAssembler(SPECS, buffers, check_finite=True, in_place=True, upload=upload)
+    assembler.add(_region_chunk("w", w))
+    assembler.add(_region_chunk("b", b, misalign=4))
+    grads = assembler.finish()
+    assert set(grads.on_device) == {"w"} and isinstance(grads.on_device["w"], jax.Array)
+    assert np.array_equal(np.asarray(grads.on_device["w"]), w) and np.array_equal(grads["b"], b)
+
+    bad = w.copy()
+    bad[3, 5] = np.nan
+    assembler = TensorAssembler(SPECS, buffers, check_finite=True, in_place=True, upload=upload)
+    assembler.add(_region_chunk("w", bad))  # accepted here: checked on the device at finish
+    assembler.add(_region_chunk("b", b, misalign=4))
+    with pytest.raises(NonFinite, match=r"tensor 'w': NaN or Inf in elements \[0, 2048\)"):
+        assembler.finish()
+
+    assembler = TensorAssembler(SPECS, buffers, check_finite=False, in_place=True, upload=upload)
+    assembler.add(_region_chunk("w", bad))  # allow_nonfinite: uploaded, not refused
+    assembler.add(_region_chunk("b", b, misalign=4))
+    assert np.isnan(np.asarray(assembler.finish().on_device["w"])[3, 5])
+
+    host_bad = b.copy()
+    host_bad[7] = np.inf
+    assembler = TensorAssembler(SPECS, buffers, check_finite=True, in_place=True, upload=upload)
+    with pytest.raises(NonFinite, match=r"tensor 'b'"):  # copied into its buffer: the host check, at once
+        assembler.add(_region_chunk("b", host_bad, misalign=4))

@@ -48,7 +48,8 @@ class HostLink:
     def copy_down(self, pieces: Sequence[tuple[int, Any]]) -> int:
         """Copies each ``(address, array)``'s device buffer to host memory at ``address`` (a
         mapped range, ``array.nbytes`` bytes there), all on one stream, and returns once every
-        byte has landed; returns the bytes copied. The arrays must be ready (computed) and stay
+        byte has landed; returns the bytes copied. Each array is waited for first (XLA computes
+        on streams of its own: a buffer's address is known before its values are); they must stay
         alive and undonated until this returns.
 
         Raises:
@@ -60,6 +61,7 @@ class HostLink:
         copied = 0
         for address, array in pieces:
             nbytes = int(array.nbytes)
+            array.block_until_ready()
             if nbytes:
                 self._check(cudart.cudaMemcpyAsync(int(address), array.unsafe_buffer_pointer(), nbytes,
                                                    cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, stream),

@@ -202,7 +202,9 @@ class Updater:
         self._host_copy = None  # the pinned copy of the parameters before this step (replies hold their own views)
         # may_alias: on CPU the jitted step reads the pooled host buffers directly (no copy); they
         # return to the pool only after the step completed (block_until_ready below).
-        grads = {name: jax.device_put(g, self.device, may_alias=True) for name, g in grads.items()}
+        on_device = getattr(grads, "on_device", {})  # uploaded as the push arrived (an accelerator's)
+        grads = {name: on_device[name] if name in on_device else jax.device_put(g, self.device, may_alias=True)
+                 for name, g in grads.items()}
         chunks = self._chunks()
         global_stat = np.float32(0.0)
         if self.optimizer.partial_statistic is not None:

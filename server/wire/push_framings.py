@@ -73,7 +73,16 @@ class RegionRead:
     def __init__(self, regions: RegionTable, session: ShardSession, client_id: str, step: data_pb2.SharedMemoryStep):
         self._lookup = lambda: regions.use(session, client_id, step)
         self.region = None
+        self._done = False
 
     def chunks(self):
         self.region = self._lookup()
+        self.region.begin_device_read()  # until done(): the device may copy the gradients up meanwhile
         yield from self.region.gradient_chunks()
+
+    def done(self) -> None:
+        """The push ended (applied, or refused): the device reads nothing more of it from the
+        region (the answer may still write the reply into :attr:`region`)."""
+        if self.region is not None and not self._done:
+            self._done = True
+            self.region.end_device_read()

@@ -156,9 +156,12 @@ class PushPullCalls:
             if step.chunks:
                 raise InvalidArgument("PushPull `step`: chunks and shared_memory are exclusive")
             read = RegionRead(self._regions, session, step.header.client_id, step.shared_memory)
-            receipt = yield from session.push_steps(data_requests.push_header(step.header), read.chunks(),
-                                                    context.is_active, wait_s=data_requests.wait_s(context, step.header),
-                                                    in_place=True)
+            try:
+                receipt = yield from session.push_steps(data_requests.push_header(step.header), read.chunks(),
+                                                        context.is_active,
+                                                        wait_s=data_requests.wait_s(context, step.header), in_place=True)
+            finally:
+                read.done()
             session.observer.pushed(time.perf_counter() - started)
             return (yield from self._answer_in_region(session, receipt, read.region, step.shared_memory.reply))
         framing = OneMessagePush(step)

@@ -74,6 +74,8 @@ class Region:
         self._link = None  # set while the region is mapped for the device
         self._address = 0
         self._link_lock = threading.Lock()  # a copy into the region and its unmapping never overlap
+        self._device_reads = 0  # pushes whose gradients the device may be reading from the region
+        self._closing = False  # closed while such a read went on: the last one unmaps (guarded by _link_lock)
         if link is not None:
             self._map_for(link)
 
@@ -90,6 +92,27 @@ class Region:
                          " ".join(str(error).split())[:300])
             return
         self._link, self._address = link, address
+
+    def begin_device_read(self) -> None:
+        """A push starts reading its gradients from the region (the device may copy them up until
+        :meth:`end_device_read`): the region stays mapped for the device until then, closed or not."""
+        with self._link_lock:
+            self._device_reads += 1
+
+    def end_device_read(self) -> None:
+        with self._link_lock:
+            self._device_reads -= 1
+            if self._closing and not self._device_reads:
+                self._unmap_locked()
+
+    def _unmap_locked(self) -> None:
+        if self._link is not None:
+            try:
+                self._link.unmap(self._address)
+            except Exception as error:  # noqa: BLE001 - the memory is unmapped all the same
+                _log.warning("event=shm_region_unmap_failed region=%s reason=%s", self.name,
+                             " ".join(str(error).split())[:300])
+            self._link = None
 
     @property
     def device_writable(self) -> bool:
@@ -148,7 +171,7 @@ class Region:
         with self._link_lock:
             view = self._view()  # held while the copies land: the mapping cannot go meanwhile
             try:
-                if self._link is None:
+                if self._link is None or self._closing:
                     raise NotFound(f"{shm.REGION_UNKNOWN}: {self.name!r} was closed while its step used it "
                                    "(its client gone)")
                 pieces = []
@@ -164,13 +187,9 @@ class Region:
 
     def close(self) -> None:
         with self._link_lock:
-            if self._link is not None:
-                try:
-                    self._link.unmap(self._address)
-                except Exception as error:  # noqa: BLE001 - the memory is unmapped below all the same
-                    _log.warning("event=shm_region_unmap_failed region=%s reason=%s", self.name,
-                                 " ".join(str(error).split())[:300])
-                self._link = None
+            self._closing = True
+            if not self._device_reads:  # else the last read unmaps: its views keep the memory mapped
+                self._unmap_locked()
         if not self.name_unlinked:
             shm.unlink(self.name)
             self.name_unlinked = True
@@ -326,7 +345,11 @@ def reply_into(session: ShardSession, region: Region, evaluation: bool = False) 
       NotFound: (``REGION_UNKNOWN``) the region was closed meanwhile (its client gone).
     """
     if region.device_writable and not evaluation:
-        return session.read_device_params(region.write_device_params)
+        try:
+            return session.read_device_params(region.write_device_params)
+        except RuntimeError as error:  # a CUDA call failed: the host copy below still answers
+            _log.warning("event=shm_device_reply_failed region=%s reason=%s", region.name,
+                         " ".join(str(error).split())[:300])
     version, params = session.snapshot(evaluation)
     try:
         return version, region.write_params(params)

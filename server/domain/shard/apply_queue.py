@@ -9,9 +9,10 @@ clock (:meth:`ApplyQueue.poll_missing`, every gap poll).
 Idempotency: :attr:`ApplyQueue.applied_sequence` holds each client's last applied push; a retry of
 an applied push finds it there and applies nothing twice.
 
-Sync mode with ``num_workers > 1``: the pushes of one step are summed as they apply
-(:meth:`ApplyQueue.add`); the ticket that closes the step turns the sum into the mean that the
-update runs with (:meth:`ApplyQueue.hold_or_close`).
+Sync mode: the pushes of one step are summed as they apply (:meth:`ApplyQueue.add`); the ticket
+that closes the step turns the sum into the mean that the update runs with
+(:meth:`ApplyQueue.hold_or_close`). A step of one push at scale 1 (``num_workers`` 1) is that
+push's gradients as they are, not copied (:meth:`ApplyQueue.close_alone`).
 
 Every attribute and method here is guarded by the shard session's condition (call with it held),
 except :meth:`ApplyQueue.already_applied`, a single dictionary read as in the session's receive path.
@@ -209,6 +210,22 @@ class ApplyQueue:
             for name, g in grads.items():
                 step.total[name] += g if scale is None else g * scale
         step.count += 1
+
+    def close_alone(self, grads: dict[str, np.ndarray], ticket: Ticket, without_gradient: frozenset = frozenset()
+                    ) -> Optional[tuple[dict[str, np.ndarray], tuple[TicketEntry, ...], frozenset]]:
+        """Sync: where ``ticket``'s push opens and closes its step by itself at scale 1 and sends
+        no SparseLoCo selection, that push is the step's mean as it is (read, not copied): what
+        :meth:`hold_or_close` returns after :meth:`add`, with ``grads`` as the mean, and the next
+        step opens. None otherwise (nothing changed: add it and hold or close as usual)."""
+        step = self.step
+        if (step.total is not None or step.count or not ticket.closes_step or ticket.scale != 1.0
+                or getattr(grads, "support", None)):
+            return None
+        step.keep_parts(grads, scaled=False)
+        self.closed_parts = step.parts
+        self.step = GatheredStep()
+        with_gradient = {name for name in grads if name not in without_gradient}
+        return grads, (entry(ticket),), frozenset(grads) - with_gradient
 
     def hold_or_close(self, ticket: Ticket) -> Optional[tuple[dict[str, np.ndarray], tuple[TicketEntry, ...], frozenset]]:
         """Sync, after :meth:`add` of ``ticket``'s push: None while the step stays open (the push is

@@ -9,7 +9,7 @@ a refused or broken stream leaves the session's state unchanged.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
@@ -39,13 +39,18 @@ class TensorAssembler:
         :data:`IN_PLACE_ALIGNMENT` (a shared-memory region's) and whose buffer is float32 is
         used where it lies instead of being copied into its buffer: the caller guarantees the bytes stay unchanged until the
         push is applied or dropped.
+      upload: an accelerator shard's ``upload(arrays, check_finite) -> (on_device, not_finite)``
+        (:func:`~optserve.server.compute.device_upload.upload_checked` for its device): the
+        tensors read in place go to the device at :meth:`finish` and are checked finite there
+        instead of on the host; the result carries them (``AssembledGrads.on_device``).
     """
 
     def __init__(self, specs: Mapping[str, TensorSpec], buffers: Mapping[str, np.ndarray], *, check_finite: bool,
-                 in_place: bool = False):
+                 in_place: bool = False, upload: Optional[Callable] = None):
         self._specs = specs
         self._buffers = buffers
         self._in_place = in_place
+        self._upload = upload
         self._adopted: dict[str, np.ndarray] = {}  # in_place: tensors read where they lie
         self._flat = {name: buf.reshape(-1) for name, buf in buffers.items()}
         self._check_finite = check_finite
@@ -102,7 +107,8 @@ class TensorAssembler:
                 and self._flat[spec.name].dtype == np.float32):  # initial values of another dtype are cast
             destination = np.frombuffer(data, np.float32)
             self._adopted[spec.name] = destination.reshape(spec.shape)
-            self._check(spec, destination, start, count)
+            if self._upload is None:  # else checked on the device at finish()
+                self._check(spec, destination, start, count)
             return
         destination = self._flat[spec.name][start : start + count]
         if dtype is None:
@@ -157,8 +163,15 @@ class TensorAssembler:
                 raise InvalidArgument(f"tensor {name!r}: chunks cover {covered} of {spec.size} elements")
         support = {name: np.concatenate(parts) for name, parts in self._support.items()}
         sparse = {name: sorted(chunks) for name, chunks in self._sparse_chunks.items()}
+        on_device = {}
+        if self._upload is not None and self._adopted:
+            on_device, not_finite = self._upload(self._adopted, self._check_finite)
+            if not_finite:
+                name = not_finite[0]
+                raise NonFinite(f"tensor {name!r}: NaN or Inf in elements [0, {self._specs[name].size}); "
+                                f"the session does not allow non-finite gradients (allow_nonfinite)")
         return AssembledGrads({**self._buffers, **self._adopted}, pooled=self._buffers, support=support,
-                              sparse_chunks=sparse)
+                              sparse_chunks=sparse, on_device=on_device)
 
 
 def all_finite(values: np.ndarray) -> bool:
@@ -187,13 +200,16 @@ def _aligned(data) -> bool:
 class AssembledGrads(dict):
     """A push's gradients by name; ``pooled``: the buffers it was assembled into (what goes back
     to their pool: the tensors read in place are not among them); ``support``: the tensors sent
-    as SparseLoCo selections, each with the flat positions it named (others zero), and
-    ``sparse_chunks``: their chunks as received, ``(offset, data)`` in ascending offsets."""
+    as SparseLoCo selections, each with the flat positions it named (others zero);
+    ``sparse_chunks``: their chunks as received, ``(offset, data)`` in ascending offsets; and
+    ``on_device``: copies of some of them already on the shard's accelerator (equal to the host
+    values, which stay readable)."""
 
     def __init__(self, grads: Mapping[str, np.ndarray], pooled: Mapping[str, np.ndarray],
                  support: Optional[Mapping[str, np.ndarray]] = None,
-                 sparse_chunks: Optional[Mapping[str, list]] = None):
+                 sparse_chunks: Optional[Mapping[str, list]] = None, on_device: Optional[Mapping[str, Any]] = None):
         super().__init__(grads)
         self.pooled = pooled
         self.support = dict(support or {})
         self.sparse_chunks = dict(sparse_chunks or {})
+        self.on_device = dict(on_device or {})

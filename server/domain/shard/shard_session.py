@@ -34,12 +34,14 @@ staging area's lock is taken alone or inside it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar
 
 import numpy as np
 
+from optserve.server.compute.device_upload import upload_checked
 from optserve.server.compute.host_link import host_link
 from optserve.server.compute.kernel_words import error_line, tensors_in_words
 from optserve.server.compute.updater import Updater
@@ -341,7 +343,8 @@ class ShardSession:
             raise
         grads, received_bytes = yield from self._staging.assemble(header, chunks, complete,
                                                        check_finite=not self.config.allow_nonfinite,
-                                                       in_place=in_place and header.auto_commit)
+                                                       in_place=in_place and header.auto_commit,
+                                                       upload=self._upload)
         self.observer.received(received_bytes)
         if self._steps.queue.already_applied(header.client_id, header.sequence):
             self._staging.release(grads)
@@ -360,6 +363,15 @@ class ShardSession:
             self._require_initialized()
             evaluated = self.updater.evaluation_params() if evaluation else None
             return self.version, evaluated if evaluated is not None else self.updater.host_params()
+
+    @property
+    def _upload(self) -> Optional[Callable]:
+        """An accelerator's upload of the gradients read in place, checked there, where the step
+        uses a push's gradients as they are (async, or sync steps of one push); None on a CPU (it
+        reads them where they lie) and where a sync step sums several pushes on the host."""
+        device = self.updater.device
+        one_push_steps = not self._steps.queue.sync or (self.config.num_workers == 1 and not self.config.is_elastic)
+        return functools.partial(upload_checked, device) if device.platform != "cpu" and one_push_steps else None
 
     @property
     def host_link(self):

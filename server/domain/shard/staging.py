@@ -97,9 +97,10 @@ class StagingArea:
 
     # ----------------------------------------------------------------- receiving
     def assemble(self, header: PushHeader, chunks: Iterable, complete: Callable[[], bool], check_finite: bool,
-                 in_place: bool) -> Steps[tuple[dict[str, np.ndarray], int]]:
+                 in_place: bool, upload: Optional[Callable] = None) -> Steps[tuple[dict[str, np.ndarray], int]]:
         """Validates ``header`` and receives its push's ``chunks`` into a set of pooled buffers
-        (``in_place``: whole float32 tensors are read where they lie, see :class:`TensorAssembler`).
+        (``in_place``: whole float32 tensors are read where they lie, and ``upload`` takes those to
+        an accelerator, see :class:`TensorAssembler`).
         Returns the gradients (the caller stages or releases them) and the bytes received. A bad
         header, chunk or value, or a call that ended early (``complete()`` is False), is refused
         (INVALID, NONFINITE, else ABORTED) and raised, its buffers released.
@@ -111,7 +112,8 @@ class StagingArea:
             self._assembling += 1
         try:
             buffers = self._pool.acquire()
-            assembler = TensorAssembler(self._specs, buffers, check_finite=check_finite, in_place=in_place)
+            assembler = TensorAssembler(self._specs, buffers, check_finite=check_finite, in_place=in_place,
+                                        upload=upload)
             try:
                 header.validate()
                 for chunk in chunks:

@@ -248,6 +248,11 @@ class StepRunner:
             self.observer.accepted(ticket.staleness)
             self.series.accepted(ticket.target_version, ticket.staleness, staged.telemetry)
         grads = staged.grads
+        alone = self.queue.close_alone(grads, ticket, staged.without_gradient) if self.queue.sync else None
+        if alone is not None:  # a step of one push: its gradients are the mean, released as an async push's
+            mean, tickets, absent = alone
+            self._update(mean, ticket, tickets, release=lambda: self._staging.release(grads), scale=1.0, absent=absent)
+            return
         if self.queue.sync:
             self.queue.add(grads, ticket, staged.without_gradient)
             self._staging.release(grads)
