@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 from _service_helpers import InProcess, make_grads, make_params, max_abs_diff
@@ -46,6 +47,13 @@ def test_two_shards_share_a_gpu_each_within_its_budget_and_train_exactly(tmp_pat
                 grads = make_grads(params, step)
                 got, expected = session.push_pull(grads), reference.step(grads)
                 assert max_abs_diff(got, expected) <= 1e-5, step
+            bad = make_grads(params, 3)  # a NaN in one tensor (on one shard): checked on the device there
+            name = sorted(bad)[-1]
+            bad[name].reshape(-1)[5] = np.nan
+            with pytest.raises(Exception, match="NaN or Inf"):
+                session.push_pull(bad)
+            assert max_abs_diff(session.pull(), got) == 0.0  # nothing applied on any shard
+            assert max_abs_diff(session.push_pull(make_grads(params, 3)), reference.step(make_grads(params, 3))) <= 1e-5
             session.close()
     # a GPU shard maps its clients' regions for the device (the reply goes from the device into them)
     assert host_path(server.output(), REHEARSAL) == ("host-resident (CPU shard)" if REHEARSAL else
