@@ -258,7 +258,7 @@ class RegionTable:
             raise PermissionDenied("shared memory nonce does not match the offer: the region is not used")
         layout = shm.layout([(s.name, s.dtype.value, s.shape) for s in session.specs.values()])
         name, mapping, fd = shm.create(layout.size, keep_fd=True)
-        region = Region(session, client_id, offer.nonce, name, mapping, fd, layout, session.host_link)
+        region = Region(session, client_id, offer.nonce, name, mapping, fd, layout, session.device_plane.host_link)
         with self._lock:
             self._regions[secrets.token_hex(16)] = region
         return region
@@ -346,7 +346,7 @@ def reply_into(session: ShardSession, region: Region, evaluation: bool = False) 
     """
     if region.device_writable and not evaluation:
         try:
-            return session.read_device_params(region.write_device_params)
+            return session.device_plane.read_params(region.write_device_params)
         except RuntimeError as error:  # a CUDA call failed: the host copy below still answers
             _log.warning("event=shm_device_reply_failed region=%s reason=%s", region.name,
                          " ".join(str(error).split())[:300])

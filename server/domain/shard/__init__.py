@@ -3,7 +3,10 @@
 ``ShardSession`` receives a push (assembled, validated and staged), asks the session clock for its
 ticket, applies tickets in order through the updater (``StepRunner``), makes each step durable
 (``StepJournal``: the step log, checkpoints, recovery) and answers reads and status; a user's saved
-state leaves and enters here (``saved_state``). ``ShardRegistry`` holds the sessions of one shard.
+state leaves and enters here (``saved_state``). On an accelerator, a session's ``device_plane``
+(``DevicePlane``) is what the same-host data plane asks of it: the host link a client's region is
+mapped with, the upload of a push's gradients, the parameters read on the device. ``ShardRegistry``
+holds the sessions of one shard.
 
 Exports: ``ShardSession``, ``ShardRegistry``; the records ``PushHeader``, ``Receipt``,
 ``ShardSessionStatus``, ``StepObserver``, ``StartState``; and the helpers the wire shares

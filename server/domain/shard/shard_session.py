@@ -34,15 +34,12 @@ staging area's lock is taken alone or inside it.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
-from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 
-from optserve.server.compute.device_upload import upload_checked
-from optserve.server.compute.host_link import host_link
 from optserve.server.compute.kernel_words import error_line, tensors_in_words
 from optserve.server.compute.updater import Updater
 from optserve.server.domain.clock import HomeCalls
@@ -54,13 +51,12 @@ from optserve.server.domain.shard import saved_state
 from optserve.server.domain.shard.refusals import Refusals, StepCheck, log_value
 from optserve.server.domain.shard.saved_state import StartState
 from optserve.server.domain.shard.shard_records import PushHeader, Receipt, ShardSessionStatus, StepObserver
+from optserve.server.domain.shard.device_plane import DevicePlane
 from optserve.server.domain.shard.session_durability import SessionDurability
 from optserve.server.domain.shard.staging import StagingArea
 from optserve.server.domain.shard.step_runner import StepRunner
 from optserve.server.domain.telemetry import SessionSeries
 from optserve.server.domain.waits import Steps, drive, returns
-
-T = TypeVar("T")
 
 __all__ = ["PushHeader", "Receipt", "ShardSession", "ShardSessionStatus", "StepObserver"]
 
@@ -134,6 +130,7 @@ class ShardSession:
                                  step_timeout_s)
         self._cond = self._steps.cond  # guards the version, the apply queue, the journal and the updater's state
         self.durability = SessionDurability(self._steps)  # store, checkpoint now, restore
+        self.device_plane = DevicePlane(config, updater, self._steps, lambda: (self.touch(), self._require_initialized()))
         self.home = HomeCalls(config.name, shard_index, clock, self.touch, lambda: self.updater.optimizer,
                               config.is_elastic)
         self._step_check = StepCheck(self._cond, updater, self._refusals, config.name, shard_index)
@@ -344,7 +341,7 @@ class ShardSession:
         grads, received_bytes = yield from self._staging.assemble(header, chunks, complete,
                                                        check_finite=not self.config.allow_nonfinite,
                                                        in_place=in_place and header.auto_commit,
-                                                       upload=self._upload)
+                                                       upload=self.device_plane.upload)
         self.observer.received(received_bytes)
         if self._steps.queue.already_applied(header.client_id, header.sequence):
             self._staging.release(grads)
@@ -363,30 +360,6 @@ class ShardSession:
             self._require_initialized()
             evaluated = self.updater.evaluation_params() if evaluation else None
             return self.version, evaluated if evaluated is not None else self.updater.host_params()
-
-    @property
-    def _upload(self) -> Optional[Callable]:
-        """An accelerator's upload of the gradients read in place, checked there, where the step
-        uses a push's gradients as they are (async, or sync steps of one push); None on a CPU (it
-        reads them where they lie) and where a sync step sums several pushes on the host."""
-        device = self.updater.device
-        one_push_steps = not self._steps.queue.sync or (self.config.num_workers == 1 and not self.config.is_elastic)
-        return functools.partial(upload_checked, device) if device.platform != "cpu" and one_push_steps else None
-
-    @property
-    def host_link(self):
-        """The device's direct path to host memory
-        (:class:`~optserve.server.compute.host_link.HostLink`), or None (a CPU device)."""
-        return host_link(self.updater.device)
-
-    def read_device_params(self, read: Callable[[Mapping[str, Any]], T]) -> tuple[int, T]:
-        """The current version and ``read(parameters)``, ``read`` given the updater's own arrays
-        (on the device) and called with the session's lock held, so that no step replaces (and
-        donates) them while it reads."""
-        self.touch()
-        with self._cond:
-            self._require_initialized()
-            return self.version, read(self.updater.params)
 
     def snapshot_relayed(self, base_version: int) -> tuple[int, dict[str, np.ndarray], dict[str, list]]:
         """:meth:`snapshot`, and the tensors a client whose parameters are of ``base_version`` may
