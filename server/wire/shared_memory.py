@@ -89,7 +89,7 @@ class Region:
             link.map(address, shm.page_span(len(self._mapping)))
         except Exception as error:  # noqa: BLE001 - any refusal leaves the slower path, which works
             _log.warning("event=shm_region_not_mapped region=%s device=%s reason=%s", self.name, link.device,
-                         " ".join(str(error).split())[:300])
+                         _one_line(error))
             return
         self._link, self._address = link, address
 
@@ -111,7 +111,7 @@ class Region:
                 self._link.unmap(self._address)
             except Exception as error:  # noqa: BLE001 - the memory is unmapped all the same
                 _log.warning("event=shm_region_unmap_failed region=%s reason=%s", self.name,
-                             " ".join(str(error).split())[:300])
+                             _one_line(error))
             self._link = None
 
     @property
@@ -161,7 +161,7 @@ class Region:
         return written
 
     def write_device_params(self, params: Mapping[str, Any]) -> int:
-        """Writes device ``params`` (by name, ready, each in its tensor's dtype) into the reply
+        """Writes device ``params`` (by name, each in its tensor's dtype) into the reply
         part, one device-to-host transfer each; returns the bytes written. The arrays must not be
         donated before this returns (the caller holds the session's lock).
 
@@ -336,6 +336,11 @@ class RegionTable:
                 _log.exception("event=shm_reap_failed")
 
 
+def _one_line(error: BaseException) -> str:
+    """``error``'s message on one line, at most 300 characters (for a log line's ``reason=``)."""
+    return " ".join(str(error).split())[:300]
+
+
 def reply_into(session: ShardSession, region: Region, evaluation: bool = False) -> tuple[int, int]:
     """Writes ``session``'s current parameters (``evaluation``: those to evaluate with) into
     ``region``'s reply part: from the device in one transfer each where the region is mapped for
@@ -349,7 +354,7 @@ def reply_into(session: ShardSession, region: Region, evaluation: bool = False) 
             return session.device_plane.read_params(region.write_device_params)
         except RuntimeError as error:  # a CUDA call failed: the host copy below still answers
             _log.warning("event=shm_device_reply_failed region=%s reason=%s", region.name,
-                         " ".join(str(error).split())[:300])
+                         _one_line(error))
     version, params = session.snapshot(evaluation)
     try:
         return version, region.write_params(params)
