@@ -8,7 +8,7 @@ import uuid
 
 from scripts.smaps_diff import diff, snap
 
-GROWER = ("import sys\nmarker = sys.argv[1]\nsys.stdin.readline()\nheld = bytearray(96 << 20)\n"
+GROWER = ("import sys\nmarker = sys.argv[1]\nprint('ready', flush=True)\nsys.stdin.readline()\nheld = bytearray(96 << 20)\n"
           "for i in range(0, len(held), 4096):\n    held[i] = 1\nprint('grown', flush=True)\nsys.stdin.readline()\n")
 
 
@@ -17,6 +17,7 @@ def test_a_process_that_touches_96_mib_shows_them_as_anonymous_growth():
     process = subprocess.Popen([sys.executable, "-c", GROWER, marker], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                text=True)
     try:
+        assert process.stdout.readline().strip() == "ready"  # started, its command line in /proc
         before = snap(marker)
         process.stdin.write("grow\n")
         process.stdin.flush()
