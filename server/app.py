@@ -26,6 +26,7 @@ from optserve.server.domain.events import log_event
 from optserve.server.domain.sessions import Coordinator
 from optserve.server.ops.health import Health, enable_reflection
 from optserve.server.ops.leases import SessionLeases
+from optserve.server.ops.memory_trace import start_from_environment as start_memory_trace
 from optserve.server.ops.shard_watch import ShardWatch
 from optserve.server.preflight import StartError, check_ports  # noqa: F401 - StartError: what start_server raises
 from optserve.server.ray_lifecycle import join_or_start_ray, stop_started_ray
@@ -81,6 +82,9 @@ def start_server(config: ServerConfig) -> RunningServer:
     security = ServerSecurity.from_config(config)
     teardown = contextlib.ExitStack()  # undone in reverse: by stop(), or at once if starting fails
     try:
+        tracing = start_memory_trace("server")  # OPTSERVE_TRACEMALLOC_DIR: where a long run's memory goes
+        if tracing is not None:
+            teardown.callback(tracing.stop)
         _check_and_lock(config, teardown)
         pool = _start_precond_pool(config, teardown)
         fleet = _start_fleet(config, security, pool, teardown)

@@ -32,6 +32,7 @@ from optserve.server.domain.sessions import ShardOpening
 from optserve.server.domain.shard import ShardRegistry, ShardSession, ShardSessionStatus, StepObserver, log_value
 from optserve.server.ops.health import Health
 from optserve.server.ops.logs import configure_logging
+from optserve.server.ops.memory_trace import start_from_environment as start_memory_trace
 from optserve.server.ops.metrics import resident_bytes, session_gauges, ShardMetrics
 from optserve.server.storage import CorruptCheckpoint, ShardStore, StepLogReader
 from optserve.server.storage.ownership import ShardFence
@@ -69,6 +70,7 @@ class ShardActor:
         if config.log_level is not None:
             configure_logging(config.log_level, exclusive=True)  # Ray forwards this process's stderr
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # where a shard hangs
+        start_memory_trace(f"shard-{index}")  # OPTSERVE_TRACEMALLOC_DIR: where a long run's memory goes
         # first: where this actor's JAX runs; one given a GPU it cannot use serves nothing (the fleet refuses it)
         self._device = check_device(shard_device_request(config, index), ray_gpu_ids(), ray.util.get_node_ip_address())
         if self._device.problem:
