@@ -82,10 +82,10 @@ def start_server(config: ServerConfig) -> RunningServer:
     security = ServerSecurity.from_config(config)
     teardown = contextlib.ExitStack()  # undone in reverse: by stop(), or at once if starting fails
     try:
+        _check_and_lock(config, teardown)
         tracing = start_memory_trace("server")  # OPTSERVE_TRACEMALLOC_DIR: where a long run's memory goes
         if tracing is not None:
             teardown.callback(tracing.stop)
-        _check_and_lock(config, teardown)
         pool = _start_precond_pool(config, teardown)
         fleet = _start_fleet(config, security, pool, teardown)
         coordinator = _start_coordinator(config, fleet, teardown)

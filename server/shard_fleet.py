@@ -30,6 +30,7 @@ from optserve.server.domain.config import ServerConfig, is_loopback
 from optserve.server.domain.errors import unwrap, InvalidArgument, OptservError, ResourceExhausted, Unavailable
 from optserve.server.domain.sessions import ShardOpening, ShardSummary
 from optserve.server.domain.shard import ShardSessionStatus
+from optserve.server.ops.memory_trace import environment as tracing_environment
 from optserve.server.preflight import StartError
 from optserve.server.shard_actor import ShardActor, shard_device_request
 from optserve.server.storage.ownership import claim_shard
@@ -408,6 +409,10 @@ def start_shards(config: ServerConfig, security, precond_pool=None) -> RayShardF
     # up to its cap of 100,000 tasks, memory an hour of sessions would grow it by
     options = {"num_cpus": 0, "max_concurrency": 16, "enable_task_events": False,
                **shard_device_request(config).ray_options()}
+    traced = tracing_environment()  # OPTSERVE_TRACEMALLOC_*: reaches shards on a cluster started elsewhere too
+    if traced:
+        runtime_env = options.get("runtime_env", {})
+        options["runtime_env"] = {**runtime_env, "env_vars": {**runtime_env.get("env_vars", {}), **traced}}
     cls = ray.remote(ShardActor)
 
     def start_actor(index: int, ports: tuple = (0, 0), recovering: bool = False):
