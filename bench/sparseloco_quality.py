@@ -167,7 +167,7 @@ def train_run(args, address: str, task, sparse: bool):
         model = task.model()
         inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
         diloco = DiLoCo(model, inner, address, session=session, sync_every=args.H, num_workers=args.workers,
-                        worker_id=f"w{rank}", outer=OUTERS[args.sparse_outer if sparse else args.dense_outer],
+                        worker_id=f"w{rank}", outer=sparse_outer(args) if sparse else OUTERS[args.dense_outer],
                         compression=dict(args.compression) if sparse else None,
                         shared_memory=False)  # the bytes cross the wire, where they are counted
         rng = np.random.default_rng(seed * 100 + rank)  # the same minibatches in both runs
@@ -187,6 +187,17 @@ def train_run(args, address: str, task, sparse: bool):
         final = handle.pull(wire_dtype=None)
         handle.close()
     return final, exchanges
+
+
+def sparse_outer(args) -> dict:
+    """SparseLoCo's outer optimizer: ``--sparse-outer``, its learning rate and momentum replaced
+    where ``--sparse-outer-lr`` / ``--sparse-outer-momentum`` are given (momentum > 0: Nesterov)."""
+    outer = {"name": OUTERS[args.sparse_outer]["name"], "args": dict(OUTERS[args.sparse_outer]["args"])}
+    if args.sparse_outer_lr is not None:
+        outer["args"]["learning_rate"] = args.sparse_outer_lr
+    if args.sparse_outer_momentum is not None:
+        outer["args"].update(momentum=args.sparse_outer_momentum, nesterov=args.sparse_outer_momentum > 0)
+    return outer
 
 
 def final_loss(task, values) -> float:
@@ -215,6 +226,8 @@ def main(argv=None) -> int:
     parser.add_argument("--bits", type=int, default=2, help="SparseLoCo's bits per value (32: float32)")
     parser.add_argument("--sparse-outer", choices=sorted(OUTERS), default="sgd1",
                         help="SparseLoCo's outer optimizer: SGD lr 1 (its paper's) or DiLoCo's Nesterov")
+    parser.add_argument("--sparse-outer-lr", type=float, help="SparseLoCo's outer learning rate instead")
+    parser.add_argument("--sparse-outer-momentum", type=float, help="SparseLoCo's outer momentum instead (Nesterov)")
     parser.add_argument("--dense-outer", choices=sorted(OUTERS), default="nesterov",
                         help="dense DiLoCo's outer optimizer: Nesterov lr 0.7 momentum 0.9 (its paper's) or SGD lr 1")
     parser.add_argument("--seq", type=int, default=64)
@@ -263,13 +276,15 @@ def main(argv=None) -> int:
             rows[-2] += ["", ""]
     finally:
         server.stop()
+    overridden = args.sparse_outer_lr is not None or args.sparse_outer_momentum is not None
+    sparse_name = f"SGD {sparse_outer(args)['args']}" if overridden else OUTER_NAMES[args.sparse_outer]
     what = (f"two-layer GPT-2 ({parameters / 1e6:.2f}M parameters, embd {args.embd}, vocab {args.vocab}, context "
             f"{args.seq}) on Markov tokens, {args.successors} successors each (loss floor "
             f"{statistics.mean(floors):.4f} nats, mean over seeds)" if args.task == "gpt2" else
             f"the demo's digits MLP ({parameters:,} parameters; loss on the whole training set)")
     print_table(f"{what}; {args.workers} workers x {args.steps} inner steps (AdamW lr {args.lr}, batch {args.batch}), "
                 f"H={args.H}; SparseLoCo top {args.topk} of each {args.chunk}-chunk, {args.bits} bits; outer: "
-                f"SparseLoCo {OUTER_NAMES[args.sparse_outer]}, DiLoCo {OUTER_NAMES[args.dense_outer]}",
+                f"SparseLoCo {sparse_name}, DiLoCo {OUTER_NAMES[args.dense_outer]}",
                 ["seed", "run", "exchanges", "final train loss", "bits/param up per exchange",
                  "bits/param down per exchange", "bytes up / worker", "SparseLoCo / DiLoCo loss",
                  "ratio of losses above the floor"], rows)
