@@ -21,12 +21,12 @@ from optserve.server.domain.clock.clock_records import MAX_WORKERS_REPORTED, ROU
 from optserve.server.domain.clock.hyperparam_book import HyperparamBook
 from optserve.server.domain.clock.rounds import Rounds
 from optserve.server.domain.clock.staleness import Decision, decide
+from optserve.server.domain.clock.ticket_book import TicketBook
 from optserve.server.domain.clock.version_history import OpenStep, VersionHistory
 from optserve.server.domain.config import LatePolicy, Mode, SessionConfig, StalenessPolicy, worker_of
 from optserve.server.domain.durability import CheckpointPolicy
 from optserve.server.domain.errors import FutureBase, InvalidArgument, Late, OptservError, Stale
 
-_KEEP_TICKETS = 4096  # recent tickets kept by ordinal (shards ask for the one whose turn it is)
 _MAX_WORKERS_KEPT = 4096  # workers whose last push a clock remembers (the oldest are forgotten)
 
 
@@ -49,7 +49,7 @@ class ClockState:
     next_ordinal: int = 0
     step_clients: set = dataclasses.field(default_factory=set)
     last: dict = dataclasses.field(default_factory=dict)  # client_id -> (sequence, Ticket | OptservError)
-    tickets: dict = dataclasses.field(default_factory=dict)  # ordinal -> Ticket
+    tickets: TicketBook = dataclasses.field(default_factory=TicketBook)  # the latest tickets by ordinal
     accepted: int = 0
     stale: int = 0
     staleness_counts: dict = dataclasses.field(default_factory=dict)  # staleness -> accepted pushes
@@ -151,10 +151,9 @@ class ClockState:
         """Books a decided ticket (a fresh decision, or one replayed from the ticket journal);
         ``closed_by``: why an elastic round it closes committed."""
         self.next_ordinal = ticket.ordinal + 1
-        self.tickets[ticket.ordinal] = ticket
+        self.tickets.put(ticket)
         if ticket.hyperparams:  # a fresh ticket's change is booked already (a replayed one's is not)
             self.hyper.applied(ticket.target_version, json.loads(ticket.hyperparams))
-        self.tickets.pop(ticket.ordinal - _KEEP_TICKETS, None)
         self._add_to_step(ticket, closed_by)
         if ticket.checkpoint:
             self.checkpoint_version, self.checkpoint_time = ticket.target_version, time.monotonic()
@@ -198,9 +197,7 @@ class ClockState:
         back to it) and continues at ``next_ordinal``; returns how many tickets were forgotten.
         A client whose latest ticket is forgotten is answered from its previous one still kept
         (or decided afresh)."""
-        dropped = [t for t in self.tickets.values() if t.target_version > version]
-        for ticket in dropped:
-            del self.tickets[ticket.ordinal]
+        dropped = self.tickets.forget_deciding_after(version)
         self.accepted -= sum(not t.closes_round for t in dropped)
         self.version, self.next_ordinal = min(self.version, version), next_ordinal
         self.step_clients = set()  # the open step was after ``version``: its tickets are gone
@@ -209,11 +206,11 @@ class ClockState:
         self.open_step = OpenStep()
         self.history.forget_after(version)
         self.hyper.forget_after(version)
+        newest_kept = {t.client_id: t for t in self.tickets}  # in ordinal order: each client's newest wins
         for client, (_, latest) in list(self.last.items()):
             if isinstance(latest, Ticket) and latest.target_version > version:
-                kept = [t for t in self.tickets.values() if t.client_id == client]
-                if kept:
-                    newest = max(kept, key=lambda t: t.ordinal)
+                newest = newest_kept.get(client)
+                if newest is not None:
                     self.last[client] = (newest.sequence, newest)
                 else:
                     del self.last[client]
@@ -224,7 +221,7 @@ class ClockState:
         refused push is decided afresh)."""
         return {"version": self.version, "next_ordinal": self.next_ordinal, "step_clients": sorted(self.step_clients),
                 "last": {c: t.to_json() for c, (_, t) in self.last.items() if isinstance(t, Ticket)},
-                "tickets": [t.to_json() for t in self.tickets.values()], "accepted": self.accepted,
+                "tickets": [t.to_json() for t in self.tickets], "accepted": self.accepted,
                 "stale": self.stale, "staleness_counts": {str(k): v for k, v in self.staleness_counts.items()},
                 "checkpoint_version": self.checkpoint_version, "hyper": self.hyper.to_json(),
                 "rounds": self.history.to_json()}
@@ -235,7 +232,7 @@ class ClockState:
         self.version, self.next_ordinal = int(data["version"]), int(data["next_ordinal"])
         self.step_clients = set(data["step_clients"])
         self.last = {c: (t.sequence, t) for c, t in ((c, Ticket.from_json(v)) for c, v in data["last"].items())}
-        self.tickets = {t.ordinal: t for t in map(Ticket.from_json, data["tickets"])}
+        self.tickets.restore(map(Ticket.from_json, data["tickets"]))
         self.accepted, self.stale = int(data["accepted"]), int(data["stale"])
         self.staleness_counts = {int(k): int(v) for k, v in data["staleness_counts"].items()}
         self.checkpoint_version, self.checkpoint_time = int(data["checkpoint_version"]), time.monotonic()
@@ -244,7 +241,7 @@ class ClockState:
         if self.rounds is not None:
             self.rounds.forget_after(self.version)
         self.open_step = OpenStep()
-        for ticket in sorted(self.tickets.values(), key=lambda t: t.ordinal):
+        for ticket in self.tickets:
             if ticket.target_version > self.version and not ticket.closes_step:  # decided into the open step
                 if self.rounds is not None:
                     self.rounds.add(ticket, time.monotonic())

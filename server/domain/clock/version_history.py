@@ -8,13 +8,14 @@ async sessions one per applied push. The record is built from the tickets the cl
 (:class:`OpenStep`), so it says exactly what every shard applied.
 
 Where it is kept: by the session's clock on its home shard (:class:`VersionHistory`: the latest
-:data:`MAX_VERSIONS_KEPT` versions; older ones are forgotten, so a reader keeps up by asking with
-``since``). Durable sessions keep it across a restart: it is part of the clock state each
-checkpoint saves, and the versions after a checkpoint are rebuilt from the ticket journal: an
-async record, or a sync step's of one push, is a function of its tickets alone (the journal holds
-each ticket with its staleness and scale), and the record of a sync round of several pushes or of
-an elastic round, whose duration and closing reason no ticket holds, is journaled beside the
-ticket that closes it (see :class:`~optserve.server.domain.clock.home_clock.HomeClock`).
+:data:`MAX_VERSIONS_KEPT` versions, as rows of typed columns rather than objects; older ones are
+forgotten, so a reader keeps up by asking with ``since``). Durable sessions keep it across a
+restart: it is part of the clock state each checkpoint saves, and the versions after a checkpoint
+are rebuilt from the ticket journal: an async record, or a sync step's of one push, is a function of
+its tickets alone (the journal holds each ticket with its staleness and scale), and the record of a
+sync round of several pushes or of an elastic round, whose duration and closing reason no ticket
+holds, is journaled beside the ticket that closes it (see
+:class:`~optserve.server.domain.clock.home_clock.HomeClock`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Iterable, Optional, Sequence
 
 from optserve.protos.status_records import RoundRecord
 from optserve.server.domain.clock.clock_records import Ticket
+from optserve.server.domain.clock.columns import Columns
 from optserve.server.domain.config import worker_of
 
 MAX_VERSIONS_KEPT = 4096  # versions whose record a session's clock keeps (as its tickets and hyperparameter changes)
@@ -68,43 +70,173 @@ class OpenStep:
         return record
 
 
+_WHOLE, _NO_PUSH_IDS, _AS_OBJECT = 0, 1, 2  # how a version's record is kept (see VersionHistory)
+_VERSION, _DURATION, _CLOSED_BY, _LATE, _KIND, _FIRST_PUSH = range(6)  # a version's fields
+_PARTICIPANT, _CLIENT, _SEQUENCE, _STALENESS, _SCALE = range(5)  # a push's fields
+
+
 class VersionHistory:
     """The records of a session's latest versions, in version order (not thread-safe: the session
-    clock calls it under its lock). ``keep``: how many versions it holds."""
+    clock calls it under its lock). ``keep``: how many versions it holds.
+
+    Records are kept as rows of :class:`~optserve.server.domain.clock.columns.Columns`, not as
+    objects: one row per version (its version, duration, closing reason, late workers and where
+    its pushes start) and one per push (worker, client, sequence, staleness, scale); a record is
+    built when asked for. A record whose per-push fields do not all have one entry per push
+    (written before clients were recorded: no clients, sequences or staleness) keeps that shape;
+    any other shape is kept as the object itself.
+    """
 
     def __init__(self, keep: int = MAX_VERSIONS_KEPT):
         self._keep = keep
-        self._records: list[RoundRecord] = []
+        self._versions = Columns("qdOOBq")
+        self._pushes = Columns("OOqqd")
+        self._pushes_dropped = 0  # pushes forgotten from the front (a version's first push counts them)
+        self._objects: dict[int, RoundRecord] = {}  # version -> record kept whole (_AS_OBJECT)
+
+    def __len__(self) -> int:
+        return len(self._versions)
 
     def keep(self, record: RoundRecord) -> None:
         """Files ``record`` in version order, replacing one of the same version (a journaled
         record is exact where one rebuilt from tickets lacks timings); the oldest beyond the
         bound are forgotten."""
-        if not self._records or self._records[-1].version < record.version:
-            self._records.append(record)
+        count = len(self._versions)
+        if not count or self._versions.value(_VERSION, count - 1) < record.version:
+            self._append(record)
         else:
-            self._records = sorted([r for r in self._records if r.version != record.version] + [record],
-                                   key=lambda r: r.version)
-        if len(self._records) > self._keep:
-            del self._records[:-self._keep]
+            at = self._versions.find(_VERSION, record.version)
+            if not (at < count and self._versions.value(_VERSION, at) == record.version and self._replace(at, record)):
+                later = [r for r in self._records(at) if r.version != record.version]
+                self._forget_from(at)
+                for kept in [record] + later:
+                    self._append(kept)
+        self._forget_first(len(self._versions) - self._keep)
+
+    def _append(self, record: RoundRecord) -> None:
+        """Adds ``record`` after the last version (as the object itself where a value does not
+        fit the rows' fields)."""
+        kind, first_push = _shape_of(record), self._pushes_dropped + len(self._pushes)
+        if kind != _AS_OBJECT:
+            try:
+                for row in _push_rows(record, kind):
+                    self._pushes.append(row)
+                self._versions.append(self._version_row(record, kind, first_push))
+                return
+            except (OverflowError, TypeError, ValueError):
+                self._pushes.keep_first(first_push - self._pushes_dropped)
+        self._versions.append(self._version_row(record, _AS_OBJECT, first_push))
+        self._objects[record.version] = record
+
+    def _replace(self, at: int, record: RoundRecord) -> bool:
+        """Puts ``record`` in place of the one at index ``at`` when it has as many pushes and
+        neither is kept whole; returns whether it did."""
+        kind, first_push = _shape_of(record), self._versions.value(_FIRST_PUSH, at)
+        rows = _push_rows(record, kind)
+        if kind == _AS_OBJECT or self._versions.value(_KIND, at) == _AS_OBJECT \
+                or self._push_end(at) - first_push != len(rows) \
+                or not (self._versions.fits(self._version_row(record, kind, first_push))
+                        and all(map(self._pushes.fits, rows))):
+            return False
+        self._versions.replace(at, self._version_row(record, kind, first_push))
+        for offset, row in enumerate(rows):
+            self._pushes.replace(first_push - self._pushes_dropped + offset, row)
+        return True
+
+    @staticmethod
+    def _version_row(record: RoundRecord, kind: int, first_push: int) -> tuple:
+        return (record.version, record.duration_s, sys.intern(record.closed_by), tuple(record.late), kind, first_push)
+
+    def _push_end(self, at: int) -> int:
+        """One past the last push of the version at index ``at`` (counted as first_push is)."""
+        return (self._versions.value(_FIRST_PUSH, at + 1) if at + 1 < len(self._versions)
+                else self._pushes_dropped + len(self._pushes))
+
+    def _forget_first(self, count: int) -> None:
+        """Forgets the ``count`` oldest versions (and their pushes)."""
+        if count <= 0:
+            return
+        for index in range(min(count, len(self._versions))):
+            if self._versions.value(_KIND, index) == _AS_OBJECT:
+                del self._objects[self._versions.value(_VERSION, index)]
+        self._versions.drop_first(count)
+        first_push = (self._versions.value(_FIRST_PUSH, 0) if len(self._versions)
+                      else self._pushes_dropped + len(self._pushes))
+        self._pushes.drop_first(first_push - self._pushes_dropped)
+        self._pushes_dropped = first_push
+
+    def _clear(self) -> None:
+        self._forget_from(0)
+
+    def _records(self, first: int) -> list[RoundRecord]:
+        """The records from index ``first`` on, oldest first."""
+        versions = list(self._versions.rows(first))
+        if not versions:
+            return []
+        base = versions[0][_FIRST_PUSH]
+        pushes = list(self._pushes.rows(base - self._pushes_dropped))
+        ends = [row[_FIRST_PUSH] - base for row in versions[1:]] + [len(pushes)]
+        records = []
+        for (version, duration_s, closed_by, late, kind, first_push), end in zip(versions, ends):
+            if kind == _AS_OBJECT:
+                records.append(self._objects[version])
+                continue
+            columns = tuple(zip(*pushes[first_push - base:end])) or ((), (), (), (), ())
+            whole = kind == _WHOLE
+            records.append(RoundRecord(version, columns[_PARTICIPANT], columns[_SCALE], late, duration_s, closed_by,
+                                       columns[_CLIENT] if whole else (), columns[_SEQUENCE] if whole else (),
+                                       columns[_STALENESS] if whole else ()))
+        return records
 
     @property
     def latest(self) -> Optional[RoundRecord]:
-        return self._records[-1] if self._records else None
+        return self._records(len(self._versions) - 1)[0] if len(self._versions) else None
 
     def forget_after(self, version: int) -> None:
         """A restore rolled the session back to ``version``: later records go."""
-        self._records = [r for r in self._records if r.version <= version]
+        self._forget_from(self._versions.find(_VERSION, version, after=True))
+
+    def _forget_from(self, first_gone: int) -> None:
+        """Forgets the versions from index ``first_gone`` on (and their pushes)."""
+        if first_gone >= len(self._versions):
+            return
+        for index in range(first_gone, len(self._versions)):
+            if self._versions.value(_KIND, index) == _AS_OBJECT:
+                del self._objects[self._versions.value(_VERSION, index)]
+        self._pushes.keep_first(self._versions.value(_FIRST_PUSH, first_gone) - self._pushes_dropped)
+        self._versions.keep_first(first_gone)
 
     def since(self, version: int) -> list[RoundRecord]:
         """The records of the versions after ``version``, oldest first."""
-        return [r for r in self._records if r.version > version]
+        return self._records(self._versions.find(_VERSION, version, after=True))
 
     def to_json(self) -> list:
-        return [r.to_json() for r in self._records]
+        return [r.to_json() for r in self._records(0)]
 
     def restore(self, data: Iterable[dict]) -> None:
         """Takes back the records of :meth:`to_json`."""
-        self._records = []
+        self._clear()
         for record in data:
             self.keep(RoundRecord.from_json(record))
+
+
+def _shape_of(record: RoundRecord) -> int:
+    """Whether ``record``'s per-push fields fit the rows: all of them one entry per push
+    (``_WHOLE``), only workers and scales (``_NO_PUSH_IDS``), or neither (``_AS_OBJECT``)."""
+    pushes = len(record.participants)
+    per_push = (record.clients, record.sequences, record.staleness)
+    if len(record.scales) != pushes:
+        return _AS_OBJECT
+    if all(len(field) == pushes for field in per_push):
+        return _WHOLE
+    return _NO_PUSH_IDS if not any(per_push) else _AS_OBJECT
+
+
+def _push_rows(record: RoundRecord, kind: int) -> list[tuple]:
+    """The rows of ``record``'s pushes (none for a record kept whole)."""
+    if kind == _AS_OBJECT:
+        return []
+    whole = kind == _WHOLE
+    return [(sys.intern(record.participants[i]), sys.intern(record.clients[i]) if whole else "",
+             record.sequences[i] if whole else 0, record.staleness[i] if whole else 0, record.scales[i])
+            for i in range(len(record.participants))]
