@@ -454,6 +454,20 @@ def test_push_with_an_overlong_client_id_is_rejected_and_nothing_is_staged(twins
     assert_state_intact(victim, twin, params)
 
 
+def test_push_with_a_negative_base_version_is_rejected_naming_it_and_nothing_is_applied(twins):
+    # Its staleness would be past any version the clock keeps (and past int64 from -2**63).
+    victim, twin, params = twins
+    stub, names = _raw_shard(victim, "dense/w")
+    grads = make_grads(params, 5)
+    header = data_pb2.PushHeader(session=victim.name, client_id="raw-client", sequence=1, base_version=-2**63,
+                                 auto_commit=True)
+    requests = [data_pb2.PushRequest(header=header)] + [data_pb2.PushRequest(chunk=_chunk(n, grads[n])) for n in names]
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Push(iter(requests), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "base_version must be >= 0" in info.value.details()
+    assert_state_intact(victim, twin, params)
+
+
 def test_a_message_other_than_the_decision_after_staged_is_invalid_argument_and_drops_the_push(twins):
     # After `staged` a two-phase step takes its decision; a chunk there is refused (the call ends),
     # the staged push dropped, the session intact.

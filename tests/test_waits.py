@@ -14,6 +14,7 @@ import pytest
 from optserve.server.domain.clock.votes import ShardVotes
 from optserve.server.domain.clock.clock_records import Ticket
 from optserve.server.domain.errors import PeerRefused
+from optserve.server.domain import waits
 from optserve.server.domain.waits import SignalCondition, Wait, drive
 from optserve.server.wire.loop_calls import PoolRuns
 
@@ -268,3 +269,81 @@ def test_a_step_whose_call_is_cancelled_just_as_its_stretch_ends_goes_on_to_its_
     finally:
         pool.shutdown(wait=False)
     assert finished.is_set()
+
+
+def _holds(cond: SignalCondition, took: list):
+    """A step that takes ``cond`` without a thread and notes it took it."""
+    with (yield from cond.hold_steps()):
+        took.append(threading.get_ident())
+
+
+def test_steps_waiting_for_a_held_lock_hold_no_thread_and_go_on_at_its_release(monkeypatch):
+    # An update holds the session's lock; 100 steps arrive wanting it. Were each to block on the
+    # lock, the pool's 2 threads would be taken and a job of another session could not run.
+    monkeypatch.setattr(waits, "LOCK_POLL_S", 60.0)  # only the releases end the waits
+    cond = SignalCondition()
+    took: list = []
+    pool = ThreadPoolExecutor(2)
+    held, release = threading.Event(), threading.Event()
+
+    def update():
+        with cond:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=update)
+    holder.start()
+    held.wait(5)
+
+    async def main():
+        steps = [asyncio.ensure_future(PoolRuns(pool).result(_holds(cond, took))) for _ in range(100)]
+        await asyncio.sleep(0.3)
+        assert not took  # all waiting for the lock
+        other = asyncio.get_running_loop().run_in_executor(pool, lambda: "other session")
+        assert await asyncio.wait_for(other, 2.0) == "other session"  # the pool is free
+        released_at = time.monotonic()
+        release.set()
+        await asyncio.wait_for(asyncio.gather(*steps), 10.0)
+        return time.monotonic() - released_at
+
+    try:
+        after_release_s = asyncio.run(main())
+    finally:
+        release.set()
+        holder.join(5)
+        pool.shutdown()
+    assert len(took) == 100 and after_release_s < 3.0
+
+
+def test_a_step_takes_a_lock_its_own_thread_holds_at_once_and_leaves_it_held():
+    cond = SignalCondition()
+    took: list = []
+    with cond:
+        drive(_holds(cond, took))  # re-entrant: no wait
+        assert cond._is_owned()
+    assert took == [threading.get_ident()] and not cond._is_owned()
+
+
+def test_a_lock_released_inside_a_condition_wait_is_taken_by_a_waiting_step(monkeypatch):
+    # cond.wait() lets the lock go through its own release: that ends the step's wait too.
+    monkeypatch.setattr(waits, "LOCK_POLL_S", 60.0)
+    cond = SignalCondition()
+    took: list = []
+    holding, done = threading.Event(), threading.Event()
+
+    def waiter():
+        with cond:
+            holding.set()
+            time.sleep(0.3)  # the step tries meanwhile, and waits
+            cond.wait_for(done.is_set, timeout=90)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    holding.wait(5)
+    started = time.monotonic()
+    drive(_holds(cond, took))  # the holder sits in cond.wait, its lock released
+    assert took and time.monotonic() - started < 30.0  # not the poll's 60 s
+    done.set()
+    with cond:
+        cond.notify_all()
+    thread.join(5)

@@ -13,6 +13,7 @@ without a thread and runs only the code between waits in its thread pool.
 
 from __future__ import annotations
 
+import collections
 import threading
 from concurrent.futures import Future, InvalidStateError
 from typing import Generator, Iterator, Optional, TypeVar
@@ -21,6 +22,7 @@ T = TypeVar("T")
 Steps = Generator["Wait", bool, T]  # a generator of waits returning T
 
 _PRUNE_FROM = 64  # waiters kept before the ones given up on are first looked for
+LOCK_POLL_S = 0.25  # a step waiting for a condition's lock tries again at least this often
 
 
 class Wait:
@@ -89,12 +91,27 @@ def returns(value: T) -> Steps[T]:
 class SignalCondition(threading.Condition):
     """A ``threading.Condition`` (re-entrant by default) whose :meth:`notify_all` also completes
     the futures of :meth:`waiter`: a step waits for the condition's next notification without a
-    thread by yielding ``Wait(cond.waiter(), timeout, signal=True)`` (see :meth:`wait_step`)."""
+    thread by yielding ``Wait(cond.waiter(), timeout, signal=True)`` (see :meth:`wait_step`).
+
+    A step also takes the lock itself without a thread: ``with (yield from cond.hold_steps()):``
+    yields waits while another thread holds it (see :meth:`hold_steps`)."""
 
     def __init__(self, lock=None):
         super().__init__(lock)
         self._futures: list[Future] = []
         self._prune_at = _PRUNE_FROM  # the list's length at which given-up futures are dropped
+        self._lock_waiters: collections.deque[Future] = collections.deque()  # steps waiting for the lock, in order
+        self._lock_waiters_lock = threading.Lock()
+        self._lock_prune_at = _PRUNE_FROM
+        self.release = self._release  # threading.Condition binds its lock's own release here
+        release_save = self._release_save  # and the release of wait(), which lets the lock go too
+
+        def release_for_wait():
+            state = release_save()
+            self._wake_next()
+            return state
+
+        self._release_save = release_for_wait
 
     def waiter(self) -> Future:
         """A future done at the next :meth:`notify_all` (call with the lock held, then release
@@ -119,3 +136,61 @@ class SignalCondition(threading.Condition):
                 future.set_result(True)
             except InvalidStateError:  # given up on (cancelled) meanwhile
                 pass
+
+    def hold_steps(self) -> Steps["_Held"]:
+        """Takes the lock, yielding a :class:`Wait` for its release while another thread holds it;
+        returns a context manager that releases it: ``with (yield from cond.hold_steps()):``.
+
+        Each release of the lock for good (a ``with cond`` block's end, :meth:`release`, a
+        ``cond.wait()``) ends the wait of the step that has waited longest, which tries again;
+        every wait also ends after :data:`LOCK_POLL_S` (a step woken that never came to try).
+        Code between the acquisition and the release must not yield (a lock belongs to the
+        thread that took it)."""
+        while not self._lock.acquire(blocking=False):
+            future: Future = Future()
+            with self._lock_waiters_lock:
+                if len(self._lock_waiters) >= self._lock_prune_at:  # waits that timed out (a long hold)
+                    self._lock_waiters = collections.deque(f for f in self._lock_waiters if not f.cancelled())
+                    self._lock_prune_at = max(_PRUNE_FROM, 2 * len(self._lock_waiters))
+                self._lock_waiters.append(future)
+            if self._lock.acquire(blocking=False):  # released before the future was listed
+                future.cancel()
+                break
+            yield Wait(future, LOCK_POLL_S, signal=True)
+        return _Held(self)
+
+    def __exit__(self, *exc_info) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        self._lock.release()
+        if self._lock_waiters and not self._is_owned():  # released for good
+            self._wake_next()
+
+    def _wake_next(self) -> None:
+        """Ends the wait of the step that has waited longest for the lock (one at a time: it wakes
+        the next when it lets the lock go, so that a crowd of waiters is not woken at every release)."""
+        with self._lock_waiters_lock:
+            while self._lock_waiters:
+                future = self._lock_waiters.popleft()
+                try:
+                    future.set_result(True)
+                    return
+                except InvalidStateError:  # given up on (timed out) meanwhile: the next one
+                    continue
+            self._lock_prune_at = _PRUNE_FROM
+
+
+class _Held:
+    """The lock :meth:`SignalCondition.hold_steps` took, released at the end of its ``with`` block."""
+
+    __slots__ = ("_cond",)
+
+    def __init__(self, cond: SignalCondition):
+        self._cond = cond
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc_info) -> None:
+        self._cond.release()

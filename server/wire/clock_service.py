@@ -27,7 +27,7 @@ import math
 import threading
 import time
 from concurrent.futures import Executor
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import grpc
 
@@ -43,7 +43,7 @@ from optserve.server.wire.loop_server import LoopServer
 from optserve.server.wire.security import InternalSecretInterceptor, InternalTrust
 from optserve.server.wire.thread_pool import ShrinkingThreadPool
 
-_THREADS = 256  # one per cross-shard sum waiting for its peers (votes wait on the loop)
+_THREADS = 256  # the clock's calls between their waits (votes and cross-shard sums wait on the loop)
 _IN_FLIGHT: set = set()  # refusing votes sent without waiting, held until they end
 _IN_FLIGHT_LOCK = threading.Lock()
 _RPC_SLACK_S = 30.0  # beyond the home-side wait, for the reply to arrive
@@ -131,23 +131,17 @@ class _ClockServicer(clock_pb2_grpc.SessionClockServicer):
 
     async def Vote(self, request, context):
         """Served on the event loop: the vote's wait for the other shards holds no thread."""
-        try:
-            request = checked_message(request, "Vote")
+        def checks(request) -> None:
             _check_not_negative("Vote", "shard_index", request.shard_index)
             _check_wait("Vote", "timeout_s", request.timeout_s)
-        except InvalidArgument as exc:
-            await abort_call(context, exc, "SessionClock/Vote")
-            return None
-        try:
-            ticket = await PoolRuns(self._pool).result(self._clock_for(request.session).vote_steps(
-                request.client_id, request.sequence, request.base_version, request.shard_index, request.staged,
-                request.timeout_s, request.attempt))
-        except OptservError as exc:
-            return clock_pb2.ClockTicketReply(error=_error_to_proto(exc))
-        except Exception as exc:  # noqa: BLE001 - a server fault: INTERNAL, logged
-            await abort_call(context, exc, "SessionClock/Vote")
-            return None
-        return clock_pb2.ClockTicketReply(ticket=_ticket_to_proto(ticket)) if ticket is not None else clock_pb2.ClockTicketReply()
+
+        def reply(ticket: Optional[Ticket]) -> clock_pb2.ClockTicketReply:
+            return clock_pb2.ClockTicketReply(ticket=_ticket_to_proto(ticket)) if ticket is not None \
+                else clock_pb2.ClockTicketReply()
+
+        return await self._on_loop(context, "Vote", request, checks, lambda r: self._clock_for(r.session).vote_steps(
+            r.client_id, r.sequence, r.base_version, r.shard_index, r.staged, r.timeout_s, r.attempt), reply,
+            lambda exc: clock_pb2.ClockTicketReply(error=_error_to_proto(exc)))
 
     @grpc_errors
     def Commit(self, request, context):
@@ -159,15 +153,36 @@ class _ClockServicer(clock_pb2_grpc.SessionClockServicer):
         _check_not_negative("GetTicket", "ordinal", request.ordinal)
         return _ticket_reply(lambda: self._clock_for(request.session).ticket(request.ordinal))
 
-    @grpc_errors
-    def ReduceSum(self, request, context):
-        _check_not_negative("ReduceSum", "key", request.key)
-        _check_not_negative("ReduceSum", "shard_index", request.shard_index)
+    async def ReduceSum(self, request, context):
+        """Served on the event loop: the sum's wait for the other shards' parts holds no thread."""
+        def checks(request) -> None:
+            _check_not_negative("ReduceSum", "key", request.key)
+            _check_not_negative("ReduceSum", "shard_index", request.shard_index)
+
+        return await self._on_loop(context, "ReduceSum", request, checks, lambda r: self._clock_for(
+            r.session).reduce_sum_steps(r.key, r.shard_index, r.value), lambda total: clock_pb2.ClockSumReply(
+            total=total), lambda exc: clock_pb2.ClockSumReply(error=_error_to_proto(exc)))
+
+    async def _on_loop(self, context, method: str, request, checks: Callable[[Any], None],
+                       steps: Callable[[Any], Steps], reply: Callable[[Any], Any],
+                       refused: Callable[[OptservError], Any]):
+        """A call served on the event loop: ``checks(request)`` (INVALID_ARGUMENT), then
+        ``steps(request)`` run in the pool between its waits; its value answered as ``reply(value)``,
+        a refusal of the clock as ``refused(error)``, anything else INTERNAL (logged)."""
         try:
-            total = self._clock_for(request.session).reduce_sum(request.key, request.shard_index, request.value)
+            request = checked_message(request, method)
+            checks(request)
+        except InvalidArgument as exc:
+            await abort_call(context, exc, f"SessionClock/{method}")
+            return None
+        try:
+            value = await PoolRuns(self._pool).result(steps(request))
         except OptservError as exc:
-            return clock_pb2.ClockSumReply(error=_error_to_proto(exc))
-        return clock_pb2.ClockSumReply(total=total)
+            return refused(exc)
+        except Exception as exc:  # noqa: BLE001 - a server fault: INTERNAL, logged
+            await abort_call(context, exc, f"SessionClock/{method}")
+            return None
+        return reply(value)
 
 
 def _add_to_server(servicer: _ClockServicer, server: LoopServer) -> None:

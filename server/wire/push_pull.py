@@ -238,9 +238,9 @@ class PushPullCalls:
         started = time.perf_counter()
         dtype, chunk_bytes = reply
         if sparse_base is None:
-            (version, params), relayed = session.snapshot(), {}
+            (version, params), relayed = (yield from session.snapshot_steps()), {}
         else:
-            version, params, relayed = session.snapshot_relayed(sparse_base)
+            version, params, relayed = yield from session.snapshot_steps(relayed_since=sparse_base)
             # parts another worker cut larger than this client takes in one chunk go as values
             relayed = {name: parts for name, parts in relayed.items()
                        if all(len(data) <= chunk_bytes for part in parts for _, data in part)}

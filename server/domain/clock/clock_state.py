@@ -150,8 +150,8 @@ class ClockState:
     def record(self, ticket: Ticket, closed_by: str = "replayed") -> None:
         """Books a decided ticket (a fresh decision, or one replayed from the ticket journal);
         ``closed_by``: why an elastic round it closes committed."""
+        self.tickets.put(ticket)  # first: a ticket it cannot keep changes nothing
         self.next_ordinal = ticket.ordinal + 1
-        self.tickets.put(ticket)
         if ticket.hyperparams:  # a fresh ticket's change is booked already (a replayed one's is not)
             self.hyper.applied(ticket.target_version, json.loads(ticket.hyperparams))
         self._add_to_step(ticket, closed_by)
@@ -216,15 +216,18 @@ class ClockState:
                     del self.last[client]
         return len(dropped)
 
-    def to_json(self) -> dict:
+    def to_json(self, with_history: bool = True) -> dict:
         """The clock's durable state (refusals remembered for retries are left out: a retried
-        refused push is decided afresh)."""
-        return {"version": self.version, "next_ordinal": self.next_ordinal, "step_clients": sorted(self.step_clients),
+        refused push is decided afresh); ``with_history=False``: without its ``"rounds"`` (the
+        caller adds ``history.view(0).to_json()``)."""
+        state = {"version": self.version, "next_ordinal": self.next_ordinal, "step_clients": sorted(self.step_clients),
                 "last": {c: t.to_json() for c, (_, t) in self.last.items() if isinstance(t, Ticket)},
                 "tickets": [t.to_json() for t in self.tickets], "accepted": self.accepted,
                 "stale": self.stale, "staleness_counts": {str(k): v for k, v in self.staleness_counts.items()},
-                "checkpoint_version": self.checkpoint_version, "hyper": self.hyper.to_json(),
-                "rounds": self.history.to_json()}
+                "checkpoint_version": self.checkpoint_version, "hyper": self.hyper.to_json()}
+        if with_history:
+            state["rounds"] = self.history.to_json()
+        return state
 
     def restore(self, data: dict) -> None:
         """Takes back the state of :meth:`to_json` (the checkpoint clock restarts now); the open

@@ -81,6 +81,12 @@ class Columns:
         start = self._start + max(0, first)
         return zip(*(column[start:] for column in self._columns))
 
+    def columns(self, first: int = 0) -> list:
+        """Each field's values from row ``first`` on: copies (an ``array`` or a list per field),
+        to be read without a lock."""
+        start = self._start + max(0, first)
+        return [column[start:] for column in self._columns]
+
     def value(self, field: int, index: int):
         """Field ``field`` of the row at ``index`` (0 <= index < len)."""
         return self._columns[field][self._start + index]
@@ -94,7 +100,7 @@ class Columns:
     def drop_first(self, count: int) -> None:
         """Forgets the ``count`` oldest rows (their storage is given back once enough have gone)."""
         self._start += min(max(0, count), len(self))
-        if self._start >= _COMPACT_FROM and self._start >= len(self):
+        if self._start >= _COMPACT_FROM and 4 * self._start >= len(self):  # moves 4 rows per row dropped, at most
             for column in self._columns:
                 del column[:self._start]
             self._start = 0

@@ -11,11 +11,11 @@ same float.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any, Callable, Optional
 
 from optserve.server.domain.errors import OptservError, Timeout
+from optserve.server.domain.waits import SignalCondition, Steps, drive
 
 _log = logging.getLogger(__name__)
 
@@ -37,13 +37,14 @@ class CrossShardSums:
 
     Args:
       participants: shards holding tensors of the session; a sum waits for all of them.
-      cond: the home clock's condition; its lock guards the sums and the clock's state alike.
+      cond: the home clock's condition; its lock guards the sums and the clock's state alike (a
+        sum waits for its notifications without a thread).
       timeout_s: longest wait for the other shards' parts.
       journal: durable sessions: called under the lock with ``{"sum": key, "total": total}``
         before any shard gets the total (None: not durable, totals are not remembered).
     """
 
-    def __init__(self, participants: int, cond: threading.Condition, timeout_s: float,
+    def __init__(self, participants: int, cond: SignalCondition, timeout_s: float,
                  journal: Optional[Callable[[Any], None]] = None):
         self._participants = participants
         self._cond = cond
@@ -60,37 +61,46 @@ class CrossShardSums:
           Timeout: a shard's part did not arrive within ``timeout_s``.
           the session's error once :meth:`abandon` ended it.
         """
+        return drive(self.reduce_sum_steps(key, shard_index, value))
+
+    def reduce_sum_steps(self, key: int, shard_index: int, value: float) -> Steps[float]:
+        """:meth:`reduce_sum` with its wait for the other shards' parts yielded (the lock released;
+        see :mod:`~optserve.server.domain.waits`), so a sum waiting holds no thread."""
         if self._participants == 1:
             return value
+        deadline = time.monotonic() + self._timeout
         with self._cond:
             if key in self._totals:  # decided before a restart (of this clock or of the asking shard)
                 return self._totals[key]
             parts = self._parts.setdefault(key, _Parts())
             parts.values[shard_index] = value
             self._cond.notify_all()
-            self._await_all(key, parts)
-            total = 0.0
-            for index in sorted(parts.values):
-                total += parts.values[index]
-            if self._journal is not None and key not in self._totals:
-                self._journal_total(key, total)
-            parts.taken += 1
-            if parts.taken >= self._participants:
-                self._parts.pop(key, None)
-            return total
+        while True:
+            with self._cond:
+                if len(parts.values) >= self._participants:
+                    return self._take_total(key, parts)
+                if self._abandoned is not None:
+                    raise self._abandoned
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    if self._parts.get(key) is parts:
+                        self._parts.pop(key, None)
+                    raise Timeout(f"cross-shard sum for step {key}: {len(parts.values)} of "
+                                  f"{self._participants} shards sent their part within {self._timeout:.0f} s")
+                wait = self._cond.wait_step(remaining)
+            yield wait
 
-    def _await_all(self, key: int, parts: _Parts) -> None:
-        """Waits (lock held) until every shard's part of step ``key`` arrived."""
-        deadline = time.monotonic() + self._timeout
-        while len(parts.values) < self._participants:
-            if self._abandoned is not None:
-                raise self._abandoned
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self._parts.pop(key, None)
-                raise Timeout(f"cross-shard sum for step {key}: {len(parts.values)} of "
-                              f"{self._participants} shards sent their part within {self._timeout:.0f} s")
-            self._cond.wait(remaining)
+    def _take_total(self, key: int, parts: _Parts) -> float:
+        """Every part of step ``key`` arrived: its total, journaled first by durable sessions (lock held)."""
+        total = 0.0
+        for index in sorted(parts.values):
+            total += parts.values[index]
+        if self._journal is not None and key not in self._totals:
+            self._journal_total(key, total)
+        parts.taken += 1
+        if parts.taken >= self._participants and self._parts.get(key) is parts:
+            self._parts.pop(key, None)
+        return total
 
     def _journal_total(self, key: int, total: float) -> None:
         """Journals and remembers step ``key``'s total (the oldest remembered are forgotten)."""

@@ -148,6 +148,10 @@ class HomeClock:
         """See :meth:`~optserve.server.domain.clock.cross_shard_sums.CrossShardSums.reduce_sum`."""
         return self._sums.reduce_sum(key, shard_index, value)
 
+    def reduce_sum_steps(self, key: int, shard_index: int, value: float) -> Steps[float]:
+        """:meth:`reduce_sum`, its wait for the other shards' parts yielded (a peer's ``ReduceSum`` call)."""
+        return (yield from self._sums.reduce_sum_steps(key, shard_index, value))
+
     def status(self) -> ClockStatus:
         with self._cond:
             self._close_round_if_due()  # lapsed leases are counted (and may commit the open round)
@@ -221,7 +225,8 @@ class HomeClock:
         :data:`~optserve.server.domain.clock.version_history.MAX_VERSIONS_KEPT` versions are kept; see
         :mod:`~optserve.server.domain.clock.version_history`)."""
         with self._cond:
-            return self._state.history.since(since)
+            view = self._state.history.view_since(since)
+        return view.records()  # built without the lock: pushes go on meanwhile
 
     # ----------------------------------------------------------------- hyperparameters (home only)
     def set_hyperparams(self, values: dict) -> tuple[int, bool]:
@@ -313,10 +318,12 @@ class HomeClock:
         """The clock's state for a checkpoint, with ``rotate()`` (start a new journal segment)
         run under the same lock: the state covers exactly what was journaled before it."""
         with self._cond:
-            state = self._state.to_json()
+            state = self._state.to_json(with_history=False)
+            history = self._state.history.view(0)
             state["sums"] = self._sums.durable_state()
             rotate()
-            return state
+        state["rounds"] = history.to_json()  # without the lock: pushes go on meanwhile
+        return state
 
     # ----------------------------------------------------------------- ending waits (home only)
     def abandon(self, error: OptservError) -> None:

@@ -31,7 +31,10 @@ class TicketBook:
 
     def put(self, ticket: Ticket) -> None:
         """Books ``ticket`` (replacing one of its ordinal); tickets ``keep`` or more ordinals
-        older than it are forgotten."""
+        older than it are forgotten. A ticket whose numbers do not fit int64 is refused
+        (``OverflowError``), the book unchanged."""
+        if not self._rows.fits(_row(ticket)):
+            raise OverflowError(f"ticket {ticket.ordinal} of client {ticket.client_id!r}: a number past int64")
         if len(self._rows) and self._rows.value(_ORDINAL, len(self._rows) - 1) >= ticket.ordinal:
             self._refile([t for t in self if t.ordinal != ticket.ordinal] + [ticket])
         else:

@@ -104,6 +104,8 @@ class VersionHistory:
         count = len(self._versions)
         if not count or self._versions.value(_VERSION, count - 1) < record.version:
             self._append(record)
+        elif count >= self._keep and record.version < self._versions.value(_VERSION, 0):
+            return  # older than every version kept, and none is forgotten for it
         else:
             at = self._versions.find(_VERSION, record.version)
             if not (at < count and self._versions.value(_VERSION, at) == record.version and self._replace(at, record)):
@@ -170,23 +172,18 @@ class VersionHistory:
 
     def _records(self, first: int) -> list[RoundRecord]:
         """The records from index ``first`` on, oldest first."""
-        versions = list(self._versions.rows(first))
-        if not versions:
-            return []
-        base = versions[0][_FIRST_PUSH]
-        pushes = list(self._pushes.rows(base - self._pushes_dropped))
-        ends = [row[_FIRST_PUSH] - base for row in versions[1:]] + [len(pushes)]
-        records = []
-        for (version, duration_s, closed_by, late, kind, first_push), end in zip(versions, ends):
-            if kind == _AS_OBJECT:
-                records.append(self._objects[version])
-                continue
-            columns = tuple(zip(*pushes[first_push - base:end])) or ((), (), (), (), ())
-            whole = kind == _WHOLE
-            records.append(RoundRecord(version, columns[_PARTICIPANT], columns[_SCALE], late, duration_s, closed_by,
-                                       columns[_CLIENT] if whole else (), columns[_SEQUENCE] if whole else (),
-                                       columns[_STALENESS] if whole else ()))
-        return records
+        return self.view(first).records()
+
+    def view(self, first: int) -> "HistoryView":
+        """A copy of the rows from index ``first`` on, whose records are built without the lock."""
+        versions = self._versions.columns(first)
+        base = versions[_FIRST_PUSH][0] if versions[0] else self._pushes_dropped + len(self._pushes)
+        objects = {v: self._objects[v] for v, k in zip(versions[_VERSION], versions[_KIND]) if k == _AS_OBJECT}
+        return HistoryView(versions, self._pushes.columns(base - self._pushes_dropped), base, objects)
+
+    def view_since(self, version: int) -> "HistoryView":
+        """:meth:`view` of the versions after ``version`` (see :meth:`since`)."""
+        return self.view(self._versions.find(_VERSION, version, after=True))
 
     @property
     def latest(self) -> Optional[RoundRecord]:
@@ -208,10 +205,10 @@ class VersionHistory:
 
     def since(self, version: int) -> list[RoundRecord]:
         """The records of the versions after ``version``, oldest first."""
-        return self._records(self._versions.find(_VERSION, version, after=True))
+        return self.view_since(version).records()
 
     def to_json(self) -> list:
-        return [r.to_json() for r in self._records(0)]
+        return self.view(0).to_json()
 
     def restore(self, data: Iterable[dict]) -> None:
         """Takes back the records of :meth:`to_json`."""
@@ -240,3 +237,37 @@ def _push_rows(record: RoundRecord, kind: int) -> list[tuple]:
     return [(sys.intern(record.participants[i]), sys.intern(record.clients[i]) if whole else "",
              record.sequences[i] if whole else 0, record.staleness[i] if whole else 0, record.scales[i])
             for i in range(len(record.participants))]
+
+
+class HistoryView:
+    """Rows of a :class:`VersionHistory` copied under the clock's lock, whose records are built
+    after it is released (``versions`` / ``pushes``: the fields as lists; ``base``: the first
+    push's number; ``objects``: the records kept whole, by version)."""
+
+    def __init__(self, versions: list[list], pushes: list[list], base: int, objects: dict[int, RoundRecord]):
+        self._versions = versions
+        self._pushes = pushes
+        self._base = base
+        self._objects = objects
+
+    def records(self) -> list[RoundRecord]:
+        """The records, oldest first."""
+        versions, durations, closed_by, lates, kinds, firsts = self._versions
+        participants, clients, sequences, staleness, scales = self._pushes
+        starts = [first - self._base for first in firsts]
+        records = []
+        for i, (version, duration_s, closed, late, kind, start) in enumerate(
+                zip(versions, durations, closed_by, lates, kinds, starts)):
+            if kind == _AS_OBJECT:
+                records.append(self._objects[version])
+                continue
+            end = starts[i + 1] if i + 1 < len(starts) else len(participants)
+            whole = kind == _WHOLE
+            records.append(RoundRecord(version, tuple(participants[start:end]), tuple(scales[start:end]), late,
+                                       duration_s, closed, tuple(clients[start:end]) if whole else (),
+                                       tuple(sequences[start:end]) if whole else (),
+                                       tuple(staleness[start:end]) if whole else ()))
+        return records
+
+    def to_json(self) -> list:
+        return [r.to_json() for r in self.records()]

@@ -49,6 +49,8 @@ class PushHeader:
             raise InvalidArgument("push header: client_id must be non-empty")
         if self.sequence < 0:
             raise InvalidArgument(f"push header: sequence must be >= 0, got {self.sequence}")
+        if self.base_version < 0:
+            raise InvalidArgument(f"push header: base_version must be >= 0, got {self.base_version}")
 
 
 @dataclasses.dataclass(frozen=True)

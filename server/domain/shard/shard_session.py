@@ -135,6 +135,7 @@ class ShardSession:
                               config.is_elastic)
         self._step_check = StepCheck(self._cond, updater, self._refusals, config.name, shard_index)
         self.last_activity_unix_s = time.time()  # a client's last push, commit, pull or init here (see touch)
+        self._ready = False  # seen initialized under the lock (an initialization over): for good
 
     @property
     def where(self) -> str:
@@ -225,13 +226,15 @@ class ShardSession:
         """Waits a moment (at most :data:`_INIT_WAIT_S`) for the initial values, then refuses with
         Unavailable, which clients retry: a client that attaches right after the session was
         created may pull before its creator has sent them, and a wait here would hold one of the
-        shard's threads that other sessions' calls need."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self.initialized or self._steps.abandoned,
-                                       timeout=min(self._vote_timeout, _INIT_WAIT_S)):
-                raise Unavailable(f"session {self.config.name!r}: its initial values have not reached shard "
-                                  f"{self.shard_index} yet (its creating client sends them); retry")
-            self._steps.raise_if_abandoned()
+        shard's threads that other sessions' calls need. Once seen ready: no lock."""
+        if not self._ready:
+            with self._cond:  # an initialization holds it to its end (or its failure)
+                if not self._cond.wait_for(lambda: self.initialized or self._steps.abandoned,
+                                           timeout=min(self._vote_timeout, _INIT_WAIT_S)):
+                    raise Unavailable(f"session {self.config.name!r}: its initial values have not reached shard "
+                                      f"{self.shard_index} yet (its creating client sends them); retry")
+                self._ready = self.initialized
+        self._steps.raise_if_abandoned()
 
     # ----------------------------------------------------------------- the step
     def push(self, header: PushHeader, chunks: Iterable, complete: Callable[[], bool] = lambda: True,
@@ -355,19 +358,21 @@ class ShardSession:
         """The current version and host views of the parameters (consistent with each other);
         ``evaluation``: the parameters to evaluate the model with (schedule-free optimizers: a
         fresh copy; for others, the trained ones)."""
+        return drive(self.snapshot_steps(evaluation))
+
+    def snapshot_steps(self, evaluation: bool = False, relayed_since: Optional[int] = None) -> Steps[tuple]:
+        """:meth:`snapshot`, its wait for the session's lock (another step's update may hold it)
+        yielded. With ``relayed_since``: ``(version, params, parts)``, ``parts`` the tensors a
+        client whose parameters are of that version may get as the last step's sparse parts (see
+        :mod:`~optserve.server.domain.shard.sparse_relay`)."""
         self.touch()
-        with self._cond:
-            self._require_initialized()
+        self._require_initialized()
+        with (yield from self._cond.hold_steps()):
+            if relayed_since is not None:
+                return self.version, self.updater.host_params(), self._steps.relay.parts_for(relayed_since,
+                                                                                             self.version)
             evaluated = self.updater.evaluation_params() if evaluation else None
             return self.version, evaluated if evaluated is not None else self.updater.host_params()
-
-    def snapshot_relayed(self, base_version: int) -> tuple[int, dict[str, np.ndarray], dict[str, list]]:
-        """:meth:`snapshot`, and the tensors a client whose parameters are of ``base_version`` may
-        get as the last step's sparse parts (see :mod:`~optserve.server.domain.shard.sparse_relay`)."""
-        self.touch()
-        with self._cond:
-            self._require_initialized()
-            return self.version, self.updater.host_params(), self._steps.relay.parts_for(base_version, self.version)
 
     def status(self) -> ShardSessionStatus:
         """The session on this shard (expired staged pushes are dropped first, so counts are current)."""

@@ -135,15 +135,16 @@ class StepRunner:
     def run_through_steps(self, ticket: Ticket, until: Optional[float] = None) -> Steps[None]:
         """Applies tickets in ordinal order up to ``ticket``, then waits for its step: for
         ``step_timeout_s`` at most, or until the monotonic time ``until`` (the caller's deadline).
-        Each wait is yielded with :attr:`cond` released."""
+        Each wait is yielded with :attr:`cond` released, and so is the wait for :attr:`cond` itself
+        while another step's update holds it (:meth:`~optserve.server.domain.waits.SignalCondition.hold_steps`)."""
         started = time.monotonic()
         deadline = started + self._timeout if until is None else min(started + self._timeout, until)
         queue = self.queue
-        with self.cond:
+        with (yield from self.cond.hold_steps()):
             if queue.arrive(ticket):  # else: a retry of a push applied already
                 self.cond.notify_all()
         while True:  # its turn: the tickets before it applied
-            with self.cond:
+            with (yield from self.cond.hold_steps()):
                 if queue.reached(ticket):
                     break
                 pending = queue.next_ready(self._awaits_resend)
@@ -154,14 +155,14 @@ class StepRunner:
                 self.raise_if_abandoned()
                 wait = self.cond.wait_step(_GAP_POLL_S)
             if not (yield wait):
-                with self.cond:
+                with (yield from self.cond.hold_steps()):
                     self.raise_if_abandoned()
                     queue.poll_missing(self._clock)
             if time.monotonic() > deadline:
-                with self.cond:
+                with (yield from self.cond.hold_steps()):
                     raise queue.gap_timeout()
         while True:  # its step: applied once the step's pushes (sync) or the round (elastic) are in
-            with self.cond:
+            with (yield from self.cond.hold_steps()):
                 if self.version >= ticket.target_version:
                     return
                 self.raise_if_abandoned()
@@ -179,7 +180,7 @@ class StepRunner:
                     wake_at = queue.wait_until(ticket, started, deadline, WAITING_NOTICE_S)
                     wait = self.cond.wait_step(max(0.0, wake_at - time.monotonic()))
             notified = yield wait
-            with self.cond:
+            with (yield from self.cond.hold_steps()):
                 if self._elastic:
                     if time.monotonic() - self._round_polled_at >= _ROUND_POLL_S:
                         self._round_polled_at = time.monotonic()
