@@ -60,6 +60,7 @@ class ProcessResult:
 
     async_times: list[float] = dataclasses.field(default_factory=list)
     sync_times: list[float] = dataclasses.field(default_factory=list)
+    sync_marks: list[tuple] = dataclasses.field(default_factory=list)  # (version, started, ended): monotonic s
     slow_starts: list[float] = dataclasses.field(default_factory=list)  # seconds from the go, of steps >= SLOW_S
     errors: dict[str, int] = dataclasses.field(default_factory=dict)
     first_error: dict[str, str] = dataclasses.field(default_factory=dict)  # type -> its first message
@@ -93,6 +94,7 @@ class _Stepper:
 
         self.plan = plan
         self.times: list[float] = []
+        self.sync_marks: list[tuple] = []  # sync steps: (version, started, ended), time.monotonic() seconds
         self.slow_starts: list[float] = []  # seconds from the go
         self.errors: dict[str, int] = {}
         self.first_error: dict[str, str] = {}
@@ -113,7 +115,7 @@ class _Stepper:
                 if self.plan.sync:  # the others' last rounds close without it
                     self.session.detach()
                 return
-            started = time.perf_counter()
+            started, started_at = time.perf_counter(), time.monotonic()
             try:
                 self.session.push_pull(grads)
             except Exception as error:  # noqa: BLE001 - counted by type and reported, never hidden
@@ -124,6 +126,8 @@ class _Stepper:
                 continue
             took = time.perf_counter() - started
             self.times.append(took)
+            if self.plan.sync:
+                self.sync_marks.append((self.session.version, started_at, time.monotonic()))
             if took >= SLOW_S:
                 self.slow_starts.append(started - go_at)
             time.sleep(self._rng.uniform(0.0, 2.0 * self._pause))
@@ -185,9 +189,21 @@ def _step(steppers: list[_Stepper], duration_s: float, result: ProcessResult) ->
     result.cpu_s = time.process_time() - cpu_at_go
     for stepper, thread in zip(steppers, threads):
         (result.sync_times if stepper.plan.sync else result.async_times).extend(stepper.times)
+        result.sync_marks.extend(stepper.sync_marks)
         result.slow_starts.extend(stepper.slow_starts)
         for name, count in stepper.errors.items():
             result.errors[name] = result.errors.get(name, 0) + count
             result.first_error.setdefault(name, stepper.first_error[name])
         result.unfinished += thread.is_alive()
         result.idle_clients += not stepper.times
+
+
+def after_last_push(marks: list[tuple]) -> list[float]:
+    """Each sync step's time from its round's last push (the latest start among the steps that
+    produced its version) to its own end, in seconds: the server's part of a sync step, without
+    the wait for the round's other workers. ``marks``: ``(version, started, ended)`` of every
+    sync step, from all processes (``time.monotonic()`` is one clock for the machine)."""
+    last_start: dict[int, float] = {}
+    for version, started, _ in marks:
+        last_start[version] = max(started, last_start.get(version, started))
+    return [max(0.0, ended - last_start[version]) for version, _, ended in marks]

@@ -14,7 +14,8 @@ plus a sync session of ``--sync-workers`` (elastic, so a worker that ends leaves
 spread over ``--procs`` client processes, each client with its own ``Client`` and connections,
 pausing uniformly so that together they offer the rate (sync workers pause 0-2x
 ``--sync-pause-s``: their step waits for their round). It prints each phase's step times
-(p50 / p99 / max), when its steps of 1 s or more began (by 10-s window: a stall is a few
+(p50 / p99 / max; a sync step also timed from its round's last push, the latest start among the
+steps of its version, which leaves out the wait for the other workers), when its steps of 1 s or more began (by 10-s window: a stall is a few
 windows, a load the machine cannot carry all of them from some point on), errors, clients still
 in a step 90 s after the end, the shards' threads
 (first, peak, last, and after 30 s idle) and memory, the CPU split between clients and server,
@@ -38,7 +39,8 @@ from typing import Optional
 
 import numpy as np
 
-from bench._crowd_clients import ADAM, GRACE_S, SHAPES, SLOW_S, ClientPlan, ProcessPlan, ProcessResult, run_process
+from bench._crowd_clients import (ADAM, GRACE_S, SHAPES, SLOW_S, ClientPlan, ProcessPlan, ProcessResult, after_last_push,
+                                  run_process)
 from bench._crowd_watch import Series, ServerWatch
 
 IDLE_WAIT_S = 30.0  # after a phase, before the threads are counted again (a pool's idle threads end after 20 s)
@@ -144,6 +146,7 @@ class PhaseReport:
     rss_bytes: Series
     threads_after_idle: int = 0
     slow_starts: list[float] = dataclasses.field(default_factory=list)  # seconds from the go, steps >= SLOW_S
+    sync_after_last_push: list[float] = dataclasses.field(default_factory=list)  # see after_last_push
 
     @property
     def steps(self) -> int:
@@ -228,6 +231,7 @@ def run_phase(address: str, watch: Optional[ServerWatch], layout: Layout, procs:
                         usage.ray_s if usage else float("nan"),
                         watch.threads if watch else Series(), watch.rss_bytes if watch else Series())
     phase.slow_starts = sorted(t for r in reports for t in r.slow_starts)
+    phase.sync_after_last_push = after_last_push([m for r in reports for m in r.sync_marks])
     if watch is not None:
         time.sleep(idle_wait_s)
         phase.threads_after_idle = watch.sample()[0]
@@ -280,6 +284,10 @@ def print_phase(title: str, phase: PhaseReport) -> None:
           f"max {_ms(phase.async_times, 1.0)}"
           + (f"; sync step ms: p50 {_ms(phase.sync_times, 0.5)}, p99 {_ms(phase.sync_times, 0.99)}, "
              f"max {_ms(phase.sync_times, 1.0)}" if phase.layout.sync_workers else ""))
+    if phase.layout.sync_workers:
+        after = phase.sync_after_last_push
+        print(f"  sync step ms from its round's last push (without the wait for the round's workers): "
+              f"p50 {_ms(after, 0.5)}, p99 {_ms(after, 0.99)}, max {_ms(after, 1.0)}")
     errors = ", ".join(f"{n} {c}" for n, c in sorted(phase.errors.items())) or "none"
     print(f"  errors: {errors}; clients still in a step {GRACE_S:.0f} s after the end: {phase.unfinished}; "
           f"clients without a step done: {phase.idle_clients}")
@@ -371,6 +379,9 @@ def _crowds(address: str, args) -> dict:
         figures[name] = {"steps": report.steps, "p99_s": p99_s, "max_s": max(report.async_times, default=float("nan")),
                          "server_ms_per_step": report.per_step_ms(report.server_cpu_s), "errors": report.errors,
                          "unfinished": report.unfinished}
+        if report.sync_times:
+            figures[name]["sync_p99_s"] = float(np.percentile(report.sync_times, 99))
+            figures[name]["sync_after_last_push_p99_s"] = float(np.percentile(report.sync_after_last_push, 99))
     if "small" in reports:
         ratio = figures["crowd"]["server_ms_per_step"] / figures["small"]["server_ms_per_step"]
         print(f"crowd: server CPU per step, {reports['crowd'].layout.clients} clients vs "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from bench._crowd_clients import first_pause
+from bench._crowd_clients import after_last_push, first_pause
 
 LONGEST_S = 20.0  # pauses uniform on [0, 20 s]: 0.1 steps per second per client at steady state
 CLIENTS = 20_000
@@ -38,3 +38,10 @@ def test_uniform_first_pauses_would_overshoot_one_pause_length_after_the_start()
     rates = _arrivals_per_window(lambda rng: rng.uniform(0.0, LONGEST_S))
     peak = max(range(len(rates)), key=rates.__getitem__)
     assert rates[peak] > 1.2 * steady and 16.0 <= peak * WINDOW_S <= 24.0, rates
+
+
+def test_a_sync_step_is_timed_from_its_rounds_last_push_as_well():
+    marks = [(1, 10.0, 10.9), (1, 10.8, 10.9), (1, 10.2, 10.95),  # round 1: its last push at 10.8
+             (2, 11.0, 11.5), (2, 11.4, 11.45)]  # round 2: its last push at 11.4
+    assert [round(t, 6) for t in after_last_push(marks)] == [0.1, 0.1, 0.15, 0.1, 0.05]
+    assert after_last_push([]) == []
