@@ -126,8 +126,8 @@ class _Stepper:
                 continue
             took = time.perf_counter() - started
             self.times.append(took)
-            if self.plan.sync:
-                self.sync_marks.append((self.session.version, started_at, time.monotonic()))
+            if self.plan.sync and self.session.last_step.version is not None:  # the version its push went into
+                self.sync_marks.append((self.session.last_step.version, started_at, time.monotonic()))
             if took >= SLOW_S:
                 self.slow_starts.append(started - go_at)
             time.sleep(self._rng.uniform(0.0, 2.0 * self._pause))
