@@ -20,6 +20,7 @@ from optserve.server.preflight import probe_ray_address
 log = logging.getLogger(__name__)
 
 REAP_TIMEOUT_S = 5.0
+TASK_EVENTS_SETTING = "RAY_task_events_report_interval_ms"  # 0: no task events reported to the GCS
 
 
 def join_or_start_ray(address: str, log_to_driver: bool = False) -> bool:
@@ -36,6 +37,12 @@ def join_or_start_ray(address: str, log_to_driver: bool = False) -> bool:
         return False
     probe_ray_address(address)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray's GCS keeps an entry (about 1.5 kB) for every thread that ever called Ray from this
+    # process, up to its cap of 100,000 tasks: the gRPC pools give idle threads back and start new
+    # ones under the next burst, the metrics endpoint starts a thread per scrape, so a server that
+    # runs for weeks would grow the GCS by that much. Turned off before Ray reads its configuration
+    # (a Ray started here passes it on to its processes); an operator's own setting is kept.
+    os.environ.setdefault(TASK_EVENTS_SETTING, "0")
     if log_to_driver:
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every log line as it is, not folded across shards
     if address == "local":
