@@ -297,6 +297,22 @@ class HomeClock:
             if settle_at is not None:
                 self._settle(*settle_at)
 
+    def follow(self, entries: list) -> None:
+        """A standby's clock: books its primary clock's journal entries (see ``journal``), in the
+        order the primary wrote them, as a restore reads them back."""
+        with self._cond:
+            tickets, records, hyper = _read_journal(entries, self._sums)
+            for values in hyper:
+                self._state.hyper.request(values, self._state.version)
+            for ordinal in sorted(tickets):
+                if ordinal >= self._state.next_ordinal:
+                    self._state.record(tickets[ordinal])
+            for record in records:  # a sync round's record, exact (the ticket's own lacks its timings)
+                if record.version <= self._state.version:
+                    self._state.history.keep(record)
+            self._state.hyper.settle()
+            self._cond.notify_all()
+
     def _settle(self, version: int, next_ordinal: int) -> None:
         """Forgets the tickets and cross-shard sums of the steps after ``version`` (lock held)."""
         self._state.truncate(version, next_ordinal)

@@ -1,4 +1,5 @@
-"""A session's durability on one shard: its store attached and closed, a checkpoint now, a restore.
+"""A session's durability on one shard: its store attached and closed, a checkpoint now, a restore,
+and its standby (steps shipped to one; on a standby, the shipped steps applied).
 
 :class:`SessionDurability` is what the shard actor asks of a durable session (through
 ``ShardSession.durability``); the step's own durability (each step logged, checkpoints when due)
@@ -7,10 +8,13 @@ is the session's :class:`~optserve.server.domain.shard.step_journal.StepJournal`
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
-from optserve.server.domain.durability import CheckpointPort, ShardProgress
+import numpy as np
+
+from optserve.server.domain.durability import CheckpointPort, ShardProgress, StepRecord
 from optserve.server.domain.shard.replay import replayed_tickets
+from optserve.server.domain.shard.replica import ReplicaGap, ReplicaPort
 from optserve.server.domain.shard.step_runner import StepRunner
 
 
@@ -27,6 +31,35 @@ class SessionDurability:
     def close_store(self) -> None:
         """Finishes a checkpoint being written and closes the log (the session is closing)."""
         self._steps.journal.close()
+
+    def attach_replica(self, replica: Optional[ReplicaPort]) -> None:
+        """Ships every step applied from now on to a standby (None: to none); see
+        :meth:`StepJournal.attach_replica`."""
+        with self._steps.cond:
+            self._steps.journal.attach_replica(replica)
+
+    def follow(self, record: StepRecord, grads: Mapping[str, np.ndarray]) -> bool:
+        """A standby's session: applies the step its primary applied (``record``, with the
+        gradient the primary's update ran with), as a restore replays a logged step; returns False
+        for a step applied here already.
+
+        Raises:
+          ReplicaGap: ``record`` does not follow this shard's version.
+        """
+        steps = self._steps
+        with steps.cond:
+            steps.raise_if_abandoned()
+            if record.version <= steps.version:
+                return False
+            if record.version != steps.version + 1:
+                raise ReplicaGap(f"{steps.where}: the standby is at version {steps.version} and was shipped "
+                                 f"version {record.version}")
+            steps.updater.set_hyper(record.hyper)
+            steps.updater.apply(grads, record.scale, lambda _partial: record.global_stat, absent=record.absent)
+            steps.queue.restore(steps.queue.progress(steps.version, {}).after(record))
+            steps.version = record.version
+            steps.cond.notify_all()
+            return True
 
     def checkpoint_now(self) -> bool:
         """A checkpoint of the current state, written before this returns (server shutdown);

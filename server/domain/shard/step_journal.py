@@ -38,6 +38,7 @@ from optserve.server.domain.shard.journal_records import JournaledStep, JournalO
 from optserve.server.domain.shard.log_recovery import LogRecovery
 from optserve.server.domain.shard.refusals import log_value
 from optserve.server.domain.shard.replay import replay
+from optserve.server.domain.shard.replica import ReplicaPort
 from optserve.server.domain.waits import Steps, Wait, returns
 
 _log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class StepJournal:
         self._log: Optional[StepLogPort] = None
         self._recovery = LogRecovery(owner, self._log_where, lambda: self.checkpoint(wait=True), self._reserve_room)
         self._held = HeldReleases()  # overlapped order: failed updates' gradients the log may still write
+        self._replica: Optional[ReplicaPort] = None  # a standby that mirrors the steps (see replica.py)
 
     @property
     def enabled(self) -> bool:
@@ -108,6 +110,11 @@ class StepJournal:
         """Makes the session durable: its steps are logged to ``store.log`` from now on."""
         self._store, self._log = store, store.log
         self._recovery.attach(store)
+
+    def attach_replica(self, replica: Optional[ReplicaPort]) -> None:
+        """Ships every step applied from now on to ``replica`` (None: to no standby); a step is
+        acknowledged once the standby holds it."""
+        self._replica = replica
 
     def close(self) -> None:
         """Finishes a checkpoint being written, closes the log, gives back held gradients (closing)."""
@@ -141,6 +148,8 @@ class StepJournal:
             self._log.begin_step(self._in_order(grads))
         try:
             global_stat = update(None)
+            if self._replica is not None:  # before the gradient's buffers go back
+                self._replica.ship(step.record(global_stat), self._in_order(grads))
         except BaseException:
             if self._log is not None:  # the log may still be writing the gradient (the aborted record)
                 self._log.abort_step()
@@ -167,6 +176,8 @@ class StepJournal:
 
         try:
             update(write_record)
+            if self._replica is not None:  # before the gradient's buffers go back
+                self._replica.ship(step.record(stats[0]), self._in_order(grads))
         except LogWriteFailed:
             # a copy of its own: the push's buffers (the staging pool, or the client's shared-memory
             # region, which the client writes its next gradient into) go back once it is answered
@@ -196,7 +207,8 @@ class StepJournal:
 
     def waiter(self, version: int) -> Callable[[], Steps[None]]:
         """What acknowledging step ``version`` waits for: its log record (nothing when not durable),
-        as a function returning a generator of waits (:mod:`~optserve.server.domain.waits`).
+        then, with a standby (:meth:`attach_replica`), the standby holding it; as a function
+        returning a generator of waits (:mod:`~optserve.server.domain.waits`).
 
         When the log failed, the waiter has the session recover it (True once a checkpoint
         holds every applied step) and waits again.
@@ -204,12 +216,27 @@ class StepJournal:
         Raises (from the generator):
           Unavailable: the log failed and cannot recover yet (naming the session, shard, folder
             and cause): the step is applied on this shard but not acknowledged; a retry of the
-            same push is not applied again, and is answered once the log recovers.
+            same push is not applied again, and is answered once the log recovers. Also the
+            standby's error when it will never hold the step (it fell out of sync or is gone).
         """
-        log, owner = self._log, self._owner
+        log, owner, replica = self._log, self._owner, self._replica
+        if replica is not None:
+            held = replica.held_future(version)
+            logged_steps = self._logged_waiter(log, owner, version) if log is not None else _nothing_to_wait_for
+
+            def logged_and_held() -> Steps[None]:
+                yield from logged_steps()
+                yield Wait(held, None)
+                held.result()  # raises when the standby will never hold it
+
+            return logged_and_held
         if log is None:
             return _nothing_to_wait_for
+        return self._logged_waiter(log, owner, version)
 
+    @staticmethod
+    def _logged_waiter(log, owner, version: int) -> Callable[[], Steps[None]]:
+        """:meth:`waiter`'s wait for the log record of step ``version``."""
         def steps() -> Steps[None]:
             logged = log.logged_future(version)
             yield Wait(logged, None)

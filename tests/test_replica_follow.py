@@ -1,0 +1,156 @@
+"""A standby session fed its primary's applied steps holds the primary's state bit for bit
+(active replication, docs/plans/hot_standby.md), and a step is acknowledged only once the standby
+holds it.
+
+Real pieces, no Ray: two shard sessions of one session on one shard (the primary's home clock
+passes its journal entries to the standby's clock, its step journal ships each applied step),
+linked in this process (:class:`LocalLink`)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import numpy as np
+import pytest
+
+from optserve.optim_kernels import build_optimizer
+from optserve.protos.optserve.v1 import tensor_pb2
+from optserve.server.compute.updater import Updater
+from optserve.server.domain.clock.home_clock import HomeClock
+from optserve.server.domain.config import DType, Mode, SessionConfig, StalenessPolicy, TensorSpec
+from optserve.server.domain.durability import StepRecord
+from optserve.server.domain.shard.replica import HeldVersions, LocalLink, ReplicaGap, StandbyFollower
+from optserve.server.domain.shard.shard_session import PushHeader, ShardSession
+
+SHAPES = {"w": (3, 4), "b": (4,)}
+ADAM = ("adam", {"learning_rate": 0.01})
+
+
+def _chunks(values: dict[str, np.ndarray]) -> list:
+    return [tensor_pb2.TensorChunk(name=n, dtype=tensor_pb2.DTYPE_FLOAT32, shape=list(v.shape), data=v.tobytes())
+            for n, v in values.items()]
+
+
+def _values(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+
+
+def _config(mode: Mode, workers: int = 1) -> SessionConfig:
+    specs = tuple(TensorSpec(n, DType.FLOAT32, s) for n, s in SHAPES.items())
+    return SessionConfig("mirrored", specs, ADAM[0], ADAM[1], mode=mode, num_workers=workers,
+                         staleness_policy=StalenessPolicy.SCALE)
+
+
+def _session(config: SessionConfig, clock: HomeClock) -> ShardSession:
+    session = ShardSession(config, list(SHAPES), 0, clock, Updater(build_optimizer(*ADAM)), step_timeout_s=20.0,
+                           vote_timeout_s=20.0)
+    session.initialize(_chunks(_values(0)))
+    return session
+
+
+class _Pair:
+    """A primary and its standby, linked in this process."""
+
+    def __init__(self, config: SessionConfig):
+        standby_clock = HomeClock(config)
+        self.standby = _session(config, standby_clock)
+        self.follower = StandbyFollower(self.standby.durability.follow, standby_clock, list(SHAPES),
+                                        self.standby.where)
+        link = LocalLink(self.follower)
+        self.primary = _session(config, HomeClock(config, journal=link.clock_entry))
+        self.primary.durability.attach_replica(link)
+
+    def push(self, client: str, sequence: int, base: int, seed: int) -> tuple[int, float]:
+        """(the push's version, its scale), once acknowledged."""
+        receipt = self.primary.push(PushHeader(client, sequence, base), _chunks(_values(seed)))
+        receipt.durable()  # the acknowledgement: the standby holds the step
+        assert self.follower.held.held >= receipt.version
+        return receipt.version, receipt.scale
+
+    def assert_equal(self) -> None:
+        version = self.primary.version
+        assert self.follower.wait_applied(version, timeout_s=30), self.follower.error
+        assert self.standby.version == version
+        ours, theirs = self.primary.updater.host_state(), self.standby.updater.host_state()
+        for name in SHAPES:
+            assert ours[0][name].tobytes() == theirs[0][name].tobytes(), name
+        import jax
+
+        leaves = jax.tree_util.tree_leaves(ours[1]), jax.tree_util.tree_leaves(theirs[1])
+        assert len(leaves[0]) == len(leaves[1]) > 0
+        assert all(np.asarray(a).tobytes() == np.asarray(b).tobytes() for a, b in zip(*leaves))
+        mine, its = (_clock_json(s.clock) for s in (self.primary, self.standby))
+        assert mine == its
+
+    def close(self) -> None:
+        self.follower.close()
+
+
+def _clock_json(clock: HomeClock) -> dict:
+    """The clock's durable state without what depends on when this process booked it."""
+    state = clock.durable_state(lambda: None)
+    state.pop("checkpoint_time", None)
+    for record in state.get("rounds", []):
+        if isinstance(record, dict):
+            record.pop("duration_s", None)
+    return json.loads(json.dumps(state, sort_keys=True, default=str))
+
+
+def test_an_async_standby_holds_the_primarys_parameters_state_and_clock_bit_for_bit():
+    pair = _Pair(_config(Mode.ASYNC))
+    try:
+        version = 0
+        for step in range(10):
+            for client in ("a", "b"):  # b computes from one version back: scaled by its staleness
+                base = version if client == "a" else max(0, version - 1)
+                version, scale = pair.push(client, step, base, seed=10 * step + (client == "b"))
+                assert scale == (1.0 if client == "a" else 0.5)
+            if step == 4:  # from the next step on, on both
+                pair.primary.home.set_hyperparams({"learning_rate": 0.05})
+        assert version == 20
+        assert pair.primary.updater.hyper != build_optimizer(*ADAM).hyperparams
+        pair.primary.home.set_hyperparams({"learning_rate": 0.02})  # asked for, not in force until a step
+        pair.assert_equal()
+    finally:
+        pair.close()
+
+
+def test_a_sync_standby_holds_the_mean_of_each_step_as_the_primary_applied_it():
+    pair = _Pair(_config(Mode.SYNC, workers=2))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            for step in range(6):
+                pushes = [pool.submit(pair.push, client, step, step, 2 * step + i) for i, client in enumerate("ab")]
+                assert [p.result(timeout=60) for p in pushes] == [(step + 1, 1.0)] * 2
+        pair.assert_equal()
+        assert pair.standby.status().version == 6
+    finally:
+        pair.close()
+
+
+def test_a_standby_shipped_a_step_that_does_not_follow_stops_and_later_steps_are_not_acknowledged():
+    pair = _Pair(_config(Mode.ASYNC))
+    try:
+        pair.push("a", 0, 0, seed=1)
+        grads = [_values(2)[n] for n in SHAPES]
+        with pytest.raises(ReplicaGap, match="holds steps up to version 1 and was shipped version 3"):
+            pair.follower.receive(StepRecord(3, ((5, "a", 4),), 1.0, 0.0), grads)
+        receipt = pair.primary.push(PushHeader("a", 1, 1), _chunks(_values(3)))
+        assert receipt.version == 2  # applied on the primary, but no standby will ever hold it
+        with pytest.raises(ReplicaGap):
+            receipt.durable()
+        assert pair.follower.wait_applied(1, timeout_s=30) and not pair.follower.wait_applied(2, timeout_s=0.5)
+        assert pair.standby.version == 1  # the step it held before the gap: applied all the same
+    finally:
+        pair.close()
+
+
+def test_held_versions_are_done_in_order_and_fail_when_none_will_be_held():
+    held = HeldVersions()
+    first, second = held.future(1), held.future(2)
+    held.hold(1)
+    assert first.done() and not second.done() and held.future(1).done()
+    held.fail(ReplicaGap("gone"))
+    assert isinstance(second.exception(), ReplicaGap) and isinstance(held.future(3).exception(), ReplicaGap)
