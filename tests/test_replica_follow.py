@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -43,24 +45,26 @@ def _config(mode: Mode, workers: int = 1) -> SessionConfig:
                          staleness_policy=StalenessPolicy.SCALE)
 
 
-def _session(config: SessionConfig, clock: HomeClock) -> ShardSession:
+def _session(config: SessionConfig, clock: HomeClock, initialized: bool = True) -> ShardSession:
     session = ShardSession(config, list(SHAPES), 0, clock, Updater(build_optimizer(*ADAM)), step_timeout_s=20.0,
                            vote_timeout_s=20.0)
-    session.initialize(_chunks(_values(0)))
+    if initialized:
+        session.initialize(_chunks(_values(0)))
     return session
 
 
 class _Pair:
-    """A primary and its standby, linked in this process."""
+    """A primary and a standby started from its state in memory (now), linked in this process."""
 
-    def __init__(self, config: SessionConfig):
+    def __init__(self, config: SessionConfig, primary: Optional[ShardSession] = None):
+        self.primary = primary or _session(config, HomeClock(config))
         standby_clock = HomeClock(config)
-        self.standby = _session(config, standby_clock)
+        self.standby = _session(config, standby_clock, initialized=False)
         self.follower = StandbyFollower(self.standby.durability.follow, standby_clock, list(SHAPES),
                                         self.standby.where)
-        link = LocalLink(self.follower)
-        self.primary = _session(config, HomeClock(config, journal=link.clock_entry))
-        self.primary.durability.attach_replica(link)
+        start = self.primary.durability.start_replica(LocalLink(self.follower))
+        self.standby.durability.start_from(start)
+        self.follower.held.hold(start.progress.version)
 
     def push(self, client: str, sequence: int, base: int, seed: int) -> tuple[int, float]:
         """(the push's version, its scale), once acknowledged."""
@@ -145,6 +149,35 @@ def test_a_standby_shipped_a_step_that_does_not_follow_stops_and_later_steps_are
         assert pair.standby.version == 1  # the step it held before the gap: applied all the same
     finally:
         pair.close()
+
+
+def test_a_standby_started_from_the_primarys_memory_mid_way_follows_on_bit_for_bit():
+    # The primary has run 3 sync steps alone and holds half of the fourth (a's push, waiting
+    # for b's) when its standby starts from its state; b's push closes the step after that.
+    config = _config(Mode.SYNC, workers=2)
+    primary = _session(config, HomeClock(config))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for step in range(3):
+            pushes = [pool.submit(primary.push, PushHeader(c, step, step), _chunks(_values(2 * step + i)))
+                      for i, c in enumerate("ab")]
+            assert [p.result(timeout=60).version for p in pushes] == [step + 1] * 2
+        primary.home.set_hyperparams({"learning_rate": 0.03})
+        waiting = pool.submit(primary.push, PushHeader("a", 3, 3), _chunks(_values(6)))
+        deadline = time.monotonic() + 10
+        while primary.clock.status().accepted < 7 and time.monotonic() < deadline:  # a's push is in the step
+            time.sleep(0.01)
+        assert not waiting.done()
+        pair = _Pair(config, primary)
+        try:
+            assert pair.standby.version == 3
+            last = pool.submit(pair.push, "b", 3, 3, 7)
+            assert last.result(timeout=60) == (4, 1.0) and waiting.result(timeout=60).version == 4
+            for step in range(4, 6):
+                pushes = [pool.submit(pair.push, c, step, step, 2 * step + i) for i, c in enumerate("ab")]
+                assert [p.result(timeout=60) for p in pushes] == [(step + 1, 1.0)] * 2
+            pair.assert_equal()
+        finally:
+            pair.close()
 
 
 def test_held_versions_are_done_in_order_and_fail_when_none_will_be_held():

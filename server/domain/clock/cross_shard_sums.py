@@ -41,7 +41,8 @@ class CrossShardSums:
         sum waits for its notifications without a thread).
       timeout_s: longest wait for the other shards' parts.
       journal: durable sessions: called under the lock with ``{"sum": key, "total": total}``
-        before any shard gets the total (None: not durable, totals are not remembered).
+        before any shard gets the total (None, or false while it has no sink: totals are not
+        remembered).
     """
 
     def __init__(self, participants: int, cond: SignalCondition, timeout_s: float,
@@ -95,7 +96,7 @@ class CrossShardSums:
         total = 0.0
         for index in sorted(parts.values):
             total += parts.values[index]
-        if self._journal is not None and key not in self._totals:
+        if self._journal and key not in self._totals:
             self._journal_total(key, total)
         parts.taken += 1
         if parts.taken >= self._participants and self._parts.get(key) is parts:

@@ -30,6 +30,7 @@ import time
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 from optserve.protos.status_records import RoundRecord
+from optserve.server.domain.clock.clock_journal import ClockJournal
 from optserve.server.domain.clock.clock_records import ClockStatus, Ticket
 from optserve.server.domain.clock.clock_state import clock_state_for
 from optserve.server.domain.clock.cross_shard_sums import CrossShardSums
@@ -103,11 +104,11 @@ class HomeClock:
     def __init__(self, config: SessionConfig, participants: int = 1, reduce_timeout_s: float = 300.0,
                  checkpoints: Optional[CheckpointPolicy] = None, journal: Optional[Callable[[Any], None]] = None):
         self._state = clock_state_for(config, checkpoints)
-        self._journal = journal  # durable sessions: each new ticket is written here before it is handed out
+        self._journal = ClockJournal(journal)  # each new ticket is written here before it is handed out
         self._participants = participants
         self._cond = SignalCondition()  # guards the state, the votes and the sums
         self._votes = ShardVotes(participants, self._cond, self._commit_locked)
-        self._sums = CrossShardSums(participants, self._cond, reduce_timeout_s, journal)
+        self._sums = CrossShardSums(participants, self._cond, reduce_timeout_s, self._journal)
 
     @property
     def is_home(self) -> bool:
@@ -173,7 +174,7 @@ class HomeClock:
 
     def _write_journal(self, ticket: Ticket) -> None:
         """Journals a fresh ticket, and the record of the sync round it closes (lock held)."""
-        if self._journal is None:
+        if not self._journal:
             return
         self._journal(ticket.to_json())
         if ticket.closes_step and self._state.latest_record_journaled:
@@ -242,7 +243,7 @@ class HomeClock:
             book = self._state.hyper
             before = (book.pending, book.pending_since)
             version, changed = book.request(values, self._state.version)
-            if changed and self._journal is not None:
+            if changed and self._journal:
                 try:
                     self._journal({"hyper": book.pending})
                 except OSError as exc:
@@ -297,10 +298,23 @@ class HomeClock:
             if settle_at is not None:
                 self._settle(*settle_at)
 
+    def replicate(self, entry: Callable[[Any], None]) -> dict:
+        """Primary: the clock's state now (what a standby's clock starts from, with
+        :meth:`restore`), and, from the same moment, every journal entry passed to ``entry`` too."""
+        with self._cond:
+            state = self._state.to_json(with_history=True)
+            state["sums"] = self._sums.durable_state()
+            self._journal.replica = entry
+            return state
+
     def follow(self, entries: list) -> None:
         """A standby's clock: books its primary clock's journal entries (see ``journal``), in the
         order the primary wrote them, as a restore reads them back."""
         with self._cond:
+            settles = [e for e in entries if isinstance(e, dict) and "settle" in e]
+            if settles:  # a restore of the primary's settled its clock: the standby's is settled alike
+                self._settle(*map(int, settles[-1]["settle"]))
+                entries = [e for e in entries if e not in settles]
             tickets, records, hyper = _read_journal(entries, self._sums)
             for values in hyper:
                 self._state.hyper.request(values, self._state.version)
@@ -327,7 +341,7 @@ class HomeClock:
           OSError: the journal could not be written.
         """
         with self._cond:
-            if self._journal is not None:
+            if self._journal:
                 self._journal({"settle": [self._state.version, self._state.next_ordinal]})
 
     def durable_state(self, rotate: Callable[[], None]) -> dict:

@@ -16,19 +16,22 @@ log record when the session is durable.
 - :class:`StandbyFollower`: the standby's side: takes shipped steps, tells which versions it holds
   and applies them in order on a thread of its own.
 - :class:`LocalLink`: a port whose standby is in this process.
+- :class:`ReplicaStart`: what a fresh standby starts from (its primary's state in memory, not a
+  checkpoint on disk); the steps after it are shipped.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 from concurrent.futures import Future
-from typing import Callable, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 import numpy as np
 
-from optserve.server.domain.durability import StepRecord
+from optserve.server.domain.durability import ShardProgress, StepRecord
 from optserve.server.domain.errors import OptservError, Unavailable
 
 _log = logging.getLogger(__name__)
@@ -37,6 +40,19 @@ _log = logging.getLogger(__name__)
 class ReplicaGap(Unavailable):
     """A shipped step does not follow the last one the standby holds: a step went missing on the
     way, and the standby is no longer in sync (it is caught up from its primary's state)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaStart:
+    """What a fresh standby starts from: its primary's state at ``progress.version`` (a step
+    boundary; host arrays: on a CPU views of the live state, which later steps leave as they are,
+    their buffers copied rather than donated while these are held), and the home clock's (None on
+    other shards). The steps after it are shipped."""
+
+    progress: ShardProgress
+    params: dict
+    opt_state: Any
+    clock_state: Optional[dict]
 
 
 class ReplicaPort(Protocol):

@@ -14,8 +14,8 @@ import numpy as np
 
 from optserve.server.domain.durability import CheckpointPort, ShardProgress, StepRecord
 from optserve.server.domain.shard.replay import replayed_tickets
-from optserve.server.domain.shard.replica import ReplicaGap, ReplicaPort
-from optserve.server.domain.shard.step_runner import StepRunner
+from optserve.server.domain.shard.replica import ReplicaGap, ReplicaPort, ReplicaStart
+from optserve.server.domain.shard.step_runner import StepRunner, plain_hyper
 
 
 class SessionDurability:
@@ -37,6 +37,32 @@ class SessionDurability:
         :meth:`StepJournal.attach_replica`."""
         with self._steps.cond:
             self._steps.journal.attach_replica(replica)
+
+    def start_replica(self, replica: ReplicaPort) -> ReplicaStart:
+        """Primary: the state a fresh standby starts from (this shard's at its version, and the
+        home clock's) and, from the same moment, every later step and clock entry shipped to
+        ``replica``. A sync step half gathered here needs nothing of it: its step's record carries
+        the mean."""
+        steps = self._steps
+        with steps.cond:
+            clock_state = steps.clock.replicate(replica.clock_entry) if steps.clock.is_home else None
+            progress = steps.queue.progress(steps.version, plain_hyper(steps.updater.hyper), steps.updater.chunk_tensors)
+            start = ReplicaStart(progress, *steps.updater.host_state(), clock_state)
+            steps.journal.attach_replica(replica)
+            return start
+
+    def start_from(self, start: ReplicaStart) -> None:
+        """A fresh standby's session: takes its primary's state (see :meth:`start_replica`)."""
+        steps = self._steps
+        with steps.cond:
+            steps.updater.use_chunks(start.progress.state_chunks)
+            steps.updater.restore(start.params, start.opt_state)
+            steps.updater.set_hyper(start.progress.hyper)
+            steps.queue.restore(start.progress)
+            steps.version = start.progress.version
+            if start.clock_state is not None:
+                steps.clock.restore(start.clock_state, [])
+            steps.cond.notify_all()
 
     def follow(self, record: StepRecord, grads: Mapping[str, np.ndarray]) -> bool:
         """A standby's session: applies the step its primary applied (``record``, with the

@@ -272,7 +272,7 @@ class StepRunner:
         journal (logged as its order says), then ``release()`` (the gradient buffers may be
         reused). ``global_stat``: the cross-shard statistic found already (a step whose record
         failed). ``absent``: tensors without a gradient in this step (left alone)."""
-        step = JournaledStep(ticket, tickets, ticket.scale if scale is None else scale, _plain(self.updater.hyper),
+        step = JournaledStep(ticket, tickets, ticket.scale if scale is None else scale, plain_hyper(self.updater.hyper),
                              tuple(sorted(absent)))
         start = time.perf_counter()
         if global_stat is None:
@@ -313,7 +313,7 @@ class StepRunner:
         parameters, the optimizer state, on the home shard its clock's state, and whether the
         parameters and state are a host copy (an accelerator's) rather than views of the live state."""
         clock_state = self._clock.durable_state if self._is_home else None
-        progress = self.queue.progress(self.version, _plain(self.updater.hyper), self.updater.chunk_tensors)
+        progress = self.queue.progress(self.version, plain_hyper(self.updater.hyper), self.updater.chunk_tensors)
         params, opt_state = self.updater.host_state()
         return progress, params, opt_state, clock_state, self.updater.host_state_is_copy
 
@@ -354,7 +354,7 @@ def step_timeout_message(queue, status, min_workers: int, ticket: Ticket, waited
             f"{', '.join(status.elastic.members) or 'none'}; not pushed: {', '.join(missing) or 'none'}")
 
 
-def _plain(hyper: Mapping[str, Mapping[str, Any]]) -> dict:
+def plain_hyper(hyper: Mapping[str, Mapping[str, Any]]) -> dict:
     """``{group: {option: float}}`` of the updater's hyperparameters (JSON for records)."""
     return {group: {option: float(value) for option, value in values.items()} for group, values in hyper.items()}
 
