@@ -187,3 +187,27 @@ def test_held_versions_are_done_in_order_and_fail_when_none_will_be_held():
     assert first.done() and not second.done() and held.future(1).done()
     held.fail(ReplicaGap("gone"))
     assert isinstance(second.exception(), ReplicaGap) and isinstance(held.future(3).exception(), ReplicaGap)
+
+
+def test_a_promoted_standby_answers_a_retry_of_an_acknowledged_push_without_applying_it_again():
+    # The primary is lost after acknowledging pushes up to (a, 4) and (b, 4); the clients retry
+    # their last push on the promoted standby (they did not hear the answer), then go on. Every
+    # push counts once: the standby's parameters equal a session that got each push once.
+    pair = _Pair(_config(Mode.ASYNC))
+    reference = _session(_config(Mode.ASYNC), HomeClock(_config(Mode.ASYNC)))
+    version = 0
+    for step in range(5):
+        for client in "ab":
+            version, _ = pair.push(client, step, version, seed=10 * step + (client == "b"))
+            reference.push(PushHeader(client, step, version - 1), _chunks(_values(10 * step + (client == "b"))))
+    assert pair.follower.promote(timeout_s=30) == 10
+    standby = pair.standby
+    retried = standby.push(PushHeader("b", 4, 9), _chunks(_values(41)))
+    assert retried.already_applied and retried.version == 10 and standby.version == 10
+    for step in range(5, 7):
+        for client in "ab":
+            version = standby.push(PushHeader(client, step, version), _chunks(_values(step))).version
+            reference.push(PushHeader(client, step, version - 1), _chunks(_values(step)))
+    assert version == reference.version == 14
+    for name in SHAPES:
+        assert standby.updater.host_state()[0][name].tobytes() == reference.updater.host_state()[0][name].tobytes()

@@ -186,6 +186,24 @@ class StandbyFollower:
                                 timeout_s)
             return self.applied >= version
 
+    def promote(self, timeout_s: Optional[float] = None) -> int:
+        """The primary is gone and this standby serves the session from now on: every step it
+        holds is applied first (those acknowledged among them), then it follows no more. Returns
+        the version reached.
+
+        Raises:
+          OptservError: the standby stopped following before it applied every step it holds (it
+            is not in sync: it must not serve).
+          TimeoutError: the steps held were not all applied within ``timeout_s``.
+        """
+        held = self.held.held
+        if not self.wait_applied(held, timeout_s):
+            if self.error is not None:
+                raise self.error
+            raise TimeoutError(f"{self.where}: the standby applied {self.applied} of the {held} steps it holds")
+        self.close()
+        return self.applied
+
     def close(self) -> None:
         """Stops applying (steps still queued are dropped)."""
         with self._cond:
