@@ -22,6 +22,7 @@ from optserve.server.compute.updater import Updater
 from optserve.server.domain.clock.home_clock import HomeClock
 from optserve.server.domain.config import DType, Mode, SessionConfig, StalenessPolicy, TensorSpec
 from optserve.server.domain.durability import StepRecord
+from optserve.server.domain.errors import Unavailable
 from optserve.server.domain.shard.replica import HeldVersions, LocalLink, ReplicaGap, StandbyFollower
 from optserve.server.domain.shard.shard_session import PushHeader, ShardSession
 
@@ -60,11 +61,9 @@ class _Pair:
         self.primary = primary or _session(config, HomeClock(config))
         standby_clock = HomeClock(config)
         self.standby = _session(config, standby_clock, initialized=False)
-        self.follower = StandbyFollower(self.standby.durability.follow, standby_clock, list(SHAPES),
-                                        self.standby.where)
-        start = self.primary.durability.start_replica(LocalLink(self.follower))
-        self.standby.durability.start_from(start)
-        self.follower.held.hold(start.progress.version)
+        self.follower = StandbyFollower(self.standby.durability.start_from, self.standby.durability.follow,
+                                        standby_clock, list(SHAPES), self.standby.where)
+        self.primary.durability.start_replica(LocalLink(self.follower))
 
     def push(self, client: str, sequence: int, base: int, seed: int) -> tuple[int, float]:
         """(the push's version, its scale), once acknowledged."""
@@ -139,21 +138,20 @@ def test_a_standby_shipped_a_step_that_does_not_follow_stops_and_later_steps_are
     try:
         pair.push("a", 0, 0, seed=1)
         grads = [_values(2)[n] for n in SHAPES]
-        with pytest.raises(ReplicaGap, match="holds steps up to version 1 and was shipped version 3"):
+        with pytest.raises(ReplicaGap, match=r"holds steps up to version 1 \(started\) and was shipped version 3"):
             pair.follower.receive(StepRecord(3, ((5, "a", 4),), 1.0, 0.0), grads)
-        receipt = pair.primary.push(PushHeader("a", 1, 1), _chunks(_values(3)))
-        assert receipt.version == 2  # applied on the primary, but no standby will ever hold it
-        with pytest.raises(ReplicaGap):
-            receipt.durable()
+        with pytest.raises(Unavailable, match="standby"):  # nothing more is acknowledged
+            pair.primary.push(PushHeader("a", 1, 1), _chunks(_values(3))).durable()
         assert pair.follower.wait_applied(1, timeout_s=30) and not pair.follower.wait_applied(2, timeout_s=0.5)
         assert pair.standby.version == 1  # the step it held before the gap: applied all the same
     finally:
         pair.close()
 
 
-def test_a_standby_started_from_the_primarys_memory_mid_way_follows_on_bit_for_bit():
+def test_a_standby_starts_from_the_primarys_memory_at_a_step_boundary_and_follows_on_bit_for_bit():
     # The primary has run 3 sync steps alone and holds half of the fourth (a's push, waiting
-    # for b's) when its standby starts from its state; b's push closes the step after that.
+    # for b's): a standby cannot start inside a step (a's push counts as applied here, its
+    # gradient is only in the partial sum); once b's push closed the step, it starts and follows.
     config = _config(Mode.SYNC, workers=2)
     primary = _session(config, HomeClock(config))
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -167,17 +165,53 @@ def test_a_standby_started_from_the_primarys_memory_mid_way_follows_on_bit_for_b
         while primary.clock.status().accepted < 7 and time.monotonic() < deadline:  # a's push is in the step
             time.sleep(0.01)
         assert not waiting.done()
+        with pytest.raises(Unavailable, match="inside step 4"):
+            _Pair(config, primary)
+        assert primary.push(PushHeader("b", 3, 3), _chunks(_values(7))).version == 4
+        assert waiting.result(timeout=60).version == 4
         pair = _Pair(config, primary)
         try:
-            assert pair.standby.version == 3
-            last = pool.submit(pair.push, "b", 3, 3, 7)
-            assert last.result(timeout=60) == (4, 1.0) and waiting.result(timeout=60).version == 4
+            assert pair.standby.version == 4 and pair.follower.applied == 4
             for step in range(4, 6):
                 pushes = [pool.submit(pair.push, c, step, step, 2 * step + i) for i, c in enumerate("ab")]
                 assert [p.result(timeout=60) for p in pushes] == [(step + 1, 1.0)] * 2
             pair.assert_equal()
+            assert pair.follower.promote(timeout_s=30) == 6
         finally:
             pair.close()
+
+
+def test_a_ticket_decided_but_never_shipped_is_applied_once_by_the_promoted_standby_when_retried():
+    # The primary's clock decided c's ticket (the standby's clock holds it) and died before the
+    # step ran: the promoted standby keeps c's turn until c retries, then applies it, once.
+    pair = _Pair(_config(Mode.ASYNC))
+    reference = _session(_config(Mode.ASYNC), HomeClock(_config(Mode.ASYNC)))
+    pair.push("a", 0, 0, seed=1)
+    reference.push(PushHeader("a", 0, 0), _chunks(_values(1)))
+    assert pair.primary.clock.commit("c", 0, 1).ordinal == 1  # decided, and the primary is lost
+    assert pair.follower.promote(timeout_s=30) == 1
+    standby = pair.standby
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        later = pool.submit(standby.push, PushHeader("d", 0, 1), _chunks(_values(3)))
+        time.sleep(1.0)  # d's shard asks the clock for the tickets before its own (every 0.25 s)
+        assert not later.done()  # d's ticket comes after c's, which waits for its push
+        retried = standby.push(PushHeader("c", 0, 1), _chunks(_values(2)))
+        assert retried.committed and not retried.already_applied and retried.version == 2
+        assert later.result(timeout=30).version == 3
+    for client, seed in (("c", 2), ("d", 3)):
+        reference.push(PushHeader(client, 0, 1), _chunks(_values(seed)))
+    for name in SHAPES:
+        assert standby.updater.host_state()[0][name].tobytes() == reference.updater.host_state()[0][name].tobytes()
+
+
+def test_a_closed_standby_holds_nothing_more_and_its_primary_acknowledges_nothing_more():
+    pair = _Pair(_config(Mode.ASYNC))
+    pair.push("a", 0, 0, seed=1)
+    pair.close()
+    with pytest.raises(Unavailable, match="follows its primary no more"):  # refused, or never acknowledged
+        pair.primary.push(PushHeader("a", 1, 1), _chunks(_values(2))).durable()
+    with pytest.raises(Unavailable):
+        pair.follower.promote(timeout_s=1)
 
 
 def test_held_versions_are_done_in_order_and_fail_when_none_will_be_held():

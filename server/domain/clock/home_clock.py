@@ -109,6 +109,7 @@ class HomeClock:
         self._cond = SignalCondition()  # guards the state, the votes and the sums
         self._votes = ShardVotes(participants, self._cond, self._commit_locked)
         self._sums = CrossShardSums(participants, self._cond, reduce_timeout_s, self._journal)
+        self._following = False  # a standby's clock: it books its primary's entries and decides nothing
 
     @property
     def is_home(self) -> bool:
@@ -160,6 +161,9 @@ class HomeClock:
 
     # ----------------------------------------------------------------- deciding and journaling
     def _commit_locked(self, client_id: str, sequence: int, base_version: int) -> Ticket:
+        if self._following:
+            raise Unavailable(f"push {sequence} of client {client_id!r}: this clock is a standby's, which decides "
+                              f"nothing while its primary serves; retry")
         fresh_from = self._state.next_ordinal
         ticket = self._state.commit(client_id, sequence, base_version)
         if ticket.ordinal >= fresh_from:
@@ -183,6 +187,8 @@ class HomeClock:
     def _close_round_if_due(self) -> None:
         """Elastic sync: commits the open round without a push when it is due (lock held); the
         shards find the closing ticket when they next ask for the ticket whose turn it is."""
+        if self._following:  # a standby's: its primary closes the rounds
+            return
         ticket = self._state.close_due(time.monotonic())
         if ticket is None:
             return
@@ -280,50 +286,43 @@ class HomeClock:
                     self._sums.remember(int(key), float(total))
             parts = _settled_parts(journal)
             for number, (entries, settled) in enumerate(parts):
-                tickets, records, hyper = _read_journal(entries, self._sums)
-                if number == len(parts) - 1:
-                    for ticket in replayed:
-                        tickets.setdefault(ticket.ordinal, ticket)
-                for ordinal in sorted(tickets):
-                    if ordinal >= self._state.next_ordinal:
-                        self._state.record(tickets[ordinal])
-                for record in records:  # the journal's records are exact (replayed ones lack timings)
-                    if record.version <= self._state.version:
-                        self._state.history.keep(record)
-                for values in hyper:  # changes asked for that no ticket carried are pending again
-                    self._state.hyper.request(values, self._state.version)
+                _book(self._state, self._sums, entries, replayed if number == len(parts) - 1 else ())
                 if settled is not None:  # an earlier restore settled here: what it forgot stays forgotten
                     self._settle(*settled)
             self._state.hyper.settle()
             if settle_at is not None:
                 self._settle(*settle_at)
 
-    def replicate(self, entry: Callable[[Any], None]) -> dict:
-        """Primary: the clock's state now (what a standby's clock starts from, with
-        :meth:`restore`), and, from the same moment, every journal entry passed to ``entry`` too."""
+    def replicate(self, begin: Callable[[dict], None], entry: Callable[[Any], None]) -> None:
+        """Primary: ``begin(state)`` with the clock's state now (what a standby's clock starts
+        from, with :meth:`restore`), then every later journal entry passed to ``entry`` too; both
+        under the clock's lock, so no entry goes out before the state."""
         with self._cond:
             state = self._state.to_json(with_history=True)
             state["sums"] = self._sums.durable_state()
+            begin(state)
             self._journal.replica = entry
-            return state
+
+    def set_following(self, following: bool) -> None:
+        """A standby's clock follows its primary's (True: it decides no ticket and closes no round)
+        until the standby is promoted (False)."""
+        with self._cond:
+            self._following = following
+            self._cond.notify_all()
 
     def follow(self, entries: list) -> None:
         """A standby's clock: books its primary clock's journal entries (see ``journal``), in the
-        order the primary wrote them, as a restore reads them back."""
+        order the primary wrote them, as a restore reads them back.
+
+        Raises:
+          Unavailable: a ticket that does not follow the last one booked (an entry went missing:
+            this clock no longer follows its primary's; nothing of ``entries`` is booked past it).
+        """
         with self._cond:
-            settles = [e for e in entries if isinstance(e, dict) and "settle" in e]
-            if settles:  # a restore of the primary's settled its clock: the standby's is settled alike
-                self._settle(*map(int, settles[-1]["settle"]))
-                entries = [e for e in entries if e not in settles]
-            tickets, records, hyper = _read_journal(entries, self._sums)
-            for values in hyper:
-                self._state.hyper.request(values, self._state.version)
-            for ordinal in sorted(tickets):
-                if ordinal >= self._state.next_ordinal:
-                    self._state.record(tickets[ordinal])
-            for record in records:  # a sync round's record, exact (the ticket's own lacks its timings)
-                if record.version <= self._state.version:
-                    self._state.history.keep(record)
+            for part, settled in _settled_parts(entries):
+                _book(self._state, self._sums, part, strict=True)
+                if settled is not None:  # a restore of the primary's settled its clock: this one alike
+                    self._settle(*settled)
             self._state.hyper.settle()
             self._cond.notify_all()
 
@@ -384,6 +383,28 @@ def _settled_parts(journal: list) -> list[tuple[list, Optional[tuple[int, int]]]
             entries.append(entry)
     parts.append((entries, None))
     return parts
+
+
+def _book(state, sums: CrossShardSums, entries: list, replayed: Sequence[Ticket] = (), strict: bool = False) -> None:
+    """Books journal entries into the clock's ``state`` (its lock held), with ``replayed`` tickets
+    filling what they lack; ``strict``: each ticket must follow the last one booked.
+
+    Raises:
+      Unavailable: ``strict``, a ticket past the next one (an entry went missing).
+    """
+    tickets, records, hyper = _read_journal(entries, sums)
+    for ticket in replayed:
+        tickets.setdefault(ticket.ordinal, ticket)
+    for ordinal in sorted(tickets):
+        if strict and ordinal > state.next_ordinal:
+            raise Unavailable(f"the standby's clock is at ticket {state.next_ordinal} and was shipped ticket {ordinal}")
+        if ordinal >= state.next_ordinal:
+            state.record(tickets[ordinal])
+    for record in records:  # the journal's records are exact (replayed ones lack timings)
+        if record.version <= state.version:
+            state.history.keep(record)
+    for values in hyper:  # changes asked for that no ticket carried are pending again
+        state.hyper.request(values, state.version)
 
 
 def _read_journal(journal: list, sums: CrossShardSums) -> tuple[dict[int, Ticket], list[RoundRecord], list[dict]]:

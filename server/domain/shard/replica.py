@@ -56,12 +56,16 @@ class ReplicaStart:
 
 
 class ReplicaPort(Protocol):
-    """Where a primary shard session's steps go. Called with the session's lock held, in step
-    order."""
+    """Where a primary shard session's steps go. Called with the session's lock held, in order:
+    :meth:`start` first, then steps and clock entries as they come."""
+
+    def start(self, start: ReplicaStart) -> None:
+        """The state the standby starts from, before any step or clock entry after it."""
 
     def ship(self, record: StepRecord, grads: Sequence[np.ndarray]) -> None:
         """Step ``record.version`` was applied with ``grads`` (the shard's tensors in order). The
-        arrays may be reused once this returns: what is kept is copied."""
+        arrays may be reused once this returns: what is kept is copied. Never raises: a standby
+        that cannot take the step fails its held futures instead."""
 
     def held_future(self, version: int) -> Future:
         """Done (result None) once the standby holds step ``version``; failed when it never will."""
@@ -71,16 +75,18 @@ class ReplicaPort(Protocol):
         ``{"sum"}``), passed on before the ticket it carries is handed out.
 
         Raises:
-          OSError: the standby cannot take it (the clock then hands nothing out).
+          OSError: the standby cannot take it (it is out of sync from then on; the clock hands
+            out nothing the entry carries).
         """
 
 
 class HeldVersions:
-    """Futures of step versions, done once a standby holds the version (versions are held in order)."""
+    """Futures of step versions, done once a standby holds the version (versions are held in
+    order); once failed, no later version is held."""
 
-    def __init__(self):
+    def __init__(self, held: int = 0):
         self._lock = threading.Lock()
-        self._held = 0
+        self._held = held
         self._failed: Optional[BaseException] = None
         self._waiting: dict[int, Future] = {}
 
@@ -96,18 +102,20 @@ class HeldVersions:
             return self._waiting.setdefault(version, Future())
 
     def hold(self, version: int) -> None:
-        """Versions up to ``version`` are held."""
+        """Versions up to ``version`` are held (nothing, once failed)."""
         with self._lock:
+            if self._failed is not None:
+                return
             self._held = max(self._held, version)
-            done = [v for v in self._waiting if v <= version]
-            futures = [self._waiting.pop(v) for v in done]
+            futures = [self._waiting.pop(v) for v in [v for v in self._waiting if v <= version]]
         for future in futures:
             future.set_result(None)
 
     def fail(self, error: BaseException) -> None:
         """No later version will be held: their futures fail with ``error``."""
         with self._lock:
-            self._failed = error
+            if self._failed is None:
+                self._failed = error
             futures, self._waiting = list(self._waiting.values()), {}
         for future in futures:
             future.set_exception(error)
@@ -123,20 +131,24 @@ def _done(error: Optional[BaseException]) -> Future:
 
 
 class StandbyFollower:
-    """The standby's side of one session on one shard: shipped steps are held on receipt and
-    applied in version order on a thread of its own.
+    """The standby's side of one session on one shard: it starts from its primary's state, then
+    holds shipped steps on receipt and applies them in version order on a thread of its own.
 
     Args:
+      start_from: ``(ReplicaStart) -> None`` installs the primary's state
+        (``SessionDurability.start_from``).
       follow: ``(record, grads by name) -> bool`` applies one step to the standby's state
         (``SessionDurability.follow``; False: held already).
-      clock: the standby's home clock (its ``follow(entries)``), on the session's home shard; None
-        on the others.
+      clock: the standby's home clock (its ``follow(entries)``, ``set_following(bool)``), on the
+        session's home shard; None on the others.
       names: the shard's tensors, in the order their gradients are shipped.
       where: how log lines and errors name the session's part ("session 'x' on shard 0").
     """
 
-    def __init__(self, follow: Callable[[StepRecord, Mapping[str, np.ndarray]], bool], clock,
-                 names: Sequence[str], where: str):
+    def __init__(self, start_from: Callable[[ReplicaStart], None],
+                 follow: Callable[[StepRecord, Mapping[str, np.ndarray]], bool], clock, names: Sequence[str],
+                 where: str):
+        self._start_from = start_from
         self._follow = follow
         self._clock = clock
         self._names = tuple(names)
@@ -146,38 +158,72 @@ class StandbyFollower:
         self.error: Optional[OptservError] = None  # why it stopped following (None: it did not)
         self._cond = threading.Condition()
         self._queue: collections.deque = collections.deque()
+        self._started = False
+        self._stopping = False  # promoted or closed: nothing more is held
         self._closed = False
         self._thread = threading.Thread(target=self._apply_in_order, name="optserve-standby", daemon=True)
         self._thread.start()
+
+    def start(self, start: ReplicaStart) -> None:
+        """Installs the primary's state (its clock's too, which follows, passive, from now on)."""
+        with self._cond:
+            if self._started:
+                raise ValueError(f"{self.where}: the standby was started already")
+            if self._clock is not None:
+                self._clock.set_following(True)
+            self._start_from(start)
+            self.held = HeldVersions(start.progress.version)
+            self.applied = start.progress.version
+            self._started = True
 
     def receive(self, record: StepRecord, grads: Sequence[np.ndarray]) -> None:
         """A shipped step (``grads``: this follower's own arrays now). Held at once when it follows
         the last one held (a step held already is ignored).
 
         Raises:
-          ReplicaGap: it does not follow the last one held (nothing later is held from then on).
+          ReplicaGap: it does not follow the last one held, or came before the start (nothing
+            later is held from then on).
+          Unavailable: the standby follows no more (it stopped, was promoted or closed).
         """
-        if len(grads) != len(self._names):
-            raise ValueError(f"{self.where}: a shipped step has {len(grads)} gradients for {len(self._names)} tensors")
         with self._cond:
-            if self.error is not None:
-                raise self.error
+            self._check_following()
             held = self.held.held
             if record.version <= held:
                 return
-            if record.version != held + 1:  # the steps held so far are still applied
-                self._stop(ReplicaGap(f"{self.where}: the standby holds steps up to version {held} and was "
-                                      f"shipped version {record.version}"), drop_queued=False)
+            if not self._started or record.version != held + 1 or len(grads) != len(self._names):
+                self._stop(ReplicaGap(f"{self.where}: the standby holds steps up to version {held} "
+                                      f"({'started' if self._started else 'not started'}) and was shipped version "
+                                      f"{record.version} with {len(grads)} of {len(self._names)} gradients"),
+                           drop_queued=False)  # the steps held so far are still applied
                 raise self.error
             self._queue.append((record, dict(zip(self._names, grads))))
+            self.held.hold(record.version)
             self._cond.notify_all()
-        self.held.hold(record.version)
 
     def clock_entries(self, entries: list) -> None:
-        """The home clock's journal entries, applied to the standby's clock at once (in order)."""
-        if self._clock is None:
-            raise ValueError(f"{self.where}: clock entries shipped to a shard that is not the session's home")
-        self._clock.follow(entries)
+        """The home clock's journal entries, applied to the standby's clock at once (in order).
+
+        Raises:
+          ReplicaGap / Unavailable: as :meth:`receive`; also a ticket that does not follow the
+            clock's last one.
+        """
+        with self._cond:
+            self._check_following()
+            try:
+                if self._clock is None or not self._started:
+                    raise ReplicaGap(f"{self.where}: clock entries shipped to a standby that is not started or not "
+                                     f"the session's home")
+                self._clock.follow(entries)
+            except OptservError as exc:
+                self._stop(exc, drop_queued=False)
+                raise
+
+    def _check_following(self) -> None:
+        """Raises why the standby takes nothing more (condition held)."""
+        if self.error is not None:
+            raise self.error
+        if self._stopping:
+            raise Unavailable(f"{self.where}: the standby follows its primary no more (promoted or closed)")
 
     def wait_applied(self, version: int, timeout_s: Optional[float] = None) -> bool:
         """Whether every step up to ``version`` was applied here within ``timeout_s``."""
@@ -187,28 +233,36 @@ class StandbyFollower:
             return self.applied >= version
 
     def promote(self, timeout_s: Optional[float] = None) -> int:
-        """The primary is gone and this standby serves the session from now on: every step it
-        holds is applied first (those acknowledged among them), then it follows no more. Returns
-        the version reached.
+        """The primary is gone and this standby serves the session from now on: it takes nothing
+        more, applies every step it holds (those acknowledged among them), and its clock decides
+        again. Returns the version reached.
 
         Raises:
-          OptservError: the standby stopped following before it applied every step it holds (it
-            is not in sync: it must not serve).
+          OptservError: the standby stopped following (it is not in sync: it must not serve).
           TimeoutError: the steps held were not all applied within ``timeout_s``.
         """
-        held = self.held.held
+        with self._cond:
+            self._check_following()
+            if not self._started:
+                raise ReplicaGap(f"{self.where}: the standby was never started")
+            self._stopping = True
+            held = self.held.held
         if not self.wait_applied(held, timeout_s):
             if self.error is not None:
                 raise self.error
             raise TimeoutError(f"{self.where}: the standby applied {self.applied} of the {held} steps it holds")
         self.close()
+        if self._clock is not None:
+            self._clock.set_following(False)
         return self.applied
 
     def close(self) -> None:
-        """Stops applying (steps still queued are dropped)."""
+        """Stops following: nothing more is held (waiters for later steps fail), steps still queued
+        are dropped."""
         with self._cond:
-            self._closed = True
+            self._stopping = self._closed = True
             self._cond.notify_all()
+        self.held.fail(Unavailable(f"{self.where}: the standby was closed"))
         self._thread.join(timeout=10)
 
     def _stop(self, error: OptservError, drop_queued: bool = True) -> None:
@@ -245,19 +299,25 @@ class StandbyFollower:
 
 class LocalLink:
     """A :class:`ReplicaPort` whose standby (``follower``) is in this process: shipped gradients are
-    copied, entries passed on directly."""
+    copied, the start and the entries passed on directly."""
 
     def __init__(self, follower: StandbyFollower):
         self._follower = follower
 
+    def start(self, start: ReplicaStart) -> None:
+        self._follower.start(start)
+
     def ship(self, record: StepRecord, grads: Sequence[np.ndarray]) -> None:
         try:
             self._follower.receive(record, [np.array(g, copy=True) for g in grads])
-        except OptservError:  # the follower is out of sync: held_future says so to the waiters
-            pass
+        except Exception as exc:  # noqa: BLE001 - out of sync: held_future says so to the waiters
+            self._follower.held.fail(exc)
 
     def held_future(self, version: int) -> Future:
         return self._follower.held.future(version)
 
     def clock_entry(self, entry) -> None:
-        self._follower.clock_entries([entry])
+        try:
+            self._follower.clock_entries([entry])
+        except OptservError as exc:
+            raise OSError(f"the standby cannot take the clock's entry: {exc}") from exc

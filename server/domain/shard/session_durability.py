@@ -13,6 +13,7 @@ from typing import Callable, Mapping, Optional
 import numpy as np
 
 from optserve.server.domain.durability import CheckpointPort, ShardProgress, StepRecord
+from optserve.server.domain.errors import Unavailable
 from optserve.server.domain.shard.replay import replayed_tickets
 from optserve.server.domain.shard.replica import ReplicaGap, ReplicaPort, ReplicaStart
 from optserve.server.domain.shard.step_runner import StepRunner, plain_hyper
@@ -38,21 +39,33 @@ class SessionDurability:
         with self._steps.cond:
             self._steps.journal.attach_replica(replica)
 
-    def start_replica(self, replica: ReplicaPort) -> ReplicaStart:
-        """Primary: the state a fresh standby starts from (this shard's at its version, and the
-        home clock's) and, from the same moment, every later step and clock entry shipped to
-        ``replica``. A sync step half gathered here needs nothing of it: its step's record carries
-        the mean."""
+    def start_replica(self, replica: ReplicaPort) -> None:
+        """Primary: starts ``replica`` from this shard's state now (and the home clock's), then
+        ships it every later step and clock entry; nothing goes out before the start.
+
+        Raises:
+          Unavailable: the state is not at a step boundary (a sync step half gathered, whose
+            pushes count as applied already; a write-ahead step waiting for its record): asked
+            again once the step closed.
+        """
         steps = self._steps
         with steps.cond:
-            clock_state = steps.clock.replicate(replica.clock_entry) if steps.clock.is_home else None
+            if steps.half_gathered or steps.journal.step_waits:
+                raise Unavailable(f"{steps.where}: a standby starts at a step boundary; this shard is inside "
+                                  f"step {steps.version + 1}: try again once it closed")
             progress = steps.queue.progress(steps.version, plain_hyper(steps.updater.hyper), steps.updater.chunk_tensors)
-            start = ReplicaStart(progress, *steps.updater.host_state(), clock_state)
+            params, opt_state = steps.updater.host_state()
+            begin = lambda clock_state: replica.start(ReplicaStart(progress, params, opt_state, clock_state))  # noqa: E731
+            if steps.clock.is_home:
+                steps.clock.replicate(begin, replica.clock_entry)
+            else:
+                begin(None)
             steps.journal.attach_replica(replica)
-            return start
 
     def start_from(self, start: ReplicaStart) -> None:
-        """A fresh standby's session: takes its primary's state (see :meth:`start_replica`)."""
+        """A fresh standby's session: takes its primary's state (see :meth:`start_replica`); it
+        is replicated from then on (a ticket decided before a promotion but never shipped waits
+        for its client's retry, as after a durable restart)."""
         steps = self._steps
         with steps.cond:
             steps.updater.use_chunks(start.progress.state_chunks)
@@ -62,6 +75,7 @@ class SessionDurability:
             steps.version = start.progress.version
             if start.clock_state is not None:
                 steps.clock.restore(start.clock_state, [])
+            steps.journal.replicated = True
             steps.cond.notify_all()
 
     def follow(self, record: StepRecord, grads: Mapping[str, np.ndarray]) -> bool:

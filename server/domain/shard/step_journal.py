@@ -100,6 +100,7 @@ class StepJournal:
         self._recovery = LogRecovery(owner, self._log_where, lambda: self.checkpoint(wait=True), self._reserve_room)
         self._held = HeldReleases()  # overlapped order: failed updates' gradients the log may still write
         self._replica: Optional[ReplicaPort] = None  # a standby that mirrors the steps (see replica.py)
+        self.replicated = False  # it has (or, on a promoted standby, had) a standby
 
     @property
     def enabled(self) -> bool:
@@ -111,10 +112,17 @@ class StepJournal:
         self._store, self._log = store, store.log
         self._recovery.attach(store)
 
+    @property
+    def step_waits(self) -> bool:
+        """A write-ahead step whose record failed waits to be applied: its tickets count as
+        applied, so the state is not at a step boundary."""
+        return self._recovery.step_waits
+
     def attach_replica(self, replica: Optional[ReplicaPort]) -> None:
         """Ships every step applied from now on to ``replica`` (None: to no standby); a step is
         acknowledged once the standby holds it."""
         self._replica = replica
+        self.replicated = self.replicated or replica is not None
 
     def close(self) -> None:
         """Finishes a checkpoint being written, closes the log, gives back held gradients (closing)."""
@@ -148,17 +156,17 @@ class StepJournal:
             self._log.begin_step(self._in_order(grads))
         try:
             global_stat = update(None)
-            if self._replica is not None:  # before the gradient's buffers go back
-                self._replica.ship(step.record(global_stat), self._in_order(grads))
         except BaseException:
             if self._log is not None:  # the log may still be writing the gradient (the aborted record)
                 self._log.abort_step()
-            raise
-        finally:
-            if self._log is None:
+            else:
                 self._held.release_all()
+            raise
+        self._ship(step.record(global_stat), grads)  # before the gradient's buffers go back
         if self._log is not None:
             self._log.end_step(step.record(global_stat), self._held.joined())
+        else:
+            self._held.release_all()
 
     def _run_ahead(self, grads: Mapping[str, np.ndarray], step: JournaledStep,
                    update: Callable[[Optional[Callable[[float], None]]], float],
@@ -176,8 +184,7 @@ class StepJournal:
 
         try:
             update(write_record)
-            if self._replica is not None:  # before the gradient's buffers go back
-                self._replica.ship(step.record(stats[0]), self._in_order(grads))
+            self._ship(step.record(stats[0]), grads)  # never raises
         except LogWriteFailed:
             # a copy of its own: the push's buffers (the staging pool, or the client's shared-memory
             # region, which the client writes its next gradient into) go back once it is answered
@@ -187,6 +194,16 @@ class StepJournal:
         finally:  # the record, if any, was written before append_ahead returned: nothing reads them
             if release is not None:
                 release()
+
+    def _ship(self, record: StepRecord, grads: Mapping[str, np.ndarray]) -> None:
+        """An applied step to the standby, if any. Never raises: the step is applied here, whatever
+        becomes of its copy (a port that fails says so through its held futures)."""
+        if self._replica is None:
+            return
+        try:
+            self._replica.ship(record, self._in_order(grads))
+        except Exception:  # noqa: BLE001 - a faulty port: its standby no longer holds what is applied here
+            _log.exception("event=replica_ship_failed %s version=%d", self._log_where, record.version)
 
     def _in_order(self, grads: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         return [grads[name] for name in self._specs]

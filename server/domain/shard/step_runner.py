@@ -196,12 +196,13 @@ class StepRunner:
                                                   self.config.min_workers, ticket, time.monotonic() - started))
 
     def _awaits_resend(self, ticket: Ticket) -> bool:
-        """A durable session's ticket whose push is not staged here: it was decided before this
-        shard restarted (its staged copy died with the process), or decided though its call heard
+        """A durable or replicated session's ticket whose push is not staged here: it was decided
+        before this shard restarted or its standby was promoted (its staged copy died with the
+        primary's process), or decided though its call heard
         a refusal (the clock's ticket journal could not be written: its staged copy was dropped),
         and is applied once its client, retrying, sends it again. (Without durability such a
         ticket is a fault: see _apply_ticket.)"""
-        return (self.journal.enabled and not ticket.closes_round
+        return ((self.journal.enabled or self.journal.replicated) and not ticket.closes_round
                 and not self._staging.holds((ticket.client_id, ticket.sequence)))
 
     def _apply_ticket(self, ticket: Ticket) -> None:
@@ -228,7 +229,7 @@ class StepRunner:
             self._update(mean, ticket, tickets, scale=1.0, absent=absent)
             return
         staged = self._staging.take((ticket.client_id, ticket.sequence))
-        if staged is None and self.journal.enabled:
+        if staged is None and (self.journal.enabled or self.journal.replicated):
             # It was staged when its turn came (see _awaits_resend) and was dropped since: its own
             # call heard a refusal for a ticket the clock decided all the same (the ticket journal
             # could not be written), and its client sends it again with the same sequence. Like a
