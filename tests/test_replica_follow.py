@@ -9,8 +9,11 @@ linked in this process (:class:`LocalLink`)."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
+import threading
 import time
+from concurrent.futures import Future
 from typing import Optional
 
 import numpy as np
@@ -245,3 +248,77 @@ def test_a_promoted_standby_answers_a_retry_of_an_acknowledged_push_without_appl
     assert version == reference.version == 14
     for name in SHAPES:
         assert standby.updater.host_state()[0][name].tobytes() == reference.updater.host_state()[0][name].tobytes()
+
+
+class _LateLink(LocalLink):
+    """A link whose standby says it holds a step only once the test lets it (a slow network)."""
+
+    def __init__(self, follower: StandbyFollower):
+        super().__init__(follower)
+        self.let_go = threading.Event()
+
+    def held_future(self, version: int) -> Future:
+        late = Future()
+        threading.Thread(target=lambda: (self.let_go.wait(), late.set_result(None)), daemon=True).start()
+        return late
+
+
+class _BrokenLink(LocalLink):
+    """A faulty port: shipping raises."""
+
+    def ship(self, record, grads) -> None:
+        raise ConnectionError("the link broke")
+
+
+def _linked(link_type):
+    config = _config(Mode.ASYNC)
+    primary, standby_clock = _session(config, HomeClock(config)), HomeClock(config)
+    standby = _session(config, standby_clock, initialized=False)
+    follower = StandbyFollower(standby.durability.start_from, standby.durability.follow, standby_clock,
+                               list(SHAPES), standby.where)
+    link = link_type(follower)
+    primary.durability.start_replica(link)
+    return primary, standby, follower, link
+
+
+def test_an_acknowledgement_waits_until_the_standby_says_it_holds_the_step():
+    primary, _standby, follower, link = _linked(_LateLink)
+    try:
+        receipt = primary.push(PushHeader("a", 0, 0), _chunks(_values(1)))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            acknowledged = pool.submit(receipt.durable)
+            time.sleep(0.3)
+            assert not acknowledged.done()
+            link.let_go.set()
+            acknowledged.result(timeout=10)
+    finally:
+        follower.close()
+
+
+def test_a_step_its_port_could_not_ship_is_applied_but_never_acknowledged():
+    primary, _standby, follower, _link = _linked(_BrokenLink)
+    try:
+        receipt = primary.push(PushHeader("a", 0, 0), _chunks(_values(1)))
+        assert primary.version == 1  # applied here: the primary's state is whole
+        with pytest.raises(Unavailable, match="could not be shipped"):
+            receipt.durable()
+    finally:
+        follower.close()
+
+
+def test_a_standbys_clock_decides_nothing_changes_nothing_and_books_no_ticket_out_of_order():
+    pair = _Pair(_config(Mode.ASYNC))
+    try:
+        pair.push("a", 0, 0, seed=1)
+        clock = pair.standby.clock
+        with pytest.raises(Unavailable, match="standby's"):
+            clock.commit("b", 0, 1)
+        with pytest.raises(Unavailable, match="standby's"):
+            clock.set_hyperparams({"default": {"learning_rate": 0.5}})
+        decided = pair.primary.clock.commit("c", 0, 1)  # ticket 1, passed to the standby's clock
+        skipped = dataclasses.replace(decided, ordinal=decided.ordinal + 2, sequence=1)
+        with pytest.raises(Unavailable, match="at ticket 2 and was shipped ticket 3"):
+            clock.follow([skipped.to_json()])
+        assert _clock_json(clock)["next_ordinal"] == 2  # the real ticket 1 went to it before
+    finally:
+        pair.close()

@@ -208,6 +208,7 @@ class HomeClock:
           ResourceExhausted: joining past ``max_workers``.
         """
         with self._cond:
+            self._refuse_if_following(f"membership ({action}) of {worker!r}")
             rounds = self._state.rounds
             if rounds is None:
                 raise InvalidArgument("membership is for elastic sync sessions (min_workers < num_workers or "
@@ -223,6 +224,8 @@ class HomeClock:
     def disconnected(self, worker: str) -> None:
         """Elastic sync: ``worker``'s connection to the home shard dropped: it leaves now."""
         with self._cond:
+            if self._following:  # a standby's: no client is connected to it
+                return
             if self._state.rounds is not None and self._state.rounds.leave(worker, disconnected=True):
                 _log.info("event=member_disconnected worker=%s", worker)
                 self._close_round_if_due()
@@ -246,6 +249,7 @@ class HomeClock:
           Unavailable: the journal could not be written (nothing changed).
         """
         with self._cond:
+            self._refuse_if_following("a hyperparameter change")
             book = self._state.hyper
             before = (book.pending, book.pending_since)
             version, changed = book.request(values, self._state.version)
@@ -302,6 +306,11 @@ class HomeClock:
             state["sums"] = self._sums.durable_state()
             begin(state)
             self._journal.replica = entry
+
+    def _refuse_if_following(self, what: str) -> None:
+        """A standby's clock changes only as its primary's entries say (lock held)."""
+        if self._following:
+            raise Unavailable(f"{what}: this clock is a standby's, which follows its primary's; retry")
 
     def set_following(self, following: bool) -> None:
         """A standby's clock follows its primary's (True: it decides no ticket and closes no round)

@@ -60,7 +60,9 @@ class ReplicaPort(Protocol):
     :meth:`start` first, then steps and clock entries as they come."""
 
     def start(self, start: ReplicaStart) -> None:
-        """The state the standby starts from, before any step or clock entry after it."""
+        """The state the standby starts from, before any step or clock entry after it. Called
+        under the primary session's lock and its clock's: a port over a network only queues it
+        as its stream's first message (it does not wait for the transfer)."""
 
     def ship(self, record: StepRecord, grads: Sequence[np.ndarray]) -> None:
         """Step ``record.version`` was applied with ``grads`` (the shard's tensors in order). The
@@ -159,6 +161,7 @@ class StandbyFollower:
         self._cond = threading.Condition()
         self._queue: collections.deque = collections.deque()
         self._started = False
+        self._promoting = False  # being promoted: nothing more is held (promote may be asked again)
         self._stopping = False  # promoted or closed: nothing more is held
         self._closed = False
         self._thread = threading.Thread(target=self._apply_in_order, name="optserve-standby", daemon=True)
@@ -167,11 +170,12 @@ class StandbyFollower:
     def start(self, start: ReplicaStart) -> None:
         """Installs the primary's state (its clock's too, which follows, passive, from now on)."""
         with self._cond:
+            self._check_following()
             if self._started:
                 raise ValueError(f"{self.where}: the standby was started already")
+            self._start_from(start)
             if self._clock is not None:
                 self._clock.set_following(True)
-            self._start_from(start)
             self.held = HeldVersions(start.progress.version)
             self.applied = start.progress.version
             self._started = True
@@ -214,15 +218,17 @@ class StandbyFollower:
                     raise ReplicaGap(f"{self.where}: clock entries shipped to a standby that is not started or not "
                                      f"the session's home")
                 self._clock.follow(entries)
-            except OptservError as exc:
-                self._stop(exc, drop_queued=False)
-                raise
+            except Exception as exc:  # noqa: BLE001 - an entry it could not book: out of sync from now on
+                error = exc if isinstance(exc, OptservError) else Unavailable(
+                    f"{self.where}: the standby's clock could not book an entry: {exc!r}")
+                self._stop(error, drop_queued=False)
+                raise error from None
 
     def _check_following(self) -> None:
         """Raises why the standby takes nothing more (condition held)."""
         if self.error is not None:
             raise self.error
-        if self._stopping:
+        if self._stopping or self._promoting:
             raise Unavailable(f"{self.where}: the standby follows its primary no more (promoted or closed)")
 
     def wait_applied(self, version: int, timeout_s: Optional[float] = None) -> bool:
@@ -242,10 +248,13 @@ class StandbyFollower:
           TimeoutError: the steps held were not all applied within ``timeout_s``.
         """
         with self._cond:
-            self._check_following()
+            if self.error is not None:
+                raise self.error
+            if self._stopping:
+                raise Unavailable(f"{self.where}: the standby was closed")
             if not self._started:
                 raise ReplicaGap(f"{self.where}: the standby was never started")
-            self._stopping = True
+            self._promoting = True  # asked again after a timeout, it goes on from here
             held = self.held.held
         if not self.wait_applied(held, timeout_s):
             if self.error is not None:
@@ -319,5 +328,5 @@ class LocalLink:
     def clock_entry(self, entry) -> None:
         try:
             self._follower.clock_entries([entry])
-        except OptservError as exc:
+        except Exception as exc:  # noqa: BLE001 - the clock hands out nothing the entry carries
             raise OSError(f"the standby cannot take the clock's entry: {exc}") from exc

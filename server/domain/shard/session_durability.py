@@ -39,6 +39,14 @@ class SessionDurability:
         with self._steps.cond:
             self._steps.journal.attach_replica(replica)
 
+    def set_replicated(self) -> None:
+        """The session has standbys: a decided ticket whose push is not staged here keeps its turn
+        until its client's retry stages it (as after a durable restart). Set on every shard of the
+        session before any of them starts a standby: a shard that instead skipped such a ticket
+        would fall behind its peers for good."""
+        with self._steps.cond:
+            self._steps.journal.replicated = True
+
     def start_replica(self, replica: ReplicaPort) -> None:
         """Primary: starts ``replica`` from this shard's state now (and the home clock's), then
         ships it every later step and clock entry; nothing goes out before the start.

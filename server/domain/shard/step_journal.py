@@ -101,6 +101,7 @@ class StepJournal:
         self._held = HeldReleases()  # overlapped order: failed updates' gradients the log may still write
         self._replica: Optional[ReplicaPort] = None  # a standby that mirrors the steps (see replica.py)
         self.replicated = False  # it has (or, on a promoted standby, had) a standby
+        self._ship_failed: Optional[Unavailable] = None  # the port raised: no later step is acknowledged
 
     @property
     def enabled(self) -> bool:
@@ -122,6 +123,7 @@ class StepJournal:
         """Ships every step applied from now on to ``replica`` (None: to no standby); a step is
         acknowledged once the standby holds it."""
         self._replica = replica
+        self._ship_failed = None
         self.replicated = self.replicated or replica is not None
 
     def close(self) -> None:
@@ -202,8 +204,10 @@ class StepJournal:
             return
         try:
             self._replica.ship(record, self._in_order(grads))
-        except Exception:  # noqa: BLE001 - a faulty port: its standby no longer holds what is applied here
+        except Exception as exc:  # noqa: BLE001 - a faulty port: its standby no longer holds what is applied here
             _log.exception("event=replica_ship_failed %s version=%d", self._log_where, record.version)
+            self._ship_failed = Unavailable(f"{self._owner.where}: step {record.version} could not be shipped to "
+                                            f"the standby ({exc!r}); it is not acknowledged")
 
     def _in_order(self, grads: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         return [grads[name] for name in self._specs]
@@ -237,6 +241,14 @@ class StepJournal:
             standby's error when it will never hold the step (it fell out of sync or is gone).
         """
         log, owner, replica = self._log, self._owner, self._replica
+        if replica is not None and self._ship_failed is not None:
+            failed = self._ship_failed
+
+            def never_held() -> Steps[None]:
+                raise failed
+                yield  # noqa: unreachable - a generator
+
+            return never_held
         if replica is not None:
             held = replica.held_future(version)
             logged_steps = self._logged_waiter(log, owner, version) if log is not None else _nothing_to_wait_for
