@@ -164,9 +164,10 @@ class StepJournal:
             else:
                 self._held.release_all()
             raise
-        self._ship(step.record(global_stat), grads)  # before the gradient's buffers go back
+        record = step.record(global_stat)
+        self._ship(record, grads)  # before the gradient's buffers go back
         if self._log is not None:
-            self._log.end_step(step.record(global_stat), self._held.joined())
+            self._log.end_step(record, self._held.joined())
         else:
             self._held.release_all()
 
