@@ -10,102 +10,24 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import threading
 import time
 from concurrent.futures import Future
-from typing import Optional
 
-import numpy as np
 import pytest
 
 from optserve.optim_kernels import build_optimizer
-from optserve.protos.optserve.v1 import tensor_pb2
-from optserve.server.compute.updater import Updater
 from optserve.server.domain.clock.home_clock import HomeClock
-from optserve.server.domain.config import DType, Mode, SessionConfig, StalenessPolicy, TensorSpec
+from optserve.server.domain.config import Mode
 from optserve.server.domain.durability import StepRecord
 from optserve.server.domain.errors import Unavailable
 from optserve.server.domain.shard.replica import HeldVersions, LocalLink, ReplicaGap, StandbyFollower
-from optserve.server.domain.shard.shard_session import PushHeader, ShardSession
-
-SHAPES = {"w": (3, 4), "b": (4,)}
-ADAM = ("adam", {"learning_rate": 0.01})
-
-
-def _chunks(values: dict[str, np.ndarray]) -> list:
-    return [tensor_pb2.TensorChunk(name=n, dtype=tensor_pb2.DTYPE_FLOAT32, shape=list(v.shape), data=v.tobytes())
-            for n, v in values.items()]
-
-
-def _values(seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
-
-
-def _config(mode: Mode, workers: int = 1) -> SessionConfig:
-    specs = tuple(TensorSpec(n, DType.FLOAT32, s) for n, s in SHAPES.items())
-    return SessionConfig("mirrored", specs, ADAM[0], ADAM[1], mode=mode, num_workers=workers,
-                         staleness_policy=StalenessPolicy.SCALE)
-
-
-def _session(config: SessionConfig, clock: HomeClock, initialized: bool = True) -> ShardSession:
-    session = ShardSession(config, list(SHAPES), 0, clock, Updater(build_optimizer(*ADAM)), step_timeout_s=20.0,
-                           vote_timeout_s=20.0)
-    if initialized:
-        session.initialize(_chunks(_values(0)))
-    return session
-
-
-class _Pair:
-    """A primary and a standby started from its state in memory (now), linked in this process."""
-
-    def __init__(self, config: SessionConfig, primary: Optional[ShardSession] = None):
-        self.primary = primary or _session(config, HomeClock(config))
-        standby_clock = HomeClock(config)
-        self.standby = _session(config, standby_clock, initialized=False)
-        self.follower = StandbyFollower(self.standby.durability.start_from, self.standby.durability.follow,
-                                        standby_clock, list(SHAPES), self.standby.where)
-        self.primary.durability.start_replica(LocalLink(self.follower))
-
-    def push(self, client: str, sequence: int, base: int, seed: int) -> tuple[int, float]:
-        """(the push's version, its scale), once acknowledged."""
-        receipt = self.primary.push(PushHeader(client, sequence, base), _chunks(_values(seed)))
-        receipt.durable()  # the acknowledgement: the standby holds the step
-        assert self.follower.held.held >= receipt.version
-        return receipt.version, receipt.scale
-
-    def assert_equal(self) -> None:
-        version = self.primary.version
-        assert self.follower.wait_applied(version, timeout_s=30), self.follower.error
-        assert self.standby.version == version
-        ours, theirs = self.primary.updater.host_state(), self.standby.updater.host_state()
-        for name in SHAPES:
-            assert ours[0][name].tobytes() == theirs[0][name].tobytes(), name
-        import jax
-
-        leaves = jax.tree_util.tree_leaves(ours[1]), jax.tree_util.tree_leaves(theirs[1])
-        assert len(leaves[0]) == len(leaves[1]) > 0
-        assert all(np.asarray(a).tobytes() == np.asarray(b).tobytes() for a, b in zip(*leaves))
-        mine, its = (_clock_json(s.clock) for s in (self.primary, self.standby))
-        assert mine == its
-
-    def close(self) -> None:
-        self.follower.close()
-
-
-def _clock_json(clock: HomeClock) -> dict:
-    """The clock's durable state without what depends on when this process booked it."""
-    state = clock.durable_state(lambda: None)
-    state.pop("checkpoint_time", None)
-    for record in state.get("rounds", []):
-        if isinstance(record, dict):
-            record.pop("duration_s", None)
-    return json.loads(json.dumps(state, sort_keys=True, default=str))
+from optserve.server.domain.shard.shard_session import PushHeader
+from tests._replica_pair import ADAM, SHAPES, Pair, chunks, clock_json, config_of, shard_session, values
 
 
 def test_an_async_standby_holds_the_primarys_parameters_state_and_clock_bit_for_bit():
-    pair = _Pair(_config(Mode.ASYNC))
+    pair = Pair(config_of(Mode.ASYNC))
     try:
         version = 0
         for step in range(10):
@@ -124,7 +46,7 @@ def test_an_async_standby_holds_the_primarys_parameters_state_and_clock_bit_for_
 
 
 def test_a_sync_standby_holds_the_mean_of_each_step_as_the_primary_applied_it():
-    pair = _Pair(_config(Mode.SYNC, workers=2))
+    pair = Pair(config_of(Mode.SYNC, workers=2))
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             for step in range(6):
@@ -137,14 +59,14 @@ def test_a_sync_standby_holds_the_mean_of_each_step_as_the_primary_applied_it():
 
 
 def test_a_standby_shipped_a_step_that_does_not_follow_stops_and_later_steps_are_not_acknowledged():
-    pair = _Pair(_config(Mode.ASYNC))
+    pair = Pair(config_of(Mode.ASYNC))
     try:
         pair.push("a", 0, 0, seed=1)
-        grads = [_values(2)[n] for n in SHAPES]
+        grads = [values(2)[n] for n in SHAPES]
         with pytest.raises(ReplicaGap, match=r"holds steps up to version 1 \(started\) and was shipped version 3"):
             pair.follower.receive(StepRecord(3, ((5, "a", 4),), 1.0, 0.0), grads)
         with pytest.raises(Unavailable, match="standby"):  # nothing more is acknowledged
-            pair.primary.push(PushHeader("a", 1, 1), _chunks(_values(3))).durable()
+            pair.primary.push(PushHeader("a", 1, 1), chunks(values(3))).durable()
         assert pair.follower.wait_applied(1, timeout_s=30) and not pair.follower.wait_applied(2, timeout_s=0.5)
         assert pair.standby.version == 1  # the step it held before the gap: applied all the same
     finally:
@@ -155,24 +77,24 @@ def test_a_standby_starts_from_the_primarys_memory_at_a_step_boundary_and_follow
     # The primary has run 3 sync steps alone and holds half of the fourth (a's push, waiting
     # for b's): a standby cannot start inside a step (a's push counts as applied here, its
     # gradient is only in the partial sum); once b's push closed the step, it starts and follows.
-    config = _config(Mode.SYNC, workers=2)
-    primary = _session(config, HomeClock(config))
+    config = config_of(Mode.SYNC, workers=2)
+    primary = shard_session(config, HomeClock(config))
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         for step in range(3):
-            pushes = [pool.submit(primary.push, PushHeader(c, step, step), _chunks(_values(2 * step + i)))
+            pushes = [pool.submit(primary.push, PushHeader(c, step, step), chunks(values(2 * step + i)))
                       for i, c in enumerate("ab")]
             assert [p.result(timeout=60).version for p in pushes] == [step + 1] * 2
         primary.home.set_hyperparams({"learning_rate": 0.03})
-        waiting = pool.submit(primary.push, PushHeader("a", 3, 3), _chunks(_values(6)))
+        waiting = pool.submit(primary.push, PushHeader("a", 3, 3), chunks(values(6)))
         deadline = time.monotonic() + 10
         while primary.clock.status().accepted < 7 and time.monotonic() < deadline:  # a's push is in the step
             time.sleep(0.01)
         assert not waiting.done()
         with pytest.raises(Unavailable, match="inside step 4"):
-            _Pair(config, primary)
-        assert primary.push(PushHeader("b", 3, 3), _chunks(_values(7))).version == 4
+            Pair(config, primary)
+        assert primary.push(PushHeader("b", 3, 3), chunks(values(7))).version == 4
         assert waiting.result(timeout=60).version == 4
-        pair = _Pair(config, primary)
+        pair = Pair(config, primary)
         try:
             assert pair.standby.version == 4 and pair.follower.applied == 4
             for step in range(4, 6):
@@ -187,32 +109,32 @@ def test_a_standby_starts_from_the_primarys_memory_at_a_step_boundary_and_follow
 def test_a_ticket_decided_but_never_shipped_is_applied_once_by_the_promoted_standby_when_retried():
     # The primary's clock decided c's ticket (the standby's clock holds it) and died before the
     # step ran: the promoted standby keeps c's turn until c retries, then applies it, once.
-    pair = _Pair(_config(Mode.ASYNC))
-    reference = _session(_config(Mode.ASYNC), HomeClock(_config(Mode.ASYNC)))
+    pair = Pair(config_of(Mode.ASYNC))
+    reference = shard_session(config_of(Mode.ASYNC), HomeClock(config_of(Mode.ASYNC)))
     pair.push("a", 0, 0, seed=1)
-    reference.push(PushHeader("a", 0, 0), _chunks(_values(1)))
+    reference.push(PushHeader("a", 0, 0), chunks(values(1)))
     assert pair.primary.clock.commit("c", 0, 1).ordinal == 1  # decided, and the primary is lost
     assert pair.follower.promote(timeout_s=30) == 1
     standby = pair.standby
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        later = pool.submit(standby.push, PushHeader("d", 0, 1), _chunks(_values(3)))
+        later = pool.submit(standby.push, PushHeader("d", 0, 1), chunks(values(3)))
         time.sleep(1.0)  # d's shard asks the clock for the tickets before its own (every 0.25 s)
         assert not later.done()  # d's ticket comes after c's, which waits for its push
-        retried = standby.push(PushHeader("c", 0, 1), _chunks(_values(2)))
+        retried = standby.push(PushHeader("c", 0, 1), chunks(values(2)))
         assert retried.committed and not retried.already_applied and retried.version == 2
         assert later.result(timeout=30).version == 3
     for client, seed in (("c", 2), ("d", 3)):
-        reference.push(PushHeader(client, 0, 1), _chunks(_values(seed)))
+        reference.push(PushHeader(client, 0, 1), chunks(values(seed)))
     for name in SHAPES:
         assert standby.updater.host_state()[0][name].tobytes() == reference.updater.host_state()[0][name].tobytes()
 
 
 def test_a_closed_standby_holds_nothing_more_and_its_primary_acknowledges_nothing_more():
-    pair = _Pair(_config(Mode.ASYNC))
+    pair = Pair(config_of(Mode.ASYNC))
     pair.push("a", 0, 0, seed=1)
     pair.close()
     with pytest.raises(Unavailable, match="follows its primary no more"):  # refused, or never acknowledged
-        pair.primary.push(PushHeader("a", 1, 1), _chunks(_values(2))).durable()
+        pair.primary.push(PushHeader("a", 1, 1), chunks(values(2))).durable()
     with pytest.raises(Unavailable):
         pair.follower.promote(timeout_s=1)
 
@@ -230,21 +152,21 @@ def test_a_promoted_standby_answers_a_retry_of_an_acknowledged_push_without_appl
     # The primary is lost after acknowledging pushes up to (a, 4) and (b, 4); the clients retry
     # their last push on the promoted standby (they did not hear the answer), then go on. Every
     # push counts once: the standby's parameters equal a session that got each push once.
-    pair = _Pair(_config(Mode.ASYNC))
-    reference = _session(_config(Mode.ASYNC), HomeClock(_config(Mode.ASYNC)))
+    pair = Pair(config_of(Mode.ASYNC))
+    reference = shard_session(config_of(Mode.ASYNC), HomeClock(config_of(Mode.ASYNC)))
     version = 0
     for step in range(5):
         for client in "ab":
             version, _ = pair.push(client, step, version, seed=10 * step + (client == "b"))
-            reference.push(PushHeader(client, step, version - 1), _chunks(_values(10 * step + (client == "b"))))
+            reference.push(PushHeader(client, step, version - 1), chunks(values(10 * step + (client == "b"))))
     assert pair.follower.promote(timeout_s=30) == 10
     standby = pair.standby
-    retried = standby.push(PushHeader("b", 4, 9), _chunks(_values(41)))
+    retried = standby.push(PushHeader("b", 4, 9), chunks(values(41)))
     assert retried.already_applied and retried.version == 10 and standby.version == 10
     for step in range(5, 7):
         for client in "ab":
-            version = standby.push(PushHeader(client, step, version), _chunks(_values(step))).version
-            reference.push(PushHeader(client, step, version - 1), _chunks(_values(step)))
+            version = standby.push(PushHeader(client, step, version), chunks(values(step))).version
+            reference.push(PushHeader(client, step, version - 1), chunks(values(step)))
     assert version == reference.version == 14
     for name in SHAPES:
         assert standby.updater.host_state()[0][name].tobytes() == reference.updater.host_state()[0][name].tobytes()
@@ -271,9 +193,9 @@ class _BrokenLink(LocalLink):
 
 
 def _linked(link_type):
-    config = _config(Mode.ASYNC)
-    primary, standby_clock = _session(config, HomeClock(config)), HomeClock(config)
-    standby = _session(config, standby_clock, initialized=False)
+    config = config_of(Mode.ASYNC)
+    primary, standby_clock = shard_session(config, HomeClock(config)), HomeClock(config)
+    standby = shard_session(config, standby_clock, initialized=False)
     follower = StandbyFollower(standby.durability.start_from, standby.durability.follow, standby_clock,
                                list(SHAPES), standby.where)
     link = link_type(follower)
@@ -284,7 +206,7 @@ def _linked(link_type):
 def test_an_acknowledgement_waits_until_the_standby_says_it_holds_the_step():
     primary, _standby, follower, link = _linked(_LateLink)
     try:
-        receipt = primary.push(PushHeader("a", 0, 0), _chunks(_values(1)))
+        receipt = primary.push(PushHeader("a", 0, 0), chunks(values(1)))
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             acknowledged = pool.submit(receipt.durable)
             time.sleep(0.3)
@@ -298,7 +220,7 @@ def test_an_acknowledgement_waits_until_the_standby_says_it_holds_the_step():
 def test_a_step_its_port_could_not_ship_is_applied_but_never_acknowledged():
     primary, _standby, follower, _link = _linked(_BrokenLink)
     try:
-        receipt = primary.push(PushHeader("a", 0, 0), _chunks(_values(1)))
+        receipt = primary.push(PushHeader("a", 0, 0), chunks(values(1)))
         assert primary.version == 1  # applied here: the primary's state is whole
         with pytest.raises(Unavailable, match="could not be shipped"):
             receipt.durable()
@@ -307,7 +229,7 @@ def test_a_step_its_port_could_not_ship_is_applied_but_never_acknowledged():
 
 
 def test_a_standbys_clock_decides_nothing_changes_nothing_and_books_no_ticket_out_of_order():
-    pair = _Pair(_config(Mode.ASYNC))
+    pair = Pair(config_of(Mode.ASYNC))
     try:
         pair.push("a", 0, 0, seed=1)
         clock = pair.standby.clock
@@ -319,6 +241,6 @@ def test_a_standbys_clock_decides_nothing_changes_nothing_and_books_no_ticket_ou
         skipped = dataclasses.replace(decided, ordinal=decided.ordinal + 2, sequence=1)
         with pytest.raises(Unavailable, match="at ticket 2 and was shipped ticket 3"):
             clock.follow([skipped.to_json()])
-        assert _clock_json(clock)["next_ordinal"] == 2  # the real ticket 1 went to it before
+        assert clock_json(clock)["next_ordinal"] == 2  # the real ticket 1 went to it before
     finally:
         pair.close()

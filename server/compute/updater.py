@@ -26,7 +26,7 @@ its chunks' states.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection, Iterable, Mapping, Optional
+from typing import Any, Callable, Collection, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -174,6 +174,32 @@ class Updater:
         """``{"params", "opt_state"}`` as ``jax.ShapeDtypeStruct`` trees (what a checkpoint restores into)."""
         params = _abstract_params(self._param_specs)
         return {"params": params, "opt_state": self._chunks(params).abstract_state(params)}
+
+    def state_from_leaves(self, params: Mapping[str, np.ndarray], leaves: Sequence[np.ndarray]) -> Any:
+        """The optimizer state whose leaves, in its tree's order, are ``leaves`` (the tree this
+        updater's optimizer and state chunking give: call :meth:`use_chunks` first), once
+        ``params`` and ``leaves`` are checked against what :meth:`abstract_state` expects.
+
+        Raises:
+          ValueError: a tensor or leaf differs in name, number, shape or element type (the first
+            one named).
+        """
+        import jax
+
+        abstract = self.abstract_state()
+        want = {name: (tuple(s.shape), np.dtype(s.dtype)) for name, s in abstract["params"].items()}
+        got = {name: (tuple(np.shape(a)), np.asarray(a).dtype) for name, a in params.items()}
+        if want != got:
+            differ = sorted(n for n in set(want) | set(got) if want.get(n) != got.get(n))[0]
+            raise ValueError(f"tensor {differ!r}: expected {want.get(differ)}, got {got.get(differ)}")
+        expected = jax.tree.leaves(abstract["opt_state"])
+        if len(expected) != len(leaves):
+            raise ValueError(f"the optimizer state has {len(expected)} arrays, got {len(leaves)}")
+        for index, (spec, leaf) in enumerate(zip(expected, leaves)):
+            if (tuple(spec.shape), np.dtype(spec.dtype)) != (tuple(np.shape(leaf)), np.asarray(leaf).dtype):
+                raise ValueError(f"optimizer state array {index}: expected {np.dtype(spec.dtype).name} "
+                                 f"{list(spec.shape)}, got {np.asarray(leaf).dtype.name} {list(np.shape(leaf))}")
+        return jax.tree.unflatten(jax.tree.structure(abstract["opt_state"]), list(leaves))
 
     def restore(self, params: Mapping[str, np.ndarray], opt_state: Any) -> None:
         """Installs parameters and optimizer state read back from a checkpoint (host arrays)."""

@@ -43,11 +43,20 @@ class ReplicaGap(Unavailable):
 
 
 @dataclasses.dataclass(frozen=True)
+class StateLeaves:
+    """An optimizer state as its leaves in its tree's order (how it crosses a network: the
+    standby's own optimizer, built from the same config, gives the tree)."""
+
+    leaves: tuple
+
+
+@dataclasses.dataclass(frozen=True)
 class ReplicaStart:
     """What a fresh standby starts from: its primary's state at ``progress.version`` (a step
     boundary; host arrays: on a CPU views of the live state, which later steps leave as they are,
-    their buffers copied rather than donated while these are held), and the home clock's (None on
-    other shards). The steps after it are shipped."""
+    their buffers copied rather than donated while these are held; ``opt_state`` a tree, or
+    :class:`StateLeaves` from a network), and the home clock's (None on other shards). The steps
+    after it are shipped."""
 
     progress: ShardProgress
     params: dict

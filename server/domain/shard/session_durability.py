@@ -15,7 +15,7 @@ import numpy as np
 from optserve.server.domain.durability import CheckpointPort, ShardProgress, StepRecord
 from optserve.server.domain.errors import Unavailable
 from optserve.server.domain.shard.replay import replayed_tickets
-from optserve.server.domain.shard.replica import ReplicaGap, ReplicaPort, ReplicaStart
+from optserve.server.domain.shard.replica import ReplicaGap, ReplicaPort, ReplicaStart, StateLeaves
 from optserve.server.domain.shard.step_runner import StepRunner, plain_hyper
 
 
@@ -73,11 +73,22 @@ class SessionDurability:
     def start_from(self, start: ReplicaStart) -> None:
         """A fresh standby's session: takes its primary's state (see :meth:`start_replica`); it
         is replicated from then on (a ticket decided before a promotion but never shipped waits
-        for its client's retry, as after a durable restart)."""
+        for its client's retry, as after a durable restart).
+
+        Raises:
+          ReplicaGap: a start that crossed a network holds tensors or state arrays that are not
+            this session's (nothing installed).
+        """
         steps = self._steps
         with steps.cond:
             steps.updater.use_chunks(start.progress.state_chunks)
-            steps.updater.restore(start.params, start.opt_state)
+            opt_state = start.opt_state
+            if isinstance(opt_state, StateLeaves):
+                try:
+                    opt_state = steps.updater.state_from_leaves(start.params, opt_state.leaves)
+                except ValueError as exc:
+                    raise ReplicaGap(f"{steps.where}: the standby's start is not this session's state: {exc}") from None
+            steps.updater.restore(start.params, opt_state)
             steps.updater.set_hyper(start.progress.hyper)
             steps.queue.restore(start.progress)
             steps.version = start.progress.version
