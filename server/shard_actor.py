@@ -16,27 +16,23 @@ import signal
 import sys
 from typing import Optional, Sequence
 
-import numpy as np
 import ray
 
 from optserve.protos import contract
-from optserve.server.compute.buffers import aligned_empty
 from optserve.server.compute.compile_cache import compile_stats
 from optserve.server.compute.devices import check_device, DeviceReport, DeviceRequest, ray_gpu_ids
 from optserve.server.compute.heap import keep_large_buffers_on_heap, release_free_memory
-from optserve.server.compute.updater import Updater
-from optserve.server.domain.clock import HomeClock
 from optserve.server.domain.config import ServerConfig
-from optserve.server.domain.errors import InvalidArgument, SessionLost, Unavailable
+from optserve.server.domain.errors import SessionLost, Unavailable
 from optserve.server.domain.sessions import ShardOpening
-from optserve.server.domain.shard import ShardRegistry, ShardSession, ShardSessionStatus, StepObserver, log_value
+from optserve.server.domain.shard import ShardRegistry, ShardSessionStatus, StepObserver, log_value
 from optserve.server.ops.health import Health
 from optserve.server.ops.logs import configure_logging
 from optserve.server.ops.memory_trace import start_from_environment as start_memory_trace
 from optserve.server.ops.metrics import resident_bytes, session_gauges, ShardMetrics
-from optserve.server.storage import CorruptCheckpoint, ShardStore, StepLogReader
+from optserve.server.shard_parts import ShardParts
 from optserve.server.storage.ownership import ShardFence
-from optserve.server.wire.clock_service import ClockServer, PeerClock
+from optserve.server.wire.clock_service import ClockServer
 from optserve.server.wire.limits import server_options
 from optserve.server.wire.loop_server import LoopServer
 from optserve.server.wire.shard_servicer import add_to_server
@@ -78,11 +74,12 @@ class ShardActor:
         keep_large_buffers_on_heap()  # received chunks and each step's tensor-sized buffers reuse freed memory
         self._index = index
         self._config = config
-        self._fence = fence_of_shard(config, index, epoch)
-        self._precond_pool = precond_pool.for_shard(index) if precond_pool is not None else None
         self._registry = ShardRegistry(recovering=recovering)
         self._security = security
         self._metrics = ShardMetrics(index, lambda: session_gauges(self._registry.sessions(), str(index)))
+        self._parts = ShardParts(index, config, security.internal,
+                                 precond_pool.for_shard(index) if precond_pool is not None else None,
+                                 fence_of_shard(config, index, epoch), self._observer)
         self._server = LoopServer(ShrinkingThreadPool(config.grpc_threads, thread_name_prefix="optserve-data"),
                                   options=contract.SERVER_OPTIONS + server_options(config.limits),
                                   interceptors=security.interceptors(open_services=Health.OPEN_SERVICES),
@@ -117,112 +114,36 @@ class ShardActor:
 
     def reachable(self, opening: ShardOpening) -> tuple[int, int, str, int, int]:
         """Durable servers: how far this shard's part of a session can be restored, read from disk
-        without loading it: ``(checkpoint version, last logged version, checkpoint path, fallback
-        version, fallback reach)`` (``LogReach``; a session this shard still holds in memory: its
-        version, twice, and no fallback).
+        without loading it (:meth:`ShardParts.reachable`); a session this shard still holds in
+        memory: its version, twice, and no fallback.
 
         Raises:
           SessionLost: a damaged manifest or log record (the message names the file).
         """
-
-        config = opening.config
-        held = self._registry.find(config.name)
+        held = self._registry.find(opening.config.name)
         if held is not None:
             return held.version, held.version, "", -1, -1  # held in memory: nothing to roll back
-        by_name = config.spec_by_name
-        durability = self._config.durability
-        store = ShardStore(durability.checkpoint_dir, config.name, opening.shard_index, durability, False)
-        try:
-            reach = store.reachable(lambda: {n: aligned_empty(by_name[n].shape, np.float32)
-                                             for n in opening.tensor_names})
-        except CorruptCheckpoint as exc:
-            raise SessionLost(f"session {config.name!r} cannot be restored on shard {opening.shard_index}: "
-                              f"{exc}") from None
-        finally:
-            store.close()
-        return tuple(reach)
+        return self._parts.reachable(opening)
 
     def open_session(self, opening: ShardOpening, restore: bool = False, upto: Optional[int] = None) -> int:
-        """Holds ``opening.tensor_names`` of a session: builds its optimizer (once), updater,
-        clock (home shard) or clock handle (others), and registers it on the data plane.
-
-        Durable servers keep the session's step log and checkpoints; with ``restore`` the shard
-        first loads its latest checkpoint and replays its log (a restarted shard or server), up to
-        version ``upto`` (None: all of it).
-        Returns the session's version on this shard.
-
-        A new session's optimizer is checked first: its per-tensor options (``{tensor name: value}``
-        maps such as adamw's ``mask``) are restricted to this shard's tensors, and its ``init`` is
-        traced abstractly over them (``Updater.init_problem``), so a state the kernel cannot build
-        is refused before this shard holds anything of the session.
+        """Holds ``opening.tensor_names`` of a session (:meth:`ShardParts.build`: durable servers
+        restore it with ``restore``, up to version ``upto``) and registers it on the data plane
+        (the home shard of a multi-shard session serves its clock to the others). Returns the
+        session's version on this shard.
 
         Raises:
-          SessionLost: ``restore`` found a damaged checkpoint or log (the message names the file).
-          InvalidArgument: a per-tensor option that does not name exactly the session's tensors, or
-            an optimizer that cannot build its state for this shard's tensors (the message names
-            the session, the optimizer, the tensors and the kernel's error, on one line).
+          SessionLost, InvalidArgument: see :meth:`ShardParts.build`.
         """
-        from optserve.optim_kernels import args_for_tensors
-        from optserve.server.compute.root_offload import build_shard_optimizer
-
-        config = opening.config
-        held = self._registry.find(config.name)
+        held = self._registry.find(opening.config.name)
         if restore and held is not None:  # a re-attached shard kept it in memory
             return held.version
-        by_name = config.spec_by_name
-        durability = self._config.durability
-        home = opening.home_clock is None
-        try:  # per-tensor options ({tensor name: value}, e.g. adamw's mask) restricted to this shard's tensors
-            args = args_for_tensors(config.optimizer_name, config.optimizer_args, [t.name for t in config.tensors],
-                                    opening.tensor_names)
-        except ValueError as exc:
-            raise InvalidArgument(f"session {config.name!r}: {exc}") from None
-        optimizer, preconditioners = build_shard_optimizer(
-            config.optimizer_name, args, {n: by_name[n].shape for n in opening.tensor_names},
-            self._precond_pool, in_process=config.preconditioners.in_process,
-            max_age=config.preconditioners.max_age)
-        specs = {n: (by_name[n].shape, by_name[n].dtype.numpy) for n in opening.tensor_names}
-        updater = Updater(optimizer, preconditioners, specs)
-        if not restore:  # a state the kernel cannot build is refused before this shard holds anything
-            problem = updater.init_problem()
-            if problem is not None:
-                log.info("event=session_refused session=%s shard=%d reason=%s", log_value(config.name),
-                         opening.shard_index, log_value(problem))
-                raise InvalidArgument(f"session {config.name!r}: {problem}")
-            admit_working_memory(opening, updater, self._config)
-        store = None
-        if durability is not None:
-            store = ShardStore(durability.checkpoint_dir, config.name, opening.shard_index, durability, home,
-                               self._fence)
-        if home:
-            clock = HomeClock(config, opening.participants, reduce_timeout_s=self._config.step_timeout_s,
-                              checkpoints=durability.policy(config.gradient_bytes) if durability else None,
-                              journal=store.log.journal_entry if store else None)
-        else:
-            clock = PeerClock(opening.home_clock, config.name, self._security.internal,
-                              reduce_timeout_s=self._config.step_timeout_s)
-        session = ShardSession(config, list(opening.tensor_names), opening.shard_index, clock,
-                               updater, self._config.step_timeout_s,
-                               self._config.vote_timeout_s, owner=opening.owner, creator=opening.creator,
-                               observer=self._observer(config.name),
-                               staged_push_ttl_s=self._config.staged_push_ttl_s, limits=self._config.limits)
-        if store is not None:
-            try:
-                if restore:
-                    session.durability.restore(store, StepLogReader, store.log.journal, upto=upto)
-                else:
-                    store.start_logs(None)
-                    session.durability.attach_store(store)
-            except CorruptCheckpoint as exc:
-                store.close()
-                raise SessionLost(f"session {config.name!r} cannot be restored on shard {opening.shard_index}: "
-                                  f"{exc}") from None
-        if home and opening.participants > 1:
-            self._clocks.add(config.name, clock)
+        session = self._parts.build(opening, restore, upto)
+        if opening.home_clock is None and opening.participants > 1:
+            self._clocks.add(opening.config.name, session.clock)
         self._registry.add(session)
         if restore:
-            log.warning("event=session_restored session=%s shard=%d version=%d", config.name, opening.shard_index,
-                        session.version)
+            log.warning("event=session_restored session=%s shard=%d version=%d", opening.config.name,
+                        opening.shard_index, session.version)
         return session.version
 
     def recovered(self) -> None:
@@ -377,25 +298,3 @@ def _bind(add_port, port: int) -> int:
         except RuntimeError:
             log.warning("port %d is taken: the restarted shard listens on another one", port)
     return add_port(0)
-
-
-def admit_working_memory(opening: ShardOpening, updater: Updater, config: ServerConfig) -> None:
-    """Compiles a new part's step (its first step reuses it) and refuses the part if the step's
-    working memory (XLA temporaries) does not fit what the budget leaves beyond the estimates
-    (``opening.memory_left``; None: unchecked), naming both figures.
-
-    Raises:
-      ResourceExhausted: it does not fit (``shard_memory_bytes``, ``--shard-memory-bytes``).
-    """
-    if opening.memory_left is None:
-        return
-    working = updater.step_working_bytes()
-    if working is None or working <= opening.memory_left:
-        return
-    name, limits = opening.config.name, config.limits
-    log.info("event=session_refused session=%s shard=%d reason=working_memory working_bytes=%d left_bytes=%d",
-             log_value(name), opening.shard_index, working, opening.memory_left)
-    raise limits.exceeded(
-        "shard_memory_bytes", f"session {name!r}: its step needs {working} bytes of working memory (XLA "
-        f"temporaries) on shard {opening.shard_index}, where the shard's budget leaves {opening.memory_left} "
-        f"bytes beyond the session's estimate", limits.shard_budget(config.shards))
