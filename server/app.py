@@ -76,7 +76,7 @@ def start_server(config: ServerConfig) -> RunningServer:
       DirectoryLocked: another live server holds ``--checkpoint-dir`` (naming its pid and host).
       StartError: a port cannot be listened on, the Ray cluster to join does not answer, or a shard
         placed on another machine than this one could not serve there: it would advertise a
-        loopback address or listen on another machine's (``shard_fleet.shard_host_refusal``).
+        loopback address or listen on another machine's (``shard_placement.shard_host_refusal``).
       Any other error starting a part: what was started is stopped first.
     """
     security = ServerSecurity.from_config(config)

@@ -31,6 +31,7 @@ from optserve.server.ops.logs import configure_logging
 from optserve.server.ops.memory_trace import start_from_environment as start_memory_trace
 from optserve.server.ops.metrics import resident_bytes, session_gauges, ShardMetrics
 from optserve.server.shard_parts import ShardParts
+from optserve.server.shard_replicas import ShardReplicas
 from optserve.server.storage.ownership import ShardFence
 from optserve.server.wire.clock_service import ClockServer
 from optserve.server.wire.limits import server_options
@@ -80,6 +81,8 @@ class ShardActor:
         self._parts = ShardParts(index, config, security.internal,
                                  precond_pool.for_shard(index) if precond_pool is not None else None,
                                  fence_of_shard(config, index, epoch), self._observer)
+        self._replicas = ShardReplicas(self._parts, self._registry, lambda name, clock: self._clocks.add(name, clock),
+                                       security.internal, config.durability is not None)
         self._server = LoopServer(ShrinkingThreadPool(config.grpc_threads, thread_name_prefix="optserve-data"),
                                   options=contract.SERVER_OPTIONS + server_options(config.limits),
                                   interceptors=security.interceptors(open_services=Health.OPEN_SERVICES),
@@ -97,7 +100,8 @@ class ShardActor:
         advertised = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::", "[::]", "") else host
         self._address = f"{advertised}:{port}"
         # clocks of the sessions this shard is home to
-        self._clocks = ClockServer(host, advertised, security.internal, port=ports[1])
+        self._clocks = ClockServer(host, advertised, security.internal, port=ports[1],
+                                   also=(self._replicas.add_service,))  # and the standbys' ShardReplica
         self._node_id = ray.get_runtime_context().get_node_id()
         self._health.serving()
 
@@ -195,6 +199,7 @@ class ShardActor:
         if session is not None and reason:
             session.abandon(SessionLost(reason))
         self._clocks.remove(name)
+        self._replicas.drop(name)
         if session is not None:
             session.durability.close_store()
         removed = self._registry.remove(name)
@@ -203,6 +208,22 @@ class ShardActor:
         if removed:  # its buffers are free: give their pages back now (the heap would keep up to 1 GiB of them)
             release_free_memory()
         return removed
+
+    # hot standbys (server/shard_replicas.py)
+    def follow_session(self, opening: ShardOpening) -> None:
+        """Standby of a session part another shard process serves (:meth:`ShardReplicas.follow`)."""
+        self._replicas.follow(opening)
+
+    def set_replicated(self, name: str) -> None:
+        self._replicas.set_replicated(name)
+
+    def replicate_session(self, name: str, standby_address: str) -> None:
+        """Primary: starts the standby at ``standby_address`` (:meth:`ShardReplicas.replicate`)."""
+        self._replicas.replicate(name, standby_address)
+
+    def promote_session(self, name: str, timeout_s: float = 30.0) -> int:
+        """Standby: serves the session in its lost primary's place (:meth:`ShardReplicas.promote`)."""
+        return self._replicas.promote(name, timeout_s)
 
     def internal_trust(self):
         """The internal endpoints' secret and TLS identity this shard was started with (a
@@ -259,6 +280,7 @@ class ShardActor:
     def stop(self) -> None:
         self._health.draining()
         self._server.stop(grace=0.5)
+        self._replicas.stop()
         self._clocks.stop()
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import ipaddress
 import logging
 import os
 import time
@@ -21,18 +20,19 @@ from typing import Optional, Sequence
 import ray
 from ray.exceptions import OutOfMemoryError, RayActorError, WorkerCrashedError
 from ray.util import get_placement_group
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from optserve.server.compute.devices import refuse_problems
-from optserve.server.compute.preconditioner_pool import check_gpus
-from optserve.server.domain.config import ServerConfig, is_loopback
+from optserve.server.domain.config import ServerConfig
 from optserve.server.domain.errors import unwrap, InvalidArgument, OptservError, ResourceExhausted, Unavailable
 from optserve.server.domain.sessions import ShardOpening, ShardSummary
 from optserve.server.domain.shard import ShardSessionStatus
 from optserve.server.ops.memory_trace import environment as tracing_environment
 from optserve.server.preflight import StartError
 from optserve.server.shard_actor import ShardActor, shard_device_request
+from optserve.server.shard_placement import bundle_node_ips, shard_host_refusal, spread_placement_group, start_standbys
+from optserve.server.standby_fleet import StandbyActors
 from optserve.server.storage.ownership import claim_shard
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class RayShardFleet:
     """
     placement_group = None  # set by start_shards: the Ray placement group the actors run in
     reattached: list = []  # set by start_shards: shards a previous coordinator left running
+    standbys: Optional[StandbyActors] = None  # set by start_shards with --replicas 2
 
     def __init__(self, actors: list, start_actor=None):
         self.actors = actors
@@ -90,6 +91,43 @@ class RayShardFleet:
         self.actors[index] = actor
         self.addresses[index], self.clock_addresses[index] = address, clock_address
         return address
+
+    @property
+    def replicated(self) -> bool:
+        """The shards have hot standbys (``--replicas 2``)."""
+        return self.standbys is not None
+
+    def has_standby(self, index: int) -> bool:
+        return self.standbys is not None and self.standbys.actors[index] is not None
+
+    def start_standbys(self, name: str, openings: Sequence[ShardOpening]) -> None:
+        """Session ``name``'s parts (``openings``) get their standbys: each is held by its shard's
+        standby, every primary learns the session is replicated, then each streams its part to
+        its standby from its initial values on."""
+        parts = [o for o in openings if self.has_standby(o.shard_index)]
+        self.standbys.follow(parts, _ray_get)
+        _ray_get([self.actors[o.shard_index].set_replicated.remote(name) for o in parts])
+        _ray_get([self.actors[o.shard_index].replicate_session.remote(name, self.standbys.clock_addresses[o.shard_index])
+                  for o in parts])
+
+    def promote(self, index: int, names: Sequence[str], timeout_s: float = 30.0) -> dict[str, Optional[str]]:
+        """Shard ``index``'s primary is gone: its standby serves each session of ``names`` in its
+        place and becomes shard ``index`` (its addresses from now on); returns session -> None
+        (promoted) or why it could not be (not in sync)."""
+        standby = self.standbys.take(index)
+        outcomes: dict[str, Optional[str]] = {}
+        for name in names:
+            try:
+                _ray_get(standby.promote_session.remote(name, timeout_s))
+                outcomes[name] = None
+            except Exception as exc:  # noqa: BLE001 - that session is lost; the others are served
+                outcomes[name] = f"{type(exc).__name__}: {exc}"
+        dead, self.actors[index] = self.actors[index], standby
+        self.addresses[index], self.clock_addresses[index] = ray.get([standby.address.remote(),
+                                                                      standby.clock_address.remote()])
+        self.devices[index] = usable_devices([standby.device_report.remote()])[0]
+        ray.kill(dead)
+        return outcomes
 
     def unload_session(self, name: str) -> None:
         """A final checkpoint of the session on every shard, then they free it (durable servers)."""
@@ -147,8 +185,9 @@ class RayShardFleet:
         raise errors[0]
 
     def close_session(self, name: str, reason: str = "") -> None:
-        """On every shard that answers; a dead shard holds nothing any more."""
-        for ref in [a.close_session.remote(name, reason) for a in self.actors]:
+        """On every shard (and standby) that answers; a dead shard holds nothing any more."""
+        standbys = self.standbys.live() if self.standbys is not None else []
+        for ref in [a.close_session.remote(name, reason) for a in [*self.actors, *standbys]]:
             _tell(ref)
 
     def session_status(self, name: str, shard_indices: Sequence[int]) -> list[ShardSessionStatus]:
@@ -178,8 +217,8 @@ class RayShardFleet:
             actor.drain.remote()
 
     def stop(self) -> None:
-        """Stops and kills the shard actors, then frees their placement group."""
-        for actor in self.actors:
+        """Stops and kills the shard actors (and standbys), then frees their placement group."""
+        for actor in [*self.actors, *(self.standbys.live() if self.standbys is not None else [])]:
             try:
                 ray.get(actor.stop.remote(), timeout=10)
             except Exception:  # noqa: BLE001 - best effort, the actor is killed next
@@ -200,46 +239,6 @@ class RayShardFleet:
             except Exception:  # noqa: BLE001 - a dead shard reports as unhealthy
                 out.append(None)
         return out
-
-
-def shard_host_refusal(config: ServerConfig, here: str, node_ips: Sequence[str]) -> Optional[str]:
-    """Why shards placed on ``node_ips`` (shard i on ``node_ips[i]``) would serve no client, in one
-    line naming the shard, its node and ``--shard-host``; None when they can all serve.
-
-    A shard listens on ``config.data_host`` on its own node. On a node other than this process's
-    (``here``) a loopback address reaches no client elsewhere, and an IP address other than the
-    node's own cannot be listened on (``--host 10.0.0.1`` on the head, without ``--shard-host``).
-    Any interface (``0.0.0.0``) and host names are left alone; so is every shard on this node,
-    which is what a single-machine server (one node, or several sharing an address) has.
-    """
-    host = config.data_host
-    given = f"--shard-host {host}" if config.shard_host else f"--host {host}, which --shard-host defaults to"
-    fix = "give --shard-host 0.0.0.0 so each shard listens on its node and advertises the node's address"
-    for index, ip in enumerate(node_ips):
-        if ip == here or not ip:  # "": a bundle not placed (yet)
-            continue
-        if is_loopback(host):
-            return (f"shard {index} on node {ip} would advertise {host} ({given}), which no client on another "
-                    f"machine reaches: {fix}")
-        if _specific_ip(host) not in (None, ip):
-            return f"shard {index} on node {ip} cannot listen on {host} ({given}), another machine's address: {fix}"
-    return None
-
-
-def _specific_ip(host: str) -> Optional[str]:
-    """``host`` as an IP address ("[::1]" as "::1"); None for a host name or any interface."""
-    try:
-        address = ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return None
-    return None if address.is_unspecified else str(address)
-
-
-def _bundle_node_ips(group) -> list[str]:
-    """The IP address of the node each bundle of the placement group ``group`` is on ("": none)."""
-    ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
-    bundles = ray.util.placement_group_table(group)["bundles_to_node_id"]
-    return [ips.get(bundles[index], "") for index in sorted(bundles)]
 
 
 def _port(address: str) -> int:
@@ -283,46 +282,6 @@ def _ray_get(refs):
         raise Unavailable(f"a shard of this server is restarting ({type(exc).__name__}); retry") from None
     except Exception as exc:  # re-raise the domain error inside a RayTaskError
         raise _domain_error(exc) from None
-
-
-BUNDLE_CPUS = 0.01  # what each shard's bundle reserves: enough to be placed, nothing a task misses
-PLACEMENT_TIMEOUT_S = 300.0  # longest wait for Ray to reserve the bundles (an autoscaler may add nodes)
-
-
-def shard_bundles(config: ServerConfig) -> list[dict[str, float]]:
-    """One placement-group bundle per shard: a token CPU amount, and the shard's GPUs."""
-    bundle = {"CPU": BUNDLE_CPUS}
-    if config.gpus_per_shard > 0:
-        bundle["GPU"] = config.gpus_per_shard
-    return [dict(bundle) for _ in range(config.shards)]
-
-
-def _spread_placement_group(config: ServerConfig, timeout_s: float = PLACEMENT_TIMEOUT_S, **group_options):
-    """A SPREAD placement group for the shards, reserved: one bundle per shard, on as many nodes
-    as the cluster has (SPREAD is soft, so one node holds them all when there is one).
-
-    Fails fast, before asking Ray, when the embedded Ray lacks the GPUs the bundles need; on a
-    cluster joined by address (an autoscaler may add nodes) it waits up to ``timeout_s``
-    (:func:`~optserve.server.compute.preconditioner_pool.check_gpus`).
-
-    Raises:
-      RuntimeError: the embedded Ray has too few GPUs (at once), or Ray could not reserve the
-        bundles within ``timeout_s`` (the group is removed).
-    """
-    check_gpus("--gpus-per-shard", config.gpus_per_shard, config.shards, "shards")
-    bundles = shard_bundles(config)
-    group = placement_group(bundles, strategy="SPREAD", **group_options)
-    ready = group.ready()
-    deadline = time.monotonic() + timeout_s
-    while True:
-        done, _ = ray.wait([ready], timeout=min(30.0, max(0.0, deadline - time.monotonic())))
-        if done:
-            return group
-        if time.monotonic() >= deadline:
-            remove_placement_group(group)
-            raise RuntimeError(f"Ray could not place {len(bundles)} shards (a bundle of {bundles[0]} each) "
-                               f"within {timeout_s:.0f} s: the cluster's nodes lack the resources")
-        log.warning("waiting for Ray to place %d shards (a bundle of %s each)", len(bundles), bundles[0])
 
 
 def usable_devices(refs: list) -> list:
@@ -397,9 +356,9 @@ def start_shards(config: ServerConfig, security, precond_pool=None) -> RayShardF
         if live:  # new actors must trust the survivors' internal endpoints
             security = dataclasses.replace(security, internal=ray.get(live[0].internal_trust.remote()))
     else:
-        group = _spread_placement_group(config, **({"name": group_name, "lifetime": "detached"} if detached else {}))
+        group = spread_placement_group(config, **({"name": group_name, "lifetime": "detached"} if detached else {}))
         alive = [None] * config.shards
-    refusal = shard_host_refusal(config, ray.util.get_node_ip_address(), _bundle_node_ips(group))
+    refusal = shard_host_refusal(config, ray.util.get_node_ip_address(), bundle_node_ips(group))
     if refusal is not None:  # before any shard starts; a group a previous coordinator left stays
         if found is None:
             remove_placement_group(group)
@@ -438,6 +397,13 @@ def start_shards(config: ServerConfig, security, precond_pool=None) -> RayShardF
         remove_placement_group(group)  # and with it the actors already started
         raise
     fleet.placement_group = group
+    if config.replicas > 1:
+        try:
+            fleet.standbys = start_standbys(config, group, lambda index, strategy: cls.options(
+                **options, scheduling_strategy=strategy).remote(index, config, security, precond_pool))
+        except BaseException:
+            fleet.stop()
+            raise
     fleet.reattached = [i for i, a in enumerate(alive) if a is not None]
     if fleet.reattached:
         log.warning("event=shards_reattached shards=%s", ",".join(map(str, fleet.reattached)))

@@ -1,4 +1,4 @@
-"""Which shard placements ``optserve serve`` refuses to start (``shard_fleet.shard_host_refusal``):
+"""Which shard placements ``optserve serve`` refuses to start (``shard_placement.shard_host_refusal``):
 a shard on another machine than the coordinator that would advertise a loopback address, or
 listen on an IP address that is not its node's, where ``--shard-host`` (default: ``--host``)
 says so. The refusal on real separate hosts: tests/test_netbed.py."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from optserve.server.domain.config import ServerConfig
-from optserve.server.shard_fleet import shard_host_refusal
+from optserve.server.shard_placement import shard_host_refusal
 
 HERE, ELSEWHERE = "10.0.0.1", "10.0.0.2"
 

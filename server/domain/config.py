@@ -393,6 +393,9 @@ class ServerConfig:
       limits: bounds on requests, sessions and tenants (:class:`Limits`).
       log_level: "debug", "info", "warning" or "error": the server's processes (coordinator and
         shards) log at this level to stderr (None: the host program configures logging).
+      replicas: 2: every shard has a hot standby in another shard process (on another Ray node
+        unless ``replica_same_node``, for single-machine tests), which holds each step before it
+        is acknowledged and serves in the shard's place when its process dies.
       session_idle_s: a session's idle lease: one that no client pushed to, committed on, pulled
         from or initialized for this many seconds is closed (None: sessions never expire).
     """
@@ -422,6 +425,8 @@ class ServerConfig:
     drain_s: float = 1.0
     health_port: Optional[int] = None
     durability: Optional[DurabilityConfig] = None
+    replicas: int = 1
+    replica_same_node: bool = False
     limits: Limits = dataclasses.field(default_factory=Limits)
     session_idle_s: Optional[float] = None
     log_level: Optional[str] = None
@@ -437,6 +442,11 @@ class ServerConfig:
             raise InvalidArgument("--rehearse-gpus needs --gpus-per-shard or --gpus-per-precond-worker")
         if self.precond_workers < 0:
             raise InvalidArgument(f"--precond-workers must be >= 0, got {self.precond_workers}")
+        if self.replicas not in (1, 2):
+            raise InvalidArgument(f"--replicas must be 1 or 2, got {self.replicas}")
+        if self.replicas == 2 and (self.durability is not None or self.precond_workers):
+            raise InvalidArgument("--replicas 2 does not go with --checkpoint-dir or --precond-workers yet: "
+                                  "give one of them")
         if self.min_shard_bytes < 0:
             raise InvalidArgument(f"--min-shard-bytes must be >= 0, got {self.min_shard_bytes}")
         if self.grpc_threads < 2:

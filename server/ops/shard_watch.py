@@ -54,6 +54,11 @@ class ShardWatch(Periodic):
             return dead
         for index in dead:
             address = self._fleet.addresses[index]
+            if self._fleet.has_standby(index):  # --replicas 2: its standby serves in its place, at once
+                lost = self._coordinator.fail_over(index, address, "its process exited")
+                log.error("event=shard_failed_over shard=%d address=%s new_address=%s lost_sessions=%s", index,
+                          address, self._fleet.addresses[index], ",".join(lost) or "-")
+                continue
             lost = self._coordinator.shard_lost(index, address, "its process exited")
             log.error("event=shard_died shard=%d address=%s lost_sessions=%s", index, address, ",".join(lost) or "-")
             new_address = self._fleet.restart(index)

@@ -199,9 +199,12 @@ class ClockServer:
       advertised_host: the host peers dial (``host`` unless it is a wildcard).
       trust: the server's internal secret (and TLS identity).
       port: the port to bind if free (a restarted shard takes its predecessor's); else any.
+      also: ``add(server, pool)`` for each other internal service served on the same port (a
+        standby's ``ShardReplica``), called before it starts.
     """
 
-    def __init__(self, host: str, advertised_host: str, trust: InternalTrust, port: int = 0):
+    def __init__(self, host: str, advertised_host: str, trust: InternalTrust, port: int = 0,
+                 also: tuple[Callable[[LoopServer, Executor], None], ...] = ()):
         self._clocks: dict[str, HomeClock] = {}
         self._lock = threading.Lock()
         pool = ShrinkingThreadPool(_THREADS, thread_name_prefix="optserve-clock")
@@ -209,6 +212,8 @@ class ClockServer:
                                   options=contract.SERVER_OPTIONS,  # peers on other hosts ping (keepalive)
                                   name="optserve-clock-loop")
         _add_to_server(_ClockServicer(self._clock, pool), self._server)
+        for add in also:
+            add(self._server, pool)
         credentials = trust.server_credentials()
 
         def add_port(number: int) -> int:

@@ -73,6 +73,13 @@ class ReplicaChannel:
         """The port of ``session`` (one per session; its :meth:`~SessionReplicaPort.start` first)."""
         return SessionReplicaPort(self, session)
 
+    def forget(self, session: str) -> None:
+        """``session`` closed: its waiters fail, its port takes nothing more."""
+        with self._lock:
+            held = self._held.pop(session, None)
+        if held is not None:
+            held.fail(Unavailable(f"session {session!r} was closed"))
+
     def close(self) -> None:
         """Ends the stream once what is queued was sent; every later held future fails."""
         self._queue.put(_END)

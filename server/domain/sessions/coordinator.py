@@ -49,6 +49,7 @@ from optserve.server.domain.sessions.admission import check_request, place_sessi
 from optserve.server.domain.sessions.ports import SessionCatalog, ShardFleet
 from optserve.server.domain.sessions.session_records import (AttachExpectation, SessionRecord, SessionStatus,
                                                              ShardSummary)
+from optserve.server.domain.sessions.session_failover import promote_standby
 from optserve.server.domain.sessions.session_open import open_on_shards, undo_open
 from optserve.server.domain.sessions.session_restore import record_from_catalog, restore_consistently, restore_restarted
 from optserve.server.domain.sessions.session_table import SessionState, SessionTable
@@ -228,13 +229,25 @@ class Coordinator:
         lost = {name: (f"session {name!r} is lost: shard {shard_index} ({address}), which held part of it, died "
                        f"({cause}) and the server keeps no copy of its state; close the session and create it again")
                 for name in names}
-        for name in lost:
-            log_event(log, logging.ERROR, "session_lost", session=name, shard=shard_index, cause=cause)
-        self._lose(lost)
+        self._lose(lost, shard_index, cause)
         return sorted(lost)
 
-    def _lose(self, lost: dict[str, str]) -> None:
-        """The sessions of ``lost`` are lost (each with its message): their shards drop them."""
+    def fail_over(self, shard_index: int, address: str, cause: str) -> list[str]:
+        """Shard ``shard_index`` (at ``address``) died of ``cause`` and has a hot standby, which
+        serves its sessions from now on (:func:`~.session_failover.promote_standby`); returns
+        the sessions it could not take over, lost."""
+        with self._membership:
+            self._shard_changes[shard_index] += 1
+            lost = promote_standby(self._fleet, self._table, shard_index, f"shard {shard_index} ({address}), which "
+                                                                          f"held part of it, died ({cause})")
+            self._lose(lost, shard_index, cause)
+        return sorted(lost)
+
+    def _lose(self, lost: dict[str, str], shard_index: Optional[int] = None, cause: str = "") -> None:
+        """The sessions of ``lost`` are lost (each with its message): their shards drop them (a
+        ``shard_index`` that died of ``cause``: each one logged as lost there)."""
+        for name in lost if shard_index is not None else ():
+            log_event(log, logging.ERROR, "session_lost", session=name, shard=shard_index, cause=cause)
         self._table.lost(lost)
         for name, why in lost.items():
             self._fleet.close_session(name, why)

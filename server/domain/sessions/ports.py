@@ -30,6 +30,18 @@ class ShardFleet(Protocol):
 
     def session_activity(self) -> Mapping[str, float]: ...  # session -> latest activity on any shard (unix s)
 
+    # hot standbys (--replicas 2)
+    replicated: bool  # the shards have standbys
+
+    def has_standby(self, shard_index: int) -> bool: ...
+
+    def start_standbys(self, name: str, openings: Sequence[ShardOpening]) -> None: ...  # each part's standby
+    # holds it and its primary streams to it from its initial values on
+
+    def promote(self, shard_index: int, names: Sequence[str], timeout_s: float = 30.0) -> dict[str, Optional[str]]: ...
+    # the shard's standby serves ``names`` in its dead primary's place (and becomes the shard, at new addresses);
+    # session -> None, or why it could not be promoted
+
     # durable servers only
     def restore_session(self, opening: ShardOpening, upto: Optional[int] = None) -> int: ...  # opens + restores
     # one shard's part (to version ``upto``; None: all it logged); returns its version; raises SessionLost

@@ -16,15 +16,18 @@ log = logging.getLogger(__name__)
 def open_on_shards(fleet: "ShardFleet", catalog: Optional["SessionCatalog"], record: SessionRecord,
                    memory_left: Mapping[int, int]) -> None:
     """Opens the session on its shards (each with ``memory_left`` of its budget beyond the
-    part's estimate) and saves it in ``catalog`` (durable servers); if either fails, closes what
-    was opened and removes the entry before raising.
+    part's estimate), and on their standbys (``--replicas 2``), and saves it in ``catalog``
+    (durable servers); if any fails, closes what was opened and removes the entry before raising.
 
     Raises:
       Unavailable: the catalog's disk refused the entry; or what a shard raised.
     """
     name = record.config.name
     try:
-        fleet.open_session(record.openings(fleet.clock_addresses, memory_left))
+        openings = record.openings(fleet.clock_addresses, memory_left)
+        fleet.open_session(openings)
+        if fleet.replicated:  # each part's standby holds it too, from its initial values on
+            fleet.start_standbys(name, openings)
         if catalog is not None:
             try:
                 catalog.save(name, record.to_json())

@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 import numpy as np
 
 from optserve.server.domain.durability import ShardProgress, StepRecord
-from optserve.server.domain.errors import OptservError, Unavailable
+from optserve.server.domain.errors import AlreadyExists, NotFound, OptservError, Unavailable
 
 _log = logging.getLogger(__name__)
 
@@ -339,3 +339,41 @@ class LocalLink:
             self._follower.clock_entries([entry])
         except Exception as exc:  # noqa: BLE001 - the clock hands out nothing the entry carries
             raise OSError(f"the standby cannot take the clock's entry: {exc}") from exc
+
+
+class Standbys:
+    """The session parts a shard process is a standby for (thread-safe): name -> (its shard
+    session, not served to clients, and the follower that keeps it in step), until promoted or
+    closed."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._parts: dict[str, tuple[Any, StandbyFollower]] = {}
+
+    def add(self, name: str, session, follower: StandbyFollower) -> None:
+        """Raises AlreadyExists when this process is ``name``'s standby already."""
+        with self._lock:
+            if name in self._parts:
+                raise AlreadyExists(f"session {name!r} has a standby on this shard already")
+            self._parts[name] = (session, follower)
+
+    def follower(self, name: str) -> StandbyFollower:
+        """Raises NotFound when this process is no standby of ``name``."""
+        with self._lock:
+            part = self._parts.get(name)
+        if part is None:
+            raise NotFound(f"session {name!r} has no standby on this shard")
+        return part[1]
+
+    def take(self, name: str) -> tuple[Any, StandbyFollower]:
+        """``(session, follower)`` of ``name``, no longer a standby's here (NotFound: none)."""
+        with self._lock:
+            part = self._parts.pop(name, None)
+        if part is None:
+            raise NotFound(f"session {name!r} has no standby on this shard")
+        return part
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._parts)
+

@@ -8,6 +8,7 @@ is the session's :class:`~optserve.server.domain.shard.step_journal.StepJournal`
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Mapping, Optional
 
 import numpy as np
@@ -18,12 +19,15 @@ from optserve.server.domain.shard.replay import replayed_tickets
 from optserve.server.domain.shard.replica import ReplicaGap, ReplicaPort, ReplicaStart, StateLeaves
 from optserve.server.domain.shard.step_runner import StepRunner, plain_hyper
 
+_log = logging.getLogger(__name__)
+
 
 class SessionDurability:
     """The durability calls on one session's part on a shard (``steps``: its step runner)."""
 
     def __init__(self, steps: StepRunner):
         self._steps = steps
+        self._deferred: Optional[ReplicaPort] = None  # a standby waiting for the initial values
 
     def attach_store(self, store: CheckpointPort) -> None:
         """Makes a new session durable: its steps are logged to ``store.log`` from now on."""
@@ -51,6 +55,9 @@ class SessionDurability:
         """Primary: starts ``replica`` from this shard's state now (and the home clock's), then
         ships it every later step and clock entry; nothing goes out before the start.
 
+        A part whose initial values have not arrived yet starts its standby once they did
+        (:meth:`initialized`).
+
         Raises:
           Unavailable: the state is not at a step boundary (a sync step half gathered, whose
             pushes count as applied already; a write-ahead step waiting for its record): asked
@@ -58,6 +65,9 @@ class SessionDurability:
         """
         steps = self._steps
         with steps.cond:
+            if not steps.updater.initialized:
+                self._deferred = replica
+                return
             if steps.half_gathered or steps.journal.step_waits:
                 raise Unavailable(f"{steps.where}: a standby starts at a step boundary; this shard is inside "
                                   f"step {steps.version + 1}: try again once it closed")
@@ -69,6 +79,18 @@ class SessionDurability:
             else:
                 begin(None)
             steps.journal.attach_replica(replica)
+
+    def initialized(self) -> None:
+        """The initial values are in (the session's lock held): a standby asked for before starts
+        now, from them. One that cannot start (its stream broke) leaves the part with one copy,
+        said in the log (``event=standby_not_started``)."""
+        replica, self._deferred = self._deferred, None
+        if replica is None:
+            return
+        try:
+            self.start_replica(replica)
+        except Exception as exc:  # noqa: BLE001 - the initial values stay installed; the part goes on alone
+            _log.error("event=standby_not_started %s error=%s", self._steps.where, exc)
 
     def start_from(self, start: ReplicaStart) -> None:
         """A fresh standby's session: takes its primary's state (see :meth:`start_replica`); it

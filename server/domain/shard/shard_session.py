@@ -210,13 +210,13 @@ class ShardSession:
                 saved_state.start_from(self.updater, self._steps, self._clock, start, leaves)
             if self._steps.journal.enabled:  # the initial values are durable before they are acknowledged
                 self._steps.journal.checkpoint(wait=True)
+            self.durability.initialized()  # a standby asked for before starts from them
             self._cond.notify_all()  # pushes and pulls that arrived first (see _require_initialized)
             return self.version
 
     def export_state(self) -> saved_state.SavedState:
-        """This shard's part of the session's state at its current version (taken between steps:
-        the pushes of a sync step still gathering are not in it, and were not acknowledged; on a
-        CPU device, views that later steps leave unchanged)."""
+        """This shard's part of the session's state at its current version, between steps (a sync
+        step's pushes still gathering, unacknowledged, are not in it; on a CPU, views kept intact)."""
         self.touch()
         self._require_initialized()
         with self._cond:

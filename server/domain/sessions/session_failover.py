@@ -1,0 +1,38 @@
+"""A dead shard's standby serves in its place (``--replicas 2``, ``docs/plans/hot_standby.md``):
+each session the shard held is promoted on the standby, which becomes the shard at its own
+addresses; the session map follows, so clients find it on their next retry.
+
+Where the dead shard was a session's home, the other shards call its clock at the standby's
+internal address from now on; where it was not, the home's votes that waited for the dead
+process end now (the clients retry, and the standby votes in its place). A session the standby
+did not hold in sync cannot be promoted: it is lost, with the reason.
+"""
+
+from __future__ import annotations
+
+from optserve.server.domain.sessions.ports import ShardFleet
+from optserve.server.domain.sessions.session_table import SessionTable
+
+PROMOTE_TIMEOUT_S = 30.0  # how long a standby may take to apply the steps it holds
+
+
+def promote_standby(fleet: ShardFleet, table: SessionTable, shard_index: int, death: str) -> dict[str, str]:
+    """Shard ``shard_index``'s process died (``death`` says how) and it has a standby: the standby
+    serves its sessions (see the module's docstring). Returns the sessions that could not be
+    promoted, each with its lost message (the caller loses them)."""
+    by_home = table.live_on(shard_index)
+    names = sorted(name for names in by_home.values() for name in names)
+    outcomes = fleet.promote(shard_index, names, PROMOTE_TIMEOUT_S)
+    address, clock_address = fleet.addresses[shard_index], fleet.clock_addresses[shard_index]
+    for home, names_there in by_home.items():
+        promoted = [name for name in names_there if outcomes.get(name) is None]
+        for name in promoted:
+            record = table.moved(name, shard_index, address)
+            if home == shard_index and record is not None:  # its peers vote at the promoted clock
+                for assignment in record.assignments[1:]:
+                    fleet.set_home_clock(assignment.shard_index, name, clock_address)
+        if home != shard_index and promoted:  # votes that waited for the dead process end; the standby votes now
+            fleet.peer_down(home, shard_index, promoted)
+            fleet.peer_up(home, shard_index, promoted)
+    return {name: f"session {name!r} is lost: {death} and its standby could not take over ({why}); close the "
+                  f"session and create it again" for name, why in outcomes.items() if why is not None}

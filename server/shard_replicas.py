@@ -1,0 +1,139 @@
+"""A shard process's hot-standby roles (``docs/plans/hot_standby.md``): the primary of some
+sessions' parts, whose steps it streams to their standbys in other shard processes, and the
+standby of others' (:class:`ShardReplicas`, what :class:`~optserve.server.shard_actor.ShardActor`
+delegates to).
+
+A standby's part is built as a served part is (:class:`~optserve.server.shard_parts.ShardParts`)
+but not served to clients: its follower keeps it in step with what the primary's ``ShardReplica``
+stream brings (served on the shard's internal port, beside the clocks), until it is promoted and
+served in the primary's place.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+from optserve.server.domain.errors import AlreadyExists, FailedPrecondition
+from optserve.server.domain.sessions import ShardOpening
+from optserve.server.domain.shard import ShardRegistry
+from optserve.server.domain.shard.replica import StandbyFollower, Standbys
+from optserve.server.shard_parts import ShardParts
+from optserve.server.wire.replica_channel import ReplicaChannel
+from optserve.server.wire.replica_service import ReplicaServicer, add_replica_service
+
+log = logging.getLogger(__name__)
+
+
+class ShardReplicas:
+    """Args:
+      parts: builds the standby's parts.
+      registry: the parts this shard serves (a promoted standby joins them).
+      serve_clock: ``(session, clock)``: serves a promoted home part's clock to its peers.
+      internal: the server's internal trust (the streams to standbys use it).
+      durable: the server keeps step logs (standbys of durable sessions are not built yet).
+    """
+
+    def __init__(self, parts: ShardParts, registry: ShardRegistry, serve_clock: Callable, internal, durable: bool):
+        self._parts = parts
+        self._registry = registry
+        self._serve_clock = serve_clock
+        self._internal = internal
+        self._durable = durable
+        self.standbys = Standbys()
+        self._channels: dict[str, ReplicaChannel] = {}
+        self._lock = threading.Lock()
+
+    def add_service(self, server, pool) -> None:
+        """Serves ``ShardReplica`` (this process's standbys) on ``server`` (the internal port's)."""
+        add_replica_service(server, ReplicaServicer(self.standbys.follower, pool))
+
+    def follow(self, opening: ShardOpening) -> None:
+        """Standby: holds a part of a session whose primary, another shard process, replicates it
+        here (:meth:`replicate` there).
+
+        Raises:
+          FailedPrecondition: the server keeps step logs (not yet with standbys).
+          AlreadyExists: this process is the session's standby already.
+          InvalidArgument: as when the part is opened to be served.
+        """
+        if self._durable:
+            raise FailedPrecondition(f"session {opening.config.name!r}: hot standbys do not take durable sessions "
+                                     f"yet (--checkpoint-dir)")
+        session = self._parts.build(opening)
+        clock = session.clock if session.clock.is_home else None
+        follower = StandbyFollower(session.durability.start_from, session.durability.follow, clock,
+                                   list(opening.tensor_names), session.where)
+        try:
+            self.standbys.add(opening.config.name, session, follower)
+        except AlreadyExists:
+            follower.close()
+            raise
+
+    def set_replicated(self, name: str) -> None:
+        """Primary: session ``name`` has standbys (see ``SessionDurability.set_replicated``)."""
+        self._registry.get(name).durability.set_replicated()
+
+    def replicate(self, name: str, standby_address: str) -> None:
+        """Primary: starts session ``name``'s standby at ``standby_address`` (its shard's internal
+        port) from this part's state now; from then on each step is acknowledged once the standby
+        holds it too. Call :meth:`set_replicated` on every shard of the session first.
+
+        Raises:
+          NotFound: this shard serves no part of ``name``.
+          Unavailable: the part is inside a step, or the stream to the standby is broken (ask again).
+        """
+        session = self._registry.get(name)
+        session.durability.start_replica(self._channel(standby_address).port(name))
+
+    def promote(self, name: str, timeout_s: float) -> int:
+        """Standby: the primary is gone: applies every step held, then serves the session in its
+        place (a home part's clock decides again and serves its peers). Returns its version.
+
+        Raises:
+          NotFound: this process is no standby of ``name``.
+          OptservError: the standby stopped following (not in sync: it must not serve).
+          TimeoutError: the steps held were not all applied within ``timeout_s`` (ask again).
+        """
+        version = self.standbys.follower(name).promote(timeout_s)
+        session, _follower = self.standbys.take(name)
+        if session.clock.is_home:
+            self._serve_clock(name, session.clock)
+        self._registry.add(session)
+        log.warning("event=standby_promoted session=%s version=%d", name, version)
+        return version
+
+    def drop(self, name: str) -> None:
+        """The session closed: its standby here (if any) follows no more; its stream port goes."""
+        try:
+            _session, follower = self.standbys.take(name)
+        except Exception:  # noqa: BLE001 - not a standby here
+            follower = None
+        if follower is not None:
+            follower.close()
+        with self._lock:
+            channels = list(self._channels.values())
+        for channel in channels:
+            channel.forget(name)
+
+    def stop(self) -> None:
+        for name in self.standbys.names():
+            self.drop(name)
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()
+
+    def _channel(self, address: str) -> ReplicaChannel:
+        """The stream to the standby process at ``address`` (a broken one is replaced)."""
+        with self._lock:
+            channel = self._channels.get(address)
+            if channel is None or channel.broken is not None:
+                stale, channel = channel, ReplicaChannel(address, self._internal)
+                self._channels[address] = channel
+            else:
+                stale = None
+        if stale is not None:
+            stale.close()
+        return channel

@@ -1,0 +1,78 @@
+"""The shards' hot standbys (``--replicas 2``, ``docs/plans/hot_standby.md``): one standby shard
+actor per shard index, on another Ray node than its primary, holding a standby part of each
+session its primary serves (:class:`StandbyActors`, the fleet's handle on them).
+
+Placement: each standby is pinned to a live node other than the node of its primary's placement
+bundle (``NodeAffinitySchedulingStrategy``, not soft), the nodes taken in turn. A cluster with one
+node is refused in one line naming ``--replicas``, unless ``replica_same_node`` (single-machine
+tests) lets both share it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional, Sequence
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from optserve.server.domain.sessions import ShardOpening
+from optserve.server.preflight import StartError
+
+log = logging.getLogger(__name__)
+
+
+def standby_nodes(primary_nodes: Sequence[str], alive: Sequence[str], same_node: bool) -> list[str]:
+    """The node id each shard's standby goes to: another live node than its primary's (``alive``
+    in turn, skipping the primary's), or its primary's own with ``same_node``.
+
+    Raises:
+      StartError: no other live node (one line, naming ``--replicas``).
+    """
+    if same_node:
+        return list(primary_nodes)
+    picks = []
+    for index, primary in enumerate(primary_nodes):
+        others = [node for node in alive if node != primary]
+        if not others:
+            raise StartError(f"--replicas 2 puts each shard's standby on another Ray node than its primary; the "
+                             f"cluster has {len(set(alive))} node that can hold shards: add a node or use --replicas 1")
+        picks.append(others[index % len(others)])
+    return picks
+
+
+class StandbyActors:
+    """Shard ``i``'s standby actor at ``actors[i]`` (None once it was promoted or lost), with the
+    address of its internal port (``clock_addresses[i]``), where its primary streams to it.
+
+    Args:
+      start_actor: ``(index, scheduling_strategy) -> actor`` (a shard actor of that index).
+      nodes: the node id each standby is pinned to (:func:`standby_nodes`).
+    """
+
+    def __init__(self, start_actor: Callable, nodes: Sequence[str]):
+        self.actors: list = [start_actor(i, NodeAffinitySchedulingStrategy(node, soft=False))
+                             for i, node in enumerate(nodes)]
+        self.clock_addresses: list[Optional[str]] = ray.get([a.clock_address.remote() for a in self.actors])
+
+    def follow(self, openings: Sequence[ShardOpening], call) -> None:
+        """Each opening's standby part is held by its shard's standby (``call(ref)`` waits for one
+        and raises the domain error; every one is waited for first)."""
+        refs = [self.actors[o.shard_index].follow_session.remote(o) for o in openings if self.actors[o.shard_index]]
+        errors = []
+        for ref in refs:
+            try:
+                call(ref)
+            except Exception as exc:  # noqa: BLE001 - raised below, once every standby answered
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def take(self, index: int):
+        """Shard ``index``'s standby, no longer a standby (None: it has none)."""
+        actor, self.actors[index] = self.actors[index], None
+        self.clock_addresses[index] = None
+        return actor
+
+    def live(self) -> list:
+        return [a for a in self.actors if a is not None]
