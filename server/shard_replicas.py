@@ -125,12 +125,18 @@ class ShardReplicas:
         for channel in channels:
             channel.close()
 
+    def _go_on_alone(self, name: str, why: str) -> None:
+        """Session ``name``'s standby holds nothing more: its part here acknowledges with one copy."""
+        session = self._registry.find(name)
+        if session is not None:
+            session.durability.detach_replica(why)
+
     def _channel(self, address: str) -> ReplicaChannel:
         """The stream to the standby process at ``address`` (a broken one is replaced)."""
         with self._lock:
             channel = self._channels.get(address)
             if channel is None or channel.broken is not None:
-                stale, channel = channel, ReplicaChannel(address, self._internal)
+                stale, channel = channel, ReplicaChannel(address, self._internal, out_of_sync=self._go_on_alone)
                 self._channels[address] = channel
             else:
                 stale = None

@@ -23,12 +23,24 @@ from tests._service_helpers import InProcess, make_grads, make_params, max_abs_d
 ADAM = {"name": "adam", "args": {"learning_rate": 0.01}}
 
 
-@pytest.fixture(scope="module")
-def replicated_server(ray_local):
+def _replicated(ray_local):
     from optserve.server.app import start_server
 
-    running = start_server(ServerConfig(host="127.0.0.1", port=0, shards=2, vote_timeout_s=20.0, min_shard_bytes=0,
-                                        replicas=2, replica_same_node=True))
+    return start_server(ServerConfig(host="127.0.0.1", port=0, shards=2, vote_timeout_s=20.0, min_shard_bytes=0,
+                                     replicas=2, replica_same_node=True))
+
+
+@pytest.fixture(scope="module")
+def replicated_server(ray_local):
+    """Its shards are killed one by one (each once), each promoting its standby."""
+    running = _replicated(ray_local)
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def server_losing_its_standbys(ray_local):
+    running = _replicated(ray_local)
     yield running
     running.stop()
 
@@ -39,10 +51,32 @@ def _kill_primary(running, index: int) -> int:
     return pid
 
 
+def test_a_killed_standby_leaves_its_primary_acknowledging_alone_with_nothing_lost(server_losing_its_standbys,
+                                                                                   unique_name):
+    import ray
+
+    client = Client(server_losing_its_standbys.address, timeout=90.0)
+    params = make_params(6)
+    session = client.create_session(unique_name, params, optimizer=ADAM)
+    reference = InProcess(ADAM["name"], ADAM["args"], params)
+    for step in range(4):
+        grads = make_grads(params, step)
+        got, expected = session.push_pull(grads), reference.step(grads)
+    standbys = server_losing_its_standbys.fleet.standbys
+    for index in range(len(standbys.actors)):
+        os.kill(ray.get(standbys.actors[index].pid.remote()), signal.SIGKILL)
+    for step in range(4, 9):  # the first of them finds its standby gone
+        grads = make_grads(params, step)
+        got, expected = session.push_pull(grads), reference.step(grads)
+    assert max_abs_diff(got, expected) <= 1e-6
+    assert session.status().version == 9
+    client.close_session(unique_name)
+
+
 @pytest.mark.parametrize("killed", [0, 1], ids=["home-shard", "other-shard"])
-def test_a_killed_shard_is_served_by_its_standby_and_no_acknowledged_step_is_lost(replicated_server, unique_name,
+def test_a_killed_shard_is_served_by_its_standby_and_no_acknowledged_step_is_lost(server_losing_its_standbys, unique_name,
                                                                                   killed):
-    client = Client(replicated_server.address, timeout=90.0)
+    client = Client(server_losing_its_standbys.address, timeout=90.0)
     params = make_params(5)
     session = client.create_session(unique_name, params, optimizer=ADAM)
     assert len(session.info.shards) == 2
@@ -51,16 +85,16 @@ def test_a_killed_shard_is_served_by_its_standby_and_no_acknowledged_step_is_los
     for step in range(5):
         grads = make_grads(params, step)
         got, expected = session.push_pull(grads), reference.step(grads)
-    before = replicated_server.fleet.addresses[killed]
-    pid = _kill_primary(replicated_server, killed)
+    before = server_losing_its_standbys.fleet.addresses[killed]
+    pid = _kill_primary(server_losing_its_standbys, killed)
     for step in range(5, 10):  # the first of them spans the fail-over
         grads = make_grads(params, step)
         got, expected = session.push_pull(grads), reference.step(grads)
     assert max_abs_diff(got, expected) <= 1e-6
     assert session.status().version == 10  # every acknowledged step once: none lost, none twice
-    assert replicated_server.fleet.addresses[killed] != before  # served by the promoted standby
-    assert pid not in replicated_server.fleet.pids()
-    assert not replicated_server.fleet.has_standby(killed)  # one copy from now on (no fresh standby yet)
+    assert server_losing_its_standbys.fleet.addresses[killed] != before  # served by the promoted standby
+    assert pid not in server_losing_its_standbys.fleet.pids()
+    assert not server_losing_its_standbys.fleet.has_standby(killed)  # one copy from now on (no fresh standby yet)
     client.close_session(unique_name)
 
 

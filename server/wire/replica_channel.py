@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future, InvalidStateError
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import grpc
 import numpy as np
@@ -43,11 +43,15 @@ class ReplicaChannel:
       clock_timeout_s: how long a clock entry waits for the standby to book it.
       max_queued_bytes: gradient bytes waiting to be sent past which a step waits for room ...
       queue_timeout_s: ... at most this long (then the session's standby is out of sync).
+      out_of_sync: ``(session, why)``, called on a thread of its own once a session's standby
+        holds nothing more (refused, broken stream, timeout), so its primary can go on alone.
     """
 
     def __init__(self, address: str, trust: InternalTrust, clock_timeout_s: float = 5.0,
-                 max_queued_bytes: int = 1 << 30, queue_timeout_s: float = 5.0, chunk_bytes: int = CHUNK_BYTES):
+                 max_queued_bytes: int = 1 << 30, queue_timeout_s: float = 5.0, chunk_bytes: int = CHUNK_BYTES,
+                 out_of_sync: Optional[Callable[[str, str], None]] = None):
         self.address = address
+        self._out_of_sync = out_of_sync
         self._clock_timeout_s, self._max_queued, self._queue_timeout_s = clock_timeout_s, max_queued_bytes, queue_timeout_s
         self._chunk_bytes = chunk_bytes
         self._lock = threading.Condition()
@@ -191,12 +195,13 @@ class ReplicaChannel:
         if held is not None:
             held.fail(error)
             _log.warning("event=standby_out_of_sync session=%s address=%s error=%s", session, self.address, error)
+            self._tell_out_of_sync([session], error)
 
     def _break(self, error: Unavailable) -> None:
         with self._lock:
             if self._broken is None:
                 self._broken = error
-            held, self._held = list(self._held.values()), {}
+            sessions, held, self._held = list(self._held), list(self._held.values()), {}
             waiters, self._clock_waits = list(self._clock_waits.values()), {}
             self._lock.notify_all()
         for versions in held:
@@ -204,6 +209,16 @@ class ReplicaChannel:
         for waiter in waiters:
             _settle(waiter, error)
         self._call.cancel()
+        self._tell_out_of_sync(sessions, error)
+
+    def _tell_out_of_sync(self, sessions: list, error: Unavailable) -> None:
+        """``out_of_sync`` for each of ``sessions``, off this thread (it may hold a session's or a
+        clock's lock, which going on alone takes)."""
+        if self._out_of_sync is None or not sessions:
+            return
+        tell = self._out_of_sync
+        threading.Thread(target=lambda: [tell(session, str(error)) for session in sessions],
+                         name="optserve-replica-out-of-sync", daemon=True).start()
 
 
 def _settle(waiter: Optional[Future], error: Optional[BaseException]) -> None:

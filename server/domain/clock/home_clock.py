@@ -297,14 +297,15 @@ class HomeClock:
             if settle_at is not None:
                 self._settle(*settle_at)
 
-    def replicate(self, begin: Callable[[dict], None], entry: Callable[[Any], None]) -> None:
+    def replicate(self, begin: Optional[Callable[[dict], None]], entry: Optional[Callable[[Any], None]]) -> None:
         """Primary: ``begin(state)`` with the clock's state now (what a standby's clock starts
         from, with :meth:`restore`), then every later journal entry passed to ``entry`` too; both
-        under the clock's lock, so no entry goes out before the state."""
+        under the clock's lock, so no entry goes out before the state. ``(None, None)``: no more."""
         with self._cond:
-            state = self._state.to_json(with_history=True)
-            state["sums"] = self._sums.durable_state()
-            begin(state)
+            if begin is not None:
+                state = self._state.to_json(with_history=True)
+                state["sums"] = self._sums.durable_state()
+                begin(state)
             self._journal.replica = entry
 
     def _refuse_if_following(self, what: str) -> None:

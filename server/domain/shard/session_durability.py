@@ -80,6 +80,20 @@ class SessionDurability:
                 begin(None)
             steps.journal.attach_replica(replica)
 
+    def detach_replica(self, why: str) -> None:
+        """The standby is gone or out of sync: steps are acknowledged with this one copy from now
+        on (``--replicas 2``'s policy when one replica is left), said in the log. Steps whose
+        acknowledgement waited for it were refused UNAVAILABLE; their clients' retries are
+        answered without applying them again."""
+        steps = self._steps
+        with steps.cond:
+            if steps.journal.replica is None:
+                return
+            if steps.clock.is_home:
+                steps.clock.replicate(None, None)
+            steps.journal.attach_replica(None)
+        _log.error("event=standby_detached %s why=%s", steps.where, why)
+
     def initialized(self) -> None:
         """The initial values are in (the session's lock held): a standby asked for before starts
         now, from them. One that cannot start (its stream broke) leaves the part with one copy,

@@ -126,6 +126,11 @@ class StepJournal:
         self._ship_failed = None
         self.replicated = self.replicated or replica is not None
 
+    @property
+    def replica(self) -> Optional[ReplicaPort]:
+        """Where applied steps are shipped (None: nowhere)."""
+        return self._replica
+
     def close(self) -> None:
         """Finishes a checkpoint being written, closes the log, gives back held gradients (closing)."""
         if self._store is not None:
