@@ -104,17 +104,27 @@ class RayShardFleet:
         """Session ``name``'s parts (``openings``) get their standbys: each is held by its shard's
         standby, every primary learns the session is replicated, then each streams its part to
         its standby from its initial values on."""
-        parts = [o for o in openings if self.has_standby(o.shard_index)]
-        self.standbys.follow(parts, _ray_get)
+        parts = self.standbys.follow([o for o in openings if self.has_standby(o.shard_index)], _ray_get, ACTOR_GONE)
         _ray_get([self.actors[o.shard_index].set_replicated.remote(name) for o in parts])
         _ray_get([self.actors[o.shard_index].replicate_session.remote(name, self.standbys.clock_addresses[o.shard_index])
                   for o in parts])
+
+    def forget_dead_standbys(self) -> list[int]:
+        """Shards whose standby died (now without one: their parts go on with one copy)."""
+        dead = self.standbys.dead(ACTOR_GONE) if self.standbys is not None else []
+        for index in dead:
+            self.standbys.forget(index)
+        return dead
 
     def promote(self, index: int, names: Sequence[str], timeout_s: float = 30.0) -> dict[str, Optional[str]]:
         """Shard ``index``'s primary is gone: its standby serves each session of ``names`` in its
         place and becomes shard ``index`` (its addresses from now on); returns session -> None
         (promoted) or why it could not be (not in sync)."""
         standby = self.standbys.take(index)
+        try:
+            addresses = ray.get([standby.address.remote(), standby.clock_address.remote()])
+        except ACTOR_GONE as exc:  # it died too: nothing to promote (the shard is restarted empty)
+            return {name: f"its standby is gone too ({type(exc).__name__})" for name in names}
         outcomes: dict[str, Optional[str]] = {}
         for name in names:
             try:
@@ -123,8 +133,7 @@ class RayShardFleet:
             except Exception as exc:  # noqa: BLE001 - that session is lost; the others are served
                 outcomes[name] = f"{type(exc).__name__}: {exc}"
         dead, self.actors[index] = self.actors[index], standby
-        self.addresses[index], self.clock_addresses[index] = ray.get([standby.address.remote(),
-                                                                      standby.clock_address.remote()])
+        self.addresses[index], self.clock_addresses[index] = addresses
         self.devices[index] = usable_devices([standby.device_report.remote()])[0]
         ray.kill(dead)
         return outcomes

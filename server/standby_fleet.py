@@ -55,18 +55,45 @@ class StandbyActors:
                              for i, node in enumerate(nodes)]
         self.clock_addresses: list[Optional[str]] = ray.get([a.clock_address.remote() for a in self.actors])
 
-    def follow(self, openings: Sequence[ShardOpening], call) -> None:
+    def follow(self, openings: Sequence[ShardOpening], call, gone: tuple) -> list[ShardOpening]:
         """Each opening's standby part is held by its shard's standby (``call(ref)`` waits for one
-        and raises the domain error; every one is waited for first)."""
-        refs = [self.actors[o.shard_index].follow_session.remote(o) for o in openings if self.actors[o.shard_index]]
-        errors = []
-        for ref in refs:
+        and raises the domain error; every one is waited for first). A standby found dead
+        (``gone``: what Ray raises then) is forgotten, its part left with one copy. Returns the
+        openings whose standby holds them."""
+        calls = [(o, self.actors[o.shard_index].follow_session.remote(o)) for o in openings if self.actors[o.shard_index]]
+        errors, held = [], []
+        for opening, ref in calls:
             try:
-                call(ref)
-            except Exception as exc:  # noqa: BLE001 - raised below, once every standby answered
-                errors.append(exc)
+                ray.get(ref)
+                held.append(opening)
+            except gone:
+                self.forget(opening.shard_index)
+            except Exception:  # noqa: BLE001 - the domain error, raised below once every standby answered
+                try:
+                    call(ref)
+                except Exception as exc:  # noqa: BLE001
+                    errors.append(exc)
         if errors:
             raise errors[0]
+        return held
+
+    def dead(self, gone: tuple, timeout_s: float = 5.0) -> list[int]:
+        """Indices of the standbys whose actor died (``gone``: what Ray raises then)."""
+        live = [(i, a.pid.remote()) for i, a in enumerate(self.actors) if a is not None]
+        ready, _ = ray.wait([ref for _i, ref in live], num_returns=len(live), timeout=timeout_s)
+        done, dead = set(ready), []
+        for index, ref in live:
+            if ref in done:
+                try:
+                    ray.get(ref)
+                except gone:
+                    dead.append(index)
+        return dead
+
+    def forget(self, index: int) -> None:
+        """Shard ``index``'s standby died: its primary's parts go on with one copy."""
+        if self.take(index) is not None:
+            log.error("event=standby_died shard=%d", index)
 
     def take(self, index: int):
         """Shard ``index``'s standby, no longer a standby (None: it has none)."""

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
-from optserve.client import Client
+from optserve.client import Client, SessionLostError
 from optserve.server.domain.config import ServerConfig
 from optserve.server.domain.errors import InvalidArgument
 from tests._service_helpers import InProcess, make_grads, make_params, max_abs_diff
@@ -70,7 +71,20 @@ def test_a_killed_standby_leaves_its_primary_acknowledging_alone_with_nothing_lo
         got, expected = session.push_pull(grads), reference.step(grads)
     assert max_abs_diff(got, expected) <= 1e-6
     assert session.status().version == 9
+    _kill_primary(server_losing_its_standbys, 0)  # no copy left: the session is lost, saying why
+    with pytest.raises(SessionLostError, match="keeps no copy of its state"):
+        session.push_pull(make_grads(params, 9))
     client.close_session(unique_name)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the watch restarts the shard, empty, on its next check
+        try:
+            server_losing_its_standbys.fleet.pids()
+            break
+        except Exception:  # noqa: BLE001 - the dead actor until then
+            time.sleep(0.2)
+    fresh = client.create_session(f"{unique_name}-after", params, optimizer=ADAM)
+    assert fresh.push_pull(make_grads(params, 0)).keys() == params.keys()
+    client.close_session(f"{unique_name}-after")
 
 
 @pytest.mark.parametrize("killed", [0, 1], ids=["home-shard", "other-shard"])

@@ -46,6 +46,7 @@ class ShardWatch(Periodic):
     def check_once(self) -> list[int]:
         """One check: replaces every dead shard (durable servers restore its sessions on the new
         one; others mark them lost first); returns their indices."""
+        self._fleet.forget_dead_standbys()  # --replicas 2: their primaries go on with one copy
         dead = self._fleet.dead_shards()
         if not dead:
             return dead
@@ -58,7 +59,7 @@ class ShardWatch(Periodic):
                 lost = self._coordinator.fail_over(index, address, "its process exited")
                 log.error("event=shard_failed_over shard=%d address=%s new_address=%s lost_sessions=%s", index,
                           address, self._fleet.addresses[index], ",".join(lost) or "-")
-                continue
+                continue  # (a standby that was gone too: the next check restarts the shard empty)
             lost = self._coordinator.shard_lost(index, address, "its process exited")
             log.error("event=shard_died shard=%d address=%s lost_sessions=%s", index, address, ",".join(lost) or "-")
             new_address = self._fleet.restart(index)
