@@ -40,7 +40,8 @@ def replicated_server(ray_local):
 
 
 @pytest.fixture
-def server_losing_its_standbys(ray_local):
+def fresh_server(ray_local):
+    """A replicated server for one test."""
     running = _replicated(ray_local)
     yield running
     running.stop()
@@ -52,18 +53,18 @@ def _kill_primary(running, index: int) -> int:
     return pid
 
 
-def test_a_killed_standby_leaves_its_primary_acknowledging_alone_with_nothing_lost(server_losing_its_standbys,
+def test_a_killed_standby_leaves_its_primary_acknowledging_alone_with_nothing_lost(fresh_server,
                                                                                    unique_name):
     import ray
 
-    client = Client(server_losing_its_standbys.address, timeout=90.0)
+    client = Client(fresh_server.address, timeout=90.0)
     params = make_params(6)
     session = client.create_session(unique_name, params, optimizer=ADAM)
     reference = InProcess(ADAM["name"], ADAM["args"], params)
     for step in range(4):
         grads = make_grads(params, step)
         got, expected = session.push_pull(grads), reference.step(grads)
-    standbys = server_losing_its_standbys.fleet.standbys
+    standbys = fresh_server.fleet.standbys
     for index in range(len(standbys.actors)):
         os.kill(ray.get(standbys.actors[index].pid.remote()), signal.SIGKILL)
     for step in range(4, 9):  # the first of them finds its standby gone
@@ -71,14 +72,14 @@ def test_a_killed_standby_leaves_its_primary_acknowledging_alone_with_nothing_lo
         got, expected = session.push_pull(grads), reference.step(grads)
     assert max_abs_diff(got, expected) <= 1e-6
     assert session.status().version == 9
-    _kill_primary(server_losing_its_standbys, 0)  # no copy left: the session is lost, saying why
+    _kill_primary(fresh_server, 0)  # no copy left: the session is lost, saying why
     with pytest.raises(SessionLostError, match="keeps no copy of its state"):
         session.push_pull(make_grads(params, 9))
     client.close_session(unique_name)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # the watch restarts the shard, empty, on its next check
         try:
-            server_losing_its_standbys.fleet.pids()
+            fresh_server.fleet.pids()
             break
         except Exception:  # noqa: BLE001 - the dead actor until then
             time.sleep(0.2)
@@ -88,9 +89,9 @@ def test_a_killed_standby_leaves_its_primary_acknowledging_alone_with_nothing_lo
 
 
 @pytest.mark.parametrize("killed", [0, 1], ids=["home-shard", "other-shard"])
-def test_a_killed_shard_is_served_by_its_standby_and_no_acknowledged_step_is_lost(server_losing_its_standbys, unique_name,
+def test_a_killed_shard_is_served_by_its_standby_and_no_acknowledged_step_is_lost(fresh_server, unique_name,
                                                                                   killed):
-    client = Client(server_losing_its_standbys.address, timeout=90.0)
+    client = Client(fresh_server.address, timeout=90.0)
     params = make_params(5)
     session = client.create_session(unique_name, params, optimizer=ADAM)
     assert len(session.info.shards) == 2
@@ -99,16 +100,37 @@ def test_a_killed_shard_is_served_by_its_standby_and_no_acknowledged_step_is_los
     for step in range(5):
         grads = make_grads(params, step)
         got, expected = session.push_pull(grads), reference.step(grads)
-    before = server_losing_its_standbys.fleet.addresses[killed]
-    pid = _kill_primary(server_losing_its_standbys, killed)
+    before = fresh_server.fleet.addresses[killed]
+    pid = _kill_primary(fresh_server, killed)
     for step in range(5, 10):  # the first of them spans the fail-over
         grads = make_grads(params, step)
         got, expected = session.push_pull(grads), reference.step(grads)
     assert max_abs_diff(got, expected) <= 1e-6
     assert session.status().version == 10  # every acknowledged step once: none lost, none twice
-    assert server_losing_its_standbys.fleet.addresses[killed] != before  # served by the promoted standby
-    assert pid not in server_losing_its_standbys.fleet.pids()
-    assert not server_losing_its_standbys.fleet.has_standby(killed)  # one copy from now on (no fresh standby yet)
+    assert fresh_server.fleet.addresses[killed] != before  # served by the promoted standby
+    assert pid not in fresh_server.fleet.pids()
+    assert not fresh_server.fleet.has_standby(killed)  # one copy from now on (no fresh standby yet)
+    client.close_session(unique_name)
+
+
+def test_a_sync_step_in_flight_when_the_home_shard_dies_is_applied_exactly_once(fresh_server, unique_name):
+    # Two workers push each step from threads; the home shard's process is killed while the
+    # fourth step's pushes are on their way (gathered, applied or acknowledged: any of them).
+    client = Client(fresh_server.address, timeout=90.0)
+    params = make_params(7)
+    client.create_session(unique_name, params, optimizer=ADAM, num_workers=2)
+    workers = [Client(fresh_server.address, timeout=90.0).session(unique_name) for _ in range(2)]
+    reference = InProcess(ADAM["name"], ADAM["args"], params)
+    got = None
+    for step in range(8):
+        grads = [make_grads(params, step, seed=1 + w) for w in range(2)]
+        pending = [session.push_pull_async(g) for session, g in zip(workers, grads)]
+        if step == 3:  # at once: the pushes are on their way, or being gathered, or applied
+            _kill_primary(fresh_server, 0)
+        got = [p.result(timeout=120) for p in pending]
+        expected = reference.step({n: (grads[0][n] + grads[1][n]) / 2 for n in params})
+        assert max(max_abs_diff(g, expected) for g in got) <= 1e-6, step
+    assert workers[0].status().version == 8
     client.close_session(unique_name)
 
 
