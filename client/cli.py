@@ -117,6 +117,16 @@ def _logged_version(shards) -> Optional[int]:
     return min(s.version if not s.durability.degraded else s.durability.durable_version for s in shards)
 
 
+def _standby(shard: dict) -> str:
+    """The standby cell: its Ray node and the sessions it holds in sync (``-``: no standby)."""
+    standby = shard.get("standby")
+    if not standby:
+        return "-"
+    if not standby["healthy"]:
+        return "NOT ANSWERING"
+    return f"{(standby['node_id'] or '?')[:12]} {standby['in_sync']}/{shard['sessions']}"
+
+
 def _durable(session: dict) -> str:
     """The durable cell: ``logged/checkpointed`` versions (``-``: not durable)."""
     if session.get("durable_version") is None:
@@ -151,14 +161,15 @@ def render(report: dict, now: Optional[float] = None) -> str:
                  _workers(s, now), _durable(s)]
                 for s in report["sessions"]]
     shards = [[s["index"], s["address"], (s["node_id"] or "?")[:12], s["sessions"], _mib(s["param_bytes"]),
-               _mib(s["resident_bytes"]), "yes" if s["healthy"] else "NO"] for s in report["shards"]]
+               _mib(s["resident_bytes"]), "yes" if s["healthy"] else "NO", _standby(s)] for s in report["shards"]]
     return "\n\n".join([
         table(["session", "mode", "optimizer", "version", "steps", "rejected", "staleness p50/max", "shards",
                 "bytes", "last activity", f"workers ({ACTIVE_WORKER_S:.0f}s/all)", "durable (logged/checkpointed)"], sessions)
         if sessions else "no sessions",
         *([table(["lost session", "why"], [[s["name"], s["why"]] for s in report["lost_sessions"]])]
           if report.get("lost_sessions") else []),
-        table(["shard", "address", "ray node", "sessions", "param bytes", "memory", "healthy"], shards),
+        table(["shard", "address", "ray node", "sessions", "param bytes", "memory", "healthy",
+               "standby (node, in sync)"], shards),
     ])
 
 

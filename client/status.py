@@ -144,9 +144,23 @@ class DevicePlacement:
 
 
 @dataclasses.dataclass(frozen=True)
+class ShardStandbyStatus:
+    """A shard's hot standby (``--replicas 2``): its Ray node, whether it answered, and how many
+    of the shard's sessions it holds in sync (every acknowledged step)."""
+
+    node_id: str
+    healthy: bool
+    in_sync: int
+
+    @classmethod
+    def from_proto(cls, s: control_pb2.ShardStandby) -> "ShardStandbyStatus":
+        return cls(s.node_id, s.healthy, s.in_sync)
+
+
+@dataclasses.dataclass(frozen=True)
 class ServerShardStatus:
     """One shard actor of a server: where it runs, what it holds, whether it answered
-    (``device``: None when it did not)."""
+    (``device``: None when it did not), its hot standby (None: it has none)."""
 
     index: int
     address: str
@@ -156,11 +170,13 @@ class ServerShardStatus:
     resident_bytes: int
     healthy: bool
     device: Optional[DevicePlacement] = None
+    standby: Optional[ShardStandbyStatus] = None
 
     @classmethod
     def from_proto(cls, s: control_pb2.ServerShard) -> "ServerShardStatus":
         return cls(s.index, s.address, s.node_id, s.sessions, s.param_bytes, s.resident_bytes, s.healthy,
-                   DevicePlacement.from_proto(s.device) if s.HasField("device") else None)
+                   DevicePlacement.from_proto(s.device) if s.HasField("device") else None,
+                   ShardStandbyStatus.from_proto(s.standby) if s.HasField("standby") else None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -215,10 +215,12 @@ class RayShardFleet:
 
     def shard_summaries(self) -> list[ShardSummary]:
         reports = self.shard_reports("server_status", timeout_s=5.0)
-        return [ShardSummary(i, self.addresses[i], healthy=False) if r is None else
+        standbys = self.standbys.reports() if self.standbys is not None else [None] * len(reports)
+        return [ShardSummary(i, self.addresses[i], healthy=False, standby=s) if r is None else
                 ShardSummary(i, self.addresses[i], r["node_id"], r["sessions"], r["param_bytes"], r["resident_bytes"],
-                             healthy=True, device=r["device"])
-                for i, r in enumerate(reports)]
+                             healthy=True, device=r["device"],
+                             standby=dataclasses.replace(s, in_sync=r.get("in_sync", 0)) if s is not None else None)
+                for i, (r, s) in enumerate(zip(reports, standbys))]
 
     def drain(self) -> None:
         """Every shard's health says NOT_SERVING (without waiting for them); calls are still served."""

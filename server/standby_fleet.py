@@ -17,6 +17,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from optserve.server.domain.sessions import ShardOpening
+from optserve.server.domain.sessions.session_records import StandbySummary
 from optserve.server.preflight import StartError
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,22 @@ class StandbyActors:
                 except gone:
                     dead.append(index)
         return dead
+
+    def reports(self, timeout_s: float = 5.0) -> list[Optional[StandbySummary]]:
+        """Each shard's standby now (None: it has none); one that did not answer is unhealthy."""
+        refs = {i: a.server_status.remote() for i, a in enumerate(self.actors) if a is not None}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        done, out = set(ready), []
+        for index in range(len(self.actors)):
+            ref = refs.get(index)
+            if ref is None:
+                out.append(None)
+                continue
+            try:
+                out.append(StandbySummary(ray.get(ref)["node_id"], healthy=True) if ref in done else StandbySummary())
+            except Exception:  # noqa: BLE001 - a dead standby reports as unhealthy
+                out.append(StandbySummary())
+        return out
 
     def forget(self, index: int) -> None:
         """Shard ``index``'s standby died: its primary's parts go on with one copy."""

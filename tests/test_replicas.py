@@ -89,9 +89,9 @@ def test_a_killed_standby_leaves_its_primary_acknowledging_alone_with_nothing_lo
 
 
 @pytest.mark.parametrize("killed", [0, 1], ids=["home-shard", "other-shard"])
-def test_a_killed_shard_is_served_by_its_standby_and_no_acknowledged_step_is_lost(fresh_server, unique_name,
+def test_a_killed_shard_is_served_by_its_standby_and_no_acknowledged_step_is_lost(replicated_server, unique_name,
                                                                                   killed):
-    client = Client(fresh_server.address, timeout=90.0)
+    client = Client(replicated_server.address, timeout=90.0)
     params = make_params(5)
     session = client.create_session(unique_name, params, optimizer=ADAM)
     assert len(session.info.shards) == 2
@@ -100,16 +100,23 @@ def test_a_killed_shard_is_served_by_its_standby_and_no_acknowledged_step_is_los
     for step in range(5):
         grads = make_grads(params, step)
         got, expected = session.push_pull(grads), reference.step(grads)
-    before = fresh_server.fleet.addresses[killed]
-    pid = _kill_primary(fresh_server, killed)
+    shards = client.server_status()
+    assert shards[killed].standby is not None and shards[killed].standby.healthy
+    assert shards[killed].standby.in_sync >= 1  # this session's part, at least
+    from optserve.client.cli import collect, render
+
+    assert f"{shards[killed].standby.node_id[:12]} {shards[killed].standby.in_sync}/" in render(collect(client))
+    before = replicated_server.fleet.addresses[killed]
+    pid = _kill_primary(replicated_server, killed)
     for step in range(5, 10):  # the first of them spans the fail-over
         grads = make_grads(params, step)
         got, expected = session.push_pull(grads), reference.step(grads)
     assert max_abs_diff(got, expected) <= 1e-6
     assert session.status().version == 10  # every acknowledged step once: none lost, none twice
-    assert fresh_server.fleet.addresses[killed] != before  # served by the promoted standby
-    assert pid not in fresh_server.fleet.pids()
-    assert not fresh_server.fleet.has_standby(killed)  # one copy from now on (no fresh standby yet)
+    assert replicated_server.fleet.addresses[killed] != before  # served by the promoted standby
+    assert pid not in replicated_server.fleet.pids()
+    assert not replicated_server.fleet.has_standby(killed)  # one copy from now on (no fresh standby yet)
+    assert client.server_status()[killed].standby is None
     client.close_session(unique_name)
 
 

@@ -200,7 +200,9 @@ def server_status_to_proto(shards) -> control_pb2.GetServerStatusResponse:
     return control_pb2.GetServerStatusResponse(shards=[
         control_pb2.ServerShard(index=s.index, address=s.address, node_id=s.node_id, sessions=s.sessions,
                                 param_bytes=s.param_bytes, resident_bytes=s.resident_bytes, healthy=s.healthy,
-                                device=device_to_proto(s.device))
+                                device=device_to_proto(s.device), standby=None if s.standby is None else
+                                control_pb2.ShardStandby(node_id=s.standby.node_id, healthy=s.standby.healthy,
+                                                         in_sync=s.standby.in_sync))
         for s in shards])
 
 

@@ -171,6 +171,16 @@ class SessionStatus:
 
 
 @dataclasses.dataclass(frozen=True)
+class StandbySummary:
+    """A shard's hot standby as the server sees it now: its Ray node, whether it answered, and
+    how many of the shard's sessions it holds in sync (every acknowledged step)."""
+
+    node_id: str = ""
+    healthy: bool = False
+    in_sync: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardSummary:
     """One shard actor as the server sees it now (``healthy`` False: it did not answer)."""
 
@@ -182,6 +192,7 @@ class ShardSummary:
     resident_bytes: int = 0
     healthy: bool = False
     device: Optional[DeviceReport] = None  # where its JAX runs; None: it did not answer
+    standby: Optional["StandbySummary"] = None  # --replicas 2: its hot standby (None: it has none)
 
     def seen_by(self, owned: Sequence[SessionRecord]) -> "ShardSummary":
         """This shard as the tenant whose sessions are ``owned`` may see it: their count and

@@ -80,6 +80,11 @@ class SessionDurability:
                 begin(None)
             steps.journal.attach_replica(replica)
 
+    @property
+    def in_sync(self) -> bool:
+        """Primary: a standby holds every step acknowledged from now on."""
+        return self._steps.journal.replica is not None
+
     def detach_replica(self, why: str) -> None:
         """The standby is gone or out of sync: steps are acknowledged with this one copy from now
         on (``--replicas 2``'s policy when one replica is left), said in the log. Steps whose
