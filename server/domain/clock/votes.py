@@ -9,6 +9,7 @@ refuses it everywhere. Every voter of the push gets the same outcome.
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Callable, Optional, Union
 
@@ -16,8 +17,8 @@ from optserve.server.domain.clock.clock_records import Ticket
 from optserve.server.domain.errors import OptservError, PeerRefused
 from optserve.server.domain.waits import SignalCondition, Steps, drive
 
-_STALE_VOTE_S = 600.0  # a decided vote some shard never took part in is forgotten after this long
-_FORGET_FROM = 256  # open votes kept before the stale ones are looked for
+_STALE_VOTE_S = 300.0  # a decided vote some shard never took part in is forgotten after this long
+_FORGET_FROM = 32  # open votes kept before the stale ones are looked for
 
 
 class _PushVote:
@@ -109,8 +110,8 @@ class ShardVotes:
             yield wait  # the lock released: the other shards' votes come in
         if not staged:
             return None
-        if isinstance(outcome, BaseException):
-            raise outcome
+        if isinstance(outcome, BaseException):  # each voter its own copy: the kept outcome holds no voter's frames
+            raise copy.copy(outcome)
         return outcome
 
     def _vote_on(self, key: tuple[str, int, int], shard_index: int) -> _PushVote:
@@ -135,8 +136,8 @@ class ShardVotes:
         elif len(push_vote.votes) >= self._participants:
             try:
                 push_vote.outcome = self._decide(client_id, sequence, base_version)
-            except OptservError as exc:
-                push_vote.outcome = exc
+            except OptservError as exc:  # kept without the frames it was raised through
+                push_vote.outcome = exc.with_traceback(None)
         if push_vote.outcome is not None:
             self._cond.notify_all()
 
