@@ -100,14 +100,35 @@ class RayShardFleet:
     def has_standby(self, index: int) -> bool:
         return self.standbys is not None and self.standbys.actors[index] is not None
 
-    def start_standbys(self, name: str, openings: Sequence[ShardOpening]) -> None:
-        """Session ``name``'s parts (``openings``) get their standbys: each is held by its shard's
-        standby, every primary learns the session is replicated, then each streams its part to
-        its standby from its initial values on."""
-        parts = self.standbys.follow([o for o in openings if self.has_standby(o.shard_index)], _ray_get, ACTOR_GONE)
-        _ray_get([self.actors[o.shard_index].set_replicated.remote(name) for o in parts])
-        _ray_get([self.actors[o.shard_index].replicate_session.remote(name, self.standbys.clock_addresses[o.shard_index])
-                  for o in parts])
+    def start_standbys(self, name: str, openings: Sequence[ShardOpening], only: Optional[int] = None) -> None:
+        """Session ``name``'s parts (``openings``; ``only``: that shard's alone) get their standbys:
+        each is held by its shard's standby, every part learns the session is replicated, then each
+        primary streams its part to its standby from its state now (a new session's: from its
+        initial values on). A part inside a step is asked again, for up to 30 s.
+
+        Raises:
+          Unavailable: a part stayed inside steps that long (that part goes on with one copy).
+        """
+        wanted = [o for o in openings if self.has_standby(o.shard_index) and only in (None, o.shard_index)]
+        parts = self.standbys.follow(wanted, _ray_get, ACTOR_GONE)
+        _ray_get([self.actors[o.shard_index].set_replicated.remote(name) for o in openings])
+        deadline = time.monotonic() + 30.0
+        for opening in parts:
+            while True:
+                try:
+                    _ray_get(self.actors[opening.shard_index].replicate_session.remote(
+                        name, self.standbys.clock_addresses[opening.shard_index]))
+                    break
+                except Unavailable:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+
+    def add_standby(self, index: int) -> None:
+        """Shard ``index`` has no standby (promoted, or died): a fresh one, on another node than
+        the shard's (see :meth:`StandbyActors.start_fresh`)."""
+        node = _ray_get(self.actors[index].server_status.remote())["node_id"]
+        self.standbys.start_fresh(index, node)
 
     def forget_dead_standbys(self) -> list[int]:
         """Shards whose standby died (now without one: their parts go on with one copy)."""

@@ -106,4 +106,4 @@ def start_standbys(config: ServerConfig, group, start_actor) -> StandbyActors:
     bundles = ray.util.placement_group_table(group)["bundles_to_node_id"]
     alive = [node["NodeID"] for node in ray.nodes() if node.get("Alive")]
     return StandbyActors(start_actor, standby_nodes([bundles[i] for i in sorted(bundles)], alive,
-                                                    config.replica_same_node))
+                                                    config.replica_same_node), config.replica_same_node)

@@ -49,12 +49,28 @@ class StandbyActors:
     Args:
       start_actor: ``(index, scheduling_strategy) -> actor`` (a shard actor of that index).
       nodes: the node id each standby is pinned to (:func:`standby_nodes`).
+      same_node: a standby may share its primary's node (single-machine tests).
     """
 
-    def __init__(self, start_actor: Callable, nodes: Sequence[str]):
+    def __init__(self, start_actor: Callable, nodes: Sequence[str], same_node: bool = False):
+        self._start_actor, self._same_node = start_actor, same_node
         self.actors: list = [start_actor(i, NodeAffinitySchedulingStrategy(node, soft=False))
                              for i, node in enumerate(nodes)]
         self.clock_addresses: list[Optional[str]] = ray.get([a.clock_address.remote() for a in self.actors])
+
+    def start_fresh(self, index: int, primary_node: str) -> None:
+        """A new standby for shard ``index`` (whose primary runs on ``primary_node``), on another
+        live node; it holds nothing until sessions follow on it.
+
+        Raises:
+          StartError: no other live node.
+        """
+        alive = [node["NodeID"] for node in ray.nodes() if node.get("Alive")]
+        node = standby_nodes([primary_node], alive, self._same_node)[0]
+        actor = self._start_actor(index, NodeAffinitySchedulingStrategy(node, soft=False))
+        self.clock_addresses[index] = ray.get(actor.clock_address.remote())
+        self.actors[index] = actor
+        log.warning("event=standby_started shard=%d node=%s", index, node)
 
     def follow(self, openings: Sequence[ShardOpening], call, gone: tuple) -> list[ShardOpening]:
         """Each opening's standby part is held by its shard's standby (``call(ref)`` waits for one

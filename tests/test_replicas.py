@@ -53,28 +53,48 @@ def _kill_primary(running, index: int) -> int:
     return pid
 
 
-def test_a_killed_standby_leaves_its_primary_acknowledging_alone_with_nothing_lost(fresh_server,
-                                                                                   unique_name):
+def _in_sync(client, index: int, timeout_s: float = 120.0):
+    """Shard ``index``'s standby once it answers and holds the shard's sessions in sync."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        shard = client.server_status()[index]
+        if shard.standby is not None and shard.standby.healthy and shard.standby.in_sync == shard.sessions > 0:
+            return shard.standby
+        time.sleep(0.2)
+    raise AssertionError(f"shard {index}'s standby is not in sync after {timeout_s} s: {shard}")
+
+
+def _steps(session, reference, params, steps) -> None:
+    got = expected = None
+    for step in steps:
+        grads = make_grads(params, step)
+        got, expected = session.push_pull(grads), reference.step(grads)
+    assert max_abs_diff(got, expected) <= 1e-6
+
+
+def test_killed_standbys_leave_their_primaries_acknowledging_alone_until_fresh_ones_catch_up(fresh_server,
+                                                                                            unique_name):
     import ray
 
     client = Client(fresh_server.address, timeout=90.0)
     params = make_params(6)
     session = client.create_session(unique_name, params, optimizer=ADAM)
     reference = InProcess(ADAM["name"], ADAM["args"], params)
-    for step in range(4):
-        grads = make_grads(params, step)
-        got, expected = session.push_pull(grads), reference.step(grads)
+    _steps(session, reference, params, range(4))
     standbys = fresh_server.fleet.standbys
-    for index in range(len(standbys.actors)):
-        os.kill(ray.get(standbys.actors[index].pid.remote()), signal.SIGKILL)
-    for step in range(4, 9):  # the first of them finds its standby gone
-        grads = make_grads(params, step)
-        got, expected = session.push_pull(grads), reference.step(grads)
-    assert max_abs_diff(got, expected) <= 1e-6
-    assert session.status().version == 9
-    _kill_primary(fresh_server, 0)  # no copy left: the session is lost, saying why
-    with pytest.raises(SessionLostError, match="keeps no copy of its state"):
-        session.push_pull(make_grads(params, 9))
+    first = [ray.get(actor.pid.remote()) for actor in standbys.actors]
+    for pid in first:
+        os.kill(pid, signal.SIGKILL)
+    _steps(session, reference, params, range(4, 9))  # the first of them finds its standby gone
+    for index in range(2):  # fresh standbys, caught up from the primaries' memory
+        _in_sync(client, index)
+    assert not set(first) & {ray.get(actor.pid.remote()) for actor in standbys.actors}
+    _steps(session, reference, params, range(9, 12))
+    # a primary and its standby lost together: no copy is left, and the session says so
+    os.kill(ray.get(standbys.actors[0].pid.remote()), signal.SIGKILL)
+    _kill_primary(fresh_server, 0)
+    with pytest.raises(SessionLostError, match="no copy of its state|could not take over"):
+        session.push_pull(make_grads(params, 12))
     client.close_session(unique_name)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # the watch restarts the shard, empty, on its next check
@@ -89,34 +109,26 @@ def test_a_killed_standby_leaves_its_primary_acknowledging_alone_with_nothing_lo
 
 
 @pytest.mark.parametrize("killed", [0, 1], ids=["home-shard", "other-shard"])
-def test_a_killed_shard_is_served_by_its_standby_and_no_acknowledged_step_is_lost(replicated_server, unique_name,
-                                                                                  killed):
+def test_a_killed_shard_is_served_by_its_standby_then_by_a_fresh_one_with_no_acknowledged_step_lost(
+        replicated_server, unique_name, killed):
     client = Client(replicated_server.address, timeout=90.0)
     params = make_params(5)
     session = client.create_session(unique_name, params, optimizer=ADAM)
     assert len(session.info.shards) == 2
     reference = InProcess(ADAM["name"], ADAM["args"], params)
-    got = expected = None
-    for step in range(5):
-        grads = make_grads(params, step)
-        got, expected = session.push_pull(grads), reference.step(grads)
-    shards = client.server_status()
-    assert shards[killed].standby is not None and shards[killed].standby.healthy
-    assert shards[killed].standby.in_sync >= 1  # this session's part, at least
+    _steps(session, reference, params, range(5))
+    standby = _in_sync(client, killed)
     from optserve.client.cli import collect, render
 
-    assert f"{shards[killed].standby.node_id[:12]} {shards[killed].standby.in_sync}/" in render(collect(client))
-    before = replicated_server.fleet.addresses[killed]
-    pid = _kill_primary(replicated_server, killed)
-    for step in range(5, 10):  # the first of them spans the fail-over
-        grads = make_grads(params, step)
-        got, expected = session.push_pull(grads), reference.step(grads)
-    assert max_abs_diff(got, expected) <= 1e-6
-    assert session.status().version == 10  # every acknowledged step once: none lost, none twice
-    assert replicated_server.fleet.addresses[killed] != before  # served by the promoted standby
-    assert pid not in replicated_server.fleet.pids()
-    assert not replicated_server.fleet.has_standby(killed)  # one copy from now on (no fresh standby yet)
-    assert client.server_status()[killed].standby is None
+    assert f"{standby.node_id[:12]} {standby.in_sync}/" in render(collect(client))
+    for kill in range(2):  # the primary, then the standby promoted in its place once a fresh one is in sync
+        before = replicated_server.fleet.addresses[killed]
+        pid = _kill_primary(replicated_server, killed)
+        _steps(session, reference, params, range(5 + 5 * kill, 10 + 5 * kill))  # the first spans the fail-over
+        assert replicated_server.fleet.addresses[killed] != before  # served by the promoted standby
+        assert pid not in replicated_server.fleet.pids()
+        _in_sync(client, killed)  # a fresh standby, caught up from the promoted one's memory
+    assert session.status().version == 15  # every acknowledged step once: none lost, none twice
     client.close_session(unique_name)
 
 

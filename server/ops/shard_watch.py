@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 
 from optserve.server.ops.periodic import Periodic
@@ -42,11 +43,14 @@ class ShardWatch(Periodic):
         self._fleet = fleet
         self._coordinator = coordinator
         self._holding: set[int] = set()  # restarted shards whose sessions wait for a shard that failed to start
+        self._restandbying: set[int] = set()  # --replicas 2: shards whose fresh standby is being started
+        self._lock = threading.Lock()
 
     def check_once(self) -> list[int]:
         """One check: replaces every dead shard (durable servers restore its sessions on the new
         one; others mark them lost first); returns their indices."""
-        self._fleet.forget_dead_standbys()  # --replicas 2: their primaries go on with one copy
+        for index in self._fleet.forget_dead_standbys():  # --replicas 2: their primaries go on with one copy
+            self._restandby_later(index)
         dead = self._fleet.dead_shards()
         if not dead:
             return dead
@@ -59,13 +63,38 @@ class ShardWatch(Periodic):
                 lost = self._coordinator.fail_over(index, address, "its process exited")
                 log.error("event=shard_failed_over shard=%d address=%s new_address=%s lost_sessions=%s", index,
                           address, self._fleet.addresses[index], ",".join(lost) or "-")
+                self._restandby_later(index)
                 continue  # (a standby that was gone too: the next check restarts the shard empty)
             lost = self._coordinator.shard_lost(index, address, "its process exited")
             log.error("event=shard_died shard=%d address=%s lost_sessions=%s", index, address, ",".join(lost) or "-")
             new_address = self._fleet.restart(index)
             self._coordinator.shard_replaced(index)
             log.warning("event=shard_restarted shard=%d address=%s", index, new_address)
+            if self._fleet.replicated:
+                self._restandby_later(index)
         return dead
+
+    def _restandby_later(self, index: int) -> None:
+        """--replicas 2: shard ``index`` gets a fresh standby, and its sessions are caught up on it
+        from the shard's memory, off the watch's thread (seconds: an actor starts, each session's
+        step compiles there)."""
+        with self._lock:
+            if index in self._restandbying:
+                return
+            self._restandbying.add(index)
+
+        def run() -> None:
+            try:
+                self._fleet.add_standby(index)
+                failed = self._coordinator.restandby(index)
+                log.warning("event=standby_caught_up shard=%d one_copy_sessions=%s", index, ",".join(failed) or "-")
+            except Exception:  # noqa: BLE001 - the shard goes on with one copy; a later death tries again
+                log.exception("event=standby_start_failed shard=%d", index)
+            finally:
+                with self._lock:
+                    self._restandbying.discard(index)
+
+        threading.Thread(target=run, name=f"optserve-standby-{index}", daemon=True).start()
 
     def _restore(self, dead: list[int]) -> None:
         """Durable servers: the dead shards are started again at once, side by side (a lost

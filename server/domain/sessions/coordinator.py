@@ -49,7 +49,7 @@ from optserve.server.domain.sessions.admission import check_request, place_sessi
 from optserve.server.domain.sessions.ports import SessionCatalog, ShardFleet
 from optserve.server.domain.sessions.session_records import (AttachExpectation, SessionRecord, SessionStatus,
                                                              ShardSummary)
-from optserve.server.domain.sessions.session_failover import promote_standby
+from optserve.server.domain.sessions.session_failover import promote_standby, restandby
 from optserve.server.domain.sessions.session_open import open_on_shards, undo_open
 from optserve.server.domain.sessions.session_restore import record_from_catalog, restore_consistently, restore_restarted
 from optserve.server.domain.sessions.session_table import SessionState, SessionTable
@@ -243,6 +243,10 @@ class Coordinator:
             self._lose(lost, shard_index, cause)
         return sorted(lost)
 
+    def restandby(self, shard_index: int) -> list[str]:
+        """Shard ``shard_index``'s fresh standby takes its sessions (:func:`~.session_failover.restandby`)."""
+        return restandby(self._fleet, self._table, shard_index)
+
     def _lose(self, lost: dict[str, str], shard_index: Optional[int] = None, cause: str = "") -> None:
         """The sessions of ``lost`` are lost (each with its message): their shards drop them (a
         ``shard_index`` that died of ``cause``: each one logged as lost there)."""
@@ -276,14 +280,10 @@ class Coordinator:
         return entry.record
 
     def expire_idle(self, idle_s: float, now: Optional[float] = None) -> list[str]:
-        """Ends every session idle longer than ``idle_s`` seconds at unix time ``now`` (default:
-        now) and returns their names. A session's activity is the latest one any of its shards
-        saw (:meth:`ShardFleet.session_activity`); a session no shard reported on is kept.
-
-        Without durability an expired session is closed. A durable one is checkpointed and
-        *unloaded*: its shards free it, it stays listed and on disk, and the next call naming it
-        (attach, status, or a push whose shard no longer knows it) loads it back from its checkpoint.
-        """
+        """Ends every session idle over ``idle_s`` s at unix time ``now`` (default: now; its activity:
+        the latest any of its shards saw, one no shard reported on is kept); returns their names. Closed
+        without durability; a durable one is checkpointed and *unloaded* (its shards free it, it stays
+        listed and on disk, and the next call naming it loads it back from its checkpoint)."""
         activity = self._fleet.session_activity()
         now = time.time() if now is None else now
         expired = self._table.expired(activity, now, idle_s, close=self._catalog is None)

@@ -35,8 +35,10 @@ class ShardFleet(Protocol):
 
     def has_standby(self, shard_index: int) -> bool: ...
 
-    def start_standbys(self, name: str, openings: Sequence[ShardOpening]) -> None: ...  # each part's standby
-    # holds it and its primary streams to it from its initial values on
+    def start_standbys(self, name: str, openings: Sequence[ShardOpening], only: Optional[int] = None) -> None: ...
+    # each part's standby (``only``: that shard's) holds it and its primary streams to it from its state now
+
+    def add_standby(self, shard_index: int) -> None: ...  # a fresh standby for a shard without one
 
     def promote(self, shard_index: int, names: Sequence[str], timeout_s: float = 30.0) -> dict[str, Optional[str]]: ...
     # the shard's standby serves ``names`` in its dead primary's place (and becomes the shard, at new addresses);

@@ -10,8 +10,12 @@ did not hold in sync cannot be promoted: it is lost, with the reason.
 
 from __future__ import annotations
 
+import logging
+
 from optserve.server.domain.sessions.ports import ShardFleet
 from optserve.server.domain.sessions.session_table import SessionTable
+
+log = logging.getLogger(__name__)
 
 PROMOTE_TIMEOUT_S = 30.0  # how long a standby may take to apply the steps it holds
 
@@ -36,3 +40,21 @@ def promote_standby(fleet: ShardFleet, table: SessionTable, shard_index: int, de
             fleet.peer_up(home, shard_index, promoted)
     return {name: f"session {name!r} is lost: {death} and its standby could not take over ({why}); close the "
                   f"session and create it again" for name, why in outcomes.items() if why is not None}
+
+
+def restandby(fleet: ShardFleet, table: SessionTable, shard_index: int) -> list[str]:
+    """Shard ``shard_index`` has a fresh standby (``fleet.add_standby``): each session live on it
+    starts the standby from its part's state now, caught up from the shard's memory, and is
+    acknowledged with two copies again. Returns the sessions whose part could not be (closed
+    meanwhile, or inside steps for too long: they go on with one copy, logged)."""
+    records = {name: table.entry(name) for names in table.live_on(shard_index).values() for name in names}
+    failed = []
+    for name, entry in records.items():
+        if entry is None:
+            continue
+        try:
+            fleet.start_standbys(name, entry.record.openings(fleet.clock_addresses), only=shard_index)
+        except Exception as exc:  # noqa: BLE001 - that session goes on with one copy; the others are taken
+            failed.append(name)
+            log.warning("event=standby_not_started session=%s shard=%d error=%s", name, shard_index, exc)
+    return sorted(failed)
