@@ -121,11 +121,19 @@ def test_a_ray_address_that_speaks_http_not_grpc_is_one_line():
     (["--port", "0", "--shards", "0"], "--shards"),
     (["--port", "70000"], "--port"),
     (["--port", "0", "--ray-address", "bogus-address"], "--ray-address"),
+    (["--port", "0", "--replicas", "3"], "--replicas"),
+    (["--port", "0", "--replicas", "2", "--checkpoint-dir", "/tmp/x"], "--replicas 2 does not go with --checkpoint-dir"),
 ])
 def test_a_bad_flag_value_is_one_line_naming_the_flag(argv, named):
     result, elapsed = _serve(*argv)
     line = _one_line_exit_2(result, elapsed, PORT_BOUND_S, named)
     assert "usage:" not in line
+
+
+def test_replicas_2_on_a_one_node_ray_is_one_line_naming_the_flag():
+    result, elapsed = _serve("--port", "0", "--replicas", "2")
+    _one_line_exit_2(result, elapsed, 120.0, "--replicas 2 puts each shard's standby on another Ray node",
+                     "the cluster has 1 node")
 
 
 def test_verbose_still_fails_with_status_2_and_the_line():
