@@ -18,7 +18,7 @@ from typing import Callable
 from optserve.server.domain.errors import AlreadyExists, FailedPrecondition
 from optserve.server.domain.sessions import ShardOpening
 from optserve.server.domain.shard import ShardRegistry
-from optserve.server.domain.shard.replica import StandbyFollower, Standbys
+from optserve.server.domain.shard import StandbyFollower, Standbys
 from optserve.server.shard_parts import ShardParts
 from optserve.server.wire.replica_channel import ReplicaChannel
 from optserve.server.wire.replica_service import ReplicaServicer, add_replica_service

@@ -17,7 +17,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from optserve.server.domain.sessions import ShardOpening
-from optserve.server.domain.sessions.session_records import StandbySummary
+from optserve.server.domain.sessions import StandbySummary
 from optserve.server.preflight import StartError
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import numpy as np
 
 from optserve.protos.optserve.v1 import replica_pb2
 from optserve.server.domain.durability import ShardProgress, StepRecord
-from optserve.server.domain.shard.replica import ReplicaStart, StateLeaves
+from optserve.server.domain.shard import ReplicaStart, StateLeaves
 
 CHUNK_BYTES = 4 << 20
 ARRAY_DTYPES = frozenset({"float32", "float64", "float16", "bfloat16", "int8", "int16", "int32", "int64", "uint8",

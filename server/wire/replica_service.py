@@ -21,7 +21,7 @@ import grpc
 
 from optserve.protos.optserve.v1 import replica_pb2
 from optserve.server.domain.errors import OptservError, Unavailable
-from optserve.server.domain.shard.replica import StandbyFollower
+from optserve.server.domain.shard import StandbyFollower
 from optserve.server.wire.errors import Malformed, safe_decoder
 from optserve.server.wire.replica_frames import ClockMessage, FrameAssembler, Message, StartMessage, StepMessage
 

@@ -6,13 +6,14 @@ restores sessions (a consistent version on every shard) and watches shards that 
 the shards through ``ShardFleet`` and a durable server's catalog through ``SessionCatalog``.
 
 Exports: ``Coordinator``, the ports ``ShardFleet`` and ``SessionCatalog``, and the records
-``SessionRecord``, ``SessionStatus``, ``ShardOpening``, ``ShardSummary``, ``AttachExpectation``.
+``SessionRecord``, ``SessionStatus``, ``ShardOpening``, ``ShardSummary``, ``StandbySummary``,
+``AttachExpectation``.
 """
 
 from optserve.server.domain.sessions.coordinator import Coordinator
 from optserve.server.domain.sessions.ports import SessionCatalog, ShardFleet
 from optserve.server.domain.sessions.session_records import (AttachExpectation, SessionRecord, SessionStatus,
-                                                             ShardOpening, ShardSummary)
+                                                             ShardOpening, ShardSummary, StandbySummary)
 
 __all__ = ["AttachExpectation", "Coordinator", "SessionCatalog", "SessionRecord", "SessionStatus", "ShardFleet",
-           "ShardOpening", "ShardSummary"]
+           "ShardOpening", "ShardSummary", "StandbySummary"]
