@@ -7,7 +7,7 @@ import sys
 
 BENCHMARKS = ("adafactor", "shampoo", "service", "tls", "metrics", "durability", "torch_loop", "checkpoint", "preconditioners",
               "fuzz", "int8_codec", "elastic", "muon", "soap", "diloco", "sparseloco",
-              "sparseloco_quality", "nemesis", "soak")
+              "sparseloco_quality", "nemesis", "soak", "replicas")
 
 
 def main(argv: list[str]) -> int:

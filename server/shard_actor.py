@@ -36,6 +36,7 @@ from optserve.server.storage.ownership import ShardFence
 from optserve.server.wire.clock_service import ClockServer
 from optserve.server.wire.limits import server_options
 from optserve.server.wire.loop_server import LoopServer
+from optserve.server.wire.replica_channel import ReplicaTraffic
 from optserve.server.wire.shard_servicer import add_to_server
 from optserve.server.wire.thread_pool import ShrinkingThreadPool
 
@@ -82,7 +83,9 @@ class ShardActor:
                                  precond_pool.for_shard(index) if precond_pool is not None else None,
                                  fence_of_shard(config, index, epoch), self._observer)
         self._replicas = ShardReplicas(self._parts, self._registry, lambda name, clock: self._clocks.add(name, clock),
-                                       security.internal, config.durability is not None)
+                                       security.internal, config.durability is not None,
+                                       ReplicaTraffic(self._metrics.replica_sent_bytes.inc,
+                                                      self._metrics.replica_received_bytes.inc))
         self._server = LoopServer(ShrinkingThreadPool(config.grpc_threads, thread_name_prefix="optserve-data"),
                                   options=contract.SERVER_OPTIONS + server_options(config.limits),
                                   interceptors=security.interceptors(open_services=Health.OPEN_SERVICES),

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from typing import Callable, Optional
 
 from optserve.server.domain.errors import AlreadyExists, FailedPrecondition
 from optserve.server.domain.sessions import ShardOpening
 from optserve.server.domain.shard import ShardRegistry
 from optserve.server.domain.shard import StandbyFollower, Standbys
 from optserve.server.shard_parts import ShardParts
-from optserve.server.wire.replica_channel import ReplicaChannel
+from optserve.server.wire.replica_channel import ReplicaChannel, ReplicaTraffic
 from optserve.server.wire.replica_service import ReplicaServicer, add_replica_service
 
 log = logging.getLogger(__name__)
@@ -33,14 +33,17 @@ class ShardReplicas:
       serve_clock: ``(session, clock)``: serves a promoted home part's clock to its peers.
       internal: the server's internal trust (the streams to standbys use it).
       durable: the server keeps step logs (standbys of durable sessions are not built yet).
+      traffic: counts the bytes of the streams to this shard's standbys.
     """
 
-    def __init__(self, parts: ShardParts, registry: ShardRegistry, serve_clock: Callable, internal, durable: bool):
+    def __init__(self, parts: ShardParts, registry: ShardRegistry, serve_clock: Callable, internal, durable: bool,
+                 traffic: Optional[ReplicaTraffic] = None):
         self._parts = parts
         self._registry = registry
         self._serve_clock = serve_clock
         self._internal = internal
         self._durable = durable
+        self._traffic = traffic
         self.standbys = Standbys()
         self._channels: dict[str, ReplicaChannel] = {}
         self._lock = threading.Lock()
@@ -136,7 +139,8 @@ class ShardReplicas:
         with self._lock:
             channel = self._channels.get(address)
             if channel is None or channel.broken is not None:
-                stale, channel = channel, ReplicaChannel(address, self._internal, out_of_sync=self._go_on_alone)
+                stale, channel = channel, ReplicaChannel(address, self._internal, out_of_sync=self._go_on_alone,
+                                                        traffic=self._traffic)
                 self._channels[address] = channel
             else:
                 stale = None

@@ -24,12 +24,12 @@ from optserve.server.domain.errors import NotFound, Unavailable
 from optserve.server.domain.shard.replica import ReplicaStart, StandbyFollower, StateLeaves
 from optserve.server.domain.shard.shard_session import PushHeader
 from optserve.server.wire.loop_server import LoopServer
-from optserve.server.wire.replica_channel import ReplicaChannel
+from optserve.server.wire.replica_channel import ReplicaChannel, ReplicaTraffic
 from optserve.server.wire.replica_frames import FrameAssembler, StartMessage, StepMessage, start_frames, step_frames
 from optserve.server.wire.replica_service import SERVICE, ReplicaServicer, add_replica_service
 from optserve.server.wire.security import InternalSecretInterceptor, InternalTrust
 from optserve.server.wire.thread_pool import ShrinkingThreadPool
-from tests._replica_pair import Pair, chunks, config_of, shard_session, values
+from tests._replica_pair import SHAPES, Pair, chunks, config_of, shard_session, values
 
 
 class _Standby:
@@ -96,8 +96,13 @@ def test_a_standby_over_the_stream_holds_the_primarys_parameters_state_and_clock
         channel.close()
 
 
-def test_a_sync_standby_over_the_stream_holds_each_steps_mean_and_round(trust, standby):
-    channel = ReplicaChannel(standby.address, trust)
+def test_a_sync_standby_over_the_stream_holds_each_steps_mean_and_round_and_the_bytes_are_counted(trust, standby):
+    counted = {"sent": 0, "received": 0}
+
+    def count(way):
+        return lambda n: counted.__setitem__(way, counted[way] + n)
+
+    channel = ReplicaChannel(standby.address, trust, traffic=ReplicaTraffic(count("sent"), count("received")))
     pair = Pair(config_of(Mode.SYNC, workers=2), link=standby.link(channel, "mirrored"))
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -105,6 +110,10 @@ def test_a_sync_standby_over_the_stream_holds_each_steps_mean_and_round(trust, s
                 pushes = [pool.submit(pair.push, c, step, step, 2 * step + i) for i, c in enumerate("ab")]
                 assert [p.result(timeout=60) for p in pushes] == [(step + 1, 1.0)] * 2
         pair.assert_equal()
+        gradient = sum(4 * int(np.prod(s)) for s in SHAPES.values())
+        # the start (parameters and Adam's two moments) and four steps' mean gradients went out
+        assert counted["sent"] >= 3 * gradient + 4 * gradient, counted
+        assert 4 <= counted["received"] < counted["sent"], counted
     finally:
         pair.close()
         channel.close()

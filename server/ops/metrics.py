@@ -29,6 +29,11 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "optserve_received_bytes_total": ("counter", ("session", "shard"), "Tensor bytes received by a shard."),
     "optserve_sent_bytes_total": ("counter", ("session", "shard"), "Tensor bytes sent by a shard."),
     "optserve_steps_applied_total": ("counter", ("session", "shard"), "Updates applied by a shard."),
+    "optserve_replica_sent_bytes_total": ("counter", ("shard",),
+                                          "Bytes a primary shard streamed to its hot standbys (starts, steps, clock "
+                                          "entries)."),
+    "optserve_replica_received_bytes_total": ("counter", ("shard",),
+                                              "Bytes of its hot standbys' answers a primary shard received."),
     "optserve_pushes_rejected_total": ("counter", ("session", "shard", "reason"), "Pushes a shard refused, by reason."),
     "optserve_staleness": ("histogram", ("session",), "Staleness of accepted pushes, in versions."),
     "optserve_session_version": ("gauge", ("session",), "A session's version (steps decided)."),
@@ -159,6 +164,11 @@ class ShardMetrics:
                                 ("session", "shard", "reason"), registry=r)
         self.staleness = Histogram("optserve_staleness", _help("optserve_staleness"), ("session",),
                                    buckets=STALENESS_BUCKETS, registry=r)
+        self.replica_sent_bytes = Counter("optserve_replica_sent_bytes", _help("optserve_replica_sent_bytes_total"),
+                                          ("shard",), registry=r).labels(self.shard)
+        self.replica_received_bytes = Counter("optserve_replica_received_bytes",
+                                              _help("optserve_replica_received_bytes_total"), ("shard",),
+                                              registry=r).labels(self.shard)
         self._gauges = gauges
         self._lock = threading.Lock()
 

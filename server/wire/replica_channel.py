@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future, InvalidStateError
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import grpc
 import numpy as np
@@ -32,6 +32,13 @@ from optserve.server.wire.security import InternalTrust
 
 _log = logging.getLogger(__name__)
 _END = object()
+
+
+class ReplicaTraffic(NamedTuple):
+    """Counts a stream's bytes: ``sent(n)`` for each frame to the standby, ``received(n)`` for each answer."""
+
+    sent: Callable[[int], None]
+    received: Callable[[int], None]
 
 
 class ReplicaChannel:
@@ -49,8 +56,9 @@ class ReplicaChannel:
 
     def __init__(self, address: str, trust: InternalTrust, clock_timeout_s: float = 5.0,
                  max_queued_bytes: int = 1 << 30, queue_timeout_s: float = 5.0, chunk_bytes: int = CHUNK_BYTES,
-                 out_of_sync: Optional[Callable[[str, str], None]] = None):
+                 out_of_sync: Optional[Callable[[str, str], None]] = None, traffic: Optional[ReplicaTraffic] = None):
         self.address = address
+        self._traffic = traffic
         self._out_of_sync = out_of_sync
         self._clock_timeout_s, self._max_queued, self._queue_timeout_s = clock_timeout_s, max_queued_bytes, queue_timeout_s
         self._chunk_bytes = chunk_bytes
@@ -150,6 +158,15 @@ class ReplicaChannel:
 
     # the stream
     def _frames(self) -> Iterator[replica_pb2.ReplicaFrame]:
+        frames = self._queued_frames()
+        if self._traffic is None:
+            yield from frames
+            return
+        for frame in frames:
+            self._traffic.sent(frame.ByteSize())
+            yield frame
+
+    def _queued_frames(self) -> Iterator[replica_pb2.ReplicaFrame]:
         while True:
             item = self._queue.get()
             if item is _END:
@@ -166,6 +183,8 @@ class ReplicaChannel:
     def _read_answers(self) -> None:
         try:
             for answer in self._call:
+                if self._traffic is not None:
+                    self._traffic.received(answer.ByteSize())
                 self._answered(answer)
             error = Unavailable(f"the stream to the standby at {self.address} ended")
         except grpc.RpcError as exc:
