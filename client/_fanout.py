@@ -29,6 +29,10 @@ from optserve.protos import chunk_codec
 from optserve.protos.optserve.v1 import control_pb2, data_pb2
 
 T = TypeVar("T")
+# A session with hot standbys: a first attempt still running after this long asks the coordinator
+# (and again as often) whether a shard moved to its standby (a lost host answers nothing until the
+# connection's keepalive gives up, seconds later).
+SLOW_FIRST_ATTEMPT_S = 0.2
 _log = logging.getLogger(__name__)
 
 _SHARD_DATA = data_pb2.DESCRIPTOR.services_by_name["ShardData"]  # the generated service descriptor
@@ -103,7 +107,9 @@ def call_shard(fn: Callable[[Shard], T], shard: Shard) -> T:
     ports and something else took this one); the map is read again and the call retried (and
     the UNIMPLEMENTED error raised if the map has not changed). A stream that the server ended
     while this client still wrote to it, whose status grpc.aio lost (:data:`_CORE_REFUSED_WRITE`),
-    is treated the same way: that other service's UNIMPLEMENTED ends a step's stream so."""
+    is UnavailableError too, retried even where the map has not changed: that other service's
+    UNIMPLEMENTED ends a step's stream so, and so does a shard process that died and was started
+    again at the same address (the message whose write failed never reached it)."""
     try:
         return fn(shard)
     except grpc.RpcError as exc:
@@ -113,7 +119,8 @@ def call_shard(fn: Callable[[Shard], T], shard: Shard) -> T:
                    if lost_status else f"is served by another service now ({exc.details()})")
             moved = UnavailableError(f"shard {shard.index}'s address {shard.address} {why}: the shard may have "
                                      "moved", "UNAVAILABLE")
-            moved.unmoved = from_rpc_error(exc)  # raised instead when the shard map has not changed
+            if not lost_status:
+                moved.unmoved = from_rpc_error(exc)  # raised instead when the shard map has not changed
             raise moved from None
         raise from_rpc_error(exc) from None
 
@@ -148,6 +155,7 @@ class ShardFanout:
     def __init__(self, client, info: control_pb2.SessionInfo):
         self._client = client
         self._session = info.config.name
+        self.hot_standby = info.hot_standby  # a shard may move within a second of its host's loss
         self.shards: list[Shard] = connect(client, info)
         self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, len(self.shards)),
                                                               thread_name_prefix="optserve-shard")
@@ -175,7 +183,10 @@ class ShardFanout:
 
         A step not done within the client's ``timeout`` (DEADLINE_EXCEEDED) may have waited on a
         shard that moved (its host lost): if the shard map changed, it is sent again there (same
-        push identity), once per move; otherwise the error is raised.
+        push identity), once per move; otherwise the error is raised. A retried attempt, and with
+        hot standbys (``SessionInfo.hot_standby``) a first one slower than
+        :data:`SLOW_FIRST_ATTEMPT_S`, is ended as soon as the coordinator's map moved
+        (:class:`MoveWatch`) and sent where the shards are now.
         """
         policy = self._client.retry
         started = time.monotonic()
@@ -185,7 +196,9 @@ class ShardFanout:
         for attempt_number in itertools.count():
             try:
                 with step_group() as group:
-                    watch = MoveWatch(self, group) if attempt_number else None  # a retry: the shard may move
+                    # a retry: the shard may have moved; with hot standbys, a slow first attempt too
+                    watch = (MoveWatch(self, group) if attempt_number else
+                             MoveWatch(self, group, every_s=SLOW_FIRST_ATTEMPT_S) if self.hot_standby else None)
                     try:
                         return attempt()
                     finally:

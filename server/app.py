@@ -27,6 +27,7 @@ from optserve.server.domain.sessions import Coordinator
 from optserve.server.ops.health import Health, enable_reflection
 from optserve.server.ops.leases import SessionLeases
 from optserve.server.ops.memory_trace import start_from_environment as start_memory_trace
+from optserve.server.ops.replica_watch import ReplicaWatch
 from optserve.server.ops.shard_watch import ShardWatch
 from optserve.server.preflight import StartError, check_ports  # noqa: F401 - StartError: what start_server raises
 from optserve.server.ray_lifecycle import join_or_start_ray, stop_started_ray
@@ -88,7 +89,7 @@ def start_server(config: ServerConfig) -> RunningServer:
             teardown.callback(tracing.stop)
         pool = _start_precond_pool(config, teardown)
         fleet = _start_fleet(config, security, pool, teardown)
-        coordinator = _start_coordinator(config, fleet, teardown)
+        coordinator = _start_coordinator(config, fleet, security, teardown)
         address, health = _serve_control(config, security, coordinator, teardown)
         health_address = _serve_health_port(config, health, teardown)
         metrics_address = _serve_metrics(config, fleet, coordinator, teardown)
@@ -146,7 +147,8 @@ def _start_fleet(config: ServerConfig, security: ServerSecurity, pool: Optional[
     return fleet
 
 
-def _start_coordinator(config: ServerConfig, fleet, teardown: contextlib.ExitStack) -> Coordinator:
+def _start_coordinator(config: ServerConfig, fleet, security: ServerSecurity,
+                       teardown: contextlib.ExitStack) -> Coordinator:
     """The coordinator over ``fleet`` (a durable one with every saved session restored), and the
     operator threads that watch the shards and end idle sessions (stopped at teardown)."""
     catalog = None
@@ -162,6 +164,9 @@ def _start_coordinator(config: ServerConfig, fleet, teardown: contextlib.ExitSta
         log.warning("event=sessions_restored count=%d lost=%d", len(restored), len(coordinator.lost_sessions()))
     watch = ShardWatch(fleet, coordinator).start()  # stopped before the fleet (teardown runs in reverse)
     teardown.callback(watch.stop)
+    if fleet.replicated:
+        pairs = ReplicaWatch(fleet, coordinator, watch, security.internal, config.replica_silence_s).start()
+        teardown.callback(pairs.stop)
     if config.session_idle_s is not None:
         leases = SessionLeases(coordinator, config.session_idle_s).start()
         teardown.callback(leases.stop)
@@ -174,7 +179,7 @@ def _serve_control(config: ServerConfig, security: ServerSecurity, coordinator: 
     server = grpc.server(ShrinkingThreadPool(config.grpc_threads, thread_name_prefix="optserve-control"),
                          options=contract.SERVER_OPTIONS + server_options(config.limits),
                          interceptors=security.interceptors(open_services=Health.OPEN_SERVICES))
-    add_control_to_server(ControlServicer(coordinator, security.tokens), server)
+    add_control_to_server(ControlServicer(coordinator, security.tokens, config.replicas == 2), server)
     health = Health(server, ("optserve.v1.Control",))
     enable_reflection(server, ("optserve.v1.Control",))
     port = security.add_port(server, f"{config.host}:{config.port}")

@@ -81,6 +81,9 @@ def _add_placement_options(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--replicas", type=int, default=1, choices=(1, 2),
                        help="2: every shard has a hot standby on another Ray node, which holds each step before "
                             "it is acknowledged and serves in its place when it dies")
+    serve.add_argument("--replica-silence-s", type=float, default=0.5,
+                       help="with --replicas 2: a shard or standby process that does not answer the "
+                            "coordinator's probes for this long counts as lost (default 0.5)")
     serve.add_argument("--min-shard-bytes", type=int, default=4 << 20,
                        help="a session spreads over only as many shards as give each this many parameter "
                             "bytes (default 4 MiB; 0: every session uses every shard)")
@@ -276,6 +279,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, drain_s=args.drain_s,
         health_port=args.health_port, staged_push_ttl_s=args.staged_push_ttl_s, limits=limits,
         session_idle_s=args.session_idle_s, log_level=args.log_level, replicas=args.replicas,
+        replica_silence_s=args.replica_silence_s,
         durability=None if args.checkpoint_dir is None else DurabilityConfig(
             args.checkpoint_dir, every_steps=args.checkpoint_every_steps, every_s=args.checkpoint_every_s,
             max_log_bytes=args.max_log_bytes, fsync=FsyncPolicy(args.fsync),

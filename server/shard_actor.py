@@ -224,6 +224,11 @@ class ShardActor:
         """Primary: starts the standby at ``standby_address`` (:meth:`ShardReplicas.replicate`)."""
         self._replicas.replicate(name, standby_address)
 
+    def go_on_alone(self, names=None, why: str = "") -> list:
+        """Primary: the coordinator lets these sessions acknowledge with one copy
+        (:meth:`ShardReplicas.go_on_alone`)."""
+        return self._replicas.go_on_alone(names, why)
+
     def promote_session(self, name: str, timeout_s: float = 30.0) -> int:
         """Standby: serves the session in its lost primary's place (:meth:`ShardReplicas.promote`)."""
         return self._replicas.promote(name, timeout_s)
@@ -270,9 +275,11 @@ class ShardActor:
         shard, now (``device``: its :class:`DeviceReport`; ``in_sync``: sessions whose standby holds
         every step acknowledged)."""
         sessions = self._registry.sessions()
+        unsynced = set(self._replicas.out_of_sync())
         return {"node_id": self._node_id, "sessions": len(sessions),
                 "param_bytes": sum(s.updater.param_bytes() for s in sessions), "resident_bytes": resident_bytes(),
-                "device": self._device, "in_sync": sum(s.durability.in_sync for s in sessions)}
+                "device": self._device,
+                "in_sync": sum(s.durability.in_sync and s.config.name not in unsynced for s in sessions)}
 
     def session_status(self, name: str) -> ShardSessionStatus:
         return dataclasses.replace(self._registry.get(name).status(), node_id=self._node_id)

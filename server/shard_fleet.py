@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import threading
 import time
 from typing import Optional, Sequence
 
@@ -59,18 +60,26 @@ class RayShardFleet:
         self.addresses = ray.get([a.address.remote() for a in actors])
         self.clock_addresses = ray.get([a.clock_address.remote() for a in actors])
         self._start_actor = start_actor  # index -> a new actor for that shard (see restart)
+        # held by whoever changes which actor is a shard's primary or standby (the watches)
+        self.topology = threading.RLock()
 
     def dead_shards(self, timeout_s: float = 5.0) -> list[int]:
         """Indices of the shards whose actor died (a shard that is only slow to answer is alive)."""
-        refs = [actor.pid.remote() for actor in self.actors]
+        return sorted(self.dead_actors(timeout_s))
+
+    def dead_actors(self, timeout_s: float = 5.0) -> dict:
+        """Shard index -> its actor, of the shards whose actor died (a caller holding
+        :attr:`topology` acts on those still in :attr:`actors`: one may have been replaced since)."""
+        actors = list(self.actors)
+        refs = [actor.pid.remote() for actor in actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        done, dead = set(ready), []
+        done, dead = set(ready), {}
         for index, ref in enumerate(refs):
             if ref in done:
                 try:
                     ray.get(ref)
                 except ACTOR_GONE:
-                    dead.append(index)
+                    dead[index] = actors[index]
         return dead
 
     def restart(self, index: int, recovering: bool = False) -> str:
@@ -131,11 +140,29 @@ class RayShardFleet:
         self.standbys.start_fresh(index, node)
 
     def forget_dead_standbys(self) -> list[int]:
-        """Shards whose standby died (now without one: their parts go on with one copy)."""
-        dead = self.standbys.dead(ACTOR_GONE) if self.standbys is not None else []
-        for index in dead:
-            self.standbys.forget(index)
+        """Shards whose standby died, now without one (let their parts go on: :meth:`go_on_alone`)."""
+        if self.standbys is None:
+            return []
+        actors = list(self.standbys.actors)
+        dead = self.standbys.dead(ACTOR_GONE)
+        with self.topology:
+            dead = [index for index in dead if self.standbys.actors[index] is actors[index]]
+            for index in dead:
+                self.standbys.forget(index)
         return dead
+
+    def forget_standby(self, index: int, why: str) -> None:
+        """Shard ``index``'s standby is no longer one (it is unreachable): its actor is killed if
+        Ray can still reach it (let its primary's parts go on: :meth:`go_on_alone`)."""
+        actor = self.standbys.take(index)
+        if actor is not None:
+            log.error("event=standby_forgotten shard=%d why=%s", index, why)
+            ray.kill(actor)
+
+    def go_on_alone(self, index: int, names: Optional[Sequence[str]] = None, why: str = "") -> list[str]:
+        """Shard ``index``'s sessions ``names`` (None: all of them) acknowledge with one copy from
+        now on (their standby is gone, or holds them no more); returns those let go."""
+        return _ray_get(self.actors[index].go_on_alone.remote(None if names is None else list(names), why))
 
     def promote(self, index: int, names: Sequence[str], timeout_s: float = 30.0) -> dict[str, Optional[str]]:
         """Shard ``index``'s primary is gone: its standby serves each session of ``names`` in its

@@ -46,11 +46,41 @@ class ShardReplicas:
         self._traffic = traffic
         self.standbys = Standbys()
         self._channels: dict[str, ReplicaChannel] = {}
+        self._unsynced: dict[str, str] = {}  # primary parts whose standby holds nothing more -> why
         self._lock = threading.Lock()
 
     def add_service(self, server, pool) -> None:
-        """Serves ``ShardReplica`` (this process's standbys) on ``server`` (the internal port's)."""
-        add_replica_service(server, ReplicaServicer(self.standbys.follower, pool))
+        """Serves ``ShardReplica`` (this process's standbys, and the coordinator's probes) on
+        ``server`` (the internal port's)."""
+        add_replica_service(server, ReplicaServicer(self.standbys.follower, pool, self.out_of_sync))
+
+    def out_of_sync(self) -> list[str]:
+        """Primary: sessions whose standby holds nothing more (it refused, or its stream broke).
+        They acknowledge nothing until the coordinator, which alone knows whether the standby is
+        gone or was promoted in this process's place, calls :meth:`go_on_alone`."""
+        with self._lock:
+            return sorted(self._unsynced)
+
+    def go_on_alone(self, names, why: str) -> list[str]:
+        """Primary: the coordinator lets sessions ``names`` (None: every session this process
+        streams to a standby) acknowledge with this one copy (``--replicas 2``'s policy when one
+        replica is left); a step waiting for the standby fails UNAVAILABLE and its client's
+        retry is answered at once, without applying it again. Returns the sessions let go."""
+        if names is None:
+            names = [s.config.name for s in self._registry.sessions() if s.durability.in_sync]
+        with self._lock:
+            channels = list(self._channels.values())
+        let_go = []
+        for name in names:
+            session = self._registry.find(name)
+            if session is not None and session.durability.in_sync:
+                session.durability.detach_replica(why)
+                let_go.append(name)
+            for channel in channels:
+                channel.forget(name)
+            with self._lock:
+                self._unsynced.pop(name, None)
+        return let_go
 
     def follow(self, opening: ShardOpening) -> None:
         """Standby: holds a part of a session whose primary, another shard process, replicates it
@@ -128,18 +158,22 @@ class ShardReplicas:
         for channel in channels:
             channel.close()
 
-    def _go_on_alone(self, name: str, why: str) -> None:
-        """Session ``name``'s standby holds nothing more: its part here acknowledges with one copy."""
-        session = self._registry.find(name)
-        if session is not None:
-            session.durability.detach_replica(why)
+    def _out_of_sync(self, name: str, why: str) -> None:
+        """Session ``name``'s standby holds nothing more: its part here waits for the coordinator
+        (:meth:`out_of_sync`)."""
+        if self._registry.find(name) is None:
+            return  # closed
+        with self._lock:
+            self._unsynced[name] = why
+        log.error("event=standby_out_of_sync session=%s why=%s (nothing is acknowledged until the coordinator "
+                  "lets it go on with one copy)", name, why)
 
     def _channel(self, address: str) -> ReplicaChannel:
         """The stream to the standby process at ``address`` (a broken one is replaced)."""
         with self._lock:
             channel = self._channels.get(address)
             if channel is None or channel.broken is not None:
-                stale, channel = channel, ReplicaChannel(address, self._internal, out_of_sync=self._go_on_alone,
+                stale, channel = channel, ReplicaChannel(address, self._internal, out_of_sync=self._out_of_sync,
                                                         traffic=self._traffic)
                 self._channels[address] = channel
             else:

@@ -153,6 +153,40 @@ def test_a_sync_step_in_flight_when_the_home_shard_dies_is_applied_exactly_once(
     client.close_session(unique_name)
 
 
+def test_a_primary_or_standby_that_stops_answering_is_replaced_without_waiting_for_ray(fresh_server, unique_name):
+    """SIGSTOP: the process lives on, Ray never calls it dead, and it answers nothing. The
+    coordinator's probes find it silent within a second: a silent primary's standby serves in its
+    place (the client's step, stuck on the stopped process, is sent there), a silent standby's
+    primary goes on with one copy; each silent process is killed and a fresh standby caught up."""
+    import ray
+
+    client = Client(fresh_server.address, timeout=30.0)  # far less than a step stuck on a stopped process waits
+    params = make_params(4)
+    session = client.create_session(unique_name, params, optimizer=ADAM)
+    reference = InProcess(ADAM["name"], ADAM["args"], params)
+    _steps(session, reference, params, range(3))
+    _in_sync(client, 0)
+    before, stopped = fresh_server.fleet.addresses[0], fresh_server.fleet.pids()[0]
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        _steps(session, reference, params, range(3, 6))
+        assert fresh_server.fleet.addresses[0] != before and stopped not in fresh_server.fleet.pids()
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    _in_sync(client, 1)
+    standby = ray.get(fresh_server.fleet.standbys.actors[1].pid.remote())
+    os.kill(standby, signal.SIGSTOP)
+    try:
+        _steps(session, reference, params, range(6, 9))  # acknowledged by shard 1 alone once it is let go
+    finally:
+        os.kill(standby, signal.SIGCONT)
+    _in_sync(client, 1)
+    assert ray.get(fresh_server.fleet.standbys.actors[1].pid.remote()) != standby
+    _steps(session, reference, params, range(9, 11))
+    assert session.status().version == 11
+    client.close_session(unique_name)
+
+
 def test_replicas_2_with_a_checkpoint_dir_or_root_workers_is_refused_in_one_line(tmp_path):
     from optserve.server.domain.durability import DurabilityConfig
 

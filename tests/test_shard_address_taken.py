@@ -76,7 +76,9 @@ def test_a_step_stream_another_service_ends_while_it_is_written_is_a_moved_shard
     """grpc.aio reports INTERNAL ("Internal error from Core") instead of the server's UNIMPLEMENTED
     when a write fails because the server already ended the stream (grpc/grpc#36066: about a
     quarter of these calls here): both are taken for a moved shard, so the shard map is read again
-    (test above) instead of the step failing with an internal error."""
+    (test above) instead of the step failing with an internal error. Where the map did not change,
+    UNIMPLEMENTED is raised and the lost status retried (a shard restarted at its address ends a
+    stream being written so too)."""
     address = f"127.0.0.1:{free_port()}"
     squatter = _squat(address)
     try:
@@ -88,7 +90,9 @@ def test_a_step_stream_another_service_ends_while_it_is_written_is_a_moved_shard
             for _ in range(30):
                 with pytest.raises(UnavailableError) as caught:
                     call_shard(lambda s: list(s.calls.push_pull(iter(messages), timeout=10.0)), shard)
-                statuses.add(caught.value.unmoved.code)  # what is raised if the shard map did not change
-            assert statuses <= {"UNIMPLEMENTED", "INTERNAL"}, statuses
+                unmoved = getattr(caught.value, "unmoved", None)  # raised if the shard map did not change
+                statuses.add(None if unmoved is None else unmoved.code)
+                assert (unmoved is None) == ("status lost by grpc.aio" in str(caught.value)), caught.value
+            assert statuses <= {"UNIMPLEMENTED", None}, statuses
     finally:
         squatter.stop(0)

@@ -396,6 +396,9 @@ class ServerConfig:
       replicas: 2: every shard has a hot standby in another shard process (on another Ray node
         unless ``replica_same_node``, for single-machine tests), which holds each step before it
         is acknowledged and serves in the shard's place when its process dies.
+      replica_silence_s: ``--replicas 2``: a shard's primary or standby process that does not
+        answer the coordinator's probes (20 a second) for this long counts as lost (its standby is
+        promoted; a lost standby is replaced), without waiting for Ray to declare its node dead.
       session_idle_s: a session's idle lease: one that no client pushed to, committed on, pulled
         from or initialized for this many seconds is closed (None: sessions never expire).
     """
@@ -427,6 +430,7 @@ class ServerConfig:
     durability: Optional[DurabilityConfig] = None
     replicas: int = 1
     replica_same_node: bool = False
+    replica_silence_s: float = 0.5
     limits: Limits = dataclasses.field(default_factory=Limits)
     session_idle_s: Optional[float] = None
     log_level: Optional[str] = None
@@ -447,6 +451,8 @@ class ServerConfig:
         if self.replicas == 2 and (self.durability is not None or self.precond_workers):
             raise InvalidArgument("--replicas 2 does not go with --checkpoint-dir or --precond-workers yet: "
                                   "give one of them")
+        if not self.replica_silence_s > 0:
+            raise InvalidArgument(f"--replica-silence-s must be > 0, got {self.replica_silence_s}")
         if self.min_shard_bytes < 0:
             raise InvalidArgument(f"--min-shard-bytes must be >= 0, got {self.min_shard_bytes}")
         if self.grpc_threads < 2:

@@ -50,20 +50,37 @@ class ShardWatch(Periodic):
         """One check: replaces every dead shard (durable servers restore its sessions on the new
         one; others mark them lost first); returns their indices."""
         for index in self._fleet.forget_dead_standbys():  # --replicas 2: their primaries go on with one copy
-            self._restandby_later(index)
-        dead = self._fleet.dead_shards()
-        if not dead:
-            return dead
-        if self._coordinator.durable:
-            self._restore(dead)
-            return dead
+            self.let_go(index, "its standby's process exited")
+            self.restandby_later(index)
+        found = self._fleet.dead_actors()
+        if not found:
+            return []
+        with self._fleet.topology:  # a shard failed over meanwhile (ReplicaWatch) is not dead
+            dead = [index for index, actor in sorted(found.items()) if self._fleet.actors[index] is actor]
+            if dead and self._coordinator.durable:
+                self._restore(dead)
+            elif dead:
+                self._replace(dead)
+        return dead
+
+    def let_go(self, index: int, why: str) -> None:
+        """--replicas 2: shard ``index``'s standby is gone: its sessions acknowledge with one copy."""
+        try:
+            names = self._fleet.go_on_alone(index, None, why)
+            log.warning("event=one_copy shard=%d sessions=%s why=%s", index, ",".join(names) or "-", why)
+        except Exception:  # noqa: BLE001 - its primary died too: the next check finds it
+            log.exception("event=one_copy_failed shard=%d", index)
+
+    def _replace(self, dead: list[int]) -> None:
+        """Servers without durability: each dead shard's standby serves in its place, or its
+        sessions are lost and an empty shard replaces it."""
         for index in dead:
             address = self._fleet.addresses[index]
             if self._fleet.has_standby(index):  # --replicas 2: its standby serves in its place, at once
                 lost = self._coordinator.fail_over(index, address, "its process exited")
                 log.error("event=shard_failed_over shard=%d address=%s new_address=%s lost_sessions=%s", index,
                           address, self._fleet.addresses[index], ",".join(lost) or "-")
-                self._restandby_later(index)
+                self.restandby_later(index)
                 continue  # (a standby that was gone too: the next check restarts the shard empty)
             lost = self._coordinator.shard_lost(index, address, "its process exited")
             log.error("event=shard_died shard=%d address=%s lost_sessions=%s", index, address, ",".join(lost) or "-")
@@ -71,10 +88,9 @@ class ShardWatch(Periodic):
             self._coordinator.shard_replaced(index)
             log.warning("event=shard_restarted shard=%d address=%s", index, new_address)
             if self._fleet.replicated:
-                self._restandby_later(index)
-        return dead
+                self.restandby_later(index)
 
-    def _restandby_later(self, index: int) -> None:
+    def restandby_later(self, index: int) -> None:
         """--replicas 2: shard ``index`` gets a fresh standby, and its sessions are caught up on it
         from the shard's memory, off the watch's thread (seconds: an actor starts, each session's
         step compiles there)."""

@@ -151,10 +151,11 @@ def assignment_to_proto(a) -> control_pb2.ShardAssignment:
         shard_index=a.shard_index, address=a.address, tensor_names=list(a.tensor_names), param_bytes=a.param_bytes)
 
 
-def session_info_to_proto(record: SessionRecord) -> control_pb2.SessionInfo:
+def session_info_to_proto(record: SessionRecord, hot_standby: bool = False) -> control_pb2.SessionInfo:
     return control_pb2.SessionInfo(
         config=session_config_to_proto(record.config),
         shards=[assignment_to_proto(a) for a in record.assignments],
+        hot_standby=hot_standby,
     )
 
 

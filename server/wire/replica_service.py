@@ -30,17 +30,24 @@ SERVICE = "optserve.v1.ShardReplica"
 
 
 class ReplicaServicer:
-    """Serves ``ShardReplica.Follow``.
+    """Serves ``ShardReplica.Follow`` and ``ShardReplica.Probe``.
 
     Args:
       followers: ``session -> StandbyFollower`` of the sessions this process is a standby for
         (raises an :class:`OptservError`, such as NotFound, for another).
       pool: where messages are handed to followers (a start installs a whole state).
+      out_of_sync: ``() -> session names``: this process's primary parts whose standby holds
+        nothing more (what a probe answers).
     """
 
-    def __init__(self, followers: Callable[[str], StandbyFollower], pool: Executor):
+    def __init__(self, followers: Callable[[str], StandbyFollower], pool: Executor,
+                 out_of_sync: Callable[[], list] = list):
         self._followers = followers
         self._pool = pool
+        self._out_of_sync = out_of_sync
+
+    async def Probe(self, request, context) -> replica_pb2.ProbeAnswer:
+        return replica_pb2.ProbeAnswer(out_of_sync=self._out_of_sync())
 
     async def Follow(self, frames, context):
         assembler = FrameAssembler()
@@ -85,4 +92,8 @@ def add_replica_service(server, servicer: ReplicaServicer) -> None:
     handler = grpc.stream_stream_rpc_method_handler(
         servicer.Follow, request_deserializer=safe_decoder(replica_pb2.ReplicaFrame.FromString),
         response_serializer=replica_pb2.ReplicaAnswer.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Follow": handler}),))
+    probe = grpc.unary_unary_rpc_method_handler(
+        servicer.Probe, request_deserializer=safe_decoder(replica_pb2.ProbeRequest.FromString),
+        response_serializer=replica_pb2.ProbeAnswer.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Follow": handler,
+                                                                                     "Probe": probe}),))

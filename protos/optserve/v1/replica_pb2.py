@@ -24,29 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19optserve/v1/replica.proto\x12\x0boptserve.v1\"0\n\x10ReplicaArraySpec\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"\xe1\x01\n\x0cReplicaBegin\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.optserve.v1.ReplicaBegin.Kind\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x11\n\tmeta_json\x18\x03 \x01(\t\x12-\n\x06\x61rrays\x18\x04 \x03(\x0b\x32\x1d.optserve.v1.ReplicaArraySpec\x12\x13\n\x0bparam_names\x18\x05 \x03(\t\";\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nKIND_START\x10\x01\x12\r\n\tKIND_STEP\x10\x02\":\n\x0bReplicaPart\x12\r\n\x05\x61rray\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x0c\n\nReplicaEnd\"N\n\x13ReplicaClockEntries\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x14\n\x0c\x65ntries_json\x18\x02 \x03(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x03\"\xc7\x01\n\x0cReplicaFrame\x12*\n\x05\x62\x65gin\x18\x01 \x01(\x0b\x32\x19.optserve.v1.ReplicaBeginH\x00\x12(\n\x04part\x18\x02 \x01(\x0b\x32\x18.optserve.v1.ReplicaPartH\x00\x12&\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x17.optserve.v1.ReplicaEndH\x00\x12\x31\n\x05\x63lock\x18\x04 \x01(\x0b\x32 .optserve.v1.ReplicaClockEntriesH\x00\x42\x06\n\x04\x62ody\"]\n\rReplicaAnswer\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x14\n\x0cheld_version\x18\x02 \x01(\x03\x12\x16\n\x0e\x63lock_sequence\x18\x03 \x01(\x03\x12\r\n\x05\x65rror\x18\x04 \x01(\t2S\n\x0cShardReplica\x12\x43\n\x06\x46ollow\x12\x19.optserve.v1.ReplicaFrame\x1a\x1a.optserve.v1.ReplicaAnswer(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19optserve/v1/replica.proto\x12\x0boptserve.v1\"\x0e\n\x0cProbeRequest\"\"\n\x0bProbeAnswer\x12\x13\n\x0bout_of_sync\x18\x01 \x03(\t\"0\n\x10ReplicaArraySpec\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"\xe1\x01\n\x0cReplicaBegin\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.optserve.v1.ReplicaBegin.Kind\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x11\n\tmeta_json\x18\x03 \x01(\t\x12-\n\x06\x61rrays\x18\x04 \x03(\x0b\x32\x1d.optserve.v1.ReplicaArraySpec\x12\x13\n\x0bparam_names\x18\x05 \x03(\t\";\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nKIND_START\x10\x01\x12\r\n\tKIND_STEP\x10\x02\":\n\x0bReplicaPart\x12\r\n\x05\x61rray\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x0c\n\nReplicaEnd\"N\n\x13ReplicaClockEntries\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x14\n\x0c\x65ntries_json\x18\x02 \x03(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x03\"\xc7\x01\n\x0cReplicaFrame\x12*\n\x05\x62\x65gin\x18\x01 \x01(\x0b\x32\x19.optserve.v1.ReplicaBeginH\x00\x12(\n\x04part\x18\x02 \x01(\x0b\x32\x18.optserve.v1.ReplicaPartH\x00\x12&\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x17.optserve.v1.ReplicaEndH\x00\x12\x31\n\x05\x63lock\x18\x04 \x01(\x0b\x32 .optserve.v1.ReplicaClockEntriesH\x00\x42\x06\n\x04\x62ody\"]\n\rReplicaAnswer\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x14\n\x0cheld_version\x18\x02 \x01(\x03\x12\x16\n\x0e\x63lock_sequence\x18\x03 \x01(\x03\x12\r\n\x05\x65rror\x18\x04 \x01(\t2\x91\x01\n\x0cShardReplica\x12\x43\n\x06\x46ollow\x12\x19.optserve.v1.ReplicaFrame\x1a\x1a.optserve.v1.ReplicaAnswer(\x01\x30\x01\x12<\n\x05Probe\x12\x19.optserve.v1.ProbeRequest\x1a\x18.optserve.v1.ProbeAnswerb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'optserve.v1.replica_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REPLICAARRAYSPEC']._serialized_start=42
-  _globals['_REPLICAARRAYSPEC']._serialized_end=90
-  _globals['_REPLICABEGIN']._serialized_start=93
-  _globals['_REPLICABEGIN']._serialized_end=318
-  _globals['_REPLICABEGIN_KIND']._serialized_start=259
-  _globals['_REPLICABEGIN_KIND']._serialized_end=318
-  _globals['_REPLICAPART']._serialized_start=320
-  _globals['_REPLICAPART']._serialized_end=378
-  _globals['_REPLICAEND']._serialized_start=380
-  _globals['_REPLICAEND']._serialized_end=392
-  _globals['_REPLICACLOCKENTRIES']._serialized_start=394
-  _globals['_REPLICACLOCKENTRIES']._serialized_end=472
-  _globals['_REPLICAFRAME']._serialized_start=475
-  _globals['_REPLICAFRAME']._serialized_end=674
-  _globals['_REPLICAANSWER']._serialized_start=676
-  _globals['_REPLICAANSWER']._serialized_end=769
-  _globals['_SHARDREPLICA']._serialized_start=771
-  _globals['_SHARDREPLICA']._serialized_end=854
+  _globals['_PROBEREQUEST']._serialized_start=42
+  _globals['_PROBEREQUEST']._serialized_end=56
+  _globals['_PROBEANSWER']._serialized_start=58
+  _globals['_PROBEANSWER']._serialized_end=92
+  _globals['_REPLICAARRAYSPEC']._serialized_start=94
+  _globals['_REPLICAARRAYSPEC']._serialized_end=142
+  _globals['_REPLICABEGIN']._serialized_start=145
+  _globals['_REPLICABEGIN']._serialized_end=370
+  _globals['_REPLICABEGIN_KIND']._serialized_start=311
+  _globals['_REPLICABEGIN_KIND']._serialized_end=370
+  _globals['_REPLICAPART']._serialized_start=372
+  _globals['_REPLICAPART']._serialized_end=430
+  _globals['_REPLICAEND']._serialized_start=432
+  _globals['_REPLICAEND']._serialized_end=444
+  _globals['_REPLICACLOCKENTRIES']._serialized_start=446
+  _globals['_REPLICACLOCKENTRIES']._serialized_end=524
+  _globals['_REPLICAFRAME']._serialized_start=527
+  _globals['_REPLICAFRAME']._serialized_end=726
+  _globals['_REPLICAANSWER']._serialized_start=728
+  _globals['_REPLICAANSWER']._serialized_end=821
+  _globals['_SHARDREPLICA']._serialized_start=824
+  _globals['_SHARDREPLICA']._serialized_end=969
 # @@protoc_insertion_point(module_scope)

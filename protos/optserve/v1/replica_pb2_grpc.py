@@ -39,6 +39,11 @@ class ShardReplicaStub:
                 request_serializer=optserve_dot_v1_dot_replica__pb2.ReplicaFrame.SerializeToString,
                 response_deserializer=optserve_dot_v1_dot_replica__pb2.ReplicaAnswer.FromString,
                 _registered_method=True)
+        self.Probe = channel.unary_unary(
+                '/optserve.v1.ShardReplica/Probe',
+                request_serializer=optserve_dot_v1_dot_replica__pb2.ProbeRequest.SerializeToString,
+                response_deserializer=optserve_dot_v1_dot_replica__pb2.ProbeAnswer.FromString,
+                _registered_method=True)
 
 
 class ShardReplicaServicer:
@@ -51,6 +56,15 @@ class ShardReplicaServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Probe(self, request, context):
+        """The coordinator's probe of a shard process (a primary or a standby), a few times a second:
+        answered while the process serves; a primary names its sessions whose standby holds nothing
+        more (they acknowledge nothing until the coordinator lets them go on with one copy).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardReplicaServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +72,11 @@ def add_ShardReplicaServicer_to_server(servicer, server):
                     servicer.Follow,
                     request_deserializer=optserve_dot_v1_dot_replica__pb2.ReplicaFrame.FromString,
                     response_serializer=optserve_dot_v1_dot_replica__pb2.ReplicaAnswer.SerializeToString,
+            ),
+            'Probe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=optserve_dot_v1_dot_replica__pb2.ProbeRequest.FromString,
+                    response_serializer=optserve_dot_v1_dot_replica__pb2.ProbeAnswer.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +106,33 @@ class ShardReplica:
             '/optserve.v1.ShardReplica/Follow',
             optserve_dot_v1_dot_replica__pb2.ReplicaFrame.SerializeToString,
             optserve_dot_v1_dot_replica__pb2.ReplicaAnswer.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/optserve.v1.ShardReplica/Probe',
+            optserve_dot_v1_dot_replica__pb2.ProbeRequest.SerializeToString,
+            optserve_dot_v1_dot_replica__pb2.ProbeAnswer.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,161 @@
+"""Watches hot standbys' pairs (``--replicas 2``) faster than Ray notices a lost host.
+
+Ray declares a node dead seconds after it stops answering (docs/operating.md), and until then a
+shard on it is neither dead nor serving. This watch probes every shard's primary and standby
+process on their internal ports (``ShardReplica.Probe``) many times a second, and acts once one
+side has been silent for ``silence_s`` while the other answers:
+
+- **the primary silent**: its standby is promoted in its place (the coordinator's fail-over, as
+  when the process died). The old primary may still be alive behind a partition; it can never
+  acknowledge again: a step is acknowledged only once its standby holds it (the promoted standby
+  holds nothing more of it) or once the coordinator let it go on alone (never, now);
+- **the standby silent**: it is forgotten (killed, where Ray can still reach it) and its primary's
+  sessions acknowledge with one copy; a fresh standby is started;
+- **both answer, and the primary names sessions whose standby holds nothing more** (it refused
+  them, or their stream broke): those go on with one copy.
+
+Both silent: nothing is done here (Ray's death, :class:`~optserve.server.ops.shard_watch.ShardWatch`).
+Every decision is taken holding the fleet's ``topology`` lock, checking that the pair it probed is
+still the shard's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+from optserve.protos.optserve.v1 import replica_pb2
+from optserve.server.ops.periodic import Periodic
+from optserve.server.wire.replica_service import SERVICE
+
+log = logging.getLogger(__name__)
+
+
+class _Prober:
+    """One process's ``ShardReplica.Probe`` over a channel of its own."""
+
+    def __init__(self, address: str, trust):
+        self.address = address
+        self._trust = trust
+        self._channel = trust.channel(address)
+        self._probe = self._channel.unary_unary(f"/{SERVICE}/Probe",
+                                                request_serializer=replica_pb2.ProbeRequest.SerializeToString,
+                                                response_deserializer=replica_pb2.ProbeAnswer.FromString)
+        self.last_answer = time.monotonic()  # a new process has its grace: silence counts from now
+        self.unanswered = 0  # probes unanswered since the last answer
+        self.out_of_sync: list[str] = []
+
+    def silent(self, now: float, silence_s: float) -> bool:
+        """Whether it answered no probe for ``silence_s`` and missed at least three (a watch that
+        was itself held up does not count its own delay as the process's silence)."""
+        return now - self.last_answer > silence_s and self.unanswered >= 3
+
+    def ask(self, timeout_s: float):
+        return self._probe.future(replica_pb2.ProbeRequest(), timeout=timeout_s, metadata=self._trust.metadata)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class ReplicaWatch(Periodic):
+    """A daemon thread probing every ``period_s`` (see the module docstring).
+
+    Args:
+      fleet: the :class:`~optserve.server.shard_fleet.RayShardFleet` (replicated).
+      coordinator: its :class:`~optserve.server.domain.sessions.Coordinator`.
+      shard_watch: lets a primary go on alone and starts fresh standbys
+        (:class:`~optserve.server.ops.shard_watch.ShardWatch`).
+      trust: the server's internal trust (the probes carry its secret).
+      silence_s: how long a process may not answer before it counts as lost.
+      period_s, probe_timeout_s: between probes; how long one probe waits.
+    """
+
+    failure_event = "replica_watch_failed"
+
+    def __init__(self, fleet, coordinator, shard_watch, trust, silence_s: float = 0.5, period_s: float = 0.05,
+                 probe_timeout_s: float = 0.2):
+        super().__init__("optserve-replica-watch", period_s)
+        self._fleet, self._coordinator, self._shard_watch, self._trust = fleet, coordinator, shard_watch, trust
+        self._silence_s, self._probe_timeout_s = silence_s, probe_timeout_s
+        self._probers: dict[str, _Prober] = {}
+
+    def stop(self) -> None:
+        super().stop()
+        for prober in self._probers.values():
+            prober.close()
+        self._probers = {}
+
+    def check_once(self) -> None:
+        pairs = self._pairs()
+        self._probe({address for pair in pairs for address in pair[1:] if address})
+        now = time.monotonic()
+        for index, primary, standby in pairs:
+            if standby is None:
+                continue
+            primary_silent = self._probers[primary].silent(now, self._silence_s)
+            standby_silent = self._probers[standby].silent(now, self._silence_s)
+            if primary_silent and not standby_silent:
+                self._fail_over(index, primary, standby, now - self._probers[primary].last_answer)
+            elif standby_silent and not primary_silent:
+                self._forget_standby(index, primary, standby, now - self._probers[standby].last_answer)
+            elif not primary_silent and not standby_silent and self._probers[primary].out_of_sync:
+                self._let_go(index, primary, standby, self._probers[primary].out_of_sync)
+
+    def _pairs(self) -> list[tuple[int, str, Optional[str]]]:
+        """(shard index, its primary's internal address, its standby's or None), now."""
+        with self._fleet.topology:
+            standbys = self._fleet.standbys.clock_addresses
+            return [(index, address, standbys[index]) for index, address in enumerate(self._fleet.clock_addresses)]
+
+    def _probe(self, addresses: set) -> None:
+        """Probes ``addresses`` at once; records each answer (a process no longer watched is dropped)."""
+        for gone in set(self._probers) - addresses:
+            self._probers.pop(gone).close()
+        for address in addresses - set(self._probers):
+            self._probers[address] = _Prober(address, self._trust)
+        asked = {address: self._probers[address].ask(self._probe_timeout_s) for address in addresses}
+        until = time.monotonic() + self._probe_timeout_s + 0.5  # each probe has its own deadline too
+        for address, future in asked.items():
+            try:
+                answer = future.result(timeout=max(0.0, until - time.monotonic()))
+            except Exception:  # noqa: BLE001 - silent (not serving, unreachable, or too slow): not an answer
+                future.cancel()
+                self._probers[address].unanswered += 1
+                continue
+            prober = self._probers[address]
+            prober.last_answer, prober.unanswered = time.monotonic(), 0
+            prober.out_of_sync = list(answer.out_of_sync)
+
+    def _current(self, index: int, primary: str, standby: str) -> bool:
+        """Whether shard ``index``'s pair is still the one probed (``topology`` held)."""
+        return (self._fleet.clock_addresses[index] == primary
+                and self._fleet.standbys.clock_addresses[index] == standby)
+
+    def _fail_over(self, index: int, primary: str, standby: str, silent_s: float) -> None:
+        cause = f"its process at {primary} did not answer for {silent_s:.2f} s"
+        with self._fleet.topology:
+            if not self._current(index, primary, standby):
+                return
+            address = self._fleet.addresses[index]
+            lost = self._coordinator.fail_over(index, address, cause)
+        log.error("event=shard_failed_over shard=%d address=%s new_address=%s lost_sessions=%s cause=%s", index,
+                  address, self._fleet.addresses[index], ",".join(lost) or "-", cause.replace(" ", "_"))
+        self._shard_watch.restandby_later(index)
+
+    def _forget_standby(self, index: int, primary: str, standby: str, silent_s: float) -> None:
+        why = f"its standby at {standby} did not answer for {silent_s:.2f} s"
+        with self._fleet.topology:
+            if not self._current(index, primary, standby):
+                return
+            self._fleet.forget_standby(index, why)
+        self._shard_watch.let_go(index, why)
+        self._shard_watch.restandby_later(index)
+
+    def _let_go(self, index: int, primary: str, standby: str, names: list) -> None:
+        with self._fleet.topology:
+            if not self._current(index, primary, standby):
+                return
+            let_go = self._fleet.go_on_alone(index, names, f"its standby at {standby} holds them no more")
+        log.error("event=one_copy shard=%d sessions=%s why=standby_out_of_sync", index, ",".join(let_go) or "-")
+        self._probers[primary].out_of_sync = []
