@@ -15,7 +15,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from optserve.server.compute.preconditioner_pool import check_gpus
 from optserve.server.domain.config import ServerConfig, is_loopback
-from optserve.server.standby_fleet import StandbyActors, standby_nodes
+from optserve.server.standby_fleet import StandbyActors, shard_nodes, standby_nodes
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,5 @@ def start_standbys(config: ServerConfig, group, start_actor) -> StandbyActors:
     """Each shard's standby, on another live node than its primary's bundle (see
     :mod:`~optserve.server.standby_fleet`)."""
     bundles = ray.util.placement_group_table(group)["bundles_to_node_id"]
-    alive = [node["NodeID"] for node in ray.nodes() if node.get("Alive")]
-    return StandbyActors(start_actor, standby_nodes([bundles[i] for i in sorted(bundles)], alive,
+    return StandbyActors(start_actor, standby_nodes([bundles[i] for i in sorted(bundles)], shard_nodes(),
                                                     config.replica_same_node), config.replica_same_node)

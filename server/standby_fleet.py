@@ -23,6 +23,13 @@ from optserve.server.preflight import StartError
 log = logging.getLogger(__name__)
 
 
+def shard_nodes() -> list[str]:
+    """Live Ray nodes that can hold a shard (they offer CPU: a shard's bundle reserves some; a
+    head started with ``--num-cpus 0`` to keep work off it holds none)."""
+    return [node["NodeID"] for node in ray.nodes()
+            if node.get("Alive") and node.get("Resources", {}).get("CPU", 0) > 0]
+
+
 def standby_nodes(primary_nodes: Sequence[str], alive: Sequence[str], same_node: bool) -> list[str]:
     """The node id each shard's standby goes to: another live node than its primary's (``alive``
     in turn, skipping the primary's), or its primary's own with ``same_node``.
@@ -65,8 +72,7 @@ class StandbyActors:
         Raises:
           StartError: no other live node.
         """
-        alive = [node["NodeID"] for node in ray.nodes() if node.get("Alive")]
-        node = standby_nodes([primary_node], alive, self._same_node)[0]
+        node = standby_nodes([primary_node], shard_nodes(), self._same_node)[0]
         actor = self._start_actor(index, NodeAffinitySchedulingStrategy(node, soft=False))
         self.clock_addresses[index] = ray.get(actor.clock_address.remote())
         self.actors[index] = actor
