@@ -62,6 +62,10 @@ class RayShardFleet:
         self._start_actor = start_actor  # index -> a new actor for that shard (see restart)
         # held by whoever changes which actor is a shard's primary or standby (the watches)
         self.topology = threading.RLock()
+        # shards whose primary does not answer and is being failed over (ReplicaWatch): notices to
+        # them are not sent (each would wait until Ray declares the process dead; its promoted
+        # standby is told what it needs once it serves)
+        self.silent: set[int] = set()
 
     def dead_shards(self, timeout_s: float = 5.0) -> list[int]:
         """Indices of the shards whose actor died (a shard that is only slow to answer is alive)."""
@@ -198,13 +202,16 @@ class RayShardFleet:
         return _ray_get(self.actors[opening.shard_index].reachable.remote(opening))
 
     def peer_down(self, home_index: int, shard_index: int, names: Sequence[str]) -> None:
-        _tell(self.actors[home_index].peer_down.remote(shard_index, list(names)))
+        if home_index not in self.silent:
+            _tell(self.actors[home_index].peer_down.remote(shard_index, list(names)))
 
     def peer_up(self, home_index: int, shard_index: int, names: Sequence[str]) -> None:
-        _tell(self.actors[home_index].peer_up.remote(shard_index, list(names)))
+        if home_index not in self.silent:
+            _tell(self.actors[home_index].peer_up.remote(shard_index, list(names)))
 
     def set_home_clock(self, shard_index: int, name: str, address: str) -> None:
-        _tell(self.actors[shard_index].set_home_clock.remote(name, address))
+        if shard_index not in self.silent:
+            _tell(self.actors[shard_index].set_home_clock.remote(name, address))
 
     def recovered(self, shard_index: int) -> None:
         _ray_get(self.actors[shard_index].recovered.remote())

@@ -9,25 +9,19 @@ One bed for the module, the tests in order. Skipped where hosts cannot be made (
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 
 import pytest
 
 from bench.checker import FaultRecord
 from bench.netbed import NetBed, Workload, stall, start_cluster, unavailable_reason
+from bench.netbed_replicas import host_of, server_status
 
 pytestmark = [pytest.mark.serial,  # a namespace's host copies the machine's mount table
               pytest.mark.slow,
               pytest.mark.skipif(unavailable_reason() is not None, reason=f"no test bed: {unavailable_reason()}")]
 
 STEP_TIMEOUT_S = 30.0
-STATUS = ("import json, sys; from optserve.client import Client\n"
-          "with Client(sys.argv[1], timeout=30) as c:\n"
-          "    print('STATUS', json.dumps([{'index': s.index, 'address': s.address, 'node_id': s.node_id,\n"
-          "        'standby': s.standby and {'node_id': s.standby.node_id, 'healthy': s.standby.healthy,\n"
-          "                                  'in_sync': s.standby.in_sync}} for s in c.server_status()]))\n")
 
 
 @pytest.fixture(scope="module")
@@ -48,22 +42,14 @@ def workload(cluster):
     return work
 
 
-def server_status(bed: NetBed, address: str) -> list[dict]:
-    """The server's shards as a client on h4 sees them (``optserve status``'s figures)."""
-    run = bed.hosts["h4"].spawn(f"status-{time.monotonic_ns()}", [sys.executable, "-c", STATUS, address])
-    assert run.process.wait(timeout=120) == 0, run.output()[-3000:]
-    return json.loads(run.wait_for("STATUS ").split(" ", 1)[1])
-
-
 def test_each_shards_standby_runs_on_the_other_host_and_holds_the_session_in_sync(bed, cluster, workload):
-    hosts = {h.address: name for name, h in bed.hosts.items()}
     deadline = time.monotonic() + 60
     while True:  # the standbys start once the session has its initial values
         shards = server_status(bed, cluster.address)
         if all(s["standby"] and s["standby"]["in_sync"] == 1 for s in shards) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    assert sorted(hosts[s["address"].rsplit(":", 1)[0]] for s in shards) == ["h2", "h3"], shards
+    assert sorted(host_of(bed, s["address"]) for s in shards) == ["h2", "h3"], shards
     for shard in shards:
         standby = shard["standby"]
         assert standby == {"node_id": standby["node_id"], "healthy": True, "in_sync": 1}, shards
@@ -84,8 +70,7 @@ def test_a_lost_host_is_served_by_the_standbys_on_the_other_and_nothing_is_lost(
     print(f"host lost -> next acknowledged step: {waited:.2f} s")
     assert waited < STEP_TIMEOUT_S
     shards = server_status(bed, cluster.address)
-    hosts = {h.address: name for name, h in bed.hosts.items()}
-    assert sorted(hosts[s["address"].rsplit(":", 1)[0]] for s in shards) == ["h3", "h3"], shards
+    assert sorted(host_of(bed, s["address"]) for s in shards) == ["h3", "h3"], shards
     report = workload.stop()
     assert report.clean, report.problems()
     (session,) = report.sessions

@@ -90,16 +90,23 @@ class ReplicaWatch(Periodic):
         pairs = self._pairs()
         self._probe({address for pair in pairs for address in pair[1:] if address})
         now = time.monotonic()
+        silent = {address for address in self._probers if self._probers[address].silent(now, self._silence_s)}
+        lost = {index for index, primary, _ in pairs if primary in silent}
+        if lost:
+            with self._fleet.topology:  # the lost primaries are told nothing while any of them is failed over
+                self._fleet.silent = lost
+                try:
+                    for index, primary, standby in pairs:
+                        if index in lost and standby is not None and standby not in silent:
+                            self._fail_over(index, primary, standby, now - self._probers[primary].last_answer)
+                finally:
+                    self._fleet.silent = set()
         for index, primary, standby in pairs:
-            if standby is None:
+            if standby is None or index in lost:
                 continue
-            primary_silent = self._probers[primary].silent(now, self._silence_s)
-            standby_silent = self._probers[standby].silent(now, self._silence_s)
-            if primary_silent and not standby_silent:
-                self._fail_over(index, primary, standby, now - self._probers[primary].last_answer)
-            elif standby_silent and not primary_silent:
+            if standby in silent:
                 self._forget_standby(index, primary, standby, now - self._probers[standby].last_answer)
-            elif not primary_silent and not standby_silent and self._probers[primary].out_of_sync:
+            elif self._probers[primary].out_of_sync:
                 self._let_go(index, primary, standby, self._probers[primary].out_of_sync)
 
     def _pairs(self) -> list[tuple[int, str, Optional[str]]]:

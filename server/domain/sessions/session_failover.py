@@ -36,6 +36,8 @@ def promote_standby(fleet: ShardFleet, table: SessionTable, shard_index: int, de
                 for assignment in record.assignments[1:]:
                     fleet.set_home_clock(assignment.shard_index, name, clock_address)
         if home != shard_index and promoted:  # votes that waited for the dead process end; the standby votes now
+            for name in promoted:  # at the home's clock as it is now (it may have failed over itself meanwhile)
+                fleet.set_home_clock(shard_index, name, fleet.clock_addresses[home])
             fleet.peer_down(home, shard_index, promoted)
             fleet.peer_up(home, shard_index, promoted)
     return {name: f"session {name!r} is lost: {death} and its standby could not take over ({why}); close the "
