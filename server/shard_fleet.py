@@ -62,10 +62,10 @@ class RayShardFleet:
         self._start_actor = start_actor  # index -> a new actor for that shard (see restart)
         # held by whoever changes which actor is a shard's primary or standby (the watches)
         self.topology = threading.RLock()
-        # shards whose primary does not answer and is being failed over (ReplicaWatch): notices to
-        # them are not sent (each would wait until Ray declares the process dead; its promoted
-        # standby is told what it needs once it serves)
-        self.silent: set[int] = set()
+        # primary actors that do not answer and are being failed over (ReplicaWatch): notices to
+        # them are not sent (each would wait until Ray declares the process dead); a shard's
+        # standby promoted in place of one is told as any primary is
+        self.silent_actors: list = []
 
     def dead_shards(self, timeout_s: float = 5.0) -> list[int]:
         """Indices of the shards whose actor died (a shard that is only slow to answer is alive)."""
@@ -202,16 +202,19 @@ class RayShardFleet:
         return _ray_get(self.actors[opening.shard_index].reachable.remote(opening))
 
     def peer_down(self, home_index: int, shard_index: int, names: Sequence[str]) -> None:
-        if home_index not in self.silent:
+        if not self._silent(home_index):
             _tell(self.actors[home_index].peer_down.remote(shard_index, list(names)))
 
     def peer_up(self, home_index: int, shard_index: int, names: Sequence[str]) -> None:
-        if home_index not in self.silent:
+        if not self._silent(home_index):
             _tell(self.actors[home_index].peer_up.remote(shard_index, list(names)))
 
     def set_home_clock(self, shard_index: int, name: str, address: str) -> None:
-        if shard_index not in self.silent:
+        if not self._silent(shard_index):
             _tell(self.actors[shard_index].set_home_clock.remote(name, address))
+
+    def _silent(self, index: int) -> bool:
+        return any(actor is self.actors[index] for actor in self.silent_actors)
 
     def recovered(self, shard_index: int) -> None:
         _ray_get(self.actors[shard_index].recovered.remote())

@@ -11,6 +11,7 @@ tests) lets both share it.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Optional, Sequence
 
 import ray
@@ -21,6 +22,8 @@ from optserve.server.domain.sessions import StandbySummary
 from optserve.server.preflight import StartError
 
 log = logging.getLogger(__name__)
+
+AVOID_FAILED_NODE_S = 60.0  # a node where a fresh standby failed to start is passed over this long
 
 
 def shard_nodes() -> list[str]:
@@ -61,20 +64,32 @@ class StandbyActors:
 
     def __init__(self, start_actor: Callable, nodes: Sequence[str], same_node: bool = False):
         self._start_actor, self._same_node = start_actor, same_node
+        self._failed_on: dict[str, float] = {}  # node id -> when a fresh standby failed to start there
         self.actors: list = [start_actor(i, NodeAffinitySchedulingStrategy(node, soft=False))
                              for i, node in enumerate(nodes)]
         self.clock_addresses: list[Optional[str]] = ray.get([a.clock_address.remote() for a in self.actors])
 
     def start_fresh(self, index: int, primary_node: str) -> None:
         """A new standby for shard ``index`` (whose primary runs on ``primary_node``), on another
-        live node; it holds nothing until sessions follow on it.
+        live node; it holds nothing until sessions follow on it. A node where a start failed in
+        the last :data:`AVOID_FAILED_NODE_S` seconds (cut off, not yet declared dead) is taken
+        only when no other is left.
 
         Raises:
           StartError: no other live node.
+          Exception: what Ray raised when the actor could not start (the node is avoided next time).
         """
-        node = standby_nodes([primary_node], shard_nodes(), self._same_node)[0]
+        now = time.monotonic()
+        alive = shard_nodes()
+        fresh = [node for node in alive if now - self._failed_on.get(node, -AVOID_FAILED_NODE_S) >= AVOID_FAILED_NODE_S]
+        node = standby_nodes([primary_node], fresh if set(fresh) - {primary_node} else alive, self._same_node)[0]
         actor = self._start_actor(index, NodeAffinitySchedulingStrategy(node, soft=False))
-        self.clock_addresses[index] = ray.get(actor.clock_address.remote())
+        try:
+            self.clock_addresses[index] = ray.get(actor.clock_address.remote())
+        except Exception:
+            self._failed_on[node] = time.monotonic()
+            ray.kill(actor, no_restart=True)
+            raise
         self.actors[index] = actor
         log.warning("event=standby_started shard=%d node=%s", index, node)
 

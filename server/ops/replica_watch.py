@@ -94,13 +94,13 @@ class ReplicaWatch(Periodic):
         lost = {index for index, primary, _ in pairs if primary in silent}
         if lost:
             with self._fleet.topology:  # the lost primaries are told nothing while any of them is failed over
-                self._fleet.silent = lost
+                self._fleet.silent_actors = [self._fleet.actors[index] for index in lost]
                 try:
                     for index, primary, standby in pairs:
                         if index in lost and standby is not None and standby not in silent:
                             self._fail_over(index, primary, standby, now - self._probers[primary].last_answer)
                 finally:
-                    self._fleet.silent = set()
+                    self._fleet.silent_actors = []
         for index, primary, standby in pairs:
             if standby is None or index in lost:
                 continue

@@ -25,6 +25,14 @@ from optserve.server.ops.periodic import Periodic
 log = logging.getLogger(__name__)
 
 
+def _retry_delays():
+    """Seconds to wait after each failed start of a fresh standby: 1, 2, 4, then every 10."""
+    delay = 1.0
+    while True:
+        yield delay
+        delay = min(10.0, delay * 2)
+
+
 class ShardWatch(Periodic):
     """A daemon thread that checks the fleet every ``period_s`` seconds (see the module docstring).
 
@@ -101,11 +109,19 @@ class ShardWatch(Periodic):
 
         def run() -> None:
             try:
-                self._fleet.add_standby(index)
-                failed = self._coordinator.restandby(index)
-                log.warning("event=standby_caught_up shard=%d one_copy_sessions=%s", index, ",".join(failed) or "-")
-            except Exception:  # noqa: BLE001 - the shard goes on with one copy; a later death tries again
-                log.exception("event=standby_start_failed shard=%d", index)
+                for delay in _retry_delays():
+                    try:
+                        if not self._fleet.has_standby(index):
+                            self._fleet.add_standby(index)
+                        failed = self._coordinator.restandby(index)
+                        log.warning("event=standby_caught_up shard=%d one_copy_sessions=%s", index,
+                                    ",".join(failed) or "-")
+                        return
+                    except Exception as exc:  # noqa: BLE001 - the shard goes on with one copy meanwhile
+                        log.error("event=standby_start_failed shard=%d retry_in_s=%.0f why=%s", index, delay,
+                                  f"{type(exc).__name__}: {exc}".splitlines()[0])
+                    if self._stop.wait(delay):
+                        return
             finally:
                 with self._lock:
                     self._restandbying.discard(index)
