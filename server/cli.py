@@ -21,7 +21,7 @@ from importlib.metadata import entry_points
 # Light modules only, none of which imports grpc (serve() sets GRPC_VERBOSITY before gRPC is first
 # imported) nor a server extra (``optserve status`` and ``demo`` run on a client-only install).
 from optserve.server.compute.devices import DeviceUnusable
-from optserve.server.domain.config import Limits, ServerConfig
+from optserve.server.domain.config import ONE_REPLICA_POLICIES, Limits, ServerConfig
 from optserve.server.domain.durability import DurabilityConfig, FsyncPolicy, LogIO
 from optserve.server.domain.errors import InvalidArgument
 from optserve.server.ops.logs import LEVELS, configure_logging
@@ -84,6 +84,10 @@ def _add_placement_options(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--replica-silence-s", type=float, default=0.5,
                        help="with --replicas 2: a shard or standby process that does not answer the "
                             "coordinator's probes for this long counts as lost (default 0.5)")
+    serve.add_argument("--on-one-replica", choices=ONE_REPLICA_POLICIES, default="continue",
+                       help="with --replicas 2, while a session has one copy in sync (its standby or primary "
+                            "lost, until a fresh standby caught up): continue acknowledging steps with that one "
+                            "copy (default), or refuse them (UNAVAILABLE; clients retry)")
     serve.add_argument("--min-shard-bytes", type=int, default=4 << 20,
                        help="a session spreads over only as many shards as give each this many parameter "
                             "bytes (default 4 MiB; 0: every session uses every shard)")
@@ -279,7 +283,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, drain_s=args.drain_s,
         health_port=args.health_port, staged_push_ttl_s=args.staged_push_ttl_s, limits=limits,
         session_idle_s=args.session_idle_s, log_level=args.log_level, replicas=args.replicas,
-        replica_silence_s=args.replica_silence_s,
+        replica_silence_s=args.replica_silence_s, on_one_replica=args.on_one_replica,
         durability=None if args.checkpoint_dir is None else DurabilityConfig(
             args.checkpoint_dir, every_steps=args.checkpoint_every_steps, every_s=args.checkpoint_every_s,
             max_log_bytes=args.max_log_bytes, fsync=FsyncPolicy(args.fsync),

@@ -85,7 +85,8 @@ class ShardActor:
         self._replicas = ShardReplicas(self._parts, self._registry, lambda name, clock: self._clocks.add(name, clock),
                                        security.internal, config.durability is not None,
                                        ReplicaTraffic(self._metrics.replica_sent_bytes.inc,
-                                                      self._metrics.replica_received_bytes.inc))
+                                                      self._metrics.replica_received_bytes.inc),
+                                       refuse_one_copy=config.on_one_replica == "refuse")
         self._server = LoopServer(ShrinkingThreadPool(config.grpc_threads, thread_name_prefix="optserve-data"),
                                   options=contract.SERVER_OPTIONS + server_options(config.limits),
                                   interceptors=security.interceptors(open_services=Health.OPEN_SERVICES),

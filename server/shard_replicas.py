@@ -34,16 +34,19 @@ class ShardReplicas:
       internal: the server's internal trust (the streams to standbys use it).
       durable: the server keeps step logs (standbys of durable sessions are not built yet).
       traffic: counts the bytes of the streams to this shard's standbys.
+      refuse_one_copy: ``--on-one-replica refuse``: a part with one copy in sync (let go by the
+        coordinator, or promoted) acknowledges nothing until a fresh standby holds it.
     """
 
     def __init__(self, parts: ShardParts, registry: ShardRegistry, serve_clock: Callable, internal, durable: bool,
-                 traffic: Optional[ReplicaTraffic] = None):
+                 traffic: Optional[ReplicaTraffic] = None, refuse_one_copy: bool = False):
         self._parts = parts
         self._registry = registry
         self._serve_clock = serve_clock
         self._internal = internal
         self._durable = durable
         self._traffic = traffic
+        self._refuse_one_copy = refuse_one_copy
         self.standbys = Standbys()
         self._channels: dict[str, ReplicaChannel] = {}
         self._unsynced: dict[str, str] = {}  # primary parts whose standby holds nothing more -> why
@@ -63,9 +66,10 @@ class ShardReplicas:
 
     def go_on_alone(self, names, why: str) -> list[str]:
         """Primary: the coordinator lets sessions ``names`` (None: every session this process
-        streams to a standby) acknowledge with this one copy (``--replicas 2``'s policy when one
-        replica is left); a step waiting for the standby fails UNAVAILABLE and its client's
-        retry is answered at once, without applying it again. Returns the sessions let go."""
+        streams to a standby) go on with this one copy: they acknowledge with it, or, with
+        ``--on-one-replica refuse``, acknowledge nothing until a fresh standby holds them. A step
+        waiting for the standby fails UNAVAILABLE and its client's retry is not applied again.
+        Returns the sessions let go."""
         if names is None:
             names = [s.config.name for s in self._registry.sessions() if s.durability.in_sync]
         with self._lock:
@@ -74,7 +78,10 @@ class ShardReplicas:
         for name in names:
             session = self._registry.find(name)
             if session is not None and session.durability.in_sync:
-                session.durability.detach_replica(why)
+                if self._refuse_one_copy:
+                    session.durability.refuse_until_standby(why)
+                else:
+                    session.durability.detach_replica(why)
                 let_go.append(name)
             for channel in channels:
                 channel.forget(name)
@@ -133,6 +140,8 @@ class ShardReplicas:
         session, _follower = self.standbys.take(name)
         if session.clock.is_home:
             self._serve_clock(name, session.clock)
+        if self._refuse_one_copy:
+            session.durability.refuse_until_standby("it was promoted in its lost primary's place")
         self._registry.add(session)
         log.warning("event=standby_promoted session=%s version=%d", name, version)
         return version

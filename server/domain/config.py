@@ -349,6 +349,8 @@ class Limits:
         limit = getattr(self, name) if limit is None else limit
         return ResourceExhausted(f"{what}: over the limit {name}={limit} (server flag {self.FLAGS[name]})")
 
+ONE_REPLICA_POLICIES = ("continue", "refuse")  # ServerConfig.on_one_replica
+
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
@@ -399,6 +401,11 @@ class ServerConfig:
       replica_silence_s: ``--replicas 2``: a shard's primary or standby process that does not
         answer the coordinator's probes (20 a second) for this long counts as lost (its standby is
         promoted; a lost standby is replaced), without waiting for Ray to declare its node dead.
+      on_one_replica: ``--replicas 2``: what a session part does while only one copy of it is
+        in sync (its standby lost, or its primary lost and the standby promoted, until a fresh
+        standby caught up): "continue" acknowledges steps with that one copy (they are lost if it
+        is lost too meanwhile); "refuse" acknowledges nothing (clients retry UNAVAILABLE; a step
+        applied meanwhile is acknowledged once the fresh standby holds it).
       session_idle_s: a session's idle lease: one that no client pushed to, committed on, pulled
         from or initialized for this many seconds is closed (None: sessions never expire).
     """
@@ -431,6 +438,7 @@ class ServerConfig:
     replicas: int = 1
     replica_same_node: bool = False
     replica_silence_s: float = 0.5
+    on_one_replica: str = "continue"
     limits: Limits = dataclasses.field(default_factory=Limits)
     session_idle_s: Optional[float] = None
     log_level: Optional[str] = None
@@ -451,6 +459,12 @@ class ServerConfig:
         if self.replicas == 2 and (self.durability is not None or self.precond_workers):
             raise InvalidArgument("--replicas 2 does not go with --checkpoint-dir or --precond-workers yet: "
                                   "give one of them")
+        if self.on_one_replica not in ONE_REPLICA_POLICIES:
+            raise InvalidArgument(f"--on-one-replica must be one of {', '.join(ONE_REPLICA_POLICIES)}, got "
+                                  f"{self.on_one_replica!r}")
+        if self.on_one_replica != "continue" and self.replicas == 1:
+            raise InvalidArgument(f"--on-one-replica {self.on_one_replica} is what a session does when one of "
+                                  f"its two copies is lost: it needs --replicas 2")
         if not self.replica_silence_s > 0:
             raise InvalidArgument(f"--replica-silence-s must be > 0, got {self.replica_silence_s}")
         if self.min_shard_bytes < 0:

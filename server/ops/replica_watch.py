@@ -12,7 +12,9 @@ side has been silent for ``silence_s`` while the other answers:
 - **the standby silent**: it is forgotten (killed, where Ray can still reach it) and its primary's
   sessions acknowledge with one copy; a fresh standby is started;
 - **both answer, and the primary names sessions whose standby holds nothing more** (it refused
-  them, or their stream broke): those go on with one copy.
+  them, or their stream broke): those go on with one copy; with ``refuse_one_copy``
+  (``--on-one-replica refuse``, where they would acknowledge nothing until a fresh standby holds
+  them) the standby is forgotten and a fresh one started instead, as if it were silent.
 
 Both silent: nothing is done here (Ray's death, :class:`~optserve.server.ops.shard_watch.ShardWatch`).
 Every decision is taken holding the fleet's ``topology`` lock, checking that the pair it probed is
@@ -74,10 +76,11 @@ class ReplicaWatch(Periodic):
     failure_event = "replica_watch_failed"
 
     def __init__(self, fleet, coordinator, shard_watch, trust, silence_s: float = 0.5, period_s: float = 0.05,
-                 probe_timeout_s: float = 0.2):
+                 probe_timeout_s: float = 0.2, refuse_one_copy: bool = False):
         super().__init__("optserve-replica-watch", period_s)
         self._fleet, self._coordinator, self._shard_watch, self._trust = fleet, coordinator, shard_watch, trust
         self._silence_s, self._probe_timeout_s = silence_s, probe_timeout_s
+        self._refuse_one_copy = refuse_one_copy
         self._probers: dict[str, _Prober] = {}
 
     def stop(self) -> None:
@@ -105,7 +108,8 @@ class ReplicaWatch(Periodic):
             if standby is None or index in lost:
                 continue
             if standby in silent:
-                self._forget_standby(index, primary, standby, now - self._probers[standby].last_answer)
+                self._forget_standby(index, primary, standby, f"its standby at {standby} did not answer for "
+                                                              f"{now - self._probers[standby].last_answer:.2f} s")
             elif self._probers[primary].out_of_sync:
                 self._let_go(index, primary, standby, self._probers[primary].out_of_sync)
 
@@ -150,8 +154,7 @@ class ReplicaWatch(Periodic):
                   address, self._fleet.addresses[index], ",".join(lost) or "-", cause.replace(" ", "_"))
         self._shard_watch.restandby_later(index)
 
-    def _forget_standby(self, index: int, primary: str, standby: str, silent_s: float) -> None:
-        why = f"its standby at {standby} did not answer for {silent_s:.2f} s"
+    def _forget_standby(self, index: int, primary: str, standby: str, why: str) -> None:
         with self._fleet.topology:
             if not self._current(index, primary, standby):
                 return
@@ -160,6 +163,10 @@ class ReplicaWatch(Periodic):
         self._shard_watch.restandby_later(index)
 
     def _let_go(self, index: int, primary: str, standby: str, names: list) -> None:
+        if self._refuse_one_copy:  # they would wait for a standby change: this is one
+            self._forget_standby(index, primary, standby, f"its standby at {standby} holds {', '.join(names)} no more")
+            self._probers[primary].out_of_sync = []
+            return
         with self._fleet.topology:
             if not self._current(index, primary, standby):
                 return

@@ -141,6 +141,32 @@ def _done(error: Optional[BaseException]) -> Future:
     return future
 
 
+class NoStandby:
+    """The port of a replicated part that has one copy in sync and refuses to acknowledge with it
+    (``--on-one-replica refuse``) until a fresh standby starts: it holds nothing, so each step
+    applied meanwhile waits for that standby (its client's retry is answered once it holds it),
+    and a home clock hands out no ticket (nothing is applied on any shard).
+
+    Args:
+      why: what the refused calls say (UNAVAILABLE), naming the session and shard.
+    """
+
+    def __init__(self, why: str):
+        self.why = why
+
+    def start(self, start: ReplicaStart) -> None:
+        pass
+
+    def ship(self, record: StepRecord, grads: Sequence[np.ndarray]) -> None:
+        pass
+
+    def held_future(self, version: int) -> Future:
+        return _done(Unavailable(self.why))
+
+    def clock_entry(self, entry) -> None:
+        raise OSError(self.why)
+
+
 class StandbyFollower:
     """The standby's side of one session on one shard: it starts from its primary's state, then
     holds shipped steps on receipt and applies them in version order on a thread of its own.

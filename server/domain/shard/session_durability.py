@@ -16,7 +16,7 @@ import numpy as np
 from optserve.server.domain.durability import CheckpointPort, ShardProgress, StepRecord
 from optserve.server.domain.errors import Unavailable
 from optserve.server.domain.shard.replay import replayed_tickets
-from optserve.server.domain.shard.replica import ReplicaGap, ReplicaPort, ReplicaStart, StateLeaves
+from optserve.server.domain.shard.replica import NoStandby, ReplicaGap, ReplicaPort, ReplicaStart, StateLeaves
 from optserve.server.domain.shard.step_runner import StepRunner, plain_hyper
 
 _log = logging.getLogger(__name__)
@@ -83,7 +83,23 @@ class SessionDurability:
     @property
     def in_sync(self) -> bool:
         """Primary: a standby holds every step acknowledged from now on."""
-        return self._steps.journal.replica is not None
+        replica = self._steps.journal.replica
+        return replica is not None and not isinstance(replica, NoStandby)
+
+    def refuse_until_standby(self, why: str) -> None:
+        """``--on-one-replica refuse``: this part has one copy in sync (its standby is gone, or it
+        is a promoted standby): nothing is acknowledged, and a home clock hands out no ticket,
+        until :meth:`start_replica` starts a fresh standby. A step applied meanwhile (its ticket
+        handed out before) is acknowledged once that standby holds it; its client's retry is not
+        applied again."""
+        steps = self._steps
+        port = NoStandby(f"{steps.where}: {why}; it has one copy in sync and --on-one-replica refuse acknowledges "
+                         f"nothing until a fresh standby holds it: retry (a push is not applied twice)")
+        with steps.cond:
+            if steps.clock.is_home:
+                steps.clock.replicate(None, port.clock_entry)
+            steps.journal.attach_replica(port)
+        _log.error("event=standby_awaited %s why=%s", steps.where, why)
 
     def detach_replica(self, why: str) -> None:
         """The standby is gone or out of sync: steps are acknowledged with this one copy from now

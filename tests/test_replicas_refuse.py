@@ -1,0 +1,84 @@
+"""``--on-one-replica refuse``: a session part left with one copy in sync (its standby lost, or its
+primary lost and the standby promoted) acknowledges nothing until a fresh standby holds it.
+
+A server of its own (its processes are SIGKILLed), shards and standbys on this one Ray node
+(``replica_same_node``). A push sent after a kill returns only once a fresh standby holds the
+step: the shard's status shows the fresh standby in sync the moment it returns (with ``continue``
+the push returns within a second, long before a fresh standby has started). The results equal an
+uninterrupted in-process run (1e-6), every step applied once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from optserve.client import Client
+from optserve.server.domain.config import ServerConfig
+from optserve.server.domain.errors import InvalidArgument
+from tests._service_helpers import InProcess, make_grads, make_params, max_abs_diff
+from tests.test_replicas import ADAM, _in_sync, _kill_primary
+
+
+@pytest.fixture
+def refusing_server(ray_local):
+    from optserve.server.app import start_server
+
+    running = start_server(ServerConfig(host="127.0.0.1", port=0, shards=2, vote_timeout_s=20.0, min_shard_bytes=0,
+                                        replicas=2, replica_same_node=True, on_one_replica="refuse"))
+    yield running
+    running.stop()
+
+
+def _step(session, reference, params, step: int) -> None:
+    grads = make_grads(params, step)
+    assert max_abs_diff(session.push_pull(grads), reference.step(grads)) <= 1e-6
+
+
+def _held_by_a_fresh_standby(client, index: int, gone_pid: int, standbys) -> None:
+    import ray
+
+    shard = client.server_status()[index]
+    assert shard.standby is not None and shard.standby.healthy and shard.standby.in_sync == 1, shard
+    assert ray.get(standbys.actors[index].pid.remote()) != gone_pid
+
+
+def test_with_refuse_no_step_is_acknowledged_with_one_copy_until_a_fresh_standby_holds_it(refusing_server,
+                                                                                          unique_name):
+    import ray
+
+    client = Client(refusing_server.address, timeout=120.0)
+    params = make_params(6)
+    session = client.create_session(unique_name, params, optimizer=ADAM)
+    assert len(session.info.shards) == 2
+    reference = InProcess(ADAM["name"], ADAM["args"], params)
+    for step in range(3):
+        _step(session, reference, params, step)
+    for index in range(2):
+        _in_sync(client, index)
+    standbys = refusing_server.fleet.standbys
+
+    gone = ray.get(standbys.actors[0].pid.remote())  # the home shard's standby lost
+    os.kill(gone, signal.SIGKILL)
+    _step(session, reference, params, 3)
+    _held_by_a_fresh_standby(client, 0, gone, standbys)
+
+    promoted = ray.get(standbys.actors[1].pid.remote())
+    _kill_primary(refusing_server, 1)  # the other shard's primary lost: its standby is promoted
+    _step(session, reference, params, 4)
+    assert refusing_server.fleet.pids()[1] == promoted
+    _held_by_a_fresh_standby(client, 1, promoted, standbys)
+
+    for step in range(5, 8):
+        _step(session, reference, params, step)
+    assert session.status().version == 8  # every step once: none lost, none twice
+    client.close_session(unique_name)
+
+
+def test_on_one_replica_refuse_without_replicas_is_refused_in_one_line():
+    with pytest.raises(InvalidArgument, match="--on-one-replica refuse .* needs --replicas 2"):
+        ServerConfig(on_one_replica="refuse")
+    with pytest.raises(InvalidArgument, match="--on-one-replica must be one of continue, refuse"):
+        ServerConfig(replicas=2, on_one_replica="wait")
