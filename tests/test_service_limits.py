@@ -400,7 +400,8 @@ def test_a_session_of_40000_tensors_is_validated_and_placed_in_near_linear_time(
 # ----------------------------------------------------------------------------- configuration
 
 def test_limit_defaults_come_from_the_machines_memory_and_bad_values_name_the_flag():
-    from optserve.server.domain.config import Limits, ServerConfig, machine_memory_bytes
+    from optserve.server.domain.config import Limits, ServerConfig
+    from optserve.server.domain.limits import machine_memory_bytes
     from optserve.server.domain.errors import InvalidArgument
 
     memory = machine_memory_bytes()
