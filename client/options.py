@@ -108,6 +108,11 @@ class SessionOptions:
       sparse_mean: sync: how a step averages a tensor pushed as SparseLoCo selections (DiLoCo's
         ``compression``): ``"all"``, over all the step's pushes (an entry a push did not send counts
         as its zero), or ``"senders"``, each entry over the pushes that sent it.
+      replicas: copies of the session's state the server keeps in memory: ``2``, each shard's part
+        also on its hot standby, which holds every step before it is acknowledged (a server
+        started with ``--replicas 2``; another refuses the session, FAILED_PRECONDITION); ``1``,
+        one (lost with its shard's process unless the server is durable); ``None``: the server's
+        ``--replicas``. An attached session reports the number the server uses.
 
     Raises (on construction):
       InvalidArgumentError: naming the option that is wrong.
@@ -128,6 +133,7 @@ class SessionOptions:
     straggler_s: Optional[float] = None
     late: str = "drop"
     sparse_mean: str = "all"
+    replicas: Optional[int] = None
 
     @property
     def elastic(self) -> bool:
@@ -168,6 +174,8 @@ class SessionOptions:
             raise InvalidArgumentError(f"sparse_mean must be one of {', '.join(map(repr, SPARSE_MEANS))}, "
                                        f"got {self.sparse_mean!r}")
         object.__setattr__(self, "wire_dtype", None if wire is None else _wire.wire_option_name(wire))
+        if self.replicas is not None and (not _is_int(self.replicas) or self.replicas not in (1, 2)):
+            raise InvalidArgumentError(f"replicas must be 1, 2 or None (the server's --replicas), got {self.replicas!r}")
         if not isinstance(self.allow_nonfinite, (bool, np.bool_)):
             raise InvalidArgumentError(f"allow_nonfinite must be a bool, got {self.allow_nonfinite!r}")
         object.__setattr__(self, "allow_nonfinite", bool(self.allow_nonfinite))
@@ -238,6 +246,7 @@ class SessionOptions:
             min_workers=self.min_workers or 0, max_workers=self.max_workers or 0, lease_s=float(self.lease_s),
             straggler_s=float(self.straggler_s or 0.0), late=_LATE[self.late],
             sparse_mean_over_senders=self.sparse_mean == "senders",
+            replicas=self.replicas or 0,
             # int8 is each client's gradient encoding (Session.wire_dtype), not a server-side default
             wire_dtype=(_wire.dtype_enum(self.wire_dtype, what="wire_dtype") if self.wire_dtype != contract.INT8_NAME
                         else None) or tensor_pb2.DTYPE_UNSPECIFIED,
@@ -277,4 +286,5 @@ class SessionOptions:
             straggler_s=config.straggler_s or None,
             late={v: k for k, v in _LATE.items()}.get(config.late, "drop"),
             sparse_mean="senders" if config.sparse_mean_over_senders else "all",
+            replicas=config.replicas or None,
         )

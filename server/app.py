@@ -180,7 +180,7 @@ def _serve_control(config: ServerConfig, security: ServerSecurity, coordinator: 
     server = grpc.server(ShrinkingThreadPool(config.grpc_threads, thread_name_prefix="optserve-control"),
                          options=contract.SERVER_OPTIONS + server_options(config.limits),
                          interceptors=security.interceptors(open_services=Health.OPEN_SERVICES))
-    add_control_to_server(ControlServicer(coordinator, security.tokens, config.replicas == 2), server)
+    add_control_to_server(ControlServicer(coordinator, security.tokens), server)
     health = Health(server, ("optserve.v1.Control",))
     enable_reflection(server, ("optserve.v1.Control",))
     port = security.add_port(server, f"{config.host}:{config.port}")

@@ -1,5 +1,7 @@
 """``--on-one-replica refuse``: a session part left with one copy in sync (its standby lost, or its
-primary lost and the standby promoted) acknowledges nothing until a fresh standby holds it.
+primary lost and the standby promoted) acknowledges nothing until a fresh standby holds it; and a
+session's own ``replicas``: 1 on a ``--replicas 2`` server keeps no standby (it is lost with its
+shard), 2 on a ``--replicas 1`` server is refused.
 
 A server of its own (its processes are SIGKILLed), shards and standbys on this one Ray node
 (``replica_same_node``). A push sent after a kill returns only once a fresh standby holds the
@@ -15,7 +17,7 @@ import signal
 
 import pytest
 
-from optserve.client import Client
+from optserve.client import Client, FailedPreconditionError, SessionLostError
 from optserve.server.domain.config import ServerConfig
 from optserve.server.domain.errors import InvalidArgument
 from tests._service_helpers import InProcess, make_grads, make_params, max_abs_diff
@@ -59,21 +61,39 @@ def test_with_refuse_no_step_is_acknowledged_with_one_copy_until_a_fresh_standby
     for index in range(2):
         _in_sync(client, index)
     standbys = refusing_server.fleet.standbys
+    alone = client.create_session(f"{unique_name}-alone", params, optimizer=ADAM, replicas=1)
+    assert (alone.options.replicas, alone.info.hot_standby) == (1, False)
+    assert (session.options.replicas, session.info.hot_standby) == (2, True)
+    alone.push_pull(make_grads(params, 0))
 
     gone = ray.get(standbys.actors[0].pid.remote())  # the home shard's standby lost
     os.kill(gone, signal.SIGKILL)
     _step(session, reference, params, 3)
     _held_by_a_fresh_standby(client, 0, gone, standbys)
+    alone.push_pull(make_grads(params, 1))  # it had no standby to lose: one copy, as it asked
 
     promoted = ray.get(standbys.actors[1].pid.remote())
     _kill_primary(refusing_server, 1)  # the other shard's primary lost: its standby is promoted
     _step(session, reference, params, 4)
     assert refusing_server.fleet.pids()[1] == promoted
     _held_by_a_fresh_standby(client, 1, promoted, standbys)
+    with pytest.raises(SessionLostError, match="created with replicas=1"):
+        alone.push_pull(make_grads(params, 2))
+    client.close_session(f"{unique_name}-alone")
 
     for step in range(5, 8):
         _step(session, reference, params, step)
     assert session.status().version == 8  # every step once: none lost, none twice
+    client.close_session(unique_name)
+
+
+def test_a_session_asking_for_two_replicas_on_a_server_with_one_is_refused_naming_the_flag(server, unique_name):
+    client = Client(server.address)
+    with pytest.raises(FailedPreconditionError, match="asks for replicas=2.*--replicas 1"):
+        client.create_session(unique_name, make_params(2), optimizer=ADAM, replicas=2)
+    assert unique_name not in client.list_sessions()
+    alone = client.create_session(unique_name, make_params(2), optimizer=ADAM)
+    assert (alone.options.replicas, alone.info.hot_standby) == (1, False)
     client.close_session(unique_name)
 
 

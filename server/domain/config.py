@@ -182,6 +182,9 @@ class SessionConfig:
         it existed): pushes for another are refused (see ``PushHeader.incarnation``).
       sparse_mean_over_senders: sync: a tensor some pushes sent as SparseLoCo selections is
         averaged per entry over the pushes that named it (False: over all the step's pushes).
+      replicas: copies of the session's state in memory: 2, each part also held by its shard's
+        hot standby (a ``--replicas 2`` server); 1, the shard's process alone; None: the
+        server's ``--replicas`` (the coordinator sets it when the session is created).
     """
 
     name: str
@@ -198,6 +201,7 @@ class SessionConfig:
     elastic: ElasticOptions = dataclasses.field(default_factory=ElasticOptions)
     incarnation: str = ""
     sparse_mean_over_senders: bool = False
+    replicas: Optional[int] = None
 
     def __post_init__(self):
         if not 1 <= len(self.name) <= 200:
@@ -210,6 +214,9 @@ class SessionConfig:
             raise InvalidArgument(f"session {self.name!r}: duplicate tensor name {duplicates[0]!r}")
         if self.num_workers < 1:
             raise InvalidArgument(f"num_workers must be >= 1, got {self.num_workers}")
+        if self.replicas not in (None, 1, 2):
+            raise InvalidArgument(f"session {self.name!r}: replicas must be 1 or 2 (unset: the server's --replicas), "
+                                  f"got {self.replicas}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise InvalidArgument(f"max_staleness must be >= 0, got {self.max_staleness}")
         if not self.min_workers <= self.num_workers <= self.max_workers:
@@ -252,6 +259,7 @@ class SessionConfig:
             "elastic": self.elastic.to_json(),
             "incarnation": self.incarnation,
             "sparse_mean_over_senders": self.sparse_mean_over_senders,
+            "replicas": self.replicas,
         }
 
     @classmethod
@@ -267,6 +275,7 @@ class SessionConfig:
             elastic=ElasticOptions.from_json(data.get("elastic")),
             incarnation=str(data.get("incarnation", "")),
             sparse_mean_over_senders=bool(data.get("sparse_mean_over_senders", False)),
+            replicas=data.get("replicas"),
         )
 
 

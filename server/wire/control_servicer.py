@@ -16,15 +16,13 @@ from optserve.server.wire.security import TokenTable
 
 
 class ControlServicer(control_pb2_grpc.ControlServicer):
-    """Control on the coordinator. ``tokens``: the server's tenant tokens (None: no tenants);
-    ``hot_standby``: the shards have hot standbys (``--replicas 2``, said in each session's info)."""
+    """Control on the coordinator. ``tokens``: the server's tenant tokens (None: no tenants)."""
 
     refusal_log_level = logging.INFO  # a refused create / attach / close is one INFO line (wire.errors)
 
-    def __init__(self, coordinator: Coordinator, tokens: Optional[TokenTable] = None, hot_standby: bool = False):
+    def __init__(self, coordinator: Coordinator, tokens: Optional[TokenTable] = None):
         self._coordinator = coordinator
         self._tokens = tokens
-        self._hot_standby = hot_standby
 
     def _tenant(self, context) -> str:
         return self._tokens.tenant(context) if self._tokens is not None else ""
@@ -35,7 +33,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         config = session_config_from_proto(request.config, self._coordinator.limits)
         record = self._coordinator.create_session(config, tenant, request.client_id)
         try:
-            return control_pb2.CreateSessionResponse(session=session_info_to_proto(record, self._hot_standby))
+            return control_pb2.CreateSessionResponse(session=session_info_to_proto(record))
         except BaseException:  # a create that fails leaves nothing behind
             self._coordinator.close_session(config.name, tenant)
             raise
@@ -44,7 +42,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     def GetSession(self, request, context):
         record = self._coordinator.get_session(request.name, self._tenant(context),
                                                attach_expectation_from_proto(request, self._coordinator.limits))
-        return control_pb2.GetSessionResponse(session=session_info_to_proto(record, self._hot_standby))
+        return control_pb2.GetSessionResponse(session=session_info_to_proto(record))
 
     @grpc_errors
     def ListSessions(self, request, context):

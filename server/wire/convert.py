@@ -53,6 +53,7 @@ def session_config_from_proto(message: control_pb2.SessionConfig, limits: Option
         elastic=_elastic_options(message),
         incarnation=_incarnation(message.incarnation),
         sparse_mean_over_senders=message.sparse_mean_over_senders,
+        replicas=message.replicas or None,
     )
 
 
@@ -124,6 +125,7 @@ def session_config_to_proto(config: SessionConfig) -> control_pb2.SessionConfig:
         lease_s=config.elastic.lease_s, straggler_s=config.elastic.straggler_s or 0.0, late=config.elastic.late.value,
         incarnation=config.incarnation,
         sparse_mean_over_senders=config.sparse_mean_over_senders,
+        replicas=config.replicas or 0,
     )
 
 
@@ -151,11 +153,11 @@ def assignment_to_proto(a) -> control_pb2.ShardAssignment:
         shard_index=a.shard_index, address=a.address, tensor_names=list(a.tensor_names), param_bytes=a.param_bytes)
 
 
-def session_info_to_proto(record: SessionRecord, hot_standby: bool = False) -> control_pb2.SessionInfo:
+def session_info_to_proto(record: SessionRecord) -> control_pb2.SessionInfo:
     return control_pb2.SessionInfo(
         config=session_config_to_proto(record.config),
         shards=[assignment_to_proto(a) for a in record.assignments],
-        hot_standby=hot_standby,
+        hot_standby=record.config.replicas == 2,
     )
 
 

@@ -50,7 +50,7 @@ from optserve.server.domain.sessions.ports import SessionCatalog, ShardFleet
 from optserve.server.domain.sessions.session_records import (AttachExpectation, SessionRecord, SessionStatus,
                                                              ShardSummary)
 from optserve.server.domain.sessions.session_failover import promote_standby, restandby
-from optserve.server.domain.sessions.session_open import open_on_shards, undo_open
+from optserve.server.domain.sessions.session_open import open_on_shards, undo_open, with_replicas
 from optserve.server.domain.sessions.session_restore import record_from_catalog, restore_consistently, restore_restarted
 from optserve.server.domain.sessions.session_table import SessionState, SessionTable
 
@@ -108,9 +108,11 @@ class Coordinator:
             optimizer cannot build its state for the shard's tensors (checked abstractly, before
             the shard holds anything).
           Unavailable: a shard died or restarted while opening it.
+          FailedPrecondition: it asks for ``replicas`` 2 on a server without standbys.
         Whatever is raised, nothing is left: no shard holds the session and its name is free.
         """
         check_request(config, self.limits)
+        config = with_replicas(config, self._fleet.replicated)
         record = None
         while record is None:  # until no other create of this name is opening it
             self._table.wait_until_free(config.name, _CLOSING_WAIT_S, _OPENING_WAIT_S)

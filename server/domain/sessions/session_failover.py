@@ -5,7 +5,8 @@ addresses; the session map follows, so clients find it on their next retry.
 Where the dead shard was a session's home, the other shards call its clock at the standby's
 internal address from now on; where it was not, the home's votes that waited for the dead
 process end now (the clients retry, and the standby votes in its place). A session the standby
-did not hold in sync cannot be promoted: it is lost, with the reason.
+did not hold in sync cannot be promoted: it is lost, with the reason; so is one created with
+``replicas`` 1 (no standby held it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def promote_standby(fleet: ShardFleet, table: SessionTable, shard_index: int, de
     serves its sessions (see the module's docstring). Returns the sessions that could not be
     promoted, each with its lost message (the caller loses them)."""
     by_home = table.live_on(shard_index)
+    one_copy = {name for names in by_home.values() for name in names if _copies(table, name) == 1}
+    by_home = {home: [name for name in names if name not in one_copy] for home, names in by_home.items()}
     names = sorted(name for names in by_home.values() for name in names)
     outcomes = fleet.promote(shard_index, names, PROMOTE_TIMEOUT_S)
     address, clock_address = fleet.addresses[shard_index], fleet.clock_addresses[shard_index]
@@ -40,8 +43,16 @@ def promote_standby(fleet: ShardFleet, table: SessionTable, shard_index: int, de
                 fleet.set_home_clock(shard_index, name, fleet.clock_addresses[home])
             fleet.peer_down(home, shard_index, promoted)
             fleet.peer_up(home, shard_index, promoted)
-    return {name: f"session {name!r} is lost: {death} and its standby could not take over ({why}); close the "
+    lost = {name: f"session {name!r} is lost: {death} and its standby could not take over ({why}); close the "
                   f"session and create it again" for name, why in outcomes.items() if why is not None}
+    lost.update({name: f"session {name!r} is lost: {death}, and it was created with replicas=1 (no standby held "
+                       f"its state); close the session and create it again" for name in one_copy})
+    return lost
+
+
+def _copies(table: SessionTable, name: str) -> int:
+    entry = table.entry(name)
+    return 2 if entry is None else (entry.record.config.replicas or 2)
 
 
 def restandby(fleet: ShardFleet, table: SessionTable, shard_index: int) -> list[str]:
@@ -52,7 +63,7 @@ def restandby(fleet: ShardFleet, table: SessionTable, shard_index: int) -> list[
     records = {name: table.entry(name) for names in table.live_on(shard_index).values() for name in names}
     failed = []
     for name, entry in records.items():
-        if entry is None:
+        if entry is None or entry.record.config.replicas == 1:
             continue
         try:
             fleet.start_standbys(name, entry.record.openings(fleet.clock_addresses), only=shard_index)

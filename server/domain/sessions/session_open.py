@@ -3,20 +3,38 @@ these outside its ``_membership`` lock: the shards compile the session's step me
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Mapping, Optional
 
-from optserve.server.domain.errors import Unavailable
+from optserve.server.domain.config import SessionConfig
+from optserve.server.domain.errors import FailedPrecondition, Unavailable
 from optserve.server.domain.sessions.ports import SessionCatalog, ShardFleet
 from optserve.server.domain.sessions.session_records import SessionRecord
 
 log = logging.getLogger(__name__)
 
 
+def with_replicas(config: SessionConfig, replicated: bool) -> SessionConfig:
+    """``config`` with the copies it is kept in: the server's (2 where its shards have hot
+    standbys, ``replicated``) unless it asks for its own.
+
+    Raises:
+      FailedPrecondition: it asks for 2 on a server without standbys (naming ``--replicas``).
+    """
+    if config.replicas == 2 and not replicated:
+        raise FailedPrecondition(f"session {config.name!r} asks for replicas=2, but this server keeps one copy of "
+                                 f"each session (it runs with --replicas 1): ask for replicas=1, or use a server "
+                                 f"started with --replicas 2")
+    if config.replicas is None:
+        return dataclasses.replace(config, replicas=2 if replicated else 1)
+    return config
+
+
 def open_on_shards(fleet: "ShardFleet", catalog: Optional["SessionCatalog"], record: SessionRecord,
                    memory_left: Mapping[int, int]) -> None:
     """Opens the session on its shards (each with ``memory_left`` of its budget beyond the
-    part's estimate), and on their standbys (``--replicas 2``), and saves it in ``catalog``
+    part's estimate), and on their standbys (``replicas`` 2), and saves it in ``catalog``
     (durable servers); if any fails, closes what was opened and removes the entry before raising.
 
     Raises:
@@ -26,7 +44,7 @@ def open_on_shards(fleet: "ShardFleet", catalog: Optional["SessionCatalog"], rec
     try:
         openings = record.openings(fleet.clock_addresses, memory_left)
         fleet.open_session(openings)
-        if fleet.replicated:  # each part's standby holds it too, from its initial values on
+        if record.config.replicas == 2:  # each part's standby holds it too, from its initial values on
             fleet.start_standbys(name, openings)
         if catalog is not None:
             try:
