@@ -51,7 +51,7 @@ from optserve.server.domain.sessions.session_records import (AttachExpectation, 
                                                              ShardSummary)
 from optserve.server.domain.sessions.session_failover import promote_standby, restandby
 from optserve.server.domain.sessions.session_open import open_on_shards, undo_open, with_replicas
-from optserve.server.domain.sessions.session_restore import record_from_catalog, restore_consistently, restore_restarted
+from optserve.server.domain.sessions.session_restore import record_from_catalog, restore_recorded, restore_restarted
 from optserve.server.domain.sessions.session_table import SessionState, SessionTable
 
 log = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ class Coordinator:
                 if record is None:
                     continue
                 self._table.restored(record, record.estimated_bytes(self._workers))
-                why = self._restore(record)
+                why = restore_recorded(self._fleet, self._table, record)
                 if why is not None:
                     self._lose({record.config.name: why})
                     log.error("event=session_lost session=%s reason=%s", record.config.name, why)
@@ -179,14 +179,6 @@ class Coordinator:
                     restored.append(record.config.name)
                     log.warning("event=session_restored session=%s", record.config.name)
         return restored
-
-    def _restore(self, record: SessionRecord) -> Optional[str]:
-        """Restores a durable session on all its shards at one version (see
-        :mod:`~optserve.server.domain.sessions.session_restore`); returns why it is lost, or None."""
-        outcome = restore_consistently(self._fleet, record)
-        if outcome.rolled_back_from:
-            self._table.rolled_back(record.config.name, outcome.rolled_back_from)
-        return outcome.why_lost
 
     def shard_down(self, shard_index: int) -> list[str]:
         """Durable servers: shard ``shard_index`` died and is being restarted. Votes waiting for it
@@ -311,7 +303,7 @@ class Coordinator:
             entry = self._table.entry(name)
             if entry is None or entry.state is not SessionState.UNLOADED:
                 return  # loaded meanwhile, or closed
-            why = self._restore(entry.record)
+            why = restore_recorded(self._fleet, self._table, entry.record)
             self._table.reloaded(name, why)
             if why is not None:
                 self._fleet.close_session(name, why)

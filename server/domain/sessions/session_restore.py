@@ -76,6 +76,16 @@ def restore_consistently(fleet: "ShardFleet", record: SessionRecord) -> RestoreO
     return RestoreOutcome(None, rolled_back_from)
 
 
+def restore_recorded(fleet: "ShardFleet", table, record: SessionRecord) -> Optional[str]:
+    """Restores a durable session on all its shards at one version (:func:`restore_consistently`),
+    noting a roll-back in ``table`` (the coordinator's ``SessionTable``); returns why it is lost,
+    or None."""
+    outcome = restore_consistently(fleet, record)
+    if outcome.rolled_back_from:
+        table.rolled_back(record.config.name, outcome.rolled_back_from)
+    return outcome.why_lost
+
+
 def restore_shard(fleet: "ShardFleet", record: SessionRecord, shard_index: int) -> Optional[str]:
     """A restarted shard's part of a durable session: restores it (its checkpoint and all it
     logged), then points the session's other shards at the shard's new clock endpoint (it is the
