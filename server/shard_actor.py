@@ -225,6 +225,9 @@ class ShardActor:
         """Primary: starts the standby at ``standby_address`` (:meth:`ShardReplicas.replicate`)."""
         self._replicas.replicate(name, standby_address)
 
+    def standby_missing(self, name: str, why: str) -> None:
+        self._replicas.standby_missing(name, why)
+
     def go_on_alone(self, names=None, why: str = "") -> list:
         """Primary: the coordinator lets these sessions acknowledge with one copy
         (:meth:`ShardReplicas.go_on_alone`)."""

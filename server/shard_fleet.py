@@ -113,17 +113,22 @@ class RayShardFleet:
     def has_standby(self, index: int) -> bool:
         return self.standbys is not None and self.standbys.actors[index] is not None
 
-    def start_standbys(self, name: str, openings: Sequence[ShardOpening], only: Optional[int] = None) -> None:
+    def start_standbys(self, name: str, openings: Sequence[ShardOpening], only: Optional[int] = None) -> list[int]:
         """Session ``name``'s parts (``openings``; ``only``: that shard's alone) get their standbys:
         each is held by its shard's standby, every part learns the session is replicated, then each
         primary streams its part to its standby from its state now (a new session's: from its
-        initial values on). A part inside a step is asked again, for up to 30 s.
+        initial values on). A part inside a step is asked again, for up to 30 s. Returns the shards
+        that had no standby (their parts are told: ``standby_missing``).
 
         Raises:
           Unavailable: a part stayed inside steps that long (that part goes on with one copy).
         """
-        wanted = [o for o in openings if self.has_standby(o.shard_index) and only in (None, o.shard_index)]
-        parts = self.standbys.follow(wanted, _ray_get, ACTOR_GONE)
+        mine = [o for o in openings if only in (None, o.shard_index)]
+        parts = self.standbys.follow([o for o in mine if self.has_standby(o.shard_index)], _ray_get, ACTOR_GONE)
+        held = {o.shard_index for o in parts}
+        missing = sorted(o.shard_index for o in mine if o.shard_index not in held)
+        _ray_get([self.actors[i].standby_missing.remote(name, "its shard has no standby now")
+                  for i in missing])  # --on-one-replica refuse: it awaits one
         _ray_get([self.actors[o.shard_index].set_replicated.remote(name) for o in openings])
         deadline = time.monotonic() + 30.0
         for opening in parts:
@@ -136,6 +141,7 @@ class RayShardFleet:
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.05)
+        return missing
 
     def add_standby(self, index: int) -> None:
         """Shard ``index`` has no standby (promoted, or died): a fresh one, on another node than

@@ -71,18 +71,16 @@ class ShardReplicas:
         waiting for the standby fails UNAVAILABLE and its client's retry is not applied again.
         Returns the sessions let go."""
         if names is None:
-            names = [s.config.name for s in self._registry.sessions() if s.durability.in_sync]
+            names = [s.config.name for s in self._registry.sessions()]
         with self._lock:
             channels = list(self._channels.values())
         let_go = []
         for name in names:
             session = self._registry.find(name)
-            if session is not None and session.durability.in_sync:
-                if self._refuse_one_copy:
-                    session.durability.refuse_until_standby(why)
-                else:
-                    session.durability.detach_replica(why)
-                let_go.append(name)
+            if session is not None:
+                session.durability.refuse_one_copy = self._refuse_one_copy
+                if session.durability.let_go(why):
+                    let_go.append(name)
             for channel in channels:
                 channel.forget(name)
             with self._lock:
@@ -125,7 +123,16 @@ class ShardReplicas:
           Unavailable: the part is inside a step, or the stream to the standby is broken (ask again).
         """
         session = self._registry.get(name)
+        session.durability.refuse_one_copy = self._refuse_one_copy
         session.durability.start_replica(self._channel(standby_address).port(name))
+
+    def standby_missing(self, name: str, why: str) -> None:
+        """Primary: session ``name``'s part here got no standby (its shard has none now): with
+        ``--on-one-replica refuse`` it acknowledges nothing until a fresh standby holds it."""
+        session = self._registry.find(name)
+        if session is not None and self._refuse_one_copy:
+            session.durability.refuse_one_copy = True
+            session.durability.refuse_until_standby(why)
 
     def promote(self, name: str, timeout_s: float) -> int:
         """Standby: the primary is gone: applies every step held, then serves the session in its
@@ -138,10 +145,11 @@ class ShardReplicas:
         """
         version = self.standbys.follower(name).promote(timeout_s)
         session, _follower = self.standbys.take(name)
+        if self._refuse_one_copy:
+            session.durability.refuse_one_copy = True
+            session.durability.refuse_until_standby("it was promoted in its lost primary's place")
         if session.clock.is_home:
             self._serve_clock(name, session.clock)
-        if self._refuse_one_copy:
-            session.durability.refuse_until_standby("it was promoted in its lost primary's place")
         self._registry.add(session)
         log.warning("event=standby_promoted session=%s version=%d", name, version)
         return version

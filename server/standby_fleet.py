@@ -24,6 +24,7 @@ from optserve.server.preflight import StartError
 log = logging.getLogger(__name__)
 
 AVOID_FAILED_NODE_S = 60.0  # a node where a fresh standby failed to start is passed over this long
+START_TIMEOUT_S = 120.0  # a fresh standby not serving by then (not placed: no room on its node) failed
 
 
 def shard_nodes() -> list[str]:
@@ -85,7 +86,7 @@ class StandbyActors:
         node = standby_nodes([primary_node], fresh if set(fresh) - {primary_node} else alive, self._same_node)[0]
         actor = self._start_actor(index, NodeAffinitySchedulingStrategy(node, soft=False))
         try:
-            self.clock_addresses[index] = ray.get(actor.clock_address.remote())
+            self.clock_addresses[index] = ray.get(actor.clock_address.remote(), timeout=START_TIMEOUT_S)
         except Exception:
             self._failed_on[node] = time.monotonic()
             ray.kill(actor, no_restart=True)
@@ -96,7 +97,7 @@ class StandbyActors:
     def follow(self, openings: Sequence[ShardOpening], call, gone: tuple) -> list[ShardOpening]:
         """Each opening's standby part is held by its shard's standby (``call(ref)`` waits for one
         and raises the domain error; every one is waited for first). A standby found dead
-        (``gone``: what Ray raises then) is forgotten, its part left with one copy. Returns the
+        (``gone``: what Ray raises then) holds nothing (the shard watch replaces it). Returns the
         openings whose standby holds them."""
         calls = [(o, self.actors[o.shard_index].follow_session.remote(o)) for o in openings if self.actors[o.shard_index]]
         errors, held = [], []
@@ -104,8 +105,8 @@ class StandbyActors:
             try:
                 ray.get(ref)
                 held.append(opening)
-            except gone:
-                self.forget(opening.shard_index)
+            except gone:  # the watch's next check forgets it, lets its primary go on and starts a fresh one
+                pass
             except Exception:  # noqa: BLE001 - the domain error, raised below once every standby answered
                 try:
                     call(ref)

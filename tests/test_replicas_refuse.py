@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -39,11 +40,11 @@ def _step(session, reference, params, step: int) -> None:
     assert max_abs_diff(session.push_pull(grads), reference.step(grads)) <= 1e-6
 
 
-def _held_by_a_fresh_standby(client, index: int, gone_pid: int, standbys) -> None:
+def _held_by_a_fresh_standby(client, index: int, gone_pid: int, standbys, sessions: int = 1) -> None:
     import ray
 
     shard = client.server_status()[index]
-    assert shard.standby is not None and shard.standby.healthy and shard.standby.in_sync == 1, shard
+    assert shard.standby is not None and shard.standby.healthy and shard.standby.in_sync == sessions, shard
     assert ray.get(standbys.actors[index].pid.remote()) != gone_pid
 
 
@@ -68,18 +69,26 @@ def test_with_refuse_no_step_is_acknowledged_with_one_copy_until_a_fresh_standby
 
     gone = ray.get(standbys.actors[0].pid.remote())  # the home shard's standby lost
     os.kill(gone, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while standbys.actors[0] is not None and time.monotonic() < deadline:  # forgotten, the fresh one not up
+        time.sleep(0.02)
+    late = client.create_session(f"{unique_name}-late", params, optimizer=ADAM)  # its part there awaits one
+    late.push_pull(make_grads(params, 0))  # returns once a fresh standby holds it: the one lost is replaced
+    assert standbys.actors[0] is not None and ray.get(standbys.actors[0].pid.remote()) != gone
     _step(session, reference, params, 3)
-    _held_by_a_fresh_standby(client, 0, gone, standbys)
+    _held_by_a_fresh_standby(client, 0, gone, standbys, sessions=2)
     alone.push_pull(make_grads(params, 1))  # it had no standby to lose: one copy, as it asked
 
     promoted = ray.get(standbys.actors[1].pid.remote())
     _kill_primary(refusing_server, 1)  # the other shard's primary lost: its standby is promoted
     _step(session, reference, params, 4)
+    late.push_pull(make_grads(params, 1))
     assert refusing_server.fleet.pids()[1] == promoted
-    _held_by_a_fresh_standby(client, 1, promoted, standbys)
+    _held_by_a_fresh_standby(client, 1, promoted, standbys, sessions=2)
     with pytest.raises(SessionLostError, match="created with replicas=1"):
         alone.push_pull(make_grads(params, 2))
     client.close_session(f"{unique_name}-alone")
+    client.close_session(f"{unique_name}-late")
 
     for step in range(5, 8):
         _step(session, reference, params, step)

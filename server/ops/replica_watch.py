@@ -95,13 +95,15 @@ class ReplicaWatch(Periodic):
         now = time.monotonic()
         silent = {address for address in self._probers if self._probers[address].silent(now, self._silence_s)}
         lost = {index for index, primary, _ in pairs if primary in silent}
-        if lost:
-            with self._fleet.topology:  # the lost primaries are told nothing while any of them is failed over
-                self._fleet.silent_actors = [self._fleet.actors[index] for index in lost]
+        failing = [(index, primary, standby) for index, primary, standby in pairs
+                   if index in lost and standby is not None and standby not in silent]
+        if failing:
+            with self._fleet.topology:  # the primaries failed over are told nothing while any of them is
+                self._fleet.silent_actors = [self._fleet.actors[index] for index, primary, standby in failing
+                                             if self._current(index, primary, standby)]
                 try:
-                    for index, primary, standby in pairs:
-                        if index in lost and standby is not None and standby not in silent:
-                            self._fail_over(index, primary, standby, now - self._probers[primary].last_answer)
+                    for index, primary, standby in failing:
+                        self._fail_over(index, primary, standby, now - self._probers[primary].last_answer)
                 finally:
                     self._fleet.silent_actors = []
         for index, primary, standby in pairs:

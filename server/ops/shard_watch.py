@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 def _retry_delays():
-    """Seconds to wait after each failed start of a fresh standby: 1, 2, 4, then every 10."""
+    """Seconds to wait after each failed start of a fresh standby: 1, 2, 4, 8, then every 10."""
     delay = 1.0
     while True:
         yield delay
@@ -52,6 +52,7 @@ class ShardWatch(Periodic):
         self._coordinator = coordinator
         self._holding: set[int] = set()  # restarted shards whose sessions wait for a shard that failed to start
         self._restandbying: set[int] = set()  # --replicas 2: shards whose fresh standby is being started
+        self._asked_again: set[int] = set()  # ... and asked for again meanwhile (that standby was lost too)
         self._lock = threading.Lock()
 
     def check_once(self) -> list[int]:
@@ -101,22 +102,31 @@ class ShardWatch(Periodic):
     def restandby_later(self, index: int) -> None:
         """--replicas 2: shard ``index`` gets a fresh standby, and its sessions are caught up on it
         from the shard's memory, off the watch's thread (seconds: an actor starts, each session's
-        step compiles there)."""
+        step compiles there). Asked again while one is being started (that one was lost too), it
+        starts another once this one is done; it tries until the shard has a standby holding its
+        sessions."""
         with self._lock:
             if index in self._restandbying:
+                self._asked_again.add(index)
                 return
             self._restandbying.add(index)
 
         def run() -> None:
             try:
                 for delay in _retry_delays():
+                    with self._lock:
+                        self._asked_again.discard(index)
                     try:
                         if not self._fleet.has_standby(index):
                             self._fleet.add_standby(index)
                         failed = self._coordinator.restandby(index)
-                        log.warning("event=standby_caught_up shard=%d one_copy_sessions=%s", index,
-                                    ",".join(failed) or "-")
-                        return
+                        if self._fleet.has_standby(index):  # (lost meanwhile: once more)
+                            log.warning("event=standby_caught_up shard=%d one_copy_sessions=%s", index,
+                                        ",".join(failed) or "-")
+                            with self._lock:
+                                if index not in self._asked_again:
+                                    return
+                            continue
                     except Exception as exc:  # noqa: BLE001 - the shard goes on with one copy meanwhile
                         log.error("event=standby_start_failed shard=%d retry_in_s=%.0f why=%s", index, delay,
                                   f"{type(exc).__name__}: {exc}".splitlines()[0])
@@ -125,6 +135,7 @@ class ShardWatch(Periodic):
             finally:
                 with self._lock:
                     self._restandbying.discard(index)
+                    self._asked_again.discard(index)
 
         threading.Thread(target=run, name=f"optserve-standby-{index}", daemon=True).start()
 

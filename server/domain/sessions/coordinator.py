@@ -50,7 +50,7 @@ from optserve.server.domain.sessions.ports import SessionCatalog, ShardFleet
 from optserve.server.domain.sessions.session_records import (AttachExpectation, SessionRecord, SessionStatus,
                                                              ShardSummary)
 from optserve.server.domain.sessions.session_failover import promote_standby, restandby
-from optserve.server.domain.sessions.session_open import open_on_shards, undo_open, with_replicas
+from optserve.server.domain.sessions.session_open import catch_up_missed, open_on_shards, undo_open, with_replicas
 from optserve.server.domain.sessions.session_restore import record_from_catalog, restore_recorded, restore_restarted
 from optserve.server.domain.sessions.session_table import SessionState, SessionTable
 
@@ -129,11 +129,12 @@ class Coordinator:
                 changes = {a.shard_index: self._shard_changes[a.shard_index] for a in record.assignments}
         try:
             with self._opens:
-                open_on_shards(self._fleet, self._catalog, record, left)
+                missing = open_on_shards(self._fleet, self._catalog, record, left)
         except BaseException:
             self._table.abandoned(config.name)
             raise
         self._take_live(record, changes)
+        catch_up_missed(self._fleet, record, missing)
         log_event(log, logging.INFO, "session_created", session=config.name, optimizer=config.optimizer_name,
                   mode=config.mode.name.lower(), tensors=len(config.tensors),
                   shards=",".join(str(a.shard_index) for a in record.assignments),

@@ -35,8 +35,9 @@ class ShardFleet(Protocol):
 
     def has_standby(self, shard_index: int) -> bool: ...
 
-    def start_standbys(self, name: str, openings: Sequence[ShardOpening], only: Optional[int] = None) -> None: ...
-    # each part's standby (``only``: that shard's) holds it and its primary streams to it from its state now
+    def start_standbys(self, name: str, openings: Sequence[ShardOpening], only: Optional[int] = None) -> list[int]: ...
+    # each part's standby (``only``: that shard's) holds it and its primary streams to it from its state now;
+    # returns the shards that had no standby then (their parts await one)
 
     def add_standby(self, shard_index: int) -> None: ...  # a fresh standby for a shard without one
 

@@ -52,7 +52,7 @@ def promote_standby(fleet: ShardFleet, table: SessionTable, shard_index: int, de
 
 def _copies(table: SessionTable, name: str) -> int:
     entry = table.entry(name)
-    return 2 if entry is None else (entry.record.config.replicas or 2)
+    return 2 if entry is None else (entry.record.config.replicas or 1)  # (unset: restored from a catalog)
 
 
 def restandby(fleet: ShardFleet, table: SessionTable, shard_index: int) -> list[str]:

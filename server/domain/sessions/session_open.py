@@ -32,10 +32,11 @@ def with_replicas(config: SessionConfig, replicated: bool) -> SessionConfig:
 
 
 def open_on_shards(fleet: "ShardFleet", catalog: Optional["SessionCatalog"], record: SessionRecord,
-                   memory_left: Mapping[int, int]) -> None:
+                   memory_left: Mapping[int, int]) -> list[int]:
     """Opens the session on its shards (each with ``memory_left`` of its budget beyond the
     part's estimate), and on their standbys (``replicas`` 2), and saves it in ``catalog``
     (durable servers); if any fails, closes what was opened and removes the entry before raising.
+    Returns the shards that had no standby to take their part (see :func:`catch_up_missed`).
 
     Raises:
       Unavailable: the catalog's disk refused the entry; or what a shard raised.
@@ -44,8 +45,9 @@ def open_on_shards(fleet: "ShardFleet", catalog: Optional["SessionCatalog"], rec
     try:
         openings = record.openings(fleet.clock_addresses, memory_left)
         fleet.open_session(openings)
+        missing = []
         if record.config.replicas == 2:  # each part's standby holds it too, from its initial values on
-            fleet.start_standbys(name, openings)
+            missing = fleet.start_standbys(name, openings)
         if catalog is not None:
             try:
                 catalog.save(name, record.to_json())
@@ -55,6 +57,20 @@ def open_on_shards(fleet: "ShardFleet", catalog: Optional["SessionCatalog"], rec
     except BaseException:
         undo_open(fleet, catalog, name)
         raise
+    return missing
+
+
+def catch_up_missed(fleet: "ShardFleet", record: SessionRecord, missing: list[int]) -> None:
+    """A new live session whose parts on shards ``missing`` found no standby when it opened (a
+    fresh one was being started): those that have one now get it. (A fresh standby's catching up
+    takes the live sessions; this one may have gone live after it looked. Taken by both, the
+    second start finds the part held and does nothing.)"""
+    for index in missing:
+        if fleet.has_standby(index):
+            try:
+                fleet.start_standbys(record.config.name, record.openings(fleet.clock_addresses), only=index)
+            except Exception as exc:  # noqa: BLE001 - held already (AlreadyExists), or that part awaits the next
+                log.info("event=standby_catch_up_skipped session=%s shard=%d why=%s", record.config.name, index, exc)
 
 
 def undo_open(fleet: "ShardFleet", catalog: Optional["SessionCatalog"], name: str) -> None:

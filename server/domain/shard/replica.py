@@ -145,7 +145,7 @@ class NoStandby:
     """The port of a replicated part that has one copy in sync and refuses to acknowledge with it
     (``--on-one-replica refuse``) until a fresh standby starts: it holds nothing, so each step
     applied meanwhile waits for that standby (its client's retry is answered once it holds it),
-    and a home clock hands out no ticket (nothing is applied on any shard).
+    and a home clock's new ticket is refused once decided (the fresh standby's start holds it).
 
     Args:
       why: what the refused calls say (UNAVAILABLE), naming the session and shard.

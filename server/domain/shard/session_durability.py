@@ -28,6 +28,7 @@ class SessionDurability:
     def __init__(self, steps: StepRunner):
         self._steps = steps
         self._deferred: Optional[ReplicaPort] = None  # a standby waiting for the initial values
+        self.refuse_one_copy = False  # --on-one-replica refuse: a standby that cannot start is awaited
 
     def attach_store(self, store: CheckpointPort) -> None:
         """Makes a new session durable: its steps are logged to ``store.log`` from now on."""
@@ -88,10 +89,10 @@ class SessionDurability:
 
     def refuse_until_standby(self, why: str) -> None:
         """``--on-one-replica refuse``: this part has one copy in sync (its standby is gone, or it
-        is a promoted standby): nothing is acknowledged, and a home clock hands out no ticket,
-        until :meth:`start_replica` starts a fresh standby. A step applied meanwhile (its ticket
-        handed out before) is acknowledged once that standby holds it; its client's retry is not
-        applied again."""
+        is a promoted standby): nothing is acknowledged until :meth:`start_replica` starts a
+        fresh standby (a home clock's new tickets are refused UNAVAILABLE once decided: a retry
+        finds its ticket, and the fresh standby's start holds it). A step applied meanwhile is
+        acknowledged once that standby holds it; its client's retry is not applied again."""
         steps = self._steps
         port = NoStandby(f"{steps.where}: {why}; it has one copy in sync and --on-one-replica refuse acknowledges "
                          f"nothing until a fresh standby holds it: retry (a push is not applied twice)")
@@ -126,6 +127,21 @@ class SessionDurability:
             self.start_replica(replica)
         except Exception as exc:  # noqa: BLE001 - the initial values stay installed; the part goes on alone
             _log.error("event=standby_not_started %s error=%s", self._steps.where, exc)
+            if self.refuse_one_copy:
+                self.refuse_until_standby(f"its standby could not start ({exc})")
+
+    def let_go(self, why: str) -> bool:
+        """Primary: the standby is gone: this part goes on with one copy (:meth:`detach_replica`),
+        or, with :attr:`refuse_one_copy`, awaits a fresh one (:meth:`refuse_until_standby`); a
+        standby still waiting for the initial values is forgotten. False: it had none."""
+        deferred, self._deferred = self._deferred, None
+        if not self.in_sync and deferred is None:
+            return False
+        if self.refuse_one_copy:
+            self.refuse_until_standby(why)
+        else:
+            self.detach_replica(why)
+        return True
 
     def start_from(self, start: ReplicaStart) -> None:
         """A fresh standby's session: takes its primary's state (see :meth:`start_replica`); it
