@@ -118,13 +118,14 @@ def _logged_version(shards) -> Optional[int]:
 
 
 def _standby(shard: dict) -> str:
-    """The standby cell: its Ray node and the sessions it holds in sync (``-``: no standby)."""
+    """The standby cell: its Ray node and the sessions it holds in sync, of those kept with a
+    standby (``-``: no standby)."""
     standby = shard.get("standby")
     if not standby:
         return "-"
     if not standby["healthy"]:
         return "NOT ANSWERING"
-    return f"{(standby['node_id'] or '?')[:12]} {standby['in_sync']}/{shard['sessions']}"
+    return f"{(standby['node_id'] or '?')[:12]} {standby['in_sync']}/{standby.get('replicated', shard['sessions'])}"
 
 
 def _durable(session: dict) -> str:

@@ -146,15 +146,17 @@ class DevicePlacement:
 @dataclasses.dataclass(frozen=True)
 class ShardStandbyStatus:
     """A shard's hot standby (``--replicas 2``): its Ray node, whether it answered, and how many
-    of the shard's sessions it holds in sync (every acknowledged step)."""
+    of the shard's sessions it holds in sync (every acknowledged step), of the ``replicated``
+    ones kept with a standby (a session created with ``replicas=1`` is not)."""
 
     node_id: str
     healthy: bool
     in_sync: int
+    replicated: int = 0
 
     @classmethod
     def from_proto(cls, s: control_pb2.ShardStandby) -> "ShardStandbyStatus":
-        return cls(s.node_id, s.healthy, s.in_sync)
+        return cls(s.node_id, s.healthy, s.in_sync, s.replicated)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -275,15 +275,16 @@ class ShardActor:
         return self._metrics.collect()
 
     def server_status(self) -> dict:
-        """``{"node_id", "sessions", "param_bytes", "resident_bytes", "device", "in_sync"}`` of this
-        shard, now (``device``: its :class:`DeviceReport`; ``in_sync``: sessions whose standby holds
-        every step acknowledged)."""
+        """``{"node_id", "sessions", "param_bytes", "resident_bytes", "device", "in_sync",
+        "replicated"}`` of this shard, now (``device``: its :class:`DeviceReport`; ``in_sync``:
+        sessions whose standby holds every step acknowledged, of the ``replicated`` ones)."""
         sessions = self._registry.sessions()
         unsynced = set(self._replicas.out_of_sync())
         return {"node_id": self._node_id, "sessions": len(sessions),
                 "param_bytes": sum(s.updater.param_bytes() for s in sessions), "resident_bytes": resident_bytes(),
                 "device": self._device,
-                "in_sync": sum(s.durability.in_sync and s.config.name not in unsynced for s in sessions)}
+                "in_sync": sum(s.durability.in_sync and s.config.name not in unsynced for s in sessions),
+                "replicated": sum(s.config.replicas == 2 for s in sessions)}
 
     def session_status(self, name: str) -> ShardSessionStatus:
         return dataclasses.replace(self._registry.get(name).status(), node_id=self._node_id)

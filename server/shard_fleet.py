@@ -283,7 +283,8 @@ class RayShardFleet:
         return [ShardSummary(i, self.addresses[i], healthy=False, standby=s) if r is None else
                 ShardSummary(i, self.addresses[i], r["node_id"], r["sessions"], r["param_bytes"], r["resident_bytes"],
                              healthy=True, device=r["device"],
-                             standby=dataclasses.replace(s, in_sync=r.get("in_sync", 0)) if s is not None else None)
+                             standby=dataclasses.replace(s, in_sync=r.get("in_sync", 0),
+                                                         replicated=r.get("replicated", 0)) if s is not None else None)
                 for i, (r, s) in enumerate(zip(reports, standbys))]
 
     def drain(self) -> None:

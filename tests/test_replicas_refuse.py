@@ -66,6 +66,11 @@ def test_with_refuse_no_step_is_acknowledged_with_one_copy_until_a_fresh_standby
     assert (alone.options.replicas, alone.info.hot_standby) == (1, False)
     assert (session.options.replicas, session.info.hot_standby) == (2, True)
     alone.push_pull(make_grads(params, 0))
+    shard = client.server_status()[0]  # in sync: 1 of the 1 session kept with a standby, of 2 there
+    assert (shard.sessions, shard.standby.replicated, shard.standby.in_sync) == (2, 1, 1), shard
+    from optserve.client.cli import collect, render
+
+    assert f"{shard.standby.node_id[:12]} 1/1" in render(collect(client))
 
     gone = ray.get(standbys.actors[0].pid.remote())  # the home shard's standby lost
     os.kill(gone, signal.SIGKILL)

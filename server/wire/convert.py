@@ -205,7 +205,8 @@ def server_status_to_proto(shards) -> control_pb2.GetServerStatusResponse:
                                 param_bytes=s.param_bytes, resident_bytes=s.resident_bytes, healthy=s.healthy,
                                 device=device_to_proto(s.device), standby=None if s.standby is None else
                                 control_pb2.ShardStandby(node_id=s.standby.node_id, healthy=s.standby.healthy,
-                                                         in_sync=s.standby.in_sync))
+                                                         in_sync=s.standby.in_sync,
+                                                         replicated=s.standby.replicated))
         for s in shards])
 
 

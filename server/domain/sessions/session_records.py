@@ -173,11 +173,13 @@ class SessionStatus:
 @dataclasses.dataclass(frozen=True)
 class StandbySummary:
     """A shard's hot standby as the server sees it now: its Ray node, whether it answered, and
-    how many of the shard's sessions it holds in sync (every acknowledged step)."""
+    how many of the shard's sessions it holds in sync (every acknowledged step), of the
+    ``replicated`` ones kept with a standby (a session may ask for one copy)."""
 
     node_id: str = ""
     healthy: bool = False
     in_sync: int = 0
+    replicated: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
