@@ -79,15 +79,15 @@ def docs_commands(path: str = DOCS) -> list[tuple[dict, list[str]]]:
     return commands
 
 
-def start_cluster(bed: NetBed, shards: int = 2, replicas: int = 1) -> Cluster:
+def start_cluster(bed: NetBed, shards: int = 2, replicas: int = 1, durable: bool = False) -> Cluster:
     """docs/operating.md's "More than one machine" run as written (:func:`docs_commands`: its
     addresses replaced by the hosts', its shared folder by one in the bed's folder, which every
     host sees): the Ray head and ``optserve serve`` on h1, a Ray node on h2 and one on h3. The bed
     adds only what its own bookkeeping needs (``--block``, a ``--temp-dir`` per host, a small
     object store) and ``--shards``, ``--min-shard-bytes 0`` (small sessions spread too). With
-    ``replicas=2`` the server keeps its sessions in memory twice instead of on disk (no
-    ``--checkpoint-dir``; ``--replicas 2``: each shard's standby on the other node). Returns once
-    the server listens."""
+    ``replicas=2`` the server keeps its sessions in memory twice (``--replicas 2``: each shard's
+    standby on another node), instead of on disk (no ``--checkpoint-dir``) or, ``durable``, as
+    well. Returns once the server listens."""
     (head_env, head_argv), (_, node_argv), (_, serve_argv) = docs_commands()
     h1 = bed.hosts["h1"]
     checkpoints = os.path.join(bed.folder, "checkpoints")
@@ -100,7 +100,7 @@ def start_cluster(bed: NetBed, shards: int = 2, replicas: int = 1) -> Cluster:
     serve[serve.index("--shards") + 1] = str(shards)
     if replicas != 1:
         at = serve.index("--checkpoint-dir")
-        serve[at:at + 2] = ["--replicas", str(replicas)]
+        serve[at:at + 2] = ["--replicas", str(replicas)] + (serve[at:at + 2] if durable else [])
     server = h1.spawn("optserve", [sys.executable, "-m", "optserve.server.cli", *serve[1:], "--min-shard-bytes", "0"])
     address = server.wait_for("optserve listening on ").split()[-1]
     return Cluster(bed, address, server, checkpoints, node_argv)

@@ -3,9 +3,10 @@
     .venv/bin/python -m bench.netbed_replicas --runs 5
 
 Each run is a fresh bed (:mod:`bench.netbed`) of five hosts: the Ray head and ``optserve serve
---replicas 2`` on h1 (no ``--checkpoint-dir``: the sessions live in two hosts' memory), Ray nodes
-on h2, h3 and h5 (the shards and their standbys), a client on h4 training a two-shard sync session
-(adam) and pushing every 50 ms, every call read by the chaos checker (bench/checker.py). In order:
+--replicas 2 --checkpoint-dir DIR`` on h1 (the folder every host sees: the sessions are durable and
+live in two hosts' memory; ``--memory-only``: no ``--checkpoint-dir``), Ray nodes on h2, h3 and h5
+(the shards and their standbys), a client on h4 training a two-shard sync session (adam) and
+pushing every 50 ms, every call read by the chaos checker (bench/checker.py). In order:
 
 1. **isolated**: the host of shard 0's primary is cut off for ``--isolate-s`` (20 s), then plugged
    back in and started again as a fresh Ray node; its standby is promoted meanwhile;
@@ -63,12 +64,12 @@ def wait_in_sync(bed: NetBed, address: str, timeout_s: float = 120.0) -> list[di
         time.sleep(0.5)
 
 
-def one_run(isolate_s: float = 20.0) -> dict:
+def one_run(isolate_s: float = 20.0, durable: bool = True) -> dict:
     from bench.checker import FaultRecord
 
     with NetBed(HOSTS) as bed:
         started = time.monotonic()
-        cluster = start_cluster(bed, replicas=2)
+        cluster = start_cluster(bed, replicas=2, durable=durable)
         start_node(bed.hosts["h5"], placed(cluster.node_argv, bed.hosts["h1"], bed.hosts["h5"],
                                            cluster.checkpoint_dir), "ray-h5")
         work = Workload(cluster, timeout_s=30.0)
@@ -110,14 +111,18 @@ def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.netbed_replicas", description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--isolate-s", type=float, default=20.0, help="how long a primary's host is cut off")
+    parser.add_argument("--memory-only", action="store_true",
+                        help="no --checkpoint-dir: the sessions live in the two hosts' memory only")
     args = parser.parse_args(argv)
     reason = unavailable_reason()
     if reason:
         print(f"netbed_replicas: cannot make hosts here: {reason}")
         return 2
+    print(f"netbed_replicas: --replicas 2 {'in memory only' if args.memory_only else 'with --checkpoint-dir'}, "
+          f"{args.runs} runs", flush=True)
     runs = []
     for index in range(args.runs):
-        run = one_run(args.isolate_s)
+        run = one_run(args.isolate_s, durable=not args.memory_only)
         runs.append(run)
         print(f"run {index + 1}: primary's host isolated {args.isolate_s:g} s -> next step {run['isolated_s']:.2f} s "
               f"({'standby promoted' if run['promoted'] else 'NOT PROMOTED'}), primary's host lost -> next step "

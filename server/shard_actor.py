@@ -233,6 +233,15 @@ class ShardActor:
         (:meth:`ShardReplicas.go_on_alone`)."""
         return self._replicas.go_on_alone(names, why)
 
+    def own_files(self, epoch: int) -> None:
+        """Standby of a durable server, about to be promoted: shard ``index``'s files are this
+        process's from now on, at ownership ``epoch`` (claimed for it by the server, which fences
+        the lost primary: it exits before its next write). Until :meth:`recovered`, a session it
+        does not hold may still be restored here from its files (see ``restore_unpromoted``):
+        calls naming one are UNAVAILABLE, retried."""
+        self._parts.fence = fence_of_shard(self._config, self._index, epoch)
+        self._registry.recovering = True
+
     def promote_session(self, name: str, timeout_s: float = 30.0) -> int:
         """Standby: serves the session in its lost primary's place (:meth:`ShardReplicas.promote`)."""
         return self._replicas.promote(name, timeout_s)

@@ -60,6 +60,7 @@ class RayShardFleet:
         self.addresses = ray.get([a.address.remote() for a in actors])
         self.clock_addresses = ray.get([a.clock_address.remote() for a in actors])
         self._start_actor = start_actor  # index -> a new actor for that shard (see restart)
+        self.checkpoint_dir: Optional[str] = None  # durable servers: a promoted standby claims the shard's files
         # held by whoever changes which actor is a shard's primary or standby (the watches)
         self.topology = threading.RLock()
         # primary actors that do not answer and are being failed over (ReplicaWatch): notices to
@@ -177,16 +178,20 @@ class RayShardFleet:
     def promote(self, index: int, names: Sequence[str], timeout_s: float = 30.0) -> dict[str, Optional[str]]:
         """Shard ``index``'s primary is gone: its standby serves each session of ``names`` in its
         place and becomes shard ``index`` (its addresses from now on); returns session -> None
-        (promoted) or why it could not be (not in sync)."""
+        (promoted) or why it could not be (not in sync). On a durable server the standby owns the
+        shard's files first, under a new ownership epoch (the lost primary is fenced off them)."""
         standby = self.standbys.take(index)
         try:
             addresses = ray.get([standby.address.remote(), standby.clock_address.remote()])
+            if self.checkpoint_dir is not None:
+                _ray_get(standby.own_files.remote(claim_shard(self.checkpoint_dir, index)))
         except ACTOR_GONE as exc:  # it died too: nothing to promote (the shard is restarted empty)
             return {name: f"its standby is gone too ({type(exc).__name__})" for name in names}
         outcomes: dict[str, Optional[str]] = {}
-        for name in names:
+        promoting = {name: standby.promote_session.remote(name, timeout_s) for name in names}  # side by side
+        for name, ref in promoting.items():
             try:
-                _ray_get(standby.promote_session.remote(name, timeout_s))
+                _ray_get(ref)
                 outcomes[name] = None
             except Exception as exc:  # noqa: BLE001 - that session is lost; the others are served
                 outcomes[name] = f"{type(exc).__name__}: {exc}"
@@ -473,6 +478,8 @@ def start_shards(config: ServerConfig, security, precond_pool=None) -> RayShardF
         remove_placement_group(group)  # and with it the actors already started
         raise
     fleet.placement_group = group
+    if config.durability is not None:
+        fleet.checkpoint_dir = config.durability.checkpoint_dir
     if config.replicas > 1:
         try:
             fleet.standbys = start_standbys(config, group, lambda index, strategy: cls.options(

@@ -68,13 +68,24 @@ class ShardParts:
             store.close()
         return tuple(reach)
 
-    def build(self, opening: ShardOpening, restore: bool = False, upto: Optional[int] = None) -> ShardSession:
+    @property
+    def fence(self) -> Optional[ShardFence]:
+        """This shard's fence on its files (None: it writes none, e.g. a standby not promoted yet)."""
+        return self._fence
+
+    @fence.setter
+    def fence(self, fence: ShardFence) -> None:
+        self._fence = fence
+
+    def build(self, opening: ShardOpening, restore: bool = False, upto: Optional[int] = None,
+              files: bool = True) -> ShardSession:
         """The part of a session holding ``opening.tensor_names``: its optimizer (once), updater,
         clock (home shard: ``session.clock``) or clock handle (others).
 
-        Durable servers keep the session's step log and checkpoints; with ``restore`` the shard
-        first loads its latest checkpoint and replays its log (a restarted shard or server), up to
-        version ``upto`` (None: all of it).
+        Durable servers keep the session's step log and checkpoints (but a standby's part,
+        ``files`` False, which writes nothing until it is promoted: :meth:`take_files`); with
+        ``restore`` the shard first loads its latest checkpoint and replays its log (a restarted
+        shard or server), up to version ``upto`` (None: all of it).
 
         A new session's optimizer is checked first: its per-tensor options (``{tensor name: value}``
         maps such as adamw's ``mask``) are restricted to this shard's tensors, and its ``init`` is
@@ -113,7 +124,7 @@ class ShardParts:
                 raise InvalidArgument(f"session {config.name!r}: {problem}")
             admit_working_memory(opening, updater, self._config)
         store = None
-        if durability is not None:
+        if durability is not None and files:
             store = ShardStore(durability.checkpoint_dir, config.name, opening.shard_index, durability, home,
                                self._fence)
         if home:
@@ -140,6 +151,25 @@ class ShardParts:
                 raise SessionLost(f"session {config.name!r} cannot be restored on shard {opening.shard_index}: "
                                   f"{exc}") from None
         return session
+
+    def take_files(self, session: ShardSession) -> None:
+        """A promoted standby's part of a durable session: its step log and checkpoints are
+        this shard's from now on (this process must own the shard's files: :attr:`fence` set to
+        the epoch claimed for it). The log goes on after the part's version and a checkpoint of
+        its state is committed before this returns (see ``SessionDurability.take_files``).
+
+        Raises:
+          OSError: the checkpoint could not be written (the part must not serve: nothing on
+            disk holds its state).
+        """
+        durability = self._config.durability
+        store = ShardStore(durability.checkpoint_dir, session.config.name, session.shard_index, durability,
+                           session.clock.is_home, self._fence)
+        try:
+            session.durability.take_files(store, store.log.journal_entry if session.clock.is_home else None)
+        except BaseException:
+            store.close()
+            raise
 
 
 def admit_working_memory(opening: ShardOpening, updater: Updater, config: ServerConfig) -> None:

@@ -15,7 +15,7 @@ import logging
 import threading
 from typing import Callable, Optional
 
-from optserve.server.domain.errors import AlreadyExists, FailedPrecondition
+from optserve.server.domain.errors import AlreadyExists, FailedPrecondition, SessionLost
 from optserve.server.domain.sessions import ShardOpening
 from optserve.server.domain.shard import ShardRegistry
 from optserve.server.domain.shard import StandbyFollower, Standbys
@@ -32,7 +32,7 @@ class ShardReplicas:
       registry: the parts this shard serves (a promoted standby joins them).
       serve_clock: ``(session, clock)``: serves a promoted home part's clock to its peers.
       internal: the server's internal trust (the streams to standbys use it).
-      durable: the server keeps step logs (standbys of durable sessions are not built yet).
+      durable: the server keeps step logs (a promoted standby takes its part's files).
       traffic: counts the bytes of the streams to this shard's standbys.
       refuse_one_copy: ``--on-one-replica refuse``: a part with one copy in sync (let go by the
         coordinator, or promoted) acknowledges nothing until a fresh standby holds it.
@@ -91,15 +91,14 @@ class ShardReplicas:
         """Standby: holds a part of a session whose primary, another shard process, replicates it
         here (:meth:`replicate` there).
 
+        A durable server's standby writes no files while it follows (its primary does): it
+        takes the session's files when it is promoted (:meth:`promote`).
+
         Raises:
-          FailedPrecondition: the server keeps step logs (not yet with standbys).
           AlreadyExists: this process is the session's standby already.
           InvalidArgument: as when the part is opened to be served.
         """
-        if self._durable:
-            raise FailedPrecondition(f"session {opening.config.name!r}: hot standbys do not take durable sessions "
-                                     f"yet (--checkpoint-dir)")
-        session = self._parts.build(opening)
+        session = self._parts.build(opening, files=False)
         clock = session.clock if session.clock.is_home else None
         follower = StandbyFollower(session.durability.start_from, session.durability.follow, clock,
                                    list(opening.tensor_names), session.where)
@@ -136,15 +135,29 @@ class ShardReplicas:
 
     def promote(self, name: str, timeout_s: float) -> int:
         """Standby: the primary is gone: applies every step held, then serves the session in its
-        place (a home part's clock decides again and serves its peers). Returns its version.
+        place (a home part's clock decides again and serves its peers). On a durable server the
+        part takes the session's files first (this process owns the shard's files: see
+        ``ShardActor.own_files``). Returns its version.
 
         Raises:
           NotFound: this process is no standby of ``name``.
           OptservError: the standby stopped following (not in sync: it must not serve).
           TimeoutError: the steps held were not all applied within ``timeout_s`` (ask again).
+          FailedPrecondition: a durable server's standby that does not own the shard's files.
+          OSError: a durable part's checkpoint could not be written (it must not serve).
         """
-        version = self.standbys.follower(name).promote(timeout_s)
+        follower = self.standbys.follower(name)
+        if self._durable and self._parts.fence is None:
+            raise FailedPrecondition(f"session {name!r}: a durable server's standby serves once it owns the shard's "
+                                     f"files (own_files), and this one does not")
+        version = follower.promote(timeout_s)
         session, _follower = self.standbys.take(name)
+        if self._durable:
+            try:
+                self._parts.take_files(session)
+            except BaseException as exc:
+                session.abandon(SessionLost(f"session {name!r}: its promoted standby could not take its files: {exc}"))
+                raise
         if self._refuse_one_copy:
             session.durability.refuse_one_copy = True
             session.durability.refuse_until_standby("it was promoted in its lost primary's place")

@@ -1,5 +1,7 @@
 """``--replicas 2`` across separate hosts (bench/netbed.py): the deployment of docs/operating.md
-with each shard's state held in two hosts' memory instead of on disk. A client on h4 trains a sync
+(durable: ``--checkpoint-dir`` on the folder every host sees) with each shard's state held in two
+hosts' memory too; a promoted standby takes its shard's files, and a primary cut off is fenced
+off them. A client on h4 trains a sync
 session pushing every 50 ms while a shard host is lost; every step is checked by the chaos
 checker (bench/checker.py): nothing acknowledged lost, nothing applied twice, versions contiguous,
 the final parameters equal to an in-process replay of the session's history.
@@ -32,7 +34,7 @@ def bed():
 
 @pytest.fixture(scope="module")
 def cluster(bed):
-    return start_cluster(bed, replicas=2)
+    return start_cluster(bed, replicas=2, durable=True)
 
 
 @pytest.fixture(scope="module")

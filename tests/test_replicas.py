@@ -187,12 +187,9 @@ def test_a_primary_or_standby_that_stops_answering_is_replaced_without_waiting_f
     client.close_session(unique_name)
 
 
-def test_replicas_2_with_a_checkpoint_dir_or_root_workers_is_refused_in_one_line(tmp_path):
-    from optserve.server.domain.durability import DurabilityConfig
-
-    for extra in ({"durability": DurabilityConfig(str(tmp_path))}, {"precond_workers": 1}):
-        with pytest.raises(InvalidArgument, match="--replicas 2 does not go with"):
-            ServerConfig(replicas=2, **extra)
+def test_replicas_2_with_root_workers_is_refused_in_one_line():
+    with pytest.raises(InvalidArgument, match="--replicas 2 does not go with --precond-workers"):
+        ServerConfig(replicas=2, precond_workers=1)
     with pytest.raises(InvalidArgument, match="--replicas must be 1 or 2"):
         ServerConfig(replicas=3)
 

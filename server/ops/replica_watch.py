@@ -152,6 +152,10 @@ class ReplicaWatch(Periodic):
                 return
             address = self._fleet.addresses[index]
             lost = self._coordinator.fail_over(index, address, cause)
+        if lost is None:  # durable: its standby was gone too; the shard watch restores it from its files
+            log.error("event=fail_over_without_standby shard=%d address=%s cause=%s", index, address,
+                      cause.replace(" ", "_"))
+            return
         log.error("event=shard_failed_over shard=%d address=%s new_address=%s lost_sessions=%s cause=%s", index,
                   address, self._fleet.addresses[index], ",".join(lost) or "-", cause.replace(" ", "_"))
         self._shard_watch.restandby_later(index)

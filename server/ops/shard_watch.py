@@ -67,7 +67,7 @@ class ShardWatch(Periodic):
         with self._fleet.topology:  # a shard failed over meanwhile (ReplicaWatch) is not dead
             dead = [index for index, actor in sorted(found.items()) if self._fleet.actors[index] is actor]
             if dead and self._coordinator.durable:
-                self._restore(dead)
+                self._restore([index for index in dead if not self._failed_over(index)])
             elif dead:
                 self._replace(dead)
         return dead
@@ -79,6 +79,21 @@ class ShardWatch(Periodic):
             log.warning("event=one_copy shard=%d sessions=%s why=%s", index, ",".join(names) or "-", why)
         except Exception:  # noqa: BLE001 - its primary died too: the next check finds it
             log.exception("event=one_copy_failed shard=%d", index)
+
+    def _failed_over(self, index: int) -> bool:
+        """Durable servers with --replicas 2: dead shard ``index``'s standby serves in its place
+        (sessions it did not hold are restored there from their files); False: it has none (or
+        it was gone too), the shard is restarted and restored from its files."""
+        if not self._fleet.has_standby(index):
+            return False
+        address = self._fleet.addresses[index]
+        lost = self._coordinator.fail_over(index, address, "its process exited")
+        if lost is None:
+            return False
+        log.error("event=shard_failed_over shard=%d address=%s new_address=%s lost_sessions=%s", index, address,
+                  self._fleet.addresses[index], ",".join(lost) or "-")
+        self.restandby_later(index)
+        return True
 
     def _replace(self, dead: list[int]) -> None:
         """Servers without durability: each dead shard's standby serves in its place, or its
@@ -144,6 +159,8 @@ class ShardWatch(Periodic):
         machine takes all its shards), then their sessions are restored on them together (a
         session whose every shard died is restored at one version, see
         ``Coordinator.shards_restarted``)."""
+        if not dead:
+            return
         started = time.monotonic()
         for index in dead:
             sessions = self._coordinator.shard_down(index)
@@ -157,5 +174,8 @@ class ShardWatch(Periodic):
         for index in sorted(back - self._holding):
             log.warning("event=shard_recovered shard=%d address=%s lost=%s seconds=%.2f", index,
                         self._fleet.addresses[index], ",".join(lost) or "-", time.monotonic() - started)
+        if self._fleet.replicated:
+            for index in sorted(back - self._holding):
+                self.restandby_later(index)
         if failed:
             raise next(iter(failed.values()))

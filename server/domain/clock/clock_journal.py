@@ -34,3 +34,16 @@ class ClockJournal:
             self.disk(entry)
         if self.replica is not None:
             self.replica(entry)
+
+    def ticket(self, ticket, state) -> None:
+        """Journals a fresh ``ticket`` (a ``Ticket``), and the record of the sync round it closes
+        (``state``: the clock's ``ClockState``, which says whether that record is journaled).
+
+        Raises:
+          OSError: as :meth:`__call__`.
+        """
+        if not self:
+            return
+        self(ticket.to_json())
+        if ticket.closes_step and state.latest_record_journaled:
+            self({"round": state.history.latest.to_json()})

@@ -168,21 +168,13 @@ class HomeClock:
         ticket = self._state.commit(client_id, sequence, base_version)
         if ticket.ordinal >= fresh_from:
             try:
-                self._write_journal(ticket)
+                self._journal.ticket(ticket, self._state)
             except OSError as exc:  # decided all the same: a restore rebuilds it from the shards' step logs
                 _log.error("event=ticket_not_journaled version=%d ordinal=%d sequence=%d error=%s",
                            ticket.target_version, ticket.ordinal, sequence, exc)
                 raise Unavailable(f"push {sequence} of client {client_id!r}: the ticket journal could not be "
                                   f"written ({exc}); retry") from None
         return ticket
-
-    def _write_journal(self, ticket: Ticket) -> None:
-        """Journals a fresh ticket, and the record of the sync round it closes (lock held)."""
-        if not self._journal:
-            return
-        self._journal(ticket.to_json())
-        if ticket.closes_step and self._state.latest_record_journaled:
-            self._journal({"round": self._state.history.latest.to_json()})
 
     def _close_round_if_due(self) -> None:
         """Elastic sync: commits the open round without a push when it is due (lock held); the
@@ -193,7 +185,7 @@ class HomeClock:
         if ticket is None:
             return
         try:
-            self._write_journal(ticket)
+            self._journal.ticket(ticket, self._state)
         except OSError as exc:  # a restore rebuilds it from the shards' step logs
             _log.error("event=round_not_journaled version=%d error=%s", ticket.target_version, exc)
         self._cond.notify_all()
@@ -319,6 +311,12 @@ class HomeClock:
         with self._cond:
             self._following = following
             self._cond.notify_all()
+
+    def journal_to(self, disk: Callable[[Any], None]) -> None:
+        """A promoted standby's clock of a durable session: each entry from now on is written to
+        ``disk`` (its ticket journal) before anything else, as a durable home clock's is."""
+        with self._cond:
+            self._journal.disk = disk
 
     def follow(self, entries: list) -> None:
         """A standby's clock: books its primary clock's journal entries (see ``journal``), in the

@@ -49,7 +49,7 @@ from optserve.server.domain.sessions.admission import check_request, place_sessi
 from optserve.server.domain.sessions.ports import SessionCatalog, ShardFleet
 from optserve.server.domain.sessions.session_records import (AttachExpectation, SessionRecord, SessionStatus,
                                                              ShardSummary)
-from optserve.server.domain.sessions.session_failover import promote_standby, restandby
+from optserve.server.domain.sessions.session_failover import fail_over, restandby
 from optserve.server.domain.sessions.session_open import catch_up_missed, open_on_shards, undo_open, with_replicas
 from optserve.server.domain.sessions.session_restore import record_from_catalog, restore_recorded, restore_restarted
 from optserve.server.domain.sessions.session_table import SessionState, SessionTable
@@ -227,16 +227,17 @@ class Coordinator:
         self._lose(lost, shard_index, cause)
         return sorted(lost)
 
-    def fail_over(self, shard_index: int, address: str, cause: str) -> list[str]:
+    def fail_over(self, shard_index: int, address: str, cause: str) -> Optional[list[str]]:
         """Shard ``shard_index`` (at ``address``) died of ``cause`` and has a hot standby, which
-        serves its sessions from now on (:func:`~.session_failover.promote_standby`); returns
-        the sessions it could not take over, lost."""
+        serves its sessions from now on (:func:`~.session_failover.fail_over`); returns the
+        sessions lost, or None (durable servers) when the standby was gone too: the caller
+        restarts the shard and restores it from its files."""
         with self._membership:
             self._shard_changes[shard_index] += 1
-            lost = promote_standby(self._fleet, self._table, shard_index, f"shard {shard_index} ({address}), which "
-                                                                          f"held part of it, died ({cause})")
-            self._lose(lost, shard_index, cause)
-        return sorted(lost)
+            lost = fail_over(self._fleet, self._table, shard_index, address, cause, self.durable)
+            if lost is not None:
+                self._lose(lost, shard_index, cause)
+        return None if lost is None else sorted(lost)
 
     def restandby(self, shard_index: int) -> list[str]:
         """Shard ``shard_index``'s fresh standby takes its sessions (:func:`~.session_failover.restandby`)."""

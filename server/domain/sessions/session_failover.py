@@ -6,19 +6,38 @@ Where the dead shard was a session's home, the other shards call its clock at th
 internal address from now on; where it was not, the home's votes that waited for the dead
 process end now (the clients retry, and the standby votes in its place). A session the standby
 did not hold in sync cannot be promoted: it is lost, with the reason; so is one created with
-``replicas`` 1 (no standby held it).
+``replicas`` 1 (no standby held it). On a durable server such sessions are restored from their
+files on the promoted standby instead (:func:`restore_unpromoted`).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 from optserve.server.domain.sessions.ports import ShardFleet
+from optserve.server.domain.sessions.session_restore import restore_restarted
 from optserve.server.domain.sessions.session_table import SessionTable
 
 log = logging.getLogger(__name__)
 
 PROMOTE_TIMEOUT_S = 30.0  # how long a standby may take to apply the steps it holds
+
+
+def fail_over(fleet: ShardFleet, table: SessionTable, shard_index: int, address: str, cause: str,
+              durable: bool) -> Optional[dict[str, str]]:
+    """Shard ``shard_index`` (at ``address``) died of ``cause``: its standby serves its sessions
+    (:func:`promote_standby`); on a ``durable`` server those it did not take are restored from
+    their files there (:func:`restore_unpromoted`). Returns the sessions lost, each with its
+    message (the caller loses them), or None: durable, and the standby was gone too (nothing
+    changed: the shard is to be restarted and restored from its files)."""
+    lost = promote_standby(fleet, table, shard_index, f"shard {shard_index} ({address}), which held part of it, "
+                                                      f"died ({cause})")
+    if not durable:
+        return lost
+    if fleet.addresses[shard_index] == address:  # no standby took over
+        return None
+    return restore_unpromoted(fleet, table, shard_index, set(lost))
 
 
 def promote_standby(fleet: ShardFleet, table: SessionTable, shard_index: int, death: str) -> dict[str, str]:
@@ -47,6 +66,27 @@ def promote_standby(fleet: ShardFleet, table: SessionTable, shard_index: int, de
                   f"session and create it again" for name, why in outcomes.items() if why is not None}
     lost.update({name: f"session {name!r} is lost: {death}, and it was created with replicas=1 (no standby held "
                        f"its state); close the session and create it again" for name in one_copy})
+    return lost
+
+
+def restore_unpromoted(fleet: ShardFleet, table: SessionTable, shard_index: int, names: set[str]) -> dict[str, str]:
+    """A durable server's shard ``shard_index`` failed over: its sessions ``names`` that its
+    standby did not take (created with replicas=1, or not in sync) are restored from their files
+    on the promoted standby, which owns them now (votes that waited for the dead process end
+    first); then it answers for sessions it does not hold again. Returns those that could not be,
+    with why they are lost."""
+    if not names:
+        fleet.recovered(shard_index)
+        return {}
+    for home, there in table.live_on(shard_index).items():
+        waiting = [name for name in there if name in names]
+        if home != shard_index and waiting:
+            fleet.peer_down(home, shard_index, waiting)
+    lost, rolled_back, _pending = restore_restarted(fleet, table, [shard_index], only=names)
+    for name, logged in rolled_back.items():
+        table.rolled_back(name, logged)
+    log.warning("event=sessions_restored_after_failover shard=%d sessions=%s lost=%s", shard_index,
+                ",".join(sorted(names)), ",".join(sorted(lost)) or "-")
     return lost
 
 

@@ -78,11 +78,19 @@ def restore_consistently(fleet: "ShardFleet", record: SessionRecord) -> RestoreO
 
 def restore_recorded(fleet: "ShardFleet", table, record: SessionRecord) -> Optional[str]:
     """Restores a durable session on all its shards at one version (:func:`restore_consistently`),
-    noting a roll-back in ``table`` (the coordinator's ``SessionTable``); returns why it is lost,
-    or None."""
+    noting a roll-back in ``table`` (the coordinator's ``SessionTable``), then, on a server with
+    hot standbys, starts its parts' standbys from the restored state (unless it was created with
+    replicas=1); returns why it is lost, or None. A standby that cannot start leaves its part with
+    one copy (logged), as when a shard's standby is lost."""
     outcome = restore_consistently(fleet, record)
     if outcome.rolled_back_from:
         table.rolled_back(record.config.name, outcome.rolled_back_from)
+    if outcome.why_lost is None and fleet.replicated and record.config.replicas != 1:
+        name = record.config.name
+        try:
+            fleet.start_standbys(name, record.openings(fleet.clock_addresses))
+        except Exception as exc:  # noqa: BLE001 - restored with one copy; the shard watch's restandby retries
+            log.error("event=standby_not_started session=%s error=%s", name, exc)
     return outcome.why_lost
 
 
@@ -104,8 +112,8 @@ def restore_shard(fleet: "ShardFleet", record: SessionRecord, shard_index: int) 
     return None
 
 
-def restore_restarted(fleet: "ShardFleet", table, restarted: Sequence[int],
-                      waiting: Sequence[int] = ()) -> tuple[dict[str, str], dict[str, int], set[int]]:
+def restore_restarted(fleet: "ShardFleet", table, restarted: Sequence[int], waiting: Sequence[int] = (),
+                      only: Optional[set] = None) -> tuple[dict[str, str], dict[str, int], set[int]]:
     """Shards ``restarted``, started again together, restore their parts of their LIVE sessions
     (``table``: the coordinator's :class:`~.session_table.SessionTable`, whose records learn the
     shards' new addresses from ``fleet.addresses``); then each is told it is recovered. Returns
@@ -120,12 +128,14 @@ def restore_restarted(fleet: "ShardFleet", table, restarted: Sequence[int],
     logged, never acknowledged, is forgotten and its client's retry decided afresh. A session on
     a shard of ``waiting`` (dead, its restart failed) waits for it: it is restored once that shard
     is back (its restarted shards are not told they are recovered meanwhile: calls naming it are
-    UNAVAILABLE there, retried).
+    UNAVAILABLE there, retried). ``only``: these sessions only (None: all; a promoted standby
+    serves the others already).
     """
     restarted, waiting = set(restarted), set(waiting)
     lost, rolled_back, pending = {}, {}, set()
     try:
-        for name in sorted({n for i in restarted for names in table.live_on(i).values() for n in names}):
+        for name in sorted({n for i in restarted for names in table.live_on(i).values() for n in names
+                            if only is None or n in only}):
             record = None
             for index in sorted(restarted):
                 record = table.moved(name, index, fleet.addresses[index]) or record

@@ -9,6 +9,7 @@ is the session's :class:`~optserve.server.domain.shard.step_journal.StepJournal`
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Mapping, Optional
 
 import numpy as np
@@ -192,6 +193,33 @@ class SessionDurability:
             steps.version = record.version
             steps.cond.notify_all()
             return True
+
+    def take_files(self, store: CheckpointPort, clock_journal=None) -> None:
+        """A promoted standby's part of a durable session (it wrote no files while it followed):
+        the step log and checkpoints in ``store`` are this part's from now on, at its version.
+
+        The log its lost primary wrote is cut off at this part's version (what it holds past it
+        was never acknowledged: a standby holds every acknowledged step; a client's retry applies
+        it afresh), a checkpoint past it is rolled back, and a checkpoint of the state now (with
+        the clock's, ``clock_journal``: the home clock's ticket journal from now on) is committed
+        before this returns, so a later restore starts here, whatever the primary's log lacked.
+
+        Raises:
+          OSError: the checkpoint could not be written (the part holds state no disk has).
+        """
+        steps, started = self._steps, time.monotonic()
+        with steps.cond:
+            manifest = store.latest()
+            if manifest is not None and int(manifest["progress"]["version"]) > steps.version:
+                manifest = store.roll_back_to(steps.version)
+            steps.journal.resume(store, manifest, steps.version)
+            if clock_journal is not None:
+                steps.clock.journal_to(clock_journal)
+            if steps.version > store.durable_version and not steps.journal.checkpoint(wait=True):
+                raise OSError(f"{steps.where}: the promoted standby's checkpoint at version {steps.version} was not "
+                              f"committed")
+            _log.warning("event=standby_took_files %s version=%d seconds=%.3f", steps.where, steps.version,
+                         time.monotonic() - started)
 
     def checkpoint_now(self) -> bool:
         """A checkpoint of the current state, written before this returns (server shutdown);

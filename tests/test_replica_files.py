@@ -1,0 +1,93 @@
+"""A promoted standby of a durable session takes its files (``SessionDurability.take_files``):
+what its lost primary logged and checkpointed past the standby's version (never acknowledged:
+the standby held none of it) is cut off, the primary is fenced off the files, and a restore from
+disk finds the promoted standby's state, with the steps it applied after its promotion.
+
+Real pieces, no Ray: a durable primary shard session on a real ``ShardStore`` in a temporary
+folder and a standby linked in this process (tests/_replica_pair.py), whose link stops passing
+steps on when the test says (the primary's last steps never reach it)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from optserve.server.domain.clock.home_clock import HomeClock
+from optserve.server.domain.config import Mode
+from optserve.server.domain.durability import DurabilityConfig
+from optserve.server.domain.errors import OptservError
+from optserve.server.domain.shard.replica import LocalLink
+from optserve.server.domain.shard.shard_session import PushHeader
+from optserve.server.storage import ShardStore, StepLogReader
+from optserve.server.storage.ownership import ShardFence, claim_shard
+from tests._replica_pair import SHAPES, Pair, chunks, config_of, shard_session, values
+
+
+class GatedLink(LocalLink):
+    """:class:`LocalLink` that passes nothing on once ``cut`` (a primary whose steps stopped
+    reaching its standby: they are applied and logged there, never acknowledged)."""
+
+    cut = False
+
+    def ship(self, record, grads) -> None:
+        if not self.cut:
+            super().ship(record, grads)
+
+    def clock_entry(self, entry) -> None:
+        if not self.cut:
+            super().clock_entry(entry)
+
+
+def _durable(config, root: str, durability: DurabilityConfig, fence=None):
+    """A home shard session of ``config`` whose steps are logged in ``root`` (not initialized)."""
+    store = ShardStore(root, config.name, 0, durability, home=True, fence=fence)
+    clock = HomeClock(config, checkpoints=durability.policy(config.gradient_bytes), journal=store.log.journal_entry)
+    session = shard_session(config, clock, initialized=False)
+    return session, store
+
+
+def _params(session) -> dict[str, bytes]:
+    params, _state = session.updater.host_state()
+    return {name: np.asarray(params[name]).tobytes() for name in SHAPES}
+
+
+def test_a_promoted_standby_cuts_off_what_its_primary_logged_past_it_and_a_restore_finds_its_state(tmp_path):
+    root = str(tmp_path)
+    durability = DurabilityConfig(root, every_steps=2)
+    config = config_of(Mode.ASYNC)
+    primary, primary_store = _durable(config, root, durability, ShardFence(root, 0, claim_shard(root, 0)))
+    primary_store.start_logs(None)
+    primary.durability.attach_store(primary_store)
+    primary.initialize(chunks(values(0)))
+    links = []
+    pair = Pair(config, primary=primary, link=lambda follower: links.append(GatedLink(follower)) or links[-1])
+    try:
+        for step in range(3):  # acknowledged: held by the standby too
+            assert pair.push("a", step, step, seed=step + 1)[0] == step + 1
+        links[0].cut = True
+        for step in range(3, 5):  # applied, logged and checkpointed (at 4) on the primary alone
+            primary.push(PushHeader("a", step, step), chunks(values(step + 1)))
+        primary_store.wait()
+        assert primary_store.durable_version == 4
+
+        assert pair.follower.promote(timeout_s=30) == 3
+        standby_store = ShardStore(root, config.name, 0, durability, home=True,
+                                   fence=ShardFence(root, 0, claim_shard(root, 0)))
+        pair.standby.durability.take_files(standby_store, standby_store.log.journal_entry)
+        assert standby_store.durable_version == 3
+        with pytest.raises((OSError, OptservError)):  # the old primary is fenced off the files
+            primary.push(PushHeader("a", 5, 5), chunks(values(9))).durable()
+
+        receipt = pair.standby.push(PushHeader("b", 0, 3), chunks(values(42)))  # the promoted standby serves
+        receipt.durable()
+        assert receipt.version == 4
+        expected = _params(pair.standby)
+        pair.standby.durability.close_store()
+
+        restored, store = _durable(config, root, durability)
+        assert restored.durability.restore(store, StepLogReader, store.log.journal) == 4
+        assert _params(restored) == expected  # its step 4, not the primary's
+        store.close()
+    finally:
+        pair.close()
+        primary.durability.close_store()
