@@ -1,13 +1,13 @@
-"""What a hot standby costs: the service step with one replica, with ``--replicas 2`` and with the
-disk log, same run; and the bytes each primary streams to its standby per step, each way.
+"""What a hot standby costs: the service step with one replica, with ``--replicas 2``, with the
+disk log and with both, same run; and the bytes each primary streams to its standby per step, each way.
 
     .venv/bin/python -m bench.replicas            # ~100M float32 params (6 x 4096 x 4096), 2 shards
     .venv/bin/python -m bench.replicas --small    # 4 x 512 x 512, a quick smoke run
 
-Step times: three servers side by side (:mod:`bench._ab`, interleaved rounds after warm-up): one
+Step times: four servers side by side (:mod:`bench._ab`, interleaved rounds after warm-up): one
 replica (the baseline), ``--replicas 2`` (each step acknowledged once the shard's standby holds it
-in memory too) and the step log alone (each step acknowledged once its record is on disk; no
-checkpoint). On one machine the standbys are other processes of the same machine
+in memory too), the step log alone (each step acknowledged once its record is on disk; no
+checkpoint) and both (once both hold it). On one machine the standbys are other processes of the same machine
 (``replica_same_node``), so the figure is the cost of the stream and the standby's update sharing
 the machine's cores, not of a network between hosts.
 
@@ -20,6 +20,7 @@ gradient: the standby's stream carries what the client sent once more, and the c
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -98,6 +99,9 @@ def main(argv=None) -> str:
             "one replica": ({}, {}),
             "--replicas 2 (standby: another process, same machine)": ({"replicas": 2, "replica_same_node": True}, {}),
             "step log on disk, no checkpoint": ({"durability": log_alone}, {}),
+            "both: --replicas 2 and the step log": ({"replicas": 2, "replica_same_node": True,
+                                                     "durability": dataclasses.replace(
+                                                         log_alone, checkpoint_dir=os.path.join(root, "both"))}, {}),
         }, small=args.small, shards=args.shards, repeats=args.repeats, warmup=3)
         return table + bytes_per_step(args.small, args.shards, args.steps)
     finally:

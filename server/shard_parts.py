@@ -156,7 +156,8 @@ class ShardParts:
         """A promoted standby's part of a durable session: its step log and checkpoints are
         this shard's from now on (this process must own the shard's files: :attr:`fence` set to
         the epoch claimed for it). The log goes on after the part's version and a checkpoint of
-        its state is committed before this returns (see ``SessionDurability.take_files``).
+        its state is committed before this returns where the old log ends short of the part's
+        version (see ``SessionDurability.take_files``).
 
         Raises:
           OSError: the checkpoint could not be written (the part must not serve: nothing on
@@ -165,8 +166,9 @@ class ShardParts:
         durability = self._config.durability
         store = ShardStore(durability.checkpoint_dir, session.config.name, session.shard_index, durability,
                            session.clock.is_home, self._fence)
+        sizes = [int(np.prod(spec.shape, dtype=np.int64)) * 4 for spec in session.specs.values()]  # float32, as logged
         try:
-            session.durability.take_files(store, store.log.journal_entry if session.clock.is_home else None)
+            session.durability.take_files(store, sizes, store.log.journal_entry if session.clock.is_home else None)
         except BaseException:
             store.close()
             raise

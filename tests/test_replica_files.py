@@ -9,6 +9,8 @@ steps on when the test says (the primary's last steps never reach it)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -21,6 +23,8 @@ from optserve.server.domain.shard.shard_session import PushHeader
 from optserve.server.storage import ShardStore, StepLogReader
 from optserve.server.storage.ownership import ShardFence, claim_shard
 from tests._replica_pair import SHAPES, Pair, chunks, config_of, shard_session, values
+
+SIZES = [int(np.prod(shape)) * 4 for shape in SHAPES.values()]  # each tensor's logged gradient bytes
 
 
 class GatedLink(LocalLink):
@@ -51,43 +55,72 @@ def _params(session) -> dict[str, bytes]:
     return {name: np.asarray(params[name]).tobytes() for name in SHAPES}
 
 
-def test_a_promoted_standby_cuts_off_what_its_primary_logged_past_it_and_a_restore_finds_its_state(tmp_path):
-    root = str(tmp_path)
-    durability = DurabilityConfig(root, every_steps=2)
-    config = config_of(Mode.ASYNC)
+def _primary_and_standby(root: str, durability: DurabilityConfig, config):
     primary, primary_store = _durable(config, root, durability, ShardFence(root, 0, claim_shard(root, 0)))
     primary_store.start_logs(None)
     primary.durability.attach_store(primary_store)
     primary.initialize(chunks(values(0)))
     links = []
     pair = Pair(config, primary=primary, link=lambda follower: links.append(GatedLink(follower)) or links[-1])
+    return pair, primary_store, links[0]
+
+
+def _promote_serve_and_restore(pair, root: str, durability: DurabilityConfig, config, version: int):
+    """Promotes the standby (at ``version``) onto the files, pushes one step there and restores
+    a fresh part from disk: it must reach the standby's version and parameters. Returns the
+    version of the latest checkpoint once the standby took the files."""
+    assert pair.follower.promote(timeout_s=30) == version
+    standby_store = ShardStore(root, config.name, 0, durability, home=True,
+                               fence=ShardFence(root, 0, claim_shard(root, 0)))
+    pair.standby.durability.take_files(standby_store, SIZES, standby_store.log.journal_entry)
+    durable_version = standby_store.durable_version
+    with pytest.raises((OSError, OptservError)):  # the old primary is fenced off the files
+        pair.primary.push(PushHeader("a", 9, version), chunks(values(9))).durable()
+    receipt = pair.standby.push(PushHeader("b", 0, version), chunks(values(42)))  # the promoted standby serves
+    receipt.durable()
+    assert receipt.version == version + 1
+    expected = _params(pair.standby)
+    pair.standby.durability.close_store()
+    restored, store = _durable(config, root, durability)
+    assert restored.durability.restore(store, StepLogReader, store.log.journal) == version + 1
+    assert _params(restored) == expected  # its step, not the primary's
+    store.close()
+    return durable_version
+
+
+def test_a_promoted_standby_cuts_off_what_its_primary_logged_past_it_and_a_restore_finds_its_state(tmp_path):
+    root = str(tmp_path)
+    durability = DurabilityConfig(root, every_steps=2)
+    config = config_of(Mode.ASYNC)
+    pair, primary_store, link = _primary_and_standby(root, durability, config)
     try:
         for step in range(3):  # acknowledged: held by the standby too
             assert pair.push("a", step, step, seed=step + 1)[0] == step + 1
-        links[0].cut = True
+        link.cut = True
         for step in range(3, 5):  # applied, logged and checkpointed (at 4) on the primary alone
-            primary.push(PushHeader("a", step, step), chunks(values(step + 1)))
+            pair.primary.push(PushHeader("a", step, step), chunks(values(step + 1)))
         primary_store.wait()
         assert primary_store.durable_version == 4
-
-        assert pair.follower.promote(timeout_s=30) == 3
-        standby_store = ShardStore(root, config.name, 0, durability, home=True,
-                                   fence=ShardFence(root, 0, claim_shard(root, 0)))
-        pair.standby.durability.take_files(standby_store, standby_store.log.journal_entry)
-        assert standby_store.durable_version == 3
-        with pytest.raises((OSError, OptservError)):  # the old primary is fenced off the files
-            primary.push(PushHeader("a", 5, 5), chunks(values(9))).durable()
-
-        receipt = pair.standby.push(PushHeader("b", 0, 3), chunks(values(42)))  # the promoted standby serves
-        receipt.durable()
-        assert receipt.version == 4
-        expected = _params(pair.standby)
-        pair.standby.durability.close_store()
-
-        restored, store = _durable(config, root, durability)
-        assert restored.durability.restore(store, StepLogReader, store.log.journal) == 4
-        assert _params(restored) == expected  # its step 4, not the primary's
-        store.close()
+        # the checkpoint at 4 is rolled back; the old log reaches 3: no checkpoint is written
+        assert _promote_serve_and_restore(pair, root, durability, config, 3) < 3
     finally:
         pair.close()
-        primary.durability.close_store()
+        pair.primary.durability.close_store()
+
+
+def test_a_promoted_standby_ahead_of_its_primarys_log_commits_a_checkpoint_before_it_serves(tmp_path):
+    root = str(tmp_path)
+    durability = DurabilityConfig(root, every_steps=100)
+    config = config_of(Mode.ASYNC)
+    pair, primary_store, _link = _primary_and_standby(root, durability, config)
+    try:
+        for step in range(3):
+            assert pair.push("a", step, step, seed=step + 1)[0] == step + 1
+        primary_store.close()  # the primary died after shipping step 3, before its record reached the disk:
+        segment = primary_store.log.segments(primary_store.latest())[-1]
+        reader = StepLogReader(segment, lambda: {n: np.empty(s, np.float32) for n, s in SHAPES.items()})
+        assert [int(header["version"]) for header, _ in reader] == [1, 2, 3]
+        os.truncate(segment, reader.last_at)  # its log ends at 2
+        assert _promote_serve_and_restore(pair, root, durability, config, 3) == 3
+    finally:
+        pair.close()

@@ -331,6 +331,10 @@ class CheckpointPort(Protocol):
     def roll_back_to(self, version: int) -> Optional[dict]:
         """The newest kept checkpoint at or before ``version`` (None: none), the later ones deleted."""
 
+    def logged_through(self, manifest: dict, sizes: list) -> int:
+        """The last version the log reaches after ``manifest``'s checkpoint, none missing
+        (``sizes``: each tensor's gradient bytes, in tensor order)."""
+
     def start_logs(self, manifest: Optional[dict], version: int = 0) -> None:
         """Opens the step log after everything on disk (it reached ``version``)."""
 

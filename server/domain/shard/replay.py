@@ -15,6 +15,7 @@ from optserve.server.compute.updater import Updater
 from optserve.server.domain.clock import Ticket
 from optserve.server.domain.config import TensorSpec
 from optserve.server.domain.durability import CheckpointPort, ShardProgress, StepRecord
+from optserve.server.domain.errors import SessionLost
 
 
 def step_tickets(record: StepRecord) -> list[Ticket]:
@@ -55,6 +56,9 @@ def replay(store: CheckpointPort, manifest: dict, updater: Updater, specs: Mappi
     off its segment; with ``upto``, the log is cut before the first step after it (those steps
     are rolled back, on every shard alike). A segment a later one was sealed after
     (``store.log.stray_after``) is read up to the sealed version only.
+
+    Raises:
+      SessionLost: the log skips a version (nothing holds the steps between).
     """
     def fresh_buffers() -> dict[str, np.ndarray]:
         return {name: aligned_empty(spec.shape, np.float32) for name, spec in specs.items()}
@@ -76,6 +80,9 @@ def replay(store: CheckpointPort, manifest: dict, updater: Updater, specs: Mappi
                 if upto is not None and record.version > upto:
                     store.log.cut(segment, reader.last_at, drop_later=True)
                     return progress, applied
+                if record.version != progress.version + 1:  # never applied out of order
+                    raise SessionLost(f"the step log {segment} goes from version {progress.version} to "
+                                      f"{record.version}: the steps between are in no file")
                 updater.set_hyper(record.hyper)
                 updater.apply(grads, record.scale, lambda _partial, s=record.global_stat: s, absent=record.absent)
                 progress = progress.after(record)

@@ -194,15 +194,20 @@ class SessionDurability:
             steps.cond.notify_all()
             return True
 
-    def take_files(self, store: CheckpointPort, clock_journal=None) -> None:
+    def take_files(self, store: CheckpointPort, sizes: list, clock_journal=None) -> None:
         """A promoted standby's part of a durable session (it wrote no files while it followed):
-        the step log and checkpoints in ``store`` are this part's from now on, at its version.
+        the step log and checkpoints in ``store`` are this part's from now on, at its version
+        (``sizes``: each tensor's gradient bytes, in tensor order; ``clock_journal``: the home
+        clock's ticket journal from now on).
 
-        The log its lost primary wrote is cut off at this part's version (what it holds past it
-        was never acknowledged: a standby holds every acknowledged step; a client's retry applies
-        it afresh), a checkpoint past it is rolled back, and a checkpoint of the state now (with
-        the clock's, ``clock_journal``: the home clock's ticket journal from now on) is committed
-        before this returns, so a later restore starts here, whatever the primary's log lacked.
+        What its lost primary logged past this version was never acknowledged (a standby holds
+        every acknowledged step; a client's retry applies it afresh): the old log is sealed at
+        this version and a checkpoint past it rolled back. Where the old log reaches this
+        version, it goes on from there (a restore replays the old log, then the new one); where
+        it ends short of it (the primary died after shipping a step, before its record was
+        written), a checkpoint of the state now is committed before this returns. The old ticket
+        journal may end with one entry the standby's clock never got (it is written to disk
+        first): the new journal comes after it, and a ticket decided again there supersedes it.
 
         Raises:
           OSError: the checkpoint could not be written (the part holds state no disk has).
@@ -212,14 +217,15 @@ class SessionDurability:
             manifest = store.latest()
             if manifest is not None and int(manifest["progress"]["version"]) > steps.version:
                 manifest = store.roll_back_to(steps.version)
+            logged = store.logged_through(manifest, sizes) if manifest is not None else -1
             steps.journal.resume(store, manifest, steps.version)
             if clock_journal is not None:
                 steps.clock.journal_to(clock_journal)
-            if steps.version > store.durable_version and not steps.journal.checkpoint(wait=True):
+            if logged < steps.version and not steps.journal.checkpoint(wait=True):
                 raise OSError(f"{steps.where}: the promoted standby's checkpoint at version {steps.version} was not "
                               f"committed")
-            _log.warning("event=standby_took_files %s version=%d seconds=%.3f", steps.where, steps.version,
-                         time.monotonic() - started)
+            _log.warning("event=standby_took_files %s version=%d old_log_reached=%d checkpointed=%s seconds=%.3f",
+                         steps.where, steps.version, logged, logged < steps.version, time.monotonic() - started)
 
     def checkpoint_now(self) -> bool:
         """A checkpoint of the current state, written before this returns (server shutdown);
