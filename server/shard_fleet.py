@@ -183,10 +183,15 @@ class RayShardFleet:
         standby = self.standbys.take(index)
         try:
             addresses = ray.get([standby.address.remote(), standby.clock_address.remote()])
-            if self.checkpoint_dir is not None:
-                _ray_get(standby.own_files.remote(claim_shard(self.checkpoint_dir, index)))
         except ACTOR_GONE as exc:  # it died too: nothing to promote (the shard is restarted empty)
             return {name: f"its standby is gone too ({type(exc).__name__})" for name in names}
+        if self.checkpoint_dir is not None:
+            try:
+                _ray_get(standby.own_files.remote(claim_shard(self.checkpoint_dir, index)))
+            except Exception as exc:  # noqa: BLE001 - it cannot own the files: it serves nothing
+                ray.kill(standby)
+                return {name: f"its standby could not take the shard's files ({type(exc).__name__}: {exc})"
+                        for name in names}
         outcomes: dict[str, Optional[str]] = {}
         promoting = {name: standby.promote_session.remote(name, timeout_s) for name in names}  # side by side
         for name, ref in promoting.items():

@@ -166,9 +166,9 @@ class ShardParts:
         durability = self._config.durability
         store = ShardStore(durability.checkpoint_dir, session.config.name, session.shard_index, durability,
                            session.clock.is_home, self._fence)
-        sizes = [int(np.prod(spec.shape, dtype=np.int64)) * 4 for spec in session.specs.values()]  # float32, as logged
+        arrays = lambda: {n: aligned_empty(spec.shape, np.float32) for n, spec in session.specs.items()}  # noqa: E731
         try:
-            session.durability.take_files(store, sizes, store.log.journal_entry if session.clock.is_home else None)
+            session.durability.take_files(store, arrays, store.log.journal_entry if session.clock.is_home else None)
         except BaseException:
             store.close()
             raise

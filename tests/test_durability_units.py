@@ -15,7 +15,6 @@ from optserve.server.domain.clock.home_clock import HomeClock, Ticket
 from optserve.server.domain.config import DType, Mode, SessionConfig, TensorSpec
 from optserve.server.storage import CorruptCheckpoint, ShardStore, read_step_log
 from optserve.server.storage.format import SEGMENT_HEADER
-from optserve.server.storage.log_reader import record_versions
 from optserve.server.domain.durability import (MIN_DEFAULT_LOG_BYTES, CheckpointPolicy, DurabilityConfig, FsyncPolicy,
                                                LogIO, ShardProgress, StepRecord)
 from optserve.server.domain.errors import InvalidArgument
@@ -319,13 +318,10 @@ def test_direct_io_step_log_reads_back_every_kind_of_tensor_and_ends_at_a_torn_t
     assert [StepRecord.from_json(h).version for h, _ in records] == [1, 2, 3]
     for (_, grads), expected in zip(records, written):
         assert all(np.array_equal(grads[k], expected[k]) for k in expected)
-    sizes = [g.nbytes for g in _direct_io_buffers().values()]
-    assert list(record_versions(segment, sizes)) == [1, 2, 3]  # headers alone: the aborted record skipped
     store.close()
     with open(segment, "r+b") as fh:  # a crash while the last record's payload was being written
         fh.truncate(first + 4096)
     assert [StepRecord.from_json(h).version for h, _ in read_step_log(segment, _direct_io_buffers)] == [1, 2]
-    assert list(record_versions(segment, sizes)) == [1, 2]
 
 
 def test_a_direct_io_log_goes_on_after_a_checkpoint_in_a_fresh_segment(tmp_path):

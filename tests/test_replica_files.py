@@ -24,7 +24,10 @@ from optserve.server.storage import ShardStore, StepLogReader
 from optserve.server.storage.ownership import ShardFence, claim_shard
 from tests._replica_pair import SHAPES, Pair, chunks, config_of, shard_session, values
 
-SIZES = [int(np.prod(shape)) * 4 for shape in SHAPES.values()]  # each tensor's logged gradient bytes
+
+
+def _arrays() -> dict:
+    return {n: np.empty(s, np.float32) for n, s in SHAPES.items()}
 
 
 class GatedLink(LocalLink):
@@ -72,7 +75,7 @@ def _promote_serve_and_restore(pair, root: str, durability: DurabilityConfig, co
     assert pair.follower.promote(timeout_s=30) == version
     standby_store = ShardStore(root, config.name, 0, durability, home=True,
                                fence=ShardFence(root, 0, claim_shard(root, 0)))
-    pair.standby.durability.take_files(standby_store, SIZES, standby_store.log.journal_entry)
+    pair.standby.durability.take_files(standby_store, _arrays, standby_store.log.journal_entry)
     durable_version = standby_store.durable_version
     with pytest.raises((OSError, OptservError)):  # the old primary is fenced off the files
         pair.primary.push(PushHeader("a", 9, version), chunks(values(9))).durable()
@@ -121,6 +124,28 @@ def test_a_promoted_standby_ahead_of_its_primarys_log_commits_a_checkpoint_befor
         reader = StepLogReader(segment, lambda: {n: np.empty(s, np.float32) for n, s in SHAPES.items()})
         assert [int(header["version"]) for header, _ in reader] == [1, 2, 3]
         os.truncate(segment, reader.last_at)  # its log ends at 2
+        assert _promote_serve_and_restore(pair, root, durability, config, 3) == 3
+    finally:
+        pair.close()
+
+
+def test_a_promoted_home_part_whose_ticket_journal_lacks_a_decided_ticket_commits_a_checkpoint(tmp_path):
+    """The primary's last journal line never reached the disk (a machine lost before the page
+    cache was written back) while its step record did: a restore from those files would skip a
+    decided ticket, so the promoted part checkpoints its clock's state first."""
+    root = str(tmp_path)
+    durability = DurabilityConfig(root, every_steps=100)
+    config = config_of(Mode.ASYNC)
+    pair, primary_store, _link = _primary_and_standby(root, durability, config)
+    try:
+        for step in range(3):
+            assert pair.push("a", step, step, seed=step + 1)[0] == step + 1
+        primary_store.close()
+        journal = sorted(p for p in os.listdir(primary_store.folder) if p.startswith("tickets-"))[-1]
+        path = os.path.join(primary_store.folder, journal)
+        lines = open(path, "rb").read().splitlines(keepends=True)
+        assert lines[-1].startswith(b"[2,")  # the third ticket's line ...
+        os.truncate(path, os.path.getsize(path) - len(lines[-1]))  # ... is lost
         assert _promote_serve_and_restore(pair, root, durability, config, 3) == 3
     finally:
         pair.close()

@@ -244,3 +244,19 @@ def test_a_standbys_clock_decides_nothing_changes_nothing_and_books_no_ticket_ou
         assert clock_json(clock)["next_ordinal"] == 2  # the real ticket 1 went to it before
     finally:
         pair.close()
+
+
+def test_a_clock_entry_the_disk_refused_still_reaches_the_standby_and_the_refusal_is_raised():
+    """The clock keeps a ticket it decided even when its journal line could not be written (the
+    push is refused and retried, and is given that ticket): its standby's clock must hold it too,
+    or a promoted standby would decide that ordinal again for another push."""
+    from optserve.server.domain.clock.clock_journal import ClockJournal
+
+    def full_disk(entry):
+        raise OSError(28, "No space left on device")
+
+    journal, shipped = ClockJournal(full_disk), []
+    journal.replica = shipped.append
+    with pytest.raises(OSError, match="No space left"):
+        journal([7, "a", 3])
+    assert shipped == [[7, "a", 3]]

@@ -331,9 +331,12 @@ class CheckpointPort(Protocol):
     def roll_back_to(self, version: int) -> Optional[dict]:
         """The newest kept checkpoint at or before ``version`` (None: none), the later ones deleted."""
 
-    def logged_through(self, manifest: dict, sizes: list) -> int:
-        """The last version the log reaches after ``manifest``'s checkpoint, none missing
-        (``sizes``: each tensor's gradient bytes, in tensor order)."""
+    def logged_through(self, manifest: dict, arrays) -> int:
+        """The last version the log reaches after ``manifest``'s checkpoint, none missing, each
+        record read into ``arrays()``'s buffers and checked (raises CorruptCheckpoint: damaged)."""
+
+    def journaled_through(self, manifest: dict) -> int:
+        """The last ticket ordinal the clock's journal holds after ``manifest``'s checkpoint."""
 
     def start_logs(self, manifest: Optional[dict], version: int = 0) -> None:
         """Opens the step log after everything on disk (it reached ``version``)."""

@@ -152,9 +152,11 @@ class ReplicaWatch(Periodic):
                 return
             address = self._fleet.addresses[index]
             lost = self._coordinator.fail_over(index, address, cause)
-        if lost is None:  # durable: its standby was gone too; the shard watch restores it from its files
+        if lost is None:  # durable: no standby took over. Dead, the shard watch restores it from its
             log.error("event=fail_over_without_standby shard=%d address=%s cause=%s", index, address,
-                      cause.replace(" ", "_"))
+                      cause.replace(" ", "_"))  # files; alive, it goes on with one copy until a fresh standby
+            self._shard_watch.let_go(index, f"its standby could not take over when it was silent ({cause})")
+            self._shard_watch.restandby_later(index)
             return
         log.error("event=shard_failed_over shard=%d address=%s new_address=%s lost_sessions=%s cause=%s", index,
                   address, self._fleet.addresses[index], ",".join(lost) or "-", cause.replace(" ", "_"))

@@ -114,48 +114,6 @@ class StepLogReader:
         return None
 
 
-def record_versions(path: str, sizes: list[int]) -> Iterator[int]:
-    """The versions of a step-log segment's applied records, in order, read from their headers
-    alone (each payload of ``sizes`` bytes per tensor, in tensor order, is skipped, not read nor
-    checked: :class:`StepLogReader` checks them); a torn tail ends it.
-
-    Raises:
-      CorruptCheckpoint: no record starts where one should (naming the file and byte).
-    """
-    size = os.path.getsize(path)
-    with open(path, "rb", buffering=0) as fh:
-        if not _skip_segment_header(fh, path):
-            return
-        while True:
-            at = fh.tell()
-            prefix = fh.read(PREFIX.size)
-            if len(prefix) < PREFIX.size:
-                return
-            magic, payload_len = PREFIX.unpack(prefix)
-            if magic not in _MAGICS:
-                raise CorruptCheckpoint(f"step log {path}: no record starts at byte {at}")
-            aligned = magic in (REC_ALIGNED, OLD_ALIGNED)
-            position = at + PREFIX.size
-            position += pad(position) if aligned else 0
-            for nbytes in sizes:
-                position += nbytes
-                position += pad(position) if aligned else 0
-            fh.seek(position)
-            header_len_raw = fh.read(U32.size)
-            if len(header_len_raw) < U32.size or sum(sizes) != payload_len:
-                return
-            (header_len,) = U32.unpack(header_len_raw)
-            tail = fh.read(header_len + U32.size + len(REC_END))
-            if len(tail) < header_len + U32.size + len(REC_END) or not tail.endswith(REC_END) or fh.tell() > size:
-                return
-            try:
-                header = json.loads(tail[:header_len])
-            except ValueError:
-                return
-            if not header.get("aborted"):
-                yield int(header["version"])
-
-
 def read_step_log(path: str, arrays: Callable[[], dict], cut_torn: bool = False) -> Iterator[tuple[dict, dict]]:
     """Yields ``(record_json, grads)`` from a step-log segment (see :class:`StepLogReader`). With
     ``cut_torn``, a torn tail is cut off the file once the records before it were read (so that

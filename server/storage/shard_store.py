@@ -25,7 +25,7 @@ from optserve.server.storage.format import CorruptCheckpoint
 from optserve.server.storage.manifests import (checkpoint_versions, checksums_match, commit_manifest,
                                                drop_checkpoints_newer_than, drop_checkpoints_older_than,
                                                latest_manifest, read_manifest)
-from optserve.server.storage.log_reader import StepLogReader, record_versions
+from optserve.server.storage.log_reader import StepLogReader
 from optserve.server.storage.orbax_trees import restore_tree, write_tree
 from optserve.server.storage.segments import close_segments
 from optserve.server.storage.snapshots import Snapshots, leaves, yield_cpu_to_steps
@@ -148,20 +148,26 @@ class ShardStore:
                 contiguous = version
         return reach._replace(fallback_version=int(earlier["progress"]["version"]), fallback_reach=contiguous)
 
-    def logged_through(self, manifest: dict, sizes: list[int]) -> int:
+    def logged_through(self, manifest: dict, arrays: Callable[[], dict]) -> int:
         """The last version the step log reaches after ``manifest``'s checkpoint with no step
-        missing (the checkpoint's own when it holds none after it), read from the records'
-        headers alone (:func:`~.log_reader.record_versions`; ``sizes``: each tensor's gradient
-        bytes, in tensor order); a segment a later one was sealed after is read up to the seal."""
+        missing (the checkpoint's own when it holds none after it), every record read into
+        ``arrays()``'s buffers (one set, reused) and its checksum checked; a segment a later one
+        was sealed after is read up to the seal.
+
+        Raises:
+          CorruptCheckpoint: a record before a segment's end is damaged.
+        """
         reach = int(manifest["progress"]["version"])
-        for segment in self.log.segments(manifest):
-            stray_after = self.log.stray_after(segment)
-            for version in record_versions(segment, sizes):
-                if stray_after is not None and version > stray_after:
-                    break
-                if version == reach + 1:
-                    reach = version
+        for version in self._logged_versions(self.log.segments(manifest), arrays()):
+            if version == reach + 1:
+                reach = version
         return reach
+
+    def journaled_through(self, manifest: dict) -> int:
+        """The last ticket ordinal the clock's journal holds after ``manifest``'s checkpoint (the
+        ordinal before the checkpoint's next one when it holds none after it; home shard)."""
+        tickets = [entry[0] for entry in self.log.journal(manifest) if isinstance(entry, list)]
+        return max(tickets, default=int((manifest.get("clock") or {}).get("next_ordinal", 0)) - 1)
 
     def _logged_versions(self, segments: list[str], buffers: dict) -> list[int]:
         """The versions of the records in ``segments``, in order (a segment a later one was sealed

@@ -25,15 +25,18 @@ class ClockJournal:
         return self.disk is not None or self.replica is not None
 
     def __call__(self, entry: Any) -> None:
-        """Writes ``entry`` to the disk journal, then passes it to the standby.
+        """Writes ``entry`` to the disk journal, then passes it to the standby, also when the disk
+        refused it (the clock keeps a ticket it decided: its standby's must hold it too).
 
         Raises:
           OSError: either could not take it (the caller hands out nothing it carries).
         """
-        if self.disk is not None:
-            self.disk(entry)
-        if self.replica is not None:
-            self.replica(entry)
+        try:
+            if self.disk is not None:
+                self.disk(entry)
+        finally:
+            if self.replica is not None:
+                self.replica(entry)
 
     def ticket(self, ticket, state) -> None:
         """Journals a fresh ``ticket`` (a ``Ticket``), and the record of the sync round it closes

@@ -312,6 +312,12 @@ class HomeClock:
             self._following = following
             self._cond.notify_all()
 
+    @property
+    def next_ordinal(self) -> int:
+        """The ordinal the next ticket decided here gets (every one before it is decided)."""
+        with self._cond:
+            return self._state.next_ordinal
+
     def journal_to(self, disk: Callable[[Any], None]) -> None:
         """A promoted standby's clock of a durable session: each entry from now on is written to
         ``disk`` (its ticket journal) before anything else, as a durable home clock's is."""

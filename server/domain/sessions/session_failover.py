@@ -103,7 +103,7 @@ def restandby(fleet: ShardFleet, table: SessionTable, shard_index: int) -> list[
     records = {name: table.entry(name) for names in table.live_on(shard_index).values() for name in names}
     failed = []
     for name, entry in records.items():
-        if entry is None or entry.record.config.replicas == 1:
+        if entry is None or entry.record.config.replicas != 2:
             continue
         try:
             fleet.start_standbys(name, entry.record.openings(fleet.clock_addresses), only=shard_index)

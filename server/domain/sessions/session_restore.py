@@ -79,17 +79,17 @@ def restore_consistently(fleet: "ShardFleet", record: SessionRecord) -> RestoreO
 def restore_recorded(fleet: "ShardFleet", table, record: SessionRecord) -> Optional[str]:
     """Restores a durable session on all its shards at one version (:func:`restore_consistently`),
     noting a roll-back in ``table`` (the coordinator's ``SessionTable``), then, on a server with
-    hot standbys, starts its parts' standbys from the restored state (unless it was created with
-    replicas=1); returns why it is lost, or None. A standby that cannot start leaves its part with
-    one copy (logged), as when a shard's standby is lost."""
+    hot standbys, starts its parts' standbys from the restored state (one created with replicas=2;
+    older catalog entries have none); returns why it is lost, or None. A standby that cannot start
+    leaves its part with one copy (logged) until its shard's next fresh standby."""
     outcome = restore_consistently(fleet, record)
     if outcome.rolled_back_from:
         table.rolled_back(record.config.name, outcome.rolled_back_from)
-    if outcome.why_lost is None and fleet.replicated and record.config.replicas != 1:
+    if outcome.why_lost is None and fleet.replicated and record.config.replicas == 2:
         name = record.config.name
         try:
             fleet.start_standbys(name, record.openings(fleet.clock_addresses))
-        except Exception as exc:  # noqa: BLE001 - restored with one copy; the shard watch's restandby retries
+        except Exception as exc:  # noqa: BLE001 - restored with one copy, until its shard's next fresh standby
             log.error("event=standby_not_started session=%s error=%s", name, exc)
     return outcome.why_lost
 

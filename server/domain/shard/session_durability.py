@@ -194,38 +194,58 @@ class SessionDurability:
             steps.cond.notify_all()
             return True
 
-    def take_files(self, store: CheckpointPort, sizes: list, clock_journal=None) -> None:
+    def take_files(self, store: CheckpointPort, arrays: Callable[[], dict], clock_journal=None) -> None:
         """A promoted standby's part of a durable session (it wrote no files while it followed):
         the step log and checkpoints in ``store`` are this part's from now on, at its version
-        (``sizes``: each tensor's gradient bytes, in tensor order; ``clock_journal``: the home
-        clock's ticket journal from now on).
+        (``arrays``: fresh buffers for one step's gradients, to read the old log with;
+        ``clock_journal``: the home clock's ticket journal from now on).
 
         What its lost primary logged past this version was never acknowledged (a standby holds
         every acknowledged step; a client's retry applies it afresh): the old log is sealed at
-        this version and a checkpoint past it rolled back. Where the old log reaches this
-        version, it goes on from there (a restore replays the old log, then the new one); where
-        it ends short of it (the primary died after shipping a step, before its record was
-        written), a checkpoint of the state now is committed before this returns. The old ticket
-        journal may end with one entry the standby's clock never got (it is written to disk
-        first): the new journal comes after it, and a ticket decided again there supersedes it.
+        this version and a checkpoint past it rolled back. Where the old files hold everything
+        this part holds (the log reaches its version, every record intact; on the home shard, the
+        ticket journal every ticket its clock decided: the disk is written first, one entry at a
+        time, so it may end with one ticket more, which a ticket decided again in the new journal
+        supersedes), the log goes on from there; otherwise (the primary died after shipping a
+        step, before its record or journal line was written or flushed, or a file is damaged) a
+        checkpoint of the state now is committed before this returns.
 
         Raises:
-          OSError: the checkpoint could not be written (the part holds state no disk has).
+          OSError: the checkpoint could not be committed, or the old primary's checkpoint past
+            this version has none kept before it to roll back to (the part must not serve: no
+            file holds its state).
         """
         steps, started = self._steps, time.monotonic()
         with steps.cond:
-            manifest = store.latest()
+            try:
+                manifest, whole = store.latest(), True
+            except OSError:  # CorruptCheckpoint: a damaged manifest; the checkpoint below replaces it
+                manifest, whole = None, False
             if manifest is not None and int(manifest["progress"]["version"]) > steps.version:
                 manifest = store.roll_back_to(steps.version)
-            logged = store.logged_through(manifest, sizes) if manifest is not None else -1
+                if manifest is None:
+                    raise OSError(f"{steps.where}: the lost primary's checkpoint is past the promoted standby's "
+                                  f"version {steps.version}, with none kept before it to go on from")
+            logged = -1
+            try:
+                if manifest is not None and whole:
+                    logged = store.logged_through(manifest, arrays)
+                    if clock_journal is not None and store.journaled_through(manifest) < steps.clock.next_ordinal - 1:
+                        logged = -1  # a decided ticket no journal line holds: a restore would skip it
+            except OSError as exc:  # CorruptCheckpoint: a damaged record
+                _log.warning("event=standby_old_log_unreadable %s error=%s", steps.where, exc)
+                logged = -1
             steps.journal.resume(store, manifest, steps.version)
             if clock_journal is not None:
                 steps.clock.journal_to(clock_journal)
-            if logged < steps.version and not steps.journal.checkpoint(wait=True):
-                raise OSError(f"{steps.where}: the promoted standby's checkpoint at version {steps.version} was not "
-                              f"committed")
+            checkpointed = logged < steps.version
+            if checkpointed:
+                steps.journal.checkpoint(wait=True)
+                if store.durable_version < steps.version:  # a failed write is logged, not raised
+                    raise OSError(f"{steps.where}: the promoted standby's checkpoint at version {steps.version} was "
+                                  f"not committed")
             _log.warning("event=standby_took_files %s version=%d old_log_reached=%d checkpointed=%s seconds=%.3f",
-                         steps.where, steps.version, logged, logged < steps.version, time.monotonic() - started)
+                         steps.where, steps.version, logged, checkpointed, time.monotonic() - started)
 
     def checkpoint_now(self) -> bool:
         """A checkpoint of the current state, written before this returns (server shutdown);
