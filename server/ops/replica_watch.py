@@ -24,6 +24,7 @@ still the shard's.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Optional
 
@@ -35,7 +36,9 @@ log = logging.getLogger(__name__)
 
 
 class _Prober:
-    """One process's ``ShardReplica.Probe`` over a channel of its own."""
+    """One process's ``ShardReplica.Probe`` over a channel of its own. Probes are sent without
+    waiting for the last one's answer (each has its own deadline), so a silent process never holds
+    up the watch's rounds; answers are booked as they come (on gRPC's threads)."""
 
     def __init__(self, address: str, trust):
         self.address = address
@@ -44,17 +47,32 @@ class _Prober:
         self._probe = self._channel.unary_unary(f"/{SERVICE}/Probe",
                                                 request_serializer=replica_pb2.ProbeRequest.SerializeToString,
                                                 response_deserializer=replica_pb2.ProbeAnswer.FromString)
+        self._lock = threading.Lock()
         self.last_answer = time.monotonic()  # a new process has its grace: silence counts from now
-        self.unanswered = 0  # probes unanswered since the last answer
+        self.unanswered = 0  # probes unanswered (failed or past their deadline) since the last answer
         self.out_of_sync: list[str] = []
 
     def silent(self, now: float, silence_s: float) -> bool:
         """Whether it answered no probe for ``silence_s`` and missed at least three (a watch that
-        was itself held up does not count its own delay as the process's silence)."""
-        return now - self.last_answer > silence_s and self.unanswered >= 3
+        was itself held up sent none meanwhile: its own delay is not the process's silence)."""
+        with self._lock:
+            return now - self.last_answer > silence_s and self.unanswered >= 3
 
-    def ask(self, timeout_s: float):
-        return self._probe.future(replica_pb2.ProbeRequest(), timeout=timeout_s, metadata=self._trust.metadata)
+    def ask(self, timeout_s: float) -> None:
+        """Sends one probe; its answer, or its failure once ``timeout_s`` passed, is booked."""
+        future = self._probe.future(replica_pb2.ProbeRequest(), timeout=timeout_s, metadata=self._trust.metadata)
+        future.add_done_callback(self._booked)
+
+    def _booked(self, future) -> None:
+        try:
+            answer = future.result()
+        except Exception:  # noqa: BLE001 - silent (not serving, unreachable, or too slow): not an answer
+            with self._lock:
+                self.unanswered += 1
+            return
+        with self._lock:
+            self.last_answer, self.unanswered = time.monotonic(), 0
+            self.out_of_sync = list(answer.out_of_sync)
 
     def close(self) -> None:
         self._channel.close()
@@ -122,23 +140,14 @@ class ReplicaWatch(Periodic):
             return [(index, address, standbys[index]) for index, address in enumerate(self._fleet.clock_addresses)]
 
     def _probe(self, addresses: set) -> None:
-        """Probes ``addresses`` at once; records each answer (a process no longer watched is dropped)."""
+        """Probes ``addresses`` (their answers are booked as they come; a process no longer
+        watched is dropped)."""
         for gone in set(self._probers) - addresses:
             self._probers.pop(gone).close()
         for address in addresses - set(self._probers):
             self._probers[address] = _Prober(address, self._trust)
-        asked = {address: self._probers[address].ask(self._probe_timeout_s) for address in addresses}
-        until = time.monotonic() + self._probe_timeout_s + 0.5  # each probe has its own deadline too
-        for address, future in asked.items():
-            try:
-                answer = future.result(timeout=max(0.0, until - time.monotonic()))
-            except Exception:  # noqa: BLE001 - silent (not serving, unreachable, or too slow): not an answer
-                future.cancel()
-                self._probers[address].unanswered += 1
-                continue
-            prober = self._probers[address]
-            prober.last_answer, prober.unanswered = time.monotonic(), 0
-            prober.out_of_sync = list(answer.out_of_sync)
+        for address in addresses:
+            self._probers[address].ask(self._probe_timeout_s)
 
     def _current(self, index: int, primary: str, standby: str) -> bool:
         """Whether shard ``index``'s pair is still the one probed (``topology`` held)."""
