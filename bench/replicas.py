@@ -36,6 +36,12 @@ NEVER = 10**12
 SENT, RECEIVED = "optserve_replica_sent_bytes_total", "optserve_replica_received_bytes_total"
 
 
+# Standbys on this machine, judged silent only after 5 s: with four servers of 100M parameters on a
+# few cores, a process busy catching up a standby (or starved of CPU) can miss probes for over the
+# default 0.5 s, and a standby forgotten and started again would be timed instead of the step.
+SAME_NODE = {"replica_same_node": True, "replica_silence_s": 5.0}
+
+
 def replica_bytes(metrics_address: str) -> tuple[float, float]:
     """(bytes sent to standbys, bytes of their answers received), summed over the shards."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -59,7 +65,7 @@ def bytes_per_step(small: bool, shards: int, steps: int) -> str:
     params = _model(matrices, dim)
     grads = {k: np.random.default_rng(1).standard_normal(v.shape, dtype=np.float32) * 1e-3 for k, v in params.items()}
     nbytes = sum(v.nbytes for v in params.values())
-    server = start_server(ServerConfig(host="127.0.0.1", port=0, shards=shards, replicas=2, replica_same_node=True,
+    server = start_server(ServerConfig(host="127.0.0.1", port=0, shards=shards, replicas=2, **SAME_NODE,
                                        metrics_port=0))
     try:
         client = Client(server.address, timeout=600)
@@ -97,9 +103,9 @@ def main(argv=None) -> str:
         log_alone = DurabilityConfig(os.path.join(root, "log"), every_steps=NEVER, every_s=1e9, max_log_bytes=NEVER)
         table = compare(f"bench.replicas, a hot standby against the disk log (log in {root})", {
             "one replica": ({}, {}),
-            "--replicas 2 (standby: another process, same machine)": ({"replicas": 2, "replica_same_node": True}, {}),
+            "--replicas 2 (standby: another process, same machine)": ({"replicas": 2, **SAME_NODE}, {}),
             "step log on disk, no checkpoint": ({"durability": log_alone}, {}),
-            "both: --replicas 2 and the step log": ({"replicas": 2, "replica_same_node": True,
+            "both: --replicas 2 and the step log": ({"replicas": 2, **SAME_NODE,
                                                      "durability": dataclasses.replace(
                                                          log_alone, checkpoint_dir=os.path.join(root, "both"))}, {}),
         }, small=args.small, shards=args.shards, repeats=args.repeats, warmup=3)

@@ -155,12 +155,12 @@ class ShardParts:
     def take_files(self, session: ShardSession) -> None:
         """A promoted standby's part of a durable session: its step log and checkpoints are
         this shard's from now on (this process must own the shard's files: :attr:`fence` set to
-        the epoch claimed for it). The log goes on after the part's version and a checkpoint of
-        its state is committed before this returns where the old log ends short of the part's
-        version (see ``SessionDurability.take_files``).
+        the epoch claimed for it). The log goes on after the part's version, and where the old
+        files lack what the part holds, a checkpoint of its state is committed before this
+        returns (see ``SessionDurability.take_files``).
 
         Raises:
-          OSError: the checkpoint could not be written (the part must not serve: nothing on
+          OSError: that checkpoint could not be committed (the part must not serve: nothing on
             disk holds its state).
         """
         durability = self._config.durability

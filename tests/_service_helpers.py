@@ -58,3 +58,14 @@ class InProcess:
 def max_abs_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
     assert set(a) == set(b)
     return max(float(np.max(np.abs(a[k].astype(np.float64) - b[k].astype(np.float64)), initial=0.0)) for k in a)
+
+
+def train_alike(session, reference: "InProcess", params: dict[str, np.ndarray], steps) -> None:
+    """Pushes ``make_grads(params, step)`` for each of ``steps`` to ``session`` and to the
+    in-process ``reference``; the last answer equals the reference's parameters (1e-6)."""
+    got = expected = None
+    for step in steps:
+        grads = make_grads(params, step)
+        got, expected = session.push_pull(grads), reference.step(grads)
+    assert max_abs_diff(got, expected) <= 1e-6
+

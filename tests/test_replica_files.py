@@ -111,15 +111,21 @@ def test_a_promoted_standby_cuts_off_what_its_primary_logged_past_it_and_a_resto
         pair.primary.durability.close_store()
 
 
-def test_a_promoted_standby_ahead_of_its_primarys_log_commits_a_checkpoint_before_it_serves(tmp_path):
-    root = str(tmp_path)
-    durability = DurabilityConfig(root, every_steps=100)
-    config = config_of(Mode.ASYNC)
+def _three_steps_then_primary_lost(root: str, durability: DurabilityConfig, config):
+    """A primary and its standby, three steps acknowledged by both, then the primary's files
+    closed (its process lost)."""
     pair, primary_store, _link = _primary_and_standby(root, durability, config)
-    try:
-        for step in range(3):
-            assert pair.push("a", step, step, seed=step + 1)[0] == step + 1
-        primary_store.close()  # the primary died after shipping step 3, before its record reached the disk:
+    for step in range(3):
+        assert pair.push("a", step, step, seed=step + 1)[0] == step + 1
+    primary_store.close()
+    return pair, primary_store
+
+
+def test_a_promoted_standby_ahead_of_its_primarys_log_commits_a_checkpoint_before_it_serves(tmp_path):
+    root, config = str(tmp_path), config_of(Mode.ASYNC)
+    durability = DurabilityConfig(root, every_steps=100)
+    pair, primary_store = _three_steps_then_primary_lost(root, durability, config)
+    try:  # the primary died after shipping step 3, before its record reached the disk:
         segment = primary_store.log.segments(primary_store.latest())[-1]
         reader = StepLogReader(segment, lambda: {n: np.empty(s, np.float32) for n, s in SHAPES.items()})
         assert [int(header["version"]) for header, _ in reader] == [1, 2, 3]
@@ -133,14 +139,10 @@ def test_a_promoted_home_part_whose_ticket_journal_lacks_a_decided_ticket_commit
     """The primary's last journal line never reached the disk (a machine lost before the page
     cache was written back) while its step record did: a restore from those files would skip a
     decided ticket, so the promoted part checkpoints its clock's state first."""
-    root = str(tmp_path)
+    root, config = str(tmp_path), config_of(Mode.ASYNC)
     durability = DurabilityConfig(root, every_steps=100)
-    config = config_of(Mode.ASYNC)
-    pair, primary_store, _link = _primary_and_standby(root, durability, config)
+    pair, primary_store = _three_steps_then_primary_lost(root, durability, config)
     try:
-        for step in range(3):
-            assert pair.push("a", step, step, seed=step + 1)[0] == step + 1
-        primary_store.close()
         journal = sorted(p for p in os.listdir(primary_store.folder) if p.startswith("tickets-"))[-1]
         path = os.path.join(primary_store.folder, journal)
         lines = open(path, "rb").read().splitlines(keepends=True)

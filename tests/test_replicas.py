@@ -19,7 +19,7 @@ import pytest
 from optserve.client import Client, SessionLostError
 from optserve.server.domain.config import ServerConfig
 from optserve.server.domain.errors import InvalidArgument
-from tests._service_helpers import InProcess, make_grads, make_params, max_abs_diff
+from tests._service_helpers import InProcess, make_grads, make_params, max_abs_diff, train_alike
 
 ADAM = {"name": "adam", "args": {"learning_rate": 0.01}}
 
@@ -64,14 +64,6 @@ def _in_sync(client, index: int, timeout_s: float = 120.0):
     raise AssertionError(f"shard {index}'s standby is not in sync after {timeout_s} s: {shard}")
 
 
-def _steps(session, reference, params, steps) -> None:
-    got = expected = None
-    for step in steps:
-        grads = make_grads(params, step)
-        got, expected = session.push_pull(grads), reference.step(grads)
-    assert max_abs_diff(got, expected) <= 1e-6
-
-
 def test_killed_standbys_leave_their_primaries_acknowledging_alone_until_fresh_ones_catch_up(fresh_server,
                                                                                             unique_name):
     import ray
@@ -80,16 +72,16 @@ def test_killed_standbys_leave_their_primaries_acknowledging_alone_until_fresh_o
     params = make_params(6)
     session = client.create_session(unique_name, params, optimizer=ADAM)
     reference = InProcess(ADAM["name"], ADAM["args"], params)
-    _steps(session, reference, params, range(4))
+    train_alike(session, reference, params, range(4))
     standbys = fresh_server.fleet.standbys
     first = [ray.get(actor.pid.remote()) for actor in standbys.actors]
     for pid in first:
         os.kill(pid, signal.SIGKILL)
-    _steps(session, reference, params, range(4, 9))  # the first of them finds its standby gone
+    train_alike(session, reference, params, range(4, 9))  # the first of them finds its standby gone
     for index in range(2):  # fresh standbys, caught up from the primaries' memory
         _in_sync(client, index)
     assert not set(first) & {ray.get(actor.pid.remote()) for actor in standbys.actors}
-    _steps(session, reference, params, range(9, 12))
+    train_alike(session, reference, params, range(9, 12))
     # a primary and its standby lost together: no copy is left, and the session says so
     os.kill(ray.get(standbys.actors[0].pid.remote()), signal.SIGKILL)
     _kill_primary(fresh_server, 0)
@@ -116,7 +108,7 @@ def test_a_killed_shard_is_served_by_its_standby_then_by_a_fresh_one_with_no_ack
     session = client.create_session(unique_name, params, optimizer=ADAM)
     assert len(session.info.shards) == 2
     reference = InProcess(ADAM["name"], ADAM["args"], params)
-    _steps(session, reference, params, range(5))
+    train_alike(session, reference, params, range(5))
     standby = _in_sync(client, killed)
     from optserve.client.cli import collect, render
 
@@ -124,7 +116,7 @@ def test_a_killed_shard_is_served_by_its_standby_then_by_a_fresh_one_with_no_ack
     for kill in range(2):  # the primary, then the standby promoted in its place once a fresh one is in sync
         before = replicated_server.fleet.addresses[killed]
         pid = _kill_primary(replicated_server, killed)
-        _steps(session, reference, params, range(5 + 5 * kill, 10 + 5 * kill))  # the first spans the fail-over
+        train_alike(session, reference, params, range(5 + 5 * kill, 10 + 5 * kill))  # the first spans the fail-over
         assert replicated_server.fleet.addresses[killed] != before  # served by the promoted standby
         assert pid not in replicated_server.fleet.pids()
         _in_sync(client, killed)  # a fresh standby, caught up from the promoted one's memory
@@ -164,12 +156,12 @@ def test_a_primary_or_standby_that_stops_answering_is_replaced_without_waiting_f
     params = make_params(4)
     session = client.create_session(unique_name, params, optimizer=ADAM)
     reference = InProcess(ADAM["name"], ADAM["args"], params)
-    _steps(session, reference, params, range(3))
+    train_alike(session, reference, params, range(3))
     _in_sync(client, 0)
     before, stopped = fresh_server.fleet.addresses[0], fresh_server.fleet.pids()[0]
     os.kill(stopped, signal.SIGSTOP)
     try:
-        _steps(session, reference, params, range(3, 6))
+        train_alike(session, reference, params, range(3, 6))
         assert fresh_server.fleet.addresses[0] != before and stopped not in fresh_server.fleet.pids()
     finally:
         os.kill(stopped, signal.SIGCONT)
@@ -177,12 +169,12 @@ def test_a_primary_or_standby_that_stops_answering_is_replaced_without_waiting_f
     standby = ray.get(fresh_server.fleet.standbys.actors[1].pid.remote())
     os.kill(standby, signal.SIGSTOP)
     try:
-        _steps(session, reference, params, range(6, 9))  # acknowledged by shard 1 alone once it is let go
+        train_alike(session, reference, params, range(6, 9))  # acknowledged by shard 1 alone once it is let go
     finally:
         os.kill(standby, signal.SIGCONT)
     _in_sync(client, 1)
     assert ray.get(fresh_server.fleet.standbys.actors[1].pid.remote()) != standby
-    _steps(session, reference, params, range(9, 11))
+    train_alike(session, reference, params, range(9, 11))
     assert session.status().version == 11
     client.close_session(unique_name)
 

@@ -18,7 +18,7 @@ from optserve.client import Client
 from optserve.server.domain.config import ServerConfig
 from optserve.server.domain.durability import DurabilityConfig
 from optserve.server.storage.ownership import current_epoch
-from tests._service_helpers import InProcess, make_grads, make_params, max_abs_diff
+from tests._service_helpers import InProcess, make_params, train_alike
 
 ADAM = {"name": "adam", "args": {"learning_rate": 0.01}}
 
@@ -43,14 +43,6 @@ def _in_sync(client, index: int, timeout_s: float = 120.0):
     raise AssertionError(f"shard {index}'s standby is not in sync after {timeout_s} s: {shard}")
 
 
-def _steps(session, reference, params, steps) -> None:
-    got = expected = None
-    for step in steps:
-        grads = make_grads(params, step)
-        got, expected = session.push_pull(grads), reference.step(grads)
-    assert max_abs_diff(got, expected) <= 1e-6
-
-
 def test_a_durable_shard_killed_is_served_by_its_standby_which_takes_its_files_and_a_restart_restores_it(
         ray_local, tmp_path, unique_name):
     import ray
@@ -65,18 +57,18 @@ def test_a_durable_shard_killed_is_served_by_its_standby_which_takes_its_files_a
         assert len(two.info.shards) == 2 and len(one.info.shards) == 2
         ref_two = InProcess(ADAM["name"], ADAM["args"], params)
         ref_one = InProcess(ADAM["name"], ADAM["args"], params)
-        _steps(two, ref_two, params, range(4))
-        _steps(one, ref_one, params, range(4))
+        train_alike(two, ref_two, params, range(4))
+        train_alike(one, ref_one, params, range(4))
         _in_sync(client, 0)
         standby_pid = ray.get(server.fleet.standbys.actors[0].pid.remote())
         epoch = current_epoch(checkpoint_dir, 0)
         os.kill(server.fleet.pids()[0], signal.SIGKILL)  # shard 0: the home of both sessions
-        _steps(two, ref_two, params, range(4, 9))  # the first spans the fail-over
+        train_alike(two, ref_two, params, range(4, 9))  # the first spans the fail-over
         assert server.fleet.pids()[0] == standby_pid  # served by the promoted standby, not a restarted shard
         assert current_epoch(checkpoint_dir, 0) == epoch + 1  # it owns the shard's files: the old primary is fenced
-        _steps(one, ref_one, params, range(4, 9))  # restored from its files on the promoted standby, not lost
+        train_alike(one, ref_one, params, range(4, 9))  # restored from its files on the promoted standby, not lost
         _in_sync(client, 0)  # a fresh standby, caught up from the promoted one's memory
-        _steps(two, ref_two, params, range(9, 11))
+        train_alike(two, ref_two, params, range(9, 11))
         assert (two.status().version, one.status().version) == (11, 9)
         client.close()
     finally:
@@ -89,8 +81,8 @@ def test_a_durable_shard_killed_is_served_by_its_standby_which_takes_its_files_a
         assert (two.status().version, one.status().version) == (11, 9)
         for index in range(2):  # the restored replicas=2 session is held by fresh standbys again
             assert _in_sync(client, index).replicated == 1
-        _steps(two, ref_two, params, range(11, 13))
-        _steps(one, ref_one, params, range(9, 11))
+        train_alike(two, ref_two, params, range(11, 13))
+        train_alike(one, ref_one, params, range(9, 11))
         client.close_session(unique_name)
         client.close_session(f"{unique_name}-one")
         client.close()
@@ -108,15 +100,15 @@ def test_an_idle_session_unloaded_and_loaded_back_is_held_by_its_standbys_again(
         params = make_params(7)
         reference = InProcess(ADAM["name"], ADAM["args"], params)
         session = client.create_session(unique_name, params, optimizer=ADAM)
-        _steps(session, reference, params, range(3))
+        train_alike(session, reference, params, range(3))
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and sum(s.sessions for s in client.server_status()) > 0:
             time.sleep(0.25)
         assert sum(s.sessions for s in client.server_status()) == 0  # unloaded
-        _steps(session, reference, params, range(3, 5))  # loaded back
+        train_alike(session, reference, params, range(3, 5))  # loaded back
         _in_sync(client, 1)
         os.kill(server.fleet.pids()[1], signal.SIGKILL)
-        _steps(session, reference, params, range(5, 8))
+        train_alike(session, reference, params, range(5, 8))
         assert session.status().version == 8
         client.close_session(unique_name)
         client.close()

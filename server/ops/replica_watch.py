@@ -88,16 +88,19 @@ class ReplicaWatch(Periodic):
         (:class:`~optserve.server.ops.shard_watch.ShardWatch`).
       trust: the server's internal trust (the probes carry its secret).
       silence_s: how long a process may not answer before it counts as lost.
-      period_s, probe_timeout_s: between probes; how long one probe waits.
+      period_s, probe_timeout_s: between probes; how long one probe waits for its answer (None:
+        ``silence_s``: a process that answers, however slowly under load, within that long is
+        never taken for lost; probes do not wait for each other).
     """
 
     failure_event = "replica_watch_failed"
 
     def __init__(self, fleet, coordinator, shard_watch, trust, silence_s: float = 0.5, period_s: float = 0.05,
-                 probe_timeout_s: float = 0.2, refuse_one_copy: bool = False):
+                 probe_timeout_s: Optional[float] = None, refuse_one_copy: bool = False):
         super().__init__("optserve-replica-watch", period_s)
         self._fleet, self._coordinator, self._shard_watch, self._trust = fleet, coordinator, shard_watch, trust
-        self._silence_s, self._probe_timeout_s = silence_s, probe_timeout_s
+        self._silence_s = silence_s
+        self._probe_timeout_s = silence_s if probe_timeout_s is None else probe_timeout_s
         self._refuse_one_copy = refuse_one_copy
         self._probers: dict[str, _Prober] = {}
 
