@@ -218,9 +218,9 @@ class SessionDurability:
         steps, started = self._steps, time.monotonic()
         with steps.cond:
             try:
-                manifest, whole = store.latest(), True
+                manifest = store.latest()
             except OSError:  # CorruptCheckpoint: a damaged manifest; the checkpoint below replaces it
-                manifest, whole = None, False
+                manifest = None
             if manifest is not None and int(manifest["progress"]["version"]) > steps.version:
                 manifest = store.roll_back_to(steps.version)
                 if manifest is None:
@@ -228,7 +228,7 @@ class SessionDurability:
                                   f"version {steps.version}, with none kept before it to go on from")
             logged = -1
             try:
-                if manifest is not None and whole:
+                if manifest is not None:
                     logged = store.logged_through(manifest, arrays)
                     if clock_journal is not None and store.journaled_through(manifest) < steps.clock.next_ordinal - 1:
                         logged = -1  # a decided ticket no journal line holds: a restore would skip it
