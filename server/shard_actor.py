@@ -214,9 +214,9 @@ class ShardActor:
         return removed
 
     # hot standbys (server/shard_replicas.py)
-    def follow_session(self, opening: ShardOpening) -> None:
+    def follow_session(self, opening: ShardOpening, replace: bool = False) -> None:
         """Standby of a session part another shard process serves (:meth:`ShardReplicas.follow`)."""
-        self._replicas.follow(opening)
+        self._replicas.follow(opening, replace)
 
     def set_replicated(self, name: str) -> None:
         self._replicas.set_replicated(name)
@@ -286,13 +286,14 @@ class ShardActor:
     def server_status(self) -> dict:
         """``{"node_id", "sessions", "param_bytes", "resident_bytes", "device", "in_sync",
         "replicated"}`` of this shard, now (``device``: its :class:`DeviceReport`; ``in_sync``:
-        sessions whose standby holds every step acknowledged, of the ``replicated`` ones)."""
+        sessions whose standby holds their start and every step acknowledged, of the
+        ``replicated`` ones: it could serve in their place)."""
         sessions = self._registry.sessions()
         unsynced = set(self._replicas.out_of_sync())
         return {"node_id": self._node_id, "sessions": len(sessions),
                 "param_bytes": sum(s.updater.param_bytes() for s in sessions), "resident_bytes": resident_bytes(),
                 "device": self._device,
-                "in_sync": sum(s.durability.in_sync and s.config.name not in unsynced for s in sessions),
+                "in_sync": sum(s.durability.standby_started and s.config.name not in unsynced for s in sessions),
                 "replicated": sum(s.config.replicas == 2 for s in sessions)}
 
     def session_status(self, name: str) -> ShardSessionStatus:

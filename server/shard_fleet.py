@@ -114,22 +114,24 @@ class RayShardFleet:
     def has_standby(self, index: int) -> bool:
         return self.standbys is not None and self.standbys.actors[index] is not None
 
-    def start_standbys(self, name: str, openings: Sequence[ShardOpening], only: Optional[int] = None) -> list[int]:
-        """Session ``name``'s parts (``openings``; ``only``: that shard's alone) get their standbys:
-        each is held by its shard's standby, every part learns the session is replicated, then each
-        primary streams its part to its standby from its state now (a new session's: from its
-        initial values on). A part inside a step is asked again, for up to 30 s. Returns the shards
-        that had no standby (their parts are told: ``standby_missing``).
+    def start_standbys(self, name: str, openings: Sequence[ShardOpening], only: Optional[int] = None,
+                       replace: bool = False) -> list[int]:
+        """Session ``name``'s parts (``openings``; ``only``: that shard's alone) get standbys: each
+        is held by its shard's standby (``replace``: a part held there already is dropped first),
+        every part learns the session is replicated, then each primary streams its part from its
+        state now (a new session's: its initial values on); one inside a step is asked again, for
+        up to 30 s. Returns the shards that had no standby (their parts get ``standby_missing``).
 
         Raises:
           Unavailable: a part stayed inside steps that long (that part goes on with one copy).
         """
         mine = [o for o in openings if only in (None, o.shard_index)]
-        parts = self.standbys.follow([o for o in mine if self.has_standby(o.shard_index)], _ray_get, ACTOR_GONE)
+        kept = [o for o in mine if self.has_standby(o.shard_index)]
+        parts = self.standbys.follow(kept, _ray_get, ACTOR_GONE, replace)
         held = {o.shard_index for o in parts}
         missing = sorted(o.shard_index for o in mine if o.shard_index not in held)
-        _ray_get([self.actors[i].standby_missing.remote(name, "its shard has no standby now")
-                  for i in missing])  # --on-one-replica refuse: it awaits one
+        # --on-one-replica refuse: each awaits one
+        _ray_get([self.actors[i].standby_missing.remote(name, "its shard has no standby now") for i in missing])
         _ray_get([self.actors[o.shard_index].set_replicated.remote(name) for o in openings])
         deadline = time.monotonic() + 30.0
         for opening in parts:

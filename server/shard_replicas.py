@@ -15,7 +15,7 @@ import logging
 import threading
 from typing import Callable, Optional
 
-from optserve.server.domain.errors import AlreadyExists, FailedPrecondition, SessionLost
+from optserve.server.domain.errors import AlreadyExists, FailedPrecondition, NotFound, SessionLost
 from optserve.server.domain.sessions import ShardOpening
 from optserve.server.domain.shard import ShardRegistry
 from optserve.server.domain.shard import StandbyFollower, Standbys
@@ -87,9 +87,10 @@ class ShardReplicas:
                 self._unsynced.pop(name, None)
         return let_go
 
-    def follow(self, opening: ShardOpening) -> None:
+    def follow(self, opening: ShardOpening, replace: bool = False) -> None:
         """Standby: holds a part of a session whose primary, another shard process, replicates it
-        here (:meth:`replicate` there).
+        here (:meth:`replicate` there); with ``replace``, a part of it held already (its primary
+        let it go: it refused a step, its stream broke or it fell behind) is dropped first.
 
         A durable server's standby writes no files while it follows (its primary does): it
         takes the session's files when it is promoted (:meth:`promote`).
@@ -98,6 +99,8 @@ class ShardReplicas:
           AlreadyExists: this process is the session's standby already.
           InvalidArgument: as when the part is opened to be served.
         """
+        if replace:
+            self._unfollow(opening.config.name)
         session = self._parts.build(opening, files=False)
         clock = session.clock if session.clock.is_home else None
         follower = StandbyFollower(session.durability.start_from, session.durability.follow, clock,
@@ -169,16 +172,19 @@ class ShardReplicas:
 
     def drop(self, name: str) -> None:
         """The session closed: its standby here (if any) follows no more; its stream port goes."""
-        try:
-            _session, follower = self.standbys.take(name)
-        except Exception:  # noqa: BLE001 - not a standby here
-            follower = None
-        if follower is not None:
-            follower.close()
+        self._unfollow(name)
         with self._lock:
             channels = list(self._channels.values())
         for channel in channels:
             channel.forget(name)
+
+    def _unfollow(self, name: str) -> None:
+        """Session ``name``'s standby part here (if any) follows no more."""
+        try:
+            _session, follower = self.standbys.take(name)
+        except NotFound:
+            return
+        follower.close()
 
     def stop(self) -> None:
         for name in self.standbys.names():

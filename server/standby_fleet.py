@@ -94,12 +94,14 @@ class StandbyActors:
         self.actors[index] = actor
         log.warning("event=standby_started shard=%d node=%s", index, node)
 
-    def follow(self, openings: Sequence[ShardOpening], call, gone: tuple) -> list[ShardOpening]:
+    def follow(self, openings: Sequence[ShardOpening], call, gone: tuple, replace: bool = False) -> list[ShardOpening]:
         """Each opening's standby part is held by its shard's standby (``call(ref)`` waits for one
-        and raises the domain error; every one is waited for first). A standby found dead
+        and raises the domain error; every one is waited for first; ``replace``: one it holds
+        already is dropped first). A standby found dead
         (``gone``: what Ray raises then) holds nothing (the shard watch replaces it). Returns the
         openings whose standby holds them."""
-        calls = [(o, self.actors[o.shard_index].follow_session.remote(o)) for o in openings if self.actors[o.shard_index]]
+        calls = [(o, self.actors[o.shard_index].follow_session.remote(o, replace)) for o in openings
+                 if self.actors[o.shard_index]]
         errors, held = [], []
         for opening, ref in calls:
             try:

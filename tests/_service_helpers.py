@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
+# --replicas 2 servers in tests: how long a shard process may not answer before it counts as lost.
+# The suite oversubscribes its 2 cores, where a live process can stay silent past the 0.5 s
+# default for seconds (its standby forgotten, or a live primary failed over, under a test that
+# expects neither); production keeps the default (docs/durability.md: raise it when loaded).
+REPLICA_SILENCE_S = 5.0
+
 
 def make_params(seed: int = 0, shapes=None) -> dict[str, np.ndarray]:
     """A small model: a few float32 matrices and vectors (names sorted for determinism)."""

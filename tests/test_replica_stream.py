@@ -35,13 +35,14 @@ from tests._replica_pair import SHAPES, Pair, chunks, config_of, shard_session, 
 class _Standby:
     """A standby process's ShardReplica service on loopback, with the followers it serves."""
 
-    def __init__(self, trust: InternalTrust):
+    def __init__(self, trust: InternalTrust, serve: bool = True):
         self.followers: dict[str, StandbyFollower] = {}
         self._pool = ShrinkingThreadPool(8, thread_name_prefix="test-standby")
         self.server = LoopServer(self._pool, interceptors=[InternalSecretInterceptor(trust.secret)])
         add_replica_service(self.server, ReplicaServicer(self._follower, self._pool))
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
-        self.server.start()
+        if serve:
+            self.server.start()
 
     def _follower(self, session: str) -> StandbyFollower:
         try:
@@ -136,6 +137,33 @@ def test_a_session_its_standby_refuses_is_not_acknowledged_while_another_on_the_
         one.close()
         two.close()
         channel.close()
+
+
+def test_a_standby_counts_as_started_only_once_it_answered_the_start_sent_to_it(trust):
+    # Its process does not serve yet: the start waits in the stream, and the status must not
+    # call a standby that holds nothing "in sync" (it could not serve in the primary's place).
+    standby = _Standby(trust, serve=False)
+    channel = ReplicaChannel(standby.address, trust)
+    pair = Pair(config_of(Mode.ASYNC), link=standby.link(channel, "late"))
+    durability = pair.primary.durability
+    try:
+        time.sleep(0.5)
+        assert durability.in_sync and not durability.standby_started
+        standby.server.start()
+        deadline = time.monotonic() + 30
+        while not durability.standby_started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert durability.standby_started
+        pair.push("a", 0, 0, seed=1)
+        pair.assert_equal()
+        pair.follower.close()  # it follows no more: not started any longer, once its refusal is back
+        with pytest.raises(Unavailable, match="standby"):
+            pair.primary.push(PushHeader("a", 1, 1), chunks(values(2))).durable()
+        assert not durability.standby_started
+    finally:
+        pair.close()
+        channel.close()
+        standby.stop()
 
 
 def test_a_stream_that_breaks_fails_the_acknowledgements_at_once_instead_of_hanging(trust, standby):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -19,7 +20,8 @@ import pytest
 from optserve.client import Client, SessionLostError
 from optserve.server.domain.config import ServerConfig
 from optserve.server.domain.errors import InvalidArgument
-from tests._service_helpers import InProcess, make_grads, make_params, max_abs_diff, train_alike
+from tests._service_helpers import (InProcess, REPLICA_SILENCE_S, make_grads, make_params, max_abs_diff,
+                                    train_alike)
 
 ADAM = {"name": "adam", "args": {"learning_rate": 0.01}}
 
@@ -28,7 +30,7 @@ def _replicated(ray_local):
     from optserve.server.app import start_server
 
     return start_server(ServerConfig(host="127.0.0.1", port=0, shards=2, vote_timeout_s=20.0, min_shard_bytes=0,
-                                     replicas=2, replica_same_node=True))
+                                     replicas=2, replica_same_node=True, replica_silence_s=REPLICA_SILENCE_S))
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +178,35 @@ def test_a_primary_or_standby_that_stops_answering_is_replaced_without_waiting_f
     assert ray.get(fresh_server.fleet.standbys.actors[1].pid.remote()) != standby
     train_alike(session, reference, params, range(9, 11))
     assert session.status().version == 11
+    client.close_session(unique_name)
+
+
+def test_a_live_standby_whose_stream_was_cut_is_caught_up_again_from_its_primarys_memory(fresh_server, unique_name):
+    """The TCP connection from shard 0's primary to its standby is aborted (``ss -K``: a real
+    socket kill; both processes live on): its sessions go on with one copy, then the same standby
+    process is caught up on them again from the primary's memory, and serves in its place,
+    holding every acknowledged step, once the primary is killed."""
+    import ray
+
+    client = Client(fresh_server.address, timeout=90.0)
+    params = make_params(8)
+    session = client.create_session(unique_name, params, optimizer=ADAM)
+    reference = InProcess(ADAM["name"], ADAM["args"], params)
+    train_alike(session, reference, params, range(3))
+    _in_sync(client, 0)
+    standbys = fresh_server.fleet.standbys
+    standby_pid = ray.get(standbys.actors[0].pid.remote())
+    port = standbys.clock_addresses[0].rsplit(":", 1)[1]
+    cut = subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"], capture_output=True, text=True)
+    if cut.returncode != 0 or "ESTAB" not in cut.stdout:
+        pytest.skip(f"ss -K could not abort a TCP connection here: {(cut.stderr or cut.stdout).strip()[:80]}")
+    train_alike(session, reference, params, range(3, 6))
+    _in_sync(client, 0)  # caught up again ...
+    assert ray.get(standbys.actors[0].pid.remote()) == standby_pid  # ... by the same process, not a fresh one
+    train_alike(session, reference, params, range(6, 8))
+    _kill_primary(fresh_server, 0)
+    train_alike(session, reference, params, range(8, 10))  # served by that standby, holding every step
+    assert session.status().version == 10
     client.close_session(unique_name)
 
 

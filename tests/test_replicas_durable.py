@@ -18,7 +18,7 @@ from optserve.client import Client
 from optserve.server.domain.config import ServerConfig
 from optserve.server.domain.durability import DurabilityConfig
 from optserve.server.storage.ownership import current_epoch
-from tests._service_helpers import InProcess, make_params, train_alike
+from tests._service_helpers import REPLICA_SILENCE_S, InProcess, make_params, train_alike
 
 ADAM = {"name": "adam", "args": {"learning_rate": 0.01}}
 
@@ -27,7 +27,7 @@ def _start(checkpoint_dir: str, **options):
     from optserve.server.app import start_server
 
     return start_server(ServerConfig(host="127.0.0.1", port=0, shards=2, vote_timeout_s=20.0, min_shard_bytes=0,
-                                     replicas=2, replica_same_node=True,
+                                     replicas=2, replica_same_node=True, replica_silence_s=REPLICA_SILENCE_S,
                                      durability=DurabilityConfig(checkpoint_dir, every_steps=3), **options))
 
 

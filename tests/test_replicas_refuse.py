@@ -21,7 +21,7 @@ import pytest
 from optserve.client import Client, FailedPreconditionError, SessionLostError
 from optserve.server.domain.config import ServerConfig
 from optserve.server.domain.errors import InvalidArgument
-from tests._service_helpers import InProcess, make_grads, make_params, max_abs_diff
+from tests._service_helpers import REPLICA_SILENCE_S, InProcess, make_grads, make_params, max_abs_diff
 from tests.test_replicas import ADAM, _in_sync, _kill_primary
 
 
@@ -30,7 +30,8 @@ def refusing_server(ray_local):
     from optserve.server.app import start_server
 
     running = start_server(ServerConfig(host="127.0.0.1", port=0, shards=2, vote_timeout_s=20.0, min_shard_bytes=0,
-                                        replicas=2, replica_same_node=True, on_one_replica="refuse"))
+                                        replicas=2, replica_same_node=True, replica_silence_s=REPLICA_SILENCE_S,
+                                        on_one_replica="refuse"))
     yield running
     running.stop()
 

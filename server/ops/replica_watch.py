@@ -48,15 +48,24 @@ class _Prober:
                                                 request_serializer=replica_pb2.ProbeRequest.SerializeToString,
                                                 response_deserializer=replica_pb2.ProbeAnswer.FromString)
         self._lock = threading.Lock()
-        self.last_answer = time.monotonic()  # a new process has its grace: silence counts from now
+        self.last_answer = time.monotonic()  # silence counts from now
+        self.answered = False  # not yet since it is watched (a process just started, still loading)
         self.unanswered = 0  # probes unanswered (failed or past their deadline) since the last answer
         self.out_of_sync: list[str] = []
 
-    def silent(self, now: float, silence_s: float) -> bool:
-        """Whether it answered no probe for ``silence_s`` and missed at least three (a watch that
-        was itself held up sent none meanwhile: its own delay is not the process's silence)."""
+    def silent(self, now: float, silence_s: float, first_answer_s: float) -> bool:
+        """Whether it answered no probe for ``silence_s`` (for ``first_answer_s`` while it never
+        answered) and missed at least three (a watch that was itself held up sent none meanwhile:
+        its own delay is not the process's silence)."""
         with self._lock:
-            return now - self.last_answer > silence_s and self.unanswered >= 3
+            allowed = silence_s if self.answered else max(silence_s, first_answer_s)
+            return now - self.last_answer > allowed and self.unanswered >= 3
+
+    def silence(self, now: float) -> str:
+        """How it was silent, for the log: seconds since its last answer and probes it missed."""
+        with self._lock:
+            since = "its last answer" if self.answered else "it was watched (it never answered)"
+            return f"{now - self.last_answer:.2f} s since {since}, {self.unanswered} probes unanswered"
 
     def ask(self, timeout_s: float) -> None:
         """Sends one probe; its answer, or its failure once ``timeout_s`` passed, is booked."""
@@ -71,7 +80,7 @@ class _Prober:
                 self.unanswered += 1
             return
         with self._lock:
-            self.last_answer, self.unanswered = time.monotonic(), 0
+            self.last_answer, self.unanswered, self.answered = time.monotonic(), 0, True
             self.out_of_sync = list(answer.out_of_sync)
 
     def close(self) -> None:
@@ -91,17 +100,21 @@ class ReplicaWatch(Periodic):
       period_s, probe_timeout_s: between probes; how long one probe waits for its answer (None:
         ``silence_s``: a process that answers, however slowly under load, within that long is
         never taken for lost; probes do not wait for each other).
+      first_answer_s: how long a process newly watched (a fresh standby, a server starting) may
+        take to answer its first probe (at least ``silence_s``): one still loading is not lost.
     """
 
     failure_event = "replica_watch_failed"
 
     def __init__(self, fleet, coordinator, shard_watch, trust, silence_s: float = 0.5, period_s: float = 0.05,
-                 probe_timeout_s: Optional[float] = None, refuse_one_copy: bool = False):
+                 probe_timeout_s: Optional[float] = None, refuse_one_copy: bool = False,
+                 first_answer_s: float = 10.0):
         super().__init__("optserve-replica-watch", period_s)
         self._fleet, self._coordinator, self._shard_watch, self._trust = fleet, coordinator, shard_watch, trust
         self._silence_s = silence_s
         self._probe_timeout_s = silence_s if probe_timeout_s is None else probe_timeout_s
         self._refuse_one_copy = refuse_one_copy
+        self._first_answer_s = first_answer_s
         self._probers: dict[str, _Prober] = {}
 
     def stop(self) -> None:
@@ -114,7 +127,8 @@ class ReplicaWatch(Periodic):
         pairs = self._pairs()
         self._probe({address for pair in pairs for address in pair[1:] if address})
         now = time.monotonic()
-        silent = {address for address in self._probers if self._probers[address].silent(now, self._silence_s)}
+        silent = {address for address, prober in self._probers.items()
+                  if prober.silent(now, self._silence_s, self._first_answer_s)}
         lost = {index for index, primary, _ in pairs if primary in silent}
         failing = [(index, primary, standby) for index, primary, standby in pairs
                    if index in lost and standby is not None and standby not in silent]
@@ -124,15 +138,15 @@ class ReplicaWatch(Periodic):
                                              if self._current(index, primary, standby)]
                 try:
                     for index, primary, standby in failing:
-                        self._fail_over(index, primary, standby, now - self._probers[primary].last_answer)
+                        self._fail_over(index, primary, standby, self._probers[primary].silence(now))
                 finally:
                     self._fleet.silent_actors = []
         for index, primary, standby in pairs:
             if standby is None or index in lost:
                 continue
             if standby in silent:
-                self._forget_standby(index, primary, standby, f"its standby at {standby} did not answer for "
-                                                              f"{now - self._probers[standby].last_answer:.2f} s")
+                self._forget_standby(index, primary, standby, f"its standby at {standby} did not answer "
+                                                              f"({self._probers[standby].silence(now)})")
             elif self._probers[primary].out_of_sync:
                 self._let_go(index, primary, standby, self._probers[primary].out_of_sync)
 
@@ -157,8 +171,8 @@ class ReplicaWatch(Periodic):
         return (self._fleet.clock_addresses[index] == primary
                 and self._fleet.standbys.clock_addresses[index] == standby)
 
-    def _fail_over(self, index: int, primary: str, standby: str, silent_s: float) -> None:
-        cause = f"its process at {primary} did not answer for {silent_s:.2f} s"
+    def _fail_over(self, index: int, primary: str, standby: str, silence: str) -> None:
+        cause = f"its process at {primary} did not answer ({silence})"
         with self._fleet.topology:
             if not self._current(index, primary, standby):
                 return
@@ -193,3 +207,5 @@ class ReplicaWatch(Periodic):
             let_go = self._fleet.go_on_alone(index, names, f"its standby at {standby} holds them no more")
         log.error("event=one_copy shard=%d sessions=%s why=standby_out_of_sync", index, ",".join(let_go) or "-")
         self._probers[primary].out_of_sync = []
+        if let_go:  # the standby lives: it is caught up on them again
+            self._shard_watch.refollow_later(index, let_go, standby)

@@ -25,6 +25,9 @@ from optserve.server.ops.periodic import Periodic
 log = logging.getLogger(__name__)
 
 
+REFOLLOW_EVERY_S = 10.0  # a session let go again soon after it was caught up waits this long for the next
+
+
 def _retry_delays():
     """Seconds to wait after each failed start of a fresh standby: 1, 2, 4, 8, then every 10."""
     delay = 1.0
@@ -53,6 +56,7 @@ class ShardWatch(Periodic):
         self._holding: set[int] = set()  # restarted shards whose sessions wait for a shard that failed to start
         self._restandbying: set[int] = set()  # --replicas 2: shards whose fresh standby is being started
         self._asked_again: set[int] = set()  # ... and asked for again meanwhile (that standby was lost too)
+        self._refollowed: dict[tuple[int, str], float] = {}  # (shard, session) -> when last caught up again
         self._lock = threading.Lock()
 
     def check_once(self) -> list[int]:
@@ -153,6 +157,36 @@ class ShardWatch(Periodic):
                     self._asked_again.discard(index)
 
         threading.Thread(target=run, name=f"optserve-standby-{index}", daemon=True).start()
+
+    def refollow_later(self, index: int, names: list[str], standby: str) -> None:
+        """--replicas 2: shard ``index``'s sessions ``names`` were let go while its standby (at
+        ``standby``) lives on (it refused them, their stream broke, or they fell behind): that
+        standby is caught up on them again from the shard's memory, off the watch's thread. A
+        session caught up less than :data:`REFOLLOW_EVERY_S` ago waits until then (one its standby
+        keeps refusing does not cost a state transfer each probe). Skipped once the shard's
+        standby changed (a fresh one is caught up on every session)."""
+        now = time.monotonic()
+        with self._lock:
+            wait = max([self._refollowed.get((index, n), -REFOLLOW_EVERY_S) + REFOLLOW_EVERY_S - now for n in names]
+                       + [0.0])
+            for name in names:
+                self._refollowed[(index, name)] = now + wait
+
+        def run() -> None:
+            if wait and self._stop.wait(wait):
+                return
+            with self._fleet.topology:
+                if self._fleet.standbys.clock_addresses[index] != standby:
+                    return
+            try:
+                failed = self._coordinator.restandby(index, list(names))
+                log.warning("event=standby_caught_up shard=%d sessions=%s one_copy_sessions=%s", index,
+                            ",".join(names), ",".join(failed) or "-")
+            except Exception as exc:  # noqa: BLE001 - they go on with one copy; a later let-go asks again
+                log.error("event=standby_catch_up_failed shard=%d sessions=%s why=%s", index, ",".join(names),
+                          f"{type(exc).__name__}: {exc}".splitlines()[0])
+
+        threading.Thread(target=run, name=f"optserve-refollow-{index}", daemon=True).start()
 
     def _restore(self, dead: list[int]) -> None:
         """Durable servers: the dead shards are started again at once, side by side (a lost

@@ -66,6 +66,7 @@ class ReplicaChannel:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._queued_bytes = 0
         self._held: dict[str, HeldVersions] = {}
+        self._started: set[str] = set()  # sessions whose standby answered their start (it holds it)
         self._clock_waits: dict[int, Future] = {}
         self._sequences = itertools.count(1)
         self._broken: Optional[Unavailable] = None
@@ -107,6 +108,7 @@ class ReplicaChannel:
             if session in self._held:
                 raise ValueError(f"session {session!r}: its standby was started already")
             self._held[session] = HeldVersions(start.progress.version)
+            self._started.discard(session)
         self._queue.put(lambda: start_frames(session, start, self._chunk_bytes))  # serialized by the sender
 
     def _ship(self, session: str, record: StepRecord, grads: Sequence[np.ndarray]) -> None:
@@ -194,9 +196,15 @@ class ReplicaChannel:
             error = Unavailable(f"the stream to the standby at {self.address} failed: {exc!r}")
         self._break(error)
 
+    def _is_started(self, session: str) -> bool:
+        with self._lock:
+            return session in self._started and session in self._held
+
     def _answered(self, answer: replica_pb2.ReplicaAnswer) -> None:
         with self._lock:
             held = self._held.get(answer.session)
+            if held is not None and not answer.error:  # a session's first answer is its start's (in order)
+                self._started.add(answer.session)
             waiter = self._clock_waits.get(answer.clock_sequence) if answer.clock_sequence else None
         if answer.error:
             error = Unavailable(f"session {answer.session!r}: the standby at {self.address} refused: {answer.error}")
@@ -273,6 +281,10 @@ class SessionReplicaPort:
 
     def held_future(self, version: int) -> Future:
         return self._channel._held_future(self.session, version)
+
+    @property
+    def started(self) -> bool:
+        return self._channel._is_started(self.session)
 
     def clock_entry(self, entry) -> None:
         self._channel._clock_entry(self.session, entry)

@@ -239,9 +239,10 @@ class Coordinator:
                 self._lose(lost, shard_index, cause)
         return None if lost is None else sorted(lost)
 
-    def restandby(self, shard_index: int) -> list[str]:
-        """Shard ``shard_index``'s fresh standby takes its sessions (:func:`~.session_failover.restandby`)."""
-        return restandby(self._fleet, self._table, shard_index)
+    def restandby(self, shard_index: int, names: Optional[list[str]] = None) -> list[str]:
+        """Shard ``shard_index``'s fresh standby takes its sessions (``names``: those, again;
+        :func:`~.session_failover.restandby`)."""
+        return restandby(self._fleet, self._table, shard_index, names)
 
     def _lose(self, lost: dict[str, str], shard_index: Optional[int] = None, cause: str = "") -> None:
         """The sessions of ``lost`` are lost (each with its message): their shards drop them (a

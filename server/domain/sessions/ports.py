@@ -35,7 +35,8 @@ class ShardFleet(Protocol):
 
     def has_standby(self, shard_index: int) -> bool: ...
 
-    def start_standbys(self, name: str, openings: Sequence[ShardOpening], only: Optional[int] = None) -> list[int]: ...
+    def start_standbys(self, name: str, openings: Sequence[ShardOpening], only: Optional[int] = None,
+                       replace: bool = False) -> list[int]: ...
     # each part's standby (``only``: that shard's) holds it and its primary streams to it from its state now;
     # returns the shards that had no standby then (their parts await one)
 

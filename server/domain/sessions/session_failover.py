@@ -95,18 +95,23 @@ def _copies(table: SessionTable, name: str) -> int:
     return 2 if entry is None else (entry.record.config.replicas or 1)  # (unset: restored from a catalog)
 
 
-def restandby(fleet: ShardFleet, table: SessionTable, shard_index: int) -> list[str]:
+def restandby(fleet: ShardFleet, table: SessionTable, shard_index: int,
+              names: Optional[list[str]] = None) -> list[str]:
     """Shard ``shard_index`` has a fresh standby (``fleet.add_standby``): each session live on it
     starts the standby from its part's state now, caught up from the shard's memory, and is
-    acknowledged with two copies again. Returns the sessions whose part could not be (closed
-    meanwhile, or inside steps for too long: they go on with one copy, logged)."""
-    records = {name: table.entry(name) for names in table.live_on(shard_index).values() for name in names}
+    acknowledged with two copies again. ``names``: those sessions alone, whose standby part there
+    is stale (their primary let it go while both processes live): it is replaced. Returns the
+    sessions whose part could not be (closed meanwhile, or inside steps for too long: they go on
+    with one copy, logged)."""
+    records = {name: table.entry(name) for live in table.live_on(shard_index).values() for name in live
+               if names is None or name in names}
     failed = []
     for name, entry in records.items():
         if entry is None or entry.record.config.replicas != 2:
             continue
         try:
-            fleet.start_standbys(name, entry.record.openings(fleet.clock_addresses), only=shard_index)
+            fleet.start_standbys(name, entry.record.openings(fleet.clock_addresses), only=shard_index,
+                                 replace=names is not None)
         except Exception as exc:  # noqa: BLE001 - that session goes on with one copy; the others are taken
             failed.append(name)
             log.warning("event=standby_not_started session=%s shard=%d error=%s", name, shard_index, exc)

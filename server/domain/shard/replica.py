@@ -81,6 +81,11 @@ class ReplicaPort(Protocol):
     def held_future(self, version: int) -> Future:
         """Done (result None) once the standby holds step ``version``; failed when it never will."""
 
+    @property
+    def started(self) -> bool:
+        """Whether the standby said it holds the start (it could serve in the primary's place);
+        False again once it holds nothing more."""
+
     def clock_entry(self, entry) -> None:
         """The home clock's journal entry (a ticket's JSON, ``{"round"}``, ``{"hyper"}``,
         ``{"sum"}``), passed on before the ticket it carries is handed out.
@@ -163,6 +168,8 @@ class NoStandby:
     def held_future(self, version: int) -> Future:
         return _done(Unavailable(self.why))
 
+    started = False
+
     def clock_entry(self, entry) -> None:
         raise OSError(self.why)
 
@@ -214,6 +221,12 @@ class StandbyFollower:
             self.held = HeldVersions(start.progress.version)
             self.applied = start.progress.version
             self._started = True
+
+    @property
+    def started(self) -> bool:
+        """Whether it holds its primary's start and still follows."""
+        with self._cond:
+            return self._started and self.error is None and not self._stopping
 
     def receive(self, record: StepRecord, grads: Sequence[np.ndarray]) -> None:
         """A shipped step (``grads``: this follower's own arrays now). Held at once when it follows
@@ -359,6 +372,10 @@ class LocalLink:
 
     def held_future(self, version: int) -> Future:
         return self._follower.held.future(version)
+
+    @property
+    def started(self) -> bool:
+        return self._follower.started
 
     def clock_entry(self, entry) -> None:
         try:

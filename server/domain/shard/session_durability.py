@@ -84,9 +84,16 @@ class SessionDurability:
 
     @property
     def in_sync(self) -> bool:
-        """Primary: a standby holds every step acknowledged from now on."""
+        """Primary: a standby holds every step acknowledged from now on (see :attr:`standby_started`)."""
         replica = self._steps.journal.replica
         return replica is not None and not isinstance(replica, NoStandby)
+
+    @property
+    def standby_started(self) -> bool:
+        """Primary, :attr:`in_sync` and its standby said it holds the start: it could serve in
+        this part's place now (until then, a standby being caught up holds nothing)."""
+        replica = self._steps.journal.replica
+        return self.in_sync and replica.started
 
     def refuse_until_standby(self, why: str) -> None:
         """``--on-one-replica refuse``: this part has one copy in sync (its standby is gone, or it
