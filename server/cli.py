@@ -311,6 +311,12 @@ def _serve_until_signalled(running, config: ServerConfig) -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    # Serving, SIGUSR1's stacks are printed from Python's handler, run by this thread holding the
+    # GIL: the other threads wait at a safe point while their frames are read (faulthandler's own
+    # handler, kept while starting, reads them as they run: it crashed a busy server, SIGSEGV in
+    # dump_traceback, as in cpython#116008).
+    faulthandler.unregister(signal.SIGUSR1)
+    signal.signal(signal.SIGUSR1, lambda *_: faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True))
     while not stop.wait(0.5):
         pass
     print("optserve draining", flush=True)
