@@ -165,8 +165,7 @@ def _start_coordinator(config: ServerConfig, fleet, security: ServerSecurity,
     watch = ShardWatch(fleet, coordinator).start()  # stopped before the fleet (teardown runs in reverse)
     teardown.callback(watch.stop)
     if fleet.replicated:
-        pairs = ReplicaWatch(fleet, coordinator, watch, security.internal, config.replica_silence_s,
-                             refuse_one_copy=config.on_one_replica == "refuse").start()
+        pairs = ReplicaWatch(fleet, coordinator, watch, security.internal, config.replica_silence_s).start()
         teardown.callback(pairs.stop)
     if config.session_idle_s is not None:
         leases = SessionLeases(coordinator, config.session_idle_s).start()

@@ -55,6 +55,16 @@ def _kill_primary(running, index: int) -> int:
     return pid
 
 
+def _cut_stream_to_standby(running, index: int) -> None:
+    """Aborts every TCP connection to shard ``index``'s standby's internal port (``ss -K``, on
+    the kernel's socket: the stream from its primary breaks, both processes live on); skips the
+    test where this kernel cannot."""
+    port = running.fleet.standbys.clock_addresses[index].rsplit(":", 1)[1]
+    cut = subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"], capture_output=True, text=True)
+    if cut.returncode != 0 or "ESTAB" not in cut.stdout:
+        pytest.skip(f"ss -K could not abort a TCP connection here: {(cut.stderr or cut.stdout).strip()[:80]}")
+
+
 def _in_sync(client, index: int, timeout_s: float = 120.0):
     """Shard ``index``'s standby once it answers and holds the shard's sessions in sync."""
     deadline = time.monotonic() + timeout_s
@@ -196,10 +206,7 @@ def test_a_live_standby_whose_stream_was_cut_is_caught_up_again_from_its_primary
     _in_sync(client, 0)
     standbys = fresh_server.fleet.standbys
     standby_pid = ray.get(standbys.actors[0].pid.remote())
-    port = standbys.clock_addresses[0].rsplit(":", 1)[1]
-    cut = subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"], capture_output=True, text=True)
-    if cut.returncode != 0 or "ESTAB" not in cut.stdout:
-        pytest.skip(f"ss -K could not abort a TCP connection here: {(cut.stderr or cut.stdout).strip()[:80]}")
+    _cut_stream_to_standby(fresh_server, 0)
     train_alike(session, reference, params, range(3, 6))
     _in_sync(client, 0)  # caught up again ...
     assert ray.get(standbys.actors[0].pid.remote()) == standby_pid  # ... by the same process, not a fresh one

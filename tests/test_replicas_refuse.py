@@ -22,7 +22,7 @@ from optserve.client import Client, FailedPreconditionError, SessionLostError
 from optserve.server.domain.config import ServerConfig
 from optserve.server.domain.errors import InvalidArgument
 from tests._service_helpers import REPLICA_SILENCE_S, InProcess, make_grads, make_params, max_abs_diff
-from tests.test_replicas import ADAM, _in_sync, _kill_primary
+from tests.test_replicas import ADAM, _cut_stream_to_standby, _in_sync, _kill_primary
 
 
 @pytest.fixture
@@ -99,6 +99,33 @@ def test_with_refuse_no_step_is_acknowledged_with_one_copy_until_a_fresh_standby
     for step in range(5, 8):
         _step(session, reference, params, step)
     assert session.status().version == 8  # every step once: none lost, none twice
+    client.close_session(unique_name)
+
+
+def test_with_refuse_a_session_whose_stream_was_cut_waits_until_its_live_standby_is_caught_up_again(
+        refusing_server, unique_name):
+    # Both processes live: each step is acknowledged once the same standby process holds the
+    # session again (caught up from its primary's memory), not with one copy and not never.
+    import ray
+
+    client = Client(refusing_server.address, timeout=120.0)
+    params = make_params(9)
+    session = client.create_session(unique_name, params, optimizer=ADAM)
+    reference = InProcess(ADAM["name"], ADAM["args"], params)
+    for step in range(3):
+        _step(session, reference, params, step)
+    _in_sync(client, 0)
+    standbys = refusing_server.fleet.standbys
+    standby_pid = ray.get(standbys.actors[0].pid.remote())
+    _cut_stream_to_standby(refusing_server, 0)
+    for step in range(3, 6):
+        _step(session, reference, params, step)
+    assert ray.get(standbys.actors[0].pid.remote()) == standby_pid  # the same process, caught up again
+    _in_sync(client, 0)
+    _kill_primary(refusing_server, 0)  # it serves in its place, holding every acknowledged step
+    for step in range(6, 8):
+        _step(session, reference, params, step)
+    assert session.status().version == 8
     client.close_session(unique_name)
 
 

@@ -12,9 +12,9 @@ side has been silent for ``silence_s`` while the other answers:
 - **the standby silent**: it is forgotten (killed, where Ray can still reach it) and its primary's
   sessions acknowledge with one copy; a fresh standby is started;
 - **both answer, and the primary names sessions whose standby holds nothing more** (it refused
-  them, or their stream broke): those go on with one copy; with ``refuse_one_copy``
-  (``--on-one-replica refuse``, where they would acknowledge nothing until a fresh standby holds
-  them) the standby is forgotten and a fresh one started instead, as if it were silent.
+  them, their stream broke, or they fell behind): those go on with one copy (with
+  ``--on-one-replica refuse``: they acknowledge nothing) while that standby is caught up on them
+  again from the primary's memory (the other sessions it holds keep their two copies).
 
 Both silent: nothing is done here (Ray's death, :class:`~optserve.server.ops.shard_watch.ShardWatch`).
 Every decision is taken holding the fleet's ``topology`` lock, checking that the pair it probed is
@@ -107,13 +107,11 @@ class ReplicaWatch(Periodic):
     failure_event = "replica_watch_failed"
 
     def __init__(self, fleet, coordinator, shard_watch, trust, silence_s: float = 0.5, period_s: float = 0.05,
-                 probe_timeout_s: Optional[float] = None, refuse_one_copy: bool = False,
-                 first_answer_s: float = 10.0):
+                 probe_timeout_s: Optional[float] = None, first_answer_s: float = 10.0):
         super().__init__("optserve-replica-watch", period_s)
         self._fleet, self._coordinator, self._shard_watch, self._trust = fleet, coordinator, shard_watch, trust
         self._silence_s = silence_s
         self._probe_timeout_s = silence_s if probe_timeout_s is None else probe_timeout_s
-        self._refuse_one_copy = refuse_one_copy
         self._first_answer_s = first_answer_s
         self._probers: dict[str, _Prober] = {}
 
@@ -197,10 +195,8 @@ class ReplicaWatch(Periodic):
         self._shard_watch.restandby_later(index)
 
     def _let_go(self, index: int, primary: str, standby: str, names: list) -> None:
-        if self._refuse_one_copy:  # they would wait for a standby change: this is one
-            self._forget_standby(index, primary, standby, f"its standby at {standby} holds {', '.join(names)} no more")
-            self._probers[primary].out_of_sync = []
-            return
+        """Sessions ``names`` go on with one copy (with ``--on-one-replica refuse``: they
+        acknowledge nothing) until their standby, which lives on, is caught up on them again."""
         with self._fleet.topology:
             if not self._current(index, primary, standby):
                 return

@@ -166,7 +166,8 @@ class ShardWatch(Periodic):
         keeps refusing does not cost a state transfer each probe). Skipped once the shard's
         standby changed (a fresh one is caught up on every session)."""
         now = time.monotonic()
-        with self._lock:
+        with self._lock:  # (entries past their wait are dropped: closed sessions leave none)
+            self._refollowed = {key: at for key, at in self._refollowed.items() if at + REFOLLOW_EVERY_S > now}
             wait = max([self._refollowed.get((index, n), -REFOLLOW_EVERY_S) + REFOLLOW_EVERY_S - now for n in names]
                        + [0.0])
             for name in names:
@@ -182,9 +183,12 @@ class ShardWatch(Periodic):
                 failed = self._coordinator.restandby(index, list(names))
                 log.warning("event=standby_caught_up shard=%d sessions=%s one_copy_sessions=%s", index,
                             ",".join(names), ",".join(failed) or "-")
-            except Exception as exc:  # noqa: BLE001 - they go on with one copy; a later let-go asks again
+            except Exception as exc:  # noqa: BLE001 - they go on with one copy meanwhile
+                failed = list(names)
                 log.error("event=standby_catch_up_failed shard=%d sessions=%s why=%s", index, ",".join(names),
                           f"{type(exc).__name__}: {exc}".splitlines()[0])
+            if failed:  # asked again once their wait passed (a session closed meanwhile is not live: skipped)
+                self.refollow_later(index, failed, standby)
 
         threading.Thread(target=run, name=f"optserve-refollow-{index}", daemon=True).start()
 
