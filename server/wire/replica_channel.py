@@ -90,6 +90,7 @@ class ReplicaChannel:
         """``session`` closed: its waiters fail, its port takes nothing more."""
         with self._lock:
             held = self._held.pop(session, None)
+            self._started.discard(session)
         if held is not None:
             held.fail(Unavailable(f"session {session!r} was closed"))
 
@@ -219,6 +220,7 @@ class ReplicaChannel:
         """``session``'s standby holds nothing more: its waiters fail, its port takes nothing."""
         with self._lock:
             held = self._held.pop(session, None)
+            self._started.discard(session)
         if held is not None:
             held.fail(error)
             _log.warning("event=standby_out_of_sync session=%s address=%s error=%s", session, self.address, error)
@@ -229,6 +231,7 @@ class ReplicaChannel:
             if self._broken is None:
                 self._broken = error
             sessions, held, self._held = list(self._held), list(self._held.values()), {}
+            self._started.clear()
             waiters, self._clock_waits = list(self._clock_waits.values()), {}
             self._lock.notify_all()
         for versions in held:
