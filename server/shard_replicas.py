@@ -155,6 +155,7 @@ class ShardReplicas:
                                      f"files (own_files), and this one does not")
         version = follower.promote(timeout_s)
         session, _follower = self.standbys.take(name)
+        session.durability.lead()
         if self._durable:
             try:
                 self._parts.take_files(session)

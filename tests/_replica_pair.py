@@ -19,6 +19,7 @@ from optserve.server.domain.shard.shard_session import PushHeader, ShardSession
 
 SHAPES = {"w": (3, 4), "b": (4,)}
 ADAM = ("adam", {"learning_rate": 0.01})
+PARAM_SPECS = {n: (s, np.float32) for n, s in SHAPES.items()}
 
 
 def chunks(values: dict[str, np.ndarray]) -> list:
@@ -31,15 +32,19 @@ def values(seed: int) -> dict[str, np.ndarray]:
     return {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
 
 
-def config_of(mode: Mode, workers: int = 1) -> SessionConfig:
+def config_of(mode: Mode, workers: int = 1, optimizer: tuple = ADAM) -> SessionConfig:
     specs = tuple(TensorSpec(n, DType.FLOAT32, s) for n, s in SHAPES.items())
-    return SessionConfig("mirrored", specs, ADAM[0], ADAM[1], mode=mode, num_workers=workers,
+    return SessionConfig("mirrored", specs, optimizer[0], optimizer[1], mode=mode, num_workers=workers,
                          staleness_policy=StalenessPolicy.SCALE)
 
 
-def shard_session(config: SessionConfig, clock: HomeClock, initialized: bool = True) -> ShardSession:
-    session = ShardSession(config, list(SHAPES), 0, clock, Updater(build_optimizer(*ADAM), param_specs={n: (s, np.float32) for n, s in SHAPES.items()}), step_timeout_s=20.0,
-                           vote_timeout_s=20.0)
+def adam_updater() -> Updater:
+    return Updater(build_optimizer(*ADAM), param_specs=PARAM_SPECS)
+
+
+def shard_session(config: SessionConfig, clock: HomeClock, initialized: bool = True,
+                  updater: Callable[[], Updater] = adam_updater) -> ShardSession:
+    session = ShardSession(config, list(SHAPES), 0, clock, updater(), step_timeout_s=20.0, vote_timeout_s=20.0)
     if initialized:
         session.initialize(chunks(values(0)))
     return session
@@ -50,10 +55,10 @@ class Pair:
     (or by ``link(follower)``, the primary's port to it)."""
 
     def __init__(self, config: SessionConfig, primary: Optional[ShardSession] = None,
-                 link: Callable[[StandbyFollower], ReplicaPort] = LocalLink):
-        self.primary = primary or shard_session(config, HomeClock(config))
+                 link: Callable[[StandbyFollower], ReplicaPort] = LocalLink, updater: Callable[[], Updater] = adam_updater):
+        self.primary = primary or shard_session(config, HomeClock(config), updater=updater)
         standby_clock = HomeClock(config)
-        self.standby = shard_session(config, standby_clock, initialized=False)
+        self.standby = shard_session(config, standby_clock, initialized=False, updater=updater)
         self.follower = StandbyFollower(self.standby.durability.start_from, self.standby.durability.follow,
                                         standby_clock, list(SHAPES), self.standby.where)
         self.primary.durability.start_replica(link(self.follower))

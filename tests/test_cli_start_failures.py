@@ -122,7 +122,6 @@ def test_a_ray_address_that_speaks_http_not_grpc_is_one_line():
     (["--port", "70000"], "--port"),
     (["--port", "0", "--ray-address", "bogus-address"], "--ray-address"),
     (["--port", "0", "--replicas", "3"], "--replicas"),
-    (["--port", "0", "--replicas", "2", "--precond-workers", "1"], "--replicas 2 does not go with --precond-workers"),
     (["--port", "0", "--on-one-replica", "refuse"], "--on-one-replica refuse is what a session does"),
 ])
 def test_a_bad_flag_value_is_one_line_naming_the_flag(argv, named):

@@ -36,9 +36,9 @@ class GatedLink(LocalLink):
 
     cut = False
 
-    def ship(self, record, grads) -> None:
+    def ship(self, record, grads, roots=()) -> None:
         if not self.cut:
-            super().ship(record, grads)
+            super().ship(record, grads, roots)
 
     def clock_entry(self, entry) -> None:
         if not self.cut:

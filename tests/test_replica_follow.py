@@ -188,7 +188,7 @@ class _LateLink(LocalLink):
 class _BrokenLink(LocalLink):
     """A faulty port: shipping raises."""
 
-    def ship(self, record, grads) -> None:
+    def ship(self, record, grads, roots=()) -> None:
         raise ConnectionError("the link broke")
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from optserve.protos.optserve.v1 import replica_pb2
+from optserve.server.compute.root_offload import RootInstall
 from optserve.server.domain.clock.home_clock import HomeClock
 from optserve.server.domain.config import Mode
 from optserve.server.domain.durability import ShardProgress, StepRecord
@@ -231,6 +232,20 @@ def test_frames_carry_every_element_type_and_empty_arrays_exactly():
     assert isinstance(got, StartMessage) and got.start.progress == start.progress
     assert got.start.clock_state == {"version": 4} and got.start.params["w"].tobytes() == grads[0].tobytes()
     assert [(a.dtype, a.tobytes()) for a in got.start.opt_state.leaves] == [(a.dtype, a.tobytes()) for a in leaves]
+
+
+def test_a_steps_frames_carry_the_roots_installed_before_it_and_refuse_a_malformed_install():
+    grads = [np.arange(6, dtype=np.float32).reshape(2, 3)]
+    roots = (RootInstall(4, np.arange(18, dtype=np.float32).reshape(2, 3, 3), np.array([0.5, 1e-3], np.float32)),
+             RootInstall(6, np.ones((1, 2, 2), np.float32), np.zeros(1, np.float32)))
+    message = _assembled(step_frames("s", StepRecord(7, ((6, "a", 3),), 1.0, 0.0), grads, chunk_bytes=7, roots=roots))
+    assert [g.tobytes() for g in message.grads] == [grads[0].tobytes()]
+    assert [(r.step, r.roots.tobytes(), r.errors.tobytes()) for r in message.roots] == [
+        (r.step, r.roots.tobytes(), r.errors.tobytes()) for r in roots]
+    assert _assembled(step_frames("s", StepRecord(7, (), 1.0, 0.0), grads)).roots == ()
+    skewed = (RootInstall(4, np.ones((2, 3, 3), np.float32), np.ones(3, np.float32)),)
+    with pytest.raises(ValueError, match=r"root install 0 \(step 4\) is float32 \[2, 3, 3\] with errors float32 \[3\]"):
+        _assembled(step_frames("s", StepRecord(7, (), 1.0, 0.0), grads, roots=skewed))
 
 
 def test_frames_out_of_place_overlapping_or_short_are_refused_naming_the_fault():

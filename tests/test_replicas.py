@@ -217,9 +217,48 @@ def test_a_live_standby_whose_stream_was_cut_is_caught_up_again_from_its_primary
     client.close_session(unique_name)
 
 
-def test_replicas_2_with_root_workers_is_refused_in_one_line():
-    with pytest.raises(InvalidArgument, match="--replicas 2 does not go with --precond-workers"):
-        ServerConfig(replicas=2, precond_workers=1)
+def test_offloaded_roots_reach_the_standby_and_a_promoted_one_asks_the_workers_for_its_own(ray_local, unique_name):
+    """Shampoo with its roots on a preconditioner worker, age bound 0 (each root the update needs
+    is installed before it, so the run equals in-process Shampoo): the primary is killed, then the
+    promoted standby once a fresh one is in sync; the roots each standby installed are its
+    primary's, and each promoted one goes on with roots of its own asking."""
+    from optserve.server.app import start_server
+
+    running = start_server(ServerConfig(host="127.0.0.1", port=0, shards=2, vote_timeout_s=20.0, min_shard_bytes=0,
+                                        replicas=2, replica_same_node=True, replica_silence_s=REPLICA_SILENCE_S,
+                                        precond_workers=1))
+    try:
+        args = {"learning_rate": 0.01, "block_size": 8, "start_preconditioning_step": 3}
+        shapes = {"embed": (16, 12), "hidden/w": (12, 10), "hidden/b": (10,), "out/w": (10, 6)}
+        client = Client(running.address, timeout=120.0)
+        params = make_params(4, shapes=shapes)
+        reference = InProcess("shampoo", args, params)
+        session = client.create_session(unique_name, params, optimizer={"name": "shampoo", "args": args,
+                                                                        "preconditioners": {"max_age": 0}})
+        worst, step = 0.0, 0
+        for kill in range(2):
+            for _ in range(6):
+                grads = make_grads(params, step, seed=7)
+                worst = max(worst, max_abs_diff(session.push_pull(grads), reference.step(grads)))
+                step += 1
+            _in_sync(client, 1)
+            _kill_primary(running, 1)
+            for pushed in range(4):
+                grads = make_grads(params, step, seed=7)
+                worst = max(worst, max_abs_diff(session.push_pull(grads), reference.step(grads)))
+                step += 1
+                if pushed == 0:  # served by the promoted standby now
+                    installed = session.status().shards[1].root_offload.roots_installed
+            shard = session.status().shards[1]  # a root per step (the default compute steps: 1), asked for there
+            assert shard.root_offload.offloaded and shard.root_offload.roots_installed >= installed + 3
+        assert worst <= 1e-5, worst
+        assert session.status().version == step == 20
+        client.close_session(unique_name)
+    finally:
+        running.stop()
+
+
+def test_replicas_other_than_1_or_2_are_refused_in_one_line():
     with pytest.raises(InvalidArgument, match="--replicas must be 1 or 2"):
         ServerConfig(replicas=3)
 

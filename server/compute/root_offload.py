@@ -38,6 +38,7 @@ their outcome.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from typing import Any, Mapping, Optional, Sequence
@@ -52,6 +53,22 @@ from optserve.server.compute.preconditioner_pool import PreconditionerPool, Root
 from optserve.server.compute.preconditioner_worker import RootComputation
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class RootInstall:
+    """Roots a primary installed into a session's state before one of its updates, as a standby
+    installs them in its place (the same bytes, not roots of its own computing).
+
+    Attributes:
+      step: the statistics' step the roots were computed from (the export's).
+      roots: float32 ``[B, n, n]``, one per block in block order (SOAP: its bases).
+      errors: float32 ``[B]``, each block's root error (a failed one keeps its previous root).
+    """
+
+    step: int
+    roots: np.ndarray
+    errors: np.ndarray
 
 
 def required_source_step(step: int, every: int, max_age: int, lag: int = 0) -> int:
@@ -70,7 +87,41 @@ def default_max_age(every: int) -> int:
     return 2 * every
 
 
-class ShardPreconditioners:
+class RootReplication:
+    """What a replicated session part asks of its roots' handling (a standby installs the roots its
+    primary installed: see :class:`RootInstall`). This base is a part whose roots, if any, are
+    computed inside its update, so that its state holds them the same on both replicas:
+    nothing is installed, kept or shipped."""
+
+    def keep_installs(self, keep: bool) -> None:
+        """Whether installs are kept for a standby (:meth:`take_installs`): none are installed here."""
+
+    def take_installs(self) -> list[RootInstall]:
+        """The roots installed since the last call, in order: none (they are computed in the update)."""
+        return []
+
+    def follow_primary(self) -> None:
+        """A standby's: its roots are the primary's (:meth:`install_shipped`): nothing changes here."""
+
+    def install_shipped(self, installs: Sequence[RootInstall]) -> None:
+        """Roots a primary installed before the next update.
+
+        Raises:
+          ValueError: there are some: this part computes its roots in its update, its primary did not.
+        """
+        if installs:
+            raise ValueError(f"the primary installed {len(installs)} offloaded roots, and this part computes its "
+                             f"roots inside its update")
+
+    def lead(self, state) -> None:
+        """A promoted standby's: it decides its roots from now on (nothing to do for roots in the update)."""
+
+
+NO_ROOTS = RootReplication()
+"""The root handling of a part whose kernel has no matrix roots."""
+
+
+class ShardPreconditioners(RootReplication):
     """In-process roots (the kernel computes them in its update): per-block status only.
 
     Args:
@@ -167,10 +218,48 @@ class OffloadedPreconditioners(ShardPreconditioners):
         self._trimmed_at = -TRIM_INTERVAL_S
         self._offered = -1  # step of the newest installed export (whatever its blocks' outcome)
         self._exported = -1  # step of the newest export sent
+        self._keep: Optional[list[RootInstall]] = None  # installs since the standby last took them (None: no standby)
+        self._following = False  # a standby's: it installs its primary's roots, and computes none
+        self._shipped: list[RootInstall] = []  # following: the primary's installs before the next update
+
+    def keep_installs(self, keep: bool) -> None:
+        """A primary with a standby (``keep``): every install from now on is kept, in order, until
+        :meth:`take_installs` (each update's are shipped with its step); none are kept otherwise."""
+        self._keep = [] if keep else None
+
+    def take_installs(self) -> list[RootInstall]:
+        """The installs kept since the last call (see :meth:`keep_installs`), oldest first."""
+        if not self._keep:
+            return []
+        taken, self._keep = self._keep, []
+        return taken
+
+    def follow_primary(self) -> None:
+        """A standby's: from now on each update installs exactly the roots its primary installed
+        before it (:meth:`install_shipped`), and nothing is exported or waited for here."""
+        self._following = True
+        self._shipped = []
+
+    def install_shipped(self, installs: Sequence[RootInstall]) -> None:
+        """Following: the roots the primary installed before the update about to be applied here."""
+        if not self._following:
+            raise ValueError("roots were shipped to a part that does not follow a primary")
+        self._shipped = list(installs)
+
+    def lead(self, state) -> None:
+        """A promoted standby's: it decides its roots from now on, as a state installed from a
+        save does (:meth:`resume`)."""
+        self._following, self._shipped = False, []
+        self.resume(state)
 
     def before_update(self, state, grads, params):
         import jax
 
+        if self._following:
+            shipped, self._shipped = self._shipped, []
+            for install in shipped:
+                state = self._install_roots(state, install)
+            return state
         if not self.labels:
             return state
         step = int(self.seam.progress(state)[0])
@@ -193,7 +282,7 @@ class OffloadedPreconditioners(ShardPreconditioners):
 
     def after_update(self, state):
         self._release_exchange_memory()
-        if self.labels:
+        if self.labels and not self._following:
             step = int(self.seam.progress(state)[0]) - 1
             if step % self._every == 0 and step > self._exported:
                 self._submit(self._export_current(state))
@@ -214,7 +303,7 @@ class OffloadedPreconditioners(ShardPreconditioners):
                          jax.device_get(self.seam.progress(state)[:2]))
         self._offered = self._exported = int(source.max()) if source.size else -1
         step = count - 1
-        if step >= 0 and step % self._every == 0 and step > self._exported:
+        if step >= 0 and not self._following and step % self._every == 0 and step > self._exported:
             self._submit(self._export_current(state))
 
     def drain(self) -> None:
@@ -261,10 +350,16 @@ class OffloadedPreconditioners(ShardPreconditioners):
         for _ in range(index + 1):
             self.resubmits += self._jobs.popleft().resubmits
         roots, errors = self.pool.result(job)
-        state = self._install(_distinct_buffers(state), roots, errors, np.int32(job.step))
-        self._offered = max(self._offered, job.step)
+        return self._install_roots(state, RootInstall(job.step, roots, errors))
+
+    def _install_roots(self, state, install: RootInstall):
+        """``state`` with ``install``'s roots in place (kept for a standby, if any)."""
+        state = self._install(_distinct_buffers(state), install.roots, install.errors, np.int32(install.step))
+        self._offered = max(self._offered, install.step)
         self.roots_installed += 1
-        del roots, errors  # the export's batches are views of the object store: not on this heap
+        if self._keep is not None:
+            self._keep.append(install)
+        del install  # unless kept: the export's batches are views of the object store, not on this heap
         self._trim_due = True
         self._release_exchange_memory()  # before the step: its temporaries then fit in what is left
         return state

@@ -386,9 +386,6 @@ class ServerConfig:
             raise InvalidArgument(f"--precond-workers must be >= 0, got {self.precond_workers}")
         if self.replicas not in (1, 2):
             raise InvalidArgument(f"--replicas must be 1 or 2, got {self.replicas}")
-        if self.replicas == 2 and self.precond_workers:
-            raise InvalidArgument("--replicas 2 does not go with --precond-workers yet (a standby would need the "
-                                  "workers' roots): give one of them")
         if self.on_one_replica not in ONE_REPLICA_POLICIES:
             raise InvalidArgument(f"--on-one-replica must be one of {', '.join(ONE_REPLICA_POLICIES)}, got "
                                   f"{self.on_one_replica!r}")

@@ -17,6 +17,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from optserve.protos.optserve.v1 import replica_pb2
+from optserve.server.compute.root_offload import RootInstall
 from optserve.server.domain.durability import ShardProgress, StepRecord
 from optserve.server.domain.shard import ReplicaStart, StateLeaves
 
@@ -36,11 +37,13 @@ class StartMessage:
 
 @dataclasses.dataclass(frozen=True)
 class StepMessage:
-    """One applied step: its record and its gradients (the shard's tensors in order)."""
+    """One applied step: its record, its gradients (the shard's tensors in order) and the offloaded
+    roots its primary installed before it (oldest first)."""
 
     session: str
     record: StepRecord
     grads: list
+    roots: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +70,15 @@ def start_frames(session: str, start: ReplicaStart, chunk_bytes: int = CHUNK_BYT
 
 
 def step_frames(session: str, record: StepRecord, grads: Sequence[np.ndarray],
-                chunk_bytes: int = CHUNK_BYTES) -> Iterator[replica_pb2.ReplicaFrame]:
-    """The frames of one applied step (``grads``: the shard's tensors in order)."""
-    return _frames(_KIND_STEP, session, json.dumps(record.to_json()), [np.asarray(g) for g in grads], chunk_bytes, [])
+                chunk_bytes: int = CHUNK_BYTES, roots: Sequence[RootInstall] = ()) -> Iterator[replica_pb2.ReplicaFrame]:
+    """The frames of one applied step (``grads``: the shard's tensors in order; ``roots``: the
+    installs before it, each as its roots and errors after the gradients, their steps in the
+    description)."""
+    meta = {**record.to_json(), "root_installs": [install.step for install in roots]}
+    arrays = [np.asarray(g) for g in grads]
+    for install in roots:
+        arrays += [np.asarray(install.roots), np.asarray(install.errors)]
+    return _frames(_KIND_STEP, session, json.dumps(meta), arrays, chunk_bytes, [])
 
 
 def clock_frame(session: str, entries: Sequence[Any], sequence: int) -> replica_pb2.ReplicaFrame:
@@ -168,13 +177,34 @@ class FrameAssembler:
         meta = _json(begin.meta_json, "a message's description")
         try:
             if begin.kind == _KIND_STEP:
-                return StepMessage(begin.session, StepRecord.from_json(meta), arrays)
+                grads, roots = _split_roots(begin.session, arrays, [int(step) for step in meta.get("root_installs", [])])
+                return StepMessage(begin.session, StepRecord.from_json(meta), grads, roots)
             names = list(begin.param_names)
             start = ReplicaStart(ShardProgress.from_json(meta["progress"]), dict(zip(names, arrays[:len(names)])),
                                  StateLeaves(tuple(arrays[len(names):])), meta.get("clock"))
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"session {begin.session!r}: the message's description does not decode: {exc!r}") from None
         return StartMessage(begin.session, start)
+
+
+def _split_roots(session: str, arrays: list, steps: list[int]) -> tuple[list, tuple]:
+    """A step's arrays as its gradients and its root installs (two arrays each, last).
+
+    Raises:
+      ValueError: the installs' arrays are missing or are not float32 ``[B, n, n]`` and ``[B]``.
+    """
+    count = len(arrays) - 2 * len(steps)
+    if count < 0:
+        raise ValueError(f"session {session!r}: {len(steps)} root installs in a step of {len(arrays)} arrays")
+    roots = []
+    for index, step in enumerate(steps):
+        matrices, errors = arrays[count + 2 * index], arrays[count + 2 * index + 1]
+        if (matrices.dtype != np.float32 or errors.dtype != np.float32 or matrices.ndim != 3 or errors.ndim != 1
+                or matrices.shape[0] != errors.shape[0] or matrices.shape[1] != matrices.shape[2]):
+            raise ValueError(f"session {session!r}: root install {index} (step {step}) is {matrices.dtype} "
+                             f"{list(matrices.shape)} with errors {errors.dtype} {list(errors.shape)}")
+        roots.append(RootInstall(step, matrices, errors))
+    return arrays[:count], tuple(roots)
 
 
 def _bytes_of(array: np.ndarray) -> np.ndarray:

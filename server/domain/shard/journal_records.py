@@ -54,6 +54,10 @@ class JournalOwner(Protocol):
         (``clock_state_fn``: the home clock's ``durable_state``, None elsewhere; ``copied``: the
         arrays are a host copy, not views of the live state)."""
 
+    def root_installs(self) -> list:
+        """The offloaded roots installed since the last call, oldest first (``RootInstall``\\ s,
+        kept while the part has a standby: they are shipped with the step they came before)."""
+
     def recover_log(self) -> bool:
         """Takes the session's lock and :meth:`StepJournal.recover`\\ s (raising if the session ended)."""
 

@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 import numpy as np
 
+from optserve.server.compute.root_offload import RootInstall
 from optserve.server.domain.durability import ShardProgress, StepRecord
 from optserve.server.domain.errors import AlreadyExists, NotFound, OptservError, Unavailable
 
@@ -73,10 +74,11 @@ class ReplicaPort(Protocol):
         under the primary session's lock and its clock's: a port over a network only queues it
         as its stream's first message (it does not wait for the transfer)."""
 
-    def ship(self, record: StepRecord, grads: Sequence[np.ndarray]) -> None:
-        """Step ``record.version`` was applied with ``grads`` (the shard's tensors in order). The
-        arrays may be reused once this returns: what is kept is copied. Never raises: a standby
-        that cannot take the step fails its held futures instead."""
+    def ship(self, record: StepRecord, grads: Sequence[np.ndarray], roots: Sequence[RootInstall] = ()) -> None:
+        """Step ``record.version`` was applied with ``grads`` (the shard's tensors in order), after
+        ``roots`` were installed (offloaded matrix roots, oldest first). The arrays may be reused
+        once this returns: what is kept is copied. Never raises: a standby that cannot take the
+        step fails its held futures instead."""
 
     def held_future(self, version: int) -> Future:
         """Done (result None) once the standby holds step ``version``; failed when it never will."""
@@ -162,7 +164,7 @@ class NoStandby:
     def start(self, start: ReplicaStart) -> None:
         pass
 
-    def ship(self, record: StepRecord, grads: Sequence[np.ndarray]) -> None:
+    def ship(self, record: StepRecord, grads: Sequence[np.ndarray], roots: Sequence[RootInstall] = ()) -> None:
         pass
 
     def held_future(self, version: int) -> Future:
@@ -181,8 +183,8 @@ class StandbyFollower:
     Args:
       start_from: ``(ReplicaStart) -> None`` installs the primary's state
         (``SessionDurability.start_from``).
-      follow: ``(record, grads by name) -> bool`` applies one step to the standby's state
-        (``SessionDurability.follow``; False: held already).
+      follow: ``(record, grads by name, roots) -> bool`` applies one step to the standby's state,
+        the primary's root installs first (``SessionDurability.follow``; False: held already).
       clock: the standby's home clock (its ``follow(entries)``, ``set_following(bool)``), on the
         session's home shard; None on the others.
       names: the shard's tensors, in the order their gradients are shipped.
@@ -228,9 +230,10 @@ class StandbyFollower:
         with self._cond:
             return self._started and self.error is None and not self._stopping
 
-    def receive(self, record: StepRecord, grads: Sequence[np.ndarray]) -> None:
-        """A shipped step (``grads``: this follower's own arrays now). Held at once when it follows
-        the last one held (a step held already is ignored).
+    def receive(self, record: StepRecord, grads: Sequence[np.ndarray], roots: Sequence[RootInstall] = ()) -> None:
+        """A shipped step (``grads`` and ``roots``, the roots its primary installed before it: this
+        follower's own arrays now). Held at once when it follows the last one held (a step held
+        already is ignored).
 
         Raises:
           ReplicaGap: it does not follow the last one held, or came before the start (nothing
@@ -248,7 +251,7 @@ class StandbyFollower:
                                       f"{record.version} with {len(grads)} of {len(self._names)} gradients"),
                            drop_queued=False)  # the steps held so far are still applied
                 raise self.error
-            self._queue.append((record, dict(zip(self._names, grads))))
+            self._queue.append((record, dict(zip(self._names, grads)), tuple(roots)))
             self.held.hold(record.version)
             self._cond.notify_all()
 
@@ -338,9 +341,9 @@ class StandbyFollower:
                 self._cond.wait_for(lambda: self._queue or self._closed or self.error is not None)
                 if self._closed or not self._queue:  # closed, or stopped with nothing left to apply
                     return
-                record, grads = self._queue[0]
+                record, grads, roots = self._queue[0]
             try:
-                self._follow(record, grads)
+                self._follow(record, grads, roots)
             except Exception as exc:  # noqa: BLE001 - its state no longer follows the primary's
                 error = exc if isinstance(exc, OptservError) else Unavailable(
                     f"{self.where}: the standby failed applying version {record.version}: {exc!r}")
@@ -364,9 +367,9 @@ class LocalLink:
     def start(self, start: ReplicaStart) -> None:
         self._follower.start(start)
 
-    def ship(self, record: StepRecord, grads: Sequence[np.ndarray]) -> None:
+    def ship(self, record: StepRecord, grads: Sequence[np.ndarray], roots: Sequence[RootInstall] = ()) -> None:
         try:
-            self._follower.receive(record, [np.array(g, copy=True) for g in grads])
+            self._follower.receive(record, [np.array(g, copy=True) for g in grads], roots)
         except Exception as exc:  # noqa: BLE001 - out of sync: held_future says so to the waiters
             self._follower.held.fail(exc)
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from optserve.server.compute.root_offload import NO_ROOTS, RootInstall, RootReplication
 from optserve.server.domain.durability import CheckpointPort, ShardProgress, StepRecord
 from optserve.server.domain.errors import Unavailable
 from optserve.server.domain.shard.replay import replayed_tickets
@@ -80,6 +81,7 @@ class SessionDurability:
                 steps.clock.replicate(begin, replica.clock_entry)
             else:
                 begin(None)
+            _preconditioners(steps).keep_installs(True)  # from the start's state on, shipped with each step
             steps.journal.attach_replica(replica)
 
     @property
@@ -107,6 +109,7 @@ class SessionDurability:
         with steps.cond:
             if steps.clock.is_home:
                 steps.clock.replicate(None, port.clock_entry)
+            _preconditioners(steps).keep_installs(False)  # a fresh standby starts from the state then
             steps.journal.attach_replica(port)
         _log.error("event=standby_awaited %s why=%s", steps.where, why)
 
@@ -121,6 +124,7 @@ class SessionDurability:
                 return
             if steps.clock.is_home:
                 steps.clock.replicate(None, None)
+            _preconditioners(steps).keep_installs(False)
             steps.journal.attach_replica(None)
         _log.error("event=standby_detached %s why=%s", steps.where, why)
 
@@ -163,6 +167,7 @@ class SessionDurability:
         steps = self._steps
         with steps.cond:
             steps.updater.use_chunks(start.progress.state_chunks)
+            _preconditioners(steps).follow_primary()
             opt_state = start.opt_state
             if isinstance(opt_state, StateLeaves):
                 try:
@@ -178,13 +183,15 @@ class SessionDurability:
             steps.journal.replicated = True
             steps.cond.notify_all()
 
-    def follow(self, record: StepRecord, grads: Mapping[str, np.ndarray]) -> bool:
+    def follow(self, record: StepRecord, grads: Mapping[str, np.ndarray], roots: Sequence[RootInstall] = ()) -> bool:
         """A standby's session: applies the step its primary applied (``record``, with the
-        gradient the primary's update ran with), as a restore replays a logged step; returns False
-        for a step applied here already.
+        gradient the primary's update ran with, after installing the offloaded roots the primary
+        installed before it), as a restore replays a logged step; returns False for a step
+        applied here already.
 
         Raises:
-          ReplicaGap: ``record`` does not follow this shard's version.
+          ReplicaGap: ``record`` does not follow this shard's version, or roots were shipped to a
+            part that computes its own (its primary's optimizer is not this one).
         """
         steps = self._steps
         with steps.cond:
@@ -194,12 +201,23 @@ class SessionDurability:
             if record.version != steps.version + 1:
                 raise ReplicaGap(f"{steps.where}: the standby is at version {steps.version} and was shipped "
                                  f"version {record.version}")
+            try:
+                _preconditioners(steps).install_shipped(roots)
+            except ValueError as exc:
+                raise ReplicaGap(f"{steps.where}: version {record.version}: {exc}") from None
             steps.updater.set_hyper(record.hyper)
             steps.updater.apply(grads, record.scale, lambda _partial: record.global_stat, absent=record.absent)
             steps.queue.restore(steps.queue.progress(steps.version, {}).after(record))
             steps.version = record.version
             steps.cond.notify_all()
             return True
+
+    def lead(self) -> None:
+        """A promoted standby's part: it decides its offloaded roots from now on (it installed
+        its primary's until now)."""
+        steps = self._steps
+        with steps.cond:
+            _preconditioners(steps).lead(steps.updater.opt_state)
 
     def take_files(self, store: CheckpointPort, arrays: Callable[[], dict], clock_journal=None) -> None:
         """A promoted standby's part of a durable session (it wrote no files while it followed):
@@ -292,3 +310,9 @@ class SessionDurability:
                 clock.journal_settled()
             steps.cond.notify_all()
             return steps.version
+
+
+def _preconditioners(steps: StepRunner) -> RootReplication:
+    """The part's matrix roots' handling (:data:`NO_ROOTS` for a kernel without roots)."""
+    preconditioners = steps.updater.preconditioners
+    return NO_ROOTS if preconditioners is None else preconditioners

@@ -209,7 +209,7 @@ class StepJournal:
         if self._replica is None:
             return
         try:
-            self._replica.ship(record, self._in_order(grads))
+            self._replica.ship(record, self._in_order(grads), self._owner.root_installs())
         except Exception as exc:  # noqa: BLE001 - a faulty port: its standby no longer holds what is applied here
             _log.exception("event=replica_ship_failed %s version=%d", self._log_where, record.version)
             self._ship_failed = Unavailable(f"{self._owner.where}: step {record.version} could not be shipped to "

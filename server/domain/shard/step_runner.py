@@ -336,6 +336,11 @@ class StepRunner:
         if self._abandoned is not None:
             raise self._abandoned
 
+    def root_installs(self) -> list:
+        """See ``JournalOwner.root_installs`` (none for a kernel without offloaded roots)."""
+        preconditioners = self.updater.preconditioners
+        return [] if preconditioners is None else preconditioners.take_installs()
+
     def recover_log(self) -> bool:
         """A durable session whose step log failed: recovers it once the disk takes writes again
         (see :meth:`StepJournal.recover`). Returns whether the log works."""
