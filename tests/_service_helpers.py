@@ -10,6 +10,33 @@ import numpy as np
 # expects neither); production keeps the default (docs/durability.md: raise it when loaded).
 REPLICA_SILENCE_S = 5.0
 
+# Shampoo on a small model of a few blocks per tensor, preconditioning from step 3 (what the tests
+# of roots on preconditioner workers across a shard's loss train).
+SMALL_SHAMPOO_ARGS = {"learning_rate": 0.01, "block_size": 8, "start_preconditioning_step": 3}
+SMALL_SHAMPOO_SHAPES = {"embed": (16, 12), "hidden/w": (12, 10), "hidden/b": (10,), "out/w": (10, 6)}
+
+
+def exact_offloaded_shampoo(client, name: str) -> tuple:
+    """``(session, in-process reference, params)``: small Shampoo with its roots on the server's
+    preconditioner workers at age bound 0 (each root an update needs is installed before it, so
+    the run equals in-process Shampoo); gradients: ``make_grads(params, step, seed=7)``."""
+    params = make_params(4, shapes=SMALL_SHAMPOO_SHAPES)
+    session = client.create_session(name, params, optimizer={"name": "shampoo", "args": SMALL_SHAMPOO_ARGS,
+                                                             "preconditioners": {"max_age": 0}})
+    return session, InProcess("shampoo", SMALL_SHAMPOO_ARGS, params), params
+
+
+def root_pool(ray, workers: int = 2, batch_blocks: int = 4):
+    """Preconditioner workers on the local ``ray`` and the pool over them: a module fixture's
+    body (yields the pool, then kills the workers)."""
+    from optserve.server.compute.preconditioner_pool import PoolConfig, PreconditionerPool, start_workers
+
+    config = PoolConfig(workers=workers, batch_blocks=batch_blocks)
+    started = start_workers(config)
+    yield PreconditionerPool(started, config)
+    for worker in started:
+        ray.kill(worker)
+
 
 def make_params(seed: int = 0, shapes=None) -> dict[str, np.ndarray]:
     """A small model: a few float32 matrices and vectors (names sorted for determinism)."""

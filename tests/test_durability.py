@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from optserve.client import Client, SessionLostError
-from tests._service_helpers import InProcess, make_grads, make_params, max_abs_diff
+from tests._service_helpers import InProcess, exact_offloaded_shampoo, make_grads, make_params, max_abs_diff
 
 OPTIMIZER = {"name": "adafactor_hf", "args": {"lr": 0.01, "relative_step": False, "beta1": 0.9}}
 
@@ -310,13 +310,8 @@ def test_a_shard_killed_while_writing_a_checkpoint_restores_the_previous_one_plu
 def test_shampoo_with_preconditioner_workers_survives_a_shard_kill_exactly(durable_server, unique_name):
     """Age bound 0: every root comes from the worker before it is needed, so the run is
     deterministic and a restored, replayed shard matches in-process Shampoo."""
-    args = {"learning_rate": 0.01, "block_size": 8, "start_preconditioning_step": 3}
-    shapes = {"embed": (16, 12), "hidden/w": (12, 10), "hidden/b": (10,), "out/w": (10, 6)}
     client = Client(durable_server.address, timeout=120.0)
-    params = make_params(4, shapes=shapes)
-    reference = InProcess("shampoo", args, params)
-    session = client.create_session(unique_name, params, optimizer={"name": "shampoo", "args": args,
-                                                                    "preconditioners": {"max_age": 0}})
+    session, reference, params = exact_offloaded_shampoo(client, unique_name)
     worst = 0.0
     for step in range(12):
         if step == 7:

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 
+from _service_helpers import root_pool
 from _shampoo_problems import gradient, make_params
 from optserve.optim_kernels import build_optimizer
 from optserve.server.compute.preconditioner_pool import PoolConfig, PreconditionerPool, batch_size, start_workers
@@ -27,10 +28,7 @@ ARGS = {"learning_rate": 0.05, "block_size": 4, "start_preconditioning_step": 2}
 
 @pytest.fixture(scope="module")
 def pool(ray_local):
-    workers = start_workers(PoolConfig(workers=2, batch_blocks=4))
-    yield PreconditionerPool(workers, PoolConfig(workers=2, batch_blocks=4))
-    for w in workers:
-        ray_local.kill(w)
+    yield from root_pool(ray_local)
 
 
 def _shapes(params):

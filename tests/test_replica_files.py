@@ -36,9 +36,9 @@ class GatedLink(LocalLink):
 
     cut = False
 
-    def ship(self, record, grads, roots=()) -> None:
+    def ship(self, record, grads, roots=(), digest=None) -> None:
         if not self.cut:
-            super().ship(record, grads, roots)
+            super().ship(record, grads, roots, digest)
 
     def clock_entry(self, entry) -> None:
         if not self.cut:

@@ -14,6 +14,7 @@ import threading
 import time
 from concurrent.futures import Future
 
+import numpy as np
 import pytest
 
 from optserve.optim_kernels import build_optimizer
@@ -21,7 +22,8 @@ from optserve.server.domain.clock.home_clock import HomeClock
 from optserve.server.domain.config import Mode
 from optserve.server.domain.durability import StepRecord
 from optserve.server.domain.errors import Unavailable
-from optserve.server.domain.shard.replica import HeldVersions, LocalLink, ReplicaGap, StandbyFollower
+from optserve.server.domain.shard.replica import (DIGEST_EVERY, HeldVersions, LocalLink, ReplicaDiverged, ReplicaGap,
+                                                  StandbyFollower)
 from optserve.server.domain.shard.shard_session import PushHeader
 from tests._replica_pair import ADAM, SHAPES, Pair, chunks, clock_json, config_of, shard_session, values
 
@@ -188,7 +190,7 @@ class _LateLink(LocalLink):
 class _BrokenLink(LocalLink):
     """A faulty port: shipping raises."""
 
-    def ship(self, record, grads, roots=()) -> None:
+    def ship(self, record, grads, roots=(), digest=None) -> None:
         raise ConnectionError("the link broke")
 
 
@@ -260,3 +262,34 @@ def test_a_clock_entry_the_disk_refused_still_reaches_the_standby_and_the_refusa
     with pytest.raises(OSError, match="No space left"):
         journal([7, "a", 3])
     assert shipped == [[7, "a", 3]]
+
+
+def test_a_standby_whose_parameters_differ_from_its_primarys_at_a_digest_stops_and_is_never_promoted():
+    # A bit of the standby's copy flipped after version 10 (damaged memory): the digest shipped
+    # with version 50 finds it; the standby takes nothing more, so nothing later is acknowledged,
+    # and it refuses to serve. An intact pair passes both digests of 100 steps.
+    intact, damaged = Pair(config_of(Mode.ASYNC)), Pair(config_of(Mode.ASYNC))
+    try:
+        for step in range(DIGEST_EVERY * 2):
+            intact.push("a", step, step, seed=step)
+        intact.assert_equal()
+        assert intact.follower.error is None
+        for step in range(10):
+            damaged.push("a", step, step, seed=step)
+        damaged.assert_equal()
+        params, opt_state = damaged.standby.updater.host_state()
+        flipped = {name: np.array(value, copy=True) for name, value in params.items()}
+        flipped["w"].view(np.uint32)[0, 0] ^= 1 << 22  # the mantissa's top bit: Adam's steps never wash it out
+        damaged.standby.updater.restore(flipped, opt_state)
+        for step in range(10, DIGEST_EVERY):
+            damaged.push("a", step, step, seed=step)  # held on receipt: acknowledged
+        assert not damaged.follower.wait_applied(DIGEST_EVERY, timeout_s=30)  # stopped at the digest
+        assert isinstance(damaged.follower.error, ReplicaDiverged)
+        assert f"after version {DIGEST_EVERY} the standby's parameters differ" in str(damaged.follower.error)
+        with pytest.raises(Unavailable, match="parameters differ from its primary's"):
+            damaged.primary.push(PushHeader("a", DIGEST_EVERY, DIGEST_EVERY), chunks(values(0))).durable()
+        with pytest.raises(ReplicaDiverged):
+            damaged.follower.promote(timeout_s=5)
+    finally:
+        intact.close()
+        damaged.close()

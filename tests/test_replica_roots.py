@@ -17,7 +17,6 @@ import time
 import numpy as np
 import pytest
 
-from optserve.server.compute.preconditioner_pool import PoolConfig, PreconditionerPool, start_workers
 from optserve.server.compute.root_offload import OffloadedPreconditioners, RootInstall, build_shard_optimizer
 from optserve.server.compute.updater import Updater
 from optserve.server.domain.config import Mode
@@ -25,6 +24,7 @@ from optserve.server.domain.durability import StepRecord
 from optserve.server.domain.shard.replica import ReplicaGap
 from optserve.server.domain.shard.shard_session import PushHeader
 from tests._replica_pair import PARAM_SPECS, SHAPES, Pair, chunks, config_of, values
+from tests._service_helpers import root_pool
 
 OPTIMIZERS = {
     "shampoo": {"learning_rate": 0.05, "block_size": 4, "start_preconditioning_step": 2,
@@ -35,11 +35,7 @@ OPTIMIZERS = {
 
 @pytest.fixture(scope="module")
 def pool(ray_local):
-    config = PoolConfig(workers=2, batch_blocks=2)
-    workers = start_workers(config)
-    yield PreconditionerPool(workers, config)
-    for worker in workers:
-        ray_local.kill(worker)
+    yield from root_pool(ray_local, batch_blocks=2)
 
 
 def _offloading(pool, name: str, max_age: int):

@@ -234,7 +234,7 @@ def test_frames_carry_every_element_type_and_empty_arrays_exactly():
     assert [(a.dtype, a.tobytes()) for a in got.start.opt_state.leaves] == [(a.dtype, a.tobytes()) for a in leaves]
 
 
-def test_a_steps_frames_carry_the_roots_installed_before_it_and_refuse_a_malformed_install():
+def test_a_steps_frames_carry_the_roots_installed_before_it_and_its_digest_and_refuse_a_malformed_install():
     grads = [np.arange(6, dtype=np.float32).reshape(2, 3)]
     roots = (RootInstall(4, np.arange(18, dtype=np.float32).reshape(2, 3, 3), np.array([0.5, 1e-3], np.float32)),
              RootInstall(6, np.ones((1, 2, 2), np.float32), np.zeros(1, np.float32)))
@@ -242,7 +242,9 @@ def test_a_steps_frames_carry_the_roots_installed_before_it_and_refuse_a_malform
     assert [g.tobytes() for g in message.grads] == [grads[0].tobytes()]
     assert [(r.step, r.roots.tobytes(), r.errors.tobytes()) for r in message.roots] == [
         (r.step, r.roots.tobytes(), r.errors.tobytes()) for r in roots]
-    assert _assembled(step_frames("s", StepRecord(7, (), 1.0, 0.0), grads)).roots == ()
+    plain = _assembled(step_frames("s", StepRecord(7, (), 1.0, 0.0), grads))
+    assert plain.roots == () and plain.digest is None
+    assert _assembled(step_frames("s", StepRecord(50, (), 1.0, 0.0), grads, digest=0xFFFFFFFF)).digest == 0xFFFFFFFF
     skewed = (RootInstall(4, np.ones((2, 3, 3), np.float32), np.ones(3, np.float32)),)
     with pytest.raises(ValueError, match=r"root install 0 \(step 4\) is float32 \[2, 3, 3\] with errors float32 \[3\]"):
         _assembled(step_frames("s", StepRecord(7, (), 1.0, 0.0), grads, roots=skewed))

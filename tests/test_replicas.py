@@ -20,8 +20,8 @@ import pytest
 from optserve.client import Client, SessionLostError
 from optserve.server.domain.config import ServerConfig
 from optserve.server.domain.errors import InvalidArgument
-from tests._service_helpers import (InProcess, REPLICA_SILENCE_S, make_grads, make_params, max_abs_diff,
-                                    train_alike)
+from tests._service_helpers import (InProcess, REPLICA_SILENCE_S, exact_offloaded_shampoo, make_grads, make_params,
+                                    max_abs_diff, train_alike)
 
 ADAM = {"name": "adam", "args": {"learning_rate": 0.01}}
 
@@ -228,13 +228,8 @@ def test_offloaded_roots_reach_the_standby_and_a_promoted_one_asks_the_workers_f
                                         replicas=2, replica_same_node=True, replica_silence_s=REPLICA_SILENCE_S,
                                         precond_workers=1))
     try:
-        args = {"learning_rate": 0.01, "block_size": 8, "start_preconditioning_step": 3}
-        shapes = {"embed": (16, 12), "hidden/w": (12, 10), "hidden/b": (10,), "out/w": (10, 6)}
         client = Client(running.address, timeout=120.0)
-        params = make_params(4, shapes=shapes)
-        reference = InProcess("shampoo", args, params)
-        session = client.create_session(unique_name, params, optimizer={"name": "shampoo", "args": args,
-                                                                        "preconditioners": {"max_age": 0}})
+        session, reference, params = exact_offloaded_shampoo(client, unique_name)
         worst, step = 0.0, 0
         for kill in range(2):
             for _ in range(6):

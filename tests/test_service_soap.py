@@ -19,14 +19,9 @@ import jax
 import numpy as np
 import optax
 import pytest
-from _service_helpers import InProcess, make_grads, make_params, max_abs_diff
+from _service_helpers import InProcess, make_grads, make_params, max_abs_diff, root_pool
 from optserve.client import Client
 from optserve.optim_kernels import build_optimizer
-from optserve.server.compute.preconditioner_pool import (
-    PoolConfig,
-    PreconditionerPool,
-    start_workers,
-)
 from optserve.server.compute.root_offload import (
     OffloadedPreconditioners,
     ShardPreconditioners,
@@ -80,11 +75,7 @@ def test_sync_two_shards_match_the_in_process_kernel_for_20_steps(client, unique
 
 @pytest.fixture(scope="module")
 def pool(ray_local):
-    config = PoolConfig(workers=2, batch_blocks=4)
-    workers = start_workers(config)
-    yield PreconditionerPool(workers, config)
-    for w in workers:
-        ray_local.kill(w)
+    yield from root_pool(ray_local)
 
 
 def _params(seed):

@@ -114,7 +114,7 @@ class ReplicaChannel:
         self._queue.put(lambda: start_frames(session, start, self._chunk_bytes))  # serialized by the sender
 
     def _ship(self, session: str, record: StepRecord, grads: Sequence[np.ndarray],
-              roots: Sequence[RootInstall] = ()) -> None:
+              roots: Sequence[RootInstall] = (), digest: Optional[int] = None) -> None:
         size = sum(np.asarray(g).nbytes for g in grads) + sum(r.roots.nbytes + r.errors.nbytes for r in roots)
         with self._lock:
             held = self._held.get(session)
@@ -129,7 +129,7 @@ class ReplicaChannel:
                     f"session {session!r}: the standby at {self.address} fell {self._queued_bytes} bytes behind"))
                 return
             self._queued_bytes += size
-        frames = list(step_frames(session, record, grads, self._chunk_bytes, roots))  # copied: the caller reuses grads
+        frames = list(step_frames(session, record, grads, self._chunk_bytes, roots, digest))  # copied: the caller reuses grads
         self._queue.put((frames, size))
 
     def _clock_entry(self, session: str, entry: Any) -> None:
@@ -277,9 +277,10 @@ class SessionReplicaPort:
     def start(self, start: ReplicaStart) -> None:
         self._channel._start(self.session, start)
 
-    def ship(self, record: StepRecord, grads: Sequence[np.ndarray], roots: Sequence[RootInstall] = ()) -> None:
+    def ship(self, record: StepRecord, grads: Sequence[np.ndarray], roots: Sequence[RootInstall] = (),
+             digest: Optional[int] = None) -> None:
         try:
-            self._channel._ship(self.session, record, grads, roots)
+            self._channel._ship(self.session, record, grads, roots, digest)
         except Exception as exc:  # noqa: BLE001 - never raises: the session's waiters learn it instead
             self._channel._fail_session(self.session, Unavailable(
                 f"session {self.session!r}: step {record.version} could not be sent to its standby: {exc!r}"))

@@ -44,6 +44,7 @@ class StepMessage:
     record: StepRecord
     grads: list
     roots: tuple = ()
+    digest: Optional[int] = None  # the primary's parameters' digest after the step (every DIGEST_EVERY)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,11 +71,14 @@ def start_frames(session: str, start: ReplicaStart, chunk_bytes: int = CHUNK_BYT
 
 
 def step_frames(session: str, record: StepRecord, grads: Sequence[np.ndarray],
-                chunk_bytes: int = CHUNK_BYTES, roots: Sequence[RootInstall] = ()) -> Iterator[replica_pb2.ReplicaFrame]:
+                chunk_bytes: int = CHUNK_BYTES, roots: Sequence[RootInstall] = (),
+                digest: Optional[int] = None) -> Iterator[replica_pb2.ReplicaFrame]:
     """The frames of one applied step (``grads``: the shard's tensors in order; ``roots``: the
     installs before it, each as its roots and errors after the gradients, their steps in the
-    description)."""
+    description, as is ``digest``)."""
     meta = {**record.to_json(), "root_installs": [install.step for install in roots]}
+    if digest is not None:
+        meta["digest"] = digest
     arrays = [np.asarray(g) for g in grads]
     for install in roots:
         arrays += [np.asarray(install.roots), np.asarray(install.errors)]
@@ -178,7 +182,9 @@ class FrameAssembler:
         try:
             if begin.kind == _KIND_STEP:
                 grads, roots = _split_roots(begin.session, arrays, [int(step) for step in meta.get("root_installs", [])])
-                return StepMessage(begin.session, StepRecord.from_json(meta), grads, roots)
+                digest = meta.get("digest")
+                return StepMessage(begin.session, StepRecord.from_json(meta), grads, roots,
+                                   None if digest is None else int(digest))
             names = list(begin.param_names)
             start = ReplicaStart(ShardProgress.from_json(meta["progress"]), dict(zip(names, arrays[:len(names)])),
                                  StateLeaves(tuple(arrays[len(names):])), meta.get("clock"))

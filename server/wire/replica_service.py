@@ -72,7 +72,7 @@ class ReplicaServicer:
             if isinstance(message, StartMessage):
                 follower.start(message.start)
             elif isinstance(message, StepMessage):
-                follower.receive(message.record, message.grads, message.roots)
+                follower.receive(message.record, message.grads, message.roots, message.digest)
             else:
                 follower.clock_entries(message.entries)
         except Exception as exc:  # noqa: BLE001 - answered: the primary stops counting on this standby

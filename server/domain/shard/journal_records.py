@@ -58,6 +58,9 @@ class JournalOwner(Protocol):
         """The offloaded roots installed since the last call, oldest first (``RootInstall``\\ s,
         kept while the part has a standby: they are shipped with the step they came before)."""
 
+    def params_digest(self) -> int:
+        """The parameters' ``params_digest`` now (a step boundary)."""
+
     def recover_log(self) -> bool:
         """Takes the session's lock and :meth:`StepJournal.recover`\\ s (raising if the session ended)."""
 

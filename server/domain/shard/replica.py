@@ -38,9 +38,30 @@ from optserve.server.domain.errors import AlreadyExists, NotFound, OptservError,
 _log = logging.getLogger(__name__)
 
 
+DIGEST_EVERY = 50
+"""Every this many versions a shipped step carries its primary's parameters' digest
+(:func:`params_digest`), which the standby compares with its own once it applied the step."""
+
+
 class ReplicaGap(Unavailable):
     """A shipped step does not follow the last one the standby holds: a step went missing on the
     way, and the standby is no longer in sync (it is caught up from its primary's state)."""
+
+
+class ReplicaDiverged(ReplicaGap):
+    """The standby applied a step and its parameters differ from its primary's at that version
+    (another program or kind of device, damaged memory): it must never serve in the primary's
+    place, and is caught up from the primary's state."""
+
+
+def params_digest(params: Mapping[str, np.ndarray], names: Sequence[str]) -> int:
+    """CRC-32C of the parameters' bytes, tensor after tensor in ``names``' order (host arrays)."""
+    from optserve.server.storage.checksums import crc32c_extend
+
+    digest = 0
+    for name in names:
+        digest = crc32c_extend(digest, np.ascontiguousarray(params[name]).reshape(-1).view(np.uint8))
+    return digest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +95,13 @@ class ReplicaPort(Protocol):
         under the primary session's lock and its clock's: a port over a network only queues it
         as its stream's first message (it does not wait for the transfer)."""
 
-    def ship(self, record: StepRecord, grads: Sequence[np.ndarray], roots: Sequence[RootInstall] = ()) -> None:
+    def ship(self, record: StepRecord, grads: Sequence[np.ndarray], roots: Sequence[RootInstall] = (),
+             digest: Optional[int] = None) -> None:
         """Step ``record.version`` was applied with ``grads`` (the shard's tensors in order), after
-        ``roots`` were installed (offloaded matrix roots, oldest first). The arrays may be reused
-        once this returns: what is kept is copied. Never raises: a standby that cannot take the
-        step fails its held futures instead."""
+        ``roots`` were installed (offloaded matrix roots, oldest first); ``digest``: the
+        parameters' :func:`params_digest` after it (every :data:`DIGEST_EVERY` versions, else
+        None). The arrays may be reused once this returns: what is kept is copied. Never raises:
+        a standby that cannot take the step fails its held futures instead."""
 
     def held_future(self, version: int) -> Future:
         """Done (result None) once the standby holds step ``version``; failed when it never will."""
@@ -164,7 +187,8 @@ class NoStandby:
     def start(self, start: ReplicaStart) -> None:
         pass
 
-    def ship(self, record: StepRecord, grads: Sequence[np.ndarray], roots: Sequence[RootInstall] = ()) -> None:
+    def ship(self, record: StepRecord, grads: Sequence[np.ndarray], roots: Sequence[RootInstall] = (),
+             digest: Optional[int] = None) -> None:
         pass
 
     def held_future(self, version: int) -> Future:
@@ -183,8 +207,9 @@ class StandbyFollower:
     Args:
       start_from: ``(ReplicaStart) -> None`` installs the primary's state
         (``SessionDurability.start_from``).
-      follow: ``(record, grads by name, roots) -> bool`` applies one step to the standby's state,
-        the primary's root installs first (``SessionDurability.follow``; False: held already).
+      follow: ``(record, grads by name, roots, digest) -> bool`` applies one step to the standby's
+        state, the primary's root installs first, and compares the parameters' digest if one came
+        (``SessionDurability.follow``; False: held already; raises :class:`ReplicaDiverged`).
       clock: the standby's home clock (its ``follow(entries)``, ``set_following(bool)``), on the
         session's home shard; None on the others.
       names: the shard's tensors, in the order their gradients are shipped.
@@ -230,10 +255,11 @@ class StandbyFollower:
         with self._cond:
             return self._started and self.error is None and not self._stopping
 
-    def receive(self, record: StepRecord, grads: Sequence[np.ndarray], roots: Sequence[RootInstall] = ()) -> None:
+    def receive(self, record: StepRecord, grads: Sequence[np.ndarray], roots: Sequence[RootInstall] = (),
+                digest: Optional[int] = None) -> None:
         """A shipped step (``grads`` and ``roots``, the roots its primary installed before it: this
-        follower's own arrays now). Held at once when it follows the last one held (a step held
-        already is ignored).
+        follower's own arrays now; ``digest``: see :meth:`ReplicaPort.ship`). Held at once when it
+        follows the last one held (a step held already is ignored).
 
         Raises:
           ReplicaGap: it does not follow the last one held, or came before the start (nothing
@@ -251,7 +277,7 @@ class StandbyFollower:
                                       f"{record.version} with {len(grads)} of {len(self._names)} gradients"),
                            drop_queued=False)  # the steps held so far are still applied
                 raise self.error
-            self._queue.append((record, dict(zip(self._names, grads)), tuple(roots)))
+            self._queue.append((record, dict(zip(self._names, grads)), tuple(roots), digest))
             self.held.hold(record.version)
             self._cond.notify_all()
 
@@ -341,9 +367,9 @@ class StandbyFollower:
                 self._cond.wait_for(lambda: self._queue or self._closed or self.error is not None)
                 if self._closed or not self._queue:  # closed, or stopped with nothing left to apply
                     return
-                record, grads, roots = self._queue[0]
+                record, grads, roots, digest = self._queue[0]
             try:
-                self._follow(record, grads, roots)
+                self._follow(record, grads, roots, digest)
             except Exception as exc:  # noqa: BLE001 - its state no longer follows the primary's
                 error = exc if isinstance(exc, OptservError) else Unavailable(
                     f"{self.where}: the standby failed applying version {record.version}: {exc!r}")
@@ -367,9 +393,10 @@ class LocalLink:
     def start(self, start: ReplicaStart) -> None:
         self._follower.start(start)
 
-    def ship(self, record: StepRecord, grads: Sequence[np.ndarray], roots: Sequence[RootInstall] = ()) -> None:
+    def ship(self, record: StepRecord, grads: Sequence[np.ndarray], roots: Sequence[RootInstall] = (),
+             digest: Optional[int] = None) -> None:
         try:
-            self._follower.receive(record, [np.array(g, copy=True) for g in grads], roots)
+            self._follower.receive(record, [np.array(g, copy=True) for g in grads], roots, digest)
         except Exception as exc:  # noqa: BLE001 - out of sync: held_future says so to the waiters
             self._follower.held.fail(exc)
 

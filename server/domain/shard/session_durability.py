@@ -18,7 +18,8 @@ from optserve.server.compute.root_offload import NO_ROOTS, RootInstall, RootRepl
 from optserve.server.domain.durability import CheckpointPort, ShardProgress, StepRecord
 from optserve.server.domain.errors import Unavailable
 from optserve.server.domain.shard.replay import replayed_tickets
-from optserve.server.domain.shard.replica import NoStandby, ReplicaGap, ReplicaPort, ReplicaStart, StateLeaves
+from optserve.server.domain.shard.replica import (NoStandby, ReplicaDiverged, ReplicaGap, ReplicaPort, ReplicaStart,
+                                                  StateLeaves)
 from optserve.server.domain.shard.step_runner import StepRunner, plain_hyper
 
 _log = logging.getLogger(__name__)
@@ -183,15 +184,18 @@ class SessionDurability:
             steps.journal.replicated = True
             steps.cond.notify_all()
 
-    def follow(self, record: StepRecord, grads: Mapping[str, np.ndarray], roots: Sequence[RootInstall] = ()) -> bool:
+    def follow(self, record: StepRecord, grads: Mapping[str, np.ndarray], roots: Sequence[RootInstall] = (),
+               digest: Optional[int] = None) -> bool:
         """A standby's session: applies the step its primary applied (``record``, with the
         gradient the primary's update ran with, after installing the offloaded roots the primary
         installed before it), as a restore replays a logged step; returns False for a step
-        applied here already.
+        applied here already. With ``digest`` (the primary's parameters' after the step), checks
+        that its own parameters are the same.
 
         Raises:
           ReplicaGap: ``record`` does not follow this shard's version, or roots were shipped to a
             part that computes its own (its primary's optimizer is not this one).
+          ReplicaDiverged: the step is applied, and the parameters differ from the primary's.
         """
         steps = self._steps
         with steps.cond:
@@ -210,6 +214,14 @@ class SessionDurability:
             steps.queue.restore(steps.queue.progress(steps.version, {}).after(record))
             steps.version = record.version
             steps.cond.notify_all()
+            if digest is not None:
+                ours = steps.params_digest()
+                if ours != digest:
+                    _log.error("event=replica_diverged %s version=%d digest=%08x primary_digest=%08x", steps.where,
+                               record.version, ours, digest)
+                    raise ReplicaDiverged(f"{steps.where}: after version {record.version} the standby's parameters "
+                                          f"differ from its primary's (CRC-32C {ours:08x}, the primary's {digest:08x}): "
+                                          f"it no longer follows, and is caught up from its primary's state")
             return True
 
     def lead(self) -> None:

@@ -35,6 +35,7 @@ from optserve.server.domain.errors import (InvalidArgument, OptservError, PeerRe
 from optserve.server.domain.shard.apply_queue import ApplyQueue, entry
 from optserve.server.domain.shard.journal_records import JournaledStep, UnloggedStep
 from optserve.server.domain.shard.refusals import log_value
+from optserve.server.domain.shard.replica import params_digest
 from optserve.server.domain.shard.shard_records import StepObserver
 from optserve.server.domain.shard.staging import StagingArea
 from optserve.server.domain.shard.sparse_relay import SparseRelay
@@ -90,6 +91,7 @@ class StepRunner:
         self.cond = SignalCondition()  # re-entrant: the journal calls back while it is held
         self.queue = ApplyQueue(config, shard_index, step_timeout_s)
         self.journal = StepJournal(self, specs, staging.push_bytes, config.name, shard_index)
+        self._tensor_names = list(specs)
         self.relay = SparseRelay(config.sparse_mean_over_senders)  # sparse steps' compact answers
         self._clock = clock
         self._is_home = clock.is_home
@@ -340,6 +342,10 @@ class StepRunner:
         """See ``JournalOwner.root_installs`` (none for a kernel without offloaded roots)."""
         preconditioners = self.updater.preconditioners
         return [] if preconditioners is None else preconditioners.take_installs()
+
+    def params_digest(self) -> int:
+        """See ``JournalOwner.params_digest``."""
+        return params_digest(self.updater.host_params(), self._tensor_names)
 
     def recover_log(self) -> bool:
         """A durable session whose step log failed: recovers it once the disk takes writes again
