@@ -155,13 +155,13 @@ class ShardReplicas:
                                      f"files (own_files), and this one does not")
         version = follower.promote(timeout_s)
         session, _follower = self.standbys.take(name)
-        session.durability.lead()
-        if self._durable:
-            try:
+        try:
+            session.durability.lead()
+            if self._durable:
                 self._parts.take_files(session)
-            except BaseException as exc:
-                session.abandon(SessionLost(f"session {name!r}: its promoted standby could not take its files: {exc}"))
-                raise
+        except BaseException as exc:
+            session.abandon(SessionLost(f"session {name!r}: its promoted standby could not serve in its place: {exc}"))
+            raise
         if self._refuse_one_copy:
             session.durability.refuse_one_copy = True
             session.durability.refuse_until_standby("it was promoted in its lost primary's place")

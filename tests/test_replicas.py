@@ -20,6 +20,7 @@ import pytest
 from optserve.client import Client, SessionLostError
 from optserve.server.domain.config import ServerConfig
 from optserve.server.domain.errors import InvalidArgument
+from optserve.server.domain.shard.replica import DIGEST_EVERY
 from tests._service_helpers import (InProcess, REPLICA_SILENCE_S, exact_offloaded_shampoo, make_grads, make_params,
                                     max_abs_diff, train_alike)
 
@@ -63,6 +64,19 @@ def _cut_stream_to_standby(running, index: int) -> None:
     cut = subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"], capture_output=True, text=True)
     if cut.returncode != 0 or "ESTAB" not in cut.stdout:
         pytest.skip(f"ss -K could not abort a TCP connection here: {(cut.stderr or cut.stdout).strip()[:80]}")
+
+
+def _logged_by_shards(event: str, session: str) -> list[str]:
+    """Lines of the local Ray's worker logs (the shard processes') that hold ``event`` and name ``session``."""
+    import ray
+
+    folder = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs")
+    found = []
+    for name in os.listdir(folder):
+        if name.startswith("worker-") and name.endswith((".err", ".out")):
+            with open(os.path.join(folder, name), errors="replace") as log:
+                found += [line for line in log if event in line and session in line]
+    return found
 
 
 def _in_sync(client, index: int, timeout_s: float = 120.0):
@@ -246,8 +260,18 @@ def test_offloaded_roots_reach_the_standby_and_a_promoted_one_asks_the_workers_f
                     installed = session.status().shards[1].root_offload.roots_installed
             shard = session.status().shards[1]  # a root per step (the default compute steps: 1), asked for there
             assert shard.root_offload.offloaded and shard.root_offload.roots_installed >= installed + 3
+        for index in range(2):
+            _in_sync(client, index)
+        while step < DIGEST_EVERY + 2:  # both shards' standbys check their primary's digest of version 50
+            grads = make_grads(params, step, seed=7)
+            worst = max(worst, max_abs_diff(session.push_pull(grads), reference.step(grads)))
+            step += 1
         assert worst <= 1e-5, worst
-        assert session.status().version == step == 20
+        assert session.status().version == step
+        for index in range(2):
+            _in_sync(client, index)
+        assert _logged_by_shards("event=standby_promoted", unique_name)  # the shards' logs are where we look
+        assert not _logged_by_shards("event=replica_diverged", unique_name)  # the same bits in both processes
         client.close_session(unique_name)
     finally:
         running.stop()

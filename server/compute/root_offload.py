@@ -248,9 +248,21 @@ class OffloadedPreconditioners(ShardPreconditioners):
 
     def lead(self, state) -> None:
         """A promoted standby's: it decides its roots from now on, as a state installed from a
-        save does (:meth:`resume`)."""
+        save does (:meth:`resume`), knowing the newest export its primary installed; the
+        primary's exports in flight died with it, so when the newest one due is not installed,
+        the statistics now are exported at once (not only once the age bound needs them)."""
+        import jax
+
+        offered = self._offered
         self._following, self._shipped = False, []
         self.resume(state)
+        self._offered = max(self._offered, offered)
+        if not self.labels:
+            return
+        step = int(jax.device_get(self.seam.progress(state)[0])) - 1
+        due = step - step % self._every  # the newest export after an update (its statistics' step)
+        if step >= 0 and due > self._offered and step > self._exported:
+            self._submit(self._export_current(state))
 
     def before_update(self, state, grads, params):
         import jax

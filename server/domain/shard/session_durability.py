@@ -41,12 +41,6 @@ class SessionDurability:
         """Finishes a checkpoint being written and closes the log (the session is closing)."""
         self._steps.journal.close()
 
-    def attach_replica(self, replica: Optional[ReplicaPort]) -> None:
-        """Ships every step applied from now on to a standby (None: to none); see
-        :meth:`StepJournal.attach_replica`."""
-        with self._steps.cond:
-            self._steps.journal.attach_replica(replica)
-
     def set_replicated(self) -> None:
         """The session has standbys: a decided ticket whose push is not staged here keeps its turn
         until its client's retry stages it (as after a durable restart). Set on every shard of the
