@@ -121,6 +121,14 @@ class ReplicaPort(Protocol):
         """
 
 
+def ship_step(port: ReplicaPort, record: StepRecord, grads: Sequence[np.ndarray], owner) -> None:
+    """Ships an applied step to ``port`` with what its standby needs beside the gradient: the
+    roots ``owner`` (the part's ``JournalOwner``) installed before it and, every
+    :data:`DIGEST_EVERY` versions, its parameters' digest (none for a port awaiting a standby)."""
+    due = record.version % DIGEST_EVERY == 0 and not isinstance(port, NoStandby)
+    port.ship(record, grads, owner.root_installs(), owner.params_digest() if due else None)
+
+
 class HeldVersions:
     """Futures of step versions, done once a standby holds the version (versions are held in
     order); once failed, no later version is held."""

@@ -38,7 +38,7 @@ from optserve.server.domain.shard.journal_records import JournaledStep, JournalO
 from optserve.server.domain.shard.log_recovery import LogRecovery
 from optserve.server.domain.shard.refusals import log_value
 from optserve.server.domain.shard.replay import replay
-from optserve.server.domain.shard.replica import DIGEST_EVERY, NoStandby, ReplicaPort
+from optserve.server.domain.shard.replica import ReplicaPort, ship_step
 from optserve.server.domain.waits import Steps, Wait, returns
 
 _log = logging.getLogger(__name__)
@@ -209,9 +209,7 @@ class StepJournal:
         if self._replica is None:
             return
         try:
-            due = record.version % DIGEST_EVERY == 0 and not isinstance(self._replica, NoStandby)
-            digest = self._owner.params_digest() if due else None
-            self._replica.ship(record, self._in_order(grads), self._owner.root_installs(), digest)
+            ship_step(self._replica, record, self._in_order(grads), self._owner)
         except Exception as exc:  # noqa: BLE001 - a faulty port: its standby no longer holds what is applied here
             _log.exception("event=replica_ship_failed %s version=%d", self._log_where, record.version)
             self._ship_failed = Unavailable(f"{self._owner.where}: step {record.version} could not be shipped to "
