@@ -34,10 +34,7 @@ _SCRIPT = textwrap.dedent(f"""
         gcs = ray._private.worker._global_node.gcs_address
         stub = gcs_service_pb2_grpc.TaskInfoGcsServiceStub(grpc.insecure_channel(gcs))
         reply = stub.GetTaskEvents(gcs_service_pb2.GetTaskEventsRequest(limit=100000), timeout=30)
-        raylet = ray._private.worker._global_node.all_processes["raylet"][0].process.pid
-        with open(f"/proc/{{raylet}}/environ", "rb") as environ:
-            allocator = [v.decode() for v in environ.read().split(b"\\0") if v.startswith(b"MALLOC_CONF=")]
-        print(json.dumps({{"stored": reply.num_total_stored, "raylet_allocator": allocator}}))
+        print(json.dumps({{"stored": reply.num_total_stored}}))
     finally:
         stop_started_ray()
 """)
@@ -48,15 +45,6 @@ def test_threads_calling_ray_from_the_servers_process_leave_no_entries_in_the_gc
     env.pop("RAY_ADDRESS", None)
     done = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    stored = report["stored"]
+    stored = json.loads(done.stdout.strip().splitlines()[-1])["stored"]
     # with task events on: one entry per thread (THREADS and more)
     assert stored < THREADS // 4, f"{stored} task entries in the GCS after {THREADS} threads called Ray"
-
-
-def test_a_ray_the_server_starts_runs_its_raylet_with_an_allocator_that_gives_freed_pages_back():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_JEMALLOC") and k != "RAY_ADDRESS"}
-    done = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=180, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (conf,) = json.loads(done.stdout.strip().splitlines()[-1])["raylet_allocator"]
-    assert {"background_thread:true", "dirty_decay_ms:1000"} <= set(conf.removeprefix("MALLOC_CONF=").split(","))
