@@ -21,14 +21,6 @@ log = logging.getLogger(__name__)
 
 REAP_TIMEOUT_S = 5.0
 TASK_EVENTS_SETTING = "RAY_task_events_report_interval_ms"  # 0: no task events reported to the GCS
-RAY_ALLOCATOR_SETTINGS = {
-    # Ray preloads its jemalloc into the raylet and the GCS; RAY_JEMALLOC_CONF becomes MALLOC_CONF in
-    # the components RAY_JEMALLOC_PROFILE names (no profiling: that needs prof:true in the conf).
-    "RAY_JEMALLOC_PROFILE": "raylet,gcs_server",
-    # pages freed go back to the system within a second, by a thread of jemalloc's own (not only
-    # when the process allocates again), from two arenas rather than one per thread group
-    "RAY_JEMALLOC_CONF": "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0,narenas:2",
-}
 
 
 def join_or_start_ray(address: str, log_to_driver: bool = False) -> bool:
@@ -51,10 +43,6 @@ def join_or_start_ray(address: str, log_to_driver: bool = False) -> bool:
     # runs for weeks would grow the GCS by that much. Turned off before Ray reads its configuration
     # (a Ray started here passes it on to its processes); an operator's own setting is kept.
     os.environ.setdefault(TASK_EVENTS_SETTING, "0")
-    if not any(name in os.environ for name in RAY_ALLOCATOR_SETTINGS):
-        # the raylet's resident memory crept up by megabytes an hour under a busy server (its live
-        # heap flat): freed pages kept by its allocator; an operator's own settings are kept
-        os.environ.update(RAY_ALLOCATOR_SETTINGS)
     if log_to_driver:
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every log line as it is, not folded across shards
     if address == "local":
