@@ -29,7 +29,7 @@ from optserve.server.domain.shard import ShardRegistry, ShardSessionStatus, Step
 from optserve.server.ops.health import Health
 from optserve.server.ops.logs import configure_logging
 from optserve.server.ops.memory_trace import start_from_environment as start_memory_trace
-from optserve.server.ops.metrics import resident_bytes, session_gauges, ShardMetrics
+from optserve.server.ops.metrics import pack_families, resident_bytes, session_gauges, ShardMetrics
 from optserve.server.shard_parts import ShardParts
 from optserve.server.shard_replicas import ShardReplicas
 from optserve.server.storage.ownership import ShardFence
@@ -279,9 +279,10 @@ class ShardActor:
         """Session name -> its last activity on this shard (unix seconds)."""
         return self._registry.activity()
 
-    def metrics(self) -> list:
-        """This shard's metric families (prometheus ``Metric`` objects), read now."""
-        return self._metrics.collect()
+    def metrics(self) -> bytes:
+        """This shard's metric families (prometheus ``Metric`` objects), read now, packed
+        (``ops.metrics.pack_families``)."""
+        return pack_families(self._metrics.collect())
 
     def server_status(self) -> dict:
         """``{"node_id", "sessions", "param_bytes", "resident_bytes", "device", "in_sync",

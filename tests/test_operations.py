@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -21,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from _service_helpers import make_grads, make_params
 from optserve.client import Client, InvalidArgumentError
-from optserve.server.ops.metrics import METRICS
+from optserve.server.ops.metrics import METRICS, unpack_families
 
 ADAM = {"name": "adam", "args": {"learning_rate": 0.01}}
 SHAMPOO = {"name": "shampoo", "args": {"learning_rate": 0.01, "block_size": 4, "start_preconditioning_step": 1}}
@@ -300,3 +301,24 @@ def test_sparse_exchanges_count_in_the_byte_metrics_as_they_crossed_the_wire(obs
     assert 0 < up and 0 < down < 4 * parameters  # compact answers, not values
     assert _total(samples, "optserve_received_bytes_total", session=session) == up
     assert _total(samples, "optserve_sent_bytes_total", session=session) == down + 4 * parameters
+
+
+RAY_INLINE_BYTES = 100 * 1024  # Ray's max_direct_call_object_size: a larger value goes through the object store
+
+
+def test_a_busy_shards_metrics_cross_ray_inline_not_through_the_object_store(observed):
+    # 40 more sessions on the two shards: their families pickled are over Ray's inline limit,
+    # packed they are well under it, and every session is still scraped
+    running, client, params = observed
+    names = [f"ops-busy-{i}" for i in range(40)]
+    try:
+        for name in names:
+            client.create_session(name, params, optimizer=ADAM).push_pull(make_grads(params, 0))
+        packed = running.fleet.shard_reports("metrics")
+        assert len(packed) == 2 and all(isinstance(p, bytes) and len(p) < RAY_INLINE_BYTES for p in packed)
+        assert sum(len(pickle.dumps(unpack_families(p))) for p in packed) > RAY_INLINE_BYTES
+        scraped = {s.labels["session"] for s in _scrape(running)["optserve_steps_applied_total"]}
+        assert set(names) <= scraped
+    finally:
+        for name in names:
+            client.close_session(name)

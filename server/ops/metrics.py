@@ -5,12 +5,18 @@ through a :class:`~optserve.server.domain.shard.shard_session.StepObserver` (one
 children bound once), and gauges read from its sessions when scraped. The coordinator serves
 ``/metrics`` (``--metrics-port``): at each scrape it asks every shard for its families over Ray
 and merges them (:class:`FleetCollector`). :data:`METRICS` is the contract dashboards rely on.
+
+A shard's families cross Ray packed (:func:`pack_families`): a busy shard's run to hundreds of
+kilobytes pickled, over Ray's limit for values passed inline (100 KiB), and each scrape would
+otherwise go through the node's object store.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import threading
+import zlib
 from typing import Callable, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -200,6 +206,17 @@ def _remove(metric, *labels) -> None:
         pass
 
 
+def pack_families(families: Iterable[Metric]) -> bytes:
+    """``families`` as compressed bytes (their samples' label names and values repeat, a dozen
+    times smaller than pickled alone); :func:`unpack_families` gives them back."""
+    return zlib.compress(pickle.dumps(list(families), protocol=pickle.HIGHEST_PROTOCOL), 1)
+
+
+def unpack_families(packed: bytes) -> list[Metric]:
+    """The families :func:`pack_families` packed (from a shard process of this server)."""
+    return pickle.loads(zlib.decompress(packed))
+
+
 def merge(families: Iterable[Metric]) -> list[Metric]:
     """Families of the same name (from several processes) as one family with all their samples."""
     merged: dict[str, Metric] = {}
@@ -216,7 +233,8 @@ class FleetCollector:
     plus the coordinator's own gauges.
 
     Args:
-      shard_families: ``() -> list of per-shard family lists`` (a shard that does not answer is left out).
+      shard_families: ``() -> list of each shard's packed families`` (:func:`pack_families`; a
+        shard that does not answer is left out).
       sessions: ``() -> number of open sessions``.
     """
 
@@ -225,7 +243,7 @@ class FleetCollector:
         self._sessions = sessions
 
     def collect(self):
-        families = [f for shard in self._shard_families() for f in shard]
+        families = [f for packed in self._shard_families() for f in unpack_families(packed)]
         families.extend(process_memory("coordinator"))
         sessions = GaugeMetricFamily("optserve_sessions", _help("optserve_sessions"))
         sessions.add_metric([], self._sessions())
