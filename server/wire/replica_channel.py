@@ -23,10 +23,9 @@ import grpc
 import numpy as np
 
 from optserve.protos.optserve.v1 import replica_pb2
-from optserve.server.compute.root_offload import RootInstall
 from optserve.server.domain.durability import StepRecord
 from optserve.server.domain.errors import Unavailable
-from optserve.server.domain.shard import HeldVersions, ReplicaStart
+from optserve.server.domain.shard import HeldVersions, ReplicaStart, RootInstall
 from optserve.server.wire.replica_frames import CHUNK_BYTES, clock_frame, start_frames, step_frames
 from optserve.server.wire.replica_service import SERVICE
 from optserve.server.wire.security import InternalTrust

@@ -17,9 +17,8 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from optserve.protos.optserve.v1 import replica_pb2
-from optserve.server.compute.root_offload import RootInstall
 from optserve.server.domain.durability import ShardProgress, StepRecord
-from optserve.server.domain.shard import ReplicaStart, StateLeaves
+from optserve.server.domain.shard import ReplicaStart, RootInstall, StateLeaves
 
 CHUNK_BYTES = 4 << 20
 ARRAY_DTYPES = frozenset({"float32", "float64", "float16", "bfloat16", "int8", "int16", "int32", "int64", "uint8",

@@ -10,19 +10,21 @@ holds the sessions of one shard.
 
 Exports: ``ShardSession``, ``ShardRegistry``; the records ``PushHeader``, ``Receipt``,
 ``ShardSessionStatus``, ``StepObserver``, ``StartState``; a hot standby's side of replication
-(``StandbyFollower``, ``Standbys``, ``HeldVersions``, ``ReplicaStart``, ``StateLeaves``); and the
+(``StandbyFollower``, ``Standbys``, ``HeldVersions``, ``ReplicaStart``, ``StateLeaves``,
+``RootInstall``: the offloaded roots a shipped step carries); and the
 helpers the wire shares (``wire_dtype``, ``parallel_copy``, ``log_value``).
 """
 
 from optserve.server.domain.shard.assembly import wire_dtype
 from optserve.server.domain.shard.host_passes import parallel_copy
 from optserve.server.domain.shard.refusals import log_value
-from optserve.server.domain.shard.replica import HeldVersions, ReplicaStart, StandbyFollower, Standbys, StateLeaves
+from optserve.server.domain.shard.replica import (HeldVersions, ReplicaStart, RootInstall, StandbyFollower, Standbys,
+                                                  StateLeaves)
 from optserve.server.domain.shard.saved_state import StartState
 from optserve.server.domain.shard.shard_records import PushHeader, Receipt, ShardSessionStatus, StepObserver
 from optserve.server.domain.shard.shard_registry import ShardRegistry
 from optserve.server.domain.shard.shard_session import ShardSession
 
-__all__ = ["HeldVersions", "PushHeader", "Receipt", "ReplicaStart", "ShardRegistry", "ShardSession",
+__all__ = ["HeldVersions", "PushHeader", "Receipt", "ReplicaStart", "RootInstall", "ShardRegistry", "ShardSession",
            "ShardSessionStatus", "StandbyFollower", "Standbys", "StartState", "StateLeaves", "StepObserver",
            "log_value", "parallel_copy", "wire_dtype"]
