@@ -21,7 +21,10 @@ shared-memory regions in ``/dev/shm`` and the checkpoint folder's size, and from
 metrics (``--metrics-port``) the coordinator's and each shard's malloc heap, in use and free (a
 shard keeps freed memory resident, so its RSS follows its peak; what it holds is the heap in
 use). It prints each one's peak in a window of ``--window-s`` at the start (after
-``--warmup-s``), the middle and the end, with the growth from the start to the end. After a
+``--warmup-s``), the middle and the end, with the growth from the start to the end, and each
+process's descriptors by kind, the crowd's connections apart. A round's open sessions hold
+descriptors (their connections, their logs' files), so ``--between-s`` after each round, with
+none open, every process is sampled again: what closed sessions left behind grows those. After a
 quiet ``--settle-s`` the workers stop and the nemesis's checker proves that no acknowledged push
 was lost or applied twice. Exit status 1 when its report is not clean.
 """
@@ -44,6 +47,7 @@ from typing import Optional
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import crowd
+from bench._fd_census import KINDS, census
 from bench._nemesis_schedule import PlannedFault
 from bench.checker import CheckReport, print_report
 from bench._termination import exit_on_termination
@@ -56,7 +60,8 @@ class Sample:
     threads, fds)), the regions in /dev/shm, the checkpoint folder's bytes and its session
     folders (the crowd's closed sessions must not leave theirs); ``heap``: the server's
     ``optserve_process_heap_bytes`` (``"shard-0"``, ``"coordinator"`` -> (in use, free) bytes;
-    empty where the scrape failed)."""
+    empty where the scrape failed); ``descriptors``: ``"title pid"`` -> its descriptors by kind
+    (:func:`bench._fd_census.census`: ``from_here`` are the crowd's connections)."""
 
     at_s: float
     processes: dict
@@ -64,6 +69,7 @@ class Sample:
     checkpoint_bytes: int
     session_folders: int
     heap: dict = dataclasses.field(default_factory=dict)
+    descriptors: dict = dataclasses.field(default_factory=dict)
 
 
 def _title(pid: int) -> str:
@@ -107,7 +113,9 @@ def _folder_bytes(folder: str) -> int:
 
 @dataclasses.dataclass
 class SoakOptions:
-    """A soak's settings: the command's flags (``--crowd``: ``crowd``; ``--dir``: ``folder``)."""
+    """A soak's settings: the command's flags (``--crowd``: ``crowd``; ``--dir``: ``folder``).
+    ``between_s``: after each crowd round (past the warm-up) the crowd waits this long, then
+    every process is sampled again (:attr:`Soak.between`) with no crowd session or connection open."""
 
     minutes: float
     crowd: int = 32
@@ -120,6 +128,7 @@ class SoakOptions:
     settle_s: float = 10.0
     seed: int = 0
     folder: Optional[str] = None
+    between_s: float = 1.0
 
 
 class Soak(Nemesis):
@@ -131,6 +140,7 @@ class Soak(Nemesis):
         self.schedule = []
         self.soak = options
         self.samples: list[Sample] = []
+        self.between: list[Sample] = []  # sampled between the crowd's rounds
         self.crowd_times: list[float] = []
         self.crowd_rounds = 0
         self.crowd_errors: list[str] = []
@@ -162,7 +172,9 @@ class Soak(Nemesis):
 
     def _sample(self, started: float) -> Sample:
         processes = {}
-        for pid in self.server.session_pids():
+        pids = self.server.session_pids()
+        kinds = census(pids)
+        for pid in pids:
             reading = _process(pid)
             if reading is None:
                 continue
@@ -176,10 +188,13 @@ class Soak(Nemesis):
         folder = self._checkpoint_folder()
         sessions = os.path.join(folder, "sessions")
         folders = len(os.listdir(sessions)) if os.path.isdir(sessions) else 0
-        return Sample(time.monotonic() - started, processes, regions, _folder_bytes(folder), folders, self._heap())
+        descriptors = {self._titles[pid]: kinds[pid] for pid in pids if self._titles.get(pid) in processes}
+        return Sample(time.monotonic() - started, processes, regions, _folder_bytes(folder), folders, self._heap(),
+                      descriptors)
 
-    def _crowd(self, end: float) -> None:
-        """Crowd rounds until ``end`` (each round's clients create, train and close their sessions)."""
+    def _crowd(self, end: float, started: float) -> None:
+        """Crowd rounds until ``end`` (each round's clients create, train and close their sessions),
+        each past the warm-up followed by a pause and a sample (:attr:`between`)."""
         while time.monotonic() < end:
             try:
                 self.crowd_times += crowd.run(self.server.address, self.soak.crowd, self.soak.crowd_steps,
@@ -187,10 +202,13 @@ class Soak(Nemesis):
             except Exception as exc:  # noqa: BLE001 - reported, and the soak is not clean
                 self.crowd_errors.append(f"{type(exc).__name__}: {str(exc)[:200]}")
             self.crowd_rounds += 1
+            if time.monotonic() - started >= self.soak.warmup_s and time.monotonic() < end:
+                time.sleep(self.soak.between_s)
+                self.between.append(self._sample(started))
 
     def _inject_until(self, end: float) -> None:
         started = time.monotonic()
-        crowding = threading.Thread(target=self._crowd, args=(end,), daemon=True)
+        crowding = threading.Thread(target=self._crowd, args=(end, started), daemon=True)
         crowding.start()
         elastic = [s.name for s in self.slots if s.session == "elastic"]
         next_sample, next_rejoin, turn = started + self.soak.warmup_s, started + self.soak.rejoin_s, 0
@@ -229,6 +247,35 @@ def _largest(window: list[Sample], name: str, field: int) -> float:
     return max(values) if values else float("nan")
 
 
+def _print_descriptors(spans: tuple[list[Sample], ...], out, prefix: str = "") -> None:
+    """Each process's descriptors by kind (the largest of each window), and its descriptors less
+    the crowd's connections (``from_here``), which come and go with the crowd's rounds: a leak
+    grows the latter, a round caught at its peak only the former."""
+    for name in sorted({n for w in spans for s in w for n in s.descriptors}):
+        held = [max((s.processes[name][2] - s.descriptors[name]["from_here"] for s in w
+                     if name in s.descriptors and name in s.processes), default=float("nan")) for w in spans]
+        kinds = []
+        for kind in KINDS:
+            peaks = [max((s.descriptors[name][kind] for s in w if name in s.descriptors), default=float("nan"))
+                     for w in spans]
+            kinds.append(f"{kind} {'/'.join(f'{v:.0f}' for v in peaks)}")
+        out.write(f"{prefix}fds of {name} less the crowd's connections: {' / '.join(f'{v:.0f}' for v in held)} "
+                  f"({_growth(held[0], held[2])}); by kind: {', '.join(kinds)}\n")
+
+
+def print_between(between: list[Sample], out=sys.stdout, window_s: float = 0.0) -> None:
+    """Each process's descriptors sampled between the crowd's rounds (its sessions closed, its
+    connections gone), the largest of each window (:func:`windows`) with the growth: what
+    sessions created and closed left behind, without the noise of a round's open sessions."""
+    if not between:
+        out.write("between the crowd's rounds: no samples\n")
+        return
+    spans = windows(between, window_s)
+    out.write("between the crowd's rounds: samples at " + ", ".join(f"{w[0].at_s:.0f}-{w[-1].at_s:.0f} s" for w in spans)
+              + f" ({sum(len(w) for w in spans)} samples)\n")
+    _print_descriptors(spans, out, "  between rounds: ")
+
+
 def print_samples(samples: list[Sample], out=sys.stdout, window_s: float = 0.0) -> None:
     """Each process's memory, threads and descriptors at the start, the middle and the end, with
     the growth from the start to the end; then /dev/shm and the checkpoint folder. Each figure is
@@ -249,6 +296,7 @@ def print_samples(samples: list[Sample], out=sys.stdout, window_s: float = 0.0) 
             text = " / ".join(f"{v:.0f}" for v in values)
             cells.append(f"{text:>{26 if field == 0 else 16}}{_growth(values[0], values[2]):>9}")
         out.write(f"{name:<40}{''.join(cells)}\n")
+    _print_descriptors(spans, out)
     regions = [max(s.regions for s in w) for w in spans]
     folder_mb = [max(s.checkpoint_bytes for s in w) / 2 ** 20 for w in spans]
     folders = [max(s.session_folders for s in w) for w in spans]
@@ -282,15 +330,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--window-s", type=float, default=120.0,
                         help="each printed figure is the largest of this many seconds of samples (0: one sample)")
     parser.add_argument("--settle-s", type=float, default=10.0)
+    parser.add_argument("--between-s", type=float, default=1.0,
+                        help="after each crowd round, wait this long and sample (no crowd session open)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dir", default=None, help="folder for logs and checkpoints (default: a temporary one)")
     args = parser.parse_args(argv)
     logging.getLogger("optserve.client").setLevel(logging.ERROR)
     options = SoakOptions(2.0 if args.small else args.minutes, args.crowd, args.crowd_steps, args.pause_s, args.rejoin_s, args.sample_s,
-                          args.warmup_s, args.window_s, args.settle_s, args.seed, args.dir)
+                          args.warmup_s, args.window_s, args.settle_s, args.seed, args.dir, args.between_s)
     with exit_on_termination():
         report, soak = run(options)
     print_samples(soak.samples, window_s=options.window_s)
+    print_between(soak.between, window_s=options.window_s)
     if soak.crowd_times:
         figures = crowd.summary(soak.crowd_times)
         print(f"crowd: {soak.crowd_rounds} rounds of {args.crowd} clients, {figures['steps']} steps, p50 "

@@ -10,7 +10,7 @@ import io
 import pytest
 
 from bench.checker import print_report
-from bench.soak import SoakOptions, print_samples, run
+from bench.soak import SoakOptions, print_between, print_samples, run
 
 
 @pytest.mark.slow
@@ -19,6 +19,7 @@ def test_a_short_soak_loses_nothing_and_the_crowds_closed_sessions_leave_no_fold
     report, soak = run(SoakOptions(minutes=0.5, crowd=6, crowd_steps=4, pause_s=0.5, rejoin_s=12.0, sample_s=5.0,
                                    warmup_s=5.0, settle_s=5.0, folder=str(tmp_path / "run")), out)
     print_samples(soak.samples, out)
+    print_between(soak.between, out)
     print_report(report, out)
     text = out.getvalue()
     assert report.clean and not soak.crowd_errors, text + "\n" + "\n".join(soak.crowd_errors)
@@ -31,6 +32,10 @@ def test_a_short_soak_loses_nothing_and_the_crowds_closed_sessions_leave_no_fold
     assert "ray::ShardActor" in text and "session folders: " in text
     assert set(last.heap) == {"coordinator", "shard-0", "shard-1"} and all(u > 0 for u, _ in last.heap.values()), text
     assert "malloc heap of shard-0: in use MB" in text, text
+    # the crowd's clients (threads of this process) hold connections to the server: they are told apart
+    assert any(kinds["from_here"] > 0 for s in soak.samples for kinds in s.descriptors.values()), text
+    assert "fds of ray::ShardActor" in text and "less the crowd's connections" in text, text
+    assert soak.between and "between rounds: fds of ray::ShardActor" in text, text  # sampled with no crowd session
 
 
 def test_the_printed_figures_are_each_windows_peak_so_a_samples_phase_does_not_read_as_growth():
