@@ -6,6 +6,7 @@ applied twice, the closed sessions leave no folder, and every process of the ser
 from __future__ import annotations
 
 import io
+import time
 
 import pytest
 
@@ -57,3 +58,37 @@ def test_the_printed_figures_are_each_windows_peak_so_a_samples_phase_does_not_r
     print_samples(samples[:-2] + [sample(590, 440, 100), sample(600, 430, 100)], out, window_s=60.0)
     row = next(line for line in out.getvalue().splitlines() if line.startswith("ray::ShardActor"))
     assert "400 / 400 / 440" in row and "+10.0%" in row, out.getvalue()
+
+
+def test_the_descriptor_census_tells_this_processs_connections_from_ones_whose_other_end_closed():
+    import socket
+    import subprocess
+    import sys
+
+    from bench._fd_census import census
+
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import socket, sys\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); print(s.getsockname()[1], flush=True)\n"
+        "held = [s.accept() for _ in range(3)]\n"
+        "sys.stdin.read()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(child.stdout.readline())
+        ours = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        deadline = time.monotonic() + 10
+        while census([child.pid])[child.pid]["from_here"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert census([child.pid])[child.pid]["from_here"] == 3
+        for connection in ours[:2]:
+            connection.close()  # the child keeps its ends: CLOSE_WAIT, no longer ours
+        deadline = time.monotonic() + 10
+        while census([child.pid])[child.pid]["close_wait"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        kinds = census([child.pid])[child.pid]
+        assert kinds["from_here"] == 1 and kinds["close_wait"] == 2 and kinds["socket"] >= 1, kinds  # + the listener
+        assert kinds["pipe"] >= 2, kinds  # its stdin and stdout
+        ours[2].close()
+    finally:
+        child.kill()
+        child.wait()
+    assert census([child.pid]) == {child.pid: {kind: 0 for kind in kinds}}  # gone: nothing
