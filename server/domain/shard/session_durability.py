@@ -14,7 +14,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from optserve.server.compute.root_offload import NO_ROOTS, RootInstall, RootReplication
+from optserve.server.compute.root_offload import RootInstall
 from optserve.server.domain.durability import CheckpointPort, ShardProgress, StepRecord
 from optserve.server.domain.errors import Unavailable
 from optserve.server.domain.shard.replay import replayed_tickets
@@ -76,7 +76,7 @@ class SessionDurability:
                 steps.clock.replicate(begin, replica.clock_entry)
             else:
                 begin(None)
-            _preconditioners(steps).keep_installs(True)  # from the start's state on, shipped with each step
+            steps.preconditioners.keep_installs(True)  # from the start's state on, shipped with each step
             steps.journal.attach_replica(replica)
 
     @property
@@ -104,7 +104,7 @@ class SessionDurability:
         with steps.cond:
             if steps.clock.is_home:
                 steps.clock.replicate(None, port.clock_entry)
-            _preconditioners(steps).keep_installs(False)  # a fresh standby starts from the state then
+            steps.preconditioners.keep_installs(False)  # a fresh standby starts from the state then
             steps.journal.attach_replica(port)
         _log.error("event=standby_awaited %s why=%s", steps.where, why)
 
@@ -119,7 +119,7 @@ class SessionDurability:
                 return
             if steps.clock.is_home:
                 steps.clock.replicate(None, None)
-            _preconditioners(steps).keep_installs(False)
+            steps.preconditioners.keep_installs(False)
             steps.journal.attach_replica(None)
         _log.error("event=standby_detached %s why=%s", steps.where, why)
 
@@ -162,7 +162,7 @@ class SessionDurability:
         steps = self._steps
         with steps.cond:
             steps.updater.use_chunks(start.progress.state_chunks)
-            _preconditioners(steps).follow_primary()
+            steps.preconditioners.follow_primary()
             opt_state = start.opt_state
             if isinstance(opt_state, StateLeaves):
                 try:
@@ -200,7 +200,7 @@ class SessionDurability:
                 raise ReplicaGap(f"{steps.where}: the standby is at version {steps.version} and was shipped "
                                  f"version {record.version}")
             try:
-                _preconditioners(steps).install_shipped(roots)
+                steps.preconditioners.install_shipped(roots)
             except ValueError as exc:
                 raise ReplicaGap(f"{steps.where}: version {record.version}: {exc}") from None
             steps.updater.set_hyper(record.hyper)
@@ -223,7 +223,7 @@ class SessionDurability:
         its primary's until now)."""
         steps = self._steps
         with steps.cond:
-            _preconditioners(steps).lead(steps.updater.opt_state)
+            steps.preconditioners.lead(steps.updater.opt_state)
 
     def take_files(self, store: CheckpointPort, arrays: Callable[[], dict], clock_journal=None) -> None:
         """A promoted standby's part of a durable session (it wrote no files while it followed):
@@ -317,8 +317,3 @@ class SessionDurability:
             steps.cond.notify_all()
             return steps.version
 
-
-def _preconditioners(steps: StepRunner) -> RootReplication:
-    """The part's matrix roots' handling (:data:`NO_ROOTS` for a kernel without roots)."""
-    preconditioners = steps.updater.preconditioners
-    return NO_ROOTS if preconditioners is None else preconditioners

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import numpy as np
 
 from optserve.server.compute.kernel_words import error_line
+from optserve.server.compute.root_offload import NO_ROOTS, RootReplication
 from optserve.server.compute.updater import Updater
 from optserve.server.domain.clock import Ticket
 from optserve.server.domain.config import SessionConfig, TensorSpec
@@ -338,10 +339,15 @@ class StepRunner:
         if self._abandoned is not None:
             raise self._abandoned
 
+    @property
+    def preconditioners(self) -> RootReplication:
+        """The part's matrix roots' handling (:data:`NO_ROOTS` for a kernel without roots)."""
+        preconditioners = self.updater.preconditioners
+        return NO_ROOTS if preconditioners is None else preconditioners
+
     def root_installs(self) -> list:
         """See ``JournalOwner.root_installs`` (none for a kernel without offloaded roots)."""
-        preconditioners = self.updater.preconditioners
-        return [] if preconditioners is None else preconditioners.take_installs()
+        return self.preconditioners.take_installs()
 
     def params_digest(self) -> int:
         """See ``JournalOwner.params_digest``."""
