@@ -267,13 +267,20 @@ def print_between(between: list[Sample], out=sys.stdout, window_s: float = 0.0) 
     """Each process's descriptors sampled between the crowd's rounds (its sessions closed, its
     connections gone), the largest of each window (:func:`windows`) with the growth: what
     sessions created and closed left behind, without the noise of a round's open sessions."""
-    if not between:
-        out.write("between the crowd's rounds: no samples\n")
-        return
-    spans = windows(between, window_s)
-    out.write("between the crowd's rounds: samples at " + ", ".join(f"{w[0].at_s:.0f}-{w[-1].at_s:.0f} s" for w in spans)
-              + f" ({sum(len(w) for w in spans)} samples)\n")
-    _print_descriptors(spans, out, "  between rounds: ")
+    spans = _headed_windows(between, window_s, out, "between the crowd's rounds: ")
+    if spans is not None:
+        _print_descriptors(spans, out, "  between rounds: ")
+
+
+def _headed_windows(samples: list[Sample], window_s: float, out, title: str = "") -> Optional[tuple]:
+    """:func:`windows` of ``samples``, after a line saying when they are (None: no samples)."""
+    if not samples:
+        out.write(f"{title}no samples (the run ended before its warm-up)\n")
+        return None
+    spans = windows(samples, window_s)
+    out.write(f"{title}samples at " + ", ".join(f"{w[0].at_s:.0f}-{w[-1].at_s:.0f} s" for w in spans)
+              + f" (the largest of each window of {window_s:.0f} s)\n")
+    return spans
 
 
 def print_samples(samples: list[Sample], out=sys.stdout, window_s: float = 0.0) -> None:
@@ -282,12 +289,9 @@ def print_samples(samples: list[Sample], out=sys.stdout, window_s: float = 0.0) 
     the largest of a window of ``window_s`` seconds (:func:`windows`): a crowd's rounds come and go,
     so one sample catches a process at a random point of its load, and the growth of the
     windows' peaks is what the run added."""
-    if not samples:
-        out.write("no samples (the run ended before its warm-up)\n")
+    spans = _headed_windows(samples, window_s, out)
+    if spans is None:
         return
-    spans = windows(samples, window_s)
-    out.write("samples at " + ", ".join(f"{w[0].at_s:.0f}-{w[-1].at_s:.0f} s" for w in spans)
-              + f" (the largest of each window of {window_s:.0f} s)\n")
     out.write(f"{'process':<40}{'RSS MB':>26}{'growth':>9}{'threads':>16}{'growth':>9}{'fds':>16}{'growth':>9}\n")
     for name in sorted({n for w in spans for s in w for n in s.processes}):
         cells = []
